@@ -1,0 +1,3 @@
+"""pdpool: prefill/decode disaggregated LLM serving."""
+
+__version__ = "0.1.0"

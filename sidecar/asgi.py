@@ -1,0 +1,134 @@
+"""Small ASGI helpers shared by the sidecar and the gateway.
+
+Both are plain ASGI apps rather than framework routes: a proxy needs to own the moment a
+response starts (decode-first decides only after the first chunk) and to notice a client
+that goes away while nothing is being sent, and the hot path stays a few function calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Awaitable, Callable, Iterable, Optional
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# Hop-by-hop headers and those a proxy must recompute never travel between legs.
+HOP_HEADERS = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+    "accept-encoding", "content-encoding",
+})
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request body was still arriving."""
+
+
+async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def header_dict(scope: dict) -> dict[str, str]:
+    """Request headers, lower-cased names (the last value wins)."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+
+def forwardable(headers: dict[str, str], drop: Iterable[str] = ()) -> dict[str, str]:
+    dropped = HOP_HEADERS.union(drop)
+    out = {k: v for k, v in headers.items() if k not in dropped}
+    # Our legs parse upstream bodies: ask for them uncompressed.
+    out["accept-encoding"] = "identity"
+    return out
+
+
+def raw_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()]
+
+
+async def send_start(send: Send, status: int, headers: dict[str, str]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": raw_headers(headers)})
+
+
+async def send_bytes(send: Send, status: int, body: bytes,
+                     headers: Optional[dict[str, str]] = None,
+                     content_type: str = "application/json") -> None:
+    all_headers = {"content-type": content_type, **(headers or {})}
+    all_headers["content-length"] = str(len(body))
+    await send_start(send, status, all_headers)
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def error_body(status: int, message: str, param: Optional[str] = None,
+               code: Optional[str] = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    if status < 500:
+        kind = {401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 429: "rate_limit_error"}.get(status,
+                                                                     "invalid_request_error")
+    else:
+        kind = "service_unavailable_error" if status in (502, 503, 504) else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code if code is not None else status}}
+
+
+async def send_error(send: Send, status: int, message: str, param: Optional[str] = None,
+                     code: Optional[str] = None,
+                     headers: Optional[dict[str, str]] = None) -> None:
+    body = json.dumps(error_body(status, message, param, code)).encode()
+    await send_bytes(send, status, body, headers)
+
+
+def sse_error_event(status: int, message: str) -> bytes:
+    """An error inside an already started stream (what vLLM sends in that case)."""
+    return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n"
+
+
+async def run_until_disconnect(flow: Awaitable[None], receive: Receive) -> bool:
+    """Runs `flow` while watching for the client to disconnect; a disconnect cancels the
+    flow, which closes its upstream connections so the engines abort their work.
+
+    Returns True when the client disconnected first."""
+    flow_task = asyncio.ensure_future(flow)
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({flow_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        flow_task.cancel()
+        watcher.cancel()
+        raise
+    if flow_task in done:
+        watcher.cancel()
+        flow_task.result()  # re-raise a flow's exception
+        return False
+    flow_task.cancel()
+    try:
+        await flow_task
+    except asyncio.CancelledError:
+        pass
+    return True

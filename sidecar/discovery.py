@@ -1,0 +1,74 @@
+"""Where the prefill engines are: a fixed list, or the DNS of a headless Service.
+
+A headless Service resolves to one A record per ready pod, so resolving it again every
+few seconds follows scale-ups, scale-downs and restarts without a Kubernetes client."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import Iterable, Optional
+
+from .security import normalize_host_port
+
+log = logging.getLogger("pdpool.sidecar.discovery")
+
+
+def parse_service(value: str) -> tuple[str, int]:
+    """'HOST:PORT' of a Service -> (host, port); ValueError when malformed."""
+    host, sep, port = value.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"prefill service must be HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+class PrefillEndpoints:
+    """The current set of prefill endpoints as normalized 'HOST:PORT' strings."""
+
+    def __init__(self, static: Iterable[str] = (), service: Optional[str] = None,
+                 refresh_s: float = 5.0) -> None:
+        self._static = [normalize_host_port(s) for s in static]
+        self._service = parse_service(service) if service else None
+        self._refresh_s = refresh_s
+        self._resolved: list[str] = []
+        self._task: Optional[asyncio.Task] = None
+
+    @property
+    def current(self) -> list[str]:
+        return self._static + [e for e in self._resolved if e not in self._static]
+
+    async def resolve_once(self) -> None:
+        if not self._service:
+            return
+        host, port = self._service
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            # Keep the last good set: a DNS hiccup must not empty the pool.
+            log.warning("cannot resolve prefill service %s: %s", host, exc)
+            return
+        found = set()
+        for family, _, _, _, addr in infos:
+            ip = addr[0]
+            found.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+        self._resolved = sorted(found)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await self.resolve_once()
+            await asyncio.sleep(self._refresh_s)
+
+    async def start(self) -> None:
+        if self._service:
+            await self.resolve_once()
+            self._task = asyncio.create_task(self._refresh_forever())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+

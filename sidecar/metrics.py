@@ -1,0 +1,67 @@
+"""Prometheus metrics of the sidecar and the gateway.
+
+Each app owns a registry, so several apps can live in one process (tests, `pdpool up`
+in-process tools) without clashing on the global registry."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["SidecarMetrics", "GatewayMetrics", "CONTENT_TYPE_LATEST"]
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        # path: decode (served by decode alone), pd (remote prefill then decode),
+        # fallback (decode prefilled itself: no prefill engine could serve),
+        # aggregated, client_error, upstream_error, cancelled.
+        self.requests = Counter("pdpool_sidecar_requests", "Requests by path taken",
+                                ["mode", "path"], registry=r)
+        self.legs = Counter("pdpool_sidecar_legs", "Upstream legs sent",
+                            ["leg"], registry=r)
+        self.rejections = Counter("pdpool_sidecar_threshold_rejections",
+                                  "Decode-first attempts rejected by the cache-hit threshold",
+                                  registry=r)
+        self.prefill_attempts = Counter("pdpool_sidecar_prefill_attempts",
+                                        "Prefill leg attempts by outcome", ["outcome"],
+                                        registry=r)
+        self.forbidden_targets = Counter("pdpool_sidecar_forbidden_prefill_targets",
+                                         "x-prefiller-host-port outside the prefill set",
+                                         registry=r)
+        self.client_kv_dropped = Counter("pdpool_sidecar_client_kv_params_dropped",
+                                         "Client-supplied kv_transfer_params removed",
+                                         registry=r)
+        self.pull_offered_tokens = Counter("pdpool_sidecar_pull_offered_tokens",
+                                           "Decode-cached prefix tokens offered to prefill",
+                                           registry=r)
+        self.computed_tokens = Counter("pdpool_sidecar_computed_prompt_tokens",
+                                       "Prompt tokens computed, by leg", ["leg"], registry=r)
+        self.decode_retries = Counter("pdpool_sidecar_decode_retries",
+                                      "Decode legs retried after a connection failure",
+                                      registry=r)
+        self.in_flight = Gauge("pdpool_sidecar_in_flight", "Requests in flight", registry=r)
+        self.prefill_seconds = Histogram("pdpool_sidecar_prefill_leg_seconds",
+                                         "Duration of successful prefill legs", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdpool_gateway_requests", "Requests by backend and status",
+                                ["backend", "status"], registry=r)
+        self.affinity = Counter("pdpool_gateway_affinity",
+                                "Routing decisions: preferred (prefix owner) or spilled",
+                                ["decision"], registry=r)
+        self.retries = Counter("pdpool_gateway_retries",
+                               "Requests retried on another backend", registry=r)
+        self.healthy = Gauge("pdpool_gateway_backend_healthy", "1 when the backend is healthy",
+                             ["backend"], registry=r)
+        self.in_flight = Gauge("pdpool_gateway_in_flight", "Requests in flight per backend",
+                               ["backend"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

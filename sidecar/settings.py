@@ -1,0 +1,71 @@
+"""Sidecar settings: one validated object built from a config file and/or CLI flags."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pdpool.protocol import validate_threshold
+
+MODES = ("decode-first", "prefill-first", "aggregated")
+
+
+@dataclass
+class SidecarSettings:
+    decode_url: str = "http://127.0.0.1:8001"
+    prefill_urls: list[str] = field(default_factory=list)
+    prefill_service: Optional[str] = None      # HOST:PORT of a headless Service
+    prefill_refresh_s: float = 5.0
+    mode: str = "decode-first"
+    cache_hit_threshold: float = 0.5
+    # Give the decode engine's cached prefix to the prefill leg so prefill pulls it.
+    pull_from_decode: bool = True
+    prefill_timeout: float = 30.0              # per prefill attempt, seconds
+    decode_retry_s: float = 5.0                # keep retrying an unreachable decode engine
+    connect_timeout: float = 2.0
+
+    def validate(self) -> "SidecarSettings":
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self.cache_hit_threshold = validate_threshold(self.cache_hit_threshold)
+        if not self.decode_url.startswith(("http://", "https://")):
+            raise ValueError(f"decode url must start with http:// or https://: {self.decode_url}")
+        self.decode_url = self.decode_url.rstrip("/")
+        for name in ("prefill_timeout", "decode_retry_s", "connect_timeout", "prefill_refresh_s"):
+            if float(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        return self
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """A YAML or JSON mapping (an operator's ConfigMap); keys may use - or _."""
+    if not os.path.exists(path):
+        raise ValueError(f"config file not found: {path}")
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    if path.endswith(".json"):
+        data = json.loads(text)
+    else:
+        import yaml
+        data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping")
+    known = {f.name for f in dataclasses.fields(SidecarSettings)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(f"unknown setting {key!r} in {path}")
+        out[name] = value
+    return out
+
+
+def build_settings(file_values: dict[str, Any], overrides: dict[str, Any]) -> SidecarSettings:
+    """File values, then every override that is not None."""
+    values = dict(file_values)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if isinstance(values.get("prefill_urls"), str):
+        values["prefill_urls"] = [values["prefill_urls"]]
+    return SidecarSettings(**values).validate()

@@ -1,0 +1,49 @@
+"""`pdpool sidecar`: the P/D proxy in front of one decode engine."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--config", help="YAML or JSON file of settings (flags override it)")
+    p.add_argument("--decode-url", help="the local decode engine, e.g. http://127.0.0.1:8001")
+    p.add_argument("--prefill-url", dest="prefill_urls", action="append",
+                   help="a prefill engine (repeatable): HOST:PORT or http://HOST:PORT")
+    p.add_argument("--prefill-service",
+                   help="HOST:PORT of a headless Service whose DNS lists the prefill pods")
+    p.add_argument("--prefill-refresh-s", type=float, help="DNS refresh period (default 5)")
+    p.add_argument("--mode", choices=("decode-first", "prefill-first", "aggregated"))
+    p.add_argument("--cache-hit-threshold", type=float,
+                   help="pool threshold for decode-first (a request's own value wins)")
+    p.add_argument("--prefill-timeout", type=float, help="seconds per prefill attempt")
+    p.add_argument("--decode-retry-s", type=float,
+                   help="how long to retry an unreachable decode engine (default 5)")
+    p.add_argument("--no-pull-from-decode", dest="pull_from_decode", action="store_const",
+                   const=False, help="do not let prefill pull decode's cached prefix")
+    p.add_argument("--log-level", default="warning")
+
+
+SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refresh_s", "mode",
+                 "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode")
+
+
+def settings_from_args(args: argparse.Namespace):
+    from pdpool.cli import CliError
+    from .settings import build_settings, load_config_file
+    try:
+        file_values = load_config_file(args.config) if args.config else {}
+        return build_settings(file_values, {k: getattr(args, k) for k in SETTING_FLAGS})
+    except (ValueError, TypeError) as exc:
+        raise CliError(str(exc)) from None
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+    from .proxy import build_app
+    settings = settings_from_args(args)
+    app = build_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, lifespan="on")
+    return 0

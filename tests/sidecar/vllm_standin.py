@@ -1,0 +1,188 @@
+"""A minimal stand-in for a **vLLM** OpenAI server (a third party that cannot run here).
+
+FAKE, for sidecar tests only: it imitates vLLM's wire behaviour that the sidecar relies on
+(cache-hit-threshold rejection, NixlConnector `kv_transfer_params` in both directions,
+SSE streams, usage with cached_tokens) so that the proxy can be tested against the engine
+it must also work with. Our own engine is tested through real `pdpool serve` processes in
+test_e2e_engine.py. Tokens are whitespace-separated words; the prefix cache keeps
+4-word blocks; the "model" emits a deterministic function of the prompt.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+BLOCK = 4
+
+
+def prompt_words(route: str, body: dict) -> list[str]:
+    if route.endswith("/chat/completions"):
+        return " ".join(f"<{m.get('role')}> {m.get('content')}" for m in body["messages"]).split()
+    prompt = body.get("prompt")
+    return (prompt if isinstance(prompt, str) else " ".join(map(str, prompt))).split()
+
+
+def greedy_output(words: list[str], n: int) -> list[str]:
+    digest = hashlib.sha256(" ".join(words).encode()).hexdigest()
+    return [f"w{digest[i % 60:i % 60 + 4]}" for i in range(n)]
+
+
+@dataclass
+class StandInState:
+    name: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    global_threshold: float = 0.0
+    cached_prefixes: set = field(default_factory=set)   # tuples of block-aligned prefixes
+    received: list = field(default_factory=list)        # (route, body, headers)
+    hang: bool = False          # accept requests and never answer (a stuck engine)
+    fail_status: Optional[int] = None
+    token_delay_s: float = 0.0
+    cancelled: int = 0
+    pulled_tokens: int = 0      # tokens this engine pulled from a peer
+    computed_tokens: int = 0
+    _ids = itertools.count()
+
+    def cached_len(self, words: list[str]) -> int:
+        n = 0
+        for end in range(BLOCK, len(words) + 1, BLOCK):
+            if tuple(words[:end]) in self.cached_prefixes:
+                n = end
+            else:
+                break
+        return n
+
+    def store(self, words: list[str]) -> None:
+        for end in range(BLOCK, len(words) + 1, BLOCK):
+            self.cached_prefixes.add(tuple(words[:end]))
+
+
+class VllmStandIn:
+    """ASGI app of the stand-in engine."""
+
+    def __init__(self, name: str, global_threshold: float = 0.0) -> None:
+        self.state = StandInState(name=name, global_threshold=global_threshold)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        route = scope["path"]
+        if route == "/health":
+            return await _send_json(send, 200, {})
+        if route == "/v1/models":
+            return await _send_json(send, 200, {"object": "list", "data": [{"id": "standin"}]})
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        req = json.loads(body)
+        self.state.received.append((route, req, headers))
+        if self.state.hang:
+            await asyncio.sleep(3600)
+        if self.state.fail_status:
+            return await _send_json(send, self.state.fail_status,
+                                    {"error": {"message": "boom", "type": "server_error",
+                                               "param": None, "code": self.state.fail_status}})
+        try:
+            await self._generate(route, req, headers, send)
+        except asyncio.CancelledError:
+            self.state.cancelled += 1
+            raise
+
+    async def _generate(self, route, req, headers, send):
+        st = self.state
+        words = prompt_words(route, req)
+        kv_in = req.get("kv_transfer_params") or {}
+        threshold = req.get("cache_hit_threshold")
+        threshold = st.global_threshold if threshold is None else threshold
+        local = st.cached_len(words)
+        cached = local
+        if kv_in.get("do_remote_prefill"):           # decode leg: pull prefill's blocks
+            cached = len(words) - 1
+            st.pulled_tokens += cached - local
+        elif kv_in.get("remote_num_tokens"):          # prefill leg pulling decode's prefix
+            cached = max(local, int(kv_in["remote_num_tokens"]))
+            st.pulled_tokens += cached - local
+        rid = headers.get("x-request-id", f"req-{next(st._ids)}")
+        chat = route.endswith("/chat/completions")
+        usage = {"prompt_tokens": len(words), "completion_tokens": 0,
+                 "total_tokens": len(words), "prompt_tokens_details": {"cached_tokens": cached}}
+        if threshold and cached / max(len(words), 1) < threshold:
+            kv_out = {"do_remote_decode": True, "do_remote_prefill": False,
+                      "remote_engine_id": st.name, "remote_host": st.host,
+                      "remote_port": st.port, "remote_block_ids": list(range(local // BLOCK)),
+                      "remote_num_tokens": local} if local else None
+            return await self._reply(send, req, chat, rid, [], "cache_threshold", usage, kv_out)
+        st.computed_tokens += len(words) - cached
+        st.store(words)
+        n = int(req.get("max_tokens") or req.get("max_completion_tokens") or 8)
+        out = greedy_output(words, n)
+        usage["completion_tokens"] = n
+        usage["total_tokens"] = len(words) + n
+        kv_out = None
+        if kv_in.get("do_remote_decode"):
+            kv_out = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_engine_id": st.name, "remote_request_id": rid,
+                      "remote_block_ids": list(range(len(words) // BLOCK)),
+                      "remote_host": st.host, "remote_port": st.port, "tp_size": 1}
+        await self._reply(send, req, chat, rid, out, "length", usage, kv_out)
+
+    async def _reply(self, send, req, chat, rid, out, finish, usage, kv_out):
+        obj = "chat.completion" if chat else "text_completion"
+        if not req.get("stream"):
+            choice = ({"index": 0, "message": {"role": "assistant", "content": " ".join(out)},
+                       "finish_reason": finish} if chat else
+                      {"index": 0, "text": " ".join(out), "finish_reason": finish})
+            return await _send_json(send, 200, {"id": rid, "object": obj, "model": "standin",
+                                                "choices": [choice], "usage": usage,
+                                                "kv_transfer_params": kv_out})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        obj += ".chunk" if chat else ""
+
+        async def event(choice_part, finish_reason=None, extra=None):
+            choice = {"index": 0, **choice_part, "finish_reason": finish_reason}
+            data = {"id": rid, "object": obj, "model": "standin", "choices": [choice],
+                    **(extra or {})}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + json.dumps(data).encode() + b"\n\n"})
+
+        if chat:
+            await event({"delta": {"role": "assistant", "content": ""}})
+        for i, word in enumerate(out):
+            if self.state.token_delay_s:
+                await asyncio.sleep(self.state.token_delay_s)
+            last = i == len(out) - 1
+            text = (" " if i else "") + word
+            await event({"delta": {"content": text}} if chat else {"text": text},
+                        finish if last else None, {"kv_transfer_params": kv_out} if last else None)
+        if not out:
+            await event({"delta": {}} if chat else {"text": ""}, finish,
+                        {"kv_transfer_params": kv_out})
+        if (req.get("stream_options") or {}).get("include_usage"):
+            data = {"id": rid, "object": obj, "model": "standin", "choices": [], "usage": usage}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + json.dumps(data).encode() + b"\n\n"})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
+                    "more_body": False})
+
+
+async def _send_json(send, status: int, obj: Any) -> None:
+    body = json.dumps(obj).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,82 @@
+"""Every engine knob, validated once, in one place."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pdpool.protocol import validate_threshold
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2G', '1048576' -> bytes."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 512MiB, 2GiB)")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    served_model_name: Optional[str] = None
+    device: str = "auto"
+    dtype: Optional[str] = None
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    kv_cache_memory: Optional[int] = None  # bytes
+    max_model_len: Optional[int] = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    prefix_aware_admission: bool = True
+    global_cache_hit_threshold: float = 0.0
+    seed: int = 0
+    # KV connector (P/D transfer)
+    kv_connector: str = "none"
+    kv_role: str = "both"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_peer_allowlist: list[str] = field(default_factory=list)
+    kv_pull_threshold: int = 0
+    kv_load_failure_policy: str = "recompute"
+    kv_producer_timeout: float = 120.0
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("--num-kv-blocks must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError("--kv-cache-memory must be positive")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be >= 2")
+        if not self.enable_chunked_prefill and self.max_model_len and \
+                self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, --max-num-batched-tokens must be >= "
+                             "--max-model-len")
+        self.global_cache_hit_threshold = validate_threshold(
+            self.global_cache_hit_threshold, "--global-cache-hit-threshold") or 0.0
+        if self.kv_connector not in ("none", "nixl"):
+            raise ValueError(f"--kv-connector must be none or nixl, got {self.kv_connector!r}")
+        if self.kv_role not in ("producer", "consumer", "both"):
+            raise ValueError(f"--kv-role must be producer, consumer or both")
+        if self.kv_host in ("0.0.0.0", "::", ""):
+            raise ValueError("--kv-host must be an address peers can reach (the pod IP), "
+                             "not a wildcard")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("--kv-load-failure-policy must be recompute or fail")
+        if self.kv_pull_threshold < 0:
+            raise ValueError("--kv-pull-threshold must be >= 0")

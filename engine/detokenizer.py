@@ -1,0 +1,47 @@
+"""Incremental detokenization: the text a stream can safely emit after each token.
+
+Decoding one token at a time breaks multi-byte characters and merges; instead each step
+decodes a short window before and after the newest tokens and emits the difference, holding
+back text that ends in an incomplete UTF-8 sequence.
+"""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens=True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Appends one token and returns the newly readable text (may be empty)."""
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> int:
+    """Index where the earliest stop string begins, searching only where the last
+    `new_len` characters could complete one; -1 if none."""
+    if not stops:
+        return -1
+    best = -1
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        i = text.find(stop, start)
+        if i != -1 and (best == -1 or i < best):
+            best = i
+    return best

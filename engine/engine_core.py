@@ -1,0 +1,246 @@
+"""The synchronous engine: add requests, step, collect outputs.
+
+One step = the scheduler decides, the runner computes, and this file applies the result:
+advance each request, publish its full blocks to the prefix cache, detokenize, check stop
+conditions and free the finished.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from pdpool.engine.config import EngineConfig
+from pdpool.engine.detokenizer import IncrementalDetokenizer, find_stop
+from pdpool.engine.kv.manager import KVCacheManager, cdiv
+from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
+from pdpool.engine.request import Request, RequestStatus
+from pdpool.engine.runner import ModelRunner
+from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger("pdpool.engine")
+
+DEFAULT_KV_MEMORY_CPU = 256 << 20
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never serve (too long, cannot fit the KV cache)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None, keep_logits: bool = False):
+        config.validate()
+        self.config = config
+        self.info = read_model_info(config.model)
+        self.model_name = config.served_model_name or self.info.name
+        self.device = pick_device(config.device)
+        self.dtype = resolve_dtype(self.info.config, config.dtype)
+        torch.manual_seed(config.seed)
+        self.model = load_model(self.info, self.dtype, self.device)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
+        self.tokenizer = tokenizer
+        self.eos_token_ids = self._eos_ids()
+
+        mc = self.info.config
+        self.num_layers = self.model.num_attention_layers
+        self.num_kv_heads = mc["num_key_value_heads"]
+        self.head_dim = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+        bs = config.block_size
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.zeros(num_blocks, self.num_layers, 2, bs, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        max_len = min(mc.get("max_position_embeddings", 4096), num_blocks * bs)
+        if config.max_model_len:
+            max_len = min(max_len, config.max_model_len)
+        self.max_model_len = max_len
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            prefix_aware_admission=config.prefix_aware_admission,
+            global_cache_hit_threshold=config.global_cache_hit_threshold), self.kv)
+        self.runner = ModelRunner(self.model, self.kv, self.kv_cache, self.device, keep_logits)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
+                      "steps": 0}
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+                 self.model_name, self.device, self.dtype, num_blocks, bs, max_len)
+
+    # --- setup --------------------------------------------------------------------------
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set()
+        gen_file = self.info.path / "generation_config.json"
+        if gen_file.is_file():
+            import json
+            eos = json.loads(gen_file.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    @property
+    def block_bytes(self) -> int:
+        return (self.num_layers * 2 * self.config.block_size * self.num_kv_heads
+                * self.head_dim * torch.finfo(self.dtype).bits // 8)
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        memory = self.config.kv_cache_memory
+        if memory is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                memory = int(free * 0.8)
+            else:
+                memory = DEFAULT_KV_MEMORY_CPU
+        n = memory // self.block_bytes
+        if n < 1:
+            raise ValueError(f"--kv-cache-memory {memory} bytes holds no block "
+                             f"(one block is {self.block_bytes} bytes)")
+        return int(n)
+
+    # --- requests -----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, cache_salt: Optional[str] = None,
+                    cache_hit_threshold: Optional[float] = None,
+                    kv_transfer_params: Optional[dict] = None) -> Request:
+        params.validate()
+        if request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {request_id!r}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("the prompt is empty")
+        vocab = self.info.config["vocab_size"]
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request asks for {n} prompt + {params.max_tokens} output tokens")
+        if cdiv(n + 1, self.config.block_size) > self.kv.pool.num_blocks:
+            raise RequestRejected("the prompt cannot fit in the KV cache even alone")
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
+                      cache_salt=cache_salt, cache_hit_threshold=cache_hit_threshold,
+                      kv_transfer_params=kv_transfer_params, block_size=self.config.block_size)
+        self.requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            self._forget(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+        self.runner.sampler.forget(req.request_id)
+
+    # --- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        outputs = [self._final_output(r, "", []) for r in out.rejected]
+        for r in out.rejected:
+            self._forget(r)
+        if not out.scheduled:
+            return outputs
+        result = self.runner.execute(out)
+        self.stats["steps"] += 1
+        self.stats["computed_tokens"] += result.num_computed_tokens
+        self.last_logits = result.logits
+        for item in out.scheduled:
+            req = item.request
+            req.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            if not req.output_token_ids:
+                self.stats["prompt_tokens"] += req.num_prompt_tokens
+            self.stats["generation_tokens"] += 1
+            req.append_output_token(token)
+            outputs.append(self._advance(req, token))
+        return outputs
+
+    def _advance(self, req: Request, token: int) -> RequestOutput:
+        params = req.sampling_params
+        detok = self._detok[req.request_id]
+        status = None
+        stopped_by_token = token in params.stop_token_ids or \
+            (token in req.eos_token_ids and not params.ignore_eos)
+        if stopped_by_token and len(req.output_token_ids) > params.min_tokens - 1:
+            status = RequestStatus.FINISHED_STOPPED
+            delta = ""
+        else:
+            before = len(detok.text)
+            delta = detok.add_token(token)
+            cut = find_stop(detok.text, len(delta), params.stop) \
+                if len(req.output_token_ids) >= params.min_tokens else -1
+            if cut != -1:
+                delta = detok.text[before:cut] if cut > before else ""
+                detok.text = detok.text[:cut]
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and (len(req.output_token_ids) >= params.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return RequestOutput(req.request_id, delta, [token], False, None,
+                                 req.num_prompt_tokens, len(req.output_token_ids),
+                                 max(req.num_cached_tokens, 0))
+        self.scheduler.finish_request(req, status)
+        output = self._final_output(req, delta, [token])
+        self._forget(req)
+        return output
+
+    def _final_output(self, req: Request, delta: str, tokens: list[int]) -> RequestOutput:
+        return RequestOutput(req.request_id, delta, tokens, True, req.status.value,
+                             req.num_prompt_tokens, len(req.output_token_ids),
+                             max(req.num_cached_tokens, 0), error=req.error)
+
+    # --- convenience for tests and benchmarks ------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[list[int]]:
+        """Runs prompts to completion; returns the output token ids of each."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{id(self)}-{i}-{self.stats['steps']}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished():
+            for o in self.step():
+                results[o.request_id].extend(o.new_token_ids)
+        return [results[i] for i in ids]

@@ -1,0 +1,41 @@
+"""Chained block hashes: a block is named by its parent's hash, its tokens and extra keys.
+
+sha256 over a fixed byte encoding, so that two engine processes (a prefill and a decode
+engine, or one engine before and after a restart) compute the same hash for the same
+prefix. Extra keys (e.g. a tenant's cache_salt) go into the first block only; since every
+later hash chains through it, the whole prefix is isolated per salt.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import Optional, Sequence
+
+
+def hash_block(parent: Optional[bytes], token_ids: Sequence[int],
+               extra_keys: tuple = ()) -> bytes:
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else b"pdpool-root")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_keys:
+        h.update(json.dumps(list(extra_keys), sort_keys=True).encode())
+    return h.digest()
+
+
+class BlockHasher:
+    def __init__(self, block_size: int, extra_keys: tuple = ()):
+        self.block_size = block_size
+        self.extra_keys = extra_keys
+
+    def hash_blocks(self, token_ids: Sequence[int], existing: Sequence[bytes],
+                    num_full_blocks: int) -> list[bytes]:
+        """Hashes of blocks len(existing)..num_full_blocks-1, chained on `existing`."""
+        out: list[bytes] = []
+        parent = existing[-1] if existing else None
+        bs = self.block_size
+        for i in range(len(existing), num_full_blocks):
+            extra = self.extra_keys if i == 0 else ()
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra)
+            out.append(parent)
+        return out

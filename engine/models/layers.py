@@ -1,0 +1,103 @@
+"""Layers shared by the Qwen families: RMSNorm, rotary embedding, gated MLP, paged attention."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from pdpool.engine.attention_metadata import AttentionMetadata
+from pdpool.kernels import ops
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 like the reference implementation, then casts back."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered  # Qwen3.5 stores weight - 1
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def rope_theta_of(config: dict) -> float:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding over the first `rotary_dim` dims of each head."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float, max_positions: int):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.theta = theta
+        self.max_positions = max_positions
+        self.rebuild_buffers()
+
+    def rebuild_buffers(self) -> None:
+        """(Re)computes the float32 tables; called again after loading from the meta device."""
+        device = self.cos.device if hasattr(self, "cos") and not self.cos.is_meta else None
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64,
+                                                      device=device).float() / self.rotary_dim))
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        emb = torch.outer(t, inv_freq).repeat(1, 2)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = (rot.float() * cos + rotated.float() * sin).to(x.dtype)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PagedAttention(nn.Module):
+    """Writes the new K/V into this layer's cache view, then attends through block tables."""
+
+    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: Optional[int] = None):
+        super().__init__()
+        self.layer_index = layer_index  # index among the model's attention layers
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache = kv_cache[:, self.layer_index, 0]
+        v_cache = kv_cache[:, self.layer_index, 1]
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
+                                   meta.query_start_loc, meta.seq_lens, self.scale,
+                                   sliding_window=self.sliding_window,
+                                   max_query_len=meta.max_query_len,
+                                   max_seq_len=meta.max_seq_len)

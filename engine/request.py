@@ -1,0 +1,95 @@
+"""A request's state machine inside the engine.
+
+WAITING -> RUNNING -> FINISHED_*; RUNNING -> WAITING (preempted: its KV is dropped and it
+is recomputed, keeping its place at the head of the line); WAITING_FOR_REMOTE_KVS while a
+connector loads its KV from another engine.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Optional
+
+from pdpool.engine.kv.hashing import BlockHasher
+from pdpool.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_CACHE_THRESHOLD = "cache_threshold"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
+                 cache_salt: Optional[str] = None,
+                 cache_hit_threshold: Optional[float] = None,
+                 kv_transfer_params: Optional[dict[str, Any]] = None,
+                 block_size: int = 16, arrival_time: Optional[float] = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt
+        self.cache_hit_threshold = cache_hit_threshold
+        self.kv_transfer_params = kv_transfer_params
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Tokens found in the prefix cache (local, plus remote once a connector loads them)
+        # at first admission: what usage.prompt_tokens_details.cached_tokens reports.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.error: Optional[str] = None
+        self.hasher = BlockHasher(block_size, extra_keys=(cache_salt,) if cache_salt else ())
+        self.block_hashes: list[bytes] = []
+        self.update_block_hashes()
+
+    # --- tokens -------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        """Extends the chained hashes to every full block of the known tokens."""
+        num_full = self.num_tokens // self.hasher.block_size
+        if num_full > len(self.block_hashes):
+            self.block_hashes.extend(
+                self.hasher.hash_blocks(self.all_token_ids, self.block_hashes, num_full))
+
+    # --- state --------------------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def is_prefill_leg(self) -> bool:
+        """A P/D prefill leg (the router asked us to hand the KV to a decode engine)."""
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_decode"))
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

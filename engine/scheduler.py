@@ -1,0 +1,186 @@
+"""Who runs this step, with how many tokens, and who is preempted.
+
+A pure decision-maker over request state and the KV cache manager: no model, no tensors,
+so it can be tested on its own. Continuous batching in the style of vLLM v1: every request
+has `num_computed_tokens`; a step gives running requests (decodes and unfinished chunked
+prefills) their tokens first, then admits waiting ones, all under one token budget. When
+blocks run out, the most recently admitted running request is preempted: its blocks are
+freed and it goes back to the head of the waiting line to be recomputed.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pdpool.engine.kv.manager import KVCacheManager, cdiv
+from pdpool.engine.request import Request, RequestStatus
+
+log = logging.getLogger("pdpool.scheduler")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+    # Prefix-cache-aware admission (the seed). Off only to measure what it brings.
+    prefix_aware_admission: bool = True
+    global_cache_hit_threshold: float = 0.0
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Finished without running: below their cache-hit threshold.
+    rejected: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class ThresholdDecision:
+    threshold: float
+    source: str  # "request" or "global"
+    ratio: float
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.num_threshold_rejections = {"request": 0, "global": 0}
+
+    # --- queue management ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request wherever it is and returns its blocks to the pool."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- the decision -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req preempted itself: nothing after it can fit either
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, in arrival order; none after a preemption this step.
+        while self.waiting and budget > 0 and not out.preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            decision = self.threshold_decision(req, num_cached)
+            if decision is not None:
+                self.waiting.popleft()
+                self._reject(req, decision, num_cached)
+                out.rejected.append(req)
+                continue
+            num_new = req.num_tokens - num_cached
+            # Without awareness (the seed's "before"), cached tokens are charged to the
+            # budget and cached blocks are allocated as if they were new.
+            charged = num_new if self.config.prefix_aware_admission else req.num_tokens
+            if charged > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget if self.config.prefix_aware_admission \
+                    else max(budget - num_cached, 0)
+                charged = budget
+            if num_new <= 0:
+                break
+            if not self.config.prefix_aware_admission and \
+                    cdiv(req.num_tokens, self.kv.block_size) > self.kv.pool.num_free_blocks:
+                break
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= charged
+        return out
+
+    def threshold_decision(self, req: Request, num_cached: int) -> Optional[ThresholdDecision]:
+        """A decision to reject, or None to admit. Prefill legs are never gated."""
+        if req.is_prefill_leg:
+            return None
+        if req.cache_hit_threshold is not None:
+            threshold, source = req.cache_hit_threshold, "request"
+        else:
+            threshold, source = self.config.global_cache_hit_threshold, "global"
+        if threshold <= 0.0:
+            return None
+        # A preempted request is judged on everything it must recompute.
+        total = req.num_tokens
+        ratio = num_cached / total if total else 1.0
+        if ratio >= threshold:
+            return None
+        return ThresholdDecision(threshold, source, ratio)
+
+    # --- transitions --------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _reject(self, req: Request, d: ThresholdDecision, num_cached: int) -> None:
+        req.status = RequestStatus.FINISHED_CACHE_THRESHOLD
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+        self.num_threshold_rejections[d.source] += 1
+        log.info("request %s rejected: cache hit ratio %.3f < %s threshold %.3f "
+                 "(%d of %d tokens cached)", req.request_id, d.ratio, d.source,
+                 d.threshold, num_cached, req.num_tokens)

@@ -1,0 +1,49 @@
+{{- define "pdpool-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdpool-operator.serviceAccountName" -}}
+{{- default (include "pdpool-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "pdpool-operator.selectorLabels" -}}
+app.kubernetes.io/name: pdpool-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pdpool-operator.labels" -}}
+{{ include "pdpool-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/*
+The operator's permissions, shared by the ClusterRole and the per-namespace Roles.
+Each rule names the call that needs it; nothing else is granted.
+*/}}
+{{- define "pdpool-operator.rules" -}}
+# watch pools; kopf keeps its handler progress in the pools' annotations (patch)
+- apiGroups: [pdpool.io]
+  resources: [pdinferencepools]
+  verbs: [get, list, watch, patch]
+# conditions, observedGeneration, ready replicas
+- apiGroups: [pdpool.io]
+  resources: [pdinferencepools/status]
+  verbs: [patch]
+# server-side apply of the children (create when absent); watch for status
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [create, patch]
+# Warning events on pools whose spec cannot be honoured
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

@@ -1,0 +1,258 @@
+"""Pure builders: (pool identity, PoolSpec) -> the manifests of every child object.
+
+Nothing here talks to Kubernetes; the handlers server-side apply what these return.
+Every child carries a controller owner reference to the pool, so deleting the pool lets
+the garbage collector remove them all.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import commands
+from .names import (ANNOTATION_ROUTER_HASH, API_VERSION, DECODE, ENGINE_PORT, GATEWAY, KIND,
+                    LABEL_METRICS, MODELS_MOUNT, PREFILL, SIDECAR_PORT, child_name, labels,
+                    router_config_name, selector_labels, service_host)
+from .spec import GPU_RESOURCE, PoolSpec, RoleSpec
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """The identity of the pool that owns the children."""
+    name: str
+    namespace: str
+    uid: str
+
+
+def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
+    """Every child of the pool, in an order that is safe to apply one by one."""
+    config = router_config_map(ref, pool)
+    config_hash = data_hash(config["data"])
+    return [
+        config,
+        prefill_service(ref, pool),
+        decode_service(ref, pool),
+        gateway_service(ref, pool),
+        engine_deployment(ref, pool, PREFILL),
+        engine_deployment(ref, pool, DECODE, router_hash=config_hash),
+        gateway_deployment(ref, pool, router_hash=config_hash),
+    ]
+
+
+def owner_reference(ref: PoolRef) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": ref.name, "uid": ref.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(ref: PoolRef, name: str, role: str, **extra_labels: str) -> dict[str, Any]:
+    return {"name": name, "namespace": ref.namespace,
+            "labels": {**labels(ref.name, role), **extra_labels},
+            "ownerReferences": [owner_reference(ref)]}
+
+
+def data_hash(data: dict[str, str]) -> str:
+    """Changes whenever the router settings change, so the pods that read them roll."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- ConfigMap ---------------------------------------------------------------------------
+
+def router_config_map(ref: PoolRef, pool: PoolSpec) -> Manifest:
+    router = pool.router
+    data = {
+        "mode": router.mode,
+        "cacheHitThreshold": format(router.cache_hit_threshold, "g"),
+        "kvPullThreshold": str(router.kv_pull_threshold),
+        "prefillTimeoutSeconds": format(router.prefill_timeout_seconds, "g"),
+        "prefillService": f"{service_host(ref.name, PREFILL, ref.namespace)}:{ENGINE_PORT}",
+        "decodeService": f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}",
+    }
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _metadata(ref, router_config_name(ref.name), "router"), "data": data}
+
+
+# --- Services ----------------------------------------------------------------------------
+
+def _port(name: str, port: int, target: int | None = None) -> dict[str, Any]:
+    return {"name": name, "port": port, "targetPort": target or port, "protocol": "TCP"}
+
+
+def _service(ref: PoolRef, role: str, ports: list[dict], headless: bool,
+             service_type: str = "ClusterIP") -> Manifest:
+    spec: dict[str, Any] = {"selector": selector_labels(ref.name, role), "ports": ports}
+    if headless:
+        # Headless: DNS returns every ready pod, so routers can pick pods themselves.
+        spec["clusterIP"] = "None"
+    else:
+        spec["type"] = service_type
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _metadata(ref, child_name(ref.name, role), role,
+                                  **{LABEL_METRICS: "true"}),
+            "spec": spec}
+
+
+def prefill_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
+    return _service(ref, PREFILL, [_port("http", ENGINE_PORT),
+                                   _port("nixl", pool.engine.kv_port)], headless=True)
+
+
+def decode_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
+    return _service(ref, DECODE, [_port("http", SIDECAR_PORT), _port("engine", ENGINE_PORT),
+                                  _port("nixl", pool.engine.kv_port)], headless=True)
+
+
+def gateway_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
+    return _service(ref, GATEWAY, [_port("http", pool.gateway.port, SIDECAR_PORT)],
+                    headless=False, service_type=pool.gateway.service_type)
+
+
+# --- Deployments -------------------------------------------------------------------------
+
+def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "failureThreshold": failures}
+
+
+def _http_probes(port: str) -> dict[str, Any]:
+    return {
+        # Loading a model can take many minutes: the startup probe holds liveness back.
+        "startupProbe": _probe("/health", port, 10, 180),
+        "readinessProbe": _probe("/health", port, 5, 3),
+        "livenessProbe": _probe("/health", port, 10, 6),
+    }
+
+
+def _downward_env() -> list[dict[str, Any]]:
+    return [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+
+
+def engine_resources(role: RoleSpec) -> dict[str, Any]:
+    """The role's resources with `gpus` turned into an nvidia.com/gpu limit (and request)."""
+    resources = json.loads(json.dumps(role.resources))  # deep copy, stays JSON-shaped
+    if role.gpus:
+        for section in ("limits", "requests"):
+            resources.setdefault(section, {})[GPU_RESOURCE] = role.gpus
+    return resources
+
+
+def _model_volume(pool: PoolSpec) -> dict[str, Any]:
+    if pool.model.pvc:
+        return {"name": "models", "persistentVolumeClaim": {"claimName": pool.model.pvc}}
+    return {"name": "models", "emptyDir": {}}
+
+
+def _needs_model_volume(pool: PoolSpec) -> bool:
+    return bool(pool.model.pvc or pool.model.hugging_face_id)
+
+
+def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
+    env = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if pool.model.hf_token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": pool.model.hf_token_secret, "key": "token"}}})
+    return {"name": "fetch-model", "image": pool.engine.image,
+            "imagePullPolicy": pool.engine.image_pull_policy,
+            "command": commands.hf_download_args(pool.model), "env": env,
+            "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT}]}
+
+
+def _engine_container(pool: PoolSpec, role_name: str, role: RoleSpec) -> dict[str, Any]:
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if _needs_model_volume(pool):
+        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    return {
+        "name": "engine", "image": pool.engine.image,
+        "imagePullPolicy": pool.engine.image_pull_policy,
+        "command": commands.engine_args(pool, role_name),
+        "env": _downward_env() + commands.engine_env(pool) + list(pool.engine.env)
+        + list(role.env),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+                  {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"}],
+        "resources": engine_resources(role),
+        "volumeMounts": mounts,
+        **_http_probes("http"),
+    }
+
+
+def _router_env(ref: PoolRef) -> list[dict[str, Any]]:
+    name = router_config_name(ref.name)
+    return [{"name": var, "valueFrom": {"configMapKeyRef": {"name": name, "key": key}}}
+            for key, var in commands.ROUTER_ENV.items()]
+
+
+def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
+    return {
+        "name": "sidecar", "image": pool.router.image,
+        "imagePullPolicy": pool.engine.image_pull_policy,
+        "command": commands.sidecar_args(), "env": _router_env(ref),
+        "ports": [{"name": "router", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
+        "resources": dict(pool.router.resources),
+        "readinessProbe": _probe("/health", "router", 5, 3),
+        "livenessProbe": _probe("/health", "router", 10, 6),
+    }
+
+
+def _pod_scheduling(pool: PoolSpec, role: RoleSpec | None) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if role is not None and role.node_selector:
+        spec["nodeSelector"] = dict(role.node_selector)
+    if role is not None and role.tolerations:
+        spec["tolerations"] = list(role.tolerations)
+    if pool.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in pool.image_pull_secrets]
+    return spec
+
+
+def _deployment(ref: PoolRef, role_name: str, replicas: int, pod_spec: dict[str, Any],
+                annotations: dict[str, str]) -> Manifest:
+    template_meta: dict[str, Any] = {"labels": labels(ref.name, role_name)}
+    if annotations:
+        template_meta["annotations"] = annotations
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(ref, child_name(ref.name, role_name), role_name),
+        "spec": {"replicas": replicas,
+                 "selector": {"matchLabels": selector_labels(ref.name, role_name)},
+                 "template": {"metadata": template_meta, "spec": pod_spec}},
+    }
+
+
+def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
+                      router_hash: str | None = None) -> Manifest:
+    role = pool.prefill if role_name == PREFILL else pool.decode
+    containers = [_engine_container(pool, role_name, role)]
+    if role_name == DECODE:
+        containers.append(_sidecar_container(ref, pool))
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    pod_spec: dict[str, Any] = {"containers": containers, "volumes": volumes,
+                                "terminationGracePeriodSeconds": 60,
+                                **_pod_scheduling(pool, role)}
+    if _needs_model_volume(pool):
+        volumes.append(_model_volume(pool))
+    if pool.model.hugging_face_id:
+        pod_spec["initContainers"] = [_download_init_container(pool)]
+    annotations = {ANNOTATION_ROUTER_HASH: router_hash} if router_hash else {}
+    return _deployment(ref, role_name, role.replicas, pod_spec, annotations)
+
+
+def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manifest:
+    decode = f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}"
+    container = {
+        "name": "gateway", "image": pool.router.image,
+        "imagePullPolicy": pool.engine.image_pull_policy,
+        "command": commands.gateway_args(decode),
+        "ports": [{"name": "http", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
+        "resources": dict(pool.gateway.resources),
+        "readinessProbe": _probe("/health", "http", 5, 3),
+        "livenessProbe": _probe("/health", "http", 10, 6),
+    }
+    pod_spec = {"containers": [container], **_pod_scheduling(pool, None)}
+    return _deployment(ref, GATEWAY, pool.gateway.replicas, pod_spec,
+                       {ANNOTATION_ROUTER_HASH: router_hash})

@@ -1,0 +1,109 @@
+"""Command lines of the containers in a pool: pure functions of the spec.
+
+`pdpool` engines get our flags; `vllm` engines get stock vLLM flags with its NixlConnector,
+so the same pool shape runs either. Settings that the router ConfigMap owns reach the
+sidecar through environment variables (`$(VAR)` is expanded by the kubelet), so the
+ConfigMap is the single place they live.
+"""
+from __future__ import annotations
+
+import json
+
+from .names import DECODE, ENGINE_PORT, MODELS_MOUNT, PREFILL, SIDECAR_PORT
+from .spec import ModelSpec, PoolSpec
+
+# ConfigMap key -> environment variable the sidecar's flags read.
+ROUTER_ENV = {
+    "mode": "PDPOOL_ROUTER_MODE",
+    "cacheHitThreshold": "PDPOOL_CACHE_HIT_THRESHOLD",
+    "kvPullThreshold": "PDPOOL_KV_PULL_THRESHOLD",
+    "prefillTimeoutSeconds": "PDPOOL_PREFILL_TIMEOUT",
+    "prefillService": "PDPOOL_PREFILL_SERVICE",
+}
+
+
+def model_dir(model: ModelSpec) -> str:
+    """Where the engine finds the checkpoint inside its pod."""
+    if model.hugging_face_id:
+        return f"{MODELS_MOUNT}/{model.hugging_face_id}"
+    if model.path.startswith("/"):
+        return model.path
+    return f"{MODELS_MOUNT}/{model.path.strip('/')}"
+
+
+def engine_args(pool: PoolSpec, role: str) -> list[str]:
+    """Full command line (argv) of the engine container of `role`."""
+    spec = pool.prefill if role == PREFILL else pool.decode
+    if pool.engine.kind == "vllm":
+        argv = _vllm_args(pool, spec.tensor_parallel_size)
+    else:
+        argv = _pdpool_args(pool, role)
+    return argv + list(pool.engine.extra_args) + list(spec.extra_args)
+
+
+def _pdpool_args(pool: PoolSpec, role: str) -> list[str]:
+    engine = pool.engine
+    # Decode engines reject cache-poor requests themselves in decode-first mode.
+    threshold = pool.router.cache_hit_threshold if (
+        role == DECODE and pool.router.mode == "decode-first") else 0.0
+    return [
+        "pdpool", "serve", model_dir(pool.model),
+        "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+        "--kv-connector", "nixl",
+        "--kv-role", "producer" if role == PREFILL else "consumer",
+        # Peers must reach this pod at its own IP: never advertise 0.0.0.0.
+        "--kv-host", "$(POD_IP)", "--kv-port", str(engine.kv_port),
+        "--kv-peer-allowlist", ",".join(engine.peer_allowlist),
+        "--global-cache-hit-threshold", _num(threshold),
+        "--block-size", str(engine.block_size),
+    ]
+
+
+def _vllm_args(pool: PoolSpec, tensor_parallel_size: int) -> list[str]:
+    kv_config = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+                           separators=(",", ":"))
+    return [
+        "vllm", "serve", model_dir(pool.model),
+        "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+        "--served-model-name", pool.model.served_name,
+        "--tensor-parallel-size", str(tensor_parallel_size),
+        "--block-size", str(pool.engine.block_size),
+        "--kv-transfer-config", kv_config,
+    ]
+
+
+def engine_env(pool: PoolSpec) -> list[dict]:
+    """Extra environment of the engine container (after POD_IP, which it may reference)."""
+    if pool.engine.kind == "vllm":
+        return [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+                {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(pool.engine.kv_port)}]
+    return []
+
+
+def sidecar_args() -> list[str]:
+    env = {key: f"$({var})" for key, var in ROUTER_ENV.items()}
+    return [
+        "pdpool", "sidecar", "--port", str(SIDECAR_PORT),
+        "--decode-url", f"http://127.0.0.1:{ENGINE_PORT}",
+        "--prefill-service", env["prefillService"],
+        "--mode", env["mode"],
+        "--cache-hit-threshold", env["cacheHitThreshold"],
+        "--kv-pull-threshold", env["kvPullThreshold"],
+        "--prefill-timeout", env["prefillTimeoutSeconds"],
+    ]
+
+
+def gateway_args(decode_service: str) -> list[str]:
+    return ["pdpool", "gateway", "--port", str(SIDECAR_PORT), "--decode-service", decode_service]
+
+
+def hf_download_args(model: ModelSpec) -> list[str]:
+    """Init step: fetch a Hugging Face checkpoint into the model volume (idempotent)."""
+    script = ("import sys; from huggingface_hub import snapshot_download; "
+              "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], "
+              "revision=sys.argv[3] or None)")
+    return ["python", "-c", script, model.hugging_face_id, model_dir(model), model.revision or ""]
+
+
+def _num(x: float) -> str:
+    return format(x, "g")

@@ -1,0 +1,133 @@
+"""kopf handlers: thin glue between events and the pure builders/status functions.
+
+- pool created / spec changed / operator resumed -> server-side apply every child, then
+  publish status (observedGeneration, conditions);
+- a child Deployment changed -> recompute the owning pool's status;
+- a spec the operator cannot honour -> Ready=False with the reason, a Warning Event, and
+  no retry loop (the next spec change is handled normally).
+Deletion needs no handler: children carry owner references and the garbage collector
+removes them (so no finalizer can block a delete while the operator is down).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from .builders import PoolRef, build_children
+from .kube import Cluster
+from .names import DECODE, GATEWAY, GROUP, LABEL_POOL, PLURAL, PREFILL, VERSION
+from .spec import SpecError, parse_pool_spec
+from .status import RoleState, carried_spec_error, compute_status, now_iso, status_changed
+
+log = logging.getLogger("pdpool.operator")
+_state: dict[str, Any] = {"cluster": None}
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def cluster() -> Cluster:
+    if _state["cluster"] is None:
+        _state["cluster"] = Cluster.from_environment()
+    return _state["cluster"]
+
+
+def _pool_lock(namespace: str, name: str) -> threading.Lock:
+    # Reconcile and child events run in worker threads: one status writer per pool.
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Handler progress lives in annotations so `.status` keeps the schema of the CRD.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # only warnings become Events, not every success
+    # The CRD is installed before the operator (Helm crds/): no need to watch CRDs, which
+    # keeps apiextensions out of the RBAC rules.
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = 300
+    settings.execution.max_workers = 8
+    cluster()
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def reconcile(name: str, namespace: str, uid: str, spec: Any, meta: Any, body: Any,
+              **_: Any) -> None:
+    generation = meta.get("generation", 0)
+    try:
+        pool = parse_pool_spec(name, dict(spec))
+    except SpecError as exc:
+        _fail(body, namespace, name, generation, "InvalidSpec", str(exc))
+        return
+    try:
+        for manifest in build_children(PoolRef(name, namespace, uid), pool):
+            cluster().apply(manifest)
+    except ApiException as exc:
+        if exc.status in (400, 422):  # the API server refuses what the spec asks for
+            _fail(body, namespace, name, generation, "ApplyFailed", _api_message(exc))
+            return
+        raise kopf.TemporaryError(f"applying children failed: {_api_message(exc)}", delay=5)
+    refresh_status(namespace, name, observed_generation=generation)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={LABEL_POOL: kopf.PRESENT})
+def child_changed(namespace: str, labels: Any, type: str | None, **_: Any) -> None:
+    if type is None:  # the initial listing: resume handlers publish status anyway
+        return
+    try:
+        refresh_status(namespace, labels[LABEL_POOL])
+    except ApiException as exc:
+        log.warning("status refresh of %s/%s failed: %s", namespace, labels[LABEL_POOL],
+                    _api_message(exc))
+
+
+def refresh_status(namespace: str, name: str, observed_generation: int | None = None,
+                   spec_error: tuple[str, str] | None = None) -> None:
+    """Recompute the pool's status from its children and patch it if anything changed."""
+    with _pool_lock(namespace, name):
+        body = cluster().get_pool(namespace, name)
+        if body is None:
+            return  # deleted meanwhile
+        meta, current = body["metadata"], body.get("status") or {}
+        generation = meta.get("generation", 0)
+        if spec_error is None and observed_generation is None:
+            spec_error = carried_spec_error(current, generation)
+        roles: dict[str, RoleState | None] = {PREFILL: None, DECODE: None, GATEWAY: None}
+        for deployment in cluster().list_deployments(namespace, f"{LABEL_POOL}={name}"):
+            owners = deployment["metadata"].get("ownerReferences") or []
+            role = deployment["metadata"].get("labels", {}).get("pdpool.io/role")
+            if role in roles and any(o.get("uid") == meta["uid"] for o in owners):
+                roles[role] = RoleState.from_deployment(deployment)
+        port = ((body.get("spec") or {}).get("gateway") or {}).get("port", 8080)
+        status = compute_status(pool=name, namespace=namespace, generation=generation,
+                                gateway_port=port, roles=roles, spec_error=spec_error,
+                                old_conditions=current.get("conditions"), now=now_iso())
+        if observed_generation is not None:
+            status["observedGeneration"] = observed_generation
+        # merge_conditions kept the old transition times, so an unchanged state compares equal.
+        if status_changed(current, status):
+            cluster().patch_pool_status(namespace, name, status)
+
+
+def _fail(body: Any, namespace: str, name: str, generation: int, reason: str,
+          message: str) -> None:
+    log.warning("pool %s/%s: %s: %s", namespace, name, reason, message)
+    kopf.warn(body, reason=reason, message=message)
+    refresh_status(namespace, name, observed_generation=generation,
+                   spec_error=(reason, message))
+
+
+def _api_message(exc: ApiException) -> str:
+    import json
+    try:
+        return json.loads(exc.body).get("message") or str(exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return f"{exc.status} {exc.reason}"

@@ -1,0 +1,58 @@
+"""Names, labels and API coordinates shared by the builders, the handlers and the chart.
+
+Children are named after the pool and their role, so re-applying them (after an operator
+restart, or twice in a row) always lands on the same objects: no duplicates.
+"""
+from __future__ import annotations
+
+GROUP = "pdpool.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "PDInferencePool"
+PLURAL = "pdinferencepools"
+
+FIELD_MANAGER = "pdpool-operator"
+LABEL_POOL = "pdpool.io/pool"
+LABEL_ROLE = "pdpool.io/role"
+LABEL_METRICS = "pdpool.io/metrics"
+ANNOTATION_ROUTER_HASH = "pdpool.io/router-config-hash"
+
+PREFILL, DECODE, GATEWAY = "prefill", "decode", "gateway"
+ROLES = (PREFILL, DECODE, GATEWAY)
+
+ENGINE_PORT = 8000
+SIDECAR_PORT = 8080
+MODELS_MOUNT = "/models"
+
+
+def child_name(pool: str, role: str) -> str:
+    """Deployment and Service name of one role (`prefill`, `decode`, `gateway`)."""
+    return f"{pool}-{role}"
+
+
+def router_config_name(pool: str) -> str:
+    return f"{pool}-router"
+
+
+def service_host(pool: str, role: str, namespace: str) -> str:
+    # `<svc>.<ns>.svc` resolves through the pod's DNS search path on any cluster domain.
+    return f"{child_name(pool, role)}.{namespace}.svc"
+
+
+def gateway_endpoint(pool: str, namespace: str, port: int) -> str:
+    return f"http://{service_host(pool, GATEWAY, namespace)}:{port}"
+
+
+def selector_labels(pool: str, role: str) -> dict[str, str]:
+    """The immutable Deployment selector: keep it to these two labels."""
+    return {LABEL_POOL: pool, LABEL_ROLE: role}
+
+
+def labels(pool: str, role: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pdpool",
+        "app.kubernetes.io/instance": pool,
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        **selector_labels(pool, role),
+    }

@@ -1,0 +1,214 @@
+"""A PDInferencePool spec, read once into typed settings with the defaults filled in.
+
+The API server already enforces the CRD schema (types, ranges, CEL rules). What is checked
+here is what a schema cannot say, or what an older/looser CRD might let through: the
+operator then reports a `Ready=False` condition instead of rendering broken pods.
+Pure: no Kubernetes client, no I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GPU_RESOURCE = "nvidia.com/gpu"
+ENGINE_KINDS = ("pdpool", "vllm")
+ROUTER_MODES = ("decode-first", "prefill-first", "aggregated")
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/pdpool/pdpool-slim:0.1.0"
+DEFAULT_PEER_ALLOWLIST = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+MAX_POOL_NAME = 52  # "<name>-gateway" must stay a valid DNS label (63)
+
+
+class SpecError(ValueError):
+    """The spec cannot be honoured; the message is shown in the pool's Ready condition."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str | None           # a directory inside the model volume (or an absolute path)
+    hugging_face_id: str | None
+    served_name: str
+    pvc: str | None            # claim mounted at /models; None: an emptyDir
+    hf_token_secret: str | None
+    revision: str | None
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    replicas: int
+    tensor_parallel_size: int
+    gpus: int
+    resources: dict[str, Any]
+    extra_args: tuple[str, ...]
+    env: tuple[dict[str, Any], ...]
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: str
+    image: str
+    image_pull_policy: str
+    block_size: int
+    kv_port: int
+    peer_allowlist: tuple[str, ...]
+    extra_args: tuple[str, ...]
+    env: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    mode: str
+    cache_hit_threshold: float
+    kv_pull_threshold: int
+    prefill_timeout_seconds: float
+    image: str
+    resources: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    replicas: int
+    port: int
+    service_type: str
+    resources: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    model: ModelSpec
+    engine: EngineSpec
+    prefill: RoleSpec
+    decode: RoleSpec
+    router: RouterSpec
+    gateway: GatewaySpec
+    image_pull_secrets: tuple[str, ...] = field(default=())
+
+
+def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
+    """Spec (as stored by the API server) -> PoolSpec, or SpecError with one clear line."""
+    if len(name) > MAX_POOL_NAME:
+        raise SpecError(f"pool name {name!r} is longer than {MAX_POOL_NAME} characters")
+    spec = spec or {}
+    engine = _engine(_section(spec, "engine", required=True))
+    pool = PoolSpec(
+        model=_model(_section(spec, "model", required=True)),
+        engine=engine,
+        prefill=_role("prefill", _section(spec, "prefill")),
+        decode=_role("decode", _section(spec, "decode")),
+        router=_router(_section(spec, "router")),
+        gateway=_gateway(_section(spec, "gateway")),
+        image_pull_secrets=tuple(_str_list(spec, "imagePullSecrets")),
+    )
+    if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
+        # decode-first can serve cache hits alone; prefill-first sends every request to prefill.
+        raise SpecError("spec.router.mode prefill-first needs prefill.replicas >= 1")
+    return pool
+
+
+def _section(spec: dict[str, Any], key: str, required: bool = False) -> dict[str, Any]:
+    value = spec.get(key)
+    if value is None:
+        if required:
+            raise SpecError(f"spec.{key} is required")
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(f"spec.{key} must be an object")
+    return value
+
+
+def _model(m: dict[str, Any]) -> ModelSpec:
+    path, hf_id = m.get("path"), m.get("huggingFaceId")
+    if bool(path) == bool(hf_id):
+        raise SpecError("spec.model needs exactly one of path or huggingFaceId")
+    if path and not path.startswith("/") and not m.get("pvc"):
+        raise SpecError(f"spec.model.path {path!r} is relative: set spec.model.pvc to the claim "
+                        "that holds it, or give an absolute path inside the image")
+    served = m.get("servedName") or (hf_id or path.rstrip("/").rsplit("/", 1)[-1])
+    return ModelSpec(path=path, hugging_face_id=hf_id, served_name=served,
+                     pvc=m.get("pvc"), hf_token_secret=m.get("hfTokenSecret"),
+                     revision=m.get("revision"))
+
+
+def _engine(e: dict[str, Any]) -> EngineSpec:
+    kind = e.get("kind", "pdpool")
+    if kind not in ENGINE_KINDS:
+        raise SpecError(f"spec.engine.kind must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
+    image = e.get("image")
+    if not image:
+        raise SpecError("spec.engine.image is required")
+    return EngineSpec(
+        kind=kind, image=image, image_pull_policy=e.get("imagePullPolicy", "IfNotPresent"),
+        block_size=_int(e, "blockSize", 16, "spec.engine", minimum=1),
+        kv_port=_int(e, "kvPort", 5600, "spec.engine", minimum=1, maximum=65535),
+        peer_allowlist=tuple(_str_list(e, "kvPeerAllowlist") or DEFAULT_PEER_ALLOWLIST),
+        extra_args=tuple(_str_list(e, "extraArgs")), env=tuple(_env(e, "spec.engine")))
+
+
+def _role(role: str, r: dict[str, Any]) -> RoleSpec:
+    where = f"spec.{role}"
+    tp = _int(r, "tensorParallelSize", 1, where, minimum=1)
+    gpus = _int(r, "gpus", 0, where, minimum=0)
+    if gpus and gpus != tp:
+        # One engine per pod spans exactly its GPUs; anything else idles or oversubscribes.
+        raise SpecError(f"{where}: tensorParallelSize ({tp}) must equal gpus ({gpus})")
+    if tp > 1 and not gpus:
+        raise SpecError(f"{where}: tensorParallelSize {tp} needs gpus: {tp}")
+    return RoleSpec(
+        replicas=_int(r, "replicas", 1, where, minimum=0), tensor_parallel_size=tp, gpus=gpus,
+        resources=dict(r.get("resources") or {}), extra_args=tuple(_str_list(r, "extraArgs")),
+        env=tuple(_env(r, where)), node_selector=dict(r.get("nodeSelector") or {}),
+        tolerations=tuple(r.get("tolerations") or ()))
+
+
+def _router(r: dict[str, Any]) -> RouterSpec:
+    mode = r.get("mode", "decode-first")
+    if mode not in ROUTER_MODES:
+        raise SpecError(f"spec.router.mode must be one of {', '.join(ROUTER_MODES)}, got {mode!r}")
+    threshold = float(r.get("cacheHitThreshold", 0.5))
+    if not 0.0 <= threshold <= 1.0:
+        raise SpecError(f"spec.router.cacheHitThreshold must be in [0, 1], got {threshold}")
+    timeout = float(r.get("prefillTimeoutSeconds", 60))
+    if timeout <= 0:
+        raise SpecError("spec.router.prefillTimeoutSeconds must be > 0")
+    return RouterSpec(mode=mode, cache_hit_threshold=threshold,
+                      kv_pull_threshold=_int(r, "kvPullThreshold", 0, "spec.router", minimum=0),
+                      prefill_timeout_seconds=timeout,
+                      image=r.get("image") or DEFAULT_SIDECAR_IMAGE,
+                      resources=dict(r.get("resources") or {}))
+
+
+def _gateway(g: dict[str, Any]) -> GatewaySpec:
+    service_type = g.get("serviceType", "ClusterIP")
+    if service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
+        raise SpecError(f"spec.gateway.serviceType {service_type!r} is not supported")
+    return GatewaySpec(replicas=_int(g, "replicas", 1, "spec.gateway", minimum=0),
+                       port=_int(g, "port", 8080, "spec.gateway", minimum=1, maximum=65535),
+                       service_type=service_type, resources=dict(g.get("resources") or {}))
+
+
+def _int(d: dict[str, Any], key: str, default: int, where: str,
+         minimum: int | None = None, maximum: int | None = None) -> int:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{where}.{key} must be an integer")
+    if minimum is not None and value < minimum:
+        raise SpecError(f"{where}.{key} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise SpecError(f"{where}.{key} must be <= {maximum}, got {value}")
+    return value
+
+
+def _str_list(d: dict[str, Any], key: str) -> list[str]:
+    value = d.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SpecError(f"{key} must be a list of strings")
+    return value
+
+
+def _env(d: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    env = d.get("env") or []
+    for item in env:
+        if not isinstance(item, dict) or not item.get("name"):
+            raise SpecError(f"{where}.env entries need a name")
+    return env

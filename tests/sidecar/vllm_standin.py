@@ -91,16 +91,28 @@ class VllmStandIn:
         req = json.loads(body)
         self.state.received.append((route, req, headers))
         if self.state.hang:
-            await asyncio.sleep(3600)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.state.cancelled += 1
+            return
         if self.state.fail_status:
             return await _send_json(send, self.state.fail_status,
                                     {"error": {"message": "boom", "type": "server_error",
                                                "param": None, "code": self.state.fail_status}})
-        try:
-            await self._generate(route, req, headers, send)
-        except asyncio.CancelledError:
-            self.state.cancelled += 1
-            raise
+        # Like vLLM, abort the generation when the client (the sidecar) goes away.
+        work = asyncio.ensure_future(self._generate(route, req, headers, send))
+
+        async def client_gone():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(client_gone())
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            watcher.cancel()
+            return work.result()
+        work.cancel()
+        self.state.cancelled += 1
 
     async def _generate(self, route, req, headers, send):
         st = self.state

@@ -19,12 +19,13 @@ def parse_service(value: str) -> tuple[str, int]:
     """'HOST:PORT' of a Service -> (host, port); ValueError when malformed."""
     host, sep, port = value.strip().rpartition(":")
     if not sep or not host or not port.isdigit():
-        raise ValueError(f"prefill service must be HOST:PORT, got {value!r}")
+        raise ValueError(f"service must be HOST:PORT, got {value!r}")
     return host, int(port)
 
 
-class PrefillEndpoints:
-    """The current set of prefill endpoints as normalized 'HOST:PORT' strings."""
+class EndpointSet:
+    """The current set of endpoints (prefill engines, or sidecars for the gateway) as
+    normalized 'HOST:PORT' strings."""
 
     def __init__(self, static: Iterable[str] = (), service: Optional[str] = None,
                  refresh_s: float = 5.0) -> None:
@@ -47,7 +48,7 @@ class PrefillEndpoints:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
             # Keep the last good set: a DNS hiccup must not empty the pool.
-            log.warning("cannot resolve prefill service %s: %s", host, exc)
+            log.warning("cannot resolve service %s: %s", host, exc)
             return
         found = set()
         for family, _, _, _, addr in infos:

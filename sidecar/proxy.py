@@ -25,7 +25,7 @@ from . import legs
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
                    read_body, run_until_disconnect, send_bytes, send_error, send_start,
                    sse_error_event)
-from .discovery import PrefillEndpoints
+from .discovery import EndpointSet
 from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
 from .picker import LoadPicker
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_target
@@ -80,7 +80,7 @@ class Sidecar:
         self.settings = settings.validate()
         self.metrics = SidecarMetrics()
         self.picker = LoadPicker()
-        self.endpoints = PrefillEndpoints(settings.prefill_urls, settings.prefill_service,
+        self.endpoints = EndpointSet(settings.prefill_urls, settings.prefill_service,
                                           settings.prefill_refresh_s)
         self._transport = transport
         self.client: Optional[httpx.AsyncClient] = None

@@ -1,0 +1,144 @@
+"""Runs the engine's step loop on a background thread and streams outputs to asyncio.
+
+The HTTP server lives on the event loop; the model runs on one engine thread. New requests
+and aborts are handed over through a lock-protected inbox, outputs come back through
+`loop.call_soon_threadsafe` into one asyncio queue per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import traceback
+from typing import AsyncIterator, Callable, Optional
+
+from pdpool.engine.engine_core import LLMEngine, RequestOutput
+
+log = logging.getLogger("pdpool.engine")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: list[Callable[[], None]] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.dead_error: Optional[str] = None
+        self.on_step: list[Callable[[list[RequestOutput]], None]] = []
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # --- called from the event loop -----------------------------------------------------
+    async def generate(self, request_id: str, add: Callable[[], object]
+                       ) -> AsyncIterator[RequestOutput]:
+        """Queues `add()` (which adds the request to the engine, on the engine thread) and
+        yields its outputs. Leaving the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, queue)
+        added = loop.create_future()
+
+        def do_add():
+            try:
+                add()
+                loop.call_soon_threadsafe(_set_result, added, None)
+            except Exception as exc:  # validation errors surface to the caller
+                self._streams.pop(request_id, None)
+                loop.call_soon_threadsafe(_set_exception, added, exc)
+
+        self._submit(do_add)
+        finished = False
+        try:
+            await added
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self.engine.abort_request(request_id))
+
+    def call(self, fn: Callable[[], object]) -> "asyncio.Future":
+        """Runs fn on the engine thread (where engine state may be touched)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def run():
+            try:
+                res = fn()
+                loop.call_soon_threadsafe(_set_result, fut, res)
+            except Exception as exc:
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+        self._submit(run)
+        return fut
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    # --- the engine thread --------------------------------------------------------------
+    def _submit(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._inbox.append(fn)
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self._stopping \
+                        and not self.engine.has_unfinished():
+                    self._cv.wait(timeout=1.0)
+                    self.engine_idle_tick()
+                if self._stopping:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for fn in inbox:
+                fn()
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # keep serving: fail what was in flight, not the server
+                log.error("engine step failed: %s\n%s", exc, traceback.format_exc())
+                self._fail_all(f"engine error: {exc}")
+                continue
+            for hook in self.on_step:
+                hook(outputs)
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+
+    def engine_idle_tick(self) -> None:
+        """Periodic work while idle (the connector expires held blocks here)."""
+        tick = getattr(self.engine, "idle_tick", None)
+        if tick is not None:
+            tick()
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream[0].call_soon_threadsafe(stream[1].put_nowait, RuntimeError(message))
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

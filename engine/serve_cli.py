@@ -1,0 +1,96 @@
+"""`pdpool serve MODEL_DIR`: one engine with its OpenAI-compatible server."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from pdpool.cli import CliError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL_DIR", help="a Hugging Face checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB, 4GiB")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_true", default=True)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    p.add_argument("--no-prefix-aware-admission", dest="prefix_aware_admission",
+                   action="store_false",
+                   help="admit as if nothing were cached (only to measure what awareness brings)")
+    p.add_argument("--global-cache-hit-threshold", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-connector", default="none", choices=["none", "nixl"])
+    p.add_argument("--kv-role", default="both", choices=["producer", "consumer", "both"])
+    p.add_argument("--kv-host", default="127.0.0.1",
+                   help="address advertised to peers for KV transfer (the pod IP)")
+    p.add_argument("--kv-port", type=int, default=0, help="KV handshake port (0: pick one)")
+    p.add_argument("--kv-peer-allowlist", default="",
+                   help="comma-separated hosts or CIDRs this engine may pull KV from")
+    p.add_argument("--kv-pull-threshold", type=int, default=0,
+                   help="pull a remote prefix only when it saves at least this many tokens")
+    p.add_argument("--kv-load-failure-policy", default="recompute",
+                   choices=["recompute", "fail"])
+    p.add_argument("--kv-producer-timeout", type=float, default=120.0,
+                   help="seconds a producer holds blocks nobody has read")
+    p.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace):
+    from pdpool.engine.config import EngineConfig, parse_size
+
+    try:
+        memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory else None
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    return EngineConfig(
+        model=args.model, served_model_name=args.served_model_name, device=args.device,
+        dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=memory, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_aware_admission=args.prefix_aware_admission,
+        global_cache_hit_threshold=args.global_cache_hit_threshold, seed=args.seed,
+        kv_connector=args.kv_connector, kv_role=args.kv_role, kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        kv_peer_allowlist=[h.strip() for h in args.kv_peer_allowlist.split(",") if h.strip()],
+        kv_pull_threshold=args.kv_pull_threshold,
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_producer_timeout=args.kv_producer_timeout)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    import uvicorn
+
+    from pdpool.engine.async_engine import AsyncEngine
+    from pdpool.engine.engine_core import LLMEngine
+    from pdpool.engine.model_loader import ModelLoadError
+    from pdpool.engine.server.api import build_app
+
+    try:
+        engine = LLMEngine(config)
+    except (ModelLoadError, ValueError, OSError) as exc:
+        raise CliError(str(exc)) from exc
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_graceful_shutdown=5)
+    finally:
+        aengine.shutdown()
+    return 0

@@ -1,0 +1,81 @@
+"""Start real `pdpool serve` processes for tests (and benchmarks), and stop them."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: Optional[subprocess.Popen] = None,
+                 timeout: float = 120.0, log: Optional[Path] = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"process exited with {proc.returncode} before healthy:\n{tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+class EngineProcess:
+    def __init__(self, model: Path, log_dir: Path, *flags: str, port: Optional[int] = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"engine-{self.port}.log"
+        cmd = [sys.executable, "-m", "pdpool.cli", "serve", str(model), "--device", "cpu",
+               "--port", str(self.port), "--log-level", "warning", *flags]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self._fh = open(self.log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float = 120.0) -> "EngineProcess":
+        wait_healthy(self.url, self.proc, timeout, self.log)
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._fh.close()
+
+    def metric(self, name: str) -> float:
+        """Sum of a Prometheus sample over its label sets."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@contextmanager
+def engine_process(model: Path, log_dir: Path, *flags: str) -> Iterator[EngineProcess]:
+    eng = EngineProcess(model, log_dir, *flags)
+    try:
+        yield eng.wait()
+    finally:
+        eng.stop()

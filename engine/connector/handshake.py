@@ -1,0 +1,240 @@
+"""Metadata exchange over TCP (`--kv-port`): how an engine learns how to read a peer's KV.
+
+Wire format (version 1), one exchange per connection:
+  client -> server   b"PDKV" + u16 version (big endian)
+  server -> client   u32 length (big endian) + that many bytes of UTF-8 JSON, then closes
+The JSON document:
+  {"protocol": 1, "engine_id": str, "agent_name": str,
+   "agent_metadata": base64 of the NIXL agent metadata,
+   "compatibility": {"hash": sha256 hex, "layout": {model, dtype, block_size, ...}},
+   "regions": {name: {num_units, unit_bytes, slice_bytes, base_addrs, mem_type, device_id}}}
+A peer whose compatibility hash differs from ours is refused (`IncompatiblePeerError`,
+naming the fields that differ): reading its blocks would silently produce garbage.
+
+The server runs in daemon threads and only ever serves a prepared document; it never calls
+into NIXL, so the engine's single-threaded use of its transport stays single-threaded.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import socket
+import socketserver
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from pdpool.engine.connector.allowlist import Allowlist, is_allowed
+from pdpool.engine.connector.regions import RegionError, RegionLayout
+
+PROTOCOL_VERSION = 1
+MAGIC = b"PDKV"
+_HELLO = MAGIC + struct.pack(">H", PROTOCOL_VERSION)
+MAX_DOCUMENT_BYTES = 16 << 20  # metadata is a few KB; refuse absurd answers
+
+
+class HandshakeError(RuntimeError):
+    """The peer could not be reached, or answered something that is not a handshake."""
+
+
+class IncompatiblePeerError(HandshakeError):
+    """The peer's KV layout differs from ours."""
+
+
+# ---- compatibility ------------------------------------------------------------------------
+
+def _canonical(layout: Mapping[str, Any]) -> str:
+    try:
+        return json.dumps(layout, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"a compatibility layout must be plain JSON data: {exc}") from None
+
+
+def compatibility_hash(layout: Mapping[str, Any]) -> str:
+    """sha256 of the layout (model, dtype, block size, kv layout, layers, heads, ...).
+
+    Key order does not matter; values must be JSON data (str, numbers, bools, lists, dicts).
+    """
+    if not isinstance(layout, Mapping) or not layout:
+        raise ValueError("a compatibility layout must be a non-empty mapping")
+    return hashlib.sha256(_canonical(layout).encode()).hexdigest()
+
+
+def layout_differences(local: Mapping[str, Any], remote: Mapping[str, Any]) -> list[str]:
+    """`["block_size: ours 16, peer 32", ...]` for every field that differs."""
+    out = []
+    for key in sorted(set(local) | set(remote)):
+        mine, theirs = local.get(key, "<missing>"), remote.get(key, "<missing>")
+        if _canonical({"v": mine}) != _canonical({"v": theirs}):
+            out.append(f"{key}: ours {mine!r}, peer {theirs!r}")
+    return out
+
+
+# ---- the document -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HandshakeDocument:
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    layout: dict[str, Any]
+    compat_hash: str
+    regions: dict[str, RegionLayout]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"protocol": PROTOCOL_VERSION, "engine_id": self.engine_id,
+                "agent_name": self.agent_name,
+                "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
+                "compatibility": {"hash": self.compat_hash, "layout": self.layout},
+                "regions": {n: r.to_dict() for n, r in self.regions.items()}}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "HandshakeDocument":
+        try:
+            if doc.get("protocol") != PROTOCOL_VERSION:
+                raise HandshakeError(f"unsupported handshake protocol {doc.get('protocol')!r}"
+                                     f" (this engine speaks {PROTOCOL_VERSION})")
+            compat = doc["compatibility"]
+            regions = {str(n): RegionLayout.from_dict(str(n), r)
+                       for n, r in doc["regions"].items()}
+            return cls(engine_id=str(doc["engine_id"]), agent_name=str(doc["agent_name"]),
+                       agent_metadata=base64.b64decode(doc["agent_metadata"], validate=True),
+                       layout=dict(compat["layout"]), compat_hash=str(compat["hash"]),
+                       regions=regions)
+        except HandshakeError:
+            raise
+        except (AttributeError, KeyError, TypeError, ValueError, RegionError) as exc:
+            raise HandshakeError(f"malformed handshake document: {exc!r}") from None
+
+
+def build_document(engine_id: str, agent_name: str, agent_metadata: bytes,
+                   regions: Mapping[str, RegionLayout],
+                   layout: Mapping[str, Any]) -> HandshakeDocument:
+    """Our handshake document; `layout` is what must match for blocks to be exchangeable."""
+    return HandshakeDocument(engine_id, agent_name, bytes(agent_metadata), dict(layout),
+                             compatibility_hash(layout), dict(regions))
+
+
+def document_for(transport: Any, layout: Mapping[str, Any]) -> HandshakeDocument:
+    """The document of a `NixlTransport` (call after registering every region)."""
+    return build_document(transport.engine_id, transport.agent_name,
+                          transport.agent_metadata(), transport.regions, layout)
+
+
+def check_compatible(local_layout: Mapping[str, Any], peer: HandshakeDocument) -> None:
+    """Raise IncompatiblePeerError, naming the differing fields, unless layouts match."""
+    if compatibility_hash(peer.layout) != peer.compat_hash:
+        raise IncompatiblePeerError(f"engine {peer.engine_id}: its compatibility hash does "
+                                    "not match its own layout")
+    if compatibility_hash(local_layout) != peer.compat_hash:
+        diff = layout_differences(local_layout, peer.layout)
+        raise IncompatiblePeerError(f"engine {peer.engine_id} has an incompatible KV layout: "
+                                    + "; ".join(diff))
+
+
+# ---- server -------------------------------------------------------------------------------
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: "_TCPServer"
+
+    def handle(self):
+        owner = self.server.owner
+        self.request.settimeout(owner.io_timeout_s)
+        try:
+            if owner.client_allowlist is not None and not is_allowed(
+                    self.client_address[0], owner.client_allowlist):
+                return  # close without a word: nothing to learn for a stranger
+            if _recv_exactly(self.request, len(_HELLO)) != _HELLO:
+                return
+            payload = owner.payload()
+            self.request.sendall(struct.pack(">I", len(payload)) + payload)
+        except OSError:
+            pass  # a client that went away is its own problem
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, owner: "HandshakeServer", family: int):
+        self.address_family = family
+        self.owner = owner
+        super().__init__(address, _Handler)
+
+
+class HandshakeServer:
+    """Serves our handshake document on (host, port); port 0 picks a free one."""
+
+    def __init__(self, document: HandshakeDocument, host: str = "0.0.0.0", port: int = 0,
+                 client_allowlist: Allowlist | None = None, io_timeout_s: float = 5.0):
+        self.client_allowlist = client_allowlist
+        self.io_timeout_s = io_timeout_s
+        self._lock = threading.Lock()
+        self.set_document(document)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = _TCPServer((host, port), self, family)
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="kv-handshake", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def set_document(self, document: HandshakeDocument) -> None:
+        """Swap the served document (e.g. after registering another region)."""
+        payload = json.dumps(document.to_json(), separators=(",", ":")).encode()
+        with self._lock:
+            self._payload = payload
+
+    def payload(self) -> bytes:
+        with self._lock:
+            return self._payload
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "HandshakeServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- client -------------------------------------------------------------------------------
+
+def fetch_handshake(host: str, port: int, timeout: float = 5.0) -> HandshakeDocument:
+    """Fetch and parse a peer's handshake document; HandshakeError on any failure."""
+    where = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(_HELLO)
+            (length,) = struct.unpack(">I", _recv_exactly(sock, 4))
+            if length > MAX_DOCUMENT_BYTES:
+                raise HandshakeError(f"KV handshake with {where}: document of {length} bytes "
+                                     f"exceeds {MAX_DOCUMENT_BYTES}")
+            raw = _recv_exactly(sock, length)
+    except socket.timeout:
+        raise HandshakeError(f"KV handshake with {where} timed out after {timeout}s") from None
+    except OSError as exc:
+        raise HandshakeError(f"KV handshake with {where} failed: {exc}") from None
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise HandshakeError(f"KV handshake with {where}: not JSON ({exc})") from None
+    return HandshakeDocument.from_json(doc)

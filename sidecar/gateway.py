@@ -30,6 +30,8 @@ RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError
              httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
 # A sidecar answers 503 when its decode engine is unreachable: nothing ran, try another.
 RETRY_STATUSES = (502, 503)
+# Headers the gateway's own server sets again (or that describe the upstream connection).
+RELAY_DROP = frozenset({"content-length", "transfer-encoding", "connection", "date", "server"})
 
 
 @dataclass
@@ -189,7 +191,7 @@ class Gateway:
 
     async def _relay(self, resp: httpx.Response, send: Send) -> None:
         headers = {k: v for k, v in resp.headers.items()
-                   if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+                   if k.lower() not in RELAY_DROP}
         await send_start(send, resp.status_code, headers)
         try:
             async for chunk in resp.aiter_raw():

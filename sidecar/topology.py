@@ -1,0 +1,269 @@
+"""The whole P/D topology as local processes: prefill engines, decode engines each with a
+sidecar, and the gateway. Used by `pdpool up`, the end-to-end tests and the benchmarks.
+
+A small supervisor: every child runs in its own process group with its output in a log
+file; a child that dies while the topology is up is started again on the same port (an
+engine restart is something the sidecar and gateway must ride out); stop() ends them all.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pdpool_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdpool.cli", *args]
+
+
+def default_tiny_model_dir(arch: str) -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pdpool", f"tiny-{arch}")
+
+
+def ensure_tiny_model(arch: str = "qwen3", out_dir: Optional[str] = None) -> str:
+    """Generates the tiny random-weight checkpoint once and reuses it afterwards."""
+    out = out_dir or default_tiny_model_dir(arch)
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f"tiny-{arch}-", dir=os.path.dirname(out))
+    done = subprocess.run(pdpool_command("tiny-model", tmp, "--arch", arch),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"pdpool tiny-model failed: {done.stderr.strip()[-500:]}")
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process won the race: use its copy
+        pass
+    return out
+
+
+@dataclass
+class Child:
+    role: str                  # prefill, decode, sidecar, gateway
+    index: int
+    port: int
+    argv: list[str]
+    log_path: str
+    kv_port: Optional[int] = None
+    pid: Optional[int] = None
+    restarts: int = 0
+    proc: Optional[subprocess.Popen] = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclass
+class TopologySpec:
+    model: str
+    prefill: int = 1
+    decode: int = 1
+    port: int = 0              # gateway port (0: pick a free one)
+    mode: str = "decode-first"
+    cache_hit_threshold: float = 0.5
+    pull_from_decode: bool = True
+    kv_connector: str = "auto"  # auto: nixl when the engine supports it, else none
+    device: str = "cpu"
+    prefill_timeout: float = 30.0
+    engine_args: list[str] = field(default_factory=list)
+    log_dir: Optional[str] = None
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+class Topology:
+    def __init__(self, spec: TopologySpec) -> None:
+        self.spec = spec
+        self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="pdpool-up-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.kv_connector = spec.kv_connector
+        if self.kv_connector == "auto":
+            self.kv_connector = "nixl" if nixl_available() else "none"
+        self.children: list[Child] = []
+        self._plan()
+        self._stopping = False
+
+    # ------------------------------------------------------------------ planning
+    def _engine(self, role: str, index: int) -> Child:
+        port, kv_port = free_port(), free_port()
+        argv = pdpool_command("serve", self.spec.model, "--host", "127.0.0.1",
+                              "--port", str(port), "--device", self.spec.device,
+                              "--kv-connector", self.kv_connector)
+        if self.kv_connector != "none":
+            # Both roles on both sides: decode reads prefill's blocks, and prefill reads
+            # decode's cached prefix (the bidirectional pull of decode-first).
+            argv += ["--kv-role", "both", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
+                     "--kv-peer-allowlist", "127.0.0.1"]
+        argv += self.spec.engine_args
+        return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port)
+
+    def _log(self, role: str, index: int) -> str:
+        return os.path.join(self.log_dir, f"{role}-{index}.log")
+
+    def _plan(self) -> None:
+        s = self.spec
+        prefills = [self._engine("prefill", i) for i in range(s.prefill)]
+        decodes = [self._engine("decode", i) for i in range(s.decode)]
+        sidecars = []
+        for i, dec in enumerate(decodes):
+            port = free_port()
+            argv = pdpool_command("sidecar", "--host", "127.0.0.1", "--port", str(port),
+                                  "--decode-url", dec.url, "--mode", s.mode,
+                                  "--cache-hit-threshold", str(s.cache_hit_threshold),
+                                  "--prefill-timeout", str(s.prefill_timeout))
+            for p in prefills:
+                argv += ["--prefill-url", f"127.0.0.1:{p.port}"]
+            if not s.pull_from_decode:
+                argv.append("--no-pull-from-decode")
+            sidecars.append(Child("sidecar", i, port, argv, self._log("sidecar", i)))
+        gw_port = s.port or free_port()
+        argv = pdpool_command("gateway", "--host", "127.0.0.1", "--port", str(gw_port),
+                              "--health-interval-s", "1")
+        for sc in sidecars:
+            argv += ["--decode-url", f"127.0.0.1:{sc.port}"]
+        gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0))
+        self.children = prefills + decodes + sidecars + [gateway]
+
+    @property
+    def gateway(self) -> Child:
+        return self.by_role("gateway")[0]
+
+    def by_role(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.role == role]
+
+    # ------------------------------------------------------------------ running
+    def _spawn(self, child: Child) -> None:
+        log = open(child.log_path, "ab")
+        child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        child.pid = child.proc.pid
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        try:
+            for child in self.children:
+                self._spawn(child)
+            self.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.children)
+        while pending:
+            for child in list(pending):
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; "
+                                       f"last log lines:\n{tail(child.log_path)}")
+                if healthy(child.url):
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {names} "
+                                   f"(logs in {self.log_dir})")
+            if pending:
+                time.sleep(0.2)
+
+    def supervise_once(self) -> list[Child]:
+        """Restarts children that died; returns those restarted."""
+        restarted = []
+        for child in self.children:
+            if not self._stopping and child.proc and child.proc.poll() is not None:
+                child.restarts += 1
+                self._spawn(child)
+                restarted.append(child)
+        return restarted
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self._stopping = True
+        # The gateway first, engines last: nothing is sent to a stopped engine.
+        for child in reversed(self.children):
+            _signal(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in reversed(self.children):
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                _signal(child, signal.SIGKILL)
+                child.proc.wait(5)
+
+    def describe(self) -> dict:
+        return {
+            "gateway_url": self.gateway.url,
+            "kv_connector": self.kv_connector,
+            "log_dir": self.log_dir,
+            "spec": asdict(self.spec),
+            "children": [{"name": c.name, "role": c.role, "port": c.port, "url": c.url,
+                          "kv_port": c.kv_port, "pid": c.pid, "restarts": c.restarts,
+                          "log": c.log_path} for c in self.children],
+        }
+
+    def __enter__(self) -> "Topology":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal(child: Child, sig: int) -> None:
+    if child.proc is None or child.proc.poll() is not None:
+        return
+    try:
+        os.killpg(child.proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def healthy(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as fh:
+            return b"\n".join(fh.read().splitlines()[-lines:]).decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"
+
+
+def write_state(path: str, topology: Topology) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(topology.describe(), fh, indent=2)
+    os.replace(tmp, path)

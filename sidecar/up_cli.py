@@ -1,0 +1,80 @@
+"""`pdpool up`: the whole P/D topology as local processes; prints the gateway URL.
+
+Ctrl-C or SIGTERM stops every process it started."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint folder (default: a tiny random model, "
+                                   "generated once into ~/.cache/pdpool)")
+    p.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3_5"),
+                   help="architecture of the default tiny model")
+    p.add_argument("--prefill", type=int, default=1, help="prefill engines")
+    p.add_argument("--decode", type=int, default=1, help="decode engines (one sidecar each)")
+    p.add_argument("--port", type=int, default=8080, help="gateway port (0: any free port)")
+    p.add_argument("--mode", default="decode-first",
+                   choices=("decode-first", "prefill-first", "aggregated"))
+    p.add_argument("--cache-hit-threshold", type=float, default=0.5)
+    p.add_argument("--no-pull-from-decode", dest="pull_from_decode", action="store_false")
+    p.add_argument("--kv-connector", default="auto", choices=("auto", "nixl", "none"))
+    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--prefill-timeout", type=float, default=30.0)
+    p.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
+                   help="extra argument for every `pdpool serve` (repeatable), "
+                        "e.g. --engine-arg=--num-kv-blocks=512")
+    p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
+    p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pdpool.cli import CliError
+
+    from .topology import Topology, TopologySpec, ensure_tiny_model, write_state
+    if args.prefill < 0 or args.decode < 1:
+        raise CliError("need --decode >= 1 and --prefill >= 0")
+    if not 0.0 <= args.cache_hit_threshold <= 1.0:
+        raise CliError("--cache-hit-threshold must be in [0, 1]")
+    try:
+        model = args.model or ensure_tiny_model(args.arch)
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from None
+    spec = TopologySpec(model=model, prefill=args.prefill, decode=args.decode, port=args.port,
+                        mode=args.mode, cache_hit_threshold=args.cache_hit_threshold,
+                        pull_from_decode=args.pull_from_decode, kv_connector=args.kv_connector,
+                        device=args.device, prefill_timeout=args.prefill_timeout,
+                        engine_args=args.engine_args, log_dir=args.log_dir)
+    topology = Topology(spec)
+
+    def stop_on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_signal)
+    print(f"pdpool up: starting {args.prefill} prefill + {args.decode} decode engines "
+          f"(model {model}, kv connector {topology.kv_connector}, mode {args.mode}); "
+          f"logs in {topology.log_dir}", flush=True)
+    try:
+        try:
+            topology.start(args.ready_timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise CliError(str(exc)) from None
+        if args.state_file:
+            write_state(args.state_file, topology)
+        print(f"pdpool up: ready. OpenAI base URL: {topology.gateway.url}/v1", flush=True)
+        while True:
+            time.sleep(0.5)
+            for child in topology.supervise_once():
+                print(f"pdpool up: {child.name} exited; restarted it (restart "
+                      f"#{child.restarts})", file=sys.stderr, flush=True)
+                if args.state_file:
+                    write_state(args.state_file, topology)
+    except KeyboardInterrupt:
+        print("pdpool up: stopping", flush=True)
+        return 0
+    finally:
+        topology.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +47,7 @@ def ensure_tiny_model(arch: str = "qwen3", out_dir: Optional[str] = None) -> str
     done = subprocess.run(pdpool_command("tiny-model", tmp, "--arch", arch),
                           capture_output=True, text=True)
     if done.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"pdpool tiny-model failed: {done.stderr.strip()[-500:]}")
     try:
         os.rename(tmp, out)
@@ -87,6 +89,7 @@ class TopologySpec:
     kv_connector: str = "auto"  # auto: nixl when the engine supports it, else none
     device: str = "cpu"
     prefill_timeout: float = 30.0
+    decode_retry_s: float = 5.0
     engine_args: list[str] = field(default_factory=list)
     log_dir: Optional[str] = None
 
@@ -138,7 +141,8 @@ class Topology:
             argv = pdpool_command("sidecar", "--host", "127.0.0.1", "--port", str(port),
                                   "--decode-url", dec.url, "--mode", s.mode,
                                   "--cache-hit-threshold", str(s.cache_hit_threshold),
-                                  "--prefill-timeout", str(s.prefill_timeout))
+                                  "--prefill-timeout", str(s.prefill_timeout),
+                                  "--decode-retry-s", str(s.decode_retry_s))
             for p in prefills:
                 argv += ["--prefill-url", f"127.0.0.1:{p.port}"]
             if not s.pull_from_decode:
@@ -192,6 +196,13 @@ class Topology:
                                    f"(logs in {self.log_dir})")
             if pending:
                 time.sleep(0.2)
+
+    def restart(self, child: Child) -> None:
+        """Kills one child and starts it again on the same port (a crash and restart)."""
+        _signal(child, signal.SIGKILL)
+        child.proc.wait(10)
+        child.restarts += 1
+        self._spawn(child)
 
     def supervise_once(self) -> list[Child]:
         """Restarts children that died; returns those restarted."""

@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-connector", default="auto", choices=("auto", "nixl", "none"))
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     p.add_argument("--prefill-timeout", type=float, default=30.0)
+    p.add_argument("--decode-retry-s", type=float, default=30.0,
+                   help="how long a sidecar retries its restarting decode engine")
     p.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
                    help="extra argument for every `pdpool serve` (repeatable), "
                         "e.g. --engine-arg=--num-kv-blocks=512")
@@ -48,6 +50,7 @@ def main(args: argparse.Namespace) -> int:
                         mode=args.mode, cache_hit_threshold=args.cache_hit_threshold,
                         pull_from_decode=args.pull_from_decode, kv_connector=args.kv_connector,
                         device=args.device, prefill_timeout=args.prefill_timeout,
+                        decode_retry_s=args.decode_retry_s,
                         engine_args=args.engine_args, log_dir=args.log_dir)
     topology = Topology(spec)
 

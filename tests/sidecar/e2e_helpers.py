@@ -1,0 +1,60 @@
+"""Helpers for end-to-end tests on real `pdpool serve` processes started by Topology."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import httpx
+import pytest
+
+from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
+
+
+def engine_available() -> bool:
+    try:
+        import pdpool.engine.serve_cli  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def start_topology(tmp_path_factory, arch: str = "qwen3", **spec) -> Topology:
+    if not engine_available():
+        pytest.skip("pdpool engine (torch) is not installed")
+    try:
+        model = ensure_tiny_model(arch)
+    except RuntimeError as exc:
+        if "ModuleNotFoundError" in str(exc):  # the engine does not support this arch yet
+            pytest.skip(f"engine cannot build a tiny {arch} model yet: {str(exc)[-120:]}")
+        raise
+    log_dir = str(tmp_path_factory.mktemp(f"up-{arch}"))
+    # Small KV pools keep start-up and memory low on a 2-core CI machine.
+    engine_args = ["--max-model-len", "2048", "--num-kv-blocks", "512"]
+    topo = Topology(TopologySpec(model=model, log_dir=log_dir, engine_args=engine_args,
+                                 **spec))
+    topo.start(timeout_s=240)
+    return topo
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """Sum of a Prometheus sample (optionally filtered by a label substring)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if m and m.group(1) == name and labels in (m.group(2) or ""):
+            total += float(m.group(3))
+    return total
+
+
+def model_name(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+
+
+def cleanup(topo: Topology, keep_logs: bool = False) -> None:
+    topo.stop()
+    if not keep_logs:
+        shutil.rmtree(topo.log_dir, ignore_errors=True)

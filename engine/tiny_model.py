@@ -109,7 +109,7 @@ def _qwen3_config(spec: TinyModelSpec, tokenizer):
         use_sliding_window=bool(spec.sliding_window), sliding_window=spec.sliding_window,
         max_window_layers=0, layer_types=layer_types,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype=spec.dtype)
+        pad_token_id=tokenizer.pad_token_id, dtype=spec.dtype)
 
 
 def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
@@ -127,7 +127,7 @@ def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
         from pdpool.engine.tiny_model_qwen3_5 import qwen3_5_config
         config = qwen3_5_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, spec.dtype))
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
     # Random init with std 0.02 makes every logit ~equal; larger weights give the tiny
     # model decisive (and therefore comparable) greedy choices.
     with torch.no_grad():

@@ -102,7 +102,7 @@ def hf_download_args(model: ModelSpec) -> list[str]:
     script = ("import sys; from huggingface_hub import snapshot_download; "
               "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], "
               "revision=sys.argv[3] or None)")
-    return ["python", "-c", script, model.hugging_face_id, model_dir(model), model.revision or ""]
+    return ["python3", "-c", script, model.hugging_face_id, model_dir(model), model.revision or ""]
 
 
 def _num(x: float) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the pinned Kubernetes test binaries (etcd, kube-apiserver, kube-controller-manager,
-# kwok, helm) with the Go toolchain, from the Go module proxy, into a cache folder outside
+# helm, and on request kwok) with the Go toolchain, from the Go module proxy, into a cache folder outside
 # the repository. Idempotent: a binary already built at the pinned version is skipped.
 #
 #   scripts/k8s/build-binaries.sh [TOOL...]      # default: all of them
@@ -18,6 +18,9 @@ KWOK_VERSION=${PDPOOL_KWOK_VERSION:-v0.7.0}
 BIN=${PDPOOL_K8S_BIN:-$HOME/.cache/pdpool/k8s-bin}
 WORK=$BIN/.build
 mkdir -p "$BIN" "$WORK"
+# One build at a time per cache folder (parallel test sessions share it).
+exec 9>"$BIN/.lock"
+flock 9
 export GOFLAGS=-mod=mod GOTOOLCHAIN=local CGO_ENABLED=0
 
 command -v go >/dev/null || { echo "build-binaries: go is not installed" >&2; exit 3; }
@@ -84,7 +87,8 @@ build_install() {  # build_install NAME PKG VERSION: modules without replace dir
 }
 
 tools=("$@")
-[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kube-apiserver helm kube-controller-manager kwok)
+# kwok is optional (simulated nodes/pods; not used by the tests): build it by name.
+[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kube-apiserver kube-controller-manager helm)
 for t in "${tools[@]}"; do
   case $t in
     etcd) build_etcd ;;

@@ -1,0 +1,187 @@
+"""The Helm chart: lint, render-and-validate against the real API server, install, RBAC.
+
+The RBAC test runs the operator with the token of the ServiceAccount the chart created:
+the full reconcile must work with exactly those permissions, and nothing beyond them is
+granted.
+"""
+import subprocess
+import uuid
+
+import pytest
+import yaml
+from kubernetes import client
+
+from operator_kube import CHART, CRD_FILE, OperatorProcess, Pools, pool_manifest, wait_for
+from test_operator_cluster import children_exist
+
+RELEASE, SYSTEM_NS = "pdpool", "pdpool-system"
+EXPECTED_RULES = {
+    ("pdpool.io", "pdinferencepools"): {"get", "list", "watch", "patch"},
+    ("pdpool.io", "pdinferencepools/status"): {"patch"},
+    ("apps", "deployments"): {"list", "watch", "create", "patch"},
+    ("", "services"): {"create", "patch"},
+    ("", "configmaps"): {"create", "patch"},
+    ("", "events"): {"create"},
+}
+
+
+def helm(helm_bin, *args, check=True, k8s=None):
+    cmd = [str(helm_bin), *args]
+    if k8s is not None:
+        cmd += ["--kubeconfig", str(k8s.kubeconfig)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def render(helm_bin, *sets):
+    args = ["template", RELEASE, str(CHART), "--namespace", SYSTEM_NS]
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(helm_bin, *args).stdout) if d]
+
+
+def rules_of(role):
+    granted = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    return granted
+
+
+def test_chart_crd_is_the_repository_crd():
+    assert (CHART / "crds" / CRD_FILE.name).read_text() == CRD_FILE.read_text()
+
+
+@pytest.mark.parametrize("sets", [[], ["serviceMonitor.enabled=true", "examplePool.enabled=true",
+                                       "watchNamespaces={team-a,team-b}"]])
+def test_helm_lint_is_clean(helm_bin, sets):
+    args = ["lint", "--strict", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(helm_bin, *args)
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_values_schema_rejects_bad_values(helm_bin):
+    bad = helm(helm_bin, "template", "x", str(CHART), "--set", "examplePool.cacheHitThreshold=2",
+               check=False)
+    assert bad.returncode != 0 and "cacheHitThreshold" in bad.stderr
+    typo = helm(helm_bin, "template", "x", str(CHART), "--set", "imagee.tag=1", check=False)
+    assert typo.returncode != 0 and "imagee" in typo.stderr
+
+
+@pytest.mark.parametrize("sets", [[], ["examplePool.enabled=true", "verbose=true"],
+                                  ["watchNamespaces={team-a,team-b}"]])
+def test_rendered_manifests_pass_server_side_validation(helm_bin, admin_api, sets):
+    """Each rendered object is dry-run created with strict field validation."""
+    core = client.CoreV1Api(admin_api)
+    for ns in (SYSTEM_NS, "team-a", "team-b"):
+        try:
+            core.create_namespace({"metadata": {"name": ns}})
+        except client.ApiException as exc:
+            assert exc.status == 409
+    docs = render(helm_bin, *sets)
+    assert docs, "nothing rendered"
+    for doc in docs:
+        group_version = doc["apiVersion"]
+        prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+        plural = {"ServiceAccount": "serviceaccounts", "ClusterRole": "clusterroles",
+                  "ClusterRoleBinding": "clusterrolebindings", "Role": "roles",
+                  "RoleBinding": "rolebindings", "Deployment": "deployments",
+                  "PDInferencePool": "pdinferencepools"}[doc["kind"]]
+        ns = doc["metadata"].get("namespace")
+        path = f"{prefix}/namespaces/{ns}/{plural}" if ns else f"{prefix}/{plural}"
+        admin_api.call_api(path, "POST", body=doc,
+                           query_params=[("dryRun", "All"), ("fieldValidation", "Strict")],
+                           header_params={"Content-Type": "application/json"},
+                           auth_settings=["BearerToken"], _preload_content=False)
+    kinds = {d["kind"] for d in docs}
+    if any(s.startswith("watchNamespaces") for s in sets):
+        assert "ClusterRole" not in kinds and "Role" in kinds
+    else:
+        assert "ClusterRole" in kinds and "Role" not in kinds
+
+
+def test_service_monitor_selects_pool_services(helm_bin):
+    docs = render(helm_bin, "serviceMonitor.enabled=true")
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert monitor["spec"]["selector"] == {"matchLabels": {"pdpool.io/metrics": "true"}}
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(helm_bin, k8s, admin_api,
+                                                                     tmp_path):
+    helm(helm_bin, "upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
+         "--create-namespace", k8s=k8s)
+    apps, rbac = client.AppsV1Api(admin_api), client.RbacAuthorizationV1Api(admin_api)
+    deployment = apps.read_namespaced_deployment(f"{RELEASE}-pdpool-operator", SYSTEM_NS)
+    command = deployment.spec.template.spec.containers[0].command
+    assert command[:3] == ["pdpool", "operator", "--all-namespaces"]
+    role = rbac.read_cluster_role(f"{RELEASE}-pdpool-operator").to_dict()
+    granted = rules_of({"rules": [{"apiGroups": r["api_groups"], "resources": r["resources"],
+                                   "verbs": r["verbs"]} for r in role["rules"]]})
+    assert granted == EXPECTED_RULES
+
+    # The operator, authenticated as the chart's ServiceAccount.
+    token = client.CoreV1Api(admin_api).create_namespaced_service_account_token(
+        f"{RELEASE}-pdpool-operator", SYSTEM_NS,
+        {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}}
+    ).status.token
+    kubeconfig = k8s.write_kubeconfig(tmp_path / "sa.kubeconfig", token, "pdpool-operator")
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(admin_api).create_namespace({"metadata": {"name": namespace}})
+    pools = Pools(admin_api, namespace)
+    op = OperatorProcess(kubeconfig, tmp_path / "sa-operator.log").start()
+    try:
+        pools.create(pool_manifest("rbac", decode={"tensorParallelSize": 2}))  # -> an Event
+        pools.create(pool_manifest("rbac-ok"))
+        wait_for(lambda: children_exist(pools, "rbac-ok"), 40, what="children as the SA")
+        for role_name in ("prefill", "decode", "gateway"):
+            pools.mark_ready("rbac-ok", role_name)
+        wait_for(lambda: pools.get("rbac-ok").get("status", {}).get("phase") == "Ready", 30,
+                 what="Ready as the SA")
+        wait_for(lambda: any(e.reason == "InvalidSpec" for e in pools.events("rbac")), 20,
+                 what="event posted as the SA")
+        pools.patch_spec("rbac-ok", {"decode": {"replicas": 2}})
+        wait_for(lambda: pools.deployments("rbac-ok")["decode"].spec.replicas == 2, 30,
+                 what="update as the SA")
+        log = op.log()
+        assert "403" not in log and "Forbidden" not in log, log[-3000:]
+    finally:
+        op.stop()
+
+    # ... and nothing more than that.
+    sa_api = client.ApiClient(_config_from(k8s, token))
+    review = client.AuthorizationV1Api(sa_api)
+
+    def allowed(verb, resource, group="", ns=namespace, subresource=None):
+        attrs = {"verb": verb, "resource": resource, "group": group, "namespace": ns}
+        if subresource:
+            attrs["subresource"] = subresource
+        return review.create_self_subject_access_review(
+            {"spec": {"resourceAttributes": attrs}}).status.allowed
+
+    assert allowed("patch", "deployments", "apps") and allowed("watch", "pdinferencepools", "pdpool.io")
+    for verb, resource, group in [("delete", "deployments", "apps"), ("get", "secrets", ""),
+                                  ("create", "pods", ""), ("delete", "pdinferencepools", "pdpool.io"),
+                                  ("update", "pdinferencepools", "pdpool.io"),
+                                  ("create", "pdinferencepools", "pdpool.io"),
+                                  ("delete", "services", ""), ("list", "services", ""),
+                                  ("create", "clusterroles", "rbac.authorization.k8s.io"),
+                                  ("list", "customresourcedefinitions", "apiextensions.k8s.io")]:
+        assert not allowed(verb, resource, group), f"{verb} {group}/{resource} must be denied"
+    sa_api.close()
+
+
+def _config_from(k8s, token):
+    config = client.Configuration()
+    config.host = k8s.server
+    config.ssl_ca_cert = str(k8s.ca_file)
+    config.api_key = {"authorization": token}
+    config.api_key_prefix = {"authorization": "Bearer"}
+    return config

@@ -29,7 +29,10 @@ def free_port() -> int:
 
 
 def pdpool_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pdpool.cli", *args]
+    # Not `-m pdpool.cli`: that runs cli.py as __main__, a second copy of the module whose
+    # CliError is not the one subcommands raise (errors would become tracebacks).
+    return [sys.executable, "-c", "import sys; from pdpool.cli import main; sys.exit(main())",
+            *args]
 
 
 def default_tiny_model_dir(arch: str) -> str:

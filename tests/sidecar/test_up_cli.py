@@ -1,0 +1,80 @@
+"""`pdpool up` as users run it: a process that prints the gateway URL, serves through it,
+and stops every process it started on Ctrl-C."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import openai
+import pytest
+
+from pdpool.sidecar.topology import pdpool_command
+
+from .e2e_helpers import engine_available
+
+pytestmark = pytest.mark.slow
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); its state says it is gone
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
+    if not engine_available():
+        pytest.skip("pdpool engine (torch) is not installed")
+    state = tmp_path / "state.json"
+    proc = subprocess.Popen(pdpool_command("up", "--port", "0",
+                                           "--prefill", "1", "--decode", "1", "--state-file", str(state),
+                             "--log-dir", str(tmp_path / "logs"),
+                                           "--engine-arg=--num-kv-blocks=256"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not state.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "pdpool up did not become ready"
+            time.sleep(0.3)
+        info = json.loads(state.read_text())
+        pids = [c["pid"] for c in info["children"]]
+        assert {c["role"] for c in info["children"]} == {"prefill", "decode", "sidecar",
+                                                         "gateway"}
+        client = openai.OpenAI(base_url=info["gateway_url"] + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="hello " * 20, max_tokens=3)
+        assert out.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0
+    assert f"OpenAI base URL: {info['gateway_url']}/v1" in output
+    time.sleep(0.5)
+    assert not [p for p in pids if pid_alive(p)]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--decode", "0"], "--decode >= 1"),
+    (["--cache-hit-threshold", "2"], "[0, 1]"),
+    (["--model", "/nonexistent/model"], ""),
+])
+def test_up_bad_arguments_exit_with_one_line(argv, needle, tmp_path):
+    done = subprocess.run(pdpool_command("up", "--port", "0", "--log-dir", str(tmp_path),
+                                         "--ready-timeout", "60", *argv),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and needle in done.stderr

@@ -282,6 +282,11 @@ class NixlTransport:
             self._release_handle(t)  # cancels the READ in NIXL
         return t.state
 
+    @property
+    def transfer_ids(self) -> list[int]:
+        """Transfers not yet released (finished or not)."""
+        return list(self._transfers)
+
     def transfer(self, transfer_id: int) -> Transfer:
         try:
             return self._transfers[transfer_id]

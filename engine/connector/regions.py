@@ -12,6 +12,7 @@ list, so one NIXL transfer (and one notification) can cover several regions.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -119,12 +120,12 @@ def check_unit_ids(region: RegionLayout, ids: Sequence[int], side: str) -> list[
     """`ids` as a list of ints within the region, or RegionError naming the bad ones."""
     out = []
     for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int):
-            try:
-                i = int(i)  # numpy / torch integers
-            except (TypeError, ValueError):
-                raise RegionError(f"{side} region {region.name!r}: id {i!r} is not an integer") from None
-        out.append(i)
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            out.append(operator.index(i))  # ints, numpy and torch integers; not floats
+        except TypeError:
+            raise RegionError(f"{side} region {region.name!r}: id {i!r} is not an integer") from None
     bad = [i for i in out if not 0 <= i < region.num_units]
     if bad:
         raise RegionError(f"{side} region {region.name!r}: ids {bad[:8]} out of range "

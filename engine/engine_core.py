@@ -91,7 +91,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
-                      "steps": 0}
+                      "steps": 0, "aborted": 0}
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  self.model_name, self.device, self.dtype, num_blocks, bs, max_len)
 
@@ -142,12 +142,15 @@ class LLMEngine:
         vocab = self.info.config["vocab_size"]
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        capacity = self.kv.pool.num_blocks * self.config.block_size
+        if n + params.max_tokens > capacity:
+            raise RequestRejected(
+                f"the request ({n} prompt + {params.max_tokens} output tokens) cannot fit in "
+                f"the KV cache even alone: it holds {capacity} tokens")
         if n + params.max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"request asks for {n} prompt + {params.max_tokens} output tokens")
-        if cdiv(n + 1, self.config.block_size) > self.kv.pool.num_blocks:
-            raise RequestRejected("the prompt cannot fit in the KV cache even alone")
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                       cache_salt=cache_salt, cache_hit_threshold=cache_hit_threshold,
                       kv_transfer_params=kv_transfer_params, block_size=self.config.block_size)
@@ -159,6 +162,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is not None:
+            self.stats["aborted"] += 1
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
             self._forget(req)
 
@@ -204,19 +208,20 @@ class LLMEngine:
             (token in req.eos_token_ids and not params.ignore_eos)
         if stopped_by_token and len(req.output_token_ids) > params.min_tokens - 1:
             status = RequestStatus.FINISHED_STOPPED
-            delta = ""
         else:
-            before = len(detok.text)
             delta = detok.add_token(token)
             cut = find_stop(detok.text, len(delta), params.stop) \
                 if len(req.output_token_ids) >= params.min_tokens else -1
             if cut != -1:
-                delta = detok.text[before:cut] if cut > before else ""
                 detok.text = detok.text[:cut]
                 status = RequestStatus.FINISHED_STOPPED
         if status is None and (len(req.output_token_ids) >= params.max_tokens
                                or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
+        # While running, hold back text that could still turn out to begin a stop string.
+        hold = max((len(s) for s in params.stop), default=1) - 1 if status is None else 0
+        end = max(len(detok.text) - hold, detok.emitted)
+        delta, detok.emitted = detok.text[detok.emitted:end], end
         if status is None:
             return RequestOutput(req.request_id, delta, [token], False, None,
                                  req.num_prompt_tokens, len(req.output_token_ids),

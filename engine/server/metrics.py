@@ -49,6 +49,8 @@ class EngineMetrics:
         for source in ("request", "global"):
             rej.labels(threshold_source=source, **labels).set_function(
                 lambda s=source: sched.num_threshold_rejections[s])
+        gauge("pdpool_requests_aborted_total", "Requests aborted (client gone, cancelled).",
+              lambda: engine.stats["aborted"])
         gauge("pdpool_computed_tokens_total", "Tokens run through the model.",
               lambda: engine.stats["computed_tokens"])
 

@@ -30,6 +30,7 @@ from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
 from .picker import LoadPicker
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_target
 from .settings import SidecarSettings
+from .upstream import ClientShards
 from .sse import DONE, EventSplitter, event_json, json_event, usage_of
 
 log = logging.getLogger("pdpool.sidecar")
@@ -83,21 +84,19 @@ class Sidecar:
         self.endpoints = EndpointSet(settings.prefill_urls, settings.prefill_service,
                                           settings.prefill_refresh_s)
         self._transport = transport
-        self.client: Optional[httpx.AsyncClient] = None
+        self.clients: Optional[ClientShards] = None
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
-        timeout = httpx.Timeout(None, connect=self.settings.connect_timeout)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=limits,
-                                        transport=self._transport)
+        self.clients = ClientShards(connect_timeout=self.settings.connect_timeout,
+                                    transport=self._transport)
         await self.endpoints.start()
 
     async def shutdown(self) -> None:
         await self.endpoints.stop()
-        if self.client:
-            await self.client.aclose()
-            self.client = None
+        if self.clients:
+            await self.clients.aclose()
+            self.clients = None
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -105,7 +104,7 @@ class Sidecar:
             return
         if scope["type"] != "http":
             return
-        if self.client is None:  # served without lifespan (some test clients)
+        if self.clients is None:  # served without lifespan (some test clients)
             await self.startup()
         route, method = scope["path"], scope["method"]
         if route in GENERATION_PATHS and method == "POST":
@@ -131,6 +130,11 @@ class Sidecar:
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The next upstream client (see upstream.py)."""
+        return self.clients.next()
 
     # ------------------------------------------------------------------ simple routes
     async def _health(self, send: Send) -> None:
@@ -427,9 +431,10 @@ class Sidecar:
         deadline = time.monotonic() + self.settings.decode_retry_s
         delay = 0.05
         while True:
-            request = self.client.build_request("POST", url, json=leg, headers=ex.headers)
+            client = self.client
+            request = client.build_request("POST", url, json=leg, headers=ex.headers)
             try:
-                resp = await self.client.send(request, stream=True)
+                resp = await client.send(request, stream=True)
                 break
             except RETRYABLE as exc:
                 if time.monotonic() + delay > deadline:

@@ -125,7 +125,8 @@ def check_unit_ids(region: RegionLayout, ids: Sequence[int], side: str) -> list[
                 raise TypeError
             out.append(operator.index(i))  # ints, numpy and torch integers; not floats
         except TypeError:
-            raise RegionError(f"{side} region {region.name!r}: id {i!r} is not an integer") from None
+            raise RegionError(f"{side} region {region.name!r}: id {i!r} is not an integer") \
+                from None
     bad = [i for i in out if not 0 <= i < region.num_units]
     if bad:
         raise RegionError(f"{side} region {region.name!r}: ids {bad[:8]} out of range "

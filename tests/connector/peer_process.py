@@ -113,11 +113,15 @@ class PeerProcess:
             self.process.kill()
         self.process.join(10)
 
-    def stop(self):
+    def request_stop(self):
+        """Ask the peer to close its transport and exit (without waiting)."""
         if self.process.is_alive():
             try:
                 self.conn.send(("stop",))
             except OSError:
                 pass
-            self.process.join(15)
+
+    def stop(self):
+        self.request_stop()
+        self.process.join(15)
         self.kill()

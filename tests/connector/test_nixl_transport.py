@@ -20,7 +20,8 @@ from pdpool.engine.connector.nixl_transport import (NixlTransport, TransferState
 from pdpool.engine.connector.peering import connect_peer  # noqa: E402
 from pdpool.engine.connector.regions import RegionError  # noqa: E402
 
-from .peer_process import BLOCK_SHAPE, NUM_BLOCKS, NUM_SLOTS, STATE_SHAPE, PeerProcess, layout, pattern  # noqa: E402,E501
+from .peer_process import (BLOCK_SHAPE, NUM_BLOCKS, NUM_SLOTS, STATE_SHAPE,  # noqa: E402
+                           PeerProcess, layout, pattern)
 
 pytestmark = pytest.mark.timeout(180)
 LOOPBACK = parse_allowlist("")
@@ -36,6 +37,8 @@ def processes():
             started[name] = PeerProcess(name, seed)
         yield {name: p.ready() for name, p in started.items()}
     finally:
+        for p in started.values():
+            p.request_stop()
         for p in started.values():
             p.stop()
 
@@ -81,6 +84,8 @@ def test_reads_exactly_the_requested_blocks(clean, producers):
     prod = producers[0]
     peer = connect(clean, prod)
     assert peer == prod.agent_name
+    assert connect(clean, prod) == peer  # connecting again replaces, never duplicates
+    assert clean.peers.count(peer) == 1
     before = clean.bytes_read
     tid = clean.start_read(peer, {"kv": ([0, 1, 2], [3, 7, 1])})
     assert wait(clean, tid) is TransferState.DONE

@@ -49,7 +49,7 @@ def main() -> int:
         args.heads, args.kv_heads, args.head_dim = 4, 2, 64
         args.dtype = "float16"
     torch, device = setup(args.smoke)
-    from pdpool.kernels.paged_attention import paged_attention_triton
+    from pdpool.kernels.paged_attention_kernel import paged_attention_triton
     from pdpool.kernels.reference import paged_attention_reference
 
     dtype = getattr(torch, args.dtype)

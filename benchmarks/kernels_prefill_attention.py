@@ -38,7 +38,7 @@ def main() -> int:
     torch, device = setup(args.smoke)
     import torch.nn.functional as F
 
-    from pdpool.kernels.paged_attention import paged_attention_triton
+    from pdpool.kernels.paged_attention_kernel import paged_attention_triton
 
     dtype = getattr(torch, args.dtype)
     name = device_name(torch, device)

@@ -83,6 +83,15 @@ def _conv1d_update_kernel(x_ptr, state_ptr, weight_ptr, bias_ptr, out_ptr, indic
              shifted.to(state_ptr.dtype.element_ty), mask=col_ok)
 
 
+CONV_BLOCK_C = 128
+
+
+def conv_update_constexprs(state_len: int, width: int, has_bias: bool, silu: bool,
+                           has_indices: bool) -> dict:
+    return dict(STATE_LEN=state_len, WIDTH=width, S_PAD=_next_pow2(max(state_len, 1)),
+                BLOCK_C=CONV_BLOCK_C, HAS_BIAS=has_bias, SILU=silu, HAS_INDICES=has_indices)
+
+
 def causal_conv1d_update_triton(x: torch.Tensor, conv_state: torch.Tensor,
                                 weight: torch.Tensor, bias: Optional[torch.Tensor],
                                 activation: Optional[str] = "silu",
@@ -95,8 +104,7 @@ def causal_conv1d_update_triton(x: torch.Tensor, conv_state: torch.Tensor,
     if batch == 0 or seq_len == 0:
         return out.squeeze(-1) if squeeze else out
     state_len, width = conv_state.shape[-1], weight.shape[-1]
-    block_c = 128
-    _conv1d_update_kernel[(batch, triton.cdiv(channels, block_c))](
+    _conv1d_update_kernel[(batch, triton.cdiv(channels, CONV_BLOCK_C))](
         xs, conv_state, weight, weight if bias is None else bias, out,
         xs if state_indices is None else state_indices,
         channels, seq_len,
@@ -104,9 +112,8 @@ def causal_conv1d_update_triton(x: torch.Tensor, conv_state: torch.Tensor,
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         weight.stride(0), weight.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        STATE_LEN=state_len, WIDTH=width, S_PAD=_next_pow2(max(state_len, 1)),
-        BLOCK_C=block_c, HAS_BIAS=bias is not None, SILU=activation is not None,
-        HAS_INDICES=state_indices is not None,
+        **conv_update_constexprs(state_len, width, bias is not None, activation is not None,
+                                 state_indices is not None),
     )
     return out.squeeze(-1) if squeeze else out
 
@@ -163,6 +170,13 @@ def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, 
     tl.store(o_row, out.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
+def gdn_decode_constexprs(num_k_heads: int, num_v_heads: int, dk: int, dv: int,
+                          use_qk_l2norm: bool, has_indices: bool) -> dict:
+    return dict(V_PER_K=num_v_heads // num_k_heads, DK=dk, DV=dv, DK_PAD=_next_pow2(dk),
+                BLOCK_V=min(_next_pow2(dv), 32 if dk > 128 else 64),
+                L2NORM=bool(use_qk_l2norm), EPS=L2NORM_EPS, HAS_INDICES=has_indices)
+
+
 def gated_delta_rule_decode_triton(q, k, v, g, beta, state, use_qk_l2norm: bool = True,
                                    scale: Optional[float] = None,
                                    state_indices: Optional[torch.Tensor] = None):
@@ -175,8 +189,9 @@ def gated_delta_rule_decode_triton(q, k, v, g, beta, state, use_qk_l2norm: bool 
     # Contiguous head dims let the kernel use unit strides along Dk / Dv.
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
-    block_v = min(_next_pow2(dv), 32 if dk > 128 else 64)
-    grid = (batch, num_v_heads, triton.cdiv(dv, block_v))
+    constexprs = gdn_decode_constexprs(num_k_heads, num_v_heads, dk, dv, use_qk_l2norm,
+                                       state_indices is not None)
+    grid = (batch, num_v_heads, triton.cdiv(dv, constexprs["BLOCK_V"]))
     _gated_delta_decode_kernel[grid](
         q, k, v, g, beta, state, out, q if state_indices is None else state_indices,
         dk ** -0.5 if scale is None else float(scale),
@@ -184,9 +199,6 @@ def gated_delta_rule_decode_triton(q, k, v, g, beta, state, use_qk_l2norm: bool 
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         state.stride(0), state.stride(1), state.stride(2), state.stride(3),
         out.stride(0), out.stride(1),
-        V_PER_K=num_v_heads // num_k_heads, DK=dk, DV=dv, DK_PAD=_next_pow2(dk),
-        BLOCK_V=block_v, L2NORM=bool(use_qk_l2norm), EPS=L2NORM_EPS,
-        HAS_INDICES=state_indices is not None,
-        num_warps=4,
+        **constexprs, num_warps=4,
     )
     return out, state

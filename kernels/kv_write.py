@@ -40,6 +40,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def write_kv_constexprs(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    return dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, H_PAD=_next_pow2(num_kv_heads),
+                D_PAD=_next_pow2(head_dim), BLOCK_SIZE=block_size)
+
+
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Triton version of `write_kv_reference` (same arguments, in place)."""
@@ -52,7 +57,5 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         v.stride(0), v.stride(1), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        H_PAD=_next_pow2(num_kv_heads), D_PAD=_next_pow2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1],
+        **write_kv_constexprs(num_kv_heads, head_dim, k_cache.shape[1]),
     )

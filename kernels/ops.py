@@ -103,7 +103,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _fail(f"sliding_window must be positive, got {sliding_window}")
     _check_same_device(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     if use_triton(q.device):
-        from .paged_attention import paged_attention_triton
+        from .paged_attention_kernel import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
                                       seq_lens, scale, sliding_window, max_query_len,
                                       max_seq_len)

@@ -19,6 +19,7 @@ One kernel family, the semantics of `reference.paged_attention_reference`:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -184,17 +185,63 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _num_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int,
+def _num_splits(sms: int, num_seqs: int, num_kv_heads: int, max_seq_len: int,
                 tile_n: int) -> int:
     """Enough KV splits that decode programs cover the GPU about twice; each split >= 4 tiles."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 8  # interpreter: still exercise the split path on long contexts
     programs = max(1, num_seqs * num_kv_heads)
     wanted = -(-2 * sms // programs)
     cap = max(1, max_seq_len // (4 * tile_n))
     return min(_next_pow2(max(1, min(wanted, cap))), 64)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one batch is launched: grid, compile-time constants, warps. Pure, host-side."""
+    num_q_tiles: int
+    num_splits: int
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+
+def plan_attention(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int, block_size: int, dtype: torch.dtype, max_query_len: int,
+                   max_seq_len: int, sliding_window: Optional[int], sms: int,
+                   num_splits: Optional[int] = None, interpreting: bool = False) -> AttentionPlan:
+    group = num_heads // num_kv_heads
+    group_pad = _next_pow2(group)
+    d_pad = _next_pow2(head_dim)
+    tile_n = 32 if d_pad >= 256 else 64
+    decode_only = max_query_len <= 1
+    if decode_only:
+        block_q = 1
+        group_pad = max(group_pad, 16)  # tl.dot needs at least 16 rows
+        if num_splits is None:
+            num_splits = _num_splits(sms, num_seqs, num_kv_heads, max_seq_len, tile_n)
+        num_q_tiles = num_seqs
+    else:
+        block_m = 64 if d_pad <= 128 else 32
+        block_q = max(1, block_m // group_pad)
+        group_pad = max(group_pad, 16 // block_q)
+        num_splits = 1 if num_splits is None else num_splits
+        num_q_tiles = num_tokens // block_q + num_seqs
+    num_splits = _next_pow2(max(1, num_splits))
+    upcast = dtype == torch.bfloat16 and interpreting  # the interpreter's bf16 tl.dot is wrong
+    window = 0 if sliding_window is None else int(sliding_window)
+    constexprs = dict(
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
+        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, USE_WINDOW=window > 0,
+        DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast)
+    return AttentionPlan(num_q_tiles, num_splits, constexprs,
+                         num_warps=4 if d_pad <= 128 else 8, num_stages=2)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter: still exercise the split path on long contexts
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -212,7 +259,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     the GPU size). Inputs are assumed validated by `ops.paged_attention`.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -220,26 +266,15 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    group = num_heads // num_kv_heads
-    group_pad = _next_pow2(group)
-    d_pad = _next_pow2(head_dim)
-    tile_n = 32 if d_pad >= 256 else 64
-    decode_only = max_query_len <= 1
-    if decode_only:
-        block_q = 1
-        group_pad = max(group_pad, 16)  # tl.dot needs at least 16 rows
-        if num_splits is None:
-            if max_seq_len is None:
-                max_seq_len = int(seq_lens.max())
-            num_splits = _num_splits(q.device, num_seqs, num_kv_heads, max_seq_len, tile_n)
-        num_q_tiles = num_seqs
-    else:
-        block_m = 64 if d_pad <= 128 else 32
-        block_q = max(1, block_m // group_pad)
-        group_pad = max(group_pad, 16 // block_q)
-        num_splits = 1 if num_splits is None else num_splits
-        num_q_tiles = num_tokens // block_q + num_seqs
-    num_splits = _next_pow2(max(1, num_splits))
+    if max_query_len <= 1 and num_splits is None and max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    plan = plan_attention(num_tokens=num_tokens, num_seqs=num_seqs, num_heads=num_heads,
+                          num_kv_heads=k_cache.shape[2], head_dim=head_dim,
+                          block_size=k_cache.shape[1], dtype=q.dtype,
+                          max_query_len=max_query_len, max_seq_len=max_seq_len or 0,
+                          sliding_window=sliding_window, sms=_sm_count(q.device),
+                          num_splits=num_splits, interpreting=_interpreting())
+    num_splits, d_pad = plan.num_splits, plan.constexprs["D_PAD"]
     if num_splits > 1:
         part_out = torch.empty(num_tokens, num_heads, num_splits, d_pad, dtype=torch.float32,
                                device=q.device)
@@ -248,9 +283,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused
-    upcast = q.dtype == torch.bfloat16 and _interpreting()
     window = 0 if sliding_window is None else int(sliding_window)
-    grid = (num_q_tiles, num_kv_heads, num_splits)
+    grid = (plan.num_q_tiles, k_cache.shape[2], num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_max, part_sum,
         block_tables, query_start_loc, seq_lens,
@@ -261,12 +295,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), out.stride(2),
         block_tables.stride(0),
         num_heads,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, USE_WINDOW=window > 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        UPCAST=upcast,
-        num_warps=4 if d_pad <= 128 else 8, num_stages=2,
+        **plan.constexprs, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

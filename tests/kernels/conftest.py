@@ -13,7 +13,7 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-KERNEL_MODULES = ("pdpool.kernels.kv_write", "pdpool.kernels.paged_attention",
+KERNEL_MODULES = ("pdpool.kernels.kv_write", "pdpool.kernels.paged_attention_kernel",
                   "pdpool.kernels.gated_delta")
 
 
@@ -32,7 +32,7 @@ def _import_kernels_interpreted() -> None:
 
 if not HAS_CUDA:
     _import_kernels_interpreted()
-    from pdpool.kernels import paged_attention as _pa
+    from pdpool.kernels import paged_attention_kernel as _pa
     if not _pa._interpreting():
         raise RuntimeError("pdpool.kernels was imported before tests/kernels/conftest.py set "
                            "TRITON_INTERPRET=1; run the kernel tests in their own process")

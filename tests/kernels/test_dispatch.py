@@ -24,7 +24,7 @@ def test_force_torch_switch(monkeypatch, value, forced):
 
 def test_cpu_path_never_touches_triton(monkeypatch):
     """On CPU every op runs its torch reference, even when a Triton kernel would be wrong."""
-    import pdpool.kernels.paged_attention as pa
+    import pdpool.kernels.paged_attention_kernel as pa
 
     def boom(*args, **kwargs):
         raise AssertionError("Triton path taken on CPU")
@@ -41,7 +41,7 @@ def test_importing_the_api_does_not_load_triton_kernels():
     """The engine imports pdpool.kernels on CPU hosts too; the Triton modules stay unloaded."""
     code = ("import sys, pdpool.kernels; "
             "print([m for m in sys.modules if m.startswith('pdpool.kernels.') "
-            "and m.split('.')[-1] in ('paged_attention', 'kv_write', 'gated_delta')])")
+            "and m.split('.')[-1] in ('paged_attention_kernel', 'kv_write', 'gated_delta')])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdpool.kernels import ops
-from pdpool.kernels.paged_attention import paged_attention_triton
+from pdpool.kernels.paged_attention_kernel import paged_attention_triton
 from pdpool.kernels.reference import paged_attention_reference
 
 from .helpers import assert_close, batch_tables, gpu, paged_cache, requires_cuda

@@ -162,7 +162,8 @@ class NixlTransport:
     def add_peer(self, agent_metadata: bytes, regions: Mapping[str, RegionLayout]) -> str:
         """Load a peer's metadata and prepare its regions; returns the peer's agent name.
 
-        Adding a peer that is already known replaces it (it may have re-registered).
+        Adding a known peer again is a no-op if its regions are unchanged (reads in flight
+        go on); if they changed, it is replaced and its unfinished reads end FAILED.
         """
         self._check_open()
         regions = dict(regions)
@@ -181,8 +182,11 @@ class NixlTransport:
         if name == self.agent_name:
             self._agent.remove_remote_agent(name)
             raise TransportError("a transport cannot add itself as a peer")
-        if name in self._peers:
-            self._drop_peer(self._peers.pop(name), "peer replaced", invalidate=False)
+        known = self._peers.get(name)
+        if known is not None and known.regions == regions:
+            return name  # a repeated handshake: keep the peer and its reads in flight
+        if known is not None:
+            self._drop_peer(self._peers.pop(name), "peer re-registered", invalidate=False)
         offsets, descs, start = {}, [], 0
         for rname, remote in regions.items():
             offsets[rname] = start

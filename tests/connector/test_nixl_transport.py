@@ -232,11 +232,16 @@ def test_producer_killed_after_handshake(clean, producers, processes):
 def test_unresponsive_producer_times_out_and_the_read_is_cancelled(clean, processes):
     victim = processes["prefill-frozen"]
     try:
-        peer = connect(clean, victim)
+        info = connect_peer(clean, "127.0.0.1", victim.port, allowlist=LOOPBACK,
+                            local_layout=layout())
+        peer = info.agent_name
         os.kill(victim.process.pid, signal.SIGSTOP)  # alive but never answers
         tid = clean.start_read(peer, {"kv": (list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)))},
                                notification=b"x", timeout_s=1.0)
         started = time.monotonic()
+        # the engine may repeat a handshake while a read is in flight: it must not kill it
+        assert clean.add_peer(info.document.agent_metadata, info.document.regions) == peer
+        assert clean.poll(tid) is TransferState.IN_PROGRESS
         assert wait(clean, tid, limit_s=10) is TransferState.FAILED
         assert time.monotonic() - started >= 0.9
         assert clean.transfer(tid).error == "timed out"
@@ -246,3 +251,19 @@ def test_unresponsive_producer_times_out_and_the_read_is_cancelled(clean, proces
     finally:
         os.kill(victim.process.pid, signal.SIGCONT)
         victim.kill()
+
+
+def test_a_peer_whose_regions_changed_is_replaced(clean, producers):
+    info = connect_peer(clean, "127.0.0.1", producers[0].port, allowlist=LOOPBACK,
+                        local_layout=layout())
+    doc = info.document
+    assert clean.add_peer(doc.agent_metadata, {"kv": doc.regions["kv"]}) == info.agent_name
+    assert list(clean.peer_regions(info.agent_name)) == ["kv"]
+    with pytest.raises(RegionError, match="has no region 'state'"):
+        clean.start_read(info.agent_name, {"state": ([0], [0])})
+    tid = clean.start_read(info.agent_name, {"kv": ([5], [9])})
+    assert wait(clean, tid) is TransferState.DONE
+    assert torch.equal(clean.tensors["kv"][5], pattern(1, "kv")[9])
+    clean.release(tid)
+    connect(clean, producers[0])
+    assert sorted(clean.peer_regions(info.agent_name)) == ["kv", "state"]

@@ -21,13 +21,13 @@ from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
                    read_body, run_until_disconnect, send_bytes, send_error, send_start)
 from .discovery import EndpointSet
+from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 
 log = logging.getLogger("pdpool.gateway")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-             httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+RETRYABLE = (UpstreamError, httpx.HTTPError)
 # A sidecar answers 503 when its decode engine is unreachable: nothing ran, try another.
 RETRY_STATUSES = (502, 503)
 # Headers the gateway's own server sets again (or that describe the upstream connection).
@@ -61,7 +61,8 @@ class Gateway:
         self.in_flight: dict[str, int] = {}
         self.unhealthy: set[str] = set()
         self._ring = HashRing([])
-        self.client: Optional[httpx.AsyncClient] = None
+        self.client: Optional[httpx.AsyncClient] = None   # health checks
+        self.pool = Http1Pool(connect_timeout=settings.connect_timeout)  # proxied traffic
         self._health_task: Optional[asyncio.Task] = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -79,6 +80,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         await self.backends.stop()
+        await self.pool.aclose()
         if self.client:
             await self.client.aclose()
             self.client = None
@@ -165,13 +167,12 @@ class Gateway:
         for attempt, backend in enumerate(order):
             if attempt:
                 self.metrics.retries.inc()
-            request = self.client.build_request(scope["method"], f"http://{backend}{path}",
-                                                content=raw, headers=fwd)
             self.in_flight[backend] = self.in_flight.get(backend, 0) + 1
             self.metrics.in_flight.labels(backend).inc()
             try:
                 try:
-                    resp = await self.client.send(request, stream=True)
+                    resp = await self.pool.send(scope["method"], f"http://{backend}{path}",
+                                                raw, fwd)
                 except RETRYABLE as exc:
                     self._mark(backend, False)
                     last_error = f"{backend} unreachable: {exc!r}"
@@ -189,7 +190,7 @@ class Gateway:
                 self.metrics.in_flight.labels(backend).dec()
         await send_error(send, 503, last_error, code="no_backend")
 
-    async def _relay(self, resp: httpx.Response, send: Send) -> None:
+    async def _relay(self, resp: Response, send: Send) -> None:
         headers = {k: v for k, v in resp.headers.items()
                    if k.lower() not in RELAY_DROP}
         await send_start(send, resp.status_code, headers)

@@ -26,6 +26,7 @@ from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_
                    read_body, run_until_disconnect, send_bytes, send_error, send_start,
                    sse_error_event)
 from .discovery import EndpointSet
+from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
 from .picker import LoadPicker
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_target
@@ -38,8 +39,8 @@ log = logging.getLogger("pdpool.sidecar")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 PATH_HEADER = "x-pdpool-path"
 # Failures after which the same request may be sent again: nothing was generated.
-RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-             httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+RETRYABLE = (UpstreamError, httpx.ConnectError, httpx.ConnectTimeout,
+             httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
 
 
 class UpstreamUnavailable(Exception):
@@ -67,6 +68,14 @@ class Exchange:
 
 
 @dataclass
+class Buffered:
+    """A fully read upstream answer."""
+    status_code: int
+    headers: dict
+    content: bytes
+
+
+@dataclass
 class PrefillResult:
     kv: Optional[dict] = None                  # usable params for the decode leg
     usage: Optional[dict] = None
@@ -74,28 +83,28 @@ class PrefillResult:
 
 
 class Sidecar:
-    """ASGI app. `transport` lets tests route upstream calls in-process."""
+    """ASGI app. Decode legs go through the lean HTTP/1.1 client (http1.py), everything
+    else (prefill legs, health, other routes) through httpx."""
 
-    def __init__(self, settings: SidecarSettings,
-                 transport: Optional[httpx.AsyncBaseTransport] = None) -> None:
+    def __init__(self, settings: SidecarSettings) -> None:
         self.settings = settings.validate()
         self.metrics = SidecarMetrics()
         self.picker = LoadPicker()
         self.endpoints = EndpointSet(settings.prefill_urls, settings.prefill_service,
                                           settings.prefill_refresh_s)
-        self._transport = transport
         self.clients: Optional[ClientShards] = None
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
-        self.clients = ClientShards(connect_timeout=self.settings.connect_timeout,
-                                    transport=self._transport)
+        self.clients = ClientShards(connect_timeout=self.settings.connect_timeout)
+        self.decode_pool = Http1Pool(connect_timeout=self.settings.connect_timeout)
         await self.endpoints.start()
 
     async def shutdown(self) -> None:
         await self.endpoints.stop()
         if self.clients:
             await self.clients.aclose()
+            await self.decode_pool.aclose()
             self.clients = None
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -203,6 +212,7 @@ class Sidecar:
                       headers=forwardable(headers, drop=(PREFILLER_HEADER,)), target=target,
                       stream=bool(body.get("stream")))
         ex.headers["x-request-id"] = request_id
+        ex.headers["content-type"] = "application/json"
         flow = {"decode-first": self._decode_first, "prefill-first": self._prefill_first,
                 "aggregated": self._aggregated}[mode]
         self.metrics.in_flight.inc()
@@ -409,14 +419,18 @@ class Sidecar:
         await ex.send({"type": "http.response.body", "body": tail, "more_body": False})
 
     # ------------------------------------------------------------------ decode upstream
-    async def _decode_request(self, ex: Exchange, leg: dict) -> httpx.Response:
-        """A buffered decode leg, retried while the engine is unreachable (restarts)."""
-        url = self.settings.decode_url + ex.route
+    async def _decode_request(self, ex: Exchange, leg: dict) -> "Buffered":
+        """A buffered decode leg, retried while the engine is unreachable (restarts) or
+        breaks before answering in full (nothing reached the client yet)."""
         deadline = time.monotonic() + self.settings.decode_retry_s
         delay = 0.05
         while True:
             try:
-                return await self.client.post(url, json=leg, headers=ex.headers)
+                resp = await self._open_decode(ex, leg)
+                try:
+                    return Buffered(resp.status_code, resp.headers, await resp.aread())
+                finally:
+                    await resp.aclose()
             except RETRYABLE as exc:
                 if time.monotonic() + delay > deadline:
                     raise UpstreamUnavailable(f"decode engine unreachable: {exc!r}") from None
@@ -427,14 +441,11 @@ class Sidecar:
     @contextlib.asynccontextmanager
     async def _decode_stream(self, ex: Exchange, leg: dict):
         """A streaming decode leg, opened with the same retries as `_decode_request`."""
-        url = self.settings.decode_url + ex.route
         deadline = time.monotonic() + self.settings.decode_retry_s
         delay = 0.05
         while True:
-            client = self.client
-            request = client.build_request("POST", url, json=leg, headers=ex.headers)
             try:
-                resp = await client.send(request, stream=True)
+                resp = await self._open_decode(ex, leg)
                 break
             except RETRYABLE as exc:
                 if time.monotonic() + delay > deadline:
@@ -446,6 +457,10 @@ class Sidecar:
             yield resp
         finally:
             await resp.aclose()
+
+    async def _open_decode(self, ex: Exchange, leg: dict) -> Response:
+        return await self.decode_pool.send("POST", self.settings.decode_url + ex.route,
+                                           json.dumps(leg).encode(), ex.headers)
 
     async def _relay_buffered(self, ex: Exchange, status: int, content: bytes,
                               content_type: str) -> None:

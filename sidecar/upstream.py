@@ -7,19 +7,15 @@ used in turn, keep each scan short."""
 from __future__ import annotations
 
 import itertools
-from typing import Optional
-
 import httpx
 
 
 class ClientShards:
-    def __init__(self, shards: int = 16, connect_timeout: float = 2.0,
-                 transport: Optional[httpx.AsyncBaseTransport] = None) -> None:
+    def __init__(self, shards: int = 16, connect_timeout: float = 2.0) -> None:
         timeout = httpx.Timeout(None, connect=connect_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        count = 1 if transport is not None else shards
-        self.clients = [httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
-                        for _ in range(count)]
+        self.clients = [httpx.AsyncClient(timeout=timeout, limits=limits)
+                        for _ in range(shards)]
         self._turn = itertools.cycle(self.clients)
 
     def next(self) -> httpx.AsyncClient:

@@ -1,0 +1,42 @@
+"""Sidecar settings from a config file (an operator's ConfigMap) and flags."""
+import json
+import subprocess
+
+import pytest
+
+from pdpool.sidecar.settings import build_settings, load_config_file
+from pdpool.sidecar.topology import pdpool_command
+
+
+def test_yaml_file_then_flags_override(tmp_path):
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text("decode-url: http://10.0.0.1:8001/\nmode: prefill-first\n"
+                   "cache_hit_threshold: 0.7\nprefill_urls: 10.0.0.2:8000\n")
+    s = build_settings(load_config_file(str(cfg)), {"mode": None, "cache_hit_threshold": 0.2})
+    assert s.decode_url == "http://10.0.0.1:8001" and s.mode == "prefill-first"
+    assert s.cache_hit_threshold == 0.2 and s.prefill_urls == ["10.0.0.2:8000"]
+    js = tmp_path / "sidecar.json"
+    js.write_text(json.dumps({"prefill_service": "prefill.ns.svc:8000"}))
+    assert build_settings(load_config_file(str(js)), {}).prefill_service == "prefill.ns.svc:8000"
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("unknown_key: 1\n", "unknown setting"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("mode: sideways\n", "mode must be one of"),
+    ("cache_hit_threshold: 3\n", "[0, 1]"),
+    ("decode_url: ftp://x\n", "http://"),
+])
+def test_bad_settings_are_one_line_cli_errors(tmp_path, text, needle):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    done = subprocess.run(pdpool_command("sidecar", "--config", str(cfg), "--port", "0"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert needle in done.stderr and "Traceback" not in done.stderr
+
+
+def test_gateway_without_backends_is_a_cli_error():
+    done = subprocess.run(pdpool_command("gateway", "--port", "0"), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "--decode-url" in done.stderr

@@ -19,7 +19,7 @@ import time
 
 PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 # At launch Triton specialises integer arguments equal to 1 into constants and marks pointers
-# aligned to 16 bytes; the head-dim strides are 1 for the engine's tensors. Compiling with the
+# and integers divisible by 16; the head-dim strides are 1 for the engine's tensors. Compiling with the
 # same specialisation checks the code the GPU will really run (vectorised loads included).
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_kcd", "stride_vcd",
                 "stride_sv")
@@ -32,8 +32,11 @@ def _specialise(fn, signature: dict, constexprs: dict):
         if signature.get(name) == "i32":
             signature[name] = "constexpr"
             constexprs[name] = 1
+    # strides of the engine's tensors are multiples of 16 (head dims are), which Triton
+    # also detects at launch; it is what lets loads along the head dim vectorise
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if signature[name].startswith("*")}
+             if signature[name].startswith("*")
+             or (name.startswith("stride") and signature[name] == "i32")}
     return signature, constexprs, attrs
 
 
@@ -125,7 +128,32 @@ def _jobs(quick: bool):
     del torch
 
 
-def check(arch: int, quick: bool = False) -> list[dict]:
+def _ptxas_info(ptx: str, arch: int) -> str:
+    """Registers and spills of one kernel, from `ptxas -v` on its PTX (best effort)."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        for tool in ("ptxas_blackwell", "ptxas"):
+            path = getattr(getattr(knobs.nvidia, tool, None), "path", None)
+            if not path:
+                continue
+            run = subprocess.run([path, "-v", "--gpu-name", f"sm_{arch}{suffix}", f.name,
+                                  "-o", os.devnull], capture_output=True, text=True)
+            if run.returncode == 0:
+                lines = [line.split("info    : ")[-1].strip() for line in run.stderr.splitlines()
+                         if "registers" in line or "spill" in line]
+                return "; ".join(lines)
+        return "ptxas unavailable"
+    finally:
+        os.unlink(f.name)
+
+
+def check(arch: int, quick: bool = False, ptxas_info: bool = False) -> list[dict]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -140,6 +168,8 @@ def check(arch: int, quick: bool = False) -> list[dict]:
                                       target=target, options=options)
             results.append({"kernel": label, "ok": True, "shared_bytes": compiled.metadata.shared,
                             "seconds": round(time.perf_counter() - start, 2)})
+            if ptxas_info:
+                results[-1]["ptxas"] = _ptxas_info(compiled.asm["ptx"], arch)
         except Exception as exc:  # report every failure, keep compiling the rest
             first = str(exc).strip().splitlines()
             results.append({"kernel": label, "ok": False,
@@ -152,16 +182,19 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
     ap.add_argument("--quick", action="store_true", help="one configuration per kernel")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ptxas-info", action="store_true", help="registers and spills per kernel")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter cannot compile for a GPU", file=sys.stderr)
         return 2
-    results = check(args.arch, args.quick)
+    results = check(args.arch, args.quick, args.ptxas_info)
     if args.json:
         print(json.dumps(results))
     else:
         for r in results:
             status = f"ok  smem={r['shared_bytes']}" if r["ok"] else f"FAIL {r['error']}"
+            if r.get("ptxas"):
+                status += f"  [{r['ptxas']}]"
             print(f"sm_{args.arch}  {r['kernel']}: {status}")
     return 0 if all(r["ok"] for r in results) else 1
 

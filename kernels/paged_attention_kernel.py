@@ -211,7 +211,7 @@ def plan_attention(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_hea
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
     d_pad = _next_pow2(head_dim)
-    tile_n = 32 if d_pad >= 256 else 64
+    tile_n = 32 if d_pad >= 256 or dtype == torch.float32 else 64
     decode_only = max_query_len <= 1
     if decode_only:
         block_q = 1
@@ -220,7 +220,7 @@ def plan_attention(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_hea
             num_splits = _num_splits(sms, num_seqs, num_kv_heads, max_seq_len, tile_n)
         num_q_tiles = num_seqs
     else:
-        block_m = 64 if d_pad <= 128 else 32
+        block_m = 64 if d_pad <= 128 and dtype != torch.float32 else 32
         block_q = max(1, block_m // group_pad)
         group_pad = max(group_pad, 16 // block_q)
         num_splits = 1 if num_splits is None else num_splits

@@ -199,5 +199,7 @@ def test_prefill_full_size_gpu():
         lo, hi = bounds[n], bounds[n + 1]
         one, one_state = ref.gated_delta_rule_chunked_reference(
             q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], init[n:n + 1])
-        assert_close(out[:, lo:hi], one, BF16, scale=2)
-        assert_close(final[n], one_state[0], F32, scale=500)
+        # fla runs its chunk matmuls in bf16: compare relative (Frobenius) errors
+        for got, want in ((out[:, lo:hi], one), (final[n], one_state[0])):
+            rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert rel < 2e-2, f"sequence {n}: relative error {rel:.3g}"

@@ -141,3 +141,32 @@ def test_full_size_gpu(dtype, head_dim, group, window):
     out = ops.paged_attention(q[decodes], k_cache, v_cache, tables[2:], dec_starts, lens[2:],
                               scale, window, max_query_len=1)
     assert_close(out, expected[decodes], dtype)
+
+
+def _plan(**overrides):
+    from pdpool.kernels.paged_attention_kernel import plan_attention
+    args = dict(num_tokens=64, num_seqs=64, num_heads=16, num_kv_heads=8, head_dim=128,
+                block_size=16, dtype=torch.bfloat16, max_query_len=1, max_seq_len=8192,
+                sliding_window=None, sms=132)
+    args.update(overrides)
+    return plan_attention(**args)
+
+
+def test_split_plan_fills_the_gpu_only_when_needed():
+    assert _plan().num_splits == 1                                   # 512 programs already
+    assert _plan(num_tokens=1, num_seqs=1, max_seq_len=32768).num_splits == 64
+    assert _plan(num_tokens=1, num_seqs=1, max_seq_len=300).num_splits == 1   # short: no split
+    assert _plan(num_tokens=4, num_seqs=4, max_seq_len=4096).num_splits == 16  # 4 tiles each
+    assert _plan(max_query_len=7, num_tokens=70).num_splits == 1     # prefills never split
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("head_dim,max_query_len", [(64, 1), (128, 1), (256, 1), (128, 300),
+                                                   (256, 300)])
+def test_plan_tiles_are_dot_sized(group, head_dim, max_query_len):
+    """Every tile has >= 16 rows (tl.dot's minimum) and room for the whole GQA group."""
+    ce = _plan(num_heads=8 * group, head_dim=head_dim, max_query_len=max_query_len,
+               num_tokens=300).constexprs
+    assert ce["BLOCK_Q"] * ce["GROUP_PAD"] >= 16
+    assert ce["GROUP_PAD"] >= group and ce["D_PAD"] >= head_dim
+    assert ce["DECODE_ONLY"] == (max_query_len == 1)

@@ -43,3 +43,27 @@ def test_greedy_parity_with_transformers(tiny_qwen3, hf_model, prompts, name, kn
     for i, step, gap in report.allowed_divergences:
         print(f"allowed divergence: prompt {i} at step {step}, top-2 gap {gap:.2e}")
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_prefix_caching_keeps_parity_and_skips_work(tiny_qwen3, hf_model):
+    import random
+    rng = random.Random(5)
+    system = [rng.randrange(3, 500) for _ in range(100)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(rng.randint(1, 60))]
+               for _ in range(8)]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        engine = LLMEngine(EngineConfig(model=str(tiny_qwen3), device="cpu", num_kv_blocks=256,
+                                        max_num_batched_tokens=128,
+                                        enable_prefix_caching=caching), keep_logits=True)
+        engine.generate(prompts[:1], params)          # warm the shared system prompt
+        computed_before = engine.stats["computed_tokens"]
+        tokens, first_logits = run_engine_recording_first_logits(engine, prompts, params)
+        results[caching] = (tokens, first_logits,
+                            engine.stats["computed_tokens"] - computed_before)
+    assert results[True][0] == results[False][0]
+    # 96 of the 100 system tokens come from the cache for each of the 8 prompts.
+    assert results[False][2] - results[True][2] >= 8 * 96 - 16
+    report = compare(hf_model, prompts, results[True][0], results[True][1], MAX_NEW)
+    assert report.compared == len(prompts)

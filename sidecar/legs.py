@@ -80,14 +80,18 @@ def decode_first_leg(body: dict, pool_threshold: float) -> dict:
     return leg
 
 
-def pull_params_from_rejection(rejection_kv: Optional[dict]) -> Optional[dict]:
+def pull_params_from_rejection(rejection_kv: Optional[dict],
+                               min_tokens: int = 0) -> Optional[dict]:
     """The part of a rejection's `kv_transfer_params` a prefill engine needs to pull the
-    decode engine's cached prefix; None when decode holds nothing worth pulling."""
+    decode engine's cached prefix; None when decode holds nothing worth pulling (fewer
+    than `min_tokens` cached tokens: recomputing a short prefix beats a transfer)."""
     if not isinstance(rejection_kv, dict):
         return None
     blocks = rejection_kv.get("remote_block_ids")
     num_tokens = rejection_kv.get("remote_num_tokens")
     if not blocks or not num_tokens or not rejection_kv.get("remote_engine_id"):
+        return None
+    if isinstance(num_tokens, int) and num_tokens < min_tokens:
         return None
     return {k: rejection_kv[k] for k in PULL_FIELDS if rejection_kv.get(k) is not None}
 

@@ -250,8 +250,8 @@ class Sidecar:
         if rejection is None:
             return
         self.metrics.rejections.inc()
-        pull = legs.pull_params_from_rejection(rejection) if self.settings.pull_from_decode \
-            else None
+        pull = legs.pull_params_from_rejection(rejection, self.settings.kv_pull_threshold) \
+            if self.settings.pull_from_decode else None
         await self._remote_prefill_then_decode(ex, pull)
 
     async def _try_decode_buffered(self, ex: Exchange, leg: dict) -> Optional[dict]:

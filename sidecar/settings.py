@@ -22,6 +22,7 @@ class SidecarSettings:
     cache_hit_threshold: float = 0.5
     # Give the decode engine's cached prefix to the prefill leg so prefill pulls it.
     pull_from_decode: bool = True
+    kv_pull_threshold: int = 0                 # offer a pull only for >= this many tokens
     prefill_timeout: float = 30.0              # per prefill attempt, seconds
     decode_retry_s: float = 5.0                # keep retrying an unreachable decode engine
     connect_timeout: float = 2.0
@@ -33,6 +34,9 @@ class SidecarSettings:
         if not self.decode_url.startswith(("http://", "https://")):
             raise ValueError(f"decode url must start with http:// or https://: {self.decode_url}")
         self.decode_url = self.decode_url.rstrip("/")
+        if int(self.kv_pull_threshold) < 0:
+            raise ValueError("kv_pull_threshold must be >= 0")
+        self.kv_pull_threshold = int(self.kv_pull_threshold)
         for name in ("prefill_timeout", "decode_retry_s", "connect_timeout", "prefill_refresh_s"):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0")

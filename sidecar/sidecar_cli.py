@@ -22,11 +22,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long to retry an unreachable decode engine (default 5)")
     p.add_argument("--no-pull-from-decode", dest="pull_from_decode", action="store_const",
                    const=False, help="do not let prefill pull decode's cached prefix")
+    p.add_argument("--kv-pull-threshold", type=int,
+                   help="offer decode's cached prefix to prefill only when it holds at "
+                        "least this many tokens (default 0)")
     p.add_argument("--log-level", default="warning")
 
 
 SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refresh_s", "mode",
-                 "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode")
+                 "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode",
+                 "kv_pull_threshold")
 
 
 def settings_from_args(args: argparse.Namespace):

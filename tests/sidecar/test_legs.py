@@ -52,6 +52,12 @@ def test_prefill_leg_carries_decode_prefix_for_pull():
     assert leg["kv_transfer_params"]["do_remote_prefill"] is False
 
 
+def test_pull_threshold_skips_short_prefixes():
+    rejection = {"remote_engine_id": "d", "remote_block_ids": [1, 2], "remote_num_tokens": 32}
+    assert legs.pull_params_from_rejection(rejection, 33) is None
+    assert legs.pull_params_from_rejection(rejection, 32)["remote_num_tokens"] == 32
+
+
 @pytest.mark.parametrize("rejection", [None, {}, {"do_remote_decode": True},
                                        {"remote_engine_id": "d", "remote_block_ids": [],
                                         "remote_num_tokens": 0},

@@ -40,3 +40,23 @@ def test_gateway_without_backends_is_a_cli_error():
     done = subprocess.run(pdpool_command("gateway", "--port", "0"), capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "--decode-url" in done.stderr
+
+
+def test_the_operators_sidecar_command_line_parses():
+    """The operator renders the sidecar's argv; every flag it uses must exist here."""
+    commands = pytest.importorskip("pdpool.operator.commands")
+    from pdpool.cli import build_parser
+    from pdpool.sidecar.sidecar_cli import settings_from_args
+    values = {"PDPOOL_ROUTER_MODE": "decode-first", "PDPOOL_CACHE_HIT_THRESHOLD": "0.6",
+              "PDPOOL_KV_PULL_THRESHOLD": "64", "PDPOOL_PREFILL_TIMEOUT": "15",
+              "PDPOOL_PREFILL_SERVICE": "prefill.ns.svc.cluster.local:8000"}
+    argv = commands.sidecar_args()[1:]
+    for var, value in values.items():
+        argv = [a.replace(f"$({var})", value) for a in argv]
+    args = build_parser().parse_args(argv)
+    s = settings_from_args(args)
+    assert (s.mode, s.cache_hit_threshold, s.kv_pull_threshold, s.prefill_timeout) == \
+        ("decode-first", 0.6, 64, 15.0)
+    assert s.prefill_service == "prefill.ns.svc.cluster.local:8000"
+    gw = build_parser().parse_args(commands.gateway_args("decode.ns.svc:8000")[1:])
+    assert gw.decode_service == "decode.ns.svc:8000"

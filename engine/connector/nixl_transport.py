@@ -123,6 +123,9 @@ class NixlTransport:
         tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
         if name in self._regions:
             raise RegionError(f"region {name!r} is already registered")
+        if self._transfers:
+            # the local descriptor list is rebuilt below; live transfers still point at it
+            raise TransportError("register every region before starting transfers")
         layout = layout_of_tensors(name, tensors)
         if self.mem_type not in (None, layout.mem_type):
             # One descriptor list per engine keeps a multi-region READ a single NIXL

@@ -89,7 +89,9 @@ def test_reads_exactly_the_requested_blocks(clean, producers):
     before = clean.bytes_read
     tid = clean.start_read(peer, {"kv": ([0, 1, 2], [3, 7, 1])})
     assert wait(clean, tid) is TransferState.DONE
-    clean.release(tid)
+    with pytest.raises(TransportError, match="register every region before"):
+        clean.register_region("late", torch.zeros((2, 2)))
+    assert clean.release(tid)
     expected = pattern(1, "kv")
     kv = clean.tensors["kv"]
     assert torch.equal(kv[0], expected[3])
@@ -267,3 +269,17 @@ def test_a_peer_whose_regions_changed_is_replaced(clean, producers):
     clean.release(tid)
     connect(clean, producers[0])
     assert sorted(clean.peer_regions(info.agent_name)) == ["kv", "state"]
+
+
+def test_registration_errors():
+    with NixlTransport("regs") as t:
+        kv = torch.zeros((4, 8), dtype=torch.int64)
+        layout_ = t.register_region("kv", kv)
+        assert layout_.unit_bytes == 64 and t.mem_type == "DRAM"
+        with pytest.raises(RegionError, match="already registered"):
+            t.register_region("kv", kv)
+        with pytest.raises(RegionError, match="contiguous"):
+            t.register_region("state", torch.zeros((8, 4)).t())
+        assert list(t.regions) == ["kv"]
+    with pytest.raises(TransportError, match="closed"):
+        t.agent_metadata()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -17,3 +18,7 @@ class AttentionMetadata:
     # Per sequence: 0 when it is a pure decode step (one new token). Lets the torch path
     # batch decodes together.
     query_lens: list[int]
+    # Recurrent-state models: each sequence's state slot, and whether that slot already
+    # holds the state after its computed tokens (False: start from zeros).
+    state_slots: Optional[torch.Tensor] = None        # [B] int64
+    state_has_initial: Optional[list[bool]] = None

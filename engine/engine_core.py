@@ -76,7 +76,10 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(num_blocks, self.num_layers, 2, bs, self.num_kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        # Recurrent-state models (Qwen3.5) get one running-state slot per schedulable request.
+        num_slots = config.max_num_seqs if hasattr(self.model, "allocate_state") else 0
+        self.state = self.model.allocate_state(num_slots, self.device) if num_slots else None
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_slots)
         max_len = min(mc.get("max_position_embeddings", 4096), num_blocks * bs)
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
@@ -87,7 +90,8 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             prefix_aware_admission=config.prefix_aware_admission,
             global_cache_hit_threshold=config.global_cache_hit_threshold), self.kv)
-        self.runner = ModelRunner(self.model, self.kv, self.kv_cache, self.device, keep_logits)
+        self.runner = ModelRunner(self.model, self.kv, self.kv_cache, self.device, keep_logits,
+                                  self.state)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,

@@ -21,8 +21,9 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCacheManager, kv_cache: torch.Tensor,
-                 device: torch.device, keep_logits: bool = False):
+                 device: torch.device, keep_logits: bool = False, state=None):
         self.model = model
+        self.state = state  # the model's recurrent-state pool, if it has one
         self.kv = kv
         self.kv_cache = kv_cache
         self.device = device
@@ -58,13 +59,18 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens=q_lens)
+        if self.state is not None:
+            meta.state_slots = torch.tensor(
+                [self.kv.state_slot(s.request.request_id) for s in out.scheduled],
+                dtype=torch.int64, device=dev)
+            meta.state_has_initial = [s.request.num_computed_tokens > 0 for s in out.scheduled]
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         input_ids, positions, meta = self.prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.state)
         # Only requests whose scheduled tokens reach the end of what they know need a token;
         # a chunk in the middle of a prompt produces none.
         rows, reqs = [], []

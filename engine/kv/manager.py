@@ -17,10 +17,18 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_state_slots: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
+        # Recurrent-state models (Gated DeltaNet) keep one running state slot per request.
+        self.num_state_slots = num_state_slots
+        self._free_slots = list(range(num_state_slots - 1, -1, -1))
+        self.req_slot: dict[str, int] = {}
+
+    def state_slot(self, request_id: str) -> int:
+        return self.req_slot[request_id]
 
     @property
     def enable_caching(self) -> bool:
@@ -36,7 +44,8 @@ class KVCacheManager:
         At least one token is left to compute, so the last prompt token always produces
         logits: a fully cached prompt reuses all blocks but the one holding its last token.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or self.num_state_slots:
+            # A recurrent state cannot resume from attention blocks alone.
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
@@ -63,6 +72,9 @@ class KVCacheManager:
 
     def can_allocate(self, request: Request, num_new_tokens: int,
                      new_computed_blocks: Optional[list[Block]] = None) -> bool:
+        if self.num_state_slots and request.request_id not in self.req_slot \
+                and not self._free_slots:
+            return False
         return self.blocks_needed(request, num_new_tokens, new_computed_blocks or []) \
             <= self.pool.num_free_blocks
 
@@ -73,6 +85,8 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
             return False
+        if self.num_state_slots and request.request_id not in self.req_slot:
+            self.req_slot[request.request_id] = self._free_slots.pop()
         held = self.req_blocks.setdefault(request.request_id, [])
         self.pool.touch(new_computed_blocks)
         held.extend(new_computed_blocks)
@@ -92,6 +106,9 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(reversed(blocks))
+        slot = self.req_slot.pop(request.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
     def usage(self) -> float:
         return self.pool.usage()

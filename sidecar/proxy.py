@@ -223,13 +223,35 @@ class Sidecar:
         self.metrics.requests.labels(mode, "cancelled" if gone else ex.path_taken).inc()
 
     async def _guarded(self, flow, ex: Exchange) -> None:
-        """Upstream trouble becomes a 503 with OpenAI's error shape, never a 500."""
+        """Upstream trouble becomes an OpenAI-shaped 502/503 while nothing was sent to the
+        client; once a stream has started, the stream is ended instead."""
+        started = False
+        client_send = ex.send
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await client_send(message)
+
+        ex.send = tracking_send
         try:
             await flow(ex)
         except UpstreamUnavailable as exc:
             ex.path_taken = "upstream_error"
-            await send_error(ex.send, 503, str(exc), code="decode_unavailable",
-                             headers={"x-request-id": ex.request_id})
+            if not started:
+                await send_error(client_send, 503, str(exc), code="decode_unavailable",
+                                 headers={"x-request-id": ex.request_id})
+        except RETRYABLE as exc:
+            ex.path_taken = "upstream_error"
+            log.warning("upstream failed for %s: %r", ex.request_id, exc)
+            if not started:
+                await send_error(client_send, 502, f"upstream engine failed: {exc!r}",
+                                 code="upstream_failed",
+                                 headers={"x-request-id": ex.request_id})
+            else:
+                await client_send({"type": "http.response.body", "body": b"",
+                                   "more_body": False})
 
     # ------------------------------------------------------------------ flows
     async def _aggregated(self, ex: Exchange) -> None:
@@ -244,7 +266,7 @@ class Sidecar:
         leg = legs.decode_first_leg(ex.body, self.settings.cache_hit_threshold)
         self.metrics.legs.labels("decode_first").inc()
         if ex.stream:
-            rejection = await self._try_decode_stream(ex, leg)
+            rejection = await self._retrying(self._try_decode_stream, ex, leg)
         else:
             rejection = await self._try_decode_buffered(ex, leg)
         if rejection is None:
@@ -253,6 +275,21 @@ class Sidecar:
         pull = legs.pull_params_from_rejection(rejection, self.settings.kv_pull_threshold) \
             if self.settings.pull_from_decode else None
         await self._remote_prefill_then_decode(ex, pull)
+
+    async def _retrying(self, attempt, ex: Exchange, leg: dict):
+        """Runs `attempt` again while it fails before sending anything to the client
+        (the decode engine broke or restarted before the first token was relayed)."""
+        deadline = time.monotonic() + self.settings.decode_retry_s
+        delay = 0.05
+        while True:
+            try:
+                return await attempt(ex, leg)
+            except RETRYABLE as exc:
+                if time.monotonic() + delay > deadline:
+                    raise UpstreamUnavailable(f"decode engine failed: {exc!r}") from None
+                self.metrics.decode_retries.inc()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def _try_decode_buffered(self, ex: Exchange, leg: dict) -> Optional[dict]:
         """Returns the rejection's kv params ({} when none) or None when answered."""

@@ -320,3 +320,26 @@ async def test_other_modes(servers, mode):
     else:
         assert r.headers["x-pdpool-path"] == "pd" and len(prefill.state.received) == 1
         assert len(decode.state.received) == 1
+
+
+async def test_decode_dying_before_the_first_token_is_retried(servers):
+    decode, _, sidecar, side = await topology(servers)
+    decode.state.store(HISTORY.split())
+    decode.state.drop_streams = 2
+    async with httpx.AsyncClient() as c:
+        r = await c.post(side.url + "/v1/completions",
+                         json={"prompt": HISTORY, "max_tokens": 3, "stream": True})
+        metrics = (await c.get(side.url + "/metrics")).text
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert len(decode.state.received) == 3
+    assert "pdpool_sidecar_decode_retries_total 2.0" in metrics
+
+
+async def test_decode_dying_for_good_is_an_openai_503(servers):
+    decode, _, sidecar, side = await topology(servers, decode_retry_s=0.3)
+    decode.state.store(HISTORY.split())
+    decode.state.drop_streams = 1000
+    async with httpx.AsyncClient() as c:
+        r = await c.post(side.url + "/v1/completions",
+                         json={"prompt": HISTORY, "max_tokens": 3, "stream": True})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "decode_unavailable"

@@ -42,6 +42,7 @@ class StandInState:
     hang: bool = False          # accept requests and never answer (a stuck engine)
     fail_status: Optional[int] = None
     token_delay_s: float = 0.0
+    drop_streams: int = 0       # next N streams: send the head, then die (an engine crash)
     cancelled: int = 0
     pulled_tokens: int = 0      # tokens this engine pulled from a peer
     computed_tokens: int = 0
@@ -163,6 +164,9 @@ class VllmStandIn:
                                                 "kv_transfer_params": kv_out})
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
+        if self.state.drop_streams:
+            self.state.drop_streams -= 1
+            raise RuntimeError("stand-in engine crashed mid-stream")
         obj += ".chunk" if chat else ""
 
         async def event(choice_part, finish_reason=None, extra=None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import traceback
 from typing import AsyncIterator, Callable, Optional
 
@@ -86,6 +87,9 @@ class AsyncEngine:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout=10)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     # --- the engine thread --------------------------------------------------------------
     def _submit(self, fn: Callable[[], None]) -> None:
@@ -98,7 +102,7 @@ class AsyncEngine:
             with self._cv:
                 while not self._inbox and not self._stopping \
                         and not self.engine.has_unfinished():
-                    self._cv.wait(timeout=1.0)
+                    self._cv.wait(timeout=0.05)
                     self.engine_idle_tick()
                 if self._stopping:
                     return
@@ -115,6 +119,8 @@ class AsyncEngine:
                 continue
             for hook in self.on_step:
                 hook(outputs)
+            if getattr(self.engine, "last_step_idle", False):
+                time.sleep(0.001)  # only remote loads in flight: do not spin
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:

@@ -46,6 +46,7 @@ class EngineConfig:
     kv_pull_threshold: int = 0
     kv_load_failure_policy: str = "recompute"
     kv_producer_timeout: float = 120.0
+    kv_load_timeout: float = 30.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:

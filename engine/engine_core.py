@@ -84,12 +84,14 @@ class LLMEngine:
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
+        self.connector = self._build_connector()
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=max_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             prefix_aware_admission=config.prefix_aware_admission,
-            global_cache_hit_threshold=config.global_cache_hit_threshold), self.kv)
+            global_cache_hit_threshold=config.global_cache_hit_threshold), self.kv,
+            self.connector)
         self.runner = ModelRunner(self.model, self.kv, self.kv_cache, self.device, keep_logits,
                                   self.state)
         self.requests: dict[str, Request] = {}
@@ -132,6 +134,35 @@ class LLMEngine:
                              f"(one block is {self.block_bytes} bytes)")
         return int(n)
 
+    def kv_layout(self) -> dict:
+        """What must match for a KV block to mean the same thing in two engines."""
+        import hashlib
+        import json
+        keys = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "layer_types")
+        model = json.dumps({k: self.info.config.get(k) for k in keys}, sort_keys=True)
+        return {"model": hashlib.sha256(model.encode()).hexdigest()[:16],
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "block_size": self.config.block_size,
+                "kv_layout": "block-major[num_blocks,num_layers,2,block_size,kv_heads,head_dim]",
+                "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim}
+
+    def _build_connector(self):
+        if self.config.kv_connector == "none":
+            from pdpool.engine.connector.base import KVConnector
+            return KVConnector()
+        from pdpool.engine.connector.nixl_connector import NixlConnector
+        return NixlConnector(self.config, self.kv, self.kv_cache, self.kv_layout())
+
+    def close(self) -> None:
+        self.connector.close()
+
+    def idle_tick(self) -> None:
+        """Connector housekeeping while no request runs (notifications, held blocks)."""
+        for result in self.connector.poll():
+            self._apply_load_result(result)
+
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, cache_salt: Optional[str] = None,
@@ -165,7 +196,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
-        if req is not None:
+        if req is not None and not req.is_finished:
             self.stats["aborted"] += 1
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
             self._forget(req)
@@ -180,10 +211,17 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = []
+        for result in self.connector.poll():
+            failed = self._apply_load_result(result)
+            if failed is not None:
+                outputs.append(failed)
         out = self.scheduler.schedule()
-        outputs = [self._final_output(r, "", []) for r in out.rejected]
+        self.connector.start_loads()
+        outputs += [self._final_output(r, "", []) for r in out.rejected]
         for r in out.rejected:
             self._forget(r)
+        self.last_step_idle = not out.scheduled
         if not out.scheduled:
             return outputs
         result = self.runner.execute(out)
@@ -203,6 +241,21 @@ class LLMEngine:
             req.append_output_token(token)
             outputs.append(self._advance(req, token))
         return outputs
+
+    def _apply_load_result(self, result) -> Optional[RequestOutput]:
+        """Applies a finished remote load; under the `fail` policy a failed load ends the
+        request with an error (returned as its final output)."""
+        req = self.requests.get(result.request_id)
+        if req is None:
+            return None
+        if result.error and self.config.kv_load_failure_policy == "fail":
+            req.error = f"KV transfer failed: {result.error}"
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+            output = self._final_output(req, "", [])
+            self._forget(req)
+            return output
+        self.scheduler.finish_loading(req, result.num_loaded_tokens)
+        return None
 
     def _advance(self, req: Request, token: int) -> RequestOutput:
         params = req.sampling_params
@@ -230,6 +283,7 @@ class LLMEngine:
             return RequestOutput(req.request_id, delta, [token], False, None,
                                  req.num_prompt_tokens, len(req.output_token_ids),
                                  max(req.num_cached_tokens, 0))
+        req.kv_params_out = self.connector.request_finished(req, status)
         self.scheduler.finish_request(req, status)
         output = self._final_output(req, delta, [token])
         self._forget(req)
@@ -238,7 +292,7 @@ class LLMEngine:
     def _final_output(self, req: Request, delta: str, tokens: list[int]) -> RequestOutput:
         return RequestOutput(req.request_id, delta, tokens, True, req.status.value,
                              req.num_prompt_tokens, len(req.output_token_ids),
-                             max(req.num_cached_tokens, 0), error=req.error)
+                             max(req.num_cached_tokens, 0), req.kv_params_out, req.error)
 
     # --- convenience for tests and benchmarks ------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -52,6 +52,10 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.error: Optional[str] = None
+        # Connector bookkeeping: its remote KV was pulled already (never twice), and the
+        # kv_transfer_params the response carries.
+        self.kv_consumed = False
+        self.kv_params_out: Optional[dict[str, Any]] = None
         self.hasher = BlockHasher(block_size, extra_keys=(cache_salt,) if cache_salt else ())
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()

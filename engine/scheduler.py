@@ -57,11 +57,15 @@ class ThresholdDecision:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector=None):
+        from pdpool.engine.connector.base import KVConnector
         self.config = config
         self.kv = kv
+        self.connector = connector or KVConnector()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests whose KV is being read from another engine (blocks allocated).
+        self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_threshold_rejections = {"request": 0, "global": 0}
 
@@ -78,11 +82,23 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif self.loading.pop(request.request_id, None) is not None:
+            self.connector.request_aborted(request)
         request.status = status
         self.kv.free(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def finish_loading(self, request: Request, num_loaded_tokens: int) -> None:
+        """The connector's READ ended: what arrived counts as computed; the rest (from the
+        first missing block) is computed here. The request keeps its place in line."""
+        if self.loading.pop(request.request_id, None) is None:
+            return
+        request.num_computed_tokens += num_loaded_tokens
+        self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     # --- the decision -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -115,13 +131,34 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted \
                 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_cached = self.kv.get_computed_blocks(req)
-            decision = self.threshold_decision(req, num_cached)
-            if decision is not None:
-                self.waiting.popleft()
-                self._reject(req, decision, num_cached)
-                out.rejected.append(req)
-                continue
+            if req.request_id in self.kv.req_blocks:
+                # Back from a remote load: it holds its blocks and was judged on admission.
+                hits, num_cached = [], req.num_computed_tokens
+            else:
+                hits, num_local = self.kv.get_computed_blocks(req)
+                num_external = self.connector.get_num_new_matched_tokens(req, num_local)
+                # Tokens coming from a remote engine count as cached for the threshold.
+                decision = self.threshold_decision(req, num_local + num_external)
+                if decision is not None:
+                    self.waiting.popleft()
+                    self._reject(req, decision, num_local)
+                    req.kv_params_out = self.connector.describe_rejected(req, hits, num_local)
+                    out.rejected.append(req)
+                    continue
+                if num_external:
+                    # Blocks for the remote tokens now; the READ runs while others compute.
+                    if not self.kv.allocate_slots(req, num_external, hits):
+                        break
+                    self.waiting.popleft()
+                    req.num_computed_tokens = num_local
+                    if req.num_cached_tokens < 0:
+                        req.num_cached_tokens = num_local + num_external
+                    self.connector.update_state_after_alloc(
+                        req, self.kv.block_ids(req.request_id), num_local, num_external)
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.loading[req.request_id] = req
+                    continue
+                num_cached = num_local
             num_new = req.num_tokens - num_cached
             # Without awareness (the seed's "before"), cached tokens are charged to the
             # budget and cached blocks are allocated as if they were new.

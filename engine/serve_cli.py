@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["recompute", "fail"])
     p.add_argument("--kv-producer-timeout", type=float, default=120.0,
                    help="seconds a producer holds blocks nobody has read")
+    p.add_argument("--kv-load-timeout", type=float, default=30.0,
+                   help="seconds a consumer waits for a READ before computing locally")
     p.add_argument("--log-level", default="info")
 
 
@@ -68,7 +70,7 @@ def config_from_args(args: argparse.Namespace):
         kv_peer_allowlist=[h.strip() for h in args.kv_peer_allowlist.split(",") if h.strip()],
         kv_pull_threshold=args.kv_pull_threshold,
         kv_load_failure_policy=args.kv_load_failure_policy,
-        kv_producer_timeout=args.kv_producer_timeout)
+        kv_producer_timeout=args.kv_producer_timeout, kv_load_timeout=args.kv_load_timeout)
 
 
 def main(args: argparse.Namespace) -> int:

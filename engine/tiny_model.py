@@ -134,6 +134,9 @@ def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
         for name, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 * 4)
+    if spec.arch == "qwen3_5":
+        from pdpool.engine.tiny_model_qwen3_5 import randomize_qwen3_5_vectors
+        randomize_qwen3_5_vectors(model, spec.seed)
     model.save_pretrained(out, safe_serialization=True)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,

@@ -110,5 +110,22 @@ class KVCacheManager:
         if slot is not None:
             self._free_slots.append(slot)
 
+    def detach(self, request: Request) -> list[Block]:
+        """Takes a request's blocks away from it without freeing them (a connector holds
+        them for a peer); give them back with `release`."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        slot = self.req_slot.pop(request.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+        return blocks
+
+    def hold(self, blocks: list[Block]) -> list[Block]:
+        """An extra reference on blocks (e.g. a cached prefix described to a peer)."""
+        self.pool.touch(blocks)
+        return list(blocks)
+
+    def release(self, blocks: list[Block]) -> None:
+        self.pool.free(reversed(blocks))
+
     def usage(self) -> float:
         return self.pool.usage()

@@ -143,6 +143,9 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
             raise ApiError(str(exc))
         except RuntimeError as exc:
             raise ApiError(str(exc), 500, "InternalServerError")
+        if first.finish_reason == "error":
+            # e.g. a failed KV transfer under --kv-load-failure-policy fail: retryable.
+            raise ApiError(first.error or "the request failed", 503, "KVTransferError")
         return request_id, first, stream
 
     async def outputs(first: RequestOutput, stream, t_arrival: float

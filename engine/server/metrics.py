@@ -49,6 +49,12 @@ class EngineMetrics:
         for source in ("request", "global"):
             rej.labels(threshold_source=source, **labels).set_function(
                 lambda s=source: sched.num_threshold_rejections[s])
+        kv_stat = Gauge("pdpool_kv_connector", "KV connector counters (bytes_read, "
+                        "tokens_pulled, loads_ok, loads_failed, leases_active, ...).",
+                        list(labels) + ["stat"], registry=r)
+        for stat in engine.connector.stats():
+            kv_stat.labels(stat=stat, **labels).set_function(
+                lambda s=stat: engine.connector.stats()[s])
         gauge("pdpool_requests_aborted_total", "Requests aborted (client gone, cancelled).",
               lambda: engine.stats["aborted"])
         gauge("pdpool_computed_tokens_total", "Tokens run through the model.",

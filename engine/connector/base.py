@@ -1,0 +1,67 @@
+"""The KV connector interface the engine core and scheduler talk to.
+
+Split as vLLM splits it, though both halves run on the engine thread here:
+- scheduler side: how many of a request's tokens will come from another engine
+  (`get_num_new_matched_tokens`), what to do once blocks are allocated for them
+  (`update_state_after_alloc`), what to answer when a request finishes and whether to hold
+  its blocks (`request_finished`), and what to tell a router when a request is rejected
+  (`describe_rejected`);
+- worker side: register the KV memory (at construction), start the loads, and report the
+  loads that finished, with how many tokens actually arrived (`poll`).
+`KVConnector` itself is the `none` connector: nothing comes from, or goes to, anyone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from pdpool.engine.request import Request, RequestStatus
+
+
+@dataclass
+class LoadResult:
+    request_id: str
+    # Tokens (after the local hit) whose KV arrived, counted from the first pulled token;
+    # a failure partway keeps only the blocks before the first missing one.
+    num_loaded_tokens: int
+    error: Optional[str] = None
+
+
+class KVConnector:
+    name = "none"
+
+    # --- scheduler side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
+        return 0
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_local_computed: int, num_external: int) -> None:
+        raise RuntimeError("the none connector never loads KV")
+
+    def request_finished(self, request: Request, status: RequestStatus) -> Optional[dict]:
+        """Called before a finished request's blocks are freed; may detach them to hold
+        them for a peer. Returns the response's kv_transfer_params."""
+        return None
+
+    def describe_rejected(self, request: Request, hits: list, num_cached: int) -> Optional[dict]:
+        """kv_transfer_params for a request rejected below its cache-hit threshold."""
+        return None
+
+    def request_aborted(self, request: Request) -> None:
+        """A request that may be loading was aborted: blocks under a READ stay held."""
+
+    # --- worker side --------------------------------------------------------------------
+    def start_loads(self) -> None:
+        pass
+
+    def poll(self) -> list[LoadResult]:
+        return []
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass

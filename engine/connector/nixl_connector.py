@@ -1,0 +1,318 @@
+"""The NIXL KV connector: P/D transfer in both directions, with recovery from failed loads.
+
+Directions (the `kv_transfer_params` contract, wire-compatible with vLLM's NixlConnector):
+- a prefill leg (`do_remote_decode`) finishes with its blocks held for the decode engine
+  and answers where they are (`do_remote_prefill: true`, engine id, host, port, block ids);
+- a decode leg (`do_remote_prefill`) READs the blocks it does not already cache and
+  computes only what is left (the last prompt token);
+- bidirectional: a decode engine that rejects a request (cache-hit threshold) describes the
+  prefix it caches (`do_remote_decode: true`, `remote_block_ids`, `remote_num_tokens`) and
+  holds those blocks for a while; a prefill engine given such a description READs that
+  prefix instead of recomputing it when it gains at least `--kv-pull-threshold` tokens.
+
+A READ carries the peer's request id as its NIXL notification; the peer frees what it held
+on receipt, or after `--kv-producer-timeout` if nobody reads. A load that fails (peer gone,
+outside the allowlist, incompatible, bogus block ids, timeout) is reported with the tokens
+that did arrive, so the scheduler recomputes only from the first missing block.
+Everything here runs on the engine thread, except handshakes (network I/O, on a pool).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pdpool.engine.config import EngineConfig
+from pdpool.engine.connector.allowlist import parse_allowlist, resolve_allowed
+from pdpool.engine.connector.base import KVConnector, LoadResult
+from pdpool.engine.connector.handshake import (HandshakeServer, check_compatible,
+                                               document_for, fetch_handshake)
+from pdpool.engine.connector.nixl_transport import NixlTransport, TransferState
+from pdpool.engine.kv.block_pool import Block
+from pdpool.engine.kv.manager import KVCacheManager, cdiv
+from pdpool.engine.request import Request, RequestStatus
+
+log = logging.getLogger("pdpool.connector")
+
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class LoadPlan:
+    request_id: str
+    host: str
+    port: int
+    remote_request_id: str
+    local_ids: list[int]
+    remote_ids: list       # as received: validated when the peer's region is known
+    num_external: int      # tokens the plan would bring
+    started: float = field(default_factory=time.monotonic)
+    transfer_id: Optional[int] = None
+    num_valid_blocks: int = 0
+    orphan_blocks: Optional[list[Block]] = None  # request aborted mid-READ
+
+
+@dataclass
+class Lease:
+    blocks: list[Block]
+    deadline: float
+
+
+def _flat_block_ids(value: Any) -> Optional[list]:
+    """remote_block_ids is one list, or one list per KV cache group (the first is attention)."""
+    if not isinstance(value, list):
+        return None
+    if value and isinstance(value[0], list):
+        value = value[0]
+    return value
+
+
+class NixlConnector(KVConnector):
+    name = "nixl"
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, kv_cache, layout: dict,
+                 engine_id: Optional[str] = None):
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.role = config.kv_role
+        self.engine_id = engine_id or f"pdpool-{uuid.uuid4().hex[:12]}"
+        self.layout = layout
+        self.allowlist = parse_allowlist(config.kv_peer_allowlist)
+        self.transport = NixlTransport(self.engine_id)
+        self.transport.register_region("kv", kv_cache)
+        self.server = HandshakeServer(document_for(self.transport, layout),
+                                      host=config.kv_host, port=config.kv_port)
+        self.host, self.port = config.kv_host, self.server.port
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
+        self._peers: dict[tuple[str, int], str] = {}          # (host, port) -> agent name
+        self._handshakes: dict[tuple[str, int], Future] = {}
+        self._waiting: dict[str, LoadPlan] = {}               # planned, READ not started
+        self._reading: dict[str, LoadPlan] = {}               # READ in flight
+        self._failed: list[LoadResult] = []
+        self._leases: dict[str, Lease] = {}
+        self.counters = {"loads_ok": 0, "loads_failed": 0, "tokens_pulled": 0,
+                         "leases_expired": 0, "leases_released": 0, "peers_refused": 0}
+        log.info("NIXL connector %s: handshake on %s:%d, role %s, peers allowed: %s",
+                 self.engine_id, self.host, self.port, self.role, self.allowlist.describe())
+
+    # --- scheduler side -----------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
+        p = request.kv_transfer_params
+        if not p or getattr(request, "kv_consumed", False):
+            return 0
+        if p.get("do_remote_prefill"):
+            if self.role == "producer":
+                return 0
+            available = request.num_tokens - 1      # leave the last token to compute
+        elif p.get("do_remote_decode") and p.get("remote_block_ids") \
+                and p.get("remote_num_tokens"):
+            if self.role == "consumer":
+                return 0
+            try:
+                available = min(int(p["remote_num_tokens"]), request.num_tokens - 1)
+            except (TypeError, ValueError):
+                return 0
+        else:
+            return 0
+        gain = available - num_local_computed
+        threshold = 1 if p.get("do_remote_prefill") else max(1, self.config.kv_pull_threshold)
+        if gain < threshold or self._parse_peer(p) is None:
+            return 0
+        return gain
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_local_computed: int, num_external: int) -> None:
+        p = request.kv_transfer_params
+        host, port = self._parse_peer(p)
+        first = num_local_computed // self.block_size
+        last = cdiv(num_local_computed + num_external, self.block_size)
+        remote = _flat_block_ids(p.get("remote_block_ids")) or []
+        request.kv_consumed = True   # never pull twice for one request
+        self._waiting[request.request_id] = LoadPlan(
+            request.request_id, host, port, str(p.get("remote_request_id") or ""),
+            block_ids[first:last], remote[first:last], num_external)
+
+    def request_finished(self, request: Request, status: RequestStatus) -> Optional[dict]:
+        normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if not normal:
+            return None
+        if request.is_prefill_leg and self.role != "consumer":
+            # Hold the prompt's blocks for the decode engine's READ.
+            blocks = self.kv.detach(request)
+            n = min(cdiv(request.num_prompt_tokens, self.block_size), len(blocks))
+            self.kv.release(blocks[n:])
+            self._lease(request.request_id, blocks[:n])
+            return self._describe(request.request_id, blocks[:n], do_remote_prefill=True)
+        return None
+
+    def describe_rejected(self, request: Request, hits: list[Block],
+                          num_cached: int) -> Optional[dict]:
+        """The prefix this engine caches for a request it rejects, held for a prefill
+        engine to pull (seed 001). Prefill legs are never rejected, so never described."""
+        if not hits or self.role == "producer":
+            return None
+        self._lease(request.request_id, self.kv.hold(hits))
+        return self._describe(request.request_id, hits, do_remote_prefill=False,
+                              num_tokens=num_cached)
+
+    def request_aborted(self, request: Request) -> None:
+        rid = request.request_id
+        self._waiting.pop(rid, None)
+        plan = self._reading.get(rid)
+        if plan is not None:
+            # The READ may still write into these blocks: keep them until it ends.
+            plan.orphan_blocks = self.kv.detach(request)
+
+    # --- worker side --------------------------------------------------------------------
+    def start_loads(self) -> None:
+        for rid, plan in list(self._waiting.items()):
+            key = (plan.host, plan.port)
+            agent = self._peers.get(key)
+            if agent is None:
+                self._connect(key)
+                continue
+            del self._waiting[rid]
+            self._start_read(agent, plan)
+
+    def poll(self) -> list[LoadResult]:
+        self._finish_handshakes()
+        self.start_loads()
+        results, self._failed = self._failed, []
+        for rid, plan in list(self._reading.items()):
+            state = self.transport.poll(plan.transfer_id)
+            if state is TransferState.IN_PROGRESS:
+                continue
+            arrived = state is TransferState.DONE
+            error = None if arrived else self.transport.transfer(plan.transfer_id).error
+            self.transport.release(plan.transfer_id)
+            del self._reading[rid]
+            if plan.orphan_blocks is not None:
+                self.kv.release(plan.orphan_blocks)
+                continue
+            results.append(self._result(plan, error, arrived))
+        self._collect_notifications()
+        self._expire_leases()
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._waiting or self._reading or self._handshakes or self._leases)
+
+    def stats(self) -> dict[str, float]:
+        return {**self.counters, "bytes_read": self.transport.bytes_read,
+                "leases_active": len(self._leases), "loads_in_flight": len(self._reading)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.server.close()
+        self.transport.close()
+
+    # --- helpers ------------------------------------------------------------------------
+    def _parse_peer(self, p: dict) -> Optional[tuple[str, int]]:
+        host, port = p.get("remote_host"), p.get("remote_port")
+        if not isinstance(host, str) or not host or isinstance(port, bool) \
+                or not isinstance(port, int) or not 0 < port < 65536:
+            return None
+        return host, port
+
+    def _describe(self, lease_id: str, blocks: list[Block], do_remote_prefill: bool,
+                  num_tokens: Optional[int] = None) -> dict:
+        params = {"do_remote_prefill": do_remote_prefill, "do_remote_decode": not do_remote_prefill,
+                  "remote_engine_id": self.engine_id, "remote_request_id": lease_id,
+                  "remote_block_ids": [b.block_id for b in blocks],
+                  "remote_host": self.host, "remote_port": self.port, "tp_size": 1}
+        if num_tokens is not None:
+            params["remote_num_tokens"] = num_tokens
+        return params
+
+    def _lease(self, lease_id: str, blocks: list[Block]) -> None:
+        old = self._leases.pop(lease_id, None)
+        if old is not None:
+            self.kv.release(old.blocks)
+        self._leases[lease_id] = Lease(blocks, time.monotonic() + self.config.kv_producer_timeout)
+
+    def _connect(self, key: tuple[str, int]) -> None:
+        if key in self._handshakes:
+            return
+        try:
+            address = resolve_allowed(key[0], self.allowlist)
+        except PermissionError as exc:
+            self.counters["peers_refused"] += 1
+            log.warning("refusing KV peer %s:%d: %s", key[0], key[1], exc)
+            self._fail_plans_for(key, str(exc))
+            return
+        self._handshakes[key] = self._pool.submit(fetch_handshake, address, key[1],
+                                                  HANDSHAKE_TIMEOUT_S)
+
+    def _finish_handshakes(self) -> None:
+        for key, fut in list(self._handshakes.items()):
+            if not fut.done():
+                continue
+            del self._handshakes[key]
+            try:
+                doc = fut.result()
+                check_compatible(self.layout, doc)
+                self._peers[key] = self.transport.add_peer(doc.agent_metadata, doc.regions)
+                log.info("KV peer %s at %s:%d connected", doc.engine_id, *key)
+            except Exception as exc:  # handshake I/O, incompatible layout, NIXL refusal
+                self.counters["peers_refused"] += 1
+                log.warning("KV peer %s:%d refused: %s", key[0], key[1], exc)
+                self._fail_plans_for(key, f"KV peer {key[0]}:{key[1]}: {exc}")
+
+    def _fail_plans_for(self, key: tuple[str, int], error: str) -> None:
+        for rid, plan in list(self._waiting.items()):
+            if (plan.host, plan.port) == key:
+                del self._waiting[rid]
+                self._failed.append(self._result(plan, error))
+
+    def _start_read(self, agent: str, plan: LoadPlan) -> None:
+        remote_units = self.transport.peer_regions(agent)["kv"].num_units
+        valid = 0
+        for rid in plan.remote_ids:
+            if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < remote_units:
+                break
+            valid += 1
+        plan.num_valid_blocks = min(valid, len(plan.local_ids))
+        n = plan.num_valid_blocks
+        try:
+            plan.transfer_id = self.transport.start_read(
+                agent, {"kv": (plan.local_ids[:n], plan.remote_ids[:n])},
+                notification=plan.remote_request_id, timeout_s=self.config.kv_load_timeout)
+        except Exception as exc:
+            self._failed.append(self._result(plan, f"READ refused: {exc}"))
+            return
+        self._reading[plan.request_id] = plan
+
+    def _result(self, plan: LoadPlan, error: Optional[str], arrived: bool = False) -> LoadResult:
+        """`arrived`: the READ completed, so the valid prefix of the blocks is here."""
+        loaded = min(plan.num_external, plan.num_valid_blocks * self.block_size) if arrived else 0
+        if arrived and plan.num_valid_blocks < len(plan.local_ids):
+            error = (f"only {plan.num_valid_blocks} of {len(plan.local_ids)} remote block ids "
+                     f"are valid")
+        if error is None:
+            self.counters["loads_ok"] += 1
+        else:
+            self.counters["loads_failed"] += 1
+            log.warning("KV load for %s: %s; computing locally from prompt token %d",
+                        plan.request_id, error, loaded)
+        self.counters["tokens_pulled"] += loaded
+        return LoadResult(plan.request_id, loaded, error)
+
+    def _collect_notifications(self) -> None:
+        for note in self.transport.notifications():
+            lease = self._leases.pop(note.message.decode(errors="replace"), None)
+            if lease is not None:
+                self.kv.release(lease.blocks)
+                self.counters["leases_released"] += 1
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for lease_id, lease in list(self._leases.items()):
+            if now > lease.deadline:
+                del self._leases[lease_id]
+                self.kv.release(lease.blocks)
+                self.counters["leases_expired"] += 1
+                log.info("KV blocks held for %s expired unread", lease_id)

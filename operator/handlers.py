@@ -71,7 +71,7 @@ def reconcile(name: str, namespace: str, uid: str, spec: Any, meta: Any, body: A
         for manifest in build_children(PoolRef(name, namespace, uid), pool):
             cluster().apply(manifest)
     except ApiException as exc:
-        if exc.status in (400, 422):  # the API server refuses what the spec asks for
+        if refused_by_api_server(exc.status, _api_message(exc)):
             _fail(body, namespace, name, generation, "ApplyFailed", _api_message(exc))
             return
         raise kopf.TemporaryError(f"applying children failed: {_api_message(exc)}", delay=5)
@@ -123,6 +123,14 @@ def _fail(body: Any, namespace: str, name: str, generation: int, reason: str,
     kopf.warn(body, reason=reason, message=message)
     refresh_status(namespace, name, observed_generation=generation,
                    spec_error=(reason, message))
+
+
+def refused_by_api_server(status: int, message: str) -> bool:
+    """The child itself is invalid (retrying cannot help), as opposed to a transient error.
+
+    Server-side apply answers 500 when a field cannot even be converted to its type.
+    """
+    return status in (400, 422) or (status == 500 and "unable to convert" in message)
 
 
 def _api_message(exc: ApiException) -> str:

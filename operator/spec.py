@@ -7,6 +7,7 @@ Pure: no Kubernetes client, no I/O.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,8 @@ ROUTER_MODES = ("decode-first", "prefill-first", "aggregated")
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/pdpool/pdpool-slim:0.1.0"
 DEFAULT_PEER_ALLOWLIST = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
 MAX_POOL_NAME = 52  # "<name>-gateway" must stay a valid DNS label (63)
+# Kubernetes resource.Quantity syntax (the CRD carries the same pattern).
+QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 
 
 class SpecError(ValueError):
@@ -156,7 +159,7 @@ def _role(role: str, r: dict[str, Any]) -> RoleSpec:
         raise SpecError(f"{where}: tensorParallelSize {tp} needs gpus: {tp}")
     return RoleSpec(
         replicas=_int(r, "replicas", 1, where, minimum=0), tensor_parallel_size=tp, gpus=gpus,
-        resources=dict(r.get("resources") or {}), extra_args=tuple(_str_list(r, "extraArgs")),
+        resources=_resources(r, where), extra_args=tuple(_str_list(r, "extraArgs")),
         env=tuple(_env(r, where)), node_selector=dict(r.get("nodeSelector") or {}),
         tolerations=tuple(r.get("tolerations") or ()))
 
@@ -175,7 +178,7 @@ def _router(r: dict[str, Any]) -> RouterSpec:
                       kv_pull_threshold=_int(r, "kvPullThreshold", 0, "spec.router", minimum=0),
                       prefill_timeout_seconds=timeout,
                       image=r.get("image") or DEFAULT_SIDECAR_IMAGE,
-                      resources=dict(r.get("resources") or {}))
+                      resources=_resources(r, "spec.router"))
 
 
 def _gateway(g: dict[str, Any]) -> GatewaySpec:
@@ -184,7 +187,16 @@ def _gateway(g: dict[str, Any]) -> GatewaySpec:
         raise SpecError(f"spec.gateway.serviceType {service_type!r} is not supported")
     return GatewaySpec(replicas=_int(g, "replicas", 1, "spec.gateway", minimum=0),
                        port=_int(g, "port", 8080, "spec.gateway", minimum=1, maximum=65535),
-                       service_type=service_type, resources=dict(g.get("resources") or {}))
+                       service_type=service_type, resources=_resources(g, "spec.gateway"))
+
+
+def _resources(d: dict[str, Any], where: str) -> dict[str, Any]:
+    resources = d.get("resources") or {}
+    for section in ("limits", "requests"):
+        for name, value in (resources.get(section) or {}).items():
+            if isinstance(value, bool) or not QUANTITY.match(str(value)):
+                raise SpecError(f"{where}.resources.{section}.{name}: {value!r} is not a quantity")
+    return dict(resources)
 
 
 def _int(d: dict[str, Any], key: str, default: int, where: str,

@@ -71,3 +71,4 @@ def operator_process(k8s, tmp_path_factory):
     op.start()
     yield op
     op.stop()
+    print("operator log (tail):\n" + op.log()[-4000:])  # shown when a test failed

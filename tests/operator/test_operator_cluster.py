@@ -81,10 +81,12 @@ def test_status_reaches_ready_when_deployments_are_ready(operator_process, pools
     pools.mark_ready("gamma", "prefill")
     pools.mark_ready("gamma", "gateway")
     pools.mark_ready("gamma", "decode", ready=1)
-    wait_for(lambda: (pools.condition("gamma", "PrefillReady") or {}).get("status") == "True",
-             20, what="PrefillReady")
+    wait_for(lambda: (pools.condition("gamma", "DecodeReady") or {}).get("reason")
+             == "ReplicasNotReady", 20, what="DecodeReady=False, 1/2")
+    wait_for(lambda: pools.condition("gamma", "PrefillReady")["status"] == "True", 20,
+             what="PrefillReady")
     decode = pools.condition("gamma", "DecodeReady")
-    assert decode["status"] == "False" and decode["reason"] == "ReplicasNotReady"
+    assert decode["status"] == "False"
     assert "1/2" in decode["message"]
     assert pools.get("gamma")["status"]["phase"] == "Progressing"
     pools.mark_ready("gamma", "decode")
@@ -107,6 +109,7 @@ def test_status_reaches_ready_when_deployments_are_ready(operator_process, pools
     ({"model": {"path": "relative"}}, "a relative model.path needs model.pvc"),
     ({"prefill": {"gpus": 2, "tensorParallelSize": 4}}, "tensorParallelSize must equal gpus"),
     ({"engine": {"image": "x", "kind": "sglang"}}, "spec.engine.kind"),
+    ({"prefill": {"resources": {"limits": {"cpu": "lots"}}}}, "spec.prefill.resources.limits"),
     ({"router": {"mode": "prefill-first"}, "prefill": {"replicas": 0}},
      "prefill-first needs at least one prefill replica"),
 ])
@@ -136,11 +139,12 @@ def test_unhonourable_spec_gets_ready_false_and_an_event(operator_process, pools
     wait_for(lambda: any(e.reason == "InvalidSpec" and e.type == "Warning"
                          for e in pools.events("delta")), 15, what="InvalidSpec event")
     assert pools.deployments("delta") == {}
-    # A quantity the API server refuses only when the Deployment is applied.
-    pools.create(pool_manifest("epsilon", prefill={"resources": {"limits": {"cpu": "lots"}}}))
+    # A toleration the API server refuses only when the Deployment is applied.
+    pools.create(pool_manifest("epsilon", prefill={
+        "tolerations": [{"key": "gpu", "operator": "Sometimes"}]}))
     wait_for(lambda: (pools.condition("epsilon", "Ready") or {}).get("reason") == "ApplyFailed",
              30, what="ApplyFailed condition")
-    assert "quantities must match" in pools.condition("epsilon", "Ready")["message"]
+    assert "tolerations[0].operator" in pools.condition("epsilon", "Ready")["message"]
     assert operator_process.alive()
     # Fixing the spec recovers without a restart.
     pools.patch_spec("delta", {"decode": {"tensorParallelSize": 1}})

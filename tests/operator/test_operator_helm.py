@@ -11,6 +11,8 @@ import pytest
 import yaml
 from kubernetes import client
 
+from pdpool.operator.kube import request
+
 from operator_kube import CHART, CRD_FILE, OperatorProcess, Pools, pool_manifest, wait_for
 from test_operator_cluster import children_exist
 
@@ -94,10 +96,8 @@ def test_rendered_manifests_pass_server_side_validation(helm_bin, admin_api, set
                   "PDInferencePool": "pdinferencepools"}[doc["kind"]]
         ns = doc["metadata"].get("namespace")
         path = f"{prefix}/namespaces/{ns}/{plural}" if ns else f"{prefix}/{plural}"
-        admin_api.call_api(path, "POST", body=doc,
-                           query_params=[("dryRun", "All"), ("fieldValidation", "Strict")],
-                           header_params={"Content-Type": "application/json"},
-                           auth_settings=["BearerToken"], _preload_content=False)
+        request(admin_api, "POST", path, doc, "application/json",
+                [("dryRun", "All"), ("fieldValidation", "Strict")])
     kinds = {d["kind"] for d in docs}
     if any(s.startswith("watchNamespaces") for s in sets):
         assert "ClusterRole" not in kinds and "Role" in kinds

@@ -39,6 +39,7 @@ def test_defaults_are_filled_in():
     (with_(router={"mode": "prefill-first"}, prefill={"replicas": 0}), "prefill-first needs"),
     (with_(gateway={"port": 70000}), "spec.gateway.port must be <= 65535"),
     (with_(engine={"image": "x", "env": [{"value": "1"}]}), "env entries need a name"),
+    (with_(decode={"resources": {"limits": {"memory": "lots"}}}), "'lots' is not a quantity"),
 ])
 def test_refused_specs_say_why(spec, fragment):
     with pytest.raises(SpecError) as err:
@@ -49,6 +50,21 @@ def test_refused_specs_say_why(spec, fragment):
 def test_long_pool_name_is_refused():
     with pytest.raises(SpecError, match="longer than 52"):
         parse_pool_spec("p" * 53, BASE)
+
+
+def test_quantities_in_kubernetes_syntax_are_accepted():
+    resources = {"limits": {"cpu": "500m", "memory": "16Gi", "nvidia.com/gpu": 1},
+                 "requests": {"cpu": 2, "memory": "1.5e9"}}
+    pool = parse_pool_spec("demo", with_(prefill={"resources": resources}))
+    assert pool.prefill.resources == resources
+
+
+def test_apply_errors_that_no_retry_can_fix():
+    from pdpool.operator.handlers import refused_by_api_server
+    assert refused_by_api_server(422, "Unsupported value")
+    assert refused_by_api_server(500, "unable to convert unstructured object to apps/v1")
+    assert not refused_by_api_server(500, "etcdserver: request timed out")
+    assert not refused_by_api_server(429, "storage is (re)initializing")
 
 
 def test_relative_path_is_fine_with_a_pvc_and_gpus_match_tp():

@@ -1,0 +1,29 @@
+"""The router's part of a P/D exchange, done by hand for engine-level tests: a prefill leg,
+then a decode leg with the prefill's kv_transfer_params (what the sidecar automates)."""
+from __future__ import annotations
+
+import httpx
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prefill_leg(prefill_url: str, body: dict, extra_params: dict | None = None) -> dict:
+    params = {"do_remote_decode": True, **(extra_params or {})}
+    out = post(prefill_url, {**body, "max_tokens": 1, "stream": False,
+                             "kv_transfer_params": params})
+    kv = out["kv_transfer_params"]
+    assert kv and kv["do_remote_prefill"] is True, out
+    return kv
+
+
+def decode_leg(decode_url: str, body: dict, kv_params: dict) -> dict:
+    return post(decode_url, {**body, "kv_transfer_params": kv_params,
+                             "cache_hit_threshold": 0.0})
+
+
+def text_of(resp: dict) -> str:
+    return resp["choices"][0]["text"]

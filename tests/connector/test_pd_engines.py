@@ -1,0 +1,273 @@
+"""P/D between real engine processes with real NIXL transfers over loopback (CPU DRAM)."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytest.importorskip("nixl", reason="the nixl extra is not installed")
+
+from engine_procs import EngineProcess  # noqa: E402
+from .pd_router import decode_leg, post, prefill_leg, text_of  # noqa: E402
+
+NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("pd-logs")
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen3, logs):
+    """prefill, a second prefill, decode (fast load timeout), a `fail`-policy decode, and a
+    plain aggregated engine as the reference."""
+    specs = {
+        "P": (*NIXL, "--kv-role", "producer", "--kv-producer-timeout", "3",
+              "--kv-pull-threshold", "16"),
+        "P2": (*NIXL, "--kv-role", "producer"),
+        "D": (*NIXL, "--kv-role", "consumer", "--kv-load-timeout", "3"),
+        "Dfail": (*NIXL, "--kv-role", "consumer", "--kv-load-failure-policy", "fail"),
+        "A": ("--num-kv-blocks", "256"),
+    }
+    procs = {name: EngineProcess(tiny_qwen3, logs, *flags) for name, flags in specs.items()}
+    try:
+        for p in procs.values():
+            p.wait()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def body(prompt, max_tokens=8) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def _stat(eng, stat: str) -> float:
+    text = httpx.get(f"{eng.url}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("pdpool_kv_connector{") and f'stat="{stat}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no connector stat {stat}")
+
+
+def wait_no_blocks(*engs, timeout=15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(e.metric("pdpool_kv_blocks_used") == 0 for e in engs):
+            return
+        time.sleep(0.2)
+    used = {e.url: e.metric("pdpool_kv_blocks_used") for e in engs}
+    raise AssertionError(f"blocks still in use: {used}")
+
+
+def block_bytes(eng) -> int:
+    # tiny-qwen3: 2 layers x K,V x 16 tokens x 2 KV heads x 16 dims x 4 bytes
+    return 2 * 2 * BLOCK * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("n", [1, 5, 40, 200])
+def test_pd_output_equals_one_engine_and_decode_computes_one_token(engines, n):
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    b = body(prompt_ids(n, seed=n))
+    ref = post(A.url, b)
+    computed0, bytes0 = D.metric("pdpool_computed_tokens_total"), _stat(D, "bytes_read")
+    kv = prefill_leg(P.url, b)
+    assert len(kv["remote_block_ids"]) == -(-n // BLOCK)
+    out = decode_leg(D.url, b, kv)
+    assert text_of(out) == text_of(ref)
+    # The decode engine computed the last prompt token and the decode steps only.
+    assert D.metric("pdpool_computed_tokens_total") - computed0 == b["max_tokens"]
+    pulled_blocks = -(-(n - 1) // BLOCK)
+    assert _stat(D, "bytes_read") - bytes0 == pulled_blocks * block_bytes(D)
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    wait_no_blocks(P, D)
+
+
+def test_decode_pulls_only_what_it_does_not_cache(engines):
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    prefix = prompt_ids(64, seed=100)           # 4 blocks the decode engine will cache
+    post(D.url, body(prefix, 2))
+    b = body(prefix + prompt_ids(50, seed=101))  # 114 tokens: blocks 4..7 are missing
+    bytes0 = _stat(D, "bytes_read")
+    out = decode_leg(D.url, b, prefill_leg(P.url, b))
+    assert text_of(out) == text_of(post(A.url, b))
+    assert _stat(D, "bytes_read") - bytes0 == 4 * block_bytes(D)
+    wait_no_blocks(P, D)
+
+
+def test_three_engines_concurrently(engines):
+    P, P2, D, A = engines["P"], engines["P2"], engines["D"], engines["A"]
+    bodies = [body(prompt_ids(30 + 20 * i, seed=200 + i)) for i in range(6)]
+
+    def flow(i):
+        kv = prefill_leg((P if i % 2 else P2).url, bodies[i])
+        return text_of(decode_leg(D.url, bodies[i], kv))
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(flow, range(6)))
+    assert got == [text_of(post(A.url, b)) for b in bodies]
+    wait_no_blocks(P, P2, D)
+
+
+def test_prefill_killed_before_the_pull(tiny_qwen3, logs, engines):
+    D, A = engines["D"], engines["A"]
+    victim = EngineProcess(tiny_qwen3, logs, *NIXL, "--kv-role", "producer").wait()
+    try:
+        b = body(prompt_ids(90, seed=300))
+        kv = prefill_leg(victim.url, b)
+    finally:
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.stop()
+    computed0 = D.metric("pdpool_computed_tokens_total")
+    out = decode_leg(D.url, b, kv)
+    assert text_of(out) == text_of(post(A.url, b))
+    # Nothing arrived: the whole prompt was computed locally.
+    assert D.metric("pdpool_computed_tokens_total") - computed0 == 90 + b["max_tokens"] - 1
+    wait_no_blocks(D)
+
+
+@pytest.mark.parametrize("case,mangle,pulled_blocks", [
+    (0, lambda ids: [10_000 + i for i in ids], 0),          # none valid
+    (1, lambda ids: ids[:2] + [-1] + ids[3:], 2),           # first missing block is index 2
+    (2, lambda ids: ids[:3], 3),                            # too few ids
+    (3, lambda ids: [-5] + ids[1:], 0),                     # first id invalid
+])
+def test_bogus_block_ids_recompute_from_first_missing_block(engines, case, mangle,
+                                                            pulled_blocks):
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    b = body(prompt_ids(100, seed=400 + case))  # 7 blocks, a prompt new to every engine
+    kv = prefill_leg(P.url, b)
+    kv["remote_block_ids"] = mangle(kv["remote_block_ids"])
+    pulled0, computed0 = _stat(D, "tokens_pulled"), D.metric("pdpool_computed_tokens_total")
+    out = decode_leg(D.url, b, kv)
+    assert text_of(out) == text_of(post(A.url, b))
+    assert _stat(D, "tokens_pulled") - pulled0 == pulled_blocks * BLOCK
+    assert D.metric("pdpool_computed_tokens_total") - computed0 == \
+        100 - pulled_blocks * BLOCK + b["max_tokens"] - 1
+    wait_no_blocks(P, D)   # the producer was notified (or timed out) and freed its blocks
+
+
+def test_malformed_kv_transfer_params_are_a_400(engines):
+    D = engines["D"]
+    for bad in ({"remote_block_ids": ["x"]}, {"do_remote_prefill": "maybe"},
+                {"remote_port": "http"}):
+        r = httpx.post(f"{D.url}/v1/completions",
+                       json={**body([5, 6, 7]), "kv_transfer_params": bad})
+        assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
+
+
+def test_peer_outside_allowlist_is_refused(engines):
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    b = body(prompt_ids(40, seed=500))
+    kv = prefill_leg(P.url, b)
+    refused0 = _stat(D, "peers_refused")
+    out = decode_leg(D.url, b, {**kv, "remote_host": "10.255.255.1"})
+    assert text_of(out) == text_of(post(A.url, b))
+    assert _stat(D, "peers_refused") == refused0 + 1
+    assert "not in the KV peer allowlist" in D.log.read_text()
+    wait_no_blocks(P, D)   # unread: the producer's timeout frees its blocks
+
+
+def test_engine_with_other_block_size_is_refused(tiny_qwen3, logs, engines):
+    D, A = engines["D"], engines["A"]
+    other = EngineProcess(tiny_qwen3, logs, *NIXL, "--block-size", "8").wait()
+    try:
+        b = body(prompt_ids(40, seed=600))
+        out = decode_leg(D.url, b, prefill_leg(other.url, b))
+        assert text_of(out) == text_of(post(A.url, b))
+        assert "block_size: ours 16, peer 8" in D.log.read_text()
+    finally:
+        other.stop()
+    wait_no_blocks(D)
+
+
+def test_producer_timeout_frees_unread_blocks(engines):
+    P = engines["P"]
+    wait_no_blocks(P)
+    prefill_leg(P.url, body(prompt_ids(64, seed=700)))
+    assert P.metric("pdpool_kv_blocks_used") == 4
+    expired0 = _stat(P, "leases_expired")
+    wait_no_blocks(P, timeout=10)
+    assert _stat(P, "leases_expired") == expired0 + 1
+
+
+def test_fail_policy_fails_cleanly(engines):
+    P, Dfail = engines["P"], engines["Dfail"]
+    b = body(prompt_ids(60, seed=800))
+    kv = prefill_leg(P.url, b)
+    kv["remote_block_ids"] = [99_999] * len(kv["remote_block_ids"])
+    r = httpx.post(f"{Dfail.url}/v1/completions",
+                   json={**b, "kv_transfer_params": kv}, timeout=60)
+    assert r.status_code == 503
+    assert "KV transfer failed" in r.json()["error"]["message"]
+    wait_no_blocks(P, Dfail)
+
+
+def test_a_hanging_peer_does_not_delay_other_requests(engines):
+    """A 'prefill engine' that accepts the handshake connection and never answers."""
+    D, A = engines["D"], engines["A"]
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    conns = []
+    threading.Thread(target=lambda: conns.append(srv.accept()), daemon=True).start()
+    b = body(prompt_ids(70, seed=900))
+    kv = {"do_remote_prefill": True, "remote_engine_id": "ghost", "remote_request_id": "x",
+          "remote_block_ids": list(range(5)), "remote_host": "127.0.0.1",
+          "remote_port": srv.getsockname()[1], "tp_size": 1}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            stuck = pool.submit(decode_leg, D.url, b, kv)
+            time.sleep(0.5)
+            t = time.monotonic()
+            other = post(D.url, body(prompt_ids(20, seed=901), 4))
+            other_latency = time.monotonic() - t
+            assert other["choices"][0]["finish_reason"] == "length"
+            assert not stuck.done()   # still waiting for the handshake
+            assert text_of(stuck.result(timeout=60)) == text_of(post(A.url, b))
+        # The handshake timeout is 5 s; the other request did not wait for it.
+        assert other_latency < 4.0
+    finally:
+        srv.close()
+    wait_no_blocks(D)
+
+
+def test_bidirectional_turn_two_pulls_history_from_decode(engines):
+    """Turn 1 runs on the decode engine; turn 2 is rejected there (threshold), its prefill
+    pulls the cached history from the decode engine, and decode pulls only the new part."""
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    turn1 = prompt_ids(96, seed=1000)
+    r1 = post(D.url, body(turn1, 8))
+    history = turn1 + prompt_ids(8, seed=1001)   # stands in for the assistant's answer
+    turn2 = body(history + prompt_ids(60, seed=1002))      # 164 tokens
+    rejected = post(D.url, {**turn2, "cache_hit_threshold": 0.9})
+    assert rejected["choices"][0]["finish_reason"] == "cache_threshold"
+    described = rejected["kv_transfer_params"]
+    assert described["do_remote_decode"] is True and described["remote_num_tokens"] == 96
+    pulled0, computed0 = _stat(P, "tokens_pulled"), P.metric("pdpool_computed_tokens_total")
+    kv = prefill_leg(P.url, turn2, {k: v for k, v in described.items()
+                                    if k != "do_remote_prefill"})
+    # The prefill engine pulled the 96-token history and computed only the rest.
+    assert _stat(P, "tokens_pulled") - pulled0 == 96
+    assert P.metric("pdpool_computed_tokens_total") - computed0 == 164 - 96
+    bytes0 = _stat(D, "bytes_read")
+    out = decode_leg(D.url, turn2, kv)
+    assert text_of(out) == text_of(post(A.url, turn2))
+    # The decode engine already held blocks 0..5 of the history: it read blocks 6..10.
+    assert _stat(D, "bytes_read") - bytes0 == 5 * block_bytes(D)
+    assert r1["choices"][0]["finish_reason"] == "length"
+    wait_no_blocks(P, D)

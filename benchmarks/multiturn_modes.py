@@ -164,7 +164,7 @@ def main() -> int:
     ap.add_argument("--long-words", type=int, default=300)
     ap.add_argument("--short-words", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--threshold", type=float, default=0.8)
     ap.add_argument("--kv-blocks", type=int, default=1024)
     ap.add_argument("--modes", default=",".join(MODES))
     args = ap.parse_args()

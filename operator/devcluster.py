@@ -97,6 +97,7 @@ class LocalCluster:
     _procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
     def start(self, timeout: float = 120) -> "LocalCluster":
+        """etcd + kube-apiserver, ready to serve; then call start_controllers()."""
         self.work.mkdir(parents=True, exist_ok=True)
         certs = self.work / "certs"
         make_certificates(certs)
@@ -136,6 +137,12 @@ class LocalCluster:
         self._wait_ready(timeout)
         self.kubeconfig = self.work / "admin.kubeconfig"
         self.kubeconfig.write_text(kubeconfig_text(self.server, self.ca_file, self.admin_token))
+        return self
+
+    def start_controllers(self) -> "LocalCluster":
+        """Start the garbage collector. Install CRDs first: the collector rediscovers API
+        resources only every 30s, and owner references to a kind it has not discovered yet
+        wait for that."""
         if self.with_controller_manager:
             self._spawn("kube-controller-manager", [
                 str(self.bin_dir / "kube-controller-manager"),
@@ -185,7 +192,7 @@ class LocalCluster:
                 proc.terminate()
         for _name, proc in reversed(self._procs):
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=5)  # a throwaway cluster: no need for a graceful drain
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

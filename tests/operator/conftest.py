@@ -38,6 +38,7 @@ def k8s(tmp_path_factory):
     try:
         cluster.start()
         install_crd(api_client(cluster.server, cluster.ca_file, cluster.admin_token))
+        cluster.start_controllers()
         yield cluster
     finally:
         cluster.stop()

@@ -190,7 +190,9 @@ def test_delete_removes_every_child(operator_process, pools):
     pools.create(pool_manifest("theta"))
     wait_for(lambda: children_exist(pools, "theta"), 30, what="children of theta")
     pools.delete("theta")
-    # The garbage collector follows the owner references (the CRD may be new to it: it
-    # rediscovers resources every 30s, hence the generous timeout).
+    # The garbage collector (kube-controller-manager) follows the owner references.
     wait_for(lambda: not pools.deployments("theta") and not pools.services("theta")
-             and not pools.config_maps("theta"), 90, interval=1, what="children deleted")
+             and not pools.config_maps("theta"), 60, interval=0.5, what="children deleted")
+    with pytest.raises(client.ApiException) as gone:
+        pools.get("theta")
+    assert gone.value.status == 404

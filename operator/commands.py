@@ -49,6 +49,7 @@ def _pdpool_args(pool: PoolSpec, role: str) -> list[str]:
     return [
         "pdpool", "serve", model_dir(pool.model),
         "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+        "--served-model-name", pool.model.served_name,
         "--kv-connector", "nixl",
         "--kv-role", "producer" if role == PREFILL else "consumer",
         # Peers must reach this pod at its own IP: never advertise 0.0.0.0.
@@ -83,7 +84,7 @@ def engine_env(pool: PoolSpec) -> list[dict]:
 def sidecar_args() -> list[str]:
     env = {key: f"$({var})" for key, var in ROUTER_ENV.items()}
     return [
-        "pdpool", "sidecar", "--port", str(SIDECAR_PORT),
+        "pdpool", "sidecar", "--host", "0.0.0.0", "--port", str(SIDECAR_PORT),
         "--decode-url", f"http://127.0.0.1:{ENGINE_PORT}",
         "--prefill-service", env["prefillService"],
         "--mode", env["mode"],
@@ -94,7 +95,8 @@ def sidecar_args() -> list[str]:
 
 
 def gateway_args(decode_service: str) -> list[str]:
-    return ["pdpool", "gateway", "--port", str(SIDECAR_PORT), "--decode-service", decode_service]
+    return ["pdpool", "gateway", "--host", "0.0.0.0", "--port", str(SIDECAR_PORT),
+            "--decode-service", decode_service]
 
 
 def hf_download_args(model: ModelSpec) -> list[str]:

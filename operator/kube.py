@@ -34,7 +34,8 @@ def pool_path(namespace: str, name: str, subresource: str = "") -> str:
 
 
 def request(api, method: str, path: str, body: Any = None, content_type: str | None = None,
-            query: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+            query: list[tuple[str, str]] | None = None,
+            accept: str = "application/json") -> dict[str, Any]:
     """One API call through `api` (a kubernetes ApiClient: its auth, TLS, proxies).
 
     Bodies are dicts; apply patches are sent pre-serialized because not every client
@@ -42,7 +43,7 @@ def request(api, method: str, path: str, body: Any = None, content_type: str | N
     """
     from kubernetes.client.exceptions import ApiException
 
-    headers = {"Accept": "application/json"}
+    headers = {"Accept": accept}
     if content_type:
         headers["Content-Type"] = content_type
     if body is not None and content_type == "application/apply-patch+yaml":

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Builds the pinned Kubernetes test binaries (etcd, kube-apiserver, kube-controller-manager,
-# helm, and on request kwok) with the Go toolchain, from the Go module proxy, into a cache folder outside
-# the repository. Idempotent: a binary already built at the pinned version is skipped.
+# helm) with the Go toolchain, from the Go module proxy, into a cache folder outside the
+# repository. Idempotent: a binary already built at the pinned version is skipped.
 #
 #   scripts/k8s/build-binaries.sh [TOOL...]      # default: all of them
 #   PDPOOL_K8S_BIN=/somewhere scripts/k8s/build-binaries.sh
 #
 # Prints the bin folder on its last line. A cold build on 2 cores takes a long time
-# (kube-apiserver and kube-controller-manager dominate); later runs take a second.
+# (about 19 minutes for all four on a busy 2-core machine; kube-apiserver and
+# kube-controller-manager dominate); later runs take a second.
 set -euo pipefail
 
 K8S_VERSION=${PDPOOL_K8S_VERSION:-v1.34.4}
 ETCD_VERSION=${PDPOOL_ETCD_VERSION:-v3.6.7}
 HELM_VERSION=${PDPOOL_HELM_VERSION:-v3.19.0}
-KWOK_VERSION=${PDPOOL_KWOK_VERSION:-v0.7.0}
 
 BIN=${PDPOOL_K8S_BIN:-$HOME/.cache/pdpool/k8s-bin}
 WORK=$BIN/.build
@@ -87,14 +87,12 @@ build_install() {  # build_install NAME PKG VERSION: modules without replace dir
 }
 
 tools=("$@")
-# kwok is optional (simulated nodes/pods; not used by the tests): build it by name.
 [[ ${#tools[@]} -gt 0 ]] || tools=(etcd kube-apiserver kube-controller-manager helm)
 for t in "${tools[@]}"; do
   case $t in
     etcd) build_etcd ;;
     kube-apiserver|kube-controller-manager) build_k8s "$t" ;;
     helm) build_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" ;;
-    kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" ;;
     *) echo "build-binaries: unknown tool $t" >&2; exit 2 ;;
   esac
 done

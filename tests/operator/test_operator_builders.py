@@ -126,6 +126,7 @@ def test_decode_pod_has_the_sidecar_reading_the_router_config_map():
     argv = sidecar["command"]
     assert argv[:2] == ["pdpool", "sidecar"]
     flags = dict(zip(argv[2::2], argv[3::2]))
+    assert flags["--host"] == "0.0.0.0" and flags["--port"] == "8080"
     assert flags["--decode-url"] == "http://127.0.0.1:8000"
     config = kids[("ConfigMap", "demo-router")]["data"]
     env = env_map(sidecar)
@@ -162,7 +163,8 @@ def test_gateway_points_at_the_decode_sidecars():
     gw = kids[("Deployment", "demo-gateway")]
     assert gw["spec"]["replicas"] == 2
     assert container(gw, "gateway")["command"] == [
-        "pdpool", "gateway", "--port", "8080", "--decode-service", "demo-decode.llm.svc:8080"]
+        "pdpool", "gateway", "--host", "0.0.0.0", "--port", "8080",
+        "--decode-service", "demo-decode.llm.svc:8080"]
     svc = kids[("Service", "demo-gateway")]["spec"]
     assert svc["type"] == "LoadBalancer" and svc["ports"][0]["port"] == 80
 

@@ -9,6 +9,7 @@ import pytest
 from kubernetes import client
 
 from operator_kube import OperatorProcess, pool_manifest, wait_for
+from pdpool.operator.kube import request
 
 CHILD_DEPLOYMENTS = {"prefill", "decode", "gateway"}
 
@@ -94,6 +95,15 @@ def test_status_reaches_ready_when_deployments_are_ready(operator_process, pools
     status = pools.get("gamma")["status"]
     assert (status["prefillReady"], status["decodeReady"]) == ("1/1", "2/2")
     assert all(c["status"] == "True" for c in status["conditions"])
+    # What `kubectl get pdip` prints: the CRD's printer columns, served as a Table.
+    table = request(pools.custom.api_client, "GET",
+                    f"/apis/pdpool.io/v1alpha1/namespaces/{pools.namespace}/pdinferencepools",
+                    accept="application/json;as=Table;v=v1;g=meta.k8s.io")
+    columns = [c["name"] for c in table["columnDefinitions"]]
+    assert columns[:5] == ["Name", "Prefill", "Decode", "Phase", "Endpoint"]
+    assert columns[-1] == "Age"
+    (row,) = [r["cells"] for r in table["rows"] if r["cells"][0] == "gamma"]
+    assert row[1:4] == ["1/1", "2/2", "Ready"]
     # A role losing pods turns the pool back to not ready.
     pools.mark_ready("gamma", "gateway", ready=0)
     wait_for(lambda: pools.condition("gamma", "Ready")["status"] == "False", 20,
@@ -120,6 +130,15 @@ def test_api_server_refuses_invalid_specs_with_a_readable_message(pools, overrid
         pools.create(manifest)
     assert err.value.status == 422
     assert message in err.value.body
+
+
+def test_crd_is_served_with_its_short_name_and_status_subresource(admin_api):
+    resources = request(admin_api, "GET", "/apis/pdpool.io/v1alpha1")["resources"]
+    names = {r["name"]: r for r in resources}
+    assert names["pdinferencepools"]["shortNames"] == ["pdip"]
+    assert names["pdinferencepools"]["namespaced"] is True
+    assert names["pdinferencepools"]["kind"] == "PDInferencePool"
+    assert "pdinferencepools/status" in names
 
 
 def test_api_server_refuses_long_names(pools):

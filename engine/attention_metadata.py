@@ -22,3 +22,10 @@ class AttentionMetadata:
     # holds the state after its computed tokens (False: start from zeros).
     state_slots: Optional[torch.Tensor] = None        # [B] int64
     state_has_initial: Optional[list[bool]] = None
+    # Hybrid models: (slot_mapping, block_tables) of every KV group after the first.
+    extra_groups: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+
+    def group_tables(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if group == 0:
+            return self.slot_mapping, self.block_tables
+        return self.extra_groups[group - 1]

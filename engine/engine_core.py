@@ -69,18 +69,27 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
 
         mc = self.info.config
-        self.num_layers = self.model.num_attention_layers
+        self.groups = self._assign_kv_groups()
+        # kv_cache holds as many layer slots as the largest group has layers.
+        self.num_layers = max((g.num_layers for g in self.groups), default=1)
         self.num_kv_heads = mc["num_key_value_heads"]
         self.head_dim = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
         bs = config.block_size
         num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(num_blocks, self.num_layers, 2, bs, self.num_kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
-        # Recurrent-state models (Qwen3.5) get one running-state slot per schedulable request.
-        num_slots = config.max_num_seqs if hasattr(self.model, "allocate_state") else 0
-        self.state = self.model.allocate_state(num_slots, self.device) if num_slots else None
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_slots)
-        max_len = min(mc.get("max_position_embeddings", 4096), num_blocks * bs)
+        # Recurrent-state models (Qwen3.5): a running-state slot per schedulable request,
+        # plus as many slots again for prefix-cache snapshots.
+        has_state = hasattr(self.model, "allocate_state")
+        num_slots = config.max_num_seqs if has_state else 0
+        num_snapshots = config.max_num_seqs if has_state and config.enable_prefix_caching else 0
+        self.state = self.model.allocate_state(num_slots + num_snapshots, self.device) \
+            if has_state else None
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_slots,
+                                 self.groups, num_snapshots)
+        # Every group needs its own blocks for the same tokens.
+        self.kv_capacity_tokens = self.kv.pool.num_usable_blocks // len(self.groups) * bs
+        max_len = min(mc.get("max_position_embeddings", 4096), self.kv_capacity_tokens)
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
@@ -102,6 +111,18 @@ class LLMEngine:
                  self.model_name, self.device, self.dtype, num_blocks, bs, max_len)
 
     # --- setup --------------------------------------------------------------------------
+    def _assign_kv_groups(self):
+        """Groups the model's attention layers by kind and tells each layer its group and
+        its layer slot in kv_cache."""
+        from pdpool.engine.kv.groups import attention_groups
+        from pdpool.engine.models.layers import PagedAttention
+
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        groups, placement = attention_groups([m.sliding_window for m in layers])
+        for module, (group, slot) in zip(layers, placement):
+            module.group, module.layer_index = group, slot
+        return groups
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set()
         gen_file = self.info.path / "generation_config.json"
@@ -146,7 +167,7 @@ class LLMEngine:
                 "block_size": self.config.block_size,
                 "kv_layout": "block-major[num_blocks,num_layers,2,block_size,kv_heads,head_dim]",
                 "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim}
+                "head_dim": self.head_dim, "kv_groups": [g.name for g in self.groups]}
 
     def _build_connector(self):
         if self.config.kv_connector == "none":
@@ -177,7 +198,7 @@ class LLMEngine:
         vocab = self.info.config["vocab_size"]
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
-        capacity = self.kv.pool.num_blocks * self.config.block_size
+        capacity = self.kv_capacity_tokens
         if n + params.max_tokens > capacity:
             raise RequestRejected(
                 f"the request ({n} prompt + {params.max_tokens} output tokens) cannot fit in "
@@ -228,10 +249,17 @@ class LLMEngine:
         self.stats["steps"] += 1
         self.stats["computed_tokens"] += result.num_computed_tokens
         self.last_logits = result.logits
+        snapshots = []
         for item in out.scheduled:
             req = item.request
             req.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            copy = self.kv.snapshot_state(req)
+            if copy is not None:
+                snapshots.append(copy)
+        self.runner.copy_state_slots(snapshots)
+        for item in out.scheduled:
+            req = item.request
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue

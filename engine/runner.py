@@ -32,33 +32,33 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput):
         bs = self.kv.block_size
-        ids, positions, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
+        num_groups = len(self.kv.groups)
+        ids, positions, q_lens, seq_lens = [], [], [], []
+        slots = [[] for _ in range(num_groups)]
+        tables = [[] for _ in range(num_groups)]
         for item in out.scheduled:
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
-            tokens = req.all_token_ids[start:start + n]
-            table = self.kv.block_ids(req.request_id)
             pos = range(start, start + n)
-            ids.extend(tokens)
+            ids.extend(req.all_token_ids[start:start + n])
             positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
             q_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(table)
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            for g, table in enumerate(self.kv.block_tables(req.request_id)):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in pos)
+                tables[g].append(table)
+        dev = self.device
+        group_tensors = [(torch.tensor(slots[g], dtype=torch.int64, device=dev),
+                          _pad_tables(tables[g]).to(dev)) for g in range(num_groups)]
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
-        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=block_tables.to(dev),
+            slot_mapping=group_tensors[0][0], block_tables=group_tensors[0][1],
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens=q_lens)
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens=q_lens,
+            extra_groups=group_tensors[1:] or None)
         if self.state is not None:
             meta.state_slots = torch.tensor(
                 [self.kv.state_slot(s.request.request_id) for s in out.scheduled],
@@ -67,8 +67,19 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta)
 
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies recurrent states slot to slot: snapshot restores and snapshot saves."""
+        if not pairs or self.state is None:
+            return
+        src = torch.tensor([a for a, _ in pairs], device=self.device)
+        dst = torch.tensor([b for _, b in pairs], device=self.device)
+        for tensor in _state_tensors(self.state):
+            tensor[dst] = tensor[src]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        restores, self.kv.pending_restores = self.kv.pending_restores, []
+        self.copy_state_slots(restores)
         input_ids, positions, meta = self.prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.state)
         # Only requests whose scheduled tokens reach the end of what they know need a token;
@@ -93,3 +104,25 @@ class ModelRunner:
             if self.keep_logits else None
         return StepResult({r.request_id: t for r, t in zip(reqs, tokens)},
                           int(input_ids.shape[0]), kept)
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0) or 1
+    out = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    """Every tensor of a model's state pool (slots along dim 0), whatever its container."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        items = state.values()
+    elif isinstance(state, (list, tuple)):
+        items = state
+    else:
+        items = vars(state).values()
+    return [t for item in items for t in _state_tensors(item)
+            if isinstance(item, (torch.Tensor, dict, list, tuple))]

@@ -111,6 +111,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._align_chunk(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -133,7 +134,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.request_id in self.kv.req_blocks:
                 # Back from a remote load: it holds its blocks and was judged on admission.
-                hits, num_cached = [], req.num_computed_tokens
+                hits, num_cached = None, req.num_computed_tokens
             else:
                 hits, num_local = self.kv.get_computed_blocks(req)
                 num_external = self.connector.get_num_new_matched_tokens(req, num_local)
@@ -154,7 +155,7 @@ class Scheduler:
                     if req.num_cached_tokens < 0:
                         req.num_cached_tokens = num_local + num_external
                     self.connector.update_state_after_alloc(
-                        req, self.kv.block_ids(req.request_id), num_local, num_external)
+                        req, self.kv.block_tables(req.request_id), num_local, num_external)
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     self.loading[req.request_id] = req
                     continue
@@ -169,6 +170,7 @@ class Scheduler:
                 num_new = budget if self.config.prefix_aware_admission \
                     else max(budget - num_cached, 0)
                 charged = budget
+            num_new = self._align_chunk(req, num_cached, num_new)
             if num_new <= 0:
                 break
             if not self.config.prefix_aware_admission and \
@@ -179,12 +181,27 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+            if hits is not None:
+                self.kv.restore_state(req, num_cached)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= charged
         return out
+
+    def _align_chunk(self, req: Request, start: int, num_new: int) -> int:
+        """For recurrent-state models, a prefill chunk ends on a block boundary when it can,
+        so a state snapshot can be taken there (the "align" idea): a chunk that would end
+        mid-block stops at the boundary before, and the rest follows in the next step."""
+        if not self.kv.has_state or num_new <= 1:
+            return num_new
+        bs = self.kv.block_size
+        end = start + num_new
+        aligned = end // bs * bs
+        if end % bs and aligned > start:
+            return aligned - start
+        return num_new
 
     def threshold_decision(self, req: Request, num_cached: int) -> Optional[ThresholdDecision]:
         """A decision to reject, or None to admit. Prefill legs are never gated."""

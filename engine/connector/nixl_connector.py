@@ -46,12 +46,12 @@ class LoadPlan:
     host: str
     port: int
     remote_request_id: str
-    local_ids: list[int]
-    remote_ids: list       # as received: validated when the peer's region is known
-    num_external: int      # tokens the plan would bring
+    local_tables: list[list[int]]   # per KV group, the blocks at the pulled positions
+    remote_tables: list[list]       # as received: validated when the peer is known
+    num_external: int               # tokens the plan would bring
     started: float = field(default_factory=time.monotonic)
     transfer_id: Optional[int] = None
-    num_valid_blocks: int = 0
+    num_valid_positions: int = 0
     orphan_blocks: Optional[list[Block]] = None  # request aborted mid-READ
 
 
@@ -61,13 +61,14 @@ class Lease:
     deadline: float
 
 
-def _flat_block_ids(value: Any) -> Optional[list]:
-    """remote_block_ids is one list, or one list per KV cache group (the first is attention)."""
+def _block_id_tables(value: Any, num_groups: int) -> list[list]:
+    """remote_block_ids is one list (one KV group, vLLM's shape) or one list per group."""
     if not isinstance(value, list):
-        return None
+        return [[] for _ in range(num_groups)]
     if value and isinstance(value[0], list):
-        value = value[0]
-    return value
+        return [list(t) if isinstance(t, list) else [] for t in value[:num_groups]] + \
+            [[] for _ in range(num_groups - len(value))]
+    return [value] + [[] for _ in range(num_groups - 1)]
 
 
 class NixlConnector(KVConnector):
@@ -81,6 +82,7 @@ class NixlConnector(KVConnector):
         self.role = config.kv_role
         self.engine_id = engine_id or f"pdpool-{uuid.uuid4().hex[:12]}"
         self.layout = layout
+        self.sliding = [g.kind == "sliding" for g in kv.groups]
         self.allowlist = parse_allowlist(config.kv_peer_allowlist)
         self.transport = NixlTransport(self.engine_id)
         self.transport.register_region("kv", kv_cache)
@@ -102,7 +104,8 @@ class NixlConnector(KVConnector):
     # --- scheduler side -----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
         p = request.kv_transfer_params
-        if not p or getattr(request, "kv_consumed", False):
+        if not p or request.kv_consumed or self.kv.has_state:
+            # Recurrent-state models compute locally: their state is not transferred.
             return 0
         if p.get("do_remote_prefill"):
             if self.role == "producer":
@@ -124,38 +127,38 @@ class NixlConnector(KVConnector):
             return 0
         return gain
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+    def update_state_after_alloc(self, request: Request, block_tables: list[list[int]],
                                  num_local_computed: int, num_external: int) -> None:
         p = request.kv_transfer_params
         host, port = self._parse_peer(p)
         first = num_local_computed // self.block_size
         last = cdiv(num_local_computed + num_external, self.block_size)
-        remote = _flat_block_ids(p.get("remote_block_ids")) or []
+        remote = _block_id_tables(p.get("remote_block_ids"), len(block_tables))
         request.kv_consumed = True   # never pull twice for one request
         self._waiting[request.request_id] = LoadPlan(
             request.request_id, host, port, str(p.get("remote_request_id") or ""),
-            block_ids[first:last], remote[first:last], num_external)
+            [t[first:last] for t in block_tables], [t[first:last] for t in remote],
+            num_external)
 
     def request_finished(self, request: Request, status: RequestStatus) -> Optional[dict]:
         normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         if not normal:
             return None
         if request.is_prefill_leg and self.role != "consumer":
-            # Hold the prompt's blocks for the decode engine's READ.
-            blocks = self.kv.detach(request)
-            n = min(cdiv(request.num_prompt_tokens, self.block_size), len(blocks))
-            self.kv.release(blocks[n:])
-            self._lease(request.request_id, blocks[:n])
-            return self._describe(request.request_id, blocks[:n], do_remote_prefill=True)
+            # Hold the prompt's blocks (an extra reference) for the decode engine's READ.
+            n = cdiv(request.num_prompt_tokens, self.block_size)
+            tables = [blocks[:n] for blocks in self.kv.req_blocks.get(request.request_id, [])]
+            self._lease(request.request_id, self.kv.hold([b for t in tables for b in t]))
+            return self._describe(request.request_id, tables, do_remote_prefill=True)
         return None
 
     def describe_rejected(self, request: Request, hits: list[Block],
                           num_cached: int) -> Optional[dict]:
         """The prefix this engine caches for a request it rejects, held for a prefill
         engine to pull (seed 001). Prefill legs are never rejected, so never described."""
-        if not hits or self.role == "producer":
+        if not num_cached or self.role == "producer":
             return None
-        self._lease(request.request_id, self.kv.hold(hits))
+        self._lease(request.request_id, self.kv.hold([b for t in hits for b in t]))
         return self._describe(request.request_id, hits, do_remote_prefill=False,
                               num_tokens=num_cached)
 
@@ -218,11 +221,13 @@ class NixlConnector(KVConnector):
             return None
         return host, port
 
-    def _describe(self, lease_id: str, blocks: list[Block], do_remote_prefill: bool,
+    def _describe(self, lease_id: str, tables: list[list[Block]], do_remote_prefill: bool,
                   num_tokens: Optional[int] = None) -> dict:
+        ids = [[b.block_id for b in blocks] for blocks in tables]
         params = {"do_remote_prefill": do_remote_prefill, "do_remote_decode": not do_remote_prefill,
                   "remote_engine_id": self.engine_id, "remote_request_id": lease_id,
-                  "remote_block_ids": [b.block_id for b in blocks],
+                  # One list for one group (vLLM's shape), else one list per group.
+                  "remote_block_ids": ids[0] if len(ids) == 1 else ids,
                   "remote_host": self.host, "remote_port": self.port, "tp_size": 1}
         if num_tokens is not None:
             params["remote_num_tokens"] = num_tokens
@@ -270,16 +275,26 @@ class NixlConnector(KVConnector):
 
     def _start_read(self, agent: str, plan: LoadPlan) -> None:
         remote_units = self.transport.peer_regions(agent)["kv"].num_units
-        valid = 0
-        for rid in plan.remote_ids:
-            if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < remote_units:
-                break
-            valid += 1
-        plan.num_valid_blocks = min(valid, len(plan.local_ids))
-        n = plan.num_valid_blocks
+        num_positions = len(plan.local_tables[0]) if plan.local_tables else 0
+        valid = num_positions
+        for g, (local, remote) in enumerate(zip(plan.local_tables, plan.remote_tables)):
+            for k in range(min(valid, len(local))):
+                rid = remote[k] if k < len(remote) else None
+                if isinstance(rid, bool) or not isinstance(rid, int) \
+                        or not 0 <= rid < remote_units:
+                    valid = k      # blocks from the first missing one are computed here
+                    break
+        plan.num_valid_positions = valid
+        local_ids, remote_ids = [], []
+        for g, (local, remote) in enumerate(zip(plan.local_tables, plan.remote_tables)):
+            for k in range(min(valid, len(local))):
+                if self.sliding[g] and (remote[k] == 0 or local[k] == 0):
+                    continue   # a null block (outside the window) on either side
+                local_ids.append(local[k])
+                remote_ids.append(remote[k])
         try:
             plan.transfer_id = self.transport.start_read(
-                agent, {"kv": (plan.local_ids[:n], plan.remote_ids[:n])},
+                agent, {"kv": (local_ids, remote_ids)},
                 notification=plan.remote_request_id, timeout_s=self.config.kv_load_timeout)
         except Exception as exc:
             self._failed.append(self._result(plan, f"READ refused: {exc}"))
@@ -288,10 +303,11 @@ class NixlConnector(KVConnector):
 
     def _result(self, plan: LoadPlan, error: Optional[str], arrived: bool = False) -> LoadResult:
         """`arrived`: the READ completed, so the valid prefix of the blocks is here."""
-        loaded = min(plan.num_external, plan.num_valid_blocks * self.block_size) if arrived else 0
-        if arrived and plan.num_valid_blocks < len(plan.local_ids):
-            error = (f"only {plan.num_valid_blocks} of {len(plan.local_ids)} remote block ids "
-                     f"are valid")
+        loaded = min(plan.num_external, plan.num_valid_positions * self.block_size) \
+            if arrived else 0
+        wanted = len(plan.local_tables[0]) if plan.local_tables else 0
+        if arrived and plan.num_valid_positions < wanted:
+            error = f"only {plan.num_valid_positions} of {wanted} remote block ids are valid"
         if error is None:
             self.counters["loads_ok"] += 1
         else:

@@ -24,13 +24,17 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks < 1:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null: bool = False):
+        if num_blocks < 1 + reserve_null:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: "OrderedDict[int, Block]" = OrderedDict((b.block_id, b) for b in self.blocks)
+        # Block 0 stands for positions a sliding-window layer no longer needs: never
+        # handed out, never written, never counted.
+        self.null_block: Optional[Block] = self.blocks[0] if reserve_null else None
+        self._free: "OrderedDict[int, Block]" = OrderedDict(
+            (b.block_id, b) for b in self.blocks if b is not self.null_block)
         self._cached: dict[bytes, Block] = {}
         # Prometheus-style counters of prefix-cache lookups, in blocks.
         self.queries = 0
@@ -45,16 +49,22 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - (self.null_block is not None)
+
+    @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_usable_blocks - len(self._free)
 
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        return self.num_used_blocks / self.num_usable_blocks
 
     # --- reference counting -------------------------------------------------------------
     def touch(self, blocks: Iterable[Block]) -> None:
         """Takes a reference on cache hits; a free hit leaves the free list."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
             block.ref_cnt += 1
@@ -73,6 +83,8 @@ class BlockPool:
     def free(self, blocks: Iterable[Block]) -> None:
         """Drops one reference from each block, in the order given (pass tails first)."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
@@ -82,7 +94,7 @@ class BlockPool:
     # --- the prefix cache ---------------------------------------------------------------
     def cache_block(self, block: Block, block_hash: bytes) -> None:
         """Names a full block by its hash. The first block with a hash stays canonical."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, block)

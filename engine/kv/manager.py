@@ -1,123 +1,232 @@
-"""Per-request block tables on top of the block pool, with prefix-cache lookups.
+"""Per-request block tables for every KV group, on one block pool, with prefix caching.
 
-The arithmetic follows the prefix-cache-aware scheduling seed: admission asks only for the
-blocks a request does not already hold through the cache; a cached block that another
-request is using costs no free block, a cached block on the free list is taken off it.
+The coordinator of the hybrid design (see docs/hybrid_kv.md): each group (full attention,
+sliding window, recurrent state) says how long a prefix it can serve, and the hit is the
+longest prefix all of them can serve, found by iterating until they agree.
+
+Allocation follows the prefix-cache-aware scheduling seed: admission asks only for the
+blocks a request does not already hold through the cache; a cached block another request
+is using costs no free block, a cached block on the free list is taken off it.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from pdpool.engine.kv.block_pool import Block, BlockPool
+from pdpool.engine.kv.groups import KVGroup
+from pdpool.engine.kv.state_cache import StateSnapshotCache
 from pdpool.engine.request import Request
+
+FULL = KVGroup("full", None, 1)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _key(group: int, block_hash: bytes) -> bytes:
+    """Prefix-cache key: the same tokens hold different KV in different groups."""
+    return bytes([group]) + block_hash
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, groups: Optional[list[KVGroup]] = None,
+                 num_snapshot_slots: int = 0):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[Block]] = {}
-        # Recurrent-state models (Gated DeltaNet) keep one running state slot per request.
+        self.groups = list(groups) if groups else [FULL]
+        sliding = any(g.kind == "sliding" for g in self.groups)
+        self.pool = BlockPool(num_blocks, enable_caching, reserve_null=sliding)
+        self.req_blocks: dict[str, list[list[Block]]] = {}
+        # Recurrent-state models (Gated DeltaNet) keep one running state slot per request
+        # and snapshots of it at block boundaries.
         self.num_state_slots = num_state_slots
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
         self.req_slot: dict[str, int] = {}
-
-    def state_slot(self, request_id: str) -> int:
-        return self.req_slot[request_id]
+        self.snapshots = StateSnapshotCache(num_state_slots, num_snapshot_slots)
+        self.pending_restores: list[tuple[int, int]] = []   # (snapshot slot, running slot)
+        self.last_hit_lengths: dict[str, int] = {}
 
     @property
     def enable_caching(self) -> bool:
         return self.pool.enable_caching
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    @property
+    def has_state(self) -> bool:
+        return self.num_state_slots > 0
 
-    # --- prefix cache -------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
-        """The longest cached prefix of a request not yet holding blocks.
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        tables = self.req_blocks.get(request_id)
+        return [b.block_id for b in tables[group]] if tables else []
 
-        At least one token is left to compute, so the last prompt token always produces
-        logits: a fully cached prompt reuses all blocks but the one holding its last token.
-        """
-        if not self.enable_caching or self.num_state_slots:
-            # A recurrent state cannot resume from attention blocks alone.
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        return [[b.block_id for b in blocks] for blocks in self.req_blocks.get(request_id, [])]
+
+    def state_slot(self, request_id: str) -> int:
+        return self.req_slot[request_id]
+
+    # --- prefix cache: per-group hit lengths and the coordinator ----------------------
+    def _group_hit_len(self, g: int, hashes: list[bytes], limit: int) -> int:
+        """Blocks (<= limit) of prefix that group g can serve."""
+        group, pool = self.groups[g], self.pool
+        if group.kind == "full":
+            n = 0
+            while n < limit and pool.get_cached_block(_key(g, hashes[n])) is not None:
+                n += 1
+            return n
+        # Sliding window: resuming at position p needs the keys of p-W+1 .. p-1 only.
+        for n in range(limit, 0, -1):
+            first = max(0, (n * self.block_size - group.window + 1) // self.block_size)
+            if all(pool.get_cached_block(_key(g, h)) is not None for h in hashes[first:n]):
+                return n
+        return 0
+
+    def _state_hit_len(self, hashes: list[bytes], limit: int) -> int:
+        for n in range(limit, 0, -1):
+            if hashes[n - 1] in self.snapshots:
+                return n
+        return 0
+
+    def _group_hit_blocks(self, g: int, hashes: list[bytes], n: int) -> list[Block]:
+        group, pool = self.groups[g], self.pool
+        first = 0 if group.kind == "full" else \
+            max(0, (n * self.block_size - group.window + 1) // self.block_size)
+        return [pool.null_block] * first + \
+            [pool.get_cached_block(_key(g, h)) for h in hashes[first:n]]
+
+    def get_computed_blocks(self, request: Request, skip_state: bool = False
+                            ) -> tuple[list[list[Block]], int]:
+        """The longest prefix every group can serve, as per-group block lists, and its
+        length in tokens. At least one token is always left to compute so the last prompt
+        token produces logits. `skip_state`: the recurrent state will come from elsewhere
+        (a KV consumer), so the state group does not limit the hit (seed 004)."""
+        empty = [[] for _ in self.groups]
+        if not self.enable_caching:
+            return empty, 0
+        hashes = request.block_hashes
+        n = min((request.num_tokens - 1) // self.block_size, len(hashes))
+        while True:
+            agreed = n
+            lengths = {}
+            for g in range(len(self.groups)):
+                agreed = self._group_hit_len(g, hashes, agreed)
+                lengths[self.groups[g].name] = agreed
+            if self.has_state and not skip_state:
+                agreed = self._state_hit_len(hashes, agreed)
+                lengths["state"] = agreed
+            if agreed == n:
                 break
-            hits.append(block)
+            n = agreed
+        self.last_hit_lengths = {k: v * self.block_size for k, v in lengths.items()}
         self.pool.queries += request.num_tokens
-        self.pool.hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.pool.hits += n * self.block_size
+        if n == 0:
+            return empty, 0
+        return [self._group_hit_blocks(g, hashes, n) for g in range(len(self.groups))], \
+            n * self.block_size
 
     # --- allocation ---------------------------------------------------------------------
+    def _release_outside_window(self, request: Request) -> None:
+        """Sliding-window blocks no future query can see go back to the pool."""
+        tables = self.req_blocks.get(request.request_id)
+        if not tables:
+            return
+        for g, group in enumerate(self.groups):
+            if group.kind != "sliding":
+                continue
+            cutoff = (request.num_computed_tokens - group.window + 1) // self.block_size
+            blocks = tables[g]
+            for i in range(min(cutoff, len(blocks))):
+                if blocks[i] is not self.pool.null_block:
+                    self.pool.free([blocks[i]])
+                    blocks[i] = self.pool.null_block
+
     def blocks_needed(self, request: Request, num_new_tokens: int,
-                      new_computed_blocks: list[Block]) -> int:
-        """Free blocks this allocation would consume (cache hits that sit on the free list
-        count: taking them removes them from the free list)."""
-        held = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        fresh = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) \
-            - len(new_computed_blocks)
-        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return max(fresh, 0) + revived
+                      new_computed: Optional[list[list[Block]]] = None) -> int:
+        """Free blocks this allocation would consume, over all groups (cache hits on the
+        free list count: taking them removes them from the free list)."""
+        tables = self.req_blocks.get(request.request_id)
+        total = 0
+        for g in range(len(self.groups)):
+            held = tables[g] if tables else []
+            hits = new_computed[g] if new_computed else []
+            num_computed = request.num_computed_tokens + len(hits) * self.block_size
+            fresh = cdiv(num_computed + num_new_tokens, self.block_size) - len(held) - len(hits)
+            revived = sum(1 for b in hits if b.ref_cnt == 0 and b is not self.pool.null_block)
+            total += max(fresh, 0) + revived
+        return total
 
     def can_allocate(self, request: Request, num_new_tokens: int,
-                     new_computed_blocks: Optional[list[Block]] = None) -> bool:
-        if self.num_state_slots and request.request_id not in self.req_slot \
-                and not self._free_slots:
+                     new_computed: Optional[list[list[Block]]] = None) -> bool:
+        if self.has_state and request.request_id not in self.req_slot and not self._free_slots:
             return False
-        return self.blocks_needed(request, num_new_tokens, new_computed_blocks or []) \
+        return self.blocks_needed(request, num_new_tokens, new_computed) \
             <= self.pool.num_free_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Optional[list[Block]] = None) -> bool:
+                       new_computed: Optional[list[list[Block]]] = None) -> bool:
         """Gives the request blocks for `num_new_tokens` more tokens (after its cached ones).
         Returns False, changing nothing, when the pool cannot."""
-        new_computed_blocks = new_computed_blocks or []
-        if not self.can_allocate(request, num_new_tokens, new_computed_blocks):
+        self._release_outside_window(request)
+        if not self.can_allocate(request, num_new_tokens, new_computed):
             return False
-        if self.num_state_slots and request.request_id not in self.req_slot:
+        if self.has_state and request.request_id not in self.req_slot:
             self.req_slot[request.request_id] = self._free_slots.pop()
-        held = self.req_blocks.setdefault(request.request_id, [])
-        self.pool.touch(new_computed_blocks)
-        held.extend(new_computed_blocks)
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        fresh = cdiv(num_computed + num_new_tokens, self.block_size) - len(held)
-        if fresh > 0:
-            held.extend(self.pool.allocate(fresh))
+        tables = self.req_blocks.setdefault(request.request_id, [[] for _ in self.groups])
+        for g, held in enumerate(tables):
+            hits = new_computed[g] if new_computed else []
+            self.pool.touch(hits)
+            held.extend(hits)
+            num_computed = request.num_computed_tokens + len(hits) * self.block_size
+            fresh = cdiv(num_computed + num_new_tokens, self.block_size) - len(held)
+            if fresh > 0:
+                held.extend(self.pool.allocate(fresh))
         return True
+
+    def restore_state(self, request: Request, num_cached: int) -> None:
+        """A state-model request admitted on a prefix hit resumes from that snapshot."""
+        if not self.has_state or num_cached == 0:
+            return
+        snap = self.snapshots.lookup(request.block_hashes[num_cached // self.block_size - 1])
+        self.pending_restores.append((snap, self.req_slot[request.request_id]))
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publishes the request's blocks that are full once `num_tokens` are computed."""
-        held = self.req_blocks.get(request.request_id, [])
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(held))
-        for i in range(num_full):
-            self.pool.cache_block(held[i], request.block_hashes[i])
+        tables = self.req_blocks.get(request.request_id)
+        if not tables:
+            return
+        for g, blocks in enumerate(tables):
+            num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+            for i in range(num_full):
+                self.pool.cache_block(blocks[i], _key(g, request.block_hashes[i]))
 
+    def snapshot_state(self, request: Request) -> Optional[tuple[int, int]]:
+        """After a step that ended on a block boundary: (running slot, snapshot slot) to
+        copy, published under the last block's hash; None if nothing to do."""
+        n = request.num_computed_tokens
+        if not self.has_state or not self.enable_caching or n == 0 or n % self.block_size:
+            return None
+        i = n // self.block_size - 1
+        if i >= len(request.block_hashes) or request.block_hashes[i] in self.snapshots:
+            return None
+        slot = self.snapshots.take_slot()
+        if slot is None:
+            return None
+        self.snapshots.publish(request.block_hashes[i], slot)
+        return self.req_slot[request.request_id], slot
+
+    # --- freeing ------------------------------------------------------------------------
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.pool.free(reversed(blocks))
-        slot = self.req_slot.pop(request.request_id, None)
-        if slot is not None:
-            self._free_slots.append(slot)
+        self.release(self.detach(request))
 
     def detach(self, request: Request) -> list[Block]:
-        """Takes a request's blocks away from it without freeing them (a connector holds
-        them for a peer); give them back with `release`."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        """Takes a request's blocks (all groups, tail first) without freeing them, e.g. for
+        a connector to hold for a peer; give them back with `release`."""
+        tables = self.req_blocks.pop(request.request_id, [])
         slot = self.req_slot.pop(request.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
-        return blocks
+        return [b for blocks in tables for b in reversed(blocks)]
 
     def hold(self, blocks: list[Block]) -> list[Block]:
         """An extra reference on blocks (e.g. a cached prefix described to a peer)."""
@@ -125,7 +234,8 @@ class KVCacheManager:
         return list(blocks)
 
     def release(self, blocks: list[Block]) -> None:
-        self.pool.free(reversed(blocks))
+        """Drops one reference from each block, in the order given (tails first)."""
+        self.pool.free(blocks)
 
     def usage(self) -> float:
         return self.pool.usage()

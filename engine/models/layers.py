@@ -84,7 +84,8 @@ class PagedAttention(nn.Module):
     def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: Optional[int] = None):
         super().__init__()
-        self.layer_index = layer_index  # index among the model's attention layers
+        self.layer_index = layer_index  # its layer slot in kv_cache (the engine may reassign)
+        self.group = 0                  # its KV group: which block table it reads
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -95,8 +96,9 @@ class PagedAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         k_cache = kv_cache[:, self.layer_index, 0]
         v_cache = kv_cache[:, self.layer_index, 1]
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables,
+        slot_mapping, block_tables = meta.group_tables(self.group)
+        ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return ops.paged_attention(q, k_cache, v_cache, block_tables,
                                    meta.query_start_loc, meta.seq_lens, self.scale,
                                    sliding_window=self.sliding_window,
                                    max_query_len=meta.max_query_len,

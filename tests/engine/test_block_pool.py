@@ -58,8 +58,8 @@ def test_refcounts_shared_prefix_and_free():
     a, b = make("a", list(range(9))), make("b", list(range(8)) + [50])
     admit(kv, a)
     admit(kv, b)
-    shared = kv.req_blocks["a"][:2]
-    assert shared == kv.req_blocks["b"][:2]
+    shared = kv.req_blocks["a"][0][:2]
+    assert shared == kv.req_blocks["b"][0][:2]
     assert [blk.ref_cnt for blk in shared] == [2, 2]
     kv.free(a)
     assert [blk.ref_cnt for blk in shared] == [1, 1]

@@ -1,0 +1,50 @@
+"""Recurrent-state slots: one running state per request, plus snapshots for prefix hits.
+
+A Gated DeltaNet layer carries a state instead of per-token KV, so a prefix hit can only
+resume from a state saved at that exact position. Snapshots are taken where a computed
+chunk ends on a block boundary (the scheduler aligns prefill chunks so one does), named by
+the hash of the last block, and evicted least-recently-used. Slots 0..R-1 are running
+states, R..R+S-1 snapshots; the model's state tensors hold R+S slots.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+
+class StateSnapshotCache:
+    def __init__(self, first_slot: int, num_slots: int):
+        self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self._by_hash: "OrderedDict[bytes, int]" = OrderedDict()
+        self.pinned: set[int] = set()   # slots held for a peer (not evictable)
+
+    def lookup(self, block_hash: bytes) -> Optional[int]:
+        slot = self._by_hash.get(block_hash)
+        if slot is not None:
+            self._by_hash.move_to_end(block_hash)
+        return slot
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._by_hash
+
+    def take_slot(self) -> Optional[int]:
+        """A slot to write a new snapshot into: a free one, else the LRU snapshot's."""
+        if self._free:
+            return self._free.pop()
+        for h, slot in self._by_hash.items():
+            if slot not in self.pinned:
+                del self._by_hash[h]
+                return slot
+        return None
+
+    def publish(self, block_hash: bytes, slot: int) -> None:
+        self._by_hash[block_hash] = slot
+
+    def release(self, slot: int) -> None:
+        """Returns a slot that holds no published snapshot."""
+        self.pinned.discard(slot)
+        if slot not in self._by_hash.values():
+            self._free.append(slot)
+
+    def __len__(self) -> int:
+        return len(self._by_hash)

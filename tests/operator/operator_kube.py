@@ -132,6 +132,15 @@ class Pools:
                 if e.involved_object.name == name and e.involved_object.kind == "PDInferencePool"]
 
 
+CHILD_DEPLOYMENTS = {"prefill", "decode", "gateway"}
+
+
+def children_exist(pools: Pools, name: str) -> bool:
+    return (set(pools.deployments(name)) == CHILD_DEPLOYMENTS
+            and set(pools.services(name)) == {f"{name}-{r}" for r in CHILD_DEPLOYMENTS}
+            and set(pools.config_maps(name)) == {f"{name}-router"})
+
+
 class OperatorProcess:
     """`pdpool operator` as a subprocess, the way a container runs it."""
 

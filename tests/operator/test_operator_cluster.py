@@ -8,16 +8,13 @@ import signal
 import pytest
 from kubernetes import client
 
-from operator_kube import OperatorProcess, pool_manifest, wait_for
+from operator_kube import (CHILD_DEPLOYMENTS, OperatorProcess, children_exist, pool_manifest,
+                           wait_for)
 from pdpool.operator.kube import request
 
-CHILD_DEPLOYMENTS = {"prefill", "decode", "gateway"}
+# The first test to use the cluster may have to build it (cold: ~20 min on 2 cores).
+pytestmark = pytest.mark.timeout(3000)
 
-
-def children_exist(pools, name):
-    return (set(pools.deployments(name)) == CHILD_DEPLOYMENTS
-            and set(pools.services(name)) == {f"{name}-{r}" for r in CHILD_DEPLOYMENTS}
-            and set(pools.config_maps(name)) == {f"{name}-router"})
 
 
 def observed(pools, name, generation):

@@ -13,8 +13,11 @@ from kubernetes import client
 
 from pdpool.operator.kube import request
 
-from operator_kube import CHART, CRD_FILE, OperatorProcess, Pools, pool_manifest, wait_for
-from test_operator_cluster import children_exist
+from operator_kube import (CHART, CRD_FILE, OperatorProcess, Pools, children_exist,
+                           pool_manifest, wait_for)
+
+# The first test to use the cluster may have to build it (cold: ~20 min on 2 cores).
+pytestmark = pytest.mark.timeout(3000)
 
 RELEASE, SYSTEM_NS = "pdpool", "pdpool-system"
 EXPECTED_RULES = {

@@ -188,3 +188,40 @@ def _config_from(k8s, token):
     config.api_key = {"authorization": token}
     config.api_key_prefix = {"authorization": "Bearer"}
     return config
+
+
+def test_namespaced_install_needs_no_cluster_role(helm_bin, k8s, admin_api, tmp_path):
+    """watchNamespaces: Roles in the watched namespaces only, and the operator still works."""
+    watched = f"t-{uuid.uuid4().hex[:8]}"
+    release, system_ns = "pdns", "pdns-system"
+    core = client.CoreV1Api(admin_api)
+    core.create_namespace({"metadata": {"name": watched}})
+    helm(helm_bin, "upgrade", "--install", release, str(CHART), "--namespace", system_ns,
+         "--create-namespace", "--set", f"watchNamespaces={{{watched}}}", k8s=k8s)
+    rbac = client.RbacAuthorizationV1Api(admin_api)
+    names = [r.metadata.name for r in rbac.list_cluster_role().items]
+    assert f"{release}-pdpool-operator" not in names
+    role = rbac.read_namespaced_role(f"{release}-pdpool-operator", watched)
+    assert {(r.api_groups[0], r.resources[0]) for r in role.rules} <= set(EXPECTED_RULES)
+    deployment = client.AppsV1Api(admin_api).read_namespaced_deployment(
+        f"{release}-pdpool-operator", system_ns)
+    assert f"--namespace={watched}" in deployment.spec.template.spec.containers[0].command
+
+    token = core.create_namespaced_service_account_token(
+        f"{release}-pdpool-operator", system_ns,
+        {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}}
+    ).status.token
+    kubeconfig = k8s.write_kubeconfig(tmp_path / "ns.kubeconfig", token, "pdns")
+    pools = Pools(admin_api, watched)
+    op = OperatorProcess(kubeconfig, tmp_path / "ns-operator.log", "--namespace", watched).start()
+    try:
+        pools.create(pool_manifest("scoped"))
+        wait_for(lambda: children_exist(pools, "scoped"), 40, what="children, namespaced")
+        for role_name in ("prefill", "decode", "gateway"):
+            pools.mark_ready("scoped", role_name)
+        wait_for(lambda: pools.get("scoped").get("status", {}).get("phase") == "Ready", 30,
+                 what="Ready, namespaced")
+        log = op.log()
+        assert "403" not in log and "Forbidden" not in log, log[-3000:]
+    finally:
+        op.stop()

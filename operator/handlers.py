@@ -10,6 +10,7 @@ removes them (so no finalizer can block a delete while the operator is down).
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
@@ -134,7 +135,6 @@ def refused_by_api_server(status: int, message: str) -> bool:
 
 
 def _api_message(exc: ApiException) -> str:
-    import json
     try:
         return json.loads(exc.body).get("message") or str(exc.reason)
     except (TypeError, ValueError, AttributeError):

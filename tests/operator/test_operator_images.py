@@ -21,7 +21,6 @@ def copied_sources(dockerfile):
 
 @pytest.mark.parametrize("name", ["engine.Dockerfile", "slim.Dockerfile"])
 def test_images_copy_every_package_folder_that_setup_maps(name):
-    sys.path.insert(0, str(REPO))
     text = (REPO / "setup.py").read_text()
     folders = set(re.findall(r'"pdpool[.\w]*":\s*"(\w+)"', text))
     sources = copied_sources(IMAGES / name)

@@ -24,8 +24,9 @@ THRESHOLD = "cache_hit_threshold"
 # Token limits a prefill leg caps to 1: it only has to fill the KV cache.
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 # Fields of the decode's cached-prefix description a prefill engine needs to pull it.
-PULL_FIELDS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids",
-               "remote_num_tokens", "tp_size")
+# remote_request_id names decode's hold on those blocks, released once prefill has read.
+PULL_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+               "remote_block_ids", "remote_num_tokens", "tp_size")
 
 
 class BadRequest(ValueError):

@@ -7,6 +7,8 @@ engine restart is something the sidecar and gateway must ride out); stop() ends 
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -35,9 +37,23 @@ def pdpool_command(*args: str) -> list[str]:
             *args]
 
 
+def _generator_fingerprint() -> str:
+    """Hash of the engine's tiny-model generator sources (read, not imported: that
+    would load torch), so that a changed generator never reuses a stale cached model."""
+    spec = importlib.util.find_spec("pdpool.engine")
+    digest = hashlib.sha256()
+    if spec and spec.submodule_search_locations:
+        folder = list(spec.submodule_search_locations)[0]
+        for name in sorted(os.listdir(folder)):
+            if name.startswith("tiny_model") and name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as fh:
+                    digest.update(name.encode() + fh.read())
+    return digest.hexdigest()[:12]
+
+
 def default_tiny_model_dir(arch: str) -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pdpool", f"tiny-{arch}")
+    return os.path.join(base, "pdpool", f"tiny-{arch}-{_generator_fingerprint()}")
 
 
 def ensure_tiny_model(arch: str = "qwen3", out_dir: Optional[str] = None) -> str:

@@ -11,7 +11,7 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint folder (default: a tiny random model, "
-                                   "generated once into ~/.cache/pdpool)")
+                                   "generated once per generator version into ~/.cache/pdpool)")
     p.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3_5"),
                    help="architecture of the default tiny model")
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")

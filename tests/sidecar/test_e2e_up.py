@@ -72,10 +72,19 @@ def test_greedy_outputs_match_one_aggregated_engine(client, urls):
     assert usage.completion_tokens == 8 and usage.prompt_tokens > 0
 
 
-def test_conversation_turns_take_the_expected_paths(client, urls):
-    """Turn 1 (cold) is rejected by decode; turn 2 with a short new message is served by
-    the decode engine alone; turn 3 with a long new message is rejected again and goes
-    through the prefill leg (with the history offered for pulling from decode)."""
+def arch_of(topo) -> str:
+    return "qwen3_5" if "tiny-qwen3_5" in topo.spec.model else "qwen3"
+
+
+def test_conversation_turns_take_the_expected_paths(client, urls, topo, request):
+    """Turn 1 (cold) is rejected by decode and prefilled remotely; turn 2 with a short
+    new message is served by the decode engine alone; turn 3 with a long new message is
+    rejected again and goes through the prefill leg."""
+    if arch_of(topo) == "qwen3_5":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="engine: a hybrid model's decode engine keeps no state "
+            "snapshot at the last block boundary of turn 1's prompt, so turn 2 finds no "
+            "prefix hit and is rejected too"))
     model = model_name(urls["gateway"])
     sidecar = urls["sidecar"]
     messages = [{"role": "system", "content": "Conversation about paths. " + SYSTEM},
@@ -87,8 +96,9 @@ def test_conversation_turns_take_the_expected_paths(client, urls):
             model=model, messages=msgs, max_tokens=6, temperature=0)
         return raw.headers.get("x-pdpool-path"), raw.parse()
 
+    pd_path = "pd" if topo_connector(urls) != "none" else "fallback"
     path1, r1 = turn(messages)
-    assert path1 in ("pd", "fallback")  # fallback: the engine cannot hand KV over yet
+    assert path1 == pd_path
     assert r1.choices[0].message.content == direct_chat(urls["prefill"], model, messages, 6)
     prefill_legs_after_1 = metric(sidecar, "pdpool_sidecar_legs_total", 'leg="prefill"')
     assert prefill_legs_after_1 == legs_before + 1
@@ -103,15 +113,54 @@ def test_conversation_turns_take_the_expected_paths(client, urls):
 
     messages += [{"role": "assistant", "content": r2.choices[0].message.content},
                  {"role": "user", "content": "Now a long story about mountains. " * 40}]
-    offered_before = metric(sidecar, "pdpool_sidecar_pull_offered_tokens_total")
     path3, r3 = turn(messages)
-    assert path3 in ("pd", "fallback")
+    assert path3 == pd_path
     assert metric(sidecar, "pdpool_sidecar_legs_total", 'leg="prefill"') == \
         prefill_legs_after_1 + 1
     assert r3.choices[0].message.content == direct_chat(urls["prefill"], model, messages, 6)
-    if path3 == "fallback":
-        pytest.skip("engine KV connector does not hand KV over yet: prefill legs fall back "
-                    "to decode (paths and outputs checked above; transfer not)")
-    # history offered to prefill for pulling, and the client sees a truthful usage
-    assert metric(sidecar, "pdpool_sidecar_pull_offered_tokens_total") > offered_before
-    assert r3.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_long_turn_pulls_the_history_from_decode(client, urls, topo):
+    """A conversation decode served alone so far (prefill has never seen it) gets a long
+    turn: decode rejects it and describes its cached history, the prefill engine pulls
+    that history instead of recomputing it, decode pulls the rest back."""
+    model = model_name(urls["gateway"])
+    sidecar = urls["sidecar"]
+    messages = [{"role": "system", "content": "Pull test. " + SYSTEM},
+                {"role": "user", "content": "Describe a harbor at dawn. " * 8}]
+    # The client's own threshold 0 wins over the pool's: decode serves turn 1 alone.
+    r1 = client.chat.completions.create(model=model, messages=messages, max_tokens=6,
+                                        temperature=0, extra_body={"cache_hit_threshold": 0})
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                 {"role": "user", "content": "Now a long story about mountains. " * 40}]
+    before = {name: metric(url, "pdpool_kv_connector", 'stat="tokens_pulled"')
+              for name, url in (("prefill", urls["prefill"]), ("decode", urls["decode"]))}
+    offered_before = metric(sidecar, "pdpool_sidecar_pull_offered_tokens_total")
+    computed_before = metric(urls["prefill"], "pdpool_computed_tokens_total")
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=6, temperature=0)
+    r3 = raw.parse()
+    computed_on_prefill = metric(urls["prefill"], "pdpool_computed_tokens_total") - \
+        computed_before
+    assert raw.headers["x-pdpool-path"] == ("pd" if topo_connector(urls) != "none"
+                                            else "fallback")
+    assert r3.choices[0].message.content == direct_chat(urls["prefill"], model, messages, 6)
+    if topo_connector(urls) == "none" or arch_of(topo) == "qwen3_5":
+        # No connector, or a recurrent-state model (the engine recomputes those instead of
+        # transferring them): paths and outputs are all there is to check.
+        return
+    offered = metric(sidecar, "pdpool_sidecar_pull_offered_tokens_total") - offered_before
+    pulled_by_prefill = metric(urls["prefill"], "pdpool_kv_connector",
+                               'stat="tokens_pulled"') - before["prefill"]
+    assert offered >= r1.usage.prompt_tokens // 2
+    assert pulled_by_prefill == offered
+    assert computed_on_prefill <= r3.usage.prompt_tokens - offered + 1
+    assert metric(urls["decode"], "pdpool_kv_connector", 'stat="tokens_pulled"') > \
+        before["decode"]
+    assert r3.usage.prompt_tokens_details.cached_tokens >= offered - 1
+
+
+def topo_connector(urls) -> str:
+    """'none' when the engines run without a KV connector (no nixl installed)."""
+    text = httpx.get(urls["decode"] + "/metrics", timeout=5).text
+    return "nixl" if 'stat="bytes_read"' in text else "none"

@@ -42,10 +42,11 @@ def test_prefill_leg_without_min_tokens_adds_none():
 def test_prefill_leg_carries_decode_prefix_for_pull():
     rejection = {"do_remote_decode": True, "remote_engine_id": "dec-0", "remote_host": "10.1.1.1",
                  "remote_port": 5600, "remote_block_ids": [[3, 4], [7]],
-                 "remote_num_tokens": 32, "unrelated": 1}
+                 "remote_num_tokens": 32, "remote_request_id": "lease-1", "unrelated": 1}
     pull = legs.pull_params_from_rejection(rejection)
     assert pull == {"remote_engine_id": "dec-0", "remote_host": "10.1.1.1", "remote_port": 5600,
-                    "remote_block_ids": [[3, 4], [7]], "remote_num_tokens": 32}
+                    "remote_block_ids": [[3, 4], [7]], "remote_num_tokens": 32,
+                    "remote_request_id": "lease-1"}
     leg = legs.prefill_leg({"prompt": "p"}, pull)
     assert leg["kv_transfer_params"]["do_remote_decode"] is True
     assert leg["kv_transfer_params"]["remote_num_tokens"] == 32

@@ -174,7 +174,7 @@ class LLMEngine:
             from pdpool.engine.connector.base import KVConnector
             return KVConnector()
         from pdpool.engine.connector.nixl_connector import NixlConnector
-        return NixlConnector(self.config, self.kv, self.kv_cache, self.kv_layout())
+        return NixlConnector(self.config, self.kv, self.kv_cache, self.kv_layout(), self.state)
 
     def close(self) -> None:
         self.connector.close()
@@ -254,9 +254,9 @@ class LLMEngine:
             req = item.request
             req.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            copy = self.kv.snapshot_state(req)
-            if copy is not None:
-                snapshots.append(copy)
+            for copy in (self.kv.snapshot_state(req), self.kv.pin_state_for_transfer(req)):
+                if copy is not None:
+                    snapshots.append(copy)
         self.runner.copy_state_slots(snapshots)
         for item in out.scheduled:
             req = item.request
@@ -282,7 +282,7 @@ class LLMEngine:
             output = self._final_output(req, "", [])
             self._forget(req)
             return output
-        self.scheduler.finish_loading(req, result.num_loaded_tokens)
+        self.scheduler.finish_loading(req, result.num_loaded_tokens, result.restart)
         return None
 
     def _advance(self, req: Request, token: int) -> RequestOutput:

@@ -73,7 +73,7 @@ class ModelRunner:
             return
         src = torch.tensor([a for a, _ in pairs], device=self.device)
         dst = torch.tensor([b for _, b in pairs], device=self.device)
-        for tensor in _state_tensors(self.state):
+        for tensor in state_tensors(self.state):
             tensor[dst] = tensor[src]
 
     @torch.inference_mode()
@@ -114,15 +114,16 @@ def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
     return out
 
 
-def _state_tensors(state) -> list[torch.Tensor]:
+def state_tensors(state) -> list[torch.Tensor]:
     """Every tensor of a model's state pool (slots along dim 0), whatever its container."""
     if isinstance(state, torch.Tensor):
         return [state]
     if isinstance(state, dict):
-        items = state.values()
+        items = list(state.values())
     elif isinstance(state, (list, tuple)):
-        items = state
+        items = list(state)
     else:
-        items = vars(state).values()
-    return [t for item in items for t in _state_tensors(item)
-            if isinstance(item, (torch.Tensor, dict, list, tuple))]
+        items = list(vars(state).values())
+    return [t for item in items if isinstance(item, (torch.Tensor, dict, list, tuple))
+            or hasattr(item, "__dict__") and not callable(item)
+            for t in state_tensors(item)]

@@ -90,11 +90,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
-    def finish_loading(self, request: Request, num_loaded_tokens: int) -> None:
+    def finish_loading(self, request: Request, num_loaded_tokens: int,
+                       restart: bool = False) -> None:
         """The connector's READ ended: what arrived counts as computed; the rest (from the
-        first missing block) is computed here. The request keeps its place in line."""
+        first missing block, or from zero when a recurrent state is missing) is computed
+        here. The request keeps its place in line."""
         if self.loading.pop(request.request_id, None) is None:
             return
+        if restart:
+            request.num_computed_tokens = 0
         request.num_computed_tokens += num_loaded_tokens
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
@@ -136,8 +140,12 @@ class Scheduler:
                 # Back from a remote load: it holds its blocks and was judged on admission.
                 hits, num_cached = None, req.num_computed_tokens
             else:
-                hits, num_local = self.kv.get_computed_blocks(req)
+                skip_state = self.connector.will_load_state(req)
+                hits, num_local = self.kv.get_computed_blocks(req, skip_state)
                 num_external = self.connector.get_num_new_matched_tokens(req, num_local)
+                if skip_state and not num_external:
+                    # Nothing will arrive after all: the hit must include the state.
+                    hits, num_local = self.kv.get_computed_blocks(req)
                 # Tokens coming from a remote engine count as cached for the threshold.
                 decision = self.threshold_decision(req, num_local + num_external)
                 if decision is not None:
@@ -201,6 +209,11 @@ class Scheduler:
         aligned = end // bs * bs
         if end % bs and aligned > start:
             return aligned - start
+        # A prefill leg also stops one token short of its prompt: the decode engine
+        # recomputes the last token, so it needs the state just before it.
+        last = req.num_prompt_tokens - 1
+        if req.is_prefill_leg and start < last < end:
+            return last - start
         return num_new
 
     def threshold_decision(self, req: Request, num_cached: int) -> Optional[ThresholdDecision]:

@@ -91,6 +91,9 @@ class TinyModelSpec:
             raise ValueError("--num-heads must be a multiple of --num-kv-heads")
         if self.vocab_size < 300:
             raise ValueError("--vocab-size must be >= 300 (256 byte symbols + specials + merges)")
+        if self.arch == "qwen3_5":
+            from pdpool.engine.tiny_model_qwen3_5 import validate_qwen3_5_spec
+            validate_qwen3_5_spec(self)
 
 
 def _qwen3_config(spec: TinyModelSpec, tokenizer):

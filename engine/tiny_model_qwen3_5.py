@@ -2,7 +2,7 @@
 
 Layer kinds follow the real checkpoints: three Gated DeltaNet (`linear_attention`) layers,
 then one gated `full_attention` layer, repeated; the last layer is always full attention so
-that even a 1- or 2-layer model has a KV cache. The linear-attention heads are shaped to
+that even a 2-layer model has a KV cache. The linear-attention heads are shaped to
 catch layout mix-ups: value heads are twice the key heads and the value head dim is half the
 key head dim (real Qwen3.5 uses 16 key / 32 value heads of 128).
 """
@@ -19,16 +19,23 @@ def hybrid_layer_types(num_layers: int) -> list[str]:
             else "linear_attention" for i in range(num_layers)]
 
 
-def qwen3_5_config(spec, tokenizer):
-    """A `Qwen3_5TextConfig` (architecture `Qwen3_5ForCausalLM`) from a `TinyModelSpec`."""
-    from transformers import Qwen3_5TextConfig
-
+def validate_qwen3_5_spec(spec) -> None:
+    """Raises ValueError for a `TinyModelSpec` that cannot make a sound Qwen3.5 model."""
     if spec.sliding_window:
         raise ValueError("--sliding-window applies to --arch qwen3 only")
+    if spec.num_layers < 2:
+        raise ValueError("--arch qwen3_5 needs --layers >= 2 (Gated DeltaNet and full attention)")
     rotary_dim = int(spec.head_dim * PARTIAL_ROTARY_FACTOR)
     if rotary_dim < 2 or rotary_dim % 2:
         raise ValueError(f"--head-dim {spec.head_dim} leaves an odd or empty rotary part "
                          f"({PARTIAL_ROTARY_FACTOR} of it); use a multiple of 8")
+
+
+def qwen3_5_config(spec, tokenizer):
+    """A `Qwen3_5TextConfig` (architecture `Qwen3_5ForCausalLM`) from a `TinyModelSpec`."""
+    from transformers import Qwen3_5TextConfig
+
+    validate_qwen3_5_spec(spec)
     config = Qwen3_5TextConfig(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from pdpool.errors import CliError
+
 # name -> (module, one-line help)
 COMMANDS = {
     "tiny-model": ("pdpool.engine.tiny_model_cli", "write a small random-weight HF checkpoint"),
@@ -54,10 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"pdpool {args.command}: {exc}", file=sys.stderr)
         return 2
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2, no traceback."""
 
 
 if __name__ == "__main__":

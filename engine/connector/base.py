@@ -25,12 +25,19 @@ class LoadResult:
     # a failure partway keeps only the blocks before the first missing one.
     num_loaded_tokens: int
     error: Optional[str] = None
+    # A recurrent state that did not arrive cannot resume mid-prompt: start from zero.
+    restart: bool = False
 
 
 class KVConnector:
     name = "none"
 
     # --- scheduler side -----------------------------------------------------------------
+    def will_load_state(self, request: Request) -> bool:
+        """The request's recurrent state will come from a peer, so the local lookup need
+        not find a state snapshot (per-group hits, seed 004)."""
+        return False
+
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
         return 0
 

@@ -52,6 +52,7 @@ class LoadPlan:
     started: float = field(default_factory=time.monotonic)
     transfer_id: Optional[int] = None
     num_valid_positions: int = 0
+    state_pair: Optional[tuple[int, Any]] = None  # (local running slot, remote state slot)
     orphan_blocks: Optional[list[Block]] = None  # request aborted mid-READ
 
 
@@ -59,6 +60,7 @@ class LoadPlan:
 class Lease:
     blocks: list[Block]
     deadline: float
+    state_slot: Optional[int] = None   # a pinned recurrent-state slot
 
 
 def _block_id_tables(value: Any, num_groups: int) -> list[list]:
@@ -75,7 +77,7 @@ class NixlConnector(KVConnector):
     name = "nixl"
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, kv_cache, layout: dict,
-                 engine_id: Optional[str] = None):
+                 state=None, engine_id: Optional[str] = None):
         self.config = config
         self.kv = kv
         self.block_size = kv.block_size
@@ -86,6 +88,10 @@ class NixlConnector(KVConnector):
         self.allowlist = parse_allowlist(config.kv_peer_allowlist)
         self.transport = NixlTransport(self.engine_id)
         self.transport.register_region("kv", kv_cache)
+        if kv.has_state:
+            # Recurrent states (running slots and snapshots) travel with the blocks.
+            from pdpool.engine.runner import state_tensors
+            self.transport.register_region("state", state_tensors(state))
         self.server = HandshakeServer(document_for(self.transport, layout),
                                       host=config.kv_host, port=config.kv_port)
         self.host, self.port = config.kv_host, self.server.port
@@ -102,11 +108,26 @@ class NixlConnector(KVConnector):
                  self.engine_id, self.host, self.port, self.role, self.allowlist.describe())
 
     # --- scheduler side -----------------------------------------------------------------
+    def _remote_state_slot(self, p: dict) -> Any:
+        """The state slot a peer describes: the list after the attention groups' lists."""
+        ids = p.get("remote_block_ids")
+        n = len(self.kv.groups)
+        if isinstance(ids, list) and len(ids) == n + 1 and isinstance(ids[n], list) \
+                and len(ids[n]) == 1:
+            return ids[n][0]
+        return None
+
+    def will_load_state(self, request: Request) -> bool:
+        p = request.kv_transfer_params
+        return bool(self.kv.has_state and p and not request.kv_consumed
+                    and self._remote_state_slot(p) is not None)
+
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
         p = request.kv_transfer_params
-        if not p or request.kv_consumed or self.kv.has_state:
-            # Recurrent-state models compute locally: their state is not transferred.
+        if not p or request.kv_consumed:
             return 0
+        if self.kv.has_state and self._remote_state_slot(p) is None:
+            return 0   # without the peer's state a recurrent model cannot resume
         if p.get("do_remote_prefill"):
             if self.role == "producer":
                 return 0
@@ -135,10 +156,12 @@ class NixlConnector(KVConnector):
         last = cdiv(num_local_computed + num_external, self.block_size)
         remote = _block_id_tables(p.get("remote_block_ids"), len(block_tables))
         request.kv_consumed = True   # never pull twice for one request
-        self._waiting[request.request_id] = LoadPlan(
-            request.request_id, host, port, str(p.get("remote_request_id") or ""),
-            [t[first:last] for t in block_tables], [t[first:last] for t in remote],
-            num_external)
+        plan = LoadPlan(request.request_id, host, port, str(p.get("remote_request_id") or ""),
+                        [t[first:last] for t in block_tables], [t[first:last] for t in remote],
+                        num_external)
+        if self.kv.has_state:
+            plan.state_pair = (self.kv.state_slot(request.request_id), self._remote_state_slot(p))
+        self._waiting[request.request_id] = plan
 
     def request_finished(self, request: Request, status: RequestStatus) -> Optional[dict]:
         normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
@@ -148,8 +171,10 @@ class NixlConnector(KVConnector):
             # Hold the prompt's blocks (an extra reference) for the decode engine's READ.
             n = cdiv(request.num_prompt_tokens, self.block_size)
             tables = [blocks[:n] for blocks in self.kv.req_blocks.get(request.request_id, [])]
-            self._lease(request.request_id, self.kv.hold([b for t in tables for b in t]))
-            return self._describe(request.request_id, tables, do_remote_prefill=True)
+            slot, request.transfer_state_slot = request.transfer_state_slot, None
+            self._lease(request.request_id, self.kv.hold([b for t in tables for b in t]), slot)
+            return self._describe(request.request_id, tables, do_remote_prefill=True,
+                                  state_slot=slot)
         return None
 
     def describe_rejected(self, request: Request, hits: list[Block],
@@ -158,9 +183,15 @@ class NixlConnector(KVConnector):
         engine to pull (seed 001). Prefill legs are never rejected, so never described."""
         if not num_cached or self.role == "producer":
             return None
-        self._lease(request.request_id, self.kv.hold([b for t in hits for b in t]))
+        slot = None
+        if self.kv.has_state:
+            slot = self.kv.snapshots.lookup(request.block_hashes[num_cached // self.block_size - 1])
+            if slot is None:
+                return None
+            self.kv.snapshots.pinned.add(slot)
+        self._lease(request.request_id, self.kv.hold([b for t in hits for b in t]), slot)
         return self._describe(request.request_id, hits, do_remote_prefill=False,
-                              num_tokens=num_cached)
+                              num_tokens=num_cached, state_slot=slot)
 
     def request_aborted(self, request: Request) -> None:
         rid = request.request_id
@@ -222,8 +253,10 @@ class NixlConnector(KVConnector):
         return host, port
 
     def _describe(self, lease_id: str, tables: list[list[Block]], do_remote_prefill: bool,
-                  num_tokens: Optional[int] = None) -> dict:
+                  num_tokens: Optional[int] = None, state_slot: Optional[int] = None) -> dict:
         ids = [[b.block_id for b in blocks] for blocks in tables]
+        if state_slot is not None:
+            ids.append([state_slot])   # the recurrent state, after the attention groups
         params = {"do_remote_prefill": do_remote_prefill, "do_remote_decode": not do_remote_prefill,
                   "remote_engine_id": self.engine_id, "remote_request_id": lease_id,
                   # One list for one group (vLLM's shape), else one list per group.
@@ -233,11 +266,17 @@ class NixlConnector(KVConnector):
             params["remote_num_tokens"] = num_tokens
         return params
 
-    def _lease(self, lease_id: str, blocks: list[Block]) -> None:
+    def _lease(self, lease_id: str, blocks: list[Block], state_slot: Optional[int] = None) -> None:
         old = self._leases.pop(lease_id, None)
         if old is not None:
-            self.kv.release(old.blocks)
-        self._leases[lease_id] = Lease(blocks, time.monotonic() + self.config.kv_producer_timeout)
+            self._end_lease(old)
+        self._leases[lease_id] = Lease(blocks, time.monotonic() + self.config.kv_producer_timeout,
+                                       state_slot)
+
+    def _end_lease(self, lease: Lease) -> None:
+        self.kv.release(lease.blocks)
+        if lease.state_slot is not None:
+            self.kv.snapshots.release(lease.state_slot)
 
     def _connect(self, key: tuple[str, int]) -> None:
         if key in self._handshakes:
@@ -292,9 +331,13 @@ class NixlConnector(KVConnector):
                     continue   # a null block (outside the window) on either side
                 local_ids.append(local[k])
                 remote_ids.append(remote[k])
+        units = {"kv": (local_ids, remote_ids)}
+        if plan.state_pair is not None:
+            local_slot, remote_slot = plan.state_pair
+            units["state"] = ([local_slot], [remote_slot])
         try:
             plan.transfer_id = self.transport.start_read(
-                agent, {"kv": (local_ids, remote_ids)},
+                agent, units,
                 notification=plan.remote_request_id, timeout_s=self.config.kv_load_timeout)
         except Exception as exc:
             self._failed.append(self._result(plan, f"READ refused: {exc}"))
@@ -308,6 +351,10 @@ class NixlConnector(KVConnector):
         wanted = len(plan.local_tables[0]) if plan.local_tables else 0
         if arrived and plan.num_valid_positions < wanted:
             error = f"only {plan.num_valid_positions} of {wanted} remote block ids are valid"
+        restart = False
+        if plan.state_pair is not None and error is not None:
+            # Blocks without the state at their end are useless to a recurrent model.
+            loaded, restart = 0, True
         if error is None:
             self.counters["loads_ok"] += 1
         else:
@@ -315,13 +362,13 @@ class NixlConnector(KVConnector):
             log.warning("KV load for %s: %s; computing locally from prompt token %d",
                         plan.request_id, error, loaded)
         self.counters["tokens_pulled"] += loaded
-        return LoadResult(plan.request_id, loaded, error)
+        return LoadResult(plan.request_id, loaded, error, restart)
 
     def _collect_notifications(self) -> None:
         for note in self.transport.notifications():
             lease = self._leases.pop(note.message.decode(errors="replace"), None)
             if lease is not None:
-                self.kv.release(lease.blocks)
+                self._end_lease(lease)
                 self.counters["leases_released"] += 1
 
     def _expire_leases(self) -> None:
@@ -329,6 +376,6 @@ class NixlConnector(KVConnector):
         for lease_id, lease in list(self._leases.items()):
             if now > lease.deadline:
                 del self._leases[lease_id]
-                self.kv.release(lease.blocks)
+                self._end_lease(lease)
                 self.counters["leases_expired"] += 1
                 log.info("KV blocks held for %s expired unread", lease_id)

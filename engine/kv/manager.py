@@ -215,6 +215,20 @@ class KVCacheManager:
         self.snapshots.publish(request.block_hashes[i], slot)
         return self.req_slot[request.request_id], slot
 
+    def pin_state_for_transfer(self, request: Request) -> Optional[tuple[int, int]]:
+        """A prefill leg that has computed all but its last prompt token keeps a copy of its
+        state there for the decode engine: (running slot, pinned slot) to copy."""
+        n = request.num_computed_tokens
+        if not self.has_state or not request.is_prefill_leg or n == 0 \
+                or n != request.num_prompt_tokens - 1 or request.transfer_state_slot is not None:
+            return None
+        slot = self.snapshots.take_slot()
+        if slot is None:
+            return None
+        self.snapshots.pinned.add(slot)
+        request.transfer_state_slot = slot
+        return self.req_slot[request.request_id], slot
+
     # --- freeing ------------------------------------------------------------------------
     def free(self, request: Request) -> None:
         self.release(self.detach(request))
@@ -226,6 +240,9 @@ class KVCacheManager:
         slot = self.req_slot.pop(request.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+        if request.transfer_state_slot is not None:   # nobody took it over
+            self.snapshots.release(request.transfer_state_slot)
+            request.transfer_state_slot = None
         return [b for blocks in tables for b in reversed(blocks)]
 
     def hold(self, blocks: list[Block]) -> list[Block]:

@@ -325,9 +325,10 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def allocate_state(self, num_slots: int, device) -> RecurrentState:
         """Zeroed conv and SSM states for `num_slots` requests, all linear layers."""
-        if not self.linear_layers:
-            raise ValueError("this Qwen3.5 config has no linear-attention layer")
-        conv_shape, ssm_shape = self.linear_layers[0].state_shapes()
+        if not self.linear_layers:  # all full attention: nothing recurrent to keep
+            conv_shape, ssm_shape = (0, 0), (0, 0, 0)
+        else:
+            conv_shape, ssm_shape = self.linear_layers[0].state_shapes()
         if any(layer.state_shapes() != (conv_shape, ssm_shape) for layer in self.linear_layers):
             raise ValueError("linear-attention layers disagree on their state shapes")
         dtype = self.lm_head.weight.dtype

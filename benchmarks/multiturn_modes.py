@@ -50,9 +50,10 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def kv_bytes(metrics: dict[str, float]) -> float:
+def kv_stat(metrics: dict[str, float], stat: str) -> float:
+    """A KV connector counter of one engine (bytes_read, tokens_pulled, ...)."""
     return sum(v for k, v in metrics.items()
-               if "{" not in k and "kv" in k and "bytes" in k and k.endswith("_total"))
+               if k.startswith("pdpool_kv_connector{") and f'stat="{stat}"' in k)
 
 
 def words(rng: random.Random, n: int, tag: str) -> str:
@@ -137,17 +138,21 @@ def run_mode(name: str, args, model_dir: str) -> dict:
     prefill_legs = sum(a.get('pdpool_sidecar_legs_total{leg="prefill"}', 0)
                        - b.get('pdpool_sidecar_legs_total{leg="prefill"}', 0)
                        for a, b in zip(side_after, side_before))
-    moved = sum(kv_bytes(after[u]) - kv_bytes(before[u]) for urls in engines.values()
-                for u in urls)
-    has_kv_metric = any(kv_bytes(after[u]) or any("kv" in k and "bytes" in k for k in after[u])
-                        for urls in engines.values() for u in urls)
+    def kv_delta(role, stat):
+        return sum(kv_stat(after[u], stat) - kv_stat(before[u], stat) for u in engines[role])
+
+    has_kv_metric = any(k.startswith("pdpool_kv_connector{") for urls in engines.values()
+                        for u in urls for k in after[u])
     return {"mode": name, "turns": len(ttfts), "wall_s": wall,
             "ttft_p50_ms": pct(ttfts, .5) * 1e3, "ttft_p99_ms": pct(ttfts, .99) * 1e3,
             "output_tok_s": counts.get("output_tokens", 0) / wall,
             "prefill_engine_prompt_tokens": prompt_computed("prefill"),
             "decode_engine_prompt_tokens": prompt_computed("decode"),
             "prefill_legs": prefill_legs,
-            "kv_bytes_moved": moved if has_kv_metric else None,
+            "kv_bytes_moved": (kv_delta("prefill", "bytes_read") + kv_delta("decode", "bytes_read"))
+            if has_kv_metric else None,
+            "tokens_pulled_by_decode": kv_delta("decode", "tokens_pulled"),
+            "tokens_pulled_by_prefill": kv_delta("prefill", "tokens_pulled"),
             "paths": {k: v for k, v in counts.items() if k != "output_tokens"},
             "kv_connector": topo.kv_connector}
 
@@ -177,13 +182,15 @@ def main() -> int:
           f"(long turn = {args.long_words} words every 3rd turn), {args.max_tokens} output "
           f"tokens, device {args.device}, KV connector {rows[0]['kv_connector']}")
     head = (f"{'mode':<19}{'TTFT p50':>10}{'TTFT p99':>10}{'out tok/s':>10}"
-            f"{'P prompt tok':>13}{'D prompt tok':>13}{'P legs':>7}{'KV bytes':>11}  paths")
+            f"{'P prompt tok':>13}{'D prompt tok':>13}{'P legs':>7}{'KV MB':>8}"
+            f"{'D<-P tok':>9}{'P<-D tok':>9}  paths")
     print(head)
     for r in rows:
-        kv = "n/a" if r["kv_bytes_moved"] is None else f"{r['kv_bytes_moved']:.0f}"
+        kv = "n/a" if r["kv_bytes_moved"] is None else f"{r['kv_bytes_moved'] / 1e6:.1f}"
         print(f"{r['mode']:<19}{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>8.0f}ms"
               f"{r['output_tok_s']:>10.1f}{r['prefill_engine_prompt_tokens']:>13.0f}"
-              f"{r['decode_engine_prompt_tokens']:>13.0f}{r['prefill_legs']:>7.0f}{kv:>11}  "
+              f"{r['decode_engine_prompt_tokens']:>13.0f}{r['prefill_legs']:>7.0f}{kv:>8}"
+              f"{r['tokens_pulled_by_decode']:>9.0f}{r['tokens_pulled_by_prefill']:>9.0f}  "
               f"{r['paths']}")
     os.makedirs(RESULTS, exist_ok=True)
     out = os.path.join(RESULTS, "multiturn_modes.json")

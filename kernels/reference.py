@@ -5,23 +5,33 @@ Cache layout (shared by the engine, the kernels and the NIXL connector): one ten
 block of every layer is one contiguous region (one NIXL descriptor per block). A layer's
 `k_cache = kv_cache[:, layer, 0]` is a strided view `[num_blocks, block_size, H_kv, D]`.
 A slot is `block_id * block_size + offset`.
+
+Speed on CPU (this is the engine's attention there): the blocks a batch reads are gathered
+with one `index_select` per cache into a reused per-thread workspace (a fresh multi-MB tensor
+per layer costs more in page faults than the copy itself), and attention runs in
+`scaled_dot_product_attention`. GQA folds each KV head's query group into SDPA's query
+axis, so K/V are never repeated per query head.
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatters k, v `[T, H_kv, D]` into the caches at `slot_mapping[T]`; slot -1 is skipped."""
     block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if not bool((slots >= 0).all()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    index = (torch.div(slots, block_size, rounding_mode="floor"), slots % block_size)
+    k_cache.index_put_(index, k.to(k_cache.dtype))
+    v_cache.index_put_(index, v.to(v_cache.dtype))
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -34,79 +44,127 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     `query_start_loc[b]:query_start_loc[b+1]`. seq_lens[b] is its context length including
     the new tokens (already written to the cache), so its query i sits at position
     `seq_lens[b] - q_len + i`. A key at position j is visible to a query at p when j <= p and,
-    with a sliding window W, p - j < W. Returns `[T, H, D]` in q's dtype.
+    with a sliding window W, p - j < W. Returns `[T, H, D]` in q's dtype; computed in fp32.
     """
-    out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
+    if len(decodes) == len(lens) == q.shape[0]:
+        # A pure decode step (the CPU engine's common one): one batched call, no scatter.
+        return _decode_batch(q, k_cache, v_cache, block_tables, lens, scale, sliding_window)
+    out = torch.empty_like(q)
     if decodes:
-        # All one-token sequences in one padded batch: the CPU engine's common step.
         rows = torch.tensor([starts[b] for b in decodes], device=q.device)
         index = torch.tensor(decodes, device=q.device)
-        out[rows] = _decode_batch(q[rows], k_cache, v_cache, block_tables[index],
-                                  seq_lens[index].long(), scale, sliding_window).to(q.dtype)
+        out.index_copy_(0, rows, _decode_batch(
+            q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, index),
+            [lens[b] for b in decodes], scale, sliding_window))
     for b, (seq_len, q_len) in enumerate(zip(lens, q_lens)):
         if q_len <= 1:
             continue
-        n_blocks = (seq_len + block_size - 1) // block_size
-        table = block_tables[b, :n_blocks].long()
-        # [H_kv, L, D] contiguous fp32, once per sequence
-        k = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).float().contiguous()
-        v = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).float().contiguous()
-        for lo in range(0, q_len, _QUERY_CHUNK):  # bounds the score matrix on long prompts
+        k, v = _gather_sequence(k_cache, v_cache, block_tables[b], seq_len)
+        for lo in range(0, q_len, _QUERY_CHUNK):  # bounds the mask on long prompts
             hi = min(lo + _QUERY_CHUNK, q_len)
             first = seq_len - q_len + lo
             out[starts[b] + lo:starts[b] + hi] = _attend(
-                q[starts[b] + lo:starts[b] + hi], k, v, first, scale, sliding_window
-            ).to(q.dtype)
+                q[starts[b] + lo:starts[b] + hi], k, v, first, scale, sliding_window)
     return out
 
 
 _QUERY_CHUNK = 1024
 
 
+# --------------------------------------------------------------------------- gathering
+
+class _Workspace(threading.local):
+    """Per-thread gather buffers, grown on demand and reused from layer to layer."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device):
+        key = (name, dtype, device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+            self.buffers[key] = buf
+        return buf[:numel]
+
+
+_workspace = _Workspace()
+
+
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor:
+    """`cache[table]` as `[n, block_size, H_kv, D]`, copied into the workspace when possible.
+
+    The output aliases the workspace: it is valid until the next gather of the same name.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    row = block_size * num_kv_heads * head_dim
+    if cache.stride(3) != 1 or cache.stride(2) != head_dim or \
+            cache.stride(1) != num_kv_heads * head_dim:
+        return cache.index_select(0, table)  # an unusual layout: a plain (allocating) gather
+    rows = cache.as_strided((num_blocks, row), (cache.stride(0), 1))
+    buf = _workspace.get(name, table.shape[0] * row, cache.dtype, cache.device)
+    out = buf.view(table.shape[0], row)
+    torch.index_select(rows, 0, table, out=out)
+    return out.view(table.shape[0], block_size, num_kv_heads, head_dim)
+
+
+def _gather_sequence(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor,
+                     seq_len: int):
+    """One sequence's first seq_len keys and values as fp32 `[H_kv, L, D]` views."""
+    block_size = k_cache.shape[1]
+    table = table_row[:(seq_len + block_size - 1) // block_size].long()
+    k, v = (_gather_blocks(c, table, n).flatten(0, 1)[:seq_len].transpose(0, 1).float()
+            for c, n in ((k_cache, "k"), (v_cache, "v")))
+    return k, v
+
+
+# --------------------------------------------------------------------------- attention
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float,
             sliding_window: Optional[int]) -> torch.Tensor:
-    """q `[n, H, D]` at positions first_pos.. over fp32 k, v `[H_kv, L, D]`; GQA by reshape."""
+    """q `[n, H, D]` at positions first_pos.. over fp32 k, v `[H_kv, L, D]`."""
     n, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[0]
+    num_kv_heads, length = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
-    qg = q.float().view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-    scores = qg @ k.transpose(-1, -2)[:, None] * scale                      # [Hkv, G, n, L]
+    # [H_kv, G*n, D]: each KV head's query group stacked on the query axis
+    qg = q.float().view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(num_kv_heads, group * n, head_dim)
     q_pos = torch.arange(first_pos, first_pos + n, device=q.device)
-    k_pos = torch.arange(k.shape[1], device=q.device)
+    k_pos = torch.arange(length, device=q.device)
     visible = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    out = probs @ v[:, None]                                                # [Hkv, G, n, D]
-    return out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+    mask = visible.repeat(group, 1)                                          # [G*n, L]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    out = out.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(n, num_heads, head_dim).to(q.dtype)
 
 
 def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                  block_tables: torch.Tensor, seq_lens: list[int], scale: float,
                   sliding_window: Optional[int]) -> torch.Tensor:
-    """One query per sequence, q `[B, H, D]`; keys gathered up to the longest sequence."""
+    """One query per sequence, q `[B, H, D]`; keys gathered up to the longest sequence and
+    padding masked out. Returns `[B, H, D]` in q's dtype."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    n_blocks = int((seq_lens.max() + block_size - 1) // block_size)
+    n_blocks = (max(seq_lens) + block_size - 1) // block_size
+    length = n_blocks * block_size
     table = block_tables[:, :n_blocks].long().flatten()
-    # [B, H_kv, L, D], contiguous: batched matmuls on CPU are several times faster so
-    k = k_cache.index_select(0, table).view(batch, -1, num_kv_heads, head_dim)
-    v = v_cache.index_select(0, table).view(batch, -1, num_kv_heads, head_dim)
-    k = k.transpose(1, 2).float().contiguous()
-    v = v.transpose(1, 2).float().contiguous()
-    qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    scores = qg @ k.transpose(-1, -2) * scale                              # [B, Hkv, G, L]
-    k_pos = torch.arange(k.shape[2], device=q.device)
-    q_pos = (seq_lens - 1)[:, None]
-    visible = k_pos[None, :] <= q_pos
+    # [B, H_kv, L, D] strided views of the workspace; SDPA takes them as they are
+    k = _gather_blocks(k_cache, table, "k").view(batch, length, num_kv_heads, head_dim)
+    v = _gather_blocks(v_cache, table, "v").view(batch, length, num_kv_heads, head_dim)
+    k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
+    lens = torch.tensor(seq_lens, device=q.device)[:, None]
+    k_pos = torch.arange(length, device=q.device)[None, :]
+    visible = k_pos < lens
     if sliding_window is not None:
-        visible &= (q_pos - k_pos[None, :]) < sliding_window
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v                                # [B, Hkv, G, D]
-    return out.reshape(batch, num_heads, head_dim)
+        visible &= k_pos > lens - 1 - sliding_window
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)  # the group is the query axis
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :],
+                                         scale=scale)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -18,9 +18,34 @@ from pdpool.engine.sampling_params import SamplingParams
 MAX_NEW = 8
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """These tiny matmuls gain nothing from threads, and on a shared 2-core CI machine
+    two spinning OpenMP threads make them 30x slower; one thread is steady."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class RememberedGenerate:
+    """transformers' model whose greedy `generate` runs once per prompt: the scenarios
+    below compare against the same references, and CPU time is scarce in CI."""
+
+    def __init__(self, model):
+        self.model, self.config, self._done = model, model.config, {}
+
+    def generate(self, input_ids, **kwargs):
+        key = (tuple(input_ids[0].tolist()), kwargs["max_new_tokens"])
+        if key not in self._done:
+            self._done[key] = self.model.generate(input_ids, **kwargs)
+        return self._done[key]
+
+
 @pytest.fixture(scope="module")
 def hf_model(tiny_qwen3_5):
-    return AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_5), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_5), dtype=torch.float32)
+    return RememberedGenerate(model.eval())
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +60,11 @@ def test_checkpoint_is_hybrid(tiny_qwen3_5, hf_model):
     assert engine.model.num_attention_layers == 1
     assert engine.kv_cache.shape[1] == 1  # only the full-attention layer has paged KV
     state = engine.state
-    # one slot per schedulable request, 3 linear layers; ssm [Hv=4, Dk=16, Dv=8] in fp32
-    assert tuple(state.conv.shape) == (engine.config.max_num_seqs, 3, 2 * 2 * 16 + 4 * 8, 3)
-    assert tuple(state.ssm.shape) == (engine.config.max_num_seqs, 3, 4, 16, 8)
+    # a slot per schedulable request (at least), 3 linear layers; conv keeps K-1 = 3 inputs
+    # of q/k/v (2 key heads x 16 twice, 4 value heads x 8); ssm [Hv=4, Dk=16, Dv=8] in fp32
+    assert state.conv.shape[0] == state.ssm.shape[0] >= engine.config.max_num_seqs
+    assert tuple(state.conv.shape[1:]) == (3, 2 * 2 * 16 + 4 * 8, 3)
+    assert tuple(state.ssm.shape[1:]) == (3, 4, 16, 8)
     assert state.ssm.dtype == torch.float32
 
 
@@ -92,13 +119,46 @@ def test_forward_refuses_a_batch_without_state(tiny_qwen3_5):
         engine.model(ids, positions, engine.kv_cache, meta, engine.state)
 
 
-def test_tiny_model_cli_rejects_sliding_window_for_qwen3_5(tmp_path):
+@pytest.mark.parametrize("flags,why", [
+    (["--sliding-window", "8"], "qwen3 only"),
+    (["--layers", "1"], "--layers >= 2"),
+    (["--head-dim", "12"], "rotary"),
+])
+def test_tiny_model_cli_rejects_bad_qwen3_5_specs(tmp_path, flags, why):
+    import argparse
+
     from pdpool.cli import CliError
     from pdpool.engine import tiny_model_cli
-    import argparse
 
     parser = argparse.ArgumentParser()
     tiny_model_cli.add_arguments(parser)
-    args = parser.parse_args([str(tmp_path / "m"), "--arch", "qwen3_5", "--sliding-window", "8"])
-    with pytest.raises(CliError, match="qwen3 only"):
+    args = parser.parse_args([str(tmp_path / "m"), "--arch", "qwen3_5", *flags])
+    with pytest.raises(CliError, match=why):
         tiny_model_cli.main(args)
+    assert not (tmp_path / "m" / "model.safetensors").exists()
+
+
+def test_prefix_hits_resume_from_state_snapshots(tiny_qwen3_5, hf_model):
+    """Requests sharing a 100-token system prompt skip it through the prefix cache (KV
+    blocks plus a recurrent-state snapshot) and still give transformers' tokens."""
+    import random
+    rng = random.Random(5)
+    system = [rng.randrange(3, 500) for _ in range(100)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(rng.randint(1, 60))]
+               for _ in range(6)]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_5), device="cpu",
+                                        num_kv_blocks=256, max_num_batched_tokens=128,
+                                        enable_prefix_caching=caching), keep_logits=True)
+        engine.generate(prompts[:1], params)          # warm the shared system prompt
+        computed_before = engine.stats["computed_tokens"]
+        tokens, first_logits = run_engine_recording_first_logits(engine, prompts, params)
+        results[caching] = (tokens, first_logits,
+                            engine.stats["computed_tokens"] - computed_before)
+    assert results[True][0] == results[False][0]
+    # at least three of the six skip 96 tokens (six full blocks of the system prompt)
+    assert results[False][2] - results[True][2] >= 3 * 96
+    report = compare(hf_model, prompts, results[True][0], results[True][1], MAX_NEW)
+    assert report.compared == len(prompts)

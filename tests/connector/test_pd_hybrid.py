@@ -1,0 +1,72 @@
+"""P/D for the hybrid Qwen3.5 model: attention blocks and the recurrent state travel
+together over NIXL."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("nixl", reason="the nixl extra is not installed")
+
+from engine_procs import EngineProcess  # noqa: E402
+from .pd_router import decode_leg, post, prefill_leg, text_of  # noqa: E402
+from .test_pd_engines import _stat, wait_no_blocks  # noqa: E402
+
+NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen3_5, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd-hybrid-logs")
+    specs = {"P": (*NIXL, "--kv-role", "producer", "--kv-pull-threshold", "16"),
+             "D": (*NIXL, "--kv-role", "consumer"),
+             "A": ("--num-kv-blocks", "256")}
+    procs = {n: EngineProcess(tiny_qwen3_5, logs, *f) for n, f in specs.items()}
+    try:
+        for p in procs.values():
+            p.wait()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def body(prompt, max_tokens=8):
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("n", [7, 40, 130])
+def test_hybrid_pd_equals_one_engine(engines, n):
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    b = body(ids(n, seed=n))
+    kv = prefill_leg(P.url, b)
+    assert len(kv["remote_block_ids"]) == 2          # attention group + the state slot
+    computed0 = D.metric("pdpool_computed_tokens_total")
+    out = decode_leg(D.url, b, kv)
+    assert text_of(out) == text_of(post(A.url, b))
+    # The decode engine computed the last prompt token and the decode steps only.
+    assert D.metric("pdpool_computed_tokens_total") - computed0 == b["max_tokens"]
+    wait_no_blocks(P, D)
+
+
+def test_hybrid_bidirectional_pull(engines):
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    turn1 = ids(80, seed=1)
+    post(D.url, body(turn1, 4))      # decode caches 80 tokens, snapshot at 80 (a decode step)
+    turn2 = body(turn1 + ids(70, seed=2))
+    rejected = post(D.url, {**turn2, "cache_hit_threshold": 0.9})
+    described = rejected["kv_transfer_params"]
+    assert rejected["choices"][0]["finish_reason"] == "cache_threshold"
+    assert described["remote_num_tokens"] == 80 and len(described["remote_block_ids"]) == 2
+    pulled0 = _stat(P, "tokens_pulled")
+    kv = prefill_leg(P.url, turn2, {k: v for k, v in described.items()
+                                    if k != "do_remote_prefill"})
+    assert _stat(P, "tokens_pulled") - pulled0 == 80
+    out = decode_leg(D.url, turn2, kv)
+    assert text_of(out) == text_of(post(A.url, turn2))
+    wait_no_blocks(P, D)

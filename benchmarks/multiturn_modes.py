@@ -92,6 +92,8 @@ async def conversation(client: httpx.AsyncClient, model: str, idx: int, turns: i
                     text.append(piece)
                 if chunk.get("usage"):
                     completion = chunk["usage"]["completion_tokens"]
+                    counts["prompt_tokens"] = counts.get("prompt_tokens", 0) + \
+                        chunk["usage"]["prompt_tokens"]
         ttfts.append(first if first is not None else time.perf_counter() - started)
         counts["output_tokens"] = counts.get("output_tokens", 0) + completion
         messages.append({"role": "assistant", "content": "".join(text)})
@@ -153,7 +155,9 @@ def run_mode(name: str, args, model_dir: str) -> dict:
             if has_kv_metric else None,
             "tokens_pulled_by_decode": kv_delta("decode", "tokens_pulled"),
             "tokens_pulled_by_prefill": kv_delta("prefill", "tokens_pulled"),
-            "paths": {k: v for k, v in counts.items() if k != "output_tokens"},
+            "prompt_tokens": counts.get("prompt_tokens", 0),
+            "paths": {k: v for k, v in counts.items()
+                      if k not in ("output_tokens", "prompt_tokens")},
             "kv_connector": topo.kv_connector}
 
 
@@ -180,7 +184,8 @@ def main() -> int:
         rows.append(run_mode(name, args, model_dir))
     print(f"\nmulti-turn chat: {args.conversations} conversations x {args.turns} turns "
           f"(long turn = {args.long_words} words every 3rd turn), {args.max_tokens} output "
-          f"tokens, device {args.device}, KV connector {rows[0]['kv_connector']}")
+          f"tokens, device {args.device}, KV connector {rows[0]['kv_connector']}; "
+          f"{rows[0]['prompt_tokens']} prompt tokens sent in all")
     head = (f"{'mode':<19}{'TTFT p50':>10}{'TTFT p99':>10}{'out tok/s':>10}"
             f"{'P prompt tok':>13}{'D prompt tok':>13}{'P legs':>7}{'KV MB':>8}"
             f"{'D<-P tok':>9}{'P<-D tok':>9}  paths")

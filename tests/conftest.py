@@ -9,6 +9,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+try:  # Tiny CPU models: one thread avoids oversubscribing 2 cores shared with engine processes.
+    import torch
+    torch.set_num_threads(1)
+except ImportError:
+    pass
+
 
 def _tiny(tmp_path_factory, name: str, **spec):
     pytest.importorskip("torch", reason="the engine extra (torch) is not installed")

@@ -151,7 +151,11 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--token-interval-ms", type=float, default=5.0)
+    ap.add_argument("--token-interval-ms", type=float, default=20.0,
+                    help="stand-in pace: a GPU decode step at batch 64 takes about 20 ms")
+    ap.add_argument("--sidecar-nice", type=int, default=0,
+                    help="niceness of the sidecar (negative: give it CPU first, as a pod "
+                         "with its own CPU request would have it; needs root)")
     ap.add_argument("--serve-standin", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_standin:
@@ -179,6 +183,8 @@ def main() -> int:
             "sidecar", "--host", "127.0.0.1", "--port", str(side_port),
             "--decode-url", f"http://127.0.0.1:{up_port}", "--mode", "decode-first",
             "--cache-hit-threshold", "0")))
+        if args.sidecar_nice:
+            os.setpriority(os.PRIO_PROCESS, procs[-1].pid, args.sidecar_nice)
         wait_healthy(f"http://127.0.0.1:{up_port}")
         wait_healthy(f"http://127.0.0.1:{side_port}")
         body = json.dumps({**prompt, "stream": True}).encode()
@@ -213,7 +219,7 @@ def main() -> int:
     upstream = "engine (pdpool serve, " + args.device + ")" if args.engine else \
         f"stand-in ({args.tokens} tokens, {args.token_interval_ms} ms apart)"
     print(f"sidecar overhead: {args.concurrency} concurrent streams, upstream = {upstream}, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs, sidecar nice {args.sidecar_nice}")
     print(f"{'path':<10}{'n':>6}{'TTFT p50':>11}{'TTFT p99':>11}{'E2E p50':>11}{'E2E p99':>11}")
     for name, r in rows.items():
         print(f"{name:<10}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
@@ -231,7 +237,7 @@ def main() -> int:
     out = os.path.join(RESULTS, "sidecar_overhead" + ("_engine" if args.engine else "") + ".json")
     with open(out, "w") as fh:
         json.dump({"concurrency": args.concurrency, "upstream": upstream,
-                   "cpus": os.cpu_count(), "load_average": load,
+                   "cpus": os.cpu_count(), "load_average": load, "sidecar_nice": args.sidecar_nice,
                    "sidecar_cpu_ms_per_request": cpu_ms, "rows": rows, "added": added}, fh, indent=2)
     print(f"wrote {out}")
     return 0

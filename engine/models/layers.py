@@ -21,12 +21,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) [* weight] in one call (fewer CPU ops).
+        shape = (x.shape[-1],)
         if self.zero_centered:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
+            h = F.rms_norm(x.float(), shape, eps=self.eps)
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        # Reduced precision: round the normalised value to x's dtype before the weight, as
+        # the reference implementation does.
+        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
 
 
 def rope_theta_of(config: dict) -> float:
@@ -75,7 +79,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # In place on the fresh projection: no extra [T, intermediate] tensors per layer.
+        h = F.silu(self.gate_proj(x), inplace=True)
+        return self.down_proj(h.mul_(self.up_proj(x)))
 
 
 class PagedAttention(nn.Module):

@@ -73,7 +73,7 @@ class EngineConfig:
         if self.kv_connector not in ("none", "nixl"):
             raise ValueError(f"--kv-connector must be none or nixl, got {self.kv_connector!r}")
         if self.kv_role not in ("producer", "consumer", "both"):
-            raise ValueError(f"--kv-role must be producer, consumer or both")
+            raise ValueError("--kv-role must be producer, consumer or both")
         if self.kv_host in ("0.0.0.0", "::", ""):
             raise ValueError("--kv-host must be an address peers can reach (the pod IP), "
                              "not a wildcard")

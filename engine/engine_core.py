@@ -14,7 +14,7 @@ import torch
 
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.detokenizer import IncrementalDetokenizer, find_stop
-from pdpool.engine.kv.manager import KVCacheManager, cdiv
+from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.runner import ModelRunner

@@ -51,8 +51,6 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
     app = FastAPI(title="pdpool engine")
     app.state.aengine = aengine
     app.state.metrics = metrics
-    # Hooks that add kv_transfer_params to final outputs (the connector sets this).
-    app.state.final_kv_params = None
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_req, exc: RequestValidationError):
@@ -161,10 +159,6 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
                 return
             out = await stream.__anext__()
 
-    def final_kv_params(out: RequestOutput) -> Optional[dict]:
-        hook = app.state.final_kv_params
-        return hook(out) if hook is not None else out.kv_transfer_params
-
     async def run_to_end(http_req: Request, first, stream) -> tuple[str, RequestOutput, list[int]]:
         """Collects a non-streaming answer; a client that goes away aborts it."""
         text, tokens, last = [], [], first
@@ -189,6 +183,42 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    async def answer(http_req: Request, req, prompt_ids: list[int], id_prefix: str,
+                     objects: tuple[str, str], full_choice, chunk_choice, opening=None):
+        """One answer in OpenAI's shape: a whole response, or an SSE stream whose final
+        chunk carries kv_transfer_params (and a usage chunk when asked for)."""
+        request_id, first, stream = await start(http_req, req, prompt_ids)
+        created, rid = int(time.time()), f"{id_prefix}-{request_id}"
+
+        def base(obj: str) -> dict:
+            return {"id": rid, "object": obj, "created": created, "model": model_name}
+
+        def usage(out: RequestOutput) -> dict:
+            return usage_dict(out.num_prompt_tokens, out.num_output_tokens,
+                              out.num_cached_tokens)
+
+        if not req.stream:
+            text, last, _ = await run_to_end(http_req, first, stream)
+            return {**base(objects[0]), "choices": [full_choice(text, last.finish_reason)],
+                    "usage": usage(last), "kv_transfer_params": last.kv_transfer_params}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events():
+            try:
+                if opening is not None:
+                    yield sse({**base(objects[1]), "choices": [opening]})
+                async for out in outputs(first, stream, http_req.state.t_arrival):
+                    chunk = {**base(objects[1]), "choices": [chunk_choice(out)]}
+                    if out.finished:
+                        chunk["kv_transfer_params"] = out.kv_transfer_params
+                    yield sse(chunk)
+                    if out.finished and include_usage:
+                        yield sse({**base(objects[1]), "choices": [], "usage": usage(out)})
+                yield "data: [DONE]\n\n"
+            finally:
+                await stream.aclose()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     # --- /v1/completions --------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(http_req: Request):
@@ -197,82 +227,31 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
             prompt = req.prompt_input()
         except ValueError as exc:
             raise ApiError(str(exc), param="prompt")
-        prompt_ids = tokenize_prompt(prompt)
-        request_id, first, stream = await start(http_req, req, prompt_ids)
-        created, rid = int(time.time()), f"cmpl-{request_id}"
-        if not req.stream:
-            text, last, _ = await run_to_end(http_req, first, stream)
-            return {"id": rid, "object": "text_completion", "created": created,
-                    "model": model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": last.finish_reason, "stop_reason": None}],
-                    "usage": usage_dict(last.num_prompt_tokens, last.num_output_tokens,
-                                        last.num_cached_tokens),
-                    "kv_transfer_params": final_kv_params(last)}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def events():
-            try:
-                async for out in outputs(first, stream, http_req.state.t_arrival):
-                    chunk = {"id": rid, "object": "text_completion", "created": created,
-                             "model": model_name,
-                             "choices": [{"index": 0, "text": out.new_text, "logprobs": None,
-                                          "finish_reason": out.finish_reason}]}
-                    if out.finished:
-                        chunk["kv_transfer_params"] = final_kv_params(out)
-                    yield sse(chunk)
-                    if out.finished and include_usage:
-                        yield sse({"id": rid, "object": "text_completion", "created": created,
-                                   "model": model_name, "choices": [],
-                                   "usage": usage_dict(out.num_prompt_tokens,
-                                                       out.num_output_tokens,
-                                                       out.num_cached_tokens)})
-                yield "data: [DONE]\n\n"
-            finally:
-                await stream.aclose()
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return await answer(
+            http_req, req, tokenize_prompt(prompt), "cmpl",
+            ("text_completion", "text_completion"),
+            lambda text, reason: {"index": 0, "text": text, "logprobs": None,
+                                  "finish_reason": reason, "stop_reason": None},
+            lambda out: {"index": 0, "text": out.new_text, "logprobs": None,
+                         "finish_reason": out.finish_reason})
 
     # --- /v1/chat/completions ---------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(http_req: Request):
         req = await parse(http_req, ChatCompletionRequest)
-        prompt_ids = tokenize_chat(req)
-        request_id, first, stream = await start(http_req, req, prompt_ids)
-        created, rid = int(time.time()), f"chatcmpl-{request_id}"
-        if not req.stream:
-            text, last, _ = await run_to_end(http_req, first, stream)
-            return {"id": rid, "object": "chat.completion", "created": created,
-                    "model": model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": last.finish_reason,
-                                 "stop_reason": None}],
-                    "usage": usage_dict(last.num_prompt_tokens, last.num_output_tokens,
-                                        last.num_cached_tokens),
-                    "kv_transfer_params": final_kv_params(last)}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: dict, finish_reason=None, **extra) -> dict:
-            return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                 "finish_reason": finish_reason}], **extra}
-
-        async def events():
-            try:
-                yield sse(chunk({"role": "assistant", "content": ""}))
-                async for out in outputs(first, stream, http_req.state.t_arrival):
-                    extra = {"kv_transfer_params": final_kv_params(out)} if out.finished else {}
-                    delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-                    yield sse(chunk(delta, out.finish_reason, **extra))
-                    if out.finished and include_usage:
-                        yield sse({"id": rid, "object": "chat.completion.chunk",
-                                   "created": created, "model": model_name, "choices": [],
-                                   "usage": usage_dict(out.num_prompt_tokens,
-                                                       out.num_output_tokens,
-                                                       out.num_cached_tokens)})
-                yield "data: [DONE]\n\n"
-            finally:
-                await stream.aclose()
-        return StreamingResponse(events(), media_type="text/event-stream")
+        def delta(out: RequestOutput) -> dict:
+            content = {"content": out.new_text} if out.new_text or not out.finished else {}
+            return {"index": 0, "delta": content, "logprobs": None,
+                    "finish_reason": out.finish_reason}
+        return await answer(
+            http_req, req, tokenize_chat(req), "chatcmpl",
+            ("chat.completion", "chat.completion.chunk"),
+            lambda text, reason: {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": reason,
+                                  "stop_reason": None},
+            delta,
+            opening={"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None})
 
     return app

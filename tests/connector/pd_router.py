@@ -2,7 +2,12 @@
 then a decode leg with the prefill's kv_transfer_params (what the sidecar automates)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from pathlib import Path
+
 import httpx
+
+from engine_procs import EngineProcess
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> dict:
@@ -27,3 +32,16 @@ def decode_leg(decode_url: str, body: dict, kv_params: dict) -> dict:
 
 def text_of(resp: dict) -> str:
     return resp["choices"][0]["text"]
+
+
+@contextmanager
+def engine_set(model: Path, logs: Path, specs: dict[str, tuple]):
+    """Starts one engine process per name (flags as given), all at once; stops them all."""
+    procs = {name: EngineProcess(model, logs, *flags) for name, flags in specs.items()}
+    try:
+        for p in procs.values():
+            p.wait()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()

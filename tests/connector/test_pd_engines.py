@@ -1,7 +1,6 @@
 """P/D between real engine processes with real NIXL transfers over loopback (CPU DRAM)."""
 from __future__ import annotations
 
-import os
 import random
 import signal
 import socket
@@ -15,7 +14,7 @@ import pytest
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
 from engine_procs import EngineProcess  # noqa: E402
-from .pd_router import decode_leg, post, prefill_leg, text_of  # noqa: E402
+from .pd_router import decode_leg, engine_set, post, prefill_leg, text_of  # noqa: E402
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 BLOCK = 16
@@ -38,14 +37,8 @@ def engines(tiny_qwen3, logs):
         "Dfail": (*NIXL, "--kv-role", "consumer", "--kv-load-failure-policy", "fail"),
         "A": ("--num-kv-blocks", "256"),
     }
-    procs = {name: EngineProcess(tiny_qwen3, logs, *flags) for name, flags in specs.items()}
-    try:
-        for p in procs.values():
-            p.wait()
+    with engine_set(tiny_qwen3, logs, specs) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:

@@ -8,8 +8,7 @@ import pytest
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
-from engine_procs import EngineProcess  # noqa: E402
-from .pd_router import decode_leg, post, prefill_leg, text_of  # noqa: E402
+from .pd_router import decode_leg, engine_set, post, prefill_leg, text_of  # noqa: E402
 from .test_pd_engines import _stat, wait_no_blocks  # noqa: E402
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
@@ -21,14 +20,8 @@ def engines(tiny_qwen3_5, tmp_path_factory):
     specs = {"P": (*NIXL, "--kv-role", "producer", "--kv-pull-threshold", "16"),
              "D": (*NIXL, "--kv-role", "consumer"),
              "A": ("--num-kv-blocks", "256")}
-    procs = {n: EngineProcess(tiny_qwen3_5, logs, *f) for n, f in specs.items()}
-    try:
-        for p in procs.values():
-            p.wait()
+    with engine_set(tiny_qwen3_5, logs, specs) as procs:
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 def ids(n, seed):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -16,6 +17,12 @@ from pdpool.sidecar.topology import pdpool_command
 from .e2e_helpers import engine_available
 
 pytestmark = pytest.mark.slow
+
+
+def sidecar_requests(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pdpool_sidecar_requests_total{"))
 
 
 def pid_alive(pid: int) -> bool:
@@ -36,7 +43,7 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
         pytest.skip("pdpool engine (torch) is not installed")
     state = tmp_path / "state.json"
     proc = subprocess.Popen(pdpool_command("up", "--port", "0",
-                                           "--prefill", "1", "--decode", "1", "--state-file", str(state),
+                                           "--prefill", "1", "--decode", "2", "--state-file", str(state),
                              "--log-dir", str(tmp_path / "logs"),
                                            "--engine-arg=--num-kv-blocks=256"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -48,12 +55,22 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
             time.sleep(0.3)
         info = json.loads(state.read_text())
         pids = [c["pid"] for c in info["children"]]
-        assert {c["role"] for c in info["children"]} == {"prefill", "decode", "sidecar",
-                                                         "gateway"}
+        roles = [c["role"] for c in info["children"]]
+        assert sorted(roles) == ["decode", "decode", "gateway", "prefill", "sidecar", "sidecar"]
+        health = httpx.get(info["gateway_url"] + "/health", timeout=10).json()
+        assert len(health["healthy"]) == 2  # both sidecars, each in front of its engine
         client = openai.OpenAI(base_url=info["gateway_url"] + "/v1", api_key="none")
         model = client.models.list().data[0].id
         out = client.completions.create(model=model, prompt="hello " * 20, max_tokens=3)
         assert out.usage.completion_tokens == 3
+        # a conversation keeps landing on one decode engine (its KV lives there)
+        sidecars = [c["url"] for c in info["children"] if c["role"] == "sidecar"]
+        before = [sidecar_requests(u) for u in sidecars]
+        for turn in range(3):
+            client.completions.create(model=model, prompt="same conversation " * 20
+                                      + "turn " * turn, max_tokens=2)
+        grew = [sidecar_requests(u) - b for u, b in zip(sidecars, before)]
+        assert sorted(grew) == [0, 3]
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -163,7 +163,9 @@ class Sidecar:
         """Other routes (/v1/models, /tokenize, ...) go to the decode engine as they are."""
         try:
             body = await read_body(receive)
-        except (BodyTooLarge, ClientGone):
+        except ClientGone:
+            return
+        except BodyTooLarge:
             return await send_error(send, 413, "request body too large")
         url = self.settings.decode_url + scope["path"]
         if scope.get("query_string"):

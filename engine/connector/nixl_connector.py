@@ -53,6 +53,10 @@ class LoadPlan:
     transfer_id: Optional[int] = None
     num_valid_positions: int = 0
     state_pair: Optional[tuple[int, Any]] = None  # (local running slot, remote state slot)
+    # A peer's snapshot at the last block boundary before the pulled state, copied into a
+    # local snapshot slot and published under that block's hash once it has arrived, so a
+    # later turn can hit this prefix here: (local slot, remote slot, block hash).
+    boundary_snapshot: Optional[tuple[int, Any, bytes]] = None
     orphan_blocks: Optional[list[Block]] = None  # request aborted mid-READ
 
 
@@ -60,7 +64,7 @@ class LoadPlan:
 class Lease:
     blocks: list[Block]
     deadline: float
-    state_slot: Optional[int] = None   # a pinned recurrent-state slot
+    state_slots: tuple[int, ...] = ()   # pinned recurrent-state slots
 
 
 def _block_id_tables(value: Any, num_groups: int) -> list[list]:
@@ -108,14 +112,20 @@ class NixlConnector(KVConnector):
                  self.engine_id, self.host, self.port, self.role, self.allowlist.describe())
 
     # --- scheduler side -----------------------------------------------------------------
-    def _remote_state_slot(self, p: dict) -> Any:
-        """The state slot a peer describes: the list after the attention groups' lists."""
+    def _remote_state_slots(self, p: dict) -> Optional[list]:
+        """The state slots a peer describes, in the list after the attention groups' lists:
+        the state at the end of the described tokens, then optionally the snapshot at the
+        last block boundary before it."""
         ids = p.get("remote_block_ids")
         n = len(self.kv.groups)
         if isinstance(ids, list) and len(ids) == n + 1 and isinstance(ids[n], list) \
-                and len(ids[n]) == 1:
-            return ids[n][0]
+                and 1 <= len(ids[n]) <= 2:
+            return ids[n]
         return None
+
+    def _remote_state_slot(self, p: dict) -> Any:
+        slots = self._remote_state_slots(p)
+        return slots[0] if slots else None
 
     def will_load_state(self, request: Request) -> bool:
         p = request.kv_transfer_params
@@ -160,7 +170,15 @@ class NixlConnector(KVConnector):
                         [t[first:last] for t in block_tables], [t[first:last] for t in remote],
                         num_external)
         if self.kv.has_state:
-            plan.state_pair = (self.kv.state_slot(request.request_id), self._remote_state_slot(p))
+            slots = self._remote_state_slots(p)
+            plan.state_pair = (self.kv.state_slot(request.request_id), slots[0])
+            boundary = (num_local_computed + num_external) // self.block_size
+            if len(slots) == 2 and boundary and \
+                    request.block_hashes[boundary - 1] not in self.kv.snapshots:
+                local = self.kv.snapshots.take_slot()
+                if local is not None:
+                    self.kv.snapshots.pinned.add(local)
+                    plan.boundary_snapshot = (local, slots[1], request.block_hashes[boundary - 1])
         self._waiting[request.request_id] = plan
 
     def request_finished(self, request: Request, status: RequestStatus) -> Optional[dict]:
@@ -171,10 +189,21 @@ class NixlConnector(KVConnector):
             # Hold the prompt's blocks (an extra reference) for the decode engine's READ.
             n = cdiv(request.num_prompt_tokens, self.block_size)
             tables = [blocks[:n] for blocks in self.kv.req_blocks.get(request.request_id, [])]
-            slot, request.transfer_state_slot = request.transfer_state_slot, None
-            self._lease(request.request_id, self.kv.hold([b for t in tables for b in t]), slot)
+            slots = []
+            if request.transfer_state_slot is not None:
+                slots.append(request.transfer_state_slot)
+                request.transfer_state_slot = None
+                # Also offer the snapshot at the last block boundary, for later turns.
+                boundary = (request.num_prompt_tokens - 1) // self.block_size
+                snap = self.kv.snapshots.lookup(request.block_hashes[boundary - 1]) \
+                    if boundary else None
+                if snap is not None:
+                    self.kv.snapshots.pinned.add(snap)
+                    slots.append(snap)
+            self._lease(request.request_id, self.kv.hold([b for t in tables for b in t]),
+                        tuple(slots))
             return self._describe(request.request_id, tables, do_remote_prefill=True,
-                                  state_slot=slot)
+                                  state_slots=slots)
         return None
 
     def describe_rejected(self, request: Request, hits: list[Block],
@@ -189,13 +218,16 @@ class NixlConnector(KVConnector):
             if slot is None:
                 return None
             self.kv.snapshots.pinned.add(slot)
-        self._lease(request.request_id, self.kv.hold([b for t in hits for b in t]), slot)
+        self._lease(request.request_id, self.kv.hold([b for t in hits for b in t]),
+                    () if slot is None else (slot,))
         return self._describe(request.request_id, hits, do_remote_prefill=False,
-                              num_tokens=num_cached, state_slot=slot)
+                              num_tokens=num_cached, state_slots=[] if slot is None else [slot])
 
     def request_aborted(self, request: Request) -> None:
         rid = request.request_id
-        self._waiting.pop(rid, None)
+        waiting = self._waiting.pop(rid, None)
+        if waiting is not None:
+            self._drop_boundary_snapshot(waiting)
         plan = self._reading.get(rid)
         if plan is not None:
             # The READ may still write into these blocks: keep them until it ends.
@@ -226,6 +258,7 @@ class NixlConnector(KVConnector):
             del self._reading[rid]
             if plan.orphan_blocks is not None:
                 self.kv.release(plan.orphan_blocks)
+                self._drop_boundary_snapshot(plan)
                 continue
             results.append(self._result(plan, error, arrived))
         self._collect_notifications()
@@ -253,10 +286,10 @@ class NixlConnector(KVConnector):
         return host, port
 
     def _describe(self, lease_id: str, tables: list[list[Block]], do_remote_prefill: bool,
-                  num_tokens: Optional[int] = None, state_slot: Optional[int] = None) -> dict:
+                  num_tokens: Optional[int] = None, state_slots: list[int] = ()) -> dict:
         ids = [[b.block_id for b in blocks] for blocks in tables]
-        if state_slot is not None:
-            ids.append([state_slot])   # the recurrent state, after the attention groups
+        if state_slots:
+            ids.append(list(state_slots))   # recurrent state slots, after the attention groups
         params = {"do_remote_prefill": do_remote_prefill, "do_remote_decode": not do_remote_prefill,
                   "remote_engine_id": self.engine_id, "remote_request_id": lease_id,
                   # One list for one group (vLLM's shape), else one list per group.
@@ -266,17 +299,17 @@ class NixlConnector(KVConnector):
             params["remote_num_tokens"] = num_tokens
         return params
 
-    def _lease(self, lease_id: str, blocks: list[Block], state_slot: Optional[int] = None) -> None:
+    def _lease(self, lease_id: str, blocks: list[Block], state_slots: tuple[int, ...] = ()) -> None:
         old = self._leases.pop(lease_id, None)
         if old is not None:
             self._end_lease(old)
         self._leases[lease_id] = Lease(blocks, time.monotonic() + self.config.kv_producer_timeout,
-                                       state_slot)
+                                       state_slots)
 
     def _end_lease(self, lease: Lease) -> None:
         self.kv.release(lease.blocks)
-        if lease.state_slot is not None:
-            self.kv.snapshots.release(lease.state_slot)
+        for slot in lease.state_slots:
+            self.kv.snapshots.release(slot)
 
     def _connect(self, key: tuple[str, int]) -> None:
         if key in self._handshakes:
@@ -335,6 +368,9 @@ class NixlConnector(KVConnector):
         if plan.state_pair is not None:
             local_slot, remote_slot = plan.state_pair
             units["state"] = ([local_slot], [remote_slot])
+            if plan.boundary_snapshot is not None:
+                units["state"][0].append(plan.boundary_snapshot[0])
+                units["state"][1].append(plan.boundary_snapshot[1])
         try:
             plan.transfer_id = self.transport.start_read(
                 agent, units,
@@ -352,6 +388,7 @@ class NixlConnector(KVConnector):
         if arrived and plan.num_valid_positions < wanted:
             error = f"only {plan.num_valid_positions} of {wanted} remote block ids are valid"
         restart = False
+        self._drop_boundary_snapshot(plan, publish=arrived and error is None)
         if plan.state_pair is not None and error is not None:
             # Blocks without the state at their end are useless to a recurrent model.
             loaded, restart = 0, True
@@ -363,6 +400,15 @@ class NixlConnector(KVConnector):
                         plan.request_id, error, loaded)
         self.counters["tokens_pulled"] += loaded
         return LoadResult(plan.request_id, loaded, error, restart)
+
+    def _drop_boundary_snapshot(self, plan: LoadPlan, publish: bool = False) -> None:
+        if plan.boundary_snapshot is None:
+            return
+        slot, _, block_hash = plan.boundary_snapshot
+        plan.boundary_snapshot = None
+        if publish and block_hash not in self.kv.snapshots:
+            self.kv.snapshots.publish(block_hash, slot)
+        self.kv.snapshots.release(slot)
 
     def _collect_notifications(self) -> None:
         for note in self.transport.notifications():

@@ -63,3 +63,19 @@ def test_hybrid_bidirectional_pull(engines):
     out = decode_leg(D.url, turn2, kv)
     assert text_of(out) == text_of(post(A.url, turn2))
     wait_no_blocks(P, D)
+
+
+def test_decode_can_hit_a_pulled_prefix_on_the_next_turn(engines):
+    """The prefill engine also hands over its snapshot at the last block boundary, so the
+    decode engine can resume the next turn of the conversation from it."""
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    turn1 = body(ids(75, seed=50), 4)
+    decode_leg(D.url, turn1, prefill_leg(P.url, turn1))
+    turn2 = body(turn1["prompt"] + ids(6, seed=51))
+    computed0 = D.metric("pdpool_computed_tokens_total")
+    out = post(D.url, {**turn2, "cache_hit_threshold": 0.5})
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    assert D.metric("pdpool_computed_tokens_total") - computed0 == 81 - 64 + 8 - 1
+    assert text_of(out) == text_of(post(A.url, turn2))
+    wait_no_blocks(P, D)

@@ -80,11 +80,6 @@ def test_conversation_turns_take_the_expected_paths(client, urls, topo, request)
     """Turn 1 (cold) is rejected by decode and prefilled remotely; turn 2 with a short
     new message is served by the decode engine alone; turn 3 with a long new message is
     rejected again and goes through the prefill leg."""
-    if arch_of(topo) == "qwen3_5":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="engine: a hybrid model's decode engine keeps no state "
-            "snapshot at the last block boundary of turn 1's prompt, so turn 2 finds no "
-            "prefix hit and is rejected too"))
     model = model_name(urls["gateway"])
     sidecar = urls["sidecar"]
     messages = [{"role": "system", "content": "Conversation about paths. " + SYSTEM},

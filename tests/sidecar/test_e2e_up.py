@@ -76,7 +76,7 @@ def arch_of(topo) -> str:
     return "qwen3_5" if "tiny-qwen3_5" in topo.spec.model else "qwen3"
 
 
-def test_conversation_turns_take_the_expected_paths(client, urls, topo, request):
+def test_conversation_turns_take_the_expected_paths(client, urls, topo):
     """Turn 1 (cold) is rejected by decode and prefilled remotely; turn 2 with a short
     new message is served by the decode engine alone; turn 3 with a long new message is
     rejected again and goes through the prefill leg."""

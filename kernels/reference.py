@@ -114,7 +114,9 @@ class _Workspace(threading.local):
         self.buffers: dict[tuple, torch.Tensor] = {}
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device):
-        key = (name, dtype, device)
+        # A buffer made under inference_mode cannot be written outside it (and vice versa
+        # would leak autograd state), so each mode has its own.
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)

@@ -135,3 +135,11 @@ def test_gated_mlp_in_place_equals_the_plain_formula():
         got = mlp(x)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     assert torch.equal(x, before)  # the input is untouched
+
+
+def test_workspace_serves_calls_in_and_out_of_inference_mode():
+    with torch.inference_mode():
+        _check_against_naive([1, 1, 4], [50, 7, 20])
+    _check_against_naive([1, 1, 4], [60, 9, 20])  # the buffers made above are not reused here
+    with torch.inference_mode():
+        _check_against_naive([1, 3], [70, 1])

@@ -37,6 +37,7 @@ class EngineConfig:
     prefix_aware_admission: bool = True
     global_cache_hit_threshold: float = 0.0
     seed: int = 0
+    cpu_threads: Optional[int] = None   # torch threads on CPU (None: torch's default)
     # KV connector (P/D transfer)
     kv_connector: str = "none"
     kv_role: str = "both"
@@ -60,6 +61,8 @@ class EngineConfig:
             raise ValueError("--kv-cache-memory must be positive")
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("--cpu-threads must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

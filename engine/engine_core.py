@@ -60,6 +60,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.info.name
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(self.info.config, config.dtype)
+        if self.device.type == "cpu" and config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
         torch.manual_seed(config.seed)
         self.model = load_model(self.info, self.dtype, self.device)
         if tokenizer is None:

@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="admit as if nothing were cached (only to measure what awareness brings)")
     p.add_argument("--global-cache-hit-threshold", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads on CPU; 1 is best when other processes share the cores")
     p.add_argument("--kv-connector", default="none", choices=["none", "nixl"])
     p.add_argument("--kv-role", default="both", choices=["producer", "consumer", "both"])
     p.add_argument("--kv-host", default="127.0.0.1",
@@ -65,6 +67,7 @@ def config_from_args(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_aware_admission=args.prefix_aware_admission,
         global_cache_hit_threshold=args.global_cache_hit_threshold, seed=args.seed,
+        cpu_threads=args.cpu_threads,
         kv_connector=args.kv_connector, kv_role=args.kv_role, kv_host=args.kv_host,
         kv_port=args.kv_port,
         kv_peer_allowlist=[h.strip() for h in args.kv_peer_allowlist.split(",") if h.strip()],

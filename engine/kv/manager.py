@@ -45,6 +45,7 @@ class KVCacheManager:
         self.req_slot: dict[str, int] = {}
         self.snapshots = StateSnapshotCache(num_state_slots, num_snapshot_slots)
         self.pending_restores: list[tuple[int, int]] = []   # (snapshot slot, running slot)
+        self._num_published: dict[str, int] = {}   # per request: blocks already published
         self.last_hit_lengths: dict[str, int] = {}
 
     @property
@@ -193,12 +194,16 @@ class KVCacheManager:
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Publishes the request's blocks that are full once `num_tokens` are computed."""
         tables = self.req_blocks.get(request.request_id)
-        if not tables:
+        if not tables or not self.enable_caching:
+            return
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        done = self._num_published.get(request.request_id, 0)
+        if num_full <= done:
             return
         for g, blocks in enumerate(tables):
-            num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
-            for i in range(num_full):
+            for i in range(done, min(num_full, len(blocks))):
                 self.pool.cache_block(blocks[i], _key(g, request.block_hashes[i]))
+        self._num_published[request.request_id] = num_full
 
     def snapshot_state(self, request: Request) -> Optional[tuple[int, int]]:
         """After a step that ended on a block boundary: (running slot, snapshot slot) to
@@ -237,6 +242,7 @@ class KVCacheManager:
         """Takes a request's blocks (all groups, tail first) without freeing them, e.g. for
         a connector to hold for a peer; give them back with `release`."""
         tables = self.req_blocks.pop(request.request_id, [])
+        self._num_published.pop(request.request_id, None)
         slot = self.req_slot.pop(request.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)

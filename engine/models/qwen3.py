@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from pdpool.engine.attention_metadata import AttentionMetadata
-from pdpool.engine.models.layers import (GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding,
-                                         rope_theta_of)
+from pdpool.engine.models.base import PagedCausalLM
+from pdpool.engine.models.layers import GatedMLP, PagedAttention, RMSNorm
 
 
 def layer_types_of(config: dict) -> list[str]:
@@ -78,18 +78,9 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """forward() takes the flat tokens of a mixed batch and returns hidden states."""
-
+class Qwen3ForCausalLM(PagedCausalLM):
     def __init__(self, config: dict):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        self.rotary = RotaryEmbedding(head_dim, head_dim, rope_theta_of(config),
-                                      config.get("max_position_embeddings", 4096))
-        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
+        super().__init__(config, Qwen3Model(config))
 
     @property
     def num_attention_layers(self) -> int:
@@ -101,6 +92,3 @@ class Qwen3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, positions, self.rotary, kv_cache, meta)
         return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

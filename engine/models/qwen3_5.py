@@ -25,8 +25,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from pdpool.engine.attention_metadata import AttentionMetadata
-from pdpool.engine.models.layers import (GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding,
-                                         rope_theta_of)
+from pdpool.engine.models.base import PagedCausalLM, head_dim_of
+from pdpool.engine.models.layers import GatedMLP, PagedAttention, RMSNorm
 from pdpool.kernels import ops
 
 LINEAR = "linear_attention"
@@ -298,19 +298,10 @@ class Qwen3_5Model(nn.Module):
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), zero_centered=True)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    """forward() takes the flat tokens of a mixed batch and returns hidden states."""
-
+class Qwen3_5ForCausalLM(PagedCausalLM):
     def __init__(self, config: dict):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3_5Model(config)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        rotary_dim = int(head_dim * partial_rotary_factor_of(config))
-        self.rotary = RotaryEmbedding(head_dim, rotary_dim, rope_theta_of(config),
-                                      config.get("max_position_embeddings", 4096))
-        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
+        rotary_dim = int(head_dim_of(config) * partial_rotary_factor_of(config))
+        super().__init__(config, Qwen3_5Model(config), rotary_dim)
         self.linear_layers = [layer.linear_attn for layer in self.model.layers
                               if layer.layer_type == LINEAR]
 
@@ -349,6 +340,3 @@ class Qwen3_5ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, positions, self.rotary, kv_cache, meta, state, batch)
         return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

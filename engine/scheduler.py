@@ -108,7 +108,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
 
         # 1. Running requests, oldest first.
         i = 0
@@ -128,7 +127,6 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break  # req preempted itself: nothing after it can fit either
             out.scheduled.append(ScheduledRequest(req, num_new))
-            scheduled_ids.add(req.request_id)
             budget -= num_new
             i += 1
 

@@ -461,37 +461,18 @@ class Sidecar:
     async def _decode_request(self, ex: Exchange, leg: dict) -> "Buffered":
         """A buffered decode leg, retried while the engine is unreachable (restarts) or
         breaks before answering in full (nothing reached the client yet)."""
-        deadline = time.monotonic() + self.settings.decode_retry_s
-        delay = 0.05
-        while True:
+        async def attempt(ex: Exchange, leg: dict) -> "Buffered":
+            resp = await self._open_decode(ex, leg)
             try:
-                resp = await self._open_decode(ex, leg)
-                try:
-                    return Buffered(resp.status_code, resp.headers, await resp.aread())
-                finally:
-                    await resp.aclose()
-            except RETRYABLE as exc:
-                if time.monotonic() + delay > deadline:
-                    raise UpstreamUnavailable(f"decode engine unreachable: {exc!r}") from None
-                self.metrics.decode_retries.inc()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                return Buffered(resp.status_code, resp.headers, await resp.aread())
+            finally:
+                await resp.aclose()
+        return await self._retrying(attempt, ex, leg)
 
     @contextlib.asynccontextmanager
     async def _decode_stream(self, ex: Exchange, leg: dict):
         """A streaming decode leg, opened with the same retries as `_decode_request`."""
-        deadline = time.monotonic() + self.settings.decode_retry_s
-        delay = 0.05
-        while True:
-            try:
-                resp = await self._open_decode(ex, leg)
-                break
-            except RETRYABLE as exc:
-                if time.monotonic() + delay > deadline:
-                    raise UpstreamUnavailable(f"decode engine unreachable: {exc!r}") from None
-                self.metrics.decode_retries.inc()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        resp = await self._retrying(self._open_decode, ex, leg)
         try:
             yield resp
         finally:

@@ -67,11 +67,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--layers", type=int, default=2, help="layers of the generated model")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size of the generated model")
     args = ap.parse_args()
     model_dir = args.model
     if model_dir is None:
         from pdpool.engine.tiny_model import TinyModelSpec, write_tiny_model
-        model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny", TinyModelSpec())
+        model_dir = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny", TinyModelSpec(
+            num_layers=args.layers, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+            num_heads=max(4, args.hidden // 32), num_kv_heads=max(2, args.hidden // 64),
+            head_dim=max(16, min(32, args.hidden // 8))))
     prompts = workload(args.requests, args.prompt_len, args.shared, args.groups)
     # Alternate the modes and keep each one's best run: this machine's load varies.
     best: dict[bool, dict] = {}

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import traceback
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable
 
 from pdpool.engine.engine_core import LLMEngine, RequestOutput
 
@@ -25,8 +25,6 @@ class AsyncEngine:
         self._inbox: list[Callable[[], None]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
-        self.dead_error: Optional[str] = None
-        self.on_step: list[Callable[[list[RequestOutput]], None]] = []
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -68,28 +66,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self.engine.abort_request(request_id))
 
-    def call(self, fn: Callable[[], object]) -> "asyncio.Future":
-        """Runs fn on the engine thread (where engine state may be touched)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def run():
-            try:
-                res = fn()
-                loop.call_soon_threadsafe(_set_result, fut, res)
-            except Exception as exc:
-                loop.call_soon_threadsafe(_set_exception, fut, exc)
-        self._submit(run)
-        return fut
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         with self._cv:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout=10)
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
 
     # --- the engine thread --------------------------------------------------------------
     def _submit(self, fn: Callable[[], None]) -> None:
@@ -103,7 +89,7 @@ class AsyncEngine:
                 while not self._inbox and not self._stopping \
                         and not self.engine.has_unfinished():
                     self._cv.wait(timeout=0.05)
-                    self.engine_idle_tick()
+                    self.engine.idle_tick()  # connector housekeeping while idle
                 if self._stopping:
                     return
                 inbox, self._inbox = self._inbox, []
@@ -117,20 +103,12 @@ class AsyncEngine:
                 log.error("engine step failed: %s\n%s", exc, traceback.format_exc())
                 self._fail_all(f"engine error: {exc}")
                 continue
-            for hook in self.on_step:
-                hook(outputs)
-            if getattr(self.engine, "last_step_idle", False):
+            if self.engine.last_step_idle:
                 time.sleep(0.001)  # only remote loads in flight: do not spin
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
-
-    def engine_idle_tick(self) -> None:
-        """Periodic work while idle (the connector expires held blocks here)."""
-        tick = getattr(self.engine, "idle_tick", None)
-        if tick is not None:
-            tick()
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self.engine.requests):

@@ -15,6 +15,7 @@ import torch
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.detokenizer import IncrementalDetokenizer, find_stop
 from pdpool.engine.kv.manager import KVCacheManager
+from pdpool.engine.models.base import head_dim_of
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.runner import ModelRunner
@@ -75,7 +76,7 @@ class LLMEngine:
         # kv_cache holds as many layer slots as the largest group has layers.
         self.num_layers = max((g.num_layers for g in self.groups), default=1)
         self.num_kv_heads = mc["num_key_value_heads"]
-        self.head_dim = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+        self.head_dim = head_dim_of(mc)
         bs = config.block_size
         num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(num_blocks, self.num_layers, 2, bs, self.num_kv_heads,
@@ -107,6 +108,7 @@ class LLMEngine:
                                   self.state)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.last_step_idle = True
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
                       "steps": 0, "aborted": 0}
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",

@@ -22,8 +22,8 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from pdpool.engine.connector.regions import (RegionError, RegionLayout, check_read_pair,
                                              layout_of_tensors)

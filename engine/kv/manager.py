@@ -259,6 +259,3 @@ class KVCacheManager:
     def release(self, blocks: list[Block]) -> None:
         """Drops one reference from each block, in the order given (tails first)."""
         self.pool.free(blocks)
-
-    def usage(self) -> float:
-        return self.pool.usage()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pdpool.engine.attention_metadata import AttentionMetadata
-from pdpool.engine.models.base import PagedCausalLM
+from pdpool.engine.models.base import PagedCausalLM, head_dim_of
 from pdpool.engine.models.layers import GatedMLP, PagedAttention, RMSNorm
 
 
@@ -30,7 +30,7 @@ class Qwen3Attention(nn.Module):
         hidden = config["hidden_size"]
         self.num_heads = config["num_attention_heads"]
         self.num_kv_heads = config["num_key_value_heads"]
-        self.head_dim = config.get("head_dim") or hidden // self.num_heads
+        self.head_dim = head_dim_of(config)
         bias = config.get("attention_bias", False)
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)

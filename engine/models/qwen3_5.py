@@ -149,7 +149,7 @@ class Qwen3_5GatedAttention(nn.Module):
         hidden = config["hidden_size"]
         self.num_heads = config["num_attention_heads"]
         self.num_kv_heads = config["num_key_value_heads"]
-        self.head_dim = config.get("head_dim") or hidden // self.num_heads
+        self.head_dim = head_dim_of(config)
         bias = config.get("attention_bias", False)
         eps = config.get("rms_norm_eps", 1e-6)
         # Each head's q_proj rows are [query | gate].

@@ -72,8 +72,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if aengine.dead_error:
-            return _error(aengine.dead_error, 503, "ServiceUnavailable")
+        if not aengine.alive:
+            return _error("the engine loop has stopped", 503, "ServiceUnavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")

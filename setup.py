@@ -21,9 +21,10 @@ def discover():
     for name, folder in FOLDERS.items():
         for root, dirs, files in os.walk(folder):
             dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
-            if "__init__.py" not in files:
-                continue
             rel = os.path.relpath(root, folder)
+            # A folder's top may lack __init__.py (operator/ must not shadow the stdlib).
+            if "__init__.py" not in files and rel != ".":
+                continue
             pkg = name if rel == "." else name + "." + rel.replace(os.sep, ".")
             packages.append(pkg)
             package_dir[pkg] = root

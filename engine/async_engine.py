@@ -111,6 +111,8 @@ class AsyncEngine:
                     stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
 
     def _fail_all(self, message: str) -> None:
+        # Nobody to blame: /health reports it until a model forward succeeds again.
+        self.engine.fault = message
         for rid in list(self.engine.requests):
             self.engine.abort_request(rid)
             stream = self._streams.get(rid)

@@ -18,9 +18,10 @@ from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.models.base import head_dim_of
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
 from pdpool.engine.request import Request, RequestStatus
-from pdpool.engine.runner import ModelRunner
+from pdpool.engine.runner import ModelRunner, StepResult
+from pdpool.engine.sampling import RequestError, TokenLogprob
 from pdpool.engine.sampling_params import SamplingParams
-from pdpool.engine.scheduler import Scheduler, SchedulerConfig
+from pdpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger("pdpool.engine")
 
@@ -43,6 +44,10 @@ class RequestOutput:
     num_cached_tokens: int
     kv_transfer_params: Optional[dict[str, Any]] = None
     error: Optional[str] = None
+    # The HTTP status an error maps to (None: the caller decides, e.g. 503 for KV loads).
+    error_status: Optional[int] = None
+    # Aligned with new_token_ids when the request asked for logprobs.
+    logprobs: Optional[list[TokenLogprob]] = None
 
 
 def pick_device(name: str) -> torch.device:
@@ -110,7 +115,11 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = True
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
-                      "steps": 0, "aborted": 0}
+                      "steps": 0, "aborted": 0, "failed": 0, "forward_failures": 0}
+        # An engine-wide failure nobody could be blamed for (the model forward failed for
+        # every request tried); /health reports it until a forward succeeds again.
+        self.fault: Optional[str] = None
+        self._failed_forward_streak = 0   # requests failed in the forward since a success
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
                  self.model_name, self.device, self.dtype, num_blocks, bs, max_len)
 
@@ -202,6 +211,11 @@ class LLMEngine:
         vocab = self.info.config["vocab_size"]
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestRejected(f"stop_token_ids must be in [0, {vocab})")
+        if params.n != 1:
+            raise RequestRejected("n: the engine runs one sequence per request "
+                                  "(the server fans n out)")
         capacity = self.kv_capacity_tokens
         if n + params.max_tokens > capacity:
             raise RequestRejected(
@@ -249,13 +263,20 @@ class LLMEngine:
         self.last_step_idle = not out.scheduled
         if not out.scheduled:
             return outputs
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+            self._forward_succeeded()
+        except Exception as exc:
+            result, failed = self._execute_isolating(out, exc)
+            outputs += failed
         self.stats["steps"] += 1
         self.stats["computed_tokens"] += result.num_computed_tokens
         self.last_logits = result.logits
         snapshots = []
         for item in out.scheduled:
             req = item.request
+            if req.is_finished:   # failed in the forward
+                continue
             req.num_computed_tokens += item.num_new_tokens
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
             for copy in (self.kv.snapshot_state(req), self.kv.pin_state_for_transfer(req)):
@@ -264,15 +285,83 @@ class LLMEngine:
         self.runner.copy_state_slots(snapshots)
         for item in out.scheduled:
             req = item.request
+            if req.is_finished:
+                continue
+            error = result.errors.get(req.request_id)
+            if error is not None:
+                outputs.append(self._fail_request(req, "sampling", error))
+                continue
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue
-            if not req.output_token_ids:
-                self.stats["prompt_tokens"] += req.num_prompt_tokens
-            self.stats["generation_tokens"] += 1
-            req.append_output_token(token)
-            outputs.append(self._advance(req, token))
+            # A failure applying one request's token (detokenization, stop checks) ends that
+            # request only.
+            try:
+                if not req.output_token_ids:
+                    self.stats["prompt_tokens"] += req.num_prompt_tokens
+                self.stats["generation_tokens"] += 1
+                req.append_output_token(token)
+                outputs.append(self._advance(req, token, result.logprobs.get(req.request_id)))
+            except Exception as exc:
+                outputs.append(self._fail_request(req, "output processing", exc))
         return outputs
+
+    # --- isolating failures -------------------------------------------------------------
+    def _fail_request(self, req: Request, where: str, exc: Exception) -> RequestOutput:
+        """Ends one request with an error (400 for its own bad parameters, else 500) and
+        frees its blocks; the rest of the batch carries on."""
+        if isinstance(exc, RequestError):
+            req.error, req.error_status = str(exc), 400
+        else:
+            req.error, req.error_status = f"internal error in {where}: {exc}", 500
+        log.error("request %s failed in %s: %s", req.request_id, where, exc,
+                  exc_info=None if isinstance(exc, RequestError) else exc)
+        self.stats["failed"] += 1
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
+        output = self._final_output(req, "", [])
+        self._forget(req)
+        return output
+
+    def _forward_succeeded(self) -> None:
+        self._failed_forward_streak = 0
+        if self.fault is not None:
+            log.warning("engine recovered: a model forward succeeded again")
+            self.fault = None
+
+    def _execute_isolating(self, out: SchedulerOutput, exc: Exception
+                           ) -> tuple[StepResult, list[RequestOutput]]:
+        """The batch's forward failed: runs each request alone to find the offenders, which
+        end with an error while the others go on. Models with recurrent state are not
+        re-run (a failed forward may have advanced their state in place), and neither is a
+        batch of one: their requests fail. Failures that hit two or more requests with no
+        success in between are an engine-wide fault (see `fault`)."""
+        self.stats["forward_failures"] += 1
+        log.error("model forward failed for a batch of %d requests: %s", len(out.scheduled),
+                  exc, exc_info=True)
+        merged = StepResult({}, 0)
+        failed: list[tuple[Request, Exception]] = []
+        if self.state is not None or len(out.scheduled) == 1:
+            failed = [(item.request, exc) for item in out.scheduled]
+        else:
+            for item in out.scheduled:
+                try:
+                    part = self.runner.execute(SchedulerOutput(scheduled=[item]))
+                except Exception as solo_exc:
+                    failed.append((item.request, solo_exc))
+                    continue
+                self._forward_succeeded()
+                merged.sampled.update(part.sampled)
+                merged.logprobs.update(part.logprobs)
+                merged.errors.update(part.errors)
+                merged.num_computed_tokens += part.num_computed_tokens
+                if part.logits is not None:
+                    merged.logits = {**(merged.logits or {}), **part.logits}
+        self._failed_forward_streak += len(failed)
+        if failed and len(failed) == len(out.scheduled) and self._failed_forward_streak >= 2:
+            self.fault = f"the model forward fails for every request: {exc}"
+            log.error("engine-wide failure: %s", self.fault)
+        outputs = [self._fail_request(req, "the model forward", e) for req, e in failed]
+        return merged, outputs
 
     def _apply_load_result(self, result) -> Optional[RequestOutput]:
         """Applies a finished remote load; under the `fail` policy a failed load ends the
@@ -289,7 +378,8 @@ class LLMEngine:
         self.scheduler.finish_loading(req, result.num_loaded_tokens, result.restart)
         return None
 
-    def _advance(self, req: Request, token: int) -> RequestOutput:
+    def _advance(self, req: Request, token: int, lp: Optional[TokenLogprob] = None
+                 ) -> RequestOutput:
         params = req.sampling_params
         detok = self._detok[req.request_id]
         status = None
@@ -311,20 +401,23 @@ class LLMEngine:
         hold = max((len(s) for s in params.stop), default=1) - 1 if status is None else 0
         end = max(len(detok.text) - hold, detok.emitted)
         delta, detok.emitted = detok.text[detok.emitted:end], end
+        lps = [lp] if lp is not None else None
         if status is None:
             return RequestOutput(req.request_id, delta, [token], False, None,
                                  req.num_prompt_tokens, len(req.output_token_ids),
-                                 max(req.num_cached_tokens, 0))
+                                 max(req.num_cached_tokens, 0), logprobs=lps)
         req.kv_params_out = self.connector.request_finished(req, status)
         self.scheduler.finish_request(req, status)
         output = self._final_output(req, delta, [token])
+        output.logprobs = lps
         self._forget(req)
         return output
 
     def _final_output(self, req: Request, delta: str, tokens: list[int]) -> RequestOutput:
         return RequestOutput(req.request_id, delta, tokens, True, req.status.value,
                              req.num_prompt_tokens, len(req.output_token_ids),
-                             max(req.num_cached_tokens, 0), req.kv_params_out, req.error)
+                             max(req.num_cached_tokens, 0), req.kv_params_out, req.error,
+                             req.error_status)
 
     # --- convenience for tests and benchmarks ------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -52,6 +52,7 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.error: Optional[str] = None
+        self.error_status: Optional[int] = None  # the HTTP status its error maps to
         # Connector bookkeeping: its remote KV was pulled already (never twice), and the
         # kv_transfer_params the response carries.
         self.kv_consumed = False

@@ -1,13 +1,14 @@
 """Turns a scheduled batch into tensors, runs the model, and samples."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
 from pdpool.engine.attention_metadata import AttentionMetadata
 from pdpool.engine.kv.manager import KVCacheManager
-from pdpool.engine.sampling import Sampler
+from pdpool.engine.sampling import Sampler, TokenLogprob
 from pdpool.engine.scheduler import SchedulerOutput
 
 
@@ -17,6 +18,15 @@ class StepResult:
     sampled: dict[str, int]
     num_computed_tokens: int
     logits: dict[str, torch.Tensor] | None = None
+    # request_id -> logprobs of its sampled token (requests that asked for them).
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request_id -> the error that ended its sampling (that request only).
+    errors: dict[str, Exception] = field(default_factory=dict)
+
+
+# Test-only fault injection: a batch holding a request whose id contains this string fails
+# in the model forward (armed from the engine process's environment, never by a client).
+FAIL_FORWARD_ENV = "PDPOOL_TEST_FAIL_FORWARD_FOR"
 
 
 class ModelRunner:
@@ -29,6 +39,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.keep_logits = keep_logits  # tests compare logits with transformers
+        self.fail_forward_for = os.environ.get(FAIL_FORWARD_ENV) or None
 
     def prepare(self, out: SchedulerOutput):
         bs = self.kv.block_size
@@ -81,6 +92,9 @@ class ModelRunner:
         restores, self.kv.pending_restores = self.kv.pending_restores, []
         self.copy_state_slots(restores)
         input_ids, positions, meta = self.prepare(out)
+        if self.fail_forward_for and any(self.fail_forward_for in s.request.request_id
+                                         for s in out.scheduled):
+            raise RuntimeError(f"injected forward failure ({FAIL_FORWARD_ENV})")
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.state)
         # Only requests whose scheduled tokens reach the end of what they know need a token;
         # a chunk in the middle of a prompt produces none.
@@ -98,12 +112,15 @@ class ModelRunner:
         suppress = [list(r.eos_token_ids) + r.sampling_params.stop_token_ids
                     if len(r.output_token_ids) < r.sampling_params.min_tokens else None
                     for r in reqs]
-        tokens = self.sampler.sample(logits, [r.request_id for r in reqs],
-                                     [r.sampling_params for r in reqs], suppress)
+        res = self.sampler.sample(logits, [r.request_id for r in reqs],
+                                  [r.sampling_params for r in reqs], suppress)
         kept = {r.request_id: logits[i].float().cpu() for i, r in enumerate(reqs)} \
             if self.keep_logits else None
-        return StepResult({r.request_id: t for r, t in zip(reqs, tokens)},
-                          int(input_ids.shape[0]), kept)
+        return StepResult(
+            {r.request_id: t for r, t in zip(reqs, res.tokens) if t is not None},
+            int(input_ids.shape[0]), kept,
+            {r.request_id: lp for r, lp in zip(reqs, res.logprobs) if lp is not None},
+            {reqs[b].request_id: exc for b, exc in res.errors.items()})
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:

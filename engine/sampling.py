@@ -1,17 +1,52 @@
-"""Turns the last-position logits of a batch into one token per request."""
+"""Turns the last-position logits of a batch into one token per request.
+
+Each row is sampled under its own guard: an error in one request's logits processing or
+sampling (a bad parameter, an injected test fault) is returned for that row alone and the
+other rows of the batch are sampled as usual.
+
+Logprobs follow vLLM v1's default (`logprobs_mode="raw_logprobs"`): the log-softmax of the
+model's raw logits, before min_tokens masking, temperature, top-k and top-p.
+"""
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from pdpool.engine.sampling_params import SamplingParams
 
+# Test-only fault injection: a request whose id contains this string fails inside its own
+# sampling. Only the environment of the engine process can arm it (tests, an operator
+# reproducing an incident); nothing a client sends can.
+FAIL_SAMPLING_ENV = "PDPOOL_TEST_FAIL_SAMPLING_FOR"
+
+
+class RequestError(ValueError):
+    """A failure caused by one request's own parameters (answered 400, not 500)."""
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's logprob and the `top` most likely (id, logprob), best first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampleResult:
+    tokens: list[Optional[int]]                 # None where the row failed
+    logprobs: list[Optional[TokenLogprob]]      # None where not asked for (or failed)
+    errors: dict[int, Exception]                # row -> what went wrong
+
 
 class Sampler:
     def __init__(self):
         # Per-request generators keep a seeded request reproducible whatever its batch.
         self._generators: dict[str, torch.Generator] = {}
+        self.fail_for = os.environ.get(FAIL_SAMPLING_ENV) or None
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -27,27 +62,58 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams], suppress: list[Optional[list[int]]]) -> list[int]:
+               params: list[SamplingParams], suppress: list[Optional[list[int]]]
+               ) -> SampleResult:
         """logits `[B, V]`; `suppress[b]` lists token ids banned for row b (min_tokens)."""
         logits = logits.float()
+        vocab = logits.shape[-1]
+        want = [b for b, p in enumerate(params) if p.logprobs is not None]
+        raw = torch.log_softmax(logits[want], dim=-1) if want else None
+        raw_row = {b: i for i, b in enumerate(want)}
+        errors: dict[int, Exception] = {}
         for b, ids in enumerate(suppress):
             if ids:
+                if any(not 0 <= t < vocab for t in ids):
+                    errors[b] = RequestError(f"stop_token_ids must be in [0, {vocab})")
+                    continue
                 logits[b, ids] = float("-inf")
-        tokens = logits.argmax(dim=-1).tolist()
+        greedy = logits.argmax(dim=-1).tolist()
+        tokens: list[Optional[int]] = [None] * len(params)
+        logprobs: list[Optional[TokenLogprob]] = [None] * len(params)
         for b, p in enumerate(params):
-            if p.greedy:
+            if b in errors:
                 continue
-            row = logits[b] / p.temperature
-            if 0 < p.top_k < row.shape[-1]:
-                kth = torch.topk(row, p.top_k).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, dim=-1)
-            if p.top_p < 1.0:
-                sorted_probs, order = probs.sort(descending=True)
-                keep = sorted_probs.cumsum(-1) - sorted_probs < p.top_p
-                keep[0] = True
-                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-                probs = probs / probs.sum()
-            gen = self._generator(request_ids[b], p.seed, logits.device)
-            tokens[b] = int(torch.multinomial(probs, 1, generator=gen).item())
-        return tokens
+            try:
+                if self.fail_for and self.fail_for in request_ids[b]:
+                    raise RuntimeError(f"injected sampling failure ({FAIL_SAMPLING_ENV})")
+                tokens[b] = greedy[b] if p.greedy else self._sample_row(
+                    logits[b], p, request_ids[b])
+                if b in raw_row:
+                    logprobs[b] = _token_logprob(raw[raw_row[b]], tokens[b], p.logprobs)
+            except Exception as exc:   # this row only
+                tokens[b], logprobs[b] = None, None
+                errors[b] = exc
+        return SampleResult(tokens, logprobs, errors)
+
+    def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
+        row = row / p.temperature
+        if 0 < p.top_k < row.shape[-1]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(-1) - sorted_probs < p.top_p
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+            probs = probs / probs.sum()
+        gen = self._generator(request_id, p.seed, row.device)
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _token_logprob(row: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        values, ids = torch.topk(row, num_top)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(row[token]), top)

@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+# As vLLM's --max-logprobs default: at most 20 top logprobs per token.
+MAX_LOGPROBS = 20
+# Choices per prompt: the server fans n out into n engine requests.
+MAX_N = 16
+
 
 @dataclass
 class SamplingParams:
@@ -17,6 +22,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
+    # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely.
+    logprobs: Optional[int] = None
 
     @property
     def greedy(self) -> bool:
@@ -24,8 +31,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises ValueError naming the offending field."""
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (the maximum allowed "
+                             f"is {MAX_LOGPROBS}), got {self.logprobs}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -17,11 +18,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdpool.engine.async_engine import AsyncEngine
 from pdpool.engine.engine_core import RequestOutput, RequestRejected
+from pdpool.engine.server.logprobs import (TokenText, chat_formatter, completion_formatter,
+                                           merge_chat, merge_completion)
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                            error_body, usage_dict)
 
 log = logging.getLogger("pdpool.server")
+
+# At most this many choices (prompts x n) in one request: each is an engine request.
+MAX_CHOICES = 64
 
 
 class ApiError(Exception):
@@ -74,6 +80,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
     async def health():
         if not aengine.alive:
             return _error("the engine loop has stopped", 503, "ServiceUnavailable")
+        if engine.fault is not None:   # every request failed in the model: not hidden
+            return _error(f"engine failure: {engine.fault}", 503, "ServiceUnavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -118,23 +126,22 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
                                                     tokenize=False)
         return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    async def start(http_req: Request, req, prompt_ids: list[int]):
-        """Validates and submits; returns the request id and its output iterator."""
-        try:
-            params = req.sampling_params(default_max_tokens=16)
-        except ValueError as exc:
-            raise ApiError(str(exc))
+    def submit(http_req: Request, req, prompt_ids: list[int], params):
+        """One engine request: its id and its output iterator (the request is added when
+        the iterator is first awaited)."""
         request_id = http_req.headers.get("x-request-id") or uuid.uuid4().hex
         request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         kv_params = req.kv_params_dict()
-        http_req.state.t_arrival = time.monotonic()
 
         def add():
             engine.add_request(request_id, prompt_ids, params, cache_salt=req.cache_salt,
                                cache_hit_threshold=req.cache_hit_threshold,
                                kv_transfer_params=kv_params)
-        stream = aengine.generate(request_id, add)
-        # Pull the first item now so that validation errors become a 400 before any bytes.
+        return request_id, aengine.generate(request_id, add)
+
+    async def first_output(stream) -> RequestOutput:
+        """Pulls the first output so that validation errors become a 400 (or the error's
+        own status) before any bytes."""
         try:
             first = await stream.__anext__()
         except (RequestRejected, ValueError) as exc:
@@ -142,9 +149,16 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         except RuntimeError as exc:
             raise ApiError(str(exc), 500, "InternalServerError")
         if first.finish_reason == "error":
-            # e.g. a failed KV transfer under --kv-load-failure-policy fail: retryable.
-            raise ApiError(first.error or "the request failed", 503, "KVTransferError")
-        return request_id, first, stream
+            raise output_error(first)
+        return first
+
+    def output_error(out: RequestOutput) -> ApiError:
+        """A request that ended with an error: 400 for its own bad parameters, 500 for an
+        engine fault, 503 (retryable) for a failed KV transfer."""
+        status = out.error_status or 503   # no status: a failed KV load (fail policy)
+        err_type = {400: "BadRequestError", 500: "InternalServerError"}.get(
+            status, "KVTransferError")
+        return ApiError(out.error or "the request failed", status, err_type)
 
     async def outputs(first: RequestOutput, stream, t_arrival: float
                       ) -> AsyncIterator[RequestOutput]:
@@ -159,64 +173,166 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
                 return
             out = await stream.__anext__()
 
-    async def run_to_end(http_req: Request, first, stream) -> tuple[str, RequestOutput, list[int]]:
+    class Choice:
+        """One engine request behind one choice of the answer."""
+
+        def __init__(self, index: int, first_of_prompt: bool, request_id: str, first, stream,
+                     fmt):
+            self.index, self.first_of_prompt = index, first_of_prompt
+            self.request_id = request_id
+            self.first, self.stream, self.fmt = first, stream, fmt
+            self.text: list[str] = []
+            self.logprobs: list[dict] = []
+            self.last: RequestOutput = first
+
+    async def start_choices(http_req: Request, req, prompts: list[list[int]], new_fmt
+                            ) -> list[Choice]:
+        """n choices per prompt, index = prompt_index * n + i, each its own engine request.
+        With a seed, choice i of every prompt samples with seed + i (as vLLM v1), so a
+        choice equals a single request sent with that seed."""
+        try:
+            params = req.sampling_params(default_max_tokens=16)
+        except ValueError as exc:
+            raise ApiError(str(exc))
+        n = params.n
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(f"n x the number of prompts must be at most {MAX_CHOICES}, got "
+                           f"{len(prompts) * n}", param="n")
+        if len(prompts) * n > 1 and req.kv_transfer_params is not None:
+            raise ApiError("kv_transfer_params: only with one prompt and n=1",
+                           param="kv_transfer_params")
+        http_req.state.t_arrival = time.monotonic()
+        subs = []
+        for p, prompt_ids in enumerate(prompts):
+            for i in range(n):
+                child = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i)
+                subs.append((p * n + i, i == 0, *submit(http_req, req, prompt_ids, child)))
+        try:   # all at once, so that they share steps
+            firsts = await asyncio.gather(*(first_output(s[3]) for s in subs),
+                                          return_exceptions=True)
+            failed = [f for f in firsts if isinstance(f, BaseException)]
+            if failed:
+                raise failed[0]
+        except BaseException:
+            for s in subs:
+                await s[3].aclose()
+            raise
+        return [Choice(index, first_of_prompt, request_id, first, stream,
+                       new_fmt() if new_fmt else None)
+                for (index, first_of_prompt, request_id, stream), first in zip(subs, firsts)]
+
+    def absorb(c: Choice, out: RequestOutput) -> Optional[dict]:
+        """Records one output of a choice; returns the logprobs of its tokens, if asked."""
+        c.last = out
+        c.text.append(out.new_text)
+        if c.fmt is None or not out.logprobs:
+            return None
+        lp = c.fmt(out.logprobs)
+        c.logprobs.append(lp)
+        return lp
+
+    def usage_of(choices: list[Choice]) -> dict:
+        # As vLLM: each prompt's tokens count once, every choice's completion tokens count.
+        firsts = [c.last for c in choices if c.first_of_prompt]
+        return usage_dict(sum(o.num_prompt_tokens for o in firsts),
+                          sum(c.last.num_output_tokens for c in choices),
+                          sum(o.num_cached_tokens for o in firsts))
+
+    async def close_all(choices: list[Choice], tasks: list[asyncio.Future]) -> None:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in choices:
+            await c.stream.aclose()   # aborts the ones still running
+
+    async def run_to_end(http_req: Request, choices: list[Choice]) -> None:
         """Collects a non-streaming answer; a client that goes away aborts it."""
-        text, tokens, last = [], [], first
+        async def collect(c: Choice):
+            async for out in outputs(c.first, c.stream, http_req.state.t_arrival):
+                absorb(c, out)
+                if out.finish_reason == "error":
+                    raise output_error(out)
 
-        async def collect():
-            nonlocal last
-            async for out in outputs(first, stream, http_req.state.t_arrival):
-                text.append(out.new_text)
-                tokens.extend(out.new_token_ids)
-                last = out
-
-        task = asyncio.ensure_future(collect())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await http_req.is_disconnected():
-                task.cancel()
-                await stream.aclose()
-                raise ApiError("client disconnected", 499, "ClientClosedRequest")
-        task.result()
-        return "".join(text), last, tokens
+        tasks = [asyncio.ensure_future(collect(c)) for c in choices]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.5,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
+                if not pending:
+                    return
+                if await http_req.is_disconnected():
+                    raise ApiError("client disconnected", 499, "ClientClosedRequest")
+        finally:
+            await close_all(choices, tasks)
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    async def answer(http_req: Request, req, prompt_ids: list[int], id_prefix: str,
-                     objects: tuple[str, str], full_choice, chunk_choice, opening=None):
+    async def answer(http_req: Request, req, prompts: list[list[int]], id_prefix: str,
+                     objects: tuple[str, str], full_choice, chunk_choice, opening=None,
+                     new_fmt=None, merge_lp=None):
         """One answer in OpenAI's shape: a whole response, or an SSE stream whose final
-        chunk carries kv_transfer_params (and a usage chunk when asked for)."""
-        request_id, first, stream = await start(http_req, req, prompt_ids)
-        created, rid = int(time.time()), f"{id_prefix}-{request_id}"
+        chunk carries kv_transfer_params (and a usage chunk when asked for). An error that
+        ends a choice is the answer's HTTP error, or an error event in the stream."""
+        choices = await start_choices(http_req, req, prompts, new_fmt)
+        created = int(time.time())
+        rid = f"{id_prefix}-{choices[0].request_id}"
+        single = len(choices) == 1
 
         def base(obj: str) -> dict:
             return {"id": rid, "object": obj, "created": created, "model": model_name}
 
-        def usage(out: RequestOutput) -> dict:
-            return usage_dict(out.num_prompt_tokens, out.num_output_tokens,
-                              out.num_cached_tokens)
-
         if not req.stream:
-            text, last, _ = await run_to_end(http_req, first, stream)
-            return {**base(objects[0]), "choices": [full_choice(text, last.finish_reason)],
-                    "usage": usage(last), "kv_transfer_params": last.kv_transfer_params}
+            await run_to_end(http_req, choices)
+            return {**base(objects[0]),
+                    "choices": [full_choice(c.index, "".join(c.text), c.last.finish_reason,
+                                            merge_lp(c.logprobs) if merge_lp else None)
+                                for c in choices],
+                    "usage": usage_of(choices),
+                    "kv_transfer_params": choices[0].last.kv_transfer_params if single
+                    else None}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events():
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(c: Choice):
+                try:
+                    async for out in outputs(c.first, c.stream, http_req.state.t_arrival):
+                        queue.put_nowait((c, out))
+                except Exception as exc:
+                    queue.put_nowait((c, exc))
+
+            tasks = [asyncio.ensure_future(pump(c)) for c in choices]
             try:
                 if opening is not None:
-                    yield sse({**base(objects[1]), "choices": [opening]})
-                async for out in outputs(first, stream, http_req.state.t_arrival):
-                    chunk = {**base(objects[1]), "choices": [chunk_choice(out)]}
+                    for c in choices:
+                        yield sse({**base(objects[1]), "choices": [opening(c.index)]})
+                remaining = len(choices)
+                while remaining:
+                    c, out = await queue.get()
+                    if isinstance(out, Exception) or out.finish_reason == "error":
+                        err = output_error(out) if isinstance(out, RequestOutput) else \
+                            ApiError(str(out), 500, "InternalServerError")
+                        yield sse(error_body(str(err), err.err_type, err.status))
+                        break
+                    lp = absorb(c, out)
+                    chunk = {**base(objects[1]), "choices": [chunk_choice(c.index, out, lp)]}
                     if out.finished:
-                        chunk["kv_transfer_params"] = out.kv_transfer_params
+                        remaining -= 1
+                        if single:
+                            chunk["kv_transfer_params"] = out.kv_transfer_params
                     yield sse(chunk)
-                    if out.finished and include_usage:
-                        yield sse({**base(objects[1]), "choices": [], "usage": usage(out)})
+                if not remaining and include_usage:
+                    yield sse({**base(objects[1]), "choices": [], "usage": usage_of(choices)})
                 yield "data: [DONE]\n\n"
             finally:
-                await stream.aclose()
+                await close_all(choices, tasks)
         return StreamingResponse(events(), media_type="text/event-stream")
 
     # --- /v1/completions --------------------------------------------------------------------
@@ -224,34 +340,39 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
     async def completions(http_req: Request):
         req = await parse(http_req, CompletionRequest)
         try:
-            prompt = req.prompt_input()
+            prompts = req.prompt_inputs()
         except ValueError as exc:
             raise ApiError(str(exc), param="prompt")
+        text_of = TokenText(engine.tokenizer, req.return_tokens_as_token_ids)
         return await answer(
-            http_req, req, tokenize_prompt(prompt), "cmpl",
+            http_req, req, [tokenize_prompt(p) for p in prompts], "cmpl",
             ("text_completion", "text_completion"),
-            lambda text, reason: {"index": 0, "text": text, "logprobs": None,
-                                  "finish_reason": reason, "stop_reason": None},
-            lambda out: {"index": 0, "text": out.new_text, "logprobs": None,
-                         "finish_reason": out.finish_reason})
+            lambda index, text, reason, lp: {"index": index, "text": text, "logprobs": lp,
+                                             "finish_reason": reason, "stop_reason": None},
+            lambda index, out, lp: {"index": index, "text": out.new_text, "logprobs": lp,
+                                    "finish_reason": out.finish_reason},
+            new_fmt=lambda: completion_formatter(text_of), merge_lp=merge_completion)
 
     # --- /v1/chat/completions ---------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat(http_req: Request):
         req = await parse(http_req, ChatCompletionRequest)
+        text_of = TokenText(engine.tokenizer, req.return_tokens_as_token_ids)
 
-        def delta(out: RequestOutput) -> dict:
+        def delta(index: int, out: RequestOutput, lp: Optional[dict]) -> dict:
             content = {"content": out.new_text} if out.new_text or not out.finished else {}
-            return {"index": 0, "delta": content, "logprobs": None,
+            return {"index": index, "delta": content, "logprobs": lp,
                     "finish_reason": out.finish_reason}
         return await answer(
-            http_req, req, tokenize_chat(req), "chatcmpl",
+            http_req, req, [tokenize_chat(req)], "chatcmpl",
             ("chat.completion", "chat.completion.chunk"),
-            lambda text, reason: {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": reason,
-                                  "stop_reason": None},
+            lambda index, text, reason, lp: {
+                "index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": lp, "finish_reason": reason, "stop_reason": None},
             delta,
-            opening={"index": 0, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None})
+            opening=lambda index: {"index": index,
+                                   "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None},
+            new_fmt=lambda: chat_formatter(text_of), merge_lp=merge_chat)
 
     return app

@@ -5,7 +5,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdpool.protocol import KVTransferParams, validate_threshold
 
 
@@ -33,6 +33,8 @@ class _SamplingFields(BaseModel):
     cache_salt: Optional[str] = None
     cache_hit_threshold: Optional[float] = None
     kv_transfer_params: Optional[KVTransferParams] = None
+    # vLLM's extension: logprob tokens as "token_id:<id>" instead of their text.
+    return_tokens_as_token_ids: bool = False
 
     @field_validator("cache_hit_threshold", mode="before")
     @classmethod
@@ -46,12 +48,17 @@ class _SamplingFields(BaseModel):
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, n=self.n)
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, n=self.n,
+            logprobs=self._logprobs())
         params.validate()
         return params
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
+
+    def _logprobs(self) -> Optional[int]:
+        """How many top logprobs per token (None: no logprobs at all)."""
+        return None
 
     def kv_params_dict(self) -> Optional[dict]:
         return self.kv_transfer_params.to_wire() if self.kv_transfer_params else None
@@ -60,14 +67,19 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
+    # As vLLM: the sampled token's logprob plus the `logprobs` most likely, per token.
+    logprobs: Optional[int] = None
 
-    def prompt_input(self) -> Union[str, list[int]]:
+    def _logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+    def prompt_inputs(self) -> list[Union[str, list[int]]]:
+        """The prompts of the request: one, or a batch (a list of strings or of token-id
+        lists); each gets n choices."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("prompt: batches of prompts are not supported; send one")
-            p = p[0]
-        return p
+            return list(p)
+        return [p]
 
 
 class ChatMessage(BaseModel):
@@ -91,6 +103,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+
+    def _logprobs(self) -> Optional[int]:
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}] (the maximum "
+                                 f"allowed is {MAX_LOGPROBS}), got {self.top_logprobs}")
+            if not self.logprobs:
+                raise ValueError("top_logprobs: when using top_logprobs, logprobs must be "
+                                 "set to true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

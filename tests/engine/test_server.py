@@ -92,7 +92,7 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut(client):
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": 7}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "hi", "n": 3}, 400, "n"),
+    ({"prompt": "hi", "n": 99}, 400, "n"),
     ({"prompt": "hi", "cache_hit_threshold": 1.5}, 400, "cache_hit_threshold"),
     ({"prompt": "hi", "cache_hit_threshold": "high"}, 400, "cache_hit_threshold"),
     ({"prompt": 12}, 400, "prompt"),

@@ -17,10 +17,20 @@ import torch
 
 from pdpool.engine.sampling_params import SamplingParams
 
-# Test-only fault injection: a request whose id contains this string fails inside its own
-# sampling. Only the environment of the engine process can arm it (tests, an operator
-# reproducing an incident); nothing a client sends can.
+# Test-only fault injection: `SUBSTRING[@K][,...]`: a request whose id contains SUBSTRING
+# fails inside its own sampling once it has sampled K tokens (default 0: at its first).
+# Only the environment of the engine process can arm it (tests, an operator reproducing an
+# incident); nothing a client sends can.
 FAIL_SAMPLING_ENV = "PDPOOL_TEST_FAIL_SAMPLING_FOR"
+
+
+def _fault_specs(value: Optional[str]) -> list[tuple[str, int]]:
+    specs = []
+    for part in (value or "").split(","):
+        if part:
+            sub, _, k = part.partition("@")
+            specs.append((sub, int(k or 0)))
+    return specs
 
 
 class RequestError(ValueError):
@@ -46,10 +56,19 @@ class Sampler:
     def __init__(self):
         # Per-request generators keep a seeded request reproducible whatever its batch.
         self._generators: dict[str, torch.Generator] = {}
-        self.fail_for = os.environ.get(FAIL_SAMPLING_ENV) or None
+        self.fail_for = _fault_specs(os.environ.get(FAIL_SAMPLING_ENV))
+        self._sampled: dict[str, int] = {}   # tokens sampled per request, while armed
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._sampled.pop(request_id, None)
+
+    def _injected_fault(self, request_id: str) -> None:
+        done = self._sampled.get(request_id, 0)
+        self._sampled[request_id] = done + 1
+        for sub, k in self.fail_for:
+            if sub in request_id and done >= k:
+                raise RuntimeError(f"injected sampling failure ({FAIL_SAMPLING_ENV})")
 
     def _generator(self, request_id: str, seed: Optional[int], device) -> Optional[torch.Generator]:
         if seed is None:
@@ -84,8 +103,8 @@ class Sampler:
             if b in errors:
                 continue
             try:
-                if self.fail_for and self.fail_for in request_ids[b]:
-                    raise RuntimeError(f"injected sampling failure ({FAIL_SAMPLING_ENV})")
+                if self.fail_for:
+                    self._injected_fault(request_ids[b])
                 tokens[b] = greedy[b] if p.greedy else self._sample_row(
                     logits[b], p, request_ids[b])
                 if b in raw_row:

@@ -1,9 +1,11 @@
 """The gateway: the entry point in front of the decode sidecars.
 
 Routes each generation request to the sidecar that owns its prompt prefix (see
-affinity.py), balanced by in-flight load; skips sidecars that fail health checks; retries
-another sidecar when one cannot be reached (nothing was generated yet). Streams pass
-through untouched.
+affinity.py), balanced by in-flight load; ejects sidecars that fail health probes or
+keep failing requests (outlier.py); retries another sidecar when one cannot be reached
+(nothing was generated yet). A stream that breaks mid-way (its decode engine or sidecar
+died, stalled, or was ejected) goes on elsewhere as a continuation (migration.py), so
+the client sees one uninterrupted stream.
 """
 from __future__ import annotations
 
@@ -13,16 +15,20 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 
+from . import migration
 from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
-                   read_body, run_until_disconnect, send_bytes, send_error, send_start)
+                   read_body, run_until_disconnect, send_bytes, send_error, send_start,
+                   sse_error_event)
 from .discovery import EndpointSet
 from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from .outlier import OutlierDetector
+from .sse import DONE, EventSplitter, event_json, json_event
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -30,6 +36,8 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 RETRYABLE = (UpstreamError, httpx.HTTPError)
 # A sidecar answers 503 when its decode engine is unreachable: nothing ran, try another.
 RETRY_STATUSES = (502, 503)
+# The sidecar that answered (the first one, for a stream that migrated).
+BACKEND_HEADER = "x-pdpool-backend"
 # Headers the gateway's own server sets again (or that describe the upstream connection).
 RELAY_DROP = frozenset({"content-length", "transfer-encoding", "connection", "date", "server"})
 
@@ -43,13 +51,33 @@ class GatewaySettings:
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     balance: float = 1.25
     connect_timeout: float = 2.0
+    probe_timeout_s: float = 2.0
+    # Outlier detection: this many failed requests in a row eject a sidecar (a failed
+    # health probe or a refused connection ejects it at once) for ejection_s x recent
+    # ejections; it comes back when a probe succeeds after that.
+    outlier_failures: int = 3
+    ejection_s: float = 2.0
+    # Migration of broken streams (see migration.py).
+    migrate: bool = True
+    max_migrations: int = 3
+    stall_timeout_s: float = 20.0      # no byte for this long mid-stream: broken
+    default_max_tokens: int = 16       # the engine's default when a request has none
 
     def validate(self) -> "GatewaySettings":
         if not self.decode_urls and not self.decode_service:
             raise ValueError("give --decode-url (repeatable) or --decode-service")
         if self.prefix_chars < 1 or self.balance < 1.0:
             raise ValueError("prefix chars must be >= 1 and balance >= 1.0")
+        if self.outlier_failures < 1 or self.max_migrations < 0:
+            raise ValueError("outlier failures must be >= 1 and max migrations >= 0")
         return self
+
+
+class _Leg:
+    """Progress of one upstream attempt, watched by `_supervised`."""
+
+    def __init__(self) -> None:
+        self.last_byte: Optional[float] = None
 
 
 class Gateway:
@@ -64,6 +92,20 @@ class Gateway:
         self.client: Optional[httpx.AsyncClient] = None   # health checks
         self.pool = Http1Pool(connect_timeout=settings.connect_timeout)  # proxied traffic
         self._health_task: Optional[asyncio.Task] = None
+        self.outliers = OutlierDetector(consecutive_failures=settings.outlier_failures,
+                                        probe_failures=1, base_ejection_s=settings.ejection_s,
+                                        on_eject=self._on_eject, on_readmit=self._on_readmit)
+
+    def _on_eject(self, backend: str, reason: str) -> None:
+        log.warning("decode sidecar %s ejected (%s)", backend, reason)
+        self.unhealthy.add(backend)
+        self.metrics.ejections.labels(backend, reason).inc()
+        self.metrics.ejected.labels(backend).set(1)
+        self.metrics.healthy.labels(backend).set(0)
+
+    def _on_readmit(self, backend: str) -> None:
+        self.unhealthy.discard(backend)
+        self.metrics.ejected.labels(backend).set(0)
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
@@ -94,7 +136,8 @@ class Gateway:
     async def check_health(self) -> None:
         async def probe(backend: str) -> None:
             try:
-                r = await self.client.get(f"http://{backend}/health", timeout=2.0)
+                r = await self.client.get(f"http://{backend}/health",
+                                          timeout=self.settings.probe_timeout_s)
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
@@ -102,8 +145,24 @@ class Gateway:
         await asyncio.gather(*(probe(b) for b in self.backends.current))
 
     def _mark(self, backend: str, ok: bool) -> None:
-        (self.unhealthy.discard if ok else self.unhealthy.add)(backend)
-        self.metrics.healthy.labels(backend).set(1 if ok else 0)
+        """A probe's result: a failure ejects at once; success readmits once the
+        ejection time has passed."""
+        self.outliers.probe(backend, ok)
+        if not ok:
+            self.unhealthy.add(backend)
+        elif not self.outliers.is_ejected(backend):
+            self.unhealthy.discard(backend)
+        self.metrics.healthy.labels(backend).set(0 if backend in self.unhealthy else 1)
+
+    def _failed(self, backend: str, reason: str) -> None:
+        """A request to `backend` failed: a refused connection ejects at once, other
+        failures count towards `outlier_failures`."""
+        if reason == "connect_error":
+            self.outliers.eject(backend, reason)
+            self.unhealthy.add(backend)
+            self.metrics.healthy.labels(backend).set(0)
+        else:
+            self.outliers.failure(backend, reason)
 
     async def _health_forever(self) -> None:
         while True:
@@ -144,10 +203,11 @@ class Gateway:
             return await send_error(send, 413, "request body too large")
         headers = header_dict(scope)
         headers.setdefault("x-request-id", uuid.uuid4().hex)
-        key = ""
+        key, body = "", None
         if scope["path"] in GENERATION_PATHS:
             try:
-                key = affinity_key(json.loads(raw), self.settings.prefix_chars)
+                body = json.loads(raw)
+                key = affinity_key(body, self.settings.prefix_chars)
             except (ValueError, RecursionError):
                 key = ""  # the sidecar answers the client's malformed body with a 400
         order, preferred = route_order(self.ring(), key, lambda b: self.in_flight.get(b, 0),
@@ -155,44 +215,109 @@ class Gateway:
         if not order:
             return await send_error(send, 503, "no decode sidecar configured")
         self.metrics.affinity.labels("preferred" if preferred else "spilled").inc()
-        await run_until_disconnect(self._try_backends(scope, raw, headers, order, send), receive)
+        if self.settings.migrate and scope["method"] == "POST" and \
+                migration.can_migrate(scope["path"], body):
+            flow = self._migrating_stream(scope, body, headers, order, send)
+        else:
+            flow = self._try_backends(scope, raw, headers, order, send)
+        await run_until_disconnect(flow, receive)
 
+    @contextlib.contextmanager
+    def _tracked(self, backend: str):
+        self.in_flight[backend] = self.in_flight.get(backend, 0) + 1
+        self.metrics.in_flight.labels(backend).inc()
+        try:
+            yield
+        finally:
+            self.in_flight[backend] -= 1
+            self.metrics.in_flight.labels(backend).dec()
+
+    async def _supervised(self, backend: str, leg: _Leg, work) -> Any:
+        """Runs one attempt on `backend`; gives up on it (returns "ejected" or "stalled")
+        when the backend is ejected meanwhile (a probe found it sick) or a started stream
+        goes silent for `stall_timeout_s`."""
+        task = asyncio.ensure_future(work)
+        event = self.outliers.ejected_event(backend)
+        waiter = None if event.is_set() else asyncio.ensure_future(event.wait())
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                waits = {task} if waiter is None else {task, waiter}
+                done, _ = await asyncio.wait(waits, timeout=1.0,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                if waiter is not None and waiter in done:
+                    return "ejected"
+                if leg.last_byte is not None and \
+                        loop.time() - leg.last_byte > self.settings.stall_timeout_s:
+                    return "stalled"
+        finally:
+            if waiter is not None:
+                waiter.cancel()
+            if not task.done():
+                task.cancel()  # closes the upstream connection: the request is aborted
+                with contextlib.suppress(asyncio.CancelledError, *RETRYABLE):
+                    await task
+
+    # ------------------------------------------------------------------ plain requests
     async def _try_backends(self, scope, raw: bytes, headers: dict, order: list[str],
                             send: Send) -> None:
         path = scope["path"]
         if scope.get("query_string"):
             path += "?" + scope["query_string"].decode("latin-1")
         fwd = forwardable(headers)
+        # Generation answers are read whole before the client sees them, so one that
+        # breaks (or whose backend is ejected) is simply sent again elsewhere.
+        buffered = scope["path"] in GENERATION_PATHS and scope["method"] == "POST"
         last_error = "no decode sidecar reachable"
         for attempt, backend in enumerate(order):
             if attempt:
                 self.metrics.retries.inc()
-            self.in_flight[backend] = self.in_flight.get(backend, 0) + 1
-            self.metrics.in_flight.labels(backend).inc()
-            try:
-                try:
-                    resp = await self.pool.send(scope["method"], f"http://{backend}{path}",
-                                                raw, fwd)
-                except RETRYABLE as exc:
-                    self._mark(backend, False)
-                    last_error = f"{backend} unreachable: {exc!r}"
-                    continue
-                try:
-                    if resp.status_code in RETRY_STATUSES and attempt + 1 < len(order):
-                        last_error = f"{backend} answered {resp.status_code}"
-                        continue
-                    self.metrics.requests.labels(backend, str(resp.status_code)).inc()
-                    return await self._relay(resp, send)
-                finally:
-                    await resp.aclose()
-            finally:
-                self.in_flight[backend] -= 1
-                self.metrics.in_flight.labels(backend).dec()
+            with self._tracked(backend):
+                leg = _Leg()
+                outcome = await self._supervised(
+                    backend, leg, self._attempt(scope["method"], backend, path, raw, fwd, send,
+                                                buffered, last=attempt + 1 == len(order)))
+            if outcome is None:
+                return
+            reason = outcome[0] if isinstance(outcome, tuple) else outcome  # or ejected
+            last_error = f"{backend}: {outcome[1] if isinstance(outcome, tuple) else outcome}"
+            self._failed(backend, reason)
         await send_error(send, 503, last_error, code="no_backend")
 
-    async def _relay(self, resp: Response, send: Send) -> None:
+    async def _attempt(self, method: str, backend: str, path: str, raw: bytes, fwd: dict,
+                       send: Send, buffered: bool, last: bool):
+        """None when the client was answered, else (failure reason, message)."""
+        try:
+            resp = await self.pool.send(method, f"http://{backend}{path}", raw, fwd)
+        except RETRYABLE as exc:
+            return "connect_error", f"unreachable: {exc!r}"
+        try:
+            if resp.status_code in RETRY_STATUSES and not last:
+                return "server_error", f"answered {resp.status_code}"
+            if buffered:
+                try:
+                    content = await resp.aread()
+                except RETRYABLE as exc:
+                    return "broken", f"broke mid-answer: {exc!r}"
+                self.metrics.requests.labels(backend, str(resp.status_code)).inc()
+                if resp.status_code < 500:
+                    self.outliers.success(backend)
+                headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
+                headers[BACKEND_HEADER] = backend
+                return await send_bytes(send, resp.status_code, content, headers,
+                                        content_type=headers.pop("content-type",
+                                                                 "application/json"))
+            self.metrics.requests.labels(backend, str(resp.status_code)).inc()
+            return await self._relay(resp, send, backend)
+        finally:
+            await resp.aclose()
+
+    async def _relay(self, resp: Response, send: Send, backend: str) -> None:
         headers = {k: v for k, v in resp.headers.items()
                    if k.lower() not in RELAY_DROP}
+        headers[BACKEND_HEADER] = backend
         await send_start(send, resp.status_code, headers)
         try:
             async for chunk in resp.aiter_raw():
@@ -200,3 +325,132 @@ class Gateway:
         except RETRYABLE:
             log.warning("backend stream broke mid-response")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    # ------------------------------------------------------------------ migrating streams
+    def _next_backend(self, order: list[str], failed: list[str]) -> str:
+        """Healthy backends not yet failed first (in the request's ring order), then the
+        rest: a lone decode path that restarts is tried again."""
+        ranked = sorted(order, key=lambda b: (b in self.unhealthy, failed.count(b)))
+        return ranked[0]
+
+    async def _migrating_stream(self, scope, body: dict, headers: dict, order: list[str],
+                                send: Send) -> None:
+        """A streamed generation that survives the death of its decode path: when a leg
+        breaks, the rest is asked of another backend as a token-id continuation."""
+        state = migration.StreamState(scope["path"], body, self.settings.default_max_tokens)
+        fwd = forwardable(headers)
+        fwd["content-type"] = "application/json"
+        first = json.dumps({**body, migration.TOKEN_IDS: True}).encode()
+        client = {"started": False}
+        failed: list[str] = []
+        last_error = "no decode sidecar reachable"
+        attempts = len(order) + self.settings.max_migrations
+        for attempt in range(attempts):
+            if not client["started"]:
+                route, payload, continuation = scope["path"], first, False
+            elif state.can_continue():
+                route, continuation = "/v1/completions", True
+                payload = json.dumps(state.continuation()).encode()
+            else:
+                break
+            backend = self._next_backend(order, failed) if attempt else order[0]
+            if attempt:
+                self.metrics.retries.inc()
+                if backend in failed:
+                    await asyncio.sleep(min(0.25 * attempt, 2.0))
+            with self._tracked(backend):
+                leg = _Leg()
+                outcome = await self._supervised(
+                    backend, leg, self._stream_leg(backend, route, payload, fwd, state, send,
+                                                   client, continuation, leg,
+                                                   last=attempt + 1 == attempts))
+            if outcome is None:
+                if continuation:
+                    self.metrics.migrations.labels("ok").inc()
+                return
+            reason = outcome[0] if isinstance(outcome, tuple) else outcome
+            last_error = f"{backend}: {outcome[1] if isinstance(outcome, tuple) else outcome}"
+            log.warning("stream leg on %s failed (%s)%s", backend, reason,
+                        "; continuing elsewhere" if client["started"] else "")
+            self._failed(backend, reason)
+            failed.append(backend)
+        if not client["started"]:
+            return await send_error(send, 503, last_error, code="no_backend")
+        if state.finished:  # only the tail broke: end the stream properly
+            tail = b"".join(json_event(e) for e in state.final_events()) + b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            return
+        self.metrics.migrations.labels("failed").inc()
+        await send({"type": "http.response.body", "more_body": False,
+                    "body": sse_error_event(502, f"the stream could not be continued: "
+                                                 f"{last_error}")})
+
+    async def _stream_leg(self, backend: str, route: str, payload: bytes, fwd: dict,
+                          state: "migration.StreamState", send: Send, client: dict,
+                          continuation: bool, leg: _Leg, last: bool):
+        """One upstream leg of a migrating stream. None when the client's stream is
+        complete (or answered with an error it must see); else (reason, message)."""
+        loop = asyncio.get_running_loop()
+        try:
+            resp = await self.pool.send("POST", f"http://{backend}{route}", payload, fwd)
+        except RETRYABLE as exc:
+            return "connect_error", f"unreachable: {exc!r}"
+        try:
+            self.metrics.requests.labels(backend, str(resp.status_code)).inc()
+            if resp.status_code != 200:
+                if resp.status_code in RETRY_STATUSES and not last:
+                    return "server_error", f"answered {resp.status_code}"
+                try:
+                    content = await resp.aread()
+                except RETRYABLE as exc:
+                    return "broken", repr(exc)
+                if client["started"]:
+                    message = content.decode("utf-8", "replace")[:300]
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": sse_error_event(resp.status_code, message)})
+                    return None
+                headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
+                headers[BACKEND_HEADER] = backend
+                return await send_bytes(send, resp.status_code, content, headers,
+                                        content_type=headers.pop("content-type",
+                                                                 "application/json"))
+            splitter = EventSplitter()
+            try:
+                async for chunk in resp.aiter_raw():
+                    leg.last_byte = loop.time()
+                    out: list[bytes] = []
+                    broken = None
+                    for event in splitter.feed(chunk):
+                        data = event_json(event)
+                        if data is DONE:
+                            state.done = True
+                            out.append(b"data: [DONE]\n\n")
+                            continue
+                        if not isinstance(data, dict):
+                            continue  # comments, keep-alives
+                        if "error" in data and not data.get("choices"):
+                            broken = str(data.get("error"))[:200]  # the sidecar's engine died
+                            break
+                        relayed = state.observe(data, continuation)
+                        if relayed is not None:
+                            out.append(json_event(relayed))
+                    if out:
+                        if not client["started"]:
+                            client["started"] = True
+                            headers = {k: v for k, v in resp.headers.items()
+                                       if k.lower() not in RELAY_DROP}
+                            headers[BACKEND_HEADER] = backend
+                            await send_start(send, 200, headers)
+                        await send({"type": "http.response.body", "body": b"".join(out),
+                                    "more_body": True})
+                    if broken is not None:
+                        return "stream_error", broken
+            except RETRYABLE as exc:
+                return "broken", repr(exc)
+        finally:
+            await resp.aclose()
+        if not state.done:
+            return "broken", "stream ended without [DONE]"
+        self.outliers.success(backend)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return None

@@ -41,6 +41,12 @@ class SidecarMetrics:
                                       "Decode legs retried after a connection failure",
                                       registry=r)
         self.in_flight = Gauge("pdpool_sidecar_in_flight", "Requests in flight", registry=r)
+        self.prefill_ejections = Counter("pdpool_sidecar_prefill_ejections",
+                                         "Prefill engines ejected by outlier detection",
+                                         ["endpoint", "reason"], registry=r)
+        self.prefill_ejected = Gauge("pdpool_sidecar_prefill_ejected",
+                                     "1 while the prefill engine is ejected", ["endpoint"],
+                                     registry=r)
         self.prefill_seconds = Histogram("pdpool_sidecar_prefill_leg_seconds",
                                          "Duration of successful prefill legs", registry=r)
 
@@ -62,6 +68,15 @@ class GatewayMetrics:
                              ["backend"], registry=r)
         self.in_flight = Gauge("pdpool_gateway_in_flight", "Requests in flight per backend",
                                ["backend"], registry=r)
+        self.ejections = Counter("pdpool_gateway_ejections",
+                                 "Decode sidecars ejected by outlier detection",
+                                 ["backend", "reason"], registry=r)
+        self.ejected = Gauge("pdpool_gateway_backend_ejected", "1 while the backend is ejected",
+                             ["backend"], registry=r)
+        # outcome: ok (the stream went on elsewhere), failed (no path could continue it).
+        self.migrations = Counter("pdpool_gateway_migrations",
+                                  "Streams continued on another backend after a failure",
+                                  ["outcome"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

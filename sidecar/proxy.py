@@ -28,6 +28,7 @@ from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_
 from .discovery import EndpointSet
 from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
+from .outlier import OutlierDetector
 from .picker import LoadPicker
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_target
 from .settings import SidecarSettings
@@ -93,14 +94,56 @@ class Sidecar:
         self.endpoints = EndpointSet(settings.prefill_urls, settings.prefill_service,
                                           settings.prefill_refresh_s)
         self.clients: Optional[ClientShards] = None
+        self.outliers = OutlierDetector(
+            consecutive_failures=settings.outlier_failures, base_ejection_s=settings.ejection_s,
+            on_eject=self._on_eject, on_readmit=self._on_readmit)
+        self._probe_task: Optional[asyncio.Task] = None
+
+    def _on_eject(self, endpoint: str, reason: str) -> None:
+        log.warning("prefill engine %s ejected (%s)", endpoint, reason)
+        self.metrics.prefill_ejections.labels(endpoint, reason).inc()
+        self.metrics.prefill_ejected.labels(endpoint).set(1)
+
+    def _on_readmit(self, endpoint: str) -> None:
+        log.warning("prefill engine %s readmitted", endpoint)
+        self.metrics.prefill_ejected.labels(endpoint).set(0)
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
         self.clients = ClientShards(connect_timeout=self.settings.connect_timeout)
         self.decode_pool = Http1Pool(connect_timeout=self.settings.connect_timeout)
         await self.endpoints.start()
+        if self.settings.probe_interval_s > 0:
+            self._probe_task = asyncio.create_task(self._probe_forever())
+
+    async def _probe_forever(self) -> None:
+        """Health probes of every prefill engine with a short timeout: a wedged engine
+        (accepts connections, answers nothing) is ejected within a few seconds, and an
+        ejected one comes back once it answers again."""
+        async def probe(endpoint: str) -> None:
+            try:
+                r = await self.client.get(f"http://{endpoint}/health",
+                                          timeout=self.settings.probe_timeout_s or None)
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            self.outliers.probe(endpoint, ok)
+
+        while True:
+            await asyncio.sleep(self.settings.probe_interval_s)
+            current = self.endpoints.current
+            self.outliers.forget(current)
+            try:
+                await asyncio.gather(*(probe(e) for e in current))
+            except Exception:  # noqa: BLE001 - a probe bug must not end the loop
+                log.exception("prefill probe failed")
 
     async def shutdown(self) -> None:
+        if self._probe_task:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+            self._probe_task = None
         await self.endpoints.stop()
         if self.clients:
             await self.clients.aclose()
@@ -150,7 +193,8 @@ class Sidecar:
         """Healthy when the decode engine is: the gateway routes around a sidecar whose
         engine is down or restarting."""
         try:
-            resp = await self.client.get(self.settings.decode_url + "/health", timeout=2.0)
+            resp = await self.client.get(self.settings.decode_url + "/health",
+                                         timeout=self.settings.probe_timeout_s or 2.0)
             ok = resp.status_code == 200
         except httpx.HTTPError:
             ok = False
@@ -365,12 +409,20 @@ class Sidecar:
 
     async def _prefill(self, ex: Exchange, leg: dict) -> PrefillResult:
         """Tries prefill engines, least loaded first; an empty result means fallback."""
-        candidates = self.picker.order(self.endpoints.current, preferred=ex.target)
+        # Ejected engines are skipped (also a trusted x-prefiller-host-port naming one);
+        # when all are ejected, decode prefills itself (fallback).
+        preferred = ex.target if ex.target and not self.outliers.is_ejected(ex.target) else None
+        candidates = self.picker.order(self.outliers.available(self.endpoints.current),
+                                       preferred=preferred)
         for endpoint in candidates:
             self.metrics.legs.labels("prefill").inc()
             started = time.perf_counter()
             outcome, result = await self._prefill_once(ex, endpoint, leg)
             self.metrics.prefill_attempts.labels(outcome).inc()
+            if outcome in ("timeout", "connect_error", "server_error"):
+                self.outliers.failure(endpoint, outcome)
+            elif outcome != "ejected":
+                self.outliers.success(endpoint)
             if outcome == "ok":
                 self.metrics.prefill_seconds.observe(time.perf_counter() - started)
                 ex.reply_headers["x-pdpool-prefill-endpoint"] = endpoint
@@ -385,11 +437,25 @@ class Sidecar:
     async def _prefill_once(self, ex: Exchange, endpoint: str, leg: dict):
         url = f"http://{endpoint}{ex.route}"
         with self.picker.track(endpoint):
+            # Given up as soon as the engine is ejected (a probe found it wedged): the
+            # request moves on to the next engine instead of waiting out its timeout.
+            call = asyncio.ensure_future(self.client.post(url, json=leg, headers=ex.headers))
+            ejected = asyncio.ensure_future(self.outliers.ejected_event(endpoint).wait())
             try:
-                resp = await asyncio.wait_for(
-                    self.client.post(url, json=leg, headers=ex.headers),
-                    self.settings.prefill_timeout or None)
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait({call, ejected},
+                                             timeout=self.settings.prefill_timeout or None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ejected.cancel()
+                if not call.done():
+                    call.cancel()  # closes the connection: the engine aborts the request
+                    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                        await call
+            if call not in done:
+                return ("ejected" if ejected in done else "timeout"), None
+            try:
+                resp = call.result()
+            except asyncio.CancelledError:
                 return "timeout", None
             except httpx.HTTPError:
                 return "connect_error", None

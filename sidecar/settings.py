@@ -26,6 +26,11 @@ class SidecarSettings:
     prefill_timeout: float = 30.0              # per prefill attempt, seconds
     decode_retry_s: float = 5.0                # keep retrying an unreachable decode engine
     connect_timeout: float = 2.0
+    # Outlier detection of prefill engines (see outlier.py).
+    probe_interval_s: float = 1.0              # health probe of every prefill engine
+    probe_timeout_s: float = 1.0
+    outlier_failures: int = 3                  # consecutive failed legs that eject
+    ejection_s: float = 2.0                    # base ejection time (x recent ejections)
 
     def validate(self) -> "SidecarSettings":
         if self.mode not in MODES:
@@ -37,9 +42,12 @@ class SidecarSettings:
         if int(self.kv_pull_threshold) < 0:
             raise ValueError("kv_pull_threshold must be >= 0")
         self.kv_pull_threshold = int(self.kv_pull_threshold)
-        for name in ("prefill_timeout", "decode_retry_s", "connect_timeout", "prefill_refresh_s"):
+        for name in ("prefill_timeout", "decode_retry_s", "connect_timeout", "prefill_refresh_s",
+                     "probe_interval_s", "probe_timeout_s", "ejection_s"):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if int(self.outlier_failures) < 1:
+            raise ValueError("outlier_failures must be >= 1")
         return self
 
 

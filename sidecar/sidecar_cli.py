@@ -25,12 +25,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pull-threshold", type=int,
                    help="offer decode's cached prefix to prefill only when it holds at "
                         "least this many tokens (default 0)")
+    p.add_argument("--probe-interval-s", type=float,
+                   help="health probe period of each prefill engine (default 1; 0: off)")
+    p.add_argument("--probe-timeout-s", type=float, help="health probe timeout (default 1)")
+    p.add_argument("--outlier-failures", type=int,
+                   help="consecutive failed prefill legs that eject an engine (default 3)")
+    p.add_argument("--ejection-s", type=float,
+                   help="base ejection time of a sick prefill engine (default 2)")
     p.add_argument("--log-level", default="warning")
 
 
 SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refresh_s", "mode",
                  "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode",
-                 "kv_pull_threshold")
+                 "kv_pull_threshold", "probe_interval_s", "probe_timeout_s", "outlier_failures",
+                 "ejection_s")
 
 
 def settings_from_args(args: argparse.Namespace):

@@ -297,6 +297,22 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
                     "kv_transfer_params": choices[0].last.kv_transfer_params if single
                     else None}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        per_prompt = max(len(choices) // max(len(prompts), 1), 1)
+        ids_sent: set[int] = set()
+
+        def with_ids(chunk: dict, c: Choice, out: Optional[RequestOutput]) -> dict:
+            """vLLM's return_token_ids: a choice's prompt ids once (chat: at the top of its
+            opening chunk), then its new token ids in each chunk. The gateway uses them to
+            continue a broken stream exactly (request migration)."""
+            if not req.return_token_ids:
+                return chunk
+            holder = chunk if out is None else chunk["choices"][0]
+            if out is not None:
+                holder["token_ids"] = out.new_token_ids
+            if c.index not in ids_sent:
+                ids_sent.add(c.index)
+                holder["prompt_token_ids"] = prompts[c.index // per_prompt]
+            return chunk
 
         async def events():
             queue: asyncio.Queue = asyncio.Queue()
@@ -312,7 +328,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
             try:
                 if opening is not None:
                     for c in choices:
-                        yield sse({**base(objects[1]), "choices": [opening(c.index)]})
+                        yield sse(with_ids({**base(objects[1]), "choices": [opening(c.index)]},
+                                           c, None))
                 remaining = len(choices)
                 while remaining:
                     c, out = await queue.get()
@@ -322,7 +339,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
                         yield sse(error_body(str(err), err.err_type, err.status))
                         break
                     lp = absorb(c, out)
-                    chunk = {**base(objects[1]), "choices": [chunk_choice(c.index, out, lp)]}
+                    chunk = with_ids({**base(objects[1]),
+                                      "choices": [chunk_choice(c.index, out, lp)]}, c, out)
                     if out.finished:
                         remaining -= 1
                         if single:

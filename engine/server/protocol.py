@@ -33,6 +33,9 @@ class _SamplingFields(BaseModel):
     cache_salt: Optional[str] = None
     cache_hit_threshold: Optional[float] = None
     kv_transfer_params: Optional[KVTransferParams] = None
+    # vLLM's extension: token ids in the answer (prompt_token_ids in a stream's first
+    # chunk, token_ids in every choice); the gateway uses them to migrate a broken stream.
+    return_token_ids: bool = False
     # vLLM's extension: logprob tokens as "token_id:<id>" instead of their text.
     return_tokens_as_token_ids: bool = False
 

@@ -1,0 +1,122 @@
+"""Outlier detection for a set of upstream endpoints, in the manner of Envoy's.
+
+An endpoint is *ejected* (taken out of the candidates) when
+- it fails `consecutive_failures` requests in a row (connect errors, timeouts, 5xx, a
+  stream that broke or stalled): passive detection, driven by real traffic; or
+- `probe_failures` health probes in a row fail (short timeouts): active detection, which
+  notices a wedged engine (SIGSTOP: connections are accepted, nothing is answered) without
+  sacrificing requests to it.
+
+An ejected endpoint comes back when a probe succeeds and its ejection time has passed:
+`base_ejection_s` times the number of recent ejections (capped at `max_ejection_s`), so a
+flapping endpoint stays out longer. The count of recent ejections resets once it has
+stayed in for `max_ejection_s`.
+
+Callers that wait on an endpoint can watch `ejected_event(endpoint)` and give up on it
+(and try elsewhere) as soon as it is ejected, instead of waiting out their own timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Iterable, Optional
+
+
+class OutlierDetector:
+    def __init__(self, consecutive_failures: int = 3, probe_failures: int = 2,
+                 base_ejection_s: float = 2.0, max_ejection_s: float = 30.0,
+                 on_eject: Optional[Callable[[str, str], None]] = None,
+                 on_readmit: Optional[Callable[[str], None]] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.consecutive_failures = max(int(consecutive_failures), 1)
+        self.probe_failures = max(int(probe_failures), 1)
+        self.base_ejection_s = base_ejection_s
+        self.max_ejection_s = max_ejection_s
+        self._on_eject, self._on_readmit, self._clock = on_eject, on_readmit, clock
+        self._failures: dict[str, int] = {}
+        self._probe_failures: dict[str, int] = {}
+        self._ejected_until: dict[str, float] = {}
+        self._ejections: dict[str, int] = {}      # recent ejections (sets the duration)
+        self._admitted_at: dict[str, float] = {}
+        self._events: dict[str, asyncio.Event] = {}
+
+    # ------------------------------------------------------------------ queries
+    def is_ejected(self, endpoint: str) -> bool:
+        return endpoint in self._ejected_until
+
+    def available(self, endpoints: Iterable[str]) -> list[str]:
+        return [e for e in endpoints if e not in self._ejected_until]
+
+    @property
+    def ejected(self) -> list[str]:
+        return sorted(self._ejected_until)
+
+    def ejected_event(self, endpoint: str) -> asyncio.Event:
+        """An event that is set while `endpoint` is ejected."""
+        event = self._events.get(endpoint)
+        if event is None:
+            event = self._events[endpoint] = asyncio.Event()
+            if self.is_ejected(endpoint):
+                event.set()
+        return event
+
+    # ------------------------------------------------------------------ outcomes
+    def success(self, endpoint: str) -> None:
+        """A request went well: the failure streak ends (it does not readmit)."""
+        self._failures.pop(endpoint, None)
+
+    def failure(self, endpoint: str, reason: str) -> bool:
+        """A request failed; returns True when this ejected the endpoint."""
+        n = self._failures.get(endpoint, 0) + 1
+        self._failures[endpoint] = n
+        if n >= self.consecutive_failures:
+            return self.eject(endpoint, reason)
+        return False
+
+    def probe(self, endpoint: str, ok: bool) -> None:
+        """The result of one health probe."""
+        if not ok:
+            n = self._probe_failures.get(endpoint, 0) + 1
+            self._probe_failures[endpoint] = n
+            if n >= self.probe_failures:
+                self.eject(endpoint, "probe")
+            return
+        self._probe_failures.pop(endpoint, None)
+        until = self._ejected_until.get(endpoint)
+        if until is not None and self._clock() >= until:
+            self.readmit(endpoint)
+
+    def eject(self, endpoint: str, reason: str) -> bool:
+        if endpoint in self._ejected_until:
+            return False
+        now = self._clock()
+        if now - self._admitted_at.get(endpoint, now) > self.max_ejection_s:
+            self._ejections.pop(endpoint, None)  # it behaved for a long while
+        n = self._ejections.get(endpoint, 0) + 1
+        self._ejections[endpoint] = n
+        self._ejected_until[endpoint] = now + min(self.base_ejection_s * n, self.max_ejection_s)
+        self._failures.pop(endpoint, None)
+        if endpoint in self._events:
+            self._events[endpoint].set()
+        if self._on_eject:
+            self._on_eject(endpoint, reason)
+        return True
+
+    def readmit(self, endpoint: str) -> None:
+        if self._ejected_until.pop(endpoint, None) is None:
+            return
+        self._admitted_at[endpoint] = self._clock()
+        self._failures.pop(endpoint, None)
+        event = self._events.get(endpoint)
+        if event is not None:
+            event.clear()
+        if self._on_readmit:
+            self._on_readmit(endpoint)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drops state of endpoints no longer in the set (DNS changes)."""
+        keep = set(keep)
+        for table in (self._failures, self._probe_failures, self._ejected_until,
+                      self._ejections, self._admitted_at, self._events):
+            for endpoint in [e for e in table if e not in keep]:
+                del table[endpoint]

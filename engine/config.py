@@ -46,7 +46,12 @@ class EngineConfig:
     kv_peer_allowlist: list[str] = field(default_factory=list)
     kv_pull_threshold: int = 0
     kv_load_failure_policy: str = "recompute"
-    kv_producer_timeout: float = 120.0
+    # How long a lease holds KV for a peer unless renewed (the peer's queued request
+    # renews it) or released (the peer's read, or a router that will not pull).
+    kv_producer_timeout: float = 10.0
+    # The pool's shared secret for signing kv_transfer_params (else $PDPOOL_KV_SECRET_FILE
+    # or $PDPOOL_KV_SECRET); without one, loads are checked by content alone.
+    kv_secret_file: Optional[str] = None
     kv_load_timeout: float = 30.0
     extra: dict = field(default_factory=dict)
 
@@ -82,5 +87,10 @@ class EngineConfig:
                              "not a wildcard")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("--kv-load-failure-policy must be recompute or fail")
+        if self.kv_producer_timeout <= 0 or self.kv_load_timeout <= 0:
+            raise ValueError("--kv-producer-timeout and --kv-load-timeout must be > 0")
+        if self.kv_connector == "nixl":
+            from pdpool.engine.connector.lease_token import load_secret
+            load_secret(self.kv_secret_file)   # a bad secret stops the start, not a request
         if self.kv_pull_threshold < 0:
             raise ValueError("--kv-pull-threshold must be >= 0")

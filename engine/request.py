@@ -56,6 +56,10 @@ class Request:
         # Connector bookkeeping: its remote KV was pulled already (never twice), and the
         # kv_transfer_params the response carries.
         self.kv_consumed = False
+        self.kv_lease: Any = None      # the peer's lease the params name, once checked
+        # Prompt tokens that came from a peer's KV (loaded and verified): part of
+        # num_cached_tokens, reported apart in usage.
+        self.num_pulled_tokens = 0
         self.kv_params_out: Optional[dict[str, Any]] = None
         # Recurrent-state models: the state slot a prefill leg keeps for the decode engine.
         self.transfer_state_slot: Optional[int] = None

@@ -99,7 +99,11 @@ class Scheduler:
             return
         if restart:
             request.num_computed_tokens = 0
+            request.num_cached_tokens = 0
         request.num_computed_tokens += num_loaded_tokens
+        # Usage counts only what really arrived.
+        request.num_pulled_tokens += num_loaded_tokens
+        request.num_cached_tokens = max(request.num_cached_tokens, 0) + num_loaded_tokens
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -159,7 +163,7 @@ class Scheduler:
                     self.waiting.popleft()
                     req.num_computed_tokens = num_local
                     if req.num_cached_tokens < 0:
-                        req.num_cached_tokens = num_local + num_external
+                        req.num_cached_tokens = num_local   # loaded tokens are added later
                     self.connector.update_state_after_alloc(
                         req, self.kv.block_tables(req.request_id), num_local, num_external)
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS

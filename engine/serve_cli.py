@@ -44,8 +44,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pull a remote prefix only when it saves at least this many tokens")
     p.add_argument("--kv-load-failure-policy", default="recompute",
                    choices=["recompute", "fail"])
-    p.add_argument("--kv-producer-timeout", type=float, default=120.0,
-                   help="seconds a producer holds blocks nobody has read")
+    p.add_argument("--kv-producer-timeout", type=float, default=10.0,
+                   help="seconds a lease holds KV for a peer unless the peer renews it "
+                        "(its request is queued) or releases it (read done, or no pull)")
+    p.add_argument("--kv-secret-file", default=None,
+                   help="the pool's secret for signing and checking kv_transfer_params "
+                        "(else $PDPOOL_KV_SECRET_FILE or $PDPOOL_KV_SECRET; without one, "
+                        "loads are checked by content alone)")
     p.add_argument("--kv-load-timeout", type=float, default=30.0,
                    help="seconds a consumer waits for a READ before computing locally")
     p.add_argument("--log-level", default="info")
@@ -73,7 +78,8 @@ def config_from_args(args: argparse.Namespace):
         kv_peer_allowlist=[h.strip() for h in args.kv_peer_allowlist.split(",") if h.strip()],
         kv_pull_threshold=args.kv_pull_threshold,
         kv_load_failure_policy=args.kv_load_failure_policy,
-        kv_producer_timeout=args.kv_producer_timeout, kv_load_timeout=args.kv_load_timeout)
+        kv_producer_timeout=args.kv_producer_timeout, kv_load_timeout=args.kv_load_timeout,
+        kv_secret_file=args.kv_secret_file)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -33,6 +33,15 @@ class KVConnector:
     name = "none"
 
     # --- scheduler side -----------------------------------------------------------------
+    def check_request(self, request: Request) -> Optional[str]:
+        """On arrival: why the request's kv_transfer_params cannot be trusted (then nothing
+        is loaded for it), or None."""
+        return None
+
+    def release_lease(self, params: object) -> bool:
+        """Ends a lease this engine granted, named by the params it issued."""
+        return False
+
     def will_load_state(self, request: Request) -> bool:
         """The request's recurrent state will come from a peer, so the local lookup need
         not find a state snapshot (per-group hits, seed 004)."""

@@ -11,6 +11,10 @@ The JSON document:
 A peer whose compatibility hash differs from ours is refused (`IncompatiblePeerError`,
 naming the fields that differ): reading its blocks would silently produce garbage.
 
+Lease operations share the port (a peer opens, renews or releases a lease on our KV):
+  client -> server   b"PDKL" + u32 length + JSON object {"op": ..., ...}
+  server -> client   u32 length + JSON object {"ok": bool, ...}, then closes
+
 The server runs in daemon threads and only ever serves a prepared document; it never calls
 into NIXL, so the engine's single-threaded use of its transport stays single-threaded.
 """
@@ -24,13 +28,15 @@ import socketserver
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pdpool.engine.connector.allowlist import Allowlist, is_allowed
 from pdpool.engine.connector.regions import RegionError, RegionLayout
 
 PROTOCOL_VERSION = 1
 MAGIC = b"PDKV"
+LEASE_MAGIC = b"PDKL"
+MAX_LEASE_MESSAGE_BYTES = 1 << 20
 _HELLO = MAGIC + struct.pack(">H", PROTOCOL_VERSION)
 MAX_DOCUMENT_BYTES = 16 << 20  # metadata is a few KB; refuse absurd answers
 
@@ -82,10 +88,11 @@ class HandshakeDocument:
     layout: dict[str, Any]
     compat_hash: str
     regions: dict[str, RegionLayout]
+    epoch: str = ""   # new at every engine start: leases of an earlier life are void
 
     def to_json(self) -> dict[str, Any]:
         return {"protocol": PROTOCOL_VERSION, "engine_id": self.engine_id,
-                "agent_name": self.agent_name,
+                "epoch": self.epoch, "agent_name": self.agent_name,
                 "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
                 "compatibility": {"hash": self.compat_hash, "layout": self.layout},
                 "regions": {n: r.to_dict() for n, r in self.regions.items()}}
@@ -102,7 +109,7 @@ class HandshakeDocument:
             return cls(engine_id=str(doc["engine_id"]), agent_name=str(doc["agent_name"]),
                        agent_metadata=base64.b64decode(doc["agent_metadata"], validate=True),
                        layout=dict(compat["layout"]), compat_hash=str(compat["hash"]),
-                       regions=regions)
+                       regions=regions, epoch=str(doc.get("epoch") or ""))
         except HandshakeError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, RegionError) as exc:
@@ -111,16 +118,16 @@ class HandshakeDocument:
 
 def build_document(engine_id: str, agent_name: str, agent_metadata: bytes,
                    regions: Mapping[str, RegionLayout],
-                   layout: Mapping[str, Any]) -> HandshakeDocument:
+                   layout: Mapping[str, Any], epoch: str = "") -> HandshakeDocument:
     """Our handshake document; `layout` is what must match for blocks to be exchangeable."""
     return HandshakeDocument(engine_id, agent_name, bytes(agent_metadata), dict(layout),
-                             compatibility_hash(layout), dict(regions))
+                             compatibility_hash(layout), dict(regions), epoch)
 
 
-def document_for(transport: Any, layout: Mapping[str, Any]) -> HandshakeDocument:
+def document_for(transport: Any, layout: Mapping[str, Any], epoch: str = "") -> HandshakeDocument:
     """The document of a `NixlTransport` (call after registering every region)."""
     return build_document(transport.engine_id, transport.agent_name,
-                          transport.agent_metadata(), transport.regions, layout)
+                          transport.agent_metadata(), transport.regions, layout, epoch)
 
 
 def check_compatible(local_layout: Mapping[str, Any], peer: HandshakeDocument) -> None:
@@ -156,12 +163,29 @@ class _Handler(socketserver.BaseRequestHandler):
             if owner.client_allowlist is not None and not is_allowed(
                     self.client_address[0], owner.client_allowlist):
                 return  # close without a word: nothing to learn for a stranger
-            if _recv_exactly(self.request, len(_HELLO)) != _HELLO:
+            magic = _recv_exactly(self.request, len(MAGIC))
+            if magic == LEASE_MAGIC and owner.lease_handler is not None:
+                self._lease_op(owner)
+                return
+            if magic + _recv_exactly(self.request, 2) != _HELLO:
                 return
             payload = owner.payload()
             self.request.sendall(struct.pack(">I", len(payload)) + payload)
         except OSError:
             pass  # a client that went away is its own problem
+
+    def _lease_op(self, owner: "HandshakeServer") -> None:
+        (length,) = struct.unpack(">I", _recv_exactly(self.request, 4))
+        if length > MAX_LEASE_MESSAGE_BYTES:
+            return
+        try:
+            message = json.loads(_recv_exactly(self.request, length))
+            reply = owner.lease_handler(message) if isinstance(message, dict) \
+                else {"ok": False, "error": "a lease message is a JSON object"}
+        except ValueError:
+            reply = {"ok": False, "error": "a lease message is JSON"}
+        payload = json.dumps(reply, separators=(",", ":")).encode()
+        self.request.sendall(struct.pack(">I", len(payload)) + payload)
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):
@@ -178,8 +202,12 @@ class HandshakeServer:
     """Serves our handshake document on (host, port); port 0 picks a free one."""
 
     def __init__(self, document: HandshakeDocument, host: str = "0.0.0.0", port: int = 0,
-                 client_allowlist: Allowlist | None = None, io_timeout_s: float = 5.0):
+                 client_allowlist: Allowlist | None = None, io_timeout_s: float = 5.0,
+                 lease_handler: Callable[[dict], dict] | None = None):
         self.client_allowlist = client_allowlist
+        # Answers lease operations (open, renew, release) from peers; runs on the server's
+        # threads, so it must only touch thread-safe state (the lease table).
+        self.lease_handler = lease_handler
         self.io_timeout_s = io_timeout_s
         self._lock = threading.Lock()
         self.set_document(document)
@@ -238,3 +266,28 @@ def fetch_handshake(host: str, port: int, timeout: float = 5.0) -> HandshakeDocu
     except ValueError as exc:
         raise HandshakeError(f"KV handshake with {where}: not JSON ({exc})") from None
     return HandshakeDocument.from_json(doc)
+
+
+def lease_call(host: str, port: int, message: dict, timeout: float = 5.0) -> dict:
+    """One lease operation with a peer; HandshakeError when there is no well-formed answer."""
+    where = f"{host}:{port}"
+    body = json.dumps(message, separators=(",", ":")).encode()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(LEASE_MAGIC + struct.pack(">I", len(body)) + body)
+            (length,) = struct.unpack(">I", _recv_exactly(sock, 4))
+            if length > MAX_DOCUMENT_BYTES:
+                raise HandshakeError(f"lease call to {where}: answer of {length} bytes")
+            raw = _recv_exactly(sock, length)
+    except socket.timeout:
+        raise HandshakeError(f"lease call to {where} timed out after {timeout}s") from None
+    except (OSError, struct.error) as exc:
+        raise HandshakeError(f"lease call to {where} failed: {exc}") from None
+    try:
+        reply = json.loads(raw)
+    except ValueError as exc:
+        raise HandshakeError(f"lease call to {where}: not JSON ({exc})") from None
+    if not isinstance(reply, dict):
+        raise HandshakeError(f"lease call to {where}: the answer is not an object")
+    return reply

@@ -39,3 +39,19 @@ class BlockHasher:
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra)
             out.append(parent)
         return out
+
+
+def prefix_hash(token_ids: Sequence[int], block_hashes: Sequence[bytes], num_tokens: int,
+                block_size: int, extra_keys: tuple = ()) -> Optional[bytes]:
+    """The chained hash of the first `num_tokens` tokens: the full block hash when they end
+    on a block boundary, else the hash of the partial last block chained on the full ones.
+    It commits to every one of those tokens, so two engines agree on it exactly when they
+    hold the same prefix (same salt, same block size). None for an empty prefix or when
+    `block_hashes` does not reach that far."""
+    k, rest = divmod(num_tokens, block_size)
+    if num_tokens <= 0 or len(block_hashes) < k or len(token_ids) < num_tokens:
+        return None
+    if rest == 0:
+        return block_hashes[k - 1]
+    return hash_block(block_hashes[k - 1] if k else None,
+                      token_ids[k * block_size:num_tokens], extra_keys if k == 0 else ())

@@ -14,6 +14,8 @@ from typing import Optional
 
 from pdpool.engine.kv.block_pool import Block, BlockPool
 from pdpool.engine.kv.groups import KVGroup
+from pdpool.engine.kv.hashing import prefix_hash
+from pdpool.engine.kv.leases import Lease, LeaseTable
 from pdpool.engine.kv.state_cache import StateSnapshotCache
 from pdpool.engine.request import Request
 
@@ -47,6 +49,8 @@ class KVCacheManager:
         self.pending_restores: list[tuple[int, int]] = []   # (snapshot slot, running slot)
         self._num_published: dict[str, int] = {}   # per request: blocks already published
         self.last_hit_lengths: dict[str, int] = {}
+        # Holds of blocks for other engines; the connector decides, the manager holds.
+        self.leases = LeaseTable(epoch="", hold_s=10.0, max_read_s=30.0)
 
     @property
     def enable_caching(self) -> bool:
@@ -230,7 +234,7 @@ class KVCacheManager:
         slot = self.snapshots.take_slot()
         if slot is None:
             return None
-        self.snapshots.pinned.add(slot)
+        self.snapshots.pin(slot)
         request.transfer_state_slot = slot
         return self.req_slot[request.request_id], slot
 
@@ -250,6 +254,46 @@ class KVCacheManager:
             self.snapshots.release(request.transfer_state_slot)
             request.transfer_state_slot = None
         return [b for blocks in tables for b in reversed(blocks)]
+
+    # --- leases: blocks and state slots held for another engine ---------------------------
+    def configure_leases(self, epoch: str, hold_s: float, max_read_s: float) -> LeaseTable:
+        self.leases = LeaseTable(epoch, hold_s, max_read_s)
+        return self.leases
+
+    def grant_lease(self, lease_id: str, request: Request, tables: list[list[Block]],
+                    num_tokens: int, state_slots: tuple[int, ...] = (),
+                    state_tokens: Optional[int] = None) -> Lease:
+        """Holds `tables` (per group, the blocks of the first `num_tokens` tokens of
+        `request`) and pins `state_slots` under a new lease, bound to those tokens' hashes.
+        A slot handed in is pinned once more here; the lease's end drops that pin."""
+        import time
+
+        n_full = num_tokens // self.block_size
+        lease = Lease(
+            lease_id=lease_id, epoch=self.leases.epoch,
+            block_ids=[[b.block_id for b in blocks] for blocks in tables],
+            state_slots=tuple(state_slots), num_tokens=num_tokens,
+            hashes=list(request.block_hashes[:n_full]),
+            tail_hash=prefix_hash(request.all_token_ids, request.block_hashes, num_tokens,
+                                  self.block_size, request.hasher.extra_keys)
+            if num_tokens % self.block_size else None,
+            deadline=time.monotonic() + self.leases.hold_s,
+            state_tokens=state_tokens if state_slots else None,
+            held=self.hold([b for blocks in tables for b in reversed(blocks)]))
+        for slot in state_slots:
+            self.snapshots.pin(slot)
+        self.leases.grant(lease)
+        return lease
+
+    def end_leases(self, everything: bool = False) -> list[Lease]:
+        """Gives back what ended leases (released or expired; all when `everything`) hold."""
+        ended = self.leases.take_all() if everything else self.leases.take_ended()
+        for lease in ended:
+            self.release(lease.held)
+            lease.held = []
+            for slot in lease.state_slots:
+                self.snapshots.release(slot)
+        return ended
 
     def hold(self, blocks: list[Block]) -> list[Block]:
         """An extra reference on blocks (e.g. a cached prefix described to a peer)."""

@@ -8,7 +8,7 @@ states, R..R+S-1 snapshots; the model's state tensors hold R+S slots.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Optional
 
 
@@ -16,7 +16,8 @@ class StateSnapshotCache:
     def __init__(self, first_slot: int, num_slots: int):
         self._free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
         self._by_hash: "OrderedDict[bytes, int]" = OrderedDict()
-        self.pinned: set[int] = set()   # slots held for a peer (not evictable)
+        # Slots held for peers (not evictable), counted: two leases may pin one snapshot.
+        self.pinned: Counter[int] = Counter()
 
     def lookup(self, block_hash: bytes) -> Optional[int]:
         slot = self._by_hash.get(block_hash)
@@ -40,10 +41,16 @@ class StateSnapshotCache:
     def publish(self, block_hash: bytes, slot: int) -> None:
         self._by_hash[block_hash] = slot
 
+    def pin(self, slot: int) -> None:
+        self.pinned[slot] += 1
+
     def release(self, slot: int) -> None:
-        """Returns a slot that holds no published snapshot."""
-        self.pinned.discard(slot)
-        if slot not in self._by_hash.values():
+        """Drops one pin of a slot; a slot neither pinned nor published is free again."""
+        if self.pinned[slot] > 1:
+            self.pinned[slot] -= 1
+            return
+        self.pinned.pop(slot, None)
+        if slot not in self._by_hash.values() and slot not in self._free:
             self._free.append(slot)
 
     def __len__(self) -> int:

@@ -59,6 +59,13 @@ class EngineMetrics:
               lambda: engine.stats["aborted"])
         gauge("pdpool_computed_tokens_total", "Tokens run through the model.",
               lambda: engine.stats["computed_tokens"])
+        by_source = Gauge("pdpool_prompt_tokens_by_source_total",
+                          "Prompt tokens by where their KV came from: this engine's prefix "
+                          "cache (local), a peer (pulled, verified), the model (computed).",
+                          list(labels) + ["source"], registry=r)
+        for source in ("local", "pulled", "computed"):
+            by_source.labels(source=source, **labels).set_function(
+                lambda s=source: engine.stats[f"prompt_tokens_{s}"])
 
     def observe_output(self, out, first: bool, since: float) -> None:
         l = self._labels

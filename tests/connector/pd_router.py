@@ -45,3 +45,18 @@ def engine_set(model: Path, logs: Path, specs: dict[str, tuple]):
     finally:
         for p in procs.values():
             p.stop()
+
+
+def unsigned_lease(prompt: list[int], num_tokens: int | None = None, lease_id: str = "forged",
+                   epoch: str = "forged-epoch", block_size: int = 16) -> dict:
+    """A well-formed, unsigned `pdpool_lease` over `prompt`'s first tokens, as a forger who
+    knows the prompt could write it: right prefix hash, made-up lease id and epoch."""
+    import time
+
+    from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
+
+    n = len(prompt) if num_tokens is None else num_tokens
+    hashes = BlockHasher(block_size).hash_blocks(prompt, [], len(prompt) // block_size)
+    return {"id": lease_id, "epoch": epoch, "num_tokens": n,
+            "hash": prefix_hash(prompt, hashes, n, block_size).hex(),
+            "expires_ms": int((time.time() + 3600) * 1000)}

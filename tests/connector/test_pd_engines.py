@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
 from engine_procs import EngineProcess  # noqa: E402
-from .pd_router import decode_leg, engine_set, post, prefill_leg, text_of  # noqa: E402
+from .pd_router import decode_leg, engine_set, post, prefill_leg, text_of, unsigned_lease  # noqa: E402
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 BLOCK = 16
@@ -133,25 +133,25 @@ def test_prefill_killed_before_the_pull(tiny_qwen3, logs, engines):
     wait_no_blocks(D)
 
 
-@pytest.mark.parametrize("case,mangle,pulled_blocks", [
-    (0, lambda ids: [10_000 + i for i in ids], 0),          # none valid
-    (1, lambda ids: ids[:2] + [-1] + ids[3:], 2),           # first missing block is index 2
-    (2, lambda ids: ids[:3], 3),                            # too few ids
-    (3, lambda ids: [-5] + ids[1:], 0),                     # first id invalid
+@pytest.mark.parametrize("mangle", [
+    lambda ids: [10_000 + i for i in ids],          # none valid
+    lambda ids: ids[:2] + [-1] + ids[3:],           # one missing
+    lambda ids: ids[:3],                            # too few ids
+    lambda ids: list(reversed(ids)),                # valid ids, wrong blocks
 ])
-def test_bogus_block_ids_recompute_from_first_missing_block(engines, case, mangle,
-                                                            pulled_blocks):
+def test_block_ids_in_params_are_not_trusted_the_lease_decides(engines, mangle):
+    """Without a secret, tampered block ids change nothing: the consumer reads the blocks
+    the producer's lease holds, after checking their hashes against its own prompt."""
     P, D, A = engines["P"], engines["D"], engines["A"]
-    b = body(prompt_ids(100, seed=400 + case))  # 7 blocks, a prompt new to every engine
+    b = body(prompt_ids(100, seed=400 + len(str(mangle([1, 2, 3, 4, 5])))))
     kv = prefill_leg(P.url, b)
     kv["remote_block_ids"] = mangle(kv["remote_block_ids"])
     pulled0, computed0 = _stat(D, "tokens_pulled"), D.metric("pdpool_computed_tokens_total")
     out = decode_leg(D.url, b, kv)
     assert text_of(out) == text_of(post(A.url, b))
-    assert _stat(D, "tokens_pulled") - pulled0 == pulled_blocks * BLOCK
-    assert D.metric("pdpool_computed_tokens_total") - computed0 == \
-        100 - pulled_blocks * BLOCK + b["max_tokens"] - 1
-    wait_no_blocks(P, D)   # the producer was notified (or timed out) and freed its blocks
+    assert _stat(D, "tokens_pulled") - pulled0 == 99
+    assert D.metric("pdpool_computed_tokens_total") - computed0 == b["max_tokens"]
+    wait_no_blocks(P, D)   # the producer was notified and freed its blocks
 
 
 def test_malformed_kv_transfer_params_are_a_400(engines):
@@ -176,13 +176,16 @@ def test_peer_outside_allowlist_is_refused(engines):
 
 
 def test_engine_with_other_block_size_is_refused(tiny_qwen3, logs, engines):
+    """Another block size chains other hashes: refused before any connection."""
     D, A = engines["D"], engines["A"]
     other = EngineProcess(tiny_qwen3, logs, *NIXL, "--block-size", "8").wait()
     try:
         b = body(prompt_ids(40, seed=600))
+        refused0 = _stat(D, "params_refused")
         out = decode_leg(D.url, b, prefill_leg(other.url, b))
         assert text_of(out) == text_of(post(A.url, b))
-        assert "block_size: ours 16, peer 8" in D.log.read_text()
+        assert _stat(D, "params_refused") == refused0 + 1
+        assert "holds other tokens than this prompt" in D.log.read_text()
     finally:
         other.stop()
     wait_no_blocks(D)
@@ -199,15 +202,22 @@ def test_producer_timeout_frees_unread_blocks(engines):
 
 
 def test_fail_policy_fails_cleanly(engines):
-    P, Dfail = engines["P"], engines["Dfail"]
+    """Under `fail`, params refused on arrival (another prompt's lease) and a lease refused
+    by the producer (a replay of params already read) are a 503, never a 200."""
+    P, D, Dfail = engines["P"], engines["D"], engines["Dfail"]
     b = body(prompt_ids(60, seed=800))
     kv = prefill_leg(P.url, b)
-    kv["remote_block_ids"] = [99_999] * len(kv["remote_block_ids"])
+    other = body(prompt_ids(60, seed=801))
+    r = httpx.post(f"{Dfail.url}/v1/completions",
+                   json={**other, "kv_transfer_params": kv}, timeout=60)
+    assert r.status_code == 503
+    assert "KV transfer refused" in r.json()["error"]["message"]
+    decode_leg(D.url, b, kv)            # the honest read ends the lease
     r = httpx.post(f"{Dfail.url}/v1/completions",
                    json={**b, "kv_transfer_params": kv}, timeout=60)
     assert r.status_code == 503
     assert "KV transfer failed" in r.json()["error"]["message"]
-    wait_no_blocks(P, Dfail)
+    wait_no_blocks(P, D, Dfail)
 
 
 def test_a_hanging_peer_does_not_delay_other_requests(engines):
@@ -221,7 +231,8 @@ def test_a_hanging_peer_does_not_delay_other_requests(engines):
     b = body(prompt_ids(70, seed=900))
     kv = {"do_remote_prefill": True, "remote_engine_id": "ghost", "remote_request_id": "x",
           "remote_block_ids": list(range(5)), "remote_host": "127.0.0.1",
-          "remote_port": srv.getsockname()[1], "tp_size": 1}
+          "remote_port": srv.getsockname()[1], "tp_size": 1,
+          "pdpool_lease": unsigned_lease(b["prompt"])}
     try:
         with ThreadPoolExecutor(1) as pool:
             stuck = pool.submit(decode_leg, D.url, b, kv)
@@ -230,9 +241,9 @@ def test_a_hanging_peer_does_not_delay_other_requests(engines):
             other = post(D.url, body(prompt_ids(20, seed=901), 4))
             other_latency = time.monotonic() - t
             assert other["choices"][0]["finish_reason"] == "length"
-            assert not stuck.done()   # still waiting for the handshake
+            assert not stuck.done()   # still waiting for the lease call
             assert text_of(stuck.result(timeout=60)) == text_of(post(A.url, b))
-        # The handshake timeout is 5 s; the other request did not wait for it.
+        # The lease call times out after 5 s; the other request did not wait for it.
         assert other_latency < 4.0
     finally:
         srv.close()

@@ -1,0 +1,146 @@
+"""Leases: every hold of KV blocks for another engine, bound to what it holds.
+
+A lease is granted when a prefill leg finishes (its prompt's blocks, for a decode engine)
+or when a request is rejected below its cache-hit threshold (the cached prefix, for a
+prefill engine to pull). It names the blocks and state slots it holds, the chained block
+hashes of the tokens in them, and the engine epoch it was granted in. A peer reads through
+a lease only after opening it; a lease opens once, so a replayed read finds nothing.
+
+Lifecycle (see docs/nixl.md):
+  granted --renew--> granted            a consumer still wants it (its request waits)
+  granted --open---> reading            pinned for the read's duration, single use
+  granted/reading --release|notify|expiry--> ended   blocks and slots go back to the pool
+
+The table itself is only metadata behind a lock: the handshake server's threads open,
+renew and release leases, while the engine thread alone gives blocks back (`take_ended`),
+so the block pool stays single-threaded.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# A read pinned by `open` outlives the consumer's own timeout by this much, so the blocks
+# cannot be reused while a read the consumer still trusts is in flight.
+READ_GRACE_S = 5.0
+
+
+class LeaseRefused(Exception):
+    """A lease cannot be opened or renewed: unknown, ended, already opened, other epoch."""
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    epoch: str
+    block_ids: list[list[int]]      # per KV group, the positions the lease covers
+    state_slots: tuple[int, ...]    # pinned recurrent-state slots (running state, boundary)
+    num_tokens: int                 # tokens whose KV the lease holds
+    hashes: list[bytes]             # chained hashes of the full blocks of those tokens
+    tail_hash: Optional[bytes]      # chained hash of a final partial block, if any
+    deadline: float                 # monotonic
+    state_tokens: Optional[int] = None  # the token count the pinned state slots are at
+    held: list[Any] = field(default_factory=list)   # the Block objects (engine thread only)
+    read_until: float = 0.0
+    opened: bool = False
+    released: bool = False
+
+    def live(self, now: float) -> bool:
+        return not self.released and now <= max(self.deadline, self.read_until)
+
+    def describe(self) -> dict:
+        """What an `open` answers: where the blocks are and what they hold."""
+        return {"lease_id": self.lease_id, "epoch": self.epoch, "block_ids": self.block_ids,
+                "state_slots": list(self.state_slots), "num_tokens": self.num_tokens,
+                "hashes": [h.hex() for h in self.hashes],
+                "tail_hash": self.tail_hash.hex() if self.tail_hash else None,
+                "state_tokens": self.state_tokens}
+
+
+class LeaseTable:
+    def __init__(self, epoch: str, hold_s: float, max_read_s: float):
+        self.epoch = epoch
+        self.hold_s = hold_s
+        self.max_read_s = max_read_s
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self.counters = {"leases_granted": 0, "leases_opened": 0, "leases_renewed": 0,
+                         "leases_released": 0, "leases_expired": 0, "lease_opens_refused": 0}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def grant(self, lease: Lease) -> None:
+        with self._lock:
+            if lease.lease_id in self._leases:
+                raise ValueError(f"lease {lease.lease_id} exists")
+            self._leases[lease.lease_id] = lease
+            self.counters["leases_granted"] += 1
+
+    def _live(self, lease_id: str, epoch: str, now: float) -> Lease:
+        if epoch != self.epoch:
+            raise LeaseRefused(f"lease from engine epoch {epoch!r}; this engine is epoch "
+                               f"{self.epoch!r} (it restarted)")
+        lease = self._leases.get(lease_id)
+        if lease is None or not lease.live(now):
+            raise LeaseRefused(f"no live lease {lease_id!r} (expired, released or never "
+                               "granted)")
+        return lease
+
+    def open(self, lease_id: str, epoch: str, read_timeout_s: float) -> dict:
+        """Pins a live lease for one read and describes it; a second open is refused."""
+        now = time.monotonic()
+        with self._lock:
+            try:
+                lease = self._live(lease_id, epoch, now)
+                if lease.opened:
+                    raise LeaseRefused(f"lease {lease_id!r} was already opened (single use)")
+            except LeaseRefused:
+                self.counters["lease_opens_refused"] += 1
+                raise
+            lease.opened = True
+            pin = min(max(read_timeout_s, 0.0), self.max_read_s) + READ_GRACE_S
+            lease.read_until = now + pin
+            self.counters["leases_opened"] += 1
+            return lease.describe()
+
+    def renew(self, lease_id: str, epoch: str) -> float:
+        """Extends a live, unopened lease by the hold time; returns the seconds granted."""
+        now = time.monotonic()
+        with self._lock:
+            lease = self._live(lease_id, epoch, now)
+            if not lease.opened:
+                lease.deadline = max(lease.deadline, now + self.hold_s)
+                self.counters["leases_renewed"] += 1
+            return max(lease.deadline, lease.read_until) - now
+
+    def release(self, lease_id: str) -> bool:
+        """Marks a lease ended (its blocks go back on the engine thread's next tick)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.released:
+                return False
+            lease.released = True
+            self.counters["leases_released"] += 1
+            return True
+
+    def take_ended(self, now: Optional[float] = None) -> list[Lease]:
+        """Removes and returns the leases that are released or expired."""
+        now = time.monotonic() if now is None else now
+        ended = []
+        with self._lock:
+            for lease_id, lease in list(self._leases.items()):
+                if lease.released or not lease.live(now):
+                    if not lease.released:
+                        self.counters["leases_expired"] += 1
+                    del self._leases[lease_id]
+                    ended.append(lease)
+        return ended
+
+    def take_all(self) -> list[Lease]:
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        return leases

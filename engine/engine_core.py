@@ -32,6 +32,10 @@ class RequestRejected(ValueError):
     """A request the engine can never serve (too long, cannot fit the KV cache)."""
 
 
+class KVTransferRefused(RuntimeError):
+    """Under the `fail` load-failure policy: kv_transfer_params that cannot be trusted."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -48,6 +52,8 @@ class RequestOutput:
     error_status: Optional[int] = None
     # Aligned with new_token_ids when the request asked for logprobs.
     logprobs: Optional[list[TokenLogprob]] = None
+    # Of num_cached_tokens, those loaded from a peer (the rest were local hits).
+    num_pulled_tokens: int = 0
 
 
 def pick_device(name: str) -> torch.device:
@@ -115,7 +121,11 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = True
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
-                      "steps": 0, "aborted": 0, "failed": 0, "forward_failures": 0}
+                      "steps": 0, "aborted": 0, "failed": 0, "forward_failures": 0,
+                      # Where prompt tokens' KV came from: this engine's prefix cache, a
+                      # peer (loaded and verified), or the model here.
+                      "prompt_tokens_local": 0, "prompt_tokens_pulled": 0,
+                      "prompt_tokens_computed": 0}
         # An engine-wide failure nobody could be blamed for (the model forward failed for
         # every request tried); /health reports it until a forward succeeds again.
         self.fault: Optional[str] = None
@@ -187,7 +197,9 @@ class LLMEngine:
             from pdpool.engine.connector.base import KVConnector
             return KVConnector()
         from pdpool.engine.connector.nixl_connector import NixlConnector
-        return NixlConnector(self.config, self.kv, self.kv_cache, self.kv_layout(), self.state)
+        from pdpool.engine.connector.lease_token import load_secret
+        return NixlConnector(self.config, self.kv, self.kv_cache, self.kv_layout(), self.state,
+                             secret=load_secret(self.config.kv_secret_file))
 
     def close(self) -> None:
         self.connector.close()
@@ -228,6 +240,9 @@ class LLMEngine:
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
                       cache_salt=cache_salt, cache_hit_threshold=cache_hit_threshold,
                       kv_transfer_params=kv_transfer_params, block_size=self.config.block_size)
+        refusal = self.connector.check_request(req)
+        if refusal is not None and self.config.kv_load_failure_policy == "fail":
+            raise KVTransferRefused(f"KV transfer refused: {refusal}")
         self.requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
         self.scheduler.add_request(req)
@@ -298,7 +313,7 @@ class LLMEngine:
             # request only.
             try:
                 if not req.output_token_ids:
-                    self.stats["prompt_tokens"] += req.num_prompt_tokens
+                    self._count_prompt_sources(req)
                 self.stats["generation_tokens"] += 1
                 req.append_output_token(token)
                 outputs.append(self._advance(req, token, result.logprobs.get(req.request_id)))
@@ -413,11 +428,20 @@ class LLMEngine:
         self._forget(req)
         return output
 
+    def _count_prompt_sources(self, req: Request) -> None:
+        cached = max(req.num_cached_tokens, 0)
+        self.stats["prompt_tokens"] += req.num_prompt_tokens
+        self.stats["prompt_tokens_local"] += cached - req.num_pulled_tokens
+        self.stats["prompt_tokens_pulled"] += req.num_pulled_tokens
+        self.stats["prompt_tokens_computed"] += req.num_prompt_tokens - cached
+
     def _final_output(self, req: Request, delta: str, tokens: list[int]) -> RequestOutput:
-        return RequestOutput(req.request_id, delta, tokens, True, req.status.value,
-                             req.num_prompt_tokens, len(req.output_token_ids),
-                             max(req.num_cached_tokens, 0), req.kv_params_out, req.error,
-                             req.error_status)
+        out = RequestOutput(req.request_id, delta, tokens, True, req.status.value,
+                            req.num_prompt_tokens, len(req.output_token_ids),
+                            max(req.num_cached_tokens, 0), req.kv_params_out, req.error,
+                            req.error_status)
+        out.num_pulled_tokens = req.num_pulled_tokens
+        return out
 
     # --- convenience for tests and benchmarks ------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdpool.engine.async_engine import AsyncEngine
-from pdpool.engine.engine_core import RequestOutput, RequestRejected
+from pdpool.engine.engine_core import KVTransferRefused, RequestOutput, RequestRejected
 from pdpool.engine.server.logprobs import (TokenText, chat_formatter, completion_formatter,
                                            merge_chat, merge_completion)
 from pdpool.engine.server.metrics import EngineMetrics
@@ -84,6 +84,21 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
             return _error(f"engine failure: {engine.fault}", 503, "ServiceUnavailable")
         return {"status": "ok"}
 
+    @app.post("/pdpool/v1/kv/release")
+    async def release_kv(request: Request):
+        """Ends a KV lease this engine granted, named by the kv_transfer_params it issued
+        (a router whose prefill leg did not pull decode's prefix gives it back at once)."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict):
+            return _error("kv_transfer_params (an object) is required", 400,
+                          param="kv_transfer_params")
+        # Thread-safe: it only marks the lease; the engine thread gives the blocks back.
+        return {"released": engine.connector.release_lease(params)}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
@@ -146,6 +161,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
             first = await stream.__anext__()
         except (RequestRejected, ValueError) as exc:
             raise ApiError(str(exc))
+        except KVTransferRefused as exc:
+            raise ApiError(str(exc), 503, "KVTransferError", param="kv_transfer_params")
         except RuntimeError as exc:
             raise ApiError(str(exc), 500, "InternalServerError")
         if first.finish_reason == "error":
@@ -237,7 +254,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         firsts = [c.last for c in choices if c.first_of_prompt]
         return usage_dict(sum(o.num_prompt_tokens for o in firsts),
                           sum(c.last.num_output_tokens for c in choices),
-                          sum(o.num_cached_tokens for o in firsts))
+                          sum(o.num_cached_tokens for o in firsts),
+                          sum(o.num_pulled_tokens for o in firsts))
 
     async def close_all(choices: list[Choice], tasks: list[asyncio.Future]) -> None:
         for t in tasks:

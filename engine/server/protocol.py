@@ -124,10 +124,16 @@ class ChatCompletionRequest(_SamplingFields):
             else self.max_tokens
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               pulled_tokens: int = 0) -> dict:
+    """OpenAI usage; `prompt_tokens_details.pdpool` splits the prompt by where its KV came
+    from: this engine's prefix cache (local), a peer (pulled), or the model (computed)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {
+                "cached_tokens": cached_tokens,
+                "pdpool": {"local": cached_tokens - pulled_tokens, "pulled": pulled_tokens,
+                           "computed": prompt_tokens - cached_tokens}}}
 
 
 def error_body(message: str, err_type: str = "BadRequestError", code: int = 400,

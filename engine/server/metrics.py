@@ -57,6 +57,12 @@ class EngineMetrics:
                 lambda s=stat: engine.connector.stats()[s])
         gauge("pdpool_requests_aborted_total", "Requests aborted (client gone, cancelled).",
               lambda: engine.stats["aborted"])
+        gauge("pdpool_requests_failed_total", "Requests ended by an error of their own "
+              "(sampling, output processing, the model forward), the others unharmed.",
+              lambda: engine.stats["failed"])
+        gauge("pdpool_engine_fault", "1 while the model forward fails for every request "
+              "(an engine-wide failure; /health answers 503).",
+              lambda: 0 if engine.fault is None else 1)
         gauge("pdpool_computed_tokens_total", "Tokens run through the model.",
               lambda: engine.stats["computed_tokens"])
         by_source = Gauge("pdpool_prompt_tokens_by_source_total",

@@ -174,6 +174,7 @@ def test_http_one_failing_request_leaves_concurrent_streams_whole(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert _idle(server) == (0, 0)
     assert server.metric("pdpool_request_success_total") >= 8
+    assert server.metric("pdpool_requests_failed_total") == 2
 
 
 def test_http_bad_stop_token_is_400_and_engine_fault_shows_on_health(server):
@@ -187,8 +188,10 @@ def test_http_bad_stop_token_is_400_and_engine_fault_shows_on_health(server):
         assert r.status_code == 500 and "forward" in r.json()["error"]["message"]
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "engine failure" in health.json()["error"]["message"]
+    assert server.metric("pdpool_engine_fault") == 1
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 4},
                    timeout=30)
     assert r.status_code == 200
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert server.metric("pdpool_engine_fault") == 0
     assert _idle(server) == (0, 0)

@@ -107,12 +107,42 @@ class Sampler:
                     self._injected_fault(request_ids[b])
                 tokens[b] = greedy[b] if p.greedy else self._sample_row(
                     logits[b], p, request_ids[b])
-                if b in raw_row:
-                    logprobs[b] = _token_logprob(raw[raw_row[b]], tokens[b], p.logprobs)
             except Exception as exc:   # this row only
+                tokens[b] = None
+                errors[b] = exc
+        if want:
+            self._logprobs(raw, raw_row, tokens, params, logprobs, errors)
+        return SampleResult(tokens, logprobs, errors)
+
+    @staticmethod
+    def _logprobs(raw, raw_row, tokens, params, logprobs, errors) -> None:
+        """Fills `logprobs` for the rows that asked: one gather and one top-k for the
+        batch; should that fail, row by row under each row's own guard."""
+        rows = [b for b in raw_row if tokens[b] is not None]
+        if not rows:
+            return
+        try:
+            dev = raw.device
+            sub = raw[torch.tensor([raw_row[b] for b in rows], device=dev)]
+            picked = torch.tensor([tokens[b] for b in rows], device=dev)
+            sampled = sub.gather(1, picked[:, None])[:, 0].tolist()
+            k_max = max(params[b].logprobs for b in rows)
+            top_v, top_i = torch.topk(sub, k_max) if k_max else (None, None)
+            top_v = top_v.tolist() if k_max else None
+            top_i = top_i.tolist() if k_max else None
+            for j, b in enumerate(rows):
+                k = params[b].logprobs
+                top = list(zip(top_i[j][:k], top_v[j][:k])) if k else []
+                logprobs[b] = TokenLogprob(tokens[b], sampled[j], top)
+            return
+        except Exception:
+            pass
+        for b in rows:
+            try:
+                logprobs[b] = _token_logprob(raw[raw_row[b]], tokens[b], params[b].logprobs)
+            except Exception as exc:
                 tokens[b], logprobs[b] = None, None
                 errors[b] = exc
-        return SampleResult(tokens, logprobs, errors)
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
         row = row / p.temperature

@@ -16,6 +16,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", type=float, default=1.25,
                    help="load bound: a sidecar takes at most this times the average load")
     p.add_argument("--health-interval-s", type=float, default=2.0)
+    p.add_argument("--probe-timeout-s", type=float, default=2.0,
+                   help="health probe timeout; a failed probe ejects the sidecar")
+    p.add_argument("--outlier-failures", type=int, default=3,
+                   help="failed requests in a row that eject a sidecar")
+    p.add_argument("--ejection-s", type=float, default=2.0,
+                   help="base ejection time (times the recent ejections, at most 30 s)")
+    p.add_argument("--no-migrate", dest="migrate", action="store_false",
+                   help="do not continue broken streams on another sidecar")
+    p.add_argument("--stall-timeout-s", type=float, default=20.0,
+                   help="a stream silent this long mid-way is treated as broken")
+    p.add_argument("--default-max-tokens", type=int, default=16,
+                   help="the engines' default max_tokens (for continuing requests "
+                        "that set none)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -29,7 +42,12 @@ def main(args: argparse.Namespace) -> int:
         settings = GatewaySettings(decode_urls=args.decode_urls,
                                    decode_service=args.decode_service,
                                    prefix_chars=args.prefix_chars, balance=args.balance,
-                                   health_interval_s=args.health_interval_s)
+                                   health_interval_s=args.health_interval_s,
+                                   probe_timeout_s=args.probe_timeout_s,
+                                   outlier_failures=args.outlier_failures,
+                                   ejection_s=args.ejection_s, migrate=args.migrate,
+                                   stall_timeout_s=args.stall_timeout_s,
+                                   default_max_tokens=args.default_max_tokens)
         app = Gateway(settings)
     except ValueError as exc:
         raise CliError(str(exc)) from None

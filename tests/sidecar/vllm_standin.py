@@ -4,8 +4,11 @@ FAKE, for sidecar tests only: it imitates vLLM's wire behaviour that the sidecar
 (cache-hit-threshold rejection, NixlConnector `kv_transfer_params` in both directions,
 SSE streams, usage with cached_tokens) so that the proxy can be tested against the engine
 it must also work with. Our own engine is tested through real `pdpool serve` processes in
-test_e2e_engine.py. Tokens are whitespace-separated words; the prefix cache keeps
-4-word blocks; the "model" emits a deterministic function of the prompt.
+test_e2e_engine.py. Tokens are whitespace-separated words (token ids: a shared vocabulary
+that numbers words as they are first seen); the prefix cache keeps 4-word blocks; the
+"model" emits each word as a deterministic function of all words before it (so a
+continuation of prompt + output so far goes on exactly, as greedy decoding does). Like vLLM
+it answers `return_token_ids` with `prompt_token_ids` and per-chunk `token_ids`.
 """
 from __future__ import annotations
 
@@ -17,18 +20,33 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 BLOCK = 4
+VOCAB: dict[str, int] = {}
+WORDS: list[str] = []
+
+
+def token_id(word: str) -> int:
+    if word not in VOCAB:
+        VOCAB[word] = len(WORDS)
+        WORDS.append(word)
+    return VOCAB[word]
 
 
 def prompt_words(route: str, body: dict) -> list[str]:
     if route.endswith("/chat/completions"):
         return " ".join(f"<{m.get('role')}> {m.get('content')}" for m in body["messages"]).split()
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < len(WORDS)
+                                        for t in prompt):
+        return [WORDS[t] for t in prompt]
     return (prompt if isinstance(prompt, str) else " ".join(map(str, prompt))).split()
 
 
 def greedy_output(words: list[str], n: int) -> list[str]:
-    digest = hashlib.sha256(" ".join(words).encode()).hexdigest()
-    return [f"w{digest[i % 60:i % 60 + 4]}" for i in range(n)]
+    out: list[str] = []
+    for _ in range(n):
+        digest = hashlib.sha256(" ".join(words + out).encode()).hexdigest()
+        out.append(f"w{digest[:4]}")
+    return out
 
 
 @dataclass
@@ -43,6 +61,7 @@ class StandInState:
     fail_status: Optional[int] = None
     token_delay_s: float = 0.0
     drop_streams: int = 0       # next N streams: send the head, then die (an engine crash)
+    die_after_tokens: Optional[int] = None  # next stream: die after this many tokens
     cancelled: int = 0
     pulled_tokens: int = 0      # tokens this engine pulled from a peer
     computed_tokens: int = 0
@@ -138,7 +157,8 @@ class VllmStandIn:
                       "remote_engine_id": st.name, "remote_host": st.host,
                       "remote_port": st.port, "remote_block_ids": list(range(local // BLOCK)),
                       "remote_num_tokens": local} if local else None
-            return await self._reply(send, req, chat, rid, [], "cache_threshold", usage, kv_out)
+            return await self._reply(send, req, chat, rid, [], "cache_threshold", usage, kv_out,
+                                     words)
         st.computed_tokens += len(words) - cached
         st.store(words)
         n = int(req.get("max_tokens") or req.get("max_completion_tokens") or 8)
@@ -151,9 +171,9 @@ class VllmStandIn:
                       "remote_engine_id": st.name, "remote_request_id": rid,
                       "remote_block_ids": list(range(len(words) // BLOCK)),
                       "remote_host": st.host, "remote_port": st.port, "tp_size": 1}
-        await self._reply(send, req, chat, rid, out, "length", usage, kv_out)
+        await self._reply(send, req, chat, rid, out, "length", usage, kv_out, words)
 
-    async def _reply(self, send, req, chat, rid, out, finish, usage, kv_out):
+    async def _reply(self, send, req, chat, rid, out, finish, usage, kv_out, words):
         obj = "chat.completion" if chat else "text_completion"
         if not req.get("stream"):
             choice = ({"index": 0, "message": {"role": "assistant", "content": " ".join(out)},
@@ -168,23 +188,36 @@ class VllmStandIn:
             self.state.drop_streams -= 1
             raise RuntimeError("stand-in engine crashed mid-stream")
         obj += ".chunk" if chat else ""
+        ids = bool(req.get("return_token_ids"))
+        prompt_ids = [token_id(w) for w in words]
 
-        async def event(choice_part, finish_reason=None, extra=None):
+        async def event(choice_part, finish_reason=None, extra=None, token_ids=None):
             choice = {"index": 0, **choice_part, "finish_reason": finish_reason}
+            if ids and token_ids is not None:
+                choice["token_ids"] = token_ids
+                if not chat and prompt_ids is not None:
+                    choice["prompt_token_ids"] = prompt_ids
             data = {"id": rid, "object": obj, "model": "standin", "choices": [choice],
                     **(extra or {})}
             await send({"type": "http.response.body", "more_body": True,
                         "body": b"data: " + json.dumps(data).encode() + b"\n\n"})
 
         if chat:
-            await event({"delta": {"role": "assistant", "content": ""}})
+            await event({"delta": {"role": "assistant", "content": ""}},
+                        extra={"prompt_token_ids": prompt_ids} if ids else None)
         for i, word in enumerate(out):
             if self.state.token_delay_s:
                 await asyncio.sleep(self.state.token_delay_s)
+            if self.state.die_after_tokens == i:
+                self.state.die_after_tokens = None
+                raise RuntimeError("stand-in engine crashed mid-stream")
             last = i == len(out) - 1
-            text = (" " if i else "") + word
+            # A token-id prompt goes on from earlier text: its first word gets a space too.
+            text = (" " if i or isinstance(req.get("prompt"), list) else "") + word
             await event({"delta": {"content": text}} if chat else {"text": text},
-                        finish if last else None, {"kv_transfer_params": kv_out} if last else None)
+                        finish if last else None, {"kv_transfer_params": kv_out} if last else None,
+                        token_ids=[token_id(word)])
+            prompt_ids = None
         if not out:
             await event({"delta": {}} if chat else {"text": ""}, finish,
                         {"kv_transfer_params": kv_out})

@@ -221,3 +221,39 @@ def test_client_disconnect_aborts_both_legs(topo, model):
                   'path="cancelled"') + metric(topo.by_role("sidecar")[1].url,
                                                "pdpool_sidecar_requests_total",
                                                'path="cancelled"') >= 1
+
+
+def test_client_disconnect_while_the_prefill_leg_waits_aborts_it(tmp_path_factory):
+    """A prefill engine that serves one request at a time is busy; a P/D request's prefill
+    leg waits in its queue; the client gives up: the queued request is aborted at once
+    (not computed when the engine frees up) and no decode leg follows."""
+    from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
+    log_dir = str(tmp_path_factory.mktemp("up-cancel"))
+    topo = Topology(TopologySpec(
+        model=ensure_tiny_model("qwen3"), prefill=1, decode=1, cache_hit_threshold=0.5,
+        log_dir=log_dir, engine_args=["--max-model-len", "2048", "--num-kv-blocks", "512",
+                                      "--max-num-seqs", "1"]))
+    topo.start(timeout_s=240)
+    try:
+        prefill, decode = topo.by_role("prefill")[0], topo.by_role("decode")[0]
+        model = model_name(topo.gateway.url)
+        busy = threading.Thread(target=lambda: httpx.post(
+            prefill.url + "/v1/completions", timeout=120,
+            json={"model": model, "prompt": "keep busy", "max_tokens": 1500,
+                  "ignore_eos": True}))
+        busy.start()
+        wait_for(lambda: metric(prefill.url, "pdpool_num_requests_running") == 1, 10)
+        aborted = metric(prefill.url, "pdpool_requests_aborted_total")
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(topo.gateway.url + "/v1/completions", timeout=1.5,
+                       json={"model": model, "prompt": "a cold prompt that must wait " * 10,
+                             "max_tokens": 4})
+        took = wait_for(lambda: metric(prefill.url, "pdpool_num_requests_waiting") == 0
+                        and metric(prefill.url, "pdpool_requests_aborted_total") > aborted, 5)
+        print(f"\nqueued prefill leg aborted {took:.2f}s after the client left")
+        assert metric(prefill.url, "pdpool_num_requests_running") == 1   # still busy
+        assert metric(decode.url, "pdpool_num_requests_running") == 0
+        assert metric(decode.url, "pdpool_num_requests_waiting") == 0
+        busy.join(120)
+    finally:
+        cleanup(topo, keep_logs=False)

@@ -179,6 +179,10 @@ def kv_params_of(response: Any) -> Optional[dict]:
     return None
 
 
+# The engine route that ends a KV lease it granted (decode's prefix, after a rejection).
+RELEASE_PATH = "/pdpool/v1/kv/release"
+
+
 def prefill_answer_is_usable(kv: Optional[dict]) -> bool:
     """A prefill answer the decode engine can pull from."""
     return bool(kv) and bool(kv.get("do_remote_prefill")) and bool(kv.get("remote_engine_id"))
@@ -211,5 +215,13 @@ def merged_usage(decode_usage: Any, prefill_usage: Any) -> Any:
     usage = dict(decode_usage)
     details = dict(usage.get("prompt_tokens_details") or {})
     details["cached_tokens"] = max(prompt - spent, 0)
+    # Where the prompt's KV came from: the decode leg's split, with the prefill leg's own.
+    if isinstance(details.get("pdpool"), dict):
+        prefill_details = prefill_usage.get("prompt_tokens_details") \
+            if isinstance(prefill_usage, dict) else None
+        split = dict(details["pdpool"])
+        if isinstance(prefill_details, dict) and isinstance(prefill_details.get("pdpool"), dict):
+            split["prefill"] = prefill_details["pdpool"]
+        details["pdpool"] = split
     usage["prompt_tokens_details"] = details
     return usage

@@ -98,6 +98,7 @@ class Sidecar:
             consecutive_failures=settings.outlier_failures, base_ejection_s=settings.ejection_s,
             on_eject=self._on_eject, on_readmit=self._on_readmit)
         self._probe_task: Optional[asyncio.Task] = None
+        self._background: set[asyncio.Future] = set()   # fire-and-forget lease releases
 
     def _on_eject(self, endpoint: str, reason: str) -> None:
         log.warning("prefill engine %s ejected (%s)", endpoint, reason)
@@ -394,6 +395,10 @@ class Sidecar:
         if pull:
             self.metrics.pull_offered_tokens.inc(int(pull.get("remote_num_tokens") or 0))
         result = await self._prefill(ex, legs.prefill_leg(ex.body, pull))
+        if pull:
+            # Whatever the prefill leg did, it no longer reads decode's prefix: end the
+            # lease now instead of holding those blocks until it expires.
+            self._release_decode_lease(pull)
         if result.client_error:
             ex.path_taken = "client_error"
             status, content = result.client_error
@@ -406,6 +411,17 @@ class Sidecar:
             ex.prefill_usage = result.usage
             self._count_computed("prefill", result.usage)
         await self._final_decode(ex, legs.decode_leg(ex.body, result.kv))
+
+    def _release_decode_lease(self, params: dict) -> None:
+        async def release() -> None:
+            try:
+                await self.client.post(self.settings.decode_url + legs.RELEASE_PATH,
+                                       json={"kv_transfer_params": params}, timeout=5.0)
+            except httpx.HTTPError as exc:   # it expires on its own soon
+                log.info("releasing decode's KV lease failed: %s", exc)
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _prefill(self, ex: Exchange, leg: dict) -> PrefillResult:
         """Tries prefill engines, least loaded first; an empty result means fallback."""

@@ -130,8 +130,20 @@ class Topology:
         if self.kv_connector == "auto":
             self.kv_connector = "nixl" if nixl_available() else "none"
         self.children: list[Child] = []
+        self.kv_secret_file = self._write_kv_secret() if self.kv_connector != "none" else None
         self._plan()
         self._stopping = False
+
+    def _write_kv_secret(self) -> str:
+        """The pool's secret for signing kv_transfer_params: new for each topology, readable
+        by this user only."""
+        import secrets
+
+        path = os.path.join(self.log_dir, "kv-secret")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32))
+        return path
 
     # ------------------------------------------------------------------ planning
     def _engine(self, role: str, index: int) -> Child:
@@ -143,7 +155,7 @@ class Topology:
             # Both roles on both sides: decode reads prefill's blocks, and prefill reads
             # decode's cached prefix (the bidirectional pull of decode-first).
             argv += ["--kv-role", "both", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
-                     "--kv-peer-allowlist", "127.0.0.1"]
+                     "--kv-peer-allowlist", "127.0.0.1", "--kv-secret-file", self.kv_secret_file]
         argv += self.spec.engine_args
         return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port)
 

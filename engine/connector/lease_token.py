@@ -74,7 +74,10 @@ def _canonical(value: Any) -> bytes:
 
 
 def _signed_payload(params: Mapping[str, Any], lease: Mapping[str, Any]) -> bytes:
-    return _canonical({"params": {k: params.get(k) for k in _SIGNED_PARAMS},
+    fields = {k: params.get(k) for k in _SIGNED_PARAMS}
+    for flag in ("do_remote_prefill", "do_remote_decode"):   # absent means false
+        fields[flag] = bool(fields[flag])
+    return _canonical({"params": fields,
                        "lease": {k: v for k, v in lease.items() if k != "sig"}})
 
 

@@ -88,8 +88,12 @@ class _Wanted:
     request: Request
     key: tuple[str, int]
     token: LeaseToken
-    last_renewal: float = field(default_factory=time.monotonic)
+    next_renewal: float = 0.0      # monotonic
     renewing: Optional[Future] = None
+
+    def schedule(self, remaining_s: float) -> None:
+        """Renews at a third of the remaining hold, so two renewals may fail in a row."""
+        self.next_renewal = time.monotonic() + max(remaining_s / 3, 0.1)
 
 
 def _state_slots_of(value: Any, num_groups: int) -> Optional[list]:
@@ -206,7 +210,9 @@ class NixlConnector(KVConnector):
             log.warning("request %s: refusing kv_transfer_params: %s", request.request_id, exc)
             return str(exc)
         request.kv_lease = token
-        self._wanted[request.request_id] = _Wanted(request, self._parse_peer(p), token)
+        wanted = _Wanted(request, self._parse_peer(p), token)
+        wanted.schedule(token.expires_ms / 1000 - time.time())
+        self._wanted[request.request_id] = wanted
         return None
 
     def will_load_state(self, request: Request) -> bool:
@@ -447,16 +453,24 @@ class NixlConnector(KVConnector):
     def _renew_wanted(self) -> None:
         """Keeps the leases of requests still queued here alive on their producers."""
         now = time.monotonic()
-        every = max(self.config.kv_producer_timeout / 3, 0.2)
         for rid, w in list(self._wanted.items()):
             if w.request.is_finished:
                 self._drop_wanted(rid, release=True)
                 continue
-            if w.renewing is not None and not w.renewing.done():
-                continue
-            w.renewing = None
-            if now - w.last_renewal >= every:
-                w.last_renewal = now
+            if w.renewing is not None:
+                if not w.renewing.done():
+                    continue
+                try:
+                    reply = w.renewing.result()
+                except Exception:  # unreachable this time: try again soon
+                    reply = {"ok": True, "held_s": 0.3}
+                w.renewing = None
+                held = reply.get("held_s")
+                if not reply.get("ok") or not isinstance(held, (int, float)):
+                    continue   # the lease is gone: the open will say so and we recompute
+                w.schedule(float(held))
+            if now >= w.next_renewal:
+                w.next_renewal = float("inf")   # until the answer reschedules
                 self.counters["lease_renewals_sent"] += 1
                 w.renewing = self._submit_lease_op(w.key, {"op": "renew",
                                                            "lease_id": w.token.lease_id,

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import traceback
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Optional
 
 from pdpool.engine.engine_core import LLMEngine, RequestOutput
 
@@ -25,6 +25,7 @@ class AsyncEngine:
         self._inbox: list[Callable[[], None]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
+        self.last_tick = time.monotonic()   # the engine loop's last sign of life
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -70,6 +71,16 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def readiness(self, max_stall_s: float) -> Optional[str]:
+        """None when ready; else why not: the engine thread died, or it has work and its
+        loop has not ticked for `max_stall_s` (a step that hangs)."""
+        if not self.alive:
+            return "the engine loop has stopped"
+        stalled = time.monotonic() - self.last_tick
+        if stalled > max_stall_s and (self._inbox or self.engine.has_unfinished()):
+            return f"the engine loop has not ticked for {stalled:.1f}s while it has work"
+        return None
+
     def shutdown(self) -> None:
         with self._cv:
             self._stopping = True
@@ -86,9 +97,11 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                self.last_tick = time.monotonic()
                 while not self._inbox and not self._stopping \
                         and not self.engine.has_unfinished():
                     self._cv.wait(timeout=0.05)
+                    self.last_tick = time.monotonic()
                     self.engine.idle_tick()  # connector housekeeping while idle
                 if self._stopping:
                     return

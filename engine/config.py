@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pdpool.protocol import validate_threshold
+from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -53,6 +53,10 @@ class EngineConfig:
     # or $PDPOOL_KV_SECRET); without one, loads are checked by content alone.
     kv_secret_file: Optional[str] = None
     kv_load_timeout: float = 30.0
+    # HTTP server: bodies above this are refused with 413 while they arrive.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # /ready fails when the engine loop has work and has not ticked for this long.
+    ready_max_stall_s: float = 30.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -94,3 +98,7 @@ class EngineConfig:
             load_secret(self.kv_secret_file)   # a bad secret stops the start, not a request
         if self.kv_pull_threshold < 0:
             raise ValueError("--kv-pull-threshold must be >= 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be at least 1KiB")
+        if self.ready_max_stall_s <= 0:
+            raise ValueError("--ready-max-stall-s must be > 0")

@@ -214,14 +214,15 @@ class LLMEngine:
                     params: SamplingParams, cache_salt: Optional[str] = None,
                     cache_hit_threshold: Optional[float] = None,
                     kv_transfer_params: Optional[dict] = None) -> Request:
-        params.validate()
+        params.validate(self.info.config["vocab_size"])
         if request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestRejected("the prompt is empty")
         vocab = self.info.config["vocab_size"]
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+               for t in prompt_token_ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestRejected(f"stop_token_ids must be in [0, {vocab})")

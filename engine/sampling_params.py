@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pdpool.protocol import MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_TEMPERATURE, SEED_MAX, SEED_MIN
+
 # As vLLM's --max-logprobs default: at most 20 top logprobs per token.
 MAX_LOGPROBS = 20
 # Choices per prompt: the server fans n out into n engine requests.
@@ -29,8 +31,32 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def validate(self) -> None:
-        """Raises ValueError naming the offending field."""
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        """Raises ValueError naming the offending field. The ranges are the HTTP API's
+        (pdpool.protocol), so that direct engine users are held to the same; token ids are
+        checked against `vocab_size` when given."""
+        for name in ("max_tokens", "top_k", "min_tokens", "n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or value != value:
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool)
+                                      or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], "
+                             f"got {self.seed!r}")
+        if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+                             f"{MAX_TEMPERATURE}], got {self.temperature}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 \
+                    or (vocab_size is not None and t >= vocab_size):
+                raise ValueError(f"stop_token_ids must be token ids in [0, "
+                                 f"{vocab_size or 'vocab size'}), got {t!r}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -48,5 +74,5 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of them")
-        if len(self.stop) > 8:
-            raise ValueError("stop: at most 8 stop strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings")

@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "loads are checked by content alone)")
     p.add_argument("--kv-load-timeout", type=float, default=30.0,
                    help="seconds a consumer waits for a READ before computing locally")
+    p.add_argument("--max-body-bytes", default="32MiB",
+                   help="request bodies above this size get 413, checked while they arrive "
+                        "(default 32MiB: a 10 MB prompt fits)")
+    p.add_argument("--ready-max-stall-s", type=float, default=30.0,
+                   help="/ready answers 503 when the engine loop has work and has not "
+                        "ticked for this long (/health is liveness only)")
     p.add_argument("--log-level", default="info")
 
 
@@ -61,6 +67,7 @@ def config_from_args(args: argparse.Namespace):
 
     try:
         memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory else None
+        max_body = parse_size(args.max_body_bytes)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return EngineConfig(
@@ -79,7 +86,8 @@ def config_from_args(args: argparse.Namespace):
         kv_pull_threshold=args.kv_pull_threshold,
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_producer_timeout=args.kv_producer_timeout, kv_load_timeout=args.kv_load_timeout,
-        kv_secret_file=args.kv_secret_file)
+        kv_secret_file=args.kv_secret_file, max_body_bytes=max_body,
+        ready_max_stall_s=args.ready_max_stall_s)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,9 +6,12 @@ and our sidecar works against vLLM.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import json
+import re
+from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      StrictStr, ValidationError)
 
 # finish_reason of a request rejected because too little of its prompt was cached.
 FINISH_CACHE_THRESHOLD = "cache_threshold"
@@ -44,3 +47,267 @@ def validate_threshold(value: Any, name: str = "cache_hit_threshold") -> Optiona
     if not 0.0 <= float(value) <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
     return float(value)
+
+
+# --------------------------------------------------------------------------------------
+# Request bodies: one definition of what the engine, the sidecar and the gateway accept.
+#
+# Types are OpenAI's, strictly: booleans are booleans, integers are integers (not booleans,
+# not strings), strings are strings. Ranges are checked here as far as they do not depend on
+# the model (token ids against the vocabulary are the engine's check). Fields this project
+# does not implement are refused by name instead of being silently ignored; other unknown
+# fields (`user`, `metadata`, ...) are ignored as OpenAI-compatible servers do.
+
+# Request bodies above this size are refused with 413 (every server; a flag changes it).
+# A 10 MB prompt fits even with JSON escaping of a few characters.
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# OpenAI bodies nest a few levels (messages[].content[].text); 32 is far beyond any.
+MAX_JSON_DEPTH = 32
+# torch.Generator.manual_seed accepts [-2**63, 2**64 - 1] (as vLLM: whatever it accepts).
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]: below 1e-2 (vLLM's
+# _MAX_TEMP clamp) logits / temperature overflow float32 and the softmax is not finite.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0
+MAX_STOP_STRINGS = 8
+
+
+class RequestError(ValueError):
+    """A request body refused with 400 (or `status`); `param` names the offending field."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Strict JSON: UTF-8 only, no NaN/Infinity, no lone surrogates (from \\ud800 escapes),
+    nesting at most `max_depth`. Raises RequestError."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise RequestError(f"the request body nests deeper than {max_depth} levels") from None
+    except ValueError as exc:  # JSONDecodeError, huge integers, NaN/Infinity
+        msg = f"{exc.msg} (line {exc.lineno} column {exc.colno})" \
+            if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise RequestError(f"the request body is not valid JSON: {msg}") from None
+    _check_tree(value, max_depth)
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_tree(value: Any, max_depth: int) -> None:
+    """Depth and lone surrogates (the one string JSON can carry that UTF-8 cannot encode),
+    iteratively: a hostile body must not exhaust the stack."""
+    stack = [(value, 1, None)]
+    while stack:
+        v, depth, top = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise RequestError("a string holds a lone surrogate (invalid Unicode)", top)
+        elif isinstance(v, (dict, list)):
+            if depth > max_depth:
+                raise RequestError(f"the request body nests deeper than {max_depth} levels",
+                                   top)
+            if isinstance(v, dict):
+                for k, item in v.items():
+                    if _SURROGATE.search(k):
+                        raise RequestError("a key holds a lone surrogate (invalid Unicode)",
+                                           top)
+                    stack.append((item, depth + 1, k if top is None else top))
+            else:
+                stack.extend((item, depth + 1, top) for item in v)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v is False or v == "" or v == [] or v == {}
+
+
+# Fields we do not implement: refused unless their value asks for nothing (the predicate).
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "best_of": lambda v: v is None or (_is_int(v) and v == 1),
+    "logit_bias": _empty,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "tools": _empty,
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": _empty,
+    "function_call": lambda v: v is None or v == "none",
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
+    "suffix": _empty,
+    "echo": _empty,
+    "presence_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 0,
+    "frequency_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 0,
+    "repetition_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 1,
+    "min_p": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 0,
+    "use_beam_search": _empty,
+    "length_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 1,
+    "guided_json": _empty, "guided_regex": _empty, "guided_choice": _empty,
+    "guided_grammar": _empty, "structural_tag": _empty, "structured_outputs": _empty,
+    "allowed_token_ids": lambda v: v is None,
+    "bad_words": _empty,
+    "prompt_embeds": _empty,
+    "audio": _empty,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _empty,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "include_stop_str_in_output": _empty,
+    "continue_final_message": _empty,
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "chat_template": _empty,
+    "chat_template_kwargs": _empty,
+    "documents": _empty,
+    "priority": lambda v: v is None or (_is_int(v) and v == 0),
+}
+
+# Strict scalar types of OpenAI's schema.
+Int = StrictInt
+Bool = StrictBool
+Str = StrictStr
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]   # an int is accepted too
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class StreamOptionsFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
+
+
+class _GenerationFields(BaseModel):
+    """Fields both generation routes share (OpenAI's plus vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[Str] = None
+    max_tokens: Optional[Annotated[Int, Field(ge=1)]] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Annotated[Number, Field(gt=0.0, le=1.0)]] = None
+    top_k: Optional[Annotated[Int, Field(ge=-1)]] = None      # -1 or 0: disabled
+    seed: Optional[Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)]] = None
+    stop: Optional[Union[Str, list[Str]]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
+    ignore_eos: Bool = False
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
+    n: Annotated[Int, Field(ge=1)] = 1
+    stream: Optional[Bool] = False
+    stream_options: Optional[StreamOptionsFields] = None
+    user: Optional[Str] = None
+    cache_salt: Optional[Str] = None
+    cache_hit_threshold: Optional[Number] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    return_token_ids: Optional[Bool] = False
+    return_tokens_as_token_ids: Optional[Bool] = False
+
+    def _limit(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class CompletionFields(_GenerationFields):
+    prompt: Union[Str, list[TokenId], list[Str], list[list[TokenId]]]
+    logprobs: Optional[Annotated[Int, Field(ge=0)]] = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: Str
+
+
+class ChatMessageFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Str
+    content: Union[Str, list[ContentPart], None] = None
+    name: Optional[Str] = None
+
+
+class ChatFields(_GenerationFields):
+    messages: Annotated[list[ChatMessageFields], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[Int, Field(ge=1)]] = None
+    logprobs: Optional[Bool] = False
+    top_logprobs: Optional[Annotated[Int, Field(ge=0)]] = None
+
+    def _limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+ROUTE_MODELS = {"/v1/completions": CompletionFields, "/v1/chat/completions": ChatFields}
+
+
+def check_unsupported(body: dict) -> None:
+    for name, harmless in UNSUPPORTED_FIELDS.items():
+        if name in body and not harmless(body[name]):
+            raise RequestError(f"'{name}' is not supported by this server", name)
+
+
+def validate_request(body: Any, model: type[_GenerationFields]):
+    """The body as `model` (a subclass of CompletionFields or ChatFields), checked as above;
+    raises RequestError naming the first offending field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    check_unsupported(body)
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestError(*_first_error(exc)) from None
+    check_ranges(req)
+    return req
+
+
+def check_ranges(req: _GenerationFields) -> None:
+    """The rules pydantic field types cannot say."""
+    t = req.temperature
+    if t is not None and t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise RequestError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+                           f"{MAX_TEMPERATURE}], got {t}", "temperature")
+    if req.cache_hit_threshold is not None:
+        try:
+            validate_threshold(req.cache_hit_threshold)
+        except ValueError as exc:
+            raise RequestError(str(exc), "cache_hit_threshold") from None
+    limit = req._limit()
+    if limit is not None and req.min_tokens > limit:
+        raise RequestError(f"min_tokens ({req.min_tokens}) must not exceed the token limit "
+                           f"({limit})", "min_tokens")
+    if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:
+        raise RequestError(f"seed + n - 1 must be at most {SEED_MAX} (choice i samples with "
+                           f"seed + i)", "seed")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+
+
+def validate_request_for_route(body: Any, route: str):
+    """validate_request with the shared model of a generation route (sidecar, gateway)."""
+    return validate_request(body, ROUTE_MODELS[route])
+
+
+def _first_error(exc: ValidationError) -> tuple[str, Optional[str]]:
+    """One readable error: with unions pydantic reports every alternative; the deepest
+    error (e.g. `prompt.0` rather than `prompt`) says best what is wrong."""
+    errors = exc.errors(include_url=False)
+    e = max(errors, key=lambda x: len([p for p in x.get("loc", ()) if not _is_union_tag(p)]))
+    where = ".".join(str(x) for x in e.get("loc", ()) if not _is_union_tag(x))
+    param = str(e["loc"][0]) if e.get("loc") else None
+    msg = e.get("msg", "invalid value")
+    return (f"{where}: {msg}" if where else msg), param
+
+
+def _is_union_tag(x: Any) -> bool:
+    # pydantic names the union member it tried, e.g. "str", "list[int]", "constrained-int".
+    return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "dict",
+                                                     "list", "function-after", "constrained-int",
+                                                     "constrained-float", "constrained-str"))

@@ -7,14 +7,15 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pdpool.engine.async_engine import AsyncEngine
 from pdpool.engine.engine_core import KVTransferRefused, RequestOutput, RequestRejected
@@ -22,7 +23,8 @@ from pdpool.engine.server.logprobs import (TokenText, chat_formatter, completion
                                            merge_chat, merge_completion)
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                           error_body, usage_dict)
+                                           error_body, message_text, usage_dict)
+from pdpool.protocol import RequestError, parse_json_body, validate_request
 
 log = logging.getLogger("pdpool.server")
 
@@ -76,13 +78,34 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         log.exception("unhandled error")
         return _error(f"internal error: {exc}", 500, "InternalServerError")
 
+    max_body = engine.config.max_body_bytes
+    # CPU-heavy request preparation (JSON, validation, chat template, tokenization) runs
+    # here, never on the event loop: /health and streams stay responsive meanwhile.
+    prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
+    app.state.prep_pool = prep_pool
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(prep_pool, fn, *args)
+
     @app.get("/health")
     async def health():
+        """Liveness: the process and its engine thread are alive."""
         if not aengine.alive:
             return _error("the engine loop has stopped", 503, "ServiceUnavailable")
         if engine.fault is not None:   # every request failed in the model: not hidden
             return _error(f"engine failure: {engine.fault}", 503, "ServiceUnavailable")
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: as /health, and the engine loop has ticked within
+        --ready-max-stall-s while it has work (a wedged step is not ready)."""
+        problem = aengine.readiness(engine.config.ready_max_stall_s)
+        if problem is None and engine.fault is not None:
+            problem = f"engine failure: {engine.fault}"
+        if problem is not None:
+            return _error(problem, 503, "ServiceUnavailable")
+        return {"status": "ready"}
 
     @app.post("/pdpool/v1/kv/release")
     async def release_kv(request: Request):
@@ -109,17 +132,44 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
     async def prom():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes --max-body-bytes (announced or
+        while it arrives: a huge body is never buffered)."""
+        too_large = ApiError(f"the request body exceeds {max_body} bytes", 413,
+                             "RequestTooLargeError")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body:
+            raise too_large
+        parts, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body:
+                    raise too_large
+                parts.append(chunk)
+        except ClientDisconnect:
+            metrics.client_disconnects.labels(phase="body", **metrics.labels).inc()
+            raise ApiError("client disconnected", 499, "ClientClosedRequest")
+        return b"".join(parts)
+
+    def vocab_check(req) -> None:
+        vocab = engine.info.config["vocab_size"]
+        for t in req.stop_token_ids or ():
+            if t >= vocab:
+                raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {t}",
+                                   "stop_token_ids")
+
     async def parse(request: Request, cls):
+        raw = await read_body(request)
+
+        def decode():
+            req = validate_request(parse_json_body(raw), cls)
+            vocab_check(req)
+            return req
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError("the request body is not valid JSON")
-        if not isinstance(body, dict):
-            raise ApiError("the request body must be a JSON object")
-        try:
-            req = cls.model_validate(body)
-        except ValidationError as exc:
-            raise ApiError(_validation_message(exc))
+            req = await off_loop(decode)
+        except RequestError as exc:
+            raise ApiError(str(exc), exc.status, param=exc.param)
         if req.model is not None and req.model != model_name:
             raise ApiError(f"the model `{req.model}` does not exist", 404, "NotFoundError",
                            "model")
@@ -131,15 +181,33 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         return list(prompt)
 
     def tokenize_chat(req: ChatCompletionRequest) -> list[int]:
-        if not req.messages:
-            raise ApiError("messages must not be empty", param="messages")
-        try:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as exc:
-            raise ApiError(str(exc), param="messages")
+        msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
         text = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
                                                     tokenize=False)
         return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def until_disconnect(http_req: Request, work):
+        """Awaits `work` (preparation, or the first outputs: a request that waits in the
+        queue or prefills) unless the client goes away first: then `work` is cancelled,
+        which aborts its engine requests (a queued one is never computed), and the
+        disconnect is counted. Call only once the body has been read."""
+        task = asyncio.ensure_future(work)
+
+        async def disconnected():
+            while (await http_req.receive())["type"] != "http.disconnect":
+                pass
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if watcher.done() and not watcher.cancelled():
+                    metrics.client_disconnects.labels(phase="waiting", **metrics.labels).inc()
+                    raise ApiError("client disconnected", 499, "ClientClosedRequest")
+        return task.result()
 
     def submit(http_req: Request, req, prompt_ids: list[int], params):
         """One engine request: its id and its output iterator (the request is added when
@@ -284,6 +352,7 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
                 if not pending:
                     return
                 if await http_req.is_disconnected():
+                    metrics.client_disconnects.labels(phase="running", **metrics.labels).inc()
                     raise ApiError("client disconnected", 499, "ClientClosedRequest")
         finally:
             await close_all(choices, tasks)
@@ -297,7 +366,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         """One answer in OpenAI's shape: a whole response, or an SSE stream whose final
         chunk carries kv_transfer_params (and a usage chunk when asked for). An error that
         ends a choice is the answer's HTTP error, or an error event in the stream."""
-        choices = await start_choices(http_req, req, prompts, new_fmt)
+        choices = await until_disconnect(http_req, start_choices(http_req, req, prompts,
+                                                                 new_fmt))
         created = int(time.time())
         rid = f"{id_prefix}-{choices[0].request_id}"
         single = len(choices) == 1
@@ -343,6 +413,7 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
                     queue.put_nowait((c, exc))
 
             tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+            ended = False
             try:
                 if opening is not None:
                     for c in choices:
@@ -367,7 +438,10 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
                 if not remaining and include_usage:
                     yield sse({**base(objects[1]), "choices": [], "usage": usage_of(choices)})
                 yield "data: [DONE]\n\n"
+                ended = True
             finally:
+                if not ended:   # the client went away mid-stream
+                    metrics.client_disconnects.labels(phase="running", **metrics.labels).inc()
                 await close_all(choices, tasks)
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -380,8 +454,10 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         except ValueError as exc:
             raise ApiError(str(exc), param="prompt")
         text_of = TokenText(engine.tokenizer, req.return_tokens_as_token_ids)
+        prompt_ids = await until_disconnect(
+            http_req, off_loop(lambda: [tokenize_prompt(p) for p in prompts]))
         return await answer(
-            http_req, req, [tokenize_prompt(p) for p in prompts], "cmpl",
+            http_req, req, prompt_ids, "cmpl",
             ("text_completion", "text_completion"),
             lambda index, text, reason, lp: {"index": index, "text": text, "logprobs": lp,
                                              "finish_reason": reason, "stop_reason": None},
@@ -399,8 +475,9 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
             content = {"content": out.new_text} if out.new_text or not out.finished else {}
             return {"index": index, "delta": content, "logprobs": lp,
                     "finish_reason": out.finish_reason}
+        prompt_ids = await until_disconnect(http_req, off_loop(tokenize_chat, req))
         return await answer(
-            http_req, req, [tokenize_chat(req)], "chatcmpl",
+            http_req, req, [prompt_ids], "chatcmpl",
             ("chat.completion", "chat.completion.chunk"),
             lambda index, text, reason, lp: {
                 "index": index, "message": {"role": "assistant", "content": text},

@@ -32,6 +32,11 @@ class EngineMetrics:
         self.generation_tokens = counter("pdpool_generation_tokens", "Tokens generated.")
         self.requests_finished = counter("pdpool_request_success", "Finished requests.",
                                          ["finished_reason"])
+        self.labels = labels
+        self.client_disconnects = counter(
+            "pdpool_client_disconnects", "Clients that went away before their answer was "
+            "complete, by phase: body (while sending it), waiting (preparing, queued or "
+            "prefilling: aborted before any token), running (generating).", ["phase"])
         self.ttft = Histogram("pdpool_time_to_first_token_seconds", "Time to first token.",
                               list(labels), buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdpool_inter_token_latency_seconds", "Time between tokens.",

@@ -3,54 +3,28 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from pdpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pdpool.protocol import KVTransferParams, validate_threshold
+from pdpool.protocol import ChatFields, CompletionFields, KVTransferParams
+
+# The fields, their strict types and ranges are defined once in pdpool.protocol (shared with
+# the sidecar and the gateway); validate bodies with pdpool.protocol.validate_request. Here:
+# the conversion to engine terms. vLLM's extensions among those fields: `return_token_ids`
+# (token ids in the answer; the gateway uses them to migrate a broken stream) and
+# `return_tokens_as_token_ids` (logprob tokens as "token_id:<id>").
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    # Unknown fields (user, logit_bias, ...) are ignored as OpenAI-compatible servers do.
-    model_config = ConfigDict(extra="ignore")
-
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    n: int = 1
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    cache_salt: Optional[str] = None
-    cache_hit_threshold: Optional[float] = None
-    kv_transfer_params: Optional[KVTransferParams] = None
-    # vLLM's extension: token ids in the answer (prompt_token_ids in a stream's first
-    # chunk, token_ids in every choice); the gateway uses them to migrate a broken stream.
-    return_token_ids: bool = False
-    # vLLM's extension: logprob tokens as "token_id:<id>" instead of their text.
-    return_tokens_as_token_ids: bool = False
-
-    @field_validator("cache_hit_threshold", mode="before")
-    @classmethod
-    def _threshold(cls, v: Any):
-        return validate_threshold(v)
+class _SamplingFields:
+    """Conversion to engine terms, mixed into the shared request models."""
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self._max_tokens()
         params = SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, n=self.n,
             logprobs=self._logprobs())
         params.validate()
@@ -67,11 +41,9 @@ class _SamplingFields(BaseModel):
         return self.kv_transfer_params.to_wire() if self.kv_transfer_params else None
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: bool = False
-    # As vLLM: the sampled token's logprob plus the `logprobs` most likely, per token.
-    logprobs: Optional[int] = None
+class CompletionRequest(_SamplingFields, CompletionFields):
+    kv_transfer_params: Optional[KVTransferParams] = None
+    # As vLLM: `logprobs` is the sampled token's logprob plus the `logprobs` most likely.
 
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
@@ -85,29 +57,17 @@ class CompletionRequest(_SamplingFields):
         return [p]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: Union[str, list[dict[str, Any]], None] = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"message content of type {part.get('type')!r} is not supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+def message_text(message) -> str:
+    """A chat message's text (content parts are text only: pdpool.protocol checks that)."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = None
+class ChatCompletionRequest(_SamplingFields, ChatFields):
+    kv_transfer_params: Optional[KVTransferParams] = None
 
     def _logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None:

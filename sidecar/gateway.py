@@ -78,6 +78,7 @@ class _Leg:
 
     def __init__(self) -> None:
         self.last_byte: Optional[float] = None
+        self.started = False   # the client's response has started (no retry then)
 
 
 class Gateway:
@@ -219,7 +220,10 @@ class Gateway:
                 migration.can_migrate(scope["path"], body):
             flow = self._migrating_stream(scope, body, headers, order, send)
         else:
-            flow = self._try_backends(scope, raw, headers, order, send)
+            # A non-streamed generation is read whole before the client sees it, so one
+            # that breaks (or whose backend is ejected) is simply sent again elsewhere.
+            buffered = isinstance(body, dict) and body.get("stream") is not True
+            flow = self._try_backends(scope, raw, headers, order, send, buffered)
         await run_until_disconnect(flow, receive)
 
     @contextlib.contextmanager
@@ -234,8 +238,9 @@ class Gateway:
 
     async def _supervised(self, backend: str, leg: _Leg, work) -> Any:
         """Runs one attempt on `backend`; gives up on it (returns "ejected" or "stalled")
-        when the backend is ejected meanwhile (a probe found it sick) or a started stream
-        goes silent for `stall_timeout_s`."""
+        when the backend is ejected meanwhile (a probe found it sick) while another one is
+        healthy, or a started stream goes silent for `stall_timeout_s`. (With no other
+        backend the request stays: its sidecar retries a restarting engine itself.)"""
         task = asyncio.ensure_future(work)
         event = self.outliers.ejected_event(backend)
         waiter = None if event.is_set() else asyncio.ensure_future(event.wait())
@@ -248,7 +253,10 @@ class Gateway:
                 if task in done:
                     return task.result()
                 if waiter is not None and waiter in done:
-                    return "ejected"
+                    if any(b != backend and b not in self.unhealthy
+                           for b in self.backends.current):
+                        return "ejected"
+                    waiter = None
                 if leg.last_byte is not None and \
                         loop.time() - leg.last_byte > self.settings.stall_timeout_s:
                     return "stalled"
@@ -262,14 +270,11 @@ class Gateway:
 
     # ------------------------------------------------------------------ plain requests
     async def _try_backends(self, scope, raw: bytes, headers: dict, order: list[str],
-                            send: Send) -> None:
+                            send: Send, buffered: bool = False) -> None:
         path = scope["path"]
         if scope.get("query_string"):
             path += "?" + scope["query_string"].decode("latin-1")
         fwd = forwardable(headers)
-        # Generation answers are read whole before the client sees them, so one that
-        # breaks (or whose backend is ejected) is simply sent again elsewhere.
-        buffered = scope["path"] in GENERATION_PATHS and scope["method"] == "POST"
         last_error = "no decode sidecar reachable"
         for attempt, backend in enumerate(order):
             if attempt:
@@ -278,16 +283,20 @@ class Gateway:
                 leg = _Leg()
                 outcome = await self._supervised(
                     backend, leg, self._attempt(scope["method"], backend, path, raw, fwd, send,
-                                                buffered, last=attempt + 1 == len(order)))
+                                                buffered, leg, last=attempt + 1 == len(order)))
             if outcome is None:
                 return
+            if leg.started:  # a relayed stream (not migratable) left its ejected backend
+                self._failed(backend, outcome if isinstance(outcome, str) else outcome[0])
+                return await send({"type": "http.response.body", "more_body": False,
+                                   "body": sse_error_event(502, f"{backend}: {outcome}")})
             reason = outcome[0] if isinstance(outcome, tuple) else outcome  # or ejected
             last_error = f"{backend}: {outcome[1] if isinstance(outcome, tuple) else outcome}"
             self._failed(backend, reason)
         await send_error(send, 503, last_error, code="no_backend")
 
     async def _attempt(self, method: str, backend: str, path: str, raw: bytes, fwd: dict,
-                       send: Send, buffered: bool, last: bool):
+                       send: Send, buffered: bool, leg: _Leg, last: bool):
         """None when the client was answered, else (failure reason, message)."""
         try:
             resp = await self.pool.send(method, f"http://{backend}{path}", raw, fwd)
@@ -310,6 +319,7 @@ class Gateway:
                                         content_type=headers.pop("content-type",
                                                                  "application/json"))
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
+            leg.started = True
             return await self._relay(resp, send, backend)
         finally:
             await resp.aclose()

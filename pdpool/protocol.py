@@ -253,12 +253,14 @@ def check_unsupported(body: dict) -> None:
             raise RequestError(f"'{name}' is not supported by this server", name)
 
 
-def validate_request(body: Any, model: type[_GenerationFields]):
+def validate_request(body: Any, model: type[_GenerationFields],
+                     refuse_unsupported: bool = True):
     """The body as `model` (a subclass of CompletionFields or ChatFields), checked as above;
     raises RequestError naming the first offending field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    check_unsupported(body)
+    if refuse_unsupported:
+        check_unsupported(body)
     try:
         req = model.model_validate(body)
     except ValidationError as exc:
@@ -288,11 +290,6 @@ def check_ranges(req: _GenerationFields) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise RequestError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings", "stop")
-
-
-def validate_request_for_route(body: Any, route: str):
-    """validate_request with the shared model of a generation route (sidecar, gateway)."""
-    return validate_request(body, ROUTE_MODELS[route])
 
 
 def _first_error(exc: ValidationError) -> tuple[str, Optional[str]]:

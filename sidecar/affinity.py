@@ -43,7 +43,9 @@ def affinity_key(body: Any, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
 
 
 def _point(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    # surrogatepass: any str hashes (a lone surrogate is refused earlier, not crashed on).
+    data = text.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 class HashRing:

@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable, Iterable, Optional
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
+from pdpool.protocol import DEFAULT_MAX_BODY_BYTES as MAX_BODY_BYTES
 # Hop-by-hop headers and those a proxy must recompute never travel between legs.
 HOP_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -30,7 +30,14 @@ class ClientGone(Exception):
     """The client disconnected while its request body was still arriving."""
 
 
-async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES,
+                    scope: Optional[dict] = None) -> bytes:
+    """The request body; BodyTooLarge as soon as it passes `limit` (an announced
+    content-length already, so a huge body is never read)."""
+    if scope is not None:
+        for name, value in scope.get("headers", ()):
+            if name.lower() == b"content-length" and value.isdigit() and int(value) > limit:
+                raise BodyTooLarge()
     parts: list[bytes] = []
     size = 0
     while True:

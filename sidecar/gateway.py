@@ -19,12 +19,15 @@ from typing import Any, Optional
 
 import httpx
 
+from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, parse_json_body
+
 from . import migration
 from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
                    read_body, run_until_disconnect, send_bytes, send_error, send_start,
                    sse_error_event)
 from .discovery import EndpointSet
+from .legs import validate_client_body
 from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .outlier import OutlierDetector
@@ -62,6 +65,7 @@ class GatewaySettings:
     max_migrations: int = 3
     stall_timeout_s: float = 20.0      # no byte for this long mid-stream: broken
     default_max_tokens: int = 16       # the engine's default when a request has none
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
 
     def validate(self) -> "GatewaySettings":
         if not self.decode_urls and not self.decode_service:
@@ -136,9 +140,12 @@ class Gateway:
 
     async def check_health(self) -> None:
         async def probe(backend: str) -> None:
-            try:
-                r = await self.client.get(f"http://{backend}/health",
+            try:   # readiness (a wedged engine is not ready); /health for older sidecars
+                r = await self.client.get(f"http://{backend}/ready",
                                           timeout=self.settings.probe_timeout_s)
+                if r.status_code == 404:
+                    r = await self.client.get(f"http://{backend}/health",
+                                              timeout=self.settings.probe_timeout_s)
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
@@ -188,7 +195,7 @@ class Gateway:
         if route == "/metrics" and scope["method"] == "GET":
             return await send_bytes(send, 200, self.metrics.render(),
                                     content_type=CONTENT_TYPE_LATEST)
-        if route == "/health" and scope["method"] == "GET":
+        if route in ("/health", "/ready") and scope["method"] == "GET":
             healthy = [b for b in self.backends.current if b not in self.unhealthy]
             if healthy:
                 return await send_bytes(send, 200, json.dumps({"healthy": healthy}).encode())
@@ -197,20 +204,24 @@ class Gateway:
 
     async def _proxy(self, scope: dict, receive: Receive, send: Send) -> None:
         try:
-            raw = await read_body(receive)
+            raw = await read_body(receive, self.settings.max_body_bytes, scope)
         except ClientGone:
             return
         except BodyTooLarge:
-            return await send_error(send, 413, "request body too large")
+            return await send_error(send, 413, f"request body exceeds "
+                                    f"{self.settings.max_body_bytes} bytes")
         headers = header_dict(scope)
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         key, body = "", None
         if scope["path"] in GENERATION_PATHS:
+            # The same strict checks as the sidecar and the engine (pdpool.protocol): a
+            # body none of them would accept never takes a backend's time.
             try:
-                body = json.loads(raw)
-                key = affinity_key(body, self.settings.prefix_chars)
-            except (ValueError, RecursionError):
-                key = ""  # the sidecar answers the client's malformed body with a 400
+                body = validate_client_body(parse_json_body(raw), scope["path"])
+            except ValueError as exc:
+                return await send_error(send, 400, str(exc), param=getattr(exc, "param", None),
+                                        headers={"x-request-id": headers["x-request-id"]})
+            key = affinity_key(body, self.settings.prefix_chars)
         order, preferred = route_order(self.ring(), key, lambda b: self.in_flight.get(b, 0),
                                        lambda b: b not in self.unhealthy, self.settings.balance)
         if not order:

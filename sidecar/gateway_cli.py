@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="the engines' default max_tokens (for continuing requests "
                         "that set none)")
+    p.add_argument("--max-body-bytes", default="32MiB",
+                   help="request bodies above this size get 413 (default 32MiB)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -36,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdpool.cli import CliError
+    from pdpool.engine.config import parse_size   # no torch: config only
 
     from .gateway import Gateway, GatewaySettings
     try:
@@ -47,7 +50,8 @@ def main(args: argparse.Namespace) -> int:
                                    outlier_failures=args.outlier_failures,
                                    ejection_s=args.ejection_s, migrate=args.migrate,
                                    stall_timeout_s=args.stall_timeout_s,
-                                   default_max_tokens=args.default_max_tokens)
+                                   default_max_tokens=args.default_max_tokens,
+                                   max_body_bytes=parse_size(args.max_body_bytes))
         app = Gateway(settings)
     except ValueError as exc:
         raise CliError(str(exc)) from None

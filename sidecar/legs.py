@@ -17,7 +17,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
-from pdpool.protocol import FINISH_CACHE_THRESHOLD, validate_threshold
+from pdpool.protocol import (FINISH_CACHE_THRESHOLD, ROUTE_MODELS, RequestError,
+                             validate_request)
 
 KV_PARAMS = "kv_transfer_params"
 THRESHOLD = "cache_hit_threshold"
@@ -37,24 +38,19 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def validate_client_body(body: Any) -> dict:
-    """Checks the fields the sidecar itself relies on; the engine validates the rest."""
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
-    for name in TOKEN_LIMITS + ("min_tokens",):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise BadRequest(f"'{name}' must be an integer", name)
+def validate_client_body(body: Any, route: Optional[str] = None) -> dict:
+    """Checks the types and ranges of every field the engines' OpenAI API defines, with the
+    same definition the engine uses (pdpool.protocol): what a router reads (stream, token
+    limits, threshold, prompt) is what the engine will see. Fields the engine does not
+    implement are left to the engine (the sidecar may front vLLM, which has them).
+    `route` picks the body's model (None: chat when `messages` is there)."""
+    if route not in ROUTE_MODELS:
+        route = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body \
+            else "/v1/completions"
     try:
-        validate_threshold(body.get(THRESHOLD))
-    except ValueError as exc:
-        raise BadRequest(str(exc), THRESHOLD) from None
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object", "stream_options")
+        validate_request(body, ROUTE_MODELS[route], refuse_unsupported=False)
+    except RequestError as exc:
+        raise BadRequest(str(exc), exc.param) from None
     return body
 
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pdpool.protocol import validate_threshold
+from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 
 MODES = ("decode-first", "prefill-first", "aggregated")
 
@@ -31,8 +31,14 @@ class SidecarSettings:
     probe_timeout_s: float = 1.0
     outlier_failures: int = 3                  # consecutive failed legs that eject
     ejection_s: float = 2.0                    # base ejection time (x recent ejections)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
 
     def validate(self) -> "SidecarSettings":
+        if isinstance(self.max_body_bytes, str):   # "32MiB" from a config file
+            from pdpool.engine.config import parse_size
+            self.max_body_bytes = parse_size(self.max_body_bytes)
+        if int(self.max_body_bytes) < 1024:
+            raise ValueError("max_body_bytes must be at least 1KiB")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         self.cache_hit_threshold = validate_threshold(self.cache_hit_threshold)

@@ -32,13 +32,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="consecutive failed prefill legs that eject an engine (default 3)")
     p.add_argument("--ejection-s", type=float,
                    help="base ejection time of a sick prefill engine (default 2)")
+    p.add_argument("--max-body-bytes",
+                   help="request bodies above this size get 413 (default 32MiB)")
     p.add_argument("--log-level", default="warning")
 
 
 SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refresh_s", "mode",
                  "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode",
                  "kv_pull_threshold", "probe_interval_s", "probe_timeout_s", "outlier_failures",
-                 "ejection_s")
+                 "ejection_s", "max_body_bytes")
 
 
 def settings_from_args(args: argparse.Namespace):

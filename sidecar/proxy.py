@@ -28,6 +28,7 @@ from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_
 from .discovery import EndpointSet
 from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
+from pdpool.protocol import parse_json_body
 from .outlier import OutlierDetector
 from .picker import LoadPicker
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_target
@@ -170,6 +171,8 @@ class Sidecar:
             await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
         elif route == "/health" and method == "GET":
             await self._health(send)
+        elif route == "/ready" and method == "GET":
+            await self._health(send, "/ready")
         else:
             await self._pass_through(scope, receive, send)
 
@@ -194,12 +197,17 @@ class Sidecar:
         return self.clients.next()
 
     # ------------------------------------------------------------------ simple routes
-    async def _health(self, send: Send) -> None:
-        """Healthy when the decode engine is: the gateway routes around a sidecar whose
-        engine is down or restarting."""
+    async def _health(self, send: Send, path: str = "/health") -> None:
+        """Healthy (ready) when the decode engine is: the gateway routes around a sidecar
+        whose engine is down, restarting or wedged (its /ready fails while /health may
+        not). An engine without /ready (vLLM: any answer but 200 or 503) is judged by its
+        /health."""
         try:
-            resp = await self.client.get(self.settings.decode_url + "/health",
-                                         timeout=self.settings.probe_timeout_s or 2.0)
+            timeout = self.settings.probe_timeout_s or 2.0
+            resp = await self.client.get(self.settings.decode_url + path, timeout=timeout)
+            if resp.status_code not in (200, 503) and path != "/health":
+                resp = await self.client.get(self.settings.decode_url + "/health",
+                                             timeout=timeout)
             ok = resp.status_code == 200
         except httpx.HTTPError:
             ok = False
@@ -211,7 +219,7 @@ class Sidecar:
     async def _pass_through(self, scope: dict, receive: Receive, send: Send) -> None:
         """Other routes (/v1/models, /tokenize, ...) go to the decode engine as they are."""
         try:
-            body = await read_body(receive)
+            body = await read_body(receive, self.settings.max_body_bytes, scope)
         except ClientGone:
             return
         except BodyTooLarge:
@@ -236,7 +244,7 @@ class Sidecar:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         mode = self.settings.mode
         try:
-            raw = await read_body(receive)
+            raw = await read_body(receive, self.settings.max_body_bytes, scope)
         except ClientGone:
             self.metrics.requests.labels(mode, "cancelled").inc()
             return
@@ -244,7 +252,7 @@ class Sidecar:
             self.metrics.requests.labels(mode, "client_error").inc()
             return await send_error(send, 413, "request body too large")
         try:
-            body = legs.validate_client_body(json.loads(raw) if raw else None)
+            body = legs.validate_client_body(parse_json_body(raw), scope["path"])
             target = allowed_target(headers.get(PREFILLER_HEADER), self.endpoints.current)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, legs.BadRequest
             self.metrics.requests.labels(mode, "client_error").inc()

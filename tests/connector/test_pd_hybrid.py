@@ -79,3 +79,21 @@ def test_decode_can_hit_a_pulled_prefix_on_the_next_turn(engines):
     assert D.metric("pdpool_computed_tokens_total") - computed0 == 81 - 64 + 8 - 1
     assert text_of(out) == text_of(post(A.url, turn2))
     wait_no_blocks(P, D)
+
+
+def test_hybrid_forged_and_replayed_params_are_refused(engines):
+    """The state travels under the same lease as the blocks: another prompt's params, or
+    params read once already, load nothing, and the answer is this prompt's own."""
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    victim = ids(70, seed=90)
+    forger = body(ids(69, seed=91) + victim[-1:])
+    kv = prefill_leg(P.url, body(victim))
+    pulled0 = _stat(D, "tokens_pulled")
+    assert text_of(decode_leg(D.url, forger, kv)) == text_of(post(A.url, forger))
+    assert _stat(D, "tokens_pulled") == pulled0
+    assert text_of(decode_leg(D.url, body(victim), kv)) == text_of(post(A.url, body(victim)))
+    assert _stat(D, "tokens_pulled") - pulled0 == 69   # the honest read, blocks and state
+    again = body(victim, 5)                             # a replay of the read lease
+    assert text_of(decode_leg(D.url, again, kv)) == text_of(post(A.url, again))
+    assert _stat(D, "tokens_pulled") - pulled0 == 69
+    wait_no_blocks(P, D)

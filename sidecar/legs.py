@@ -26,8 +26,10 @@ THRESHOLD = "cache_hit_threshold"
 TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 # Fields of the decode's cached-prefix description a prefill engine needs to pull it.
 # remote_request_id names decode's hold on those blocks, released once prefill has read.
+# pdpool_lease is the engine's lease on those blocks (signed with the pool secret), carried
+# opaquely.
 PULL_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-               "remote_block_ids", "remote_num_tokens", "tp_size")
+               "remote_block_ids", "remote_num_tokens", "tp_size", "pdpool_lease")
 
 
 class BadRequest(ValueError):

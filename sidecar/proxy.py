@@ -333,6 +333,8 @@ class Sidecar:
         self.metrics.rejections.inc()
         pull = legs.pull_params_from_rejection(rejection, self.settings.kv_pull_threshold) \
             if self.settings.pull_from_decode else None
+        if pull is None and isinstance(rejection, dict) and rejection.get("pdpool_lease"):
+            self._release_decode_lease(rejection)   # decode's prefix will not be pulled
         await self._remote_prefill_then_decode(ex, pull)
 
     async def _retrying(self, attempt, ex: Exchange, leg: dict):

@@ -127,3 +127,24 @@ def test_merged_usage_counts_cache_hits_across_both_legs():
     assert decode["prompt_tokens_details"]["cached_tokens"] == 399  # input untouched
     assert legs.merged_usage({"prompt_tokens": 5}, None)["prompt_tokens_details"] == {
         "cached_tokens": 0}
+
+
+def test_merged_usage_keeps_each_legs_source_split():
+    prefill = {"prompt_tokens": 400, "prompt_tokens_details": {
+        "cached_tokens": 300, "pdpool": {"local": 0, "pulled": 300, "computed": 100}}}
+    decode = {"prompt_tokens": 400, "completion_tokens": 9, "total_tokens": 409,
+              "prompt_tokens_details": {
+                  "cached_tokens": 399, "pdpool": {"local": 0, "pulled": 399, "computed": 1}}}
+    details = legs.merged_usage(decode, prefill)["prompt_tokens_details"]
+    assert details["pdpool"] == {"local": 0, "pulled": 399, "computed": 1,
+                                 "prefill": {"local": 0, "pulled": 300, "computed": 100}}
+    assert "prefill" not in decode["prompt_tokens_details"]["pdpool"]   # input untouched
+    alone = legs.merged_usage(decode, None)["prompt_tokens_details"]["pdpool"]
+    assert alone == {"local": 0, "pulled": 399, "computed": 1}
+
+
+def test_pull_params_carry_the_lease():
+    kv = {"do_remote_decode": True, "remote_engine_id": "d", "remote_request_id": "r",
+          "remote_block_ids": [1, 2], "remote_num_tokens": 32, "remote_host": "h",
+          "remote_port": 1, "pdpool_lease": {"id": "L", "sig": "s"}}
+    assert legs.pull_params_from_rejection(kv, 0)["pdpool_lease"] == {"id": "L", "sig": "s"}

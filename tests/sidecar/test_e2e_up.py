@@ -153,6 +153,11 @@ def test_long_turn_pulls_the_history_from_decode(client, urls, topo):
     assert metric(urls["decode"], "pdpool_kv_connector", 'stat="tokens_pulled"') > \
         before["decode"]
     assert r3.usage.prompt_tokens_details.cached_tokens >= offered - 1
+    split = r3.usage.prompt_tokens_details.model_extra["pdpool"]
+    assert split["prefill"]["pulled"] == offered and split["computed"] == 1
+    # Decode's lease on its prefix ended with the prefill's read, not by expiry.
+    assert metric(urls["decode"], "pdpool_kv_connector", 'stat="leases_active"') == 0
+    assert metric(urls["decode"], "pdpool_kv_connector", 'stat="leases_expired"') == 0
 
 
 def topo_connector(urls) -> str:

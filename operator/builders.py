@@ -3,6 +3,9 @@
 Nothing here talks to Kubernetes; the handlers server-side apply what these return.
 Every child carries a controller owner reference to the pool, so deleting the pool lets
 the garbage collector remove them all.
+
+The pool's KV-signing Secret is not among `build_children`: its value is random, so it is
+created once when absent (`kv_secret`, value passed in) and never re-applied.
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ from typing import Any
 
 from . import commands
 from .names import (ANNOTATION_ROUTER_HASH, API_VERSION, DECODE, ENGINE_PORT, GATEWAY, KIND,
-                    LABEL_METRICS, MODELS_MOUNT, PREFILL, SIDECAR_PORT, child_name, labels,
-                    router_config_name, selector_labels, service_host)
-from .spec import GPU_RESOURCE, PoolSpec, RoleSpec
+                    KV_SECRET_DIR, KV_SECRET_KEY, LABEL_METRICS, MODELS_MOUNT, PREFILL,
+                    SIDECAR_PORT, child_name, kv_secret_name, labels, router_config_name,
+                    selector_labels, service_host)
+from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
 
 Manifest = dict[str, Any]
 
@@ -57,6 +61,39 @@ def _metadata(ref: PoolRef, name: str, role: str, **extra_labels: str) -> dict[s
 def data_hash(data: dict[str, str]) -> str:
     """Changes whenever the router settings change, so the pods that read them roll."""
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- KV-signing Secret ---------------------------------------------------------------------
+
+# Secret files are owned by root (group fsGroup when set) and the images run as uid 65532:
+# 0400 would be unreadable by the engine. The volume is mounted into the engine container
+# alone, whose processes all run as one uid, so read-only for all is the tightest mode
+# that works without imposing an fsGroup (which would chown the model PVC).
+KV_SECRET_MODE = 0o444
+
+
+def kv_secret_ref(ref: PoolRef, pool: PoolSpec) -> SecretKeyRef | None:
+    """The Secret and key pdpool engines read their KV-signing key from (the user's, or the
+    one the operator creates); None for vLLM engines, which do not sign."""
+    if pool.engine.kind != "pdpool":
+        return None
+    return pool.engine.kv_secret_ref or SecretKeyRef(kv_secret_name(ref.name), KV_SECRET_KEY)
+
+
+def kv_secret(ref: PoolRef, pool: PoolSpec, value: str) -> Manifest | None:
+    """The Secret to create when absent (`value`: fresh random bytes, from the caller), or
+    None when the engines need none or the spec names the user's own."""
+    if pool.engine.kind != "pdpool" or pool.engine.kv_secret_ref is not None:
+        return None
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _metadata(ref, kv_secret_name(ref.name), "engine"),
+            "stringData": {KV_SECRET_KEY: value}}
+
+
+def _kv_secret_volume(secret: SecretKeyRef) -> dict[str, Any]:
+    return {"name": "kv-secret", "secret": {
+        "secretName": secret.name, "defaultMode": KV_SECRET_MODE,
+        "items": [{"key": secret.key, "path": KV_SECRET_KEY}]}}
 
 
 # --- ConfigMap ---------------------------------------------------------------------------
@@ -163,10 +200,13 @@ def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
             "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT}]}
 
 
-def _engine_container(pool: PoolSpec, role_name: str, role: RoleSpec) -> dict[str, Any]:
+def _engine_container(pool: PoolSpec, role_name: str, role: RoleSpec,
+                      secret_ref: SecretKeyRef | None) -> dict[str, Any]:
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if _needs_model_volume(pool):
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    if secret_ref is not None:
+        mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
     return {
         "name": "engine", "image": pool.engine.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
@@ -227,7 +267,8 @@ def _deployment(ref: PoolRef, role_name: str, replicas: int, pod_spec: dict[str,
 def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
                       router_hash: str | None = None) -> Manifest:
     role = pool.prefill if role_name == PREFILL else pool.decode
-    containers = [_engine_container(pool, role_name, role)]
+    secret_ref = kv_secret_ref(ref, pool)
+    containers = [_engine_container(pool, role_name, role, secret_ref)]
     if role_name == DECODE:
         containers.append(_sidecar_container(ref, pool))
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
@@ -236,6 +277,8 @@ def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
                                 **_pod_scheduling(pool, role)}
     if _needs_model_volume(pool):
         volumes.append(_model_volume(pool))
+    if secret_ref is not None:
+        volumes.append(_kv_secret_volume(secret_ref))
     if pool.model.hugging_face_id:
         pod_spec["initContainers"] = [_download_init_container(pool)]
     annotations = {ANNOTATION_ROUTER_HASH: router_hash} if router_hash else {}

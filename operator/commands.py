@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from .names import DECODE, ENGINE_PORT, MODELS_MOUNT, PREFILL, SIDECAR_PORT
+from .names import DECODE, ENGINE_PORT, KV_SECRET_FILE, MODELS_MOUNT, PREFILL, SIDECAR_PORT
 from .spec import ModelSpec, PoolSpec
 
 # ConfigMap key -> environment variable the sidecar's flags read.
@@ -55,6 +55,8 @@ def _pdpool_args(pool: PoolSpec, role: str) -> list[str]:
         # Peers must reach this pod at its own IP: never advertise 0.0.0.0.
         "--kv-host", "$(POD_IP)", "--kv-port", str(engine.kv_port),
         "--kv-peer-allowlist", ",".join(engine.peer_allowlist),
+        # The pool's shared key: kv_transfer_params are signed, and forged ones refused.
+        "--kv-secret-file", KV_SECRET_FILE,
         "--global-cache-hit-threshold", _num(threshold),
         "--block-size", str(engine.block_size),
     ]

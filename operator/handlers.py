@@ -1,7 +1,8 @@
 """kopf handlers: thin glue between events and the pure builders/status functions.
 
-- pool created / spec changed / operator resumed -> server-side apply every child, then
-  publish status (observedGeneration, conditions);
+- pool created / spec changed / operator resumed -> create the pool's KV-signing Secret if
+  it is absent (never rotated), server-side apply every child, then publish status
+  (observedGeneration, conditions);
 - a child Deployment changed -> recompute the owning pool's status;
 - a spec the operator cannot honour -> Ready=False with the reason, a Warning Event, and
   no retry loop (the next spec change is handled normally).
@@ -12,16 +13,17 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from .builders import PoolRef, build_children
+from .builders import PoolRef, build_children, kv_secret
 from .kube import Cluster
 from .names import DECODE, GATEWAY, GROUP, LABEL_POOL, PLURAL, PREFILL, VERSION
-from .spec import SpecError, parse_pool_spec
+from .spec import PoolSpec, SpecError, parse_pool_spec
 from .status import RoleState, carried_spec_error, compute_status, now_iso, status_changed
 
 log = logging.getLogger("pdpool.operator")
@@ -68,8 +70,10 @@ def reconcile(name: str, namespace: str, uid: str, spec: Any, meta: Any, body: A
     except SpecError as exc:
         _fail(body, namespace, name, generation, "InvalidSpec", str(exc))
         return
+    ref = PoolRef(name, namespace, uid)
     try:
-        for manifest in build_children(PoolRef(name, namespace, uid), pool):
+        ensure_kv_secret(ref, pool)
+        for manifest in build_children(ref, pool):
             cluster().apply(manifest)
     except ApiException as exc:
         if refused_by_api_server(exc.status, _api_message(exc)):
@@ -77,6 +81,16 @@ def reconcile(name: str, namespace: str, uid: str, spec: Any, meta: Any, body: A
             return
         raise kopf.TemporaryError(f"applying children failed: {_api_message(exc)}", delay=5)
     refresh_status(namespace, name, observed_generation=generation)
+
+
+def ensure_kv_secret(ref: PoolRef, pool: PoolSpec) -> None:
+    """Create `<pool>-kv-secret` (32 random bytes, hex) when the engines need it and it is
+    absent. An existing one is never read or replaced: running engines hold its value, and a
+    new value would make every handoff between old and new pods fail."""
+    manifest = kv_secret(ref, pool, secrets.token_hex(32))
+    if manifest is not None and cluster().create_if_absent(manifest):
+        log.info("pool %s/%s: created Secret %s", ref.namespace, ref.name,
+                 manifest["metadata"]["name"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_POOL: kopf.PRESENT})

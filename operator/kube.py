@@ -1,7 +1,8 @@
 """The few Kubernetes API calls the operator makes, over the official Python client.
 
 Requests go through `ApiClient.call_api` with explicit content types: server-side apply
-(`application/apply-patch+yaml`) for children, JSON merge patch for the pool's status.
+(`application/apply-patch+yaml`) for children, JSON merge patch for the pool's status, and
+a plain create (no read, no update) for the pool's KV-signing Secret.
 """
 from __future__ import annotations
 
@@ -14,18 +15,23 @@ from .names import FIELD_MANAGER, GROUP, PLURAL, VERSION
 KINDS = {
     ("v1", "ConfigMap"): ("/api/v1", "configmaps"),
     ("v1", "Service"): ("/api/v1", "services"),
+    ("v1", "Secret"): ("/api/v1", "secrets"),
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
 }
 
 
-def object_path(manifest: dict[str, Any]) -> str:
-    """The URL path of a namespaced object described by `manifest`."""
+def collection_path(manifest: dict[str, Any]) -> str:
+    """The URL path of the namespaced collection `manifest` belongs to."""
     key = (manifest["apiVersion"], manifest["kind"])
     if key not in KINDS:
         raise ValueError(f"no API path known for {key}")
     prefix, plural = KINDS[key]
-    meta = manifest["metadata"]
-    return f"{prefix}/namespaces/{meta['namespace']}/{plural}/{meta['name']}"
+    return f"{prefix}/namespaces/{manifest['metadata']['namespace']}/{plural}"
+
+
+def object_path(manifest: dict[str, Any]) -> str:
+    """The URL path of a namespaced object described by `manifest`."""
+    return f"{collection_path(manifest)}/{manifest['metadata']['name']}"
 
 
 def pool_path(namespace: str, name: str, subresource: str = "") -> str:
@@ -86,6 +92,19 @@ class Cluster:
         return self._call("PATCH", object_path(manifest), manifest,
                           "application/apply-patch+yaml",
                           [("fieldManager", FIELD_MANAGER), ("force", "true")])
+
+    def create_if_absent(self, manifest: dict[str, Any]) -> bool:
+        """Create `manifest` unless an object of that name exists (then leave it exactly as
+        it is, unread). True when this call created it."""
+        from kubernetes.client.exceptions import ApiException
+        try:
+            self._call("POST", collection_path(manifest), manifest, "application/json",
+                       [("fieldManager", FIELD_MANAGER)])
+        except ApiException as exc:
+            if exc.status == 409:  # AlreadyExists
+                return False
+            raise
+        return True
 
     def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
         from kubernetes.client.exceptions import ApiException

@@ -23,6 +23,10 @@ ROLES = (PREFILL, DECODE, GATEWAY)
 ENGINE_PORT = 8000
 SIDECAR_PORT = 8080
 MODELS_MOUNT = "/models"
+# The pool's KV-signing secret, mounted read-only in every pdpool engine container.
+KV_SECRET_KEY = "kv-secret"
+KV_SECRET_DIR = "/etc/pdpool/kv-secret"
+KV_SECRET_FILE = f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"
 
 
 def child_name(pool: str, role: str) -> str:
@@ -32,6 +36,11 @@ def child_name(pool: str, role: str) -> str:
 
 def router_config_name(pool: str) -> str:
     return f"{pool}-router"
+
+
+def kv_secret_name(pool: str) -> str:
+    """The Secret the operator creates when the spec names none (never rotated by it)."""
+    return f"{pool}-kv-secret"
 
 
 def service_host(pool: str, role: str, namespace: str) -> str:

@@ -1,7 +1,8 @@
 """`pdpool operator`: run the PDInferencePool operator (kopf) against a cluster.
 
 Credentials: the pod's service account inside a cluster, else $KUBECONFIG / ~/.kube/config
-(or --kubeconfig).
+(or --kubeconfig). `pdpool operator render -f POOL.yaml` prints the objects it would create
+for a pool, without a cluster.
 """
 from __future__ import annotations
 
@@ -19,10 +20,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-port", type=int, default=0,
                         help="serve a liveness endpoint at :PORT/healthz (0: off)")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    render = actions.add_parser("render", help="print the objects made for a pool (no cluster)",
+                                description="print, as YAML, every object the operator makes "
+                                            "for the PDInferencePool(s) in a file")
+    render.add_argument("-f", "--filename", required=True, help="pool manifest(s); - for stdin")
+    render.add_argument("--namespace", "-n", dest="render_namespace", default="default",
+                        help="namespace of pools whose metadata names none (default: default)")
 
 
 def main(args: argparse.Namespace) -> int:
     from pdpool.cli import CliError
+
+    if getattr(args, "action", None) == "render":
+        return _render(args)
 
     if args.kubeconfig:
         if not os.path.isfile(args.kubeconfig):
@@ -40,4 +51,29 @@ def main(args: argparse.Namespace) -> int:
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
     kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=True,
              liveness_endpoint=liveness)
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    import sys
+
+    import yaml
+
+    from pdpool.cli import CliError
+
+    from .render import render_pools
+    from .spec import SpecError
+
+    try:
+        text = sys.stdin.read() if args.filename == "-" else open(args.filename).read()
+        docs = list(yaml.safe_load_all(text))
+    except OSError as exc:
+        raise CliError(f"{args.filename}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise CliError(f"{args.filename}: not YAML ({exc})") from None
+    try:
+        manifests = render_pools(docs, args.render_namespace)
+    except SpecError as exc:
+        raise CliError(f"{args.filename}: {exc}") from None
+    sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False))
     return 0

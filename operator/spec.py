@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .names import KV_SECRET_KEY
+
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
 ROUTER_MODES = ("decode-first", "prefill-first", "aggregated")
@@ -48,6 +50,12 @@ class RoleSpec:
 
 
 @dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     kind: str
     image: str
@@ -57,6 +65,9 @@ class EngineSpec:
     peer_allowlist: tuple[str, ...]
     extra_args: tuple[str, ...]
     env: tuple[dict[str, Any], ...]
+    # A Secret the user manages, holding the key that signs kv_transfer_params; None: the
+    # operator creates `<pool>-kv-secret` (pdpool engines only).
+    kv_secret_ref: SecretKeyRef | None = None
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,20 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
         block_size=_int(e, "blockSize", 16, "spec.engine", minimum=1),
         kv_port=_int(e, "kvPort", 5600, "spec.engine", minimum=1, maximum=65535),
         peer_allowlist=tuple(_str_list(e, "kvPeerAllowlist") or DEFAULT_PEER_ALLOWLIST),
-        extra_args=tuple(_str_list(e, "extraArgs")), env=tuple(_env(e, "spec.engine")))
+        extra_args=tuple(_str_list(e, "extraArgs")), env=tuple(_env(e, "spec.engine")),
+        kv_secret_ref=_secret_ref(e, "kvSecretRef", "spec.engine", KV_SECRET_KEY))
+
+
+def _secret_ref(d: dict[str, Any], key: str, where: str, default_key: str) -> SecretKeyRef | None:
+    ref = d.get(key)
+    if ref is None:
+        return None
+    if not isinstance(ref, dict) or not isinstance(ref.get("name"), str) or not ref["name"]:
+        raise SpecError(f"{where}.{key}.name is required")
+    secret_key = ref.get("key", default_key)
+    if not isinstance(secret_key, str) or not secret_key:
+        raise SpecError(f"{where}.{key}.key must be a non-empty string")
+    return SecretKeyRef(name=ref["name"], key=secret_key)
 
 
 def _role(role: str, r: dict[str, Any]) -> RoleSpec:

@@ -113,6 +113,11 @@ class Pools:
             self.namespace, label_selector=f"pdpool.io/pool={pool}").items
         return {c.metadata.name: c for c in items}
 
+    def secrets(self, pool: str) -> dict[str, Any]:
+        items = self.core.list_namespaced_secret(
+            self.namespace, label_selector=f"pdpool.io/pool={pool}").items
+        return {s.metadata.name: s for s in items}
+
     def condition(self, name: str, kind: str) -> dict[str, Any] | None:
         status = self.get(name).get("status") or {}
         return next((c for c in status.get("conditions") or [] if c["type"] == kind), None)

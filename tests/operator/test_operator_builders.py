@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pdpool.operator import commands
-from pdpool.operator.builders import PoolRef, build_children, data_hash
+from pdpool.operator.builders import PoolRef, build_children, data_hash, kv_secret
 from pdpool.operator.names import ANNOTATION_ROUTER_HASH
 from pdpool.operator.spec import parse_pool_spec
 
@@ -195,3 +195,79 @@ def test_builders_are_deterministic(kind):
     spec = dict(BASE, engine={"image": "e", "kind": kind})
     assert build_children(REF, parse_pool_spec("demo", spec)) == \
         build_children(REF, parse_pool_spec("demo", spec))
+
+
+# --- the pool's KV-signing Secret ----------------------------------------------------------
+
+def pod_of(kids, role):
+    return kids[("Deployment", f"demo-{role}")]["spec"]["template"]["spec"]
+
+
+def kv_volumes(pod):
+    return [v for v in pod.get("volumes", []) if "secret" in v]
+
+
+def test_pdpool_engines_mount_the_pool_secret_read_only_and_pass_the_flag():
+    kids = children()
+    for role in ("prefill", "decode"):
+        pod = pod_of(kids, role)
+        assert kv_volumes(pod) == [{"name": "kv-secret", "secret": {
+            "secretName": "demo-kv-secret", "defaultMode": 0o444,
+            "items": [{"key": "kv-secret", "path": "kv-secret"}]}}]
+        engine = container({"spec": {"template": {"spec": pod}}}, "engine")
+        assert {"name": "kv-secret", "mountPath": "/etc/pdpool/kv-secret",
+                "readOnly": True} in engine["volumeMounts"]
+        argv = engine["command"]
+        assert argv[argv.index("--kv-secret-file") + 1] == "/etc/pdpool/kv-secret/kv-secret"
+    # Only the engines hold the key: not the sidecar, not the gateway.
+    sidecar = container(kids[("Deployment", "demo-decode")], "sidecar")
+    assert "volumeMounts" not in sidecar and "--kv-secret-file" not in sidecar["command"]
+    assert not kv_volumes(pod_of(kids, "gateway"))
+    # The Secret itself is not re-applied with the children (a random value would rotate).
+    assert not any(m["kind"] == "Secret" for m in kids.values())
+
+
+def test_kv_secret_manifest_is_owned_and_carries_the_given_value():
+    pool = parse_pool_spec("demo", BASE)
+    secret = kv_secret(REF, pool, "ab" * 32)
+    assert secret["metadata"]["name"] == "demo-kv-secret"
+    assert secret["metadata"]["namespace"] == "llm"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-123"
+    assert secret["metadata"]["labels"]["pdpool.io/pool"] == "demo"
+    assert secret["type"] == "Opaque" and secret["stringData"] == {"kv-secret": "ab" * 32}
+
+
+def test_vllm_engines_get_no_kv_secret():
+    spec = dict(BASE, engine={"image": "vllm:1", "kind": "vllm",
+                              "kvSecretRef": {"name": "ignored"}})
+    kids = children(spec)
+    for role in ("prefill", "decode"):
+        pod = pod_of(kids, role)
+        assert not kv_volumes(pod)
+        engine = container({"spec": {"template": {"spec": pod}}}, "engine")
+        assert "--kv-secret-file" not in engine["command"]
+        assert all(m["name"] != "kv-secret" for m in engine["volumeMounts"])
+        assert not {"PDPOOL_KV_SECRET", "PDPOOL_KV_SECRET_FILE"} & set(env_map(engine))
+    assert kv_secret(REF, parse_pool_spec("demo", spec), "x" * 64) is None
+
+
+def test_user_secret_ref_is_mounted_and_no_secret_is_created():
+    spec = dict(BASE, engine={"image": "e", "kvSecretRef": {"name": "team-kv", "key": "hmac"}})
+    kids = children(spec)
+    for role in ("prefill", "decode"):
+        assert kv_volumes(pod_of(kids, role)) == [{"name": "kv-secret", "secret": {
+            "secretName": "team-kv", "defaultMode": 0o444,
+            "items": [{"key": "hmac", "path": "kv-secret"}]}}]
+        argv = container(kids[("Deployment", f"demo-{role}")], "engine")["command"]
+        assert argv[argv.index("--kv-secret-file") + 1] == "/etc/pdpool/kv-secret/kv-secret"
+    assert kv_secret(REF, parse_pool_spec("demo", spec), "x" * 64) is None
+    default_key = parse_pool_spec("demo", dict(BASE, engine={
+        "image": "e", "kvSecretRef": {"name": "team-kv"}}))
+    assert default_key.engine.kv_secret_ref.key == "kv-secret"
+
+
+def test_each_pool_gets_its_own_secret():
+    other = PoolRef(name="other", namespace="llm", uid="uid-456")
+    kids = children(ref=other)
+    assert kv_volumes(kids[("Deployment", "other-prefill")]["spec"]["template"]["spec"])[0][
+        "secret"]["secretName"] == "other-kv-secret"

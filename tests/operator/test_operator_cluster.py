@@ -3,6 +3,7 @@
 No kubelet runs here: a test stands in for it by patching Deployment status
 (`Pools.mark_ready`), which is exactly what the operator reads.
 """
+import base64
 import signal
 
 import pytest
@@ -202,13 +203,55 @@ def test_restart_mid_way_converges_without_duplicates(k8s, pools, tmp_path):
         op.stop()
 
 
+def kv_volume(deployment):
+    return next((v.secret for v in deployment.spec.template.spec.volumes or []
+                 if v.name == "kv-secret"), None)
+
+
+def test_kv_secret_is_created_once_and_never_rotated(operator_process, pools):
+    created = pools.create(pool_manifest("iota"))
+    wait_for(lambda: children_exist(pools, "iota"), 30, what="children of iota")
+    secret = pools.secrets("iota")["iota-kv-secret"]
+    (owner,) = secret.metadata.owner_references
+    assert (owner.kind, owner.uid, owner.controller) == (
+        "PDInferencePool", created["metadata"]["uid"], True)
+    value = base64.b64decode(secret.data["kv-secret"])
+    assert len(value) == 64 and int(value, 16) >= 0  # 32 random bytes, hex
+    deployments = pools.deployments("iota")
+    for role in ("prefill", "decode"):
+        volume = kv_volume(deployments[role])
+        assert (volume.secret_name, volume.items[0].key) == ("iota-kv-secret", "kv-secret")
+        argv = engine_argv(deployments[role])
+        assert argv[argv.index("--kv-secret-file") + 1] == "/etc/pdpool/kv-secret/kv-secret"
+    assert kv_volume(deployments["gateway"]) is None
+
+    # A second reconcile (a spec change) leaves the Secret exactly as it was: not rewritten.
+    pools.patch_spec("iota", {"decode": {"replicas": 2}})
+    wait_for(lambda: observed(pools, "iota", 2), 30, what="iota observedGeneration 2")
+    again = pools.secrets("iota")["iota-kv-secret"]
+    assert again.data == secret.data
+    assert again.metadata.resource_version == secret.metadata.resource_version
+
+    # Another pool gets another secret; a pool naming its own Secret gets none created.
+    pools.create(pool_manifest("kappa", engine={"image": "pdpool-engine:test",
+                                                "kvSecretRef": {"name": "shared-kv"}}))
+    pools.create(pool_manifest("lambda"))
+    wait_for(lambda: children_exist(pools, "kappa") and children_exist(pools, "lambda"), 30,
+             what="children of kappa and lambda")
+    assert pools.secrets("kappa") == {}
+    assert kv_volume(pools.deployments("kappa")["decode"]).secret_name == "shared-kv"
+    assert pools.secrets("lambda")["lambda-kv-secret"].data != secret.data
+
+
 def test_delete_removes_every_child(operator_process, pools):
     pools.create(pool_manifest("theta"))
     wait_for(lambda: children_exist(pools, "theta"), 30, what="children of theta")
+    assert pools.secrets("theta")
     pools.delete("theta")
     # The garbage collector (kube-controller-manager) follows the owner references.
     wait_for(lambda: not pools.deployments("theta") and not pools.services("theta")
-             and not pools.config_maps("theta"), 60, interval=0.5, what="children deleted")
+             and not pools.config_maps("theta") and not pools.secrets("theta"), 60,
+             interval=0.5, what="children deleted")
     with pytest.raises(client.ApiException) as gone:
         pools.get("theta")
     assert gone.value.status == 404

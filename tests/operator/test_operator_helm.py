@@ -26,6 +26,7 @@ EXPECTED_RULES = {
     ("apps", "deployments"): {"list", "watch", "create", "patch"},
     ("", "services"): {"create", "patch"},
     ("", "configmaps"): {"create", "patch"},
+    ("", "secrets"): {"create"},
     ("", "events"): {"create"},
 }
 
@@ -144,6 +145,7 @@ def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(helm_bin, k
         pools.create(pool_manifest("rbac", decode={"tensorParallelSize": 2}))  # -> an Event
         pools.create(pool_manifest("rbac-ok"))
         wait_for(lambda: children_exist(pools, "rbac-ok"), 40, what="children as the SA")
+        assert "rbac-ok-kv-secret" in pools.secrets("rbac-ok")  # created with `create` alone
         for role_name in ("prefill", "decode", "gateway"):
             pools.mark_ready("rbac-ok", role_name)
         wait_for(lambda: pools.get("rbac-ok").get("status", {}).get("phase") == "Ready", 30,
@@ -170,7 +172,10 @@ def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(helm_bin, k
             {"spec": {"resourceAttributes": attrs}}).status.allowed
 
     assert allowed("patch", "deployments", "apps") and allowed("watch", "pdinferencepools", "pdpool.io")
+    assert allowed("create", "secrets")
     for verb, resource, group in [("delete", "deployments", "apps"), ("get", "secrets", ""),
+                                  ("list", "secrets", ""), ("patch", "secrets", ""),
+                                  ("update", "secrets", ""), ("delete", "secrets", ""),
                                   ("create", "pods", ""), ("delete", "pdinferencepools", "pdpool.io"),
                                   ("update", "pdinferencepools", "pdpool.io"),
                                   ("create", "pdinferencepools", "pdpool.io"),

@@ -1,8 +1,8 @@
 """URL paths of the API calls the operator makes."""
 import pytest
 
-from pdpool.operator.builders import PoolRef, build_children
-from pdpool.operator.kube import object_path, pool_path
+from pdpool.operator.builders import PoolRef, build_children, kv_secret
+from pdpool.operator.kube import collection_path, object_path, pool_path
 from pdpool.operator.spec import parse_pool_spec
 
 
@@ -16,9 +16,16 @@ def test_every_built_child_has_an_api_path():
     assert len(set(paths)) == len(paths)
 
 
+def test_the_kv_secret_is_created_in_the_secrets_collection():
+    secret = kv_secret(PoolRef("p", "ns", "u"),
+                       parse_pool_spec("p", {"model": {"path": "/m"}, "engine": {"image": "e"}}),
+                       "0" * 64)
+    assert collection_path(secret) == "/api/v1/namespaces/ns/secrets"
+
+
 def test_unknown_kind_is_an_error():
     with pytest.raises(ValueError, match="no API path"):
-        object_path({"apiVersion": "v1", "kind": "Secret",
+        object_path({"apiVersion": "v1", "kind": "Pod",
                      "metadata": {"name": "x", "namespace": "y"}})
 
 

@@ -40,6 +40,9 @@ def test_defaults_are_filled_in():
     (with_(gateway={"port": 70000}), "spec.gateway.port must be <= 65535"),
     (with_(engine={"image": "x", "env": [{"value": "1"}]}), "env entries need a name"),
     (with_(decode={"resources": {"limits": {"memory": "lots"}}}), "'lots' is not a quantity"),
+    (with_(engine={"image": "x", "kvSecretRef": {}}), "spec.engine.kvSecretRef.name is required"),
+    (with_(engine={"image": "x", "kvSecretRef": {"name": "s", "key": ""}}),
+     "spec.engine.kvSecretRef.key must be"),
 ])
 def test_refused_specs_say_why(spec, fragment):
     with pytest.raises(SpecError) as err:

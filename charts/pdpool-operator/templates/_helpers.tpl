@@ -42,6 +42,11 @@ Each rule names the call that needs it; nothing else is granted.
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [create, patch]
+# each pool's KV-signing Secret, created once when absent: an existing one answers 409
+# and is left alone, so no Secret is ever read (no get/list/watch) or changed (no patch)
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 # Warning events on pools whose spec cannot be honoured
 - apiGroups: [""]
   resources: [events]

@@ -288,17 +288,7 @@ class LLMEngine:
         self.stats["steps"] += 1
         self.stats["computed_tokens"] += result.num_computed_tokens
         self.last_logits = result.logits
-        snapshots = []
-        for item in out.scheduled:
-            req = item.request
-            if req.is_finished:   # failed in the forward
-                continue
-            req.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            for copy in (self.kv.snapshot_state(req), self.kv.pin_state_for_transfer(req)):
-                if copy is not None:
-                    snapshots.append(copy)
-        self.runner.copy_state_slots(snapshots)
+        self.runner.copy_state_slots(self.scheduler.update_after_forward(out))
         for item in out.scheduled:
             req = item.request
             if req.is_finished:

@@ -89,7 +89,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        restores, self.kv.pending_restores = self.kv.pending_restores, []
+        restores = self.kv.take_pending_restores()
         self.copy_state_slots(restores)
         input_ids, positions, meta = self.prepare(out)
         if self.fail_forward_for and any(self.fail_forward_for in s.request.request_id

@@ -108,6 +108,18 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def update_after_forward(self, out: SchedulerOutput) -> list[tuple[int, int]]:
+        """The forward computed what was scheduled: requests advance, the KV manager
+        publishes what became full. Returns the state copies the runner must make."""
+        copies = []
+        for item in out.scheduled:
+            req = item.request
+            if req.is_finished:   # failed in the forward
+                continue
+            req.num_computed_tokens += item.num_new_tokens
+            copies += self.kv.commit_computed(req)
+        return copies
+
     # --- the decision -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -138,7 +150,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted \
                 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.request_id in self.kv.req_blocks:
+            if self.kv.holds(req):
                 # Back from a remote load: it holds its blocks and was judged on admission.
                 hits, num_cached = None, req.num_computed_tokens
             else:
@@ -184,7 +196,7 @@ class Scheduler:
             if num_new <= 0:
                 break
             if not self.config.prefix_aware_admission and \
-                    cdiv(req.num_tokens, self.kv.block_size) > self.kv.pool.num_free_blocks:
+                    cdiv(req.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
                 break
             if not self.kv.allocate_slots(req, num_new, hits):
                 break

@@ -270,10 +270,9 @@ class NixlConnector(KVConnector):
             plan.wants_state = True
             plan.state_pair = (self.kv.state_slot(request.request_id), None)
             boundary = (num_local_computed + num_external) // self.block_size
-            if boundary and request.block_hashes[boundary - 1] not in self.kv.snapshots:
-                local = self.kv.snapshots.take_slot()
+            if boundary and not self.kv.has_snapshot(request.block_hashes[boundary - 1]):
+                local = self.kv.reserve_snapshot_slot()
                 if local is not None:
-                    self.kv.snapshots.pin(local)
                     plan.boundary_snapshot = (local, None, request.block_hashes[boundary - 1])
         self._waiting[request.request_id] = plan
 
@@ -284,15 +283,14 @@ class NixlConnector(KVConnector):
             return None
         if request.is_prefill_leg and self.role != "consumer":
             # Hold the prompt's blocks under a lease for the decode engine's READ.
-            n = cdiv(request.num_prompt_tokens, self.block_size)
-            tables = [blocks[:n] for blocks in self.kv.req_blocks.get(request.request_id, [])]
+            tables = self.kv.blocks_of(request, request.num_prompt_tokens)
             slots = []
             handed = request.transfer_state_slot
             if handed is not None:
                 slots.append(handed)
                 # Also offer the snapshot at the last block boundary, for later turns.
                 boundary = (request.num_prompt_tokens - 1) // self.block_size
-                snap = self.kv.snapshots.lookup(request.block_hashes[boundary - 1]) \
+                snap = self.kv.snapshot_at(request.block_hashes[boundary - 1]) \
                     if boundary else None
                 if snap is not None:
                     slots.append(snap)
@@ -304,7 +302,7 @@ class NixlConnector(KVConnector):
             if handed is not None:
                 # The lease holds the handed-over state now; drop the request's own pin.
                 request.transfer_state_slot = None
-                self.kv.snapshots.release(handed)
+                self.kv.release_snapshot_slot(handed)
             return self._describe(request, lease, do_remote_prefill=True)
         return None
 
@@ -316,7 +314,7 @@ class NixlConnector(KVConnector):
             return None
         slots: tuple[int, ...] = ()
         if self.kv.has_state:
-            slot = self.kv.snapshots.lookup(request.block_hashes[num_cached // self.block_size - 1])
+            slot = self.kv.snapshot_at(request.block_hashes[num_cached // self.block_size - 1])
             if slot is None:
                 return None
             slots = (slot,)
@@ -649,9 +647,9 @@ class NixlConnector(KVConnector):
             return
         slot, remote, block_hash = plan.boundary_snapshot
         plan.boundary_snapshot = None
-        if publish and remote is not None and block_hash not in self.kv.snapshots:
-            self.kv.snapshots.publish(block_hash, slot)
-        self.kv.snapshots.release(slot)
+        if publish and remote is not None:
+            self.kv.publish_snapshot(block_hash, slot)
+        self.kv.release_snapshot_slot(slot)
 
     def _collect_notifications(self) -> None:
         for note in self.transport.notifications():

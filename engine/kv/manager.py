@@ -60,6 +60,19 @@ class KVCacheManager:
     def has_state(self) -> bool:
         return self.num_state_slots > 0
 
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def holds(self, request: Request) -> bool:
+        """The request has blocks (running, or allocated for a remote load)."""
+        return request.request_id in self.req_blocks
+
+    def blocks_of(self, request: Request, num_tokens: int) -> list[list[Block]]:
+        """Per group, the request's blocks covering its first `num_tokens` tokens."""
+        n = cdiv(num_tokens, self.block_size)
+        return [blocks[:n] for blocks in self.req_blocks.get(request.request_id, [])]
+
     def block_ids(self, request_id: str, group: int = 0) -> list[int]:
         tables = self.req_blocks.get(request_id)
         return [b.block_id for b in tables[group]] if tables else []
@@ -187,6 +200,41 @@ class KVCacheManager:
             if fresh > 0:
                 held.extend(self.pool.allocate(fresh))
         return True
+
+    # --- recurrent-state slots ---------------------------------------------------------
+    def snapshot_at(self, block_hash: bytes) -> Optional[int]:
+        """The snapshot slot holding the state after the block named `block_hash`."""
+        return self.snapshots.lookup(block_hash)
+
+    def has_snapshot(self, block_hash: bytes) -> bool:
+        return block_hash in self.snapshots
+
+    def reserve_snapshot_slot(self) -> Optional[int]:
+        """A pinned slot to receive a state (e.g. from a peer); give it back with
+        `release_snapshot_slot`, after `publish_snapshot` if it should stay cached."""
+        slot = self.snapshots.take_slot()
+        if slot is not None:
+            self.snapshots.pin(slot)
+        return slot
+
+    def publish_snapshot(self, block_hash: bytes, slot: int) -> None:
+        if block_hash not in self.snapshots:
+            self.snapshots.publish(block_hash, slot)
+
+    def release_snapshot_slot(self, slot: int) -> None:
+        self.snapshots.release(slot)
+
+    def take_pending_restores(self) -> list[tuple[int, int]]:
+        """(snapshot slot, running slot) copies the runner makes before the next forward."""
+        restores, self.pending_restores = self.pending_restores, []
+        return restores
+
+    def commit_computed(self, request: Request) -> list[tuple[int, int]]:
+        """After a forward advanced `request`: publishes its newly full blocks and returns
+        the state copies (running slot -> snapshot slot) the runner must make."""
+        self.cache_full_blocks(request, request.num_computed_tokens)
+        return [c for c in (self.snapshot_state(request), self.pin_state_for_transfer(request))
+                if c is not None]
 
     def restore_state(self, request: Request, num_cached: int) -> None:
         """A state-model request admitted on a prefix hit resumes from that snapshot."""

@@ -30,6 +30,7 @@ only the lease table).
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,7 @@ from pdpool.engine.request import Request, RequestStatus
 log = logging.getLogger("pdpool.connector")
 
 HANDSHAKE_TIMEOUT_S = 5.0
+HOUSEKEEPING_TIMEOUT_S = 2.0   # renewals and releases: a later one, or expiry, covers a miss
 
 
 @dataclass
@@ -160,7 +162,10 @@ class NixlConnector(KVConnector):
         self.server = HandshakeServer(self.document, host=config.kv_host, port=config.kv_port,
                                       lease_handler=self._answer_lease_op)
         self.host, self.port = config.kv_host, self.server.port
+        # Opens (on the load path) and renewals/releases (housekeeping) on separate pools,
+        # so a peer that stopped answering cannot hold up loads from the others.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-lease")
+        self._housekeeping = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-lease-hk")
         self._peers: dict[tuple[str, int], str] = {}          # (host, port) -> agent name
         self._waiting: dict[str, LoadPlan] = {}               # planned, READ not started
         self._reading: dict[str, LoadPlan] = {}               # READ in flight
@@ -346,6 +351,13 @@ class NixlConnector(KVConnector):
 
     # --- the producer's answers to peers (handshake server threads) ---------------------
     def _answer_lease_op(self, message: dict) -> dict:
+        try:
+            return self._lease_op(message)
+        except Exception as exc:  # a malformed message must not cost the server a thread
+            log.warning("bad KV lease op from a peer: %r", exc)
+            return {"ok": False, "error": "malformed lease op"}
+
+    def _lease_op(self, message: dict) -> dict:
         op, lease_id, epoch = message.get("op"), message.get("lease_id"), message.get("epoch")
         if not isinstance(lease_id, str) or not isinstance(epoch, str):
             return {"ok": False, "error": "a lease op names lease_id and epoch"}
@@ -353,7 +365,8 @@ class NixlConnector(KVConnector):
             if op == "open":
                 timeout = message.get("read_timeout_s")
                 timeout = float(timeout) if isinstance(timeout, (int, float)) \
-                    and not isinstance(timeout, bool) else self.config.kv_load_timeout
+                    and not isinstance(timeout, bool) and math.isfinite(timeout) \
+                    else self.config.kv_load_timeout
                 reply = {"ok": True, "lease": self.leases.open(lease_id, epoch, timeout),
                          "agent_name": self.transport.agent_name, "epoch": self.epoch}
                 if message.get("known_agent") != self.transport.agent_name:
@@ -409,6 +422,7 @@ class NixlConnector(KVConnector):
     def close(self) -> None:
         self.kv.end_leases(everything=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._housekeeping.shutdown(wait=False, cancel_futures=True)
         self.server.close()
         self.transport.close()
 
@@ -479,7 +493,8 @@ class NixlConnector(KVConnector):
             address = resolve_allowed(key[0], self.allowlist)
         except PermissionError:
             return None
-        return self._pool.submit(lease_call, address, key[1], message, HANDSHAKE_TIMEOUT_S)
+        return self._housekeeping.submit(lease_call, address, key[1], message,
+                                         HOUSEKEEPING_TIMEOUT_S)
 
     def _send_release(self, host: str, port: int, token: LeaseToken) -> None:
         self.counters["lease_releases_sent"] += 1

@@ -251,3 +251,37 @@ def test_a_restarted_producer_heals_at_once(tiny_qwen3, logs, engines):
         wait_idle(second, Ds)
     finally:
         second.stop()
+
+
+def test_hostile_lease_ops_are_answered_and_harmless(engines):
+    """Garbage on the handshake port (the lease channel) gets a refusal or a closed
+    connection; the producer keeps serving honest handoffs."""
+    import socket
+    import struct
+
+    from pdpool.engine.connector.handshake import LEASE_MAGIC, lease_call
+
+    P, Dn, A = engines["P"], engines["Dn"], engines["A"]
+    b = body(ids(40, seed=50))
+    kv = prefill_leg(P.url, b)
+    port = kv["remote_port"]
+    for message in ({"op": "open"}, {"op": "open", "lease_id": 1, "epoch": []},
+                    {"op": "open", "lease_id": kv["pdpool_lease"]["id"], "epoch": "x"},
+                    {"op": "renew", "lease_id": "x" * 10_000, "epoch": "y"},
+                    {"op": "drop-tables", "lease_id": "a", "epoch": "b"},
+                    {"op": "open", "lease_id": "a", "epoch": "b", "read_timeout_s": "NaN"}):
+        reply = lease_call("127.0.0.1", port, message)
+        assert reply["ok"] is False and reply["error"]
+    for raw in (LEASE_MAGIC + struct.pack(">I", 5) + b"[1,2]",
+                LEASE_MAGIC + struct.pack(">I", 3) + b"\xff\xfe\xfd",
+                LEASE_MAGIC + struct.pack(">I", 1 << 30),
+                b"GET / HTTP/1.1\r\n\r\n", b""):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(raw)
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(5)
+            while sock.recv(65536):
+                pass
+    out = decode_leg(Dn.url, b, kv)           # the lease survived all of that
+    assert text_of(out) == text_of(post(A.url, b)) and pdpool_usage(out)["pulled"] == 39
+    wait_idle(P, Dn)

@@ -94,7 +94,10 @@ def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         msg = f"{exc.msg} (line {exc.lineno} column {exc.colno})" \
             if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise RequestError(f"the request body is not valid JSON: {msg}") from None
-    _check_tree(value, max_depth)
+    if isinstance(value, (dict, list)) and _nesting_exceeds(raw, max_depth):
+        raise RequestError(f"the request body nests deeper than {max_depth} levels")
+    if _SURROGATE_ESCAPE.search(text):
+        _find_surrogates(value)
     return value
 
 
@@ -103,29 +106,42 @@ def _no_constant(name: str):
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Valid UTF-8 cannot carry a surrogate: only a JSON escape (\\uD800-\\uDFFF) can.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# Brackets kept, objects' made square (nesting is unchanged), everything else deleted.
+_SQUARE = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
-def _check_tree(value: Any, max_depth: int) -> None:
-    """Depth and lone surrogates (the one string JSON can carry that UTF-8 cannot encode),
-    iteratively: a hostile body must not exhaust the stack."""
-    stack = [(value, 1, None)]
+def _nesting_exceeds(raw: bytes, max_depth: int) -> bool:
+    """Whether valid JSON nests deeper than `max_depth`, at C speed: strip the strings,
+    keep the brackets, then peel the innermost empty pairs off, exactly one level per pass
+    (bytes.replace does not rescan what it produced)."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(_SQUARE, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
+
+
+def _find_surrogates(value: Any) -> None:
+    """Raises RequestError for a lone surrogate in any string or key (iteratively: a
+    hostile body must not exhaust the stack)."""
+    stack = [(value, None)]
     while stack:
-        v, depth, top = stack.pop()
+        v, top = stack.pop()
         if isinstance(v, str):
             if _SURROGATE.search(v):
                 raise RequestError("a string holds a lone surrogate (invalid Unicode)", top)
-        elif isinstance(v, (dict, list)):
-            if depth > max_depth:
-                raise RequestError(f"the request body nests deeper than {max_depth} levels",
-                                   top)
-            if isinstance(v, dict):
-                for k, item in v.items():
-                    if _SURROGATE.search(k):
-                        raise RequestError("a key holds a lone surrogate (invalid Unicode)",
-                                           top)
-                    stack.append((item, depth + 1, k if top is None else top))
-            else:
-                stack.extend((item, depth + 1, top) for item in v)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if _SURROGATE.search(k):
+                    raise RequestError("a key holds a lone surrogate (invalid Unicode)", top)
+                stack.append((item, k if top is None else top))
+        elif isinstance(v, list):
+            stack.extend((item, top) for item in v if isinstance(item, (str, dict, list)))
 
 
 def _is_int(v: Any) -> bool:

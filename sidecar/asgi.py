@@ -53,6 +53,18 @@ async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES,
             return b"".join(parts)
 
 
+# Bodies up to this size are parsed on the event loop; larger ones in a worker thread, so
+# that a big (or hostile: a million tiny lists) body never holds up other streams or probes.
+INLINE_PARSE_BYTES = 64 * 1024
+
+
+async def off_loop_if_large(fn: Callable[..., Any], raw: bytes, *args: Any) -> Any:
+    """fn(raw, *args), in a worker thread when `raw` is large."""
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return fn(raw, *args)
+    return await asyncio.to_thread(fn, raw, *args)
+
+
 def header_dict(scope: dict) -> dict[str, str]:
     """Request headers, lower-cased names (the last value wins)."""
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

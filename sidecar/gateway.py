@@ -19,15 +19,15 @@ from typing import Any, Optional
 
 import httpx
 
-from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, parse_json_body
+from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 
 from . import migration
 from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
-                   read_body, run_until_disconnect, send_bytes, send_error, send_start,
-                   sse_error_event)
+                   off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error,
+                   send_start, sse_error_event)
 from .discovery import EndpointSet
-from .legs import validate_client_body
+from .legs import parse_client_body
 from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .outlier import OutlierDetector
@@ -217,7 +217,7 @@ class Gateway:
             # The same strict checks as the sidecar and the engine (pdpool.protocol): a
             # body none of them would accept never takes a backend's time.
             try:
-                body = validate_client_body(parse_json_body(raw), scope["path"])
+                body = await off_loop_if_large(parse_client_body, raw, scope["path"])
             except ValueError as exc:
                 return await send_error(send, 400, str(exc), param=getattr(exc, "param", None),
                                         headers={"x-request-id": headers["x-request-id"]})

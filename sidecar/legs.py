@@ -18,7 +18,7 @@ import copy
 from typing import Any, Optional
 
 from pdpool.protocol import (FINISH_CACHE_THRESHOLD, ROUTE_MODELS, RequestError,
-                             validate_request)
+                             parse_json_body, validate_request)
 
 KV_PARAMS = "kv_transfer_params"
 THRESHOLD = "cache_hit_threshold"
@@ -54,6 +54,16 @@ def validate_client_body(body: Any, route: Optional[str] = None) -> dict:
     except RequestError as exc:
         raise BadRequest(str(exc), exc.param) from None
     return body
+
+
+def parse_client_body(raw: bytes, route: Optional[str] = None) -> dict:
+    """The body of a generation request: strict JSON (pdpool.protocol.parse_json_body),
+    then validate_client_body. Raises BadRequest."""
+    try:
+        body = parse_json_body(raw)
+    except RequestError as exc:
+        raise BadRequest(str(exc), exc.param) from None
+    return validate_client_body(body, route)
 
 
 def strip_client_kv_params(body: dict) -> tuple[dict, bool]:

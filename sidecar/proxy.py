@@ -23,15 +23,14 @@ import httpx
 
 from . import legs
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
-                   read_body, run_until_disconnect, send_bytes, send_error, send_start,
-                   sse_error_event)
+                   off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error,
+                   send_start, sse_error_event)
 from .discovery import EndpointSet
 from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
-from pdpool.protocol import parse_json_body
 from .outlier import OutlierDetector
 from .picker import LoadPicker
-from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_target
+from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
 from .settings import SidecarSettings
 from .upstream import ClientShards
 from .sse import DONE, EventSplitter, event_json, json_event, usage_of
@@ -58,7 +57,7 @@ class Exchange:
     headers: dict[str, str]
     request_id: str
     send: Send
-    target: Optional[str] = None               # trusted x-prefiller-host-port
+    targets: list[str] = field(default_factory=list)  # trusted x-prefiller-host-port
     stream: bool = False
     path_taken: str = "decode"
     prefill_usage: Optional[dict] = None
@@ -252,8 +251,8 @@ class Sidecar:
             self.metrics.requests.labels(mode, "client_error").inc()
             return await send_error(send, 413, "request body too large")
         try:
-            body = legs.validate_client_body(parse_json_body(raw), scope["path"])
-            target = allowed_target(headers.get(PREFILLER_HEADER), self.endpoints.current)
+            body = await off_loop_if_large(legs.parse_client_body, raw, scope["path"])
+            targets = allowed_targets(headers.get(PREFILLER_HEADER), self.endpoints.current)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, legs.BadRequest
             self.metrics.requests.labels(mode, "client_error").inc()
             return await send_error(send, 400, _bad_request_message(exc),
@@ -268,7 +267,7 @@ class Sidecar:
         if dropped:
             self.metrics.client_kv_dropped.inc()
         ex = Exchange(route=scope["path"], body=body, request_id=request_id, send=send,
-                      headers=forwardable(headers, drop=(PREFILLER_HEADER,)), target=target,
+                      headers=forwardable(headers, drop=(PREFILLER_HEADER,)), targets=targets,
                       stream=bool(body.get("stream")))
         ex.headers["x-request-id"] = request_id
         ex.headers["content-type"] = "application/json"
@@ -439,9 +438,11 @@ class Sidecar:
 
     async def _prefill(self, ex: Exchange, leg: dict) -> PrefillResult:
         """Tries prefill engines, least loaded first; an empty result means fallback."""
-        # Ejected engines are skipped (also a trusted x-prefiller-host-port naming one);
+        # Ejected engines are skipped (also a trusted x-prefiller-host-port naming them);
         # when all are ejected, decode prefills itself (fallback).
-        preferred = ex.target if ex.target and not self.outliers.is_ejected(ex.target) else None
+        # Several named (llm-d's comma-separated list): the least loaded of them goes first.
+        named = [t for t in ex.targets if not self.outliers.is_ejected(t)]
+        preferred = self.picker.order(named)[0] if named else None
         candidates = self.picker.order(self.outliers.available(self.endpoints.current),
                                        preferred=preferred)
         for endpoint in candidates:

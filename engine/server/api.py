@@ -112,8 +112,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         """Ends a KV lease this engine granted, named by the kv_transfer_params it issued
         (a router whose prefill leg did not pull decode's prefix gives it back at once)."""
         try:
-            body = json.loads(await request.body())
-        except ValueError:
+            body = parse_json_body(await read_body(request))
+        except RequestError:
             body = None
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not isinstance(params, dict):

@@ -1,7 +1,7 @@
 """OpenAI request bodies (with vLLM's extensions) and their conversion to engine terms."""
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from pdpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdpool.protocol import ChatFields, CompletionFields, KVTransferParams

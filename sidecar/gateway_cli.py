@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pdpool.cli import CliError
-    from pdpool.engine.config import parse_size   # no torch: config only
+    from pdpool.units import parse_size
 
     from .gateway import Gateway, GatewaySettings
     try:

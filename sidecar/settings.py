@@ -35,7 +35,7 @@ class SidecarSettings:
 
     def validate(self) -> "SidecarSettings":
         if isinstance(self.max_body_bytes, str):   # "32MiB" from a config file
-            from pdpool.engine.config import parse_size
+            from pdpool.units import parse_size
             self.max_body_bytes = parse_size(self.max_body_bytes)
         if int(self.max_body_bytes) < 1024:
             raise ValueError("max_body_bytes must be at least 1KiB")

@@ -252,7 +252,10 @@ class Sidecar:
             return await send_error(send, 413, "request body too large")
         try:
             body = await off_loop_if_large(legs.parse_client_body, raw, scope["path"])
-            targets = allowed_targets(headers.get(PREFILLER_HEADER), self.endpoints.current)
+            # Repeated header lines count as one comma-separated list (RFC 9110).
+            named = ",".join(v.decode("latin-1") for k, v in scope["headers"]
+                             if k.decode("latin-1").lower() == PREFILLER_HEADER)
+            targets = allowed_targets(named, self.endpoints.current)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, legs.BadRequest
             self.metrics.requests.labels(mode, "client_error").inc()
             return await send_error(send, 400, _bad_request_message(exc),

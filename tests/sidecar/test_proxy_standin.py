@@ -202,6 +202,34 @@ async def test_prefiller_header_must_name_a_known_prefill_engine(servers):
     assert "x-prefiller-host-port" not in p1.state.received[0][2]
 
 
+async def test_prefiller_header_list_as_llm_d(servers):
+    """llm-d's comma-separated list (or repeated header lines): every entry must be allowed."""
+    decode, (p0, p1), sidecar, side = await topology(servers, n_prefill=2)
+    ok1, ok0 = f"127.0.0.1:{p1.state.port}", f"127.0.0.1:{p0.state.port}"
+    body = {"prompt": HISTORY, "max_tokens": 2}
+    async with httpx.AsyncClient() as c:
+        mixed = await c.post(side.url + "/v1/completions", json=body,
+                             headers={"x-prefiller-host-port": f"{ok1}, {side.host_port}"})
+        repeated = await c.post(side.url + "/v1/completions", json=body,
+                                headers=[("x-prefiller-host-port", ok1),
+                                         ("x-prefiller-host-port", "169.254.169.254:80")])
+        empty_entry = await c.post(side.url + "/v1/completions", json=body,
+                                   headers={"x-prefiller-host-port": f"{ok1},,"})
+        assert not p0.state.received and not p1.state.received
+        good = await c.post(side.url + "/v1/completions", json=body,
+                            headers={"x-prefiller-host-port": f"{ok1} ,{ok1}"})
+        other = {"prompt": " ".join(f"o{i}" for i in range(40)), "max_tokens": 2}
+        both = await c.post(side.url + "/v1/completions", json=other,
+                            headers=[("x-prefiller-host-port", ok0),
+                                     ("x-prefiller-host-port", ok1)])
+    for r in (mixed, repeated, empty_entry):
+        assert r.status_code == 403 and r.json()["error"]["param"] == "x-prefiller-host-port"
+    assert good.status_code == 200 and good.headers["x-pdpool-prefill-endpoint"] == ok1
+    assert both.status_code == 200
+    assert both.headers["x-pdpool-prefill-endpoint"] in (ok0, ok1)
+    assert len(p0.state.received) + len(p1.state.received) == 2
+
+
 async def test_client_kv_transfer_params_never_reach_an_engine(servers):
     decode, (prefill,), sidecar, side = await topology(servers)
     evil = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "10.9.9.9",

@@ -2,7 +2,8 @@
 import pytest
 
 from pdpool.sidecar.picker import LoadPicker
-from pdpool.sidecar.security import ForbiddenTarget, allowed_target, normalize_host_port
+from pdpool.sidecar.security import (ForbiddenTarget, allowed_target, allowed_targets,
+                                     normalize_host_port)
 
 ALLOWED = ["10.0.0.5:8000", "http://prefill-1.ns.svc:8000/"]
 
@@ -28,6 +29,18 @@ def test_allowed(value, expected):
 def test_forbidden(value):
     with pytest.raises(ForbiddenTarget):
         allowed_target(value, ALLOWED)
+
+
+def test_comma_separated_list_as_llm_d():
+    assert allowed_targets("10.0.0.5:8000, prefill-1.ns.svc:8000,10.0.0.5:8000", ALLOWED) == [
+        "10.0.0.5:8000", "prefill-1.ns.svc:8000"]
+    assert allowed_target("prefill-1.ns.svc:8000,10.0.0.5:8000", ALLOWED) == \
+        "prefill-1.ns.svc:8000"
+    assert allowed_targets(None, ALLOWED) == [] and allowed_targets(" ", ALLOWED) == []
+    for bad in ("10.0.0.5:8000,10.0.0.5:8001", "10.0.0.5:8000,", ",10.0.0.5:8000",
+                "10.0.0.5:8000,169.254.169.254:80", ",".join(["10.0.0.5:8000"] * 65)):
+        with pytest.raises(ForbiddenTarget):
+            allowed_targets(bad, ALLOWED)
 
 
 def test_ipv6_normalization():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,15 @@ import torch
 SUPPORTED = {
     "Qwen3ForCausalLM": "pdpool.engine.models.qwen3:Qwen3ForCausalLM",
     "Qwen3_5ForCausalLM": "pdpool.engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    # Qwen3.5 as published: the text model under `model.language_model.*` plus a vision
+    # tower (`model.visual.*`) and MTP head (`mtp.*`), which this text-only engine ignores.
+    "Qwen3_5ForConditionalGeneration": "pdpool.engine.models.qwen3_5:Qwen3_5ForCausalLM",
 }
+# Published multimodal layouts: text weights under this prefix are the causal LM's `model.*`.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")
+
+log = logging.getLogger("pdpool.engine.model_loader")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,7 +44,10 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
     config = json.loads(cfg_file.read_text())
     if "text_config" in config and "num_hidden_layers" not in config:
         # Multimodal wrappers keep the language model's settings under text_config.
+        outer = config
         config = {**config["text_config"], "architectures": config.get("architectures")}
+        if "tie_word_embeddings" in outer and "tie_word_embeddings" not in outer["text_config"]:
+            config["tie_word_embeddings"] = outer["tie_word_embeddings"]
     archs = config.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED), None)
     if arch is None:
@@ -67,6 +79,7 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> tor
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         state.update(load_file(str(shard), device="cpu"))
+    state = text_weights(state)
     if getattr(model, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     params = dict(model.named_parameters())
@@ -85,3 +98,26 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> tor
         if hasattr(module, "rebuild_buffers"):
             module.rebuild_buffers()
     return model
+
+
+def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A published multimodal checkpoint's tensors as the text-only model names them:
+    `model.language_model.X` -> `model.X`; the vision tower and MTP head are dropped (logged).
+    A causal-LM checkpoint is returned unchanged."""
+    if not any(k.startswith(LANGUAGE_MODEL_PREFIX) for k in state):
+        return state
+    out: dict[str, torch.Tensor] = {}
+    ignored: dict[str, int] = {}
+    for name, tensor in state.items():
+        if name.startswith(LANGUAGE_MODEL_PREFIX):
+            out["model." + name[len(LANGUAGE_MODEL_PREFIX):]] = tensor
+        elif name.startswith(IGNORED_PREFIXES):
+            prefix = next(p for p in IGNORED_PREFIXES if name.startswith(p))
+            ignored[prefix] = ignored.get(prefix, 0) + 1
+        else:
+            out[name] = tensor
+    if ignored:
+        log.info("text-only engine: ignoring %s", ", ".join(
+            f"{n} tensors under {p}*" + (" (vision tower)" if "visual" in p else " (MTP head)")
+            for p, n in sorted(ignored.items())))
+    return out

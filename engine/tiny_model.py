@@ -74,7 +74,7 @@ class TinyModelSpec:
     intermediate_size: int = 128
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 16
+    head_dim: int = 32  # >= 32: vLLM's CPU attention has no kernel for 16
     vocab_size: int = 512
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # qwen3: a window makes every other layer sliding

@@ -15,7 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intermediate-size", type=int, default=128)
     p.add_argument("--heads", type=int, default=4, dest="num_heads")
     p.add_argument("--kv-heads", type=int, default=2, dest="num_kv_heads")
-    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=32,
+                   help="attention head size (default 32: the smallest vLLM's CPU backend runs)")
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--sliding-window", type=int, default=None,
                    help="qwen3: make every other layer sliding-window attention")

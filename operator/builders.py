@@ -21,6 +21,62 @@ from .names import (ANNOTATION_ROUTER_HASH, API_VERSION, DECODE, ENGINE_PORT, GA
                     selector_labels, service_host)
 from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
 
+# --- Pod security ------------------------------------------------------------------------
+# Every child pod meets the `restricted` Pod Security Standard by default: non-root (the
+# images' uid 65532), no privilege escalation, no capabilities, the runtime's seccomp
+# profile, a read-only root filesystem and no API token. `spec.security` merges over these
+# key by key (an override that breaks the profile is the user's choice; a namespace that
+# enforces `restricted` then refuses the pods).
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+    "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+# The writable places of a read-only root filesystem: /tmp, and one cache folder that
+# every library the engines load is pointed at (Hugging Face, torch, Triton, vLLM, ...).
+TMP_MOUNT, CACHE_MOUNT = "/tmp", "/cache"
+CACHE_ENV = {
+    "HOME": "/tmp",   # libraries that write under ~ (~/.config, ~/.nv, ...)
+    "XDG_CACHE_HOME": CACHE_MOUNT,
+    "HF_HOME": f"{CACHE_MOUNT}/huggingface",
+    "TORCH_HOME": f"{CACHE_MOUNT}/torch",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor",
+    "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
+    "CUDA_CACHE_PATH": f"{CACHE_MOUNT}/nv",
+    "NUMBA_CACHE_DIR": f"{CACHE_MOUNT}/numba",
+    "VLLM_CACHE_ROOT": f"{CACHE_MOUNT}/vllm",
+    "VLLM_CONFIG_ROOT": f"{CACHE_MOUNT}/vllm-config",
+    "FLASHINFER_WORKSPACE_BASE": CACHE_MOUNT,
+}
+
+
+def _merged(defaults: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(defaults))  # deep copy
+    out.update(json.loads(json.dumps(override)))
+    return out
+
+
+def pod_security_context(pool: PoolSpec) -> dict[str, Any]:
+    return _merged(POD_SECURITY_CONTEXT, pool.security.pod_security_context)
+
+
+def container_security_context(pool: PoolSpec) -> dict[str, Any]:
+    return _merged(CONTAINER_SECURITY_CONTEXT, pool.security.container_security_context)
+
+
+def _cache_env() -> list[dict[str, Any]]:
+    return [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
+
+
+def _empty_dir(name: str, size_limit: str | None = None, memory: bool = False) -> dict:
+    spec: dict[str, Any] = {}
+    if memory:
+        spec["medium"] = "Memory"
+    if size_limit:
+        spec["sizeLimit"] = size_limit
+    return {"name": name, "emptyDir": spec}
+
 Manifest = dict[str, Any]
 
 
@@ -44,6 +100,7 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         engine_deployment(ref, pool, PREFILL),
         engine_deployment(ref, pool, DECODE, router_hash=config_hash),
         gateway_deployment(ref, pool, router_hash=config_hash),
+        *(disruption_budget(ref, pool, role) for role in (PREFILL, DECODE, GATEWAY)),
     ]
 
 
@@ -154,11 +211,12 @@ def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
             "failureThreshold": failures}
 
 
-def _http_probes(port: str) -> dict[str, Any]:
+def _http_probes(port: str, ready_path: str = "/ready") -> dict[str, Any]:
     return {
         # Loading a model can take many minutes: the startup probe holds liveness back.
         "startupProbe": _probe("/health", port, 10, 180),
-        "readinessProbe": _probe("/health", port, 5, 3),
+        # /ready also fails while the engine loop is wedged with work (/health: liveness).
+        "readinessProbe": _probe(ready_path, port, 5, 3),
         "livenessProbe": _probe("/health", port, 10, 6),
     }
 
@@ -196,13 +254,19 @@ def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
             "name": pool.model.hf_token_secret, "key": "token"}}})
     return {"name": "fetch-model", "image": pool.engine.image,
             "imagePullPolicy": pool.engine.image_pull_policy,
-            "command": commands.hf_download_args(pool.model), "env": env,
-            "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT}]}
+            "command": commands.hf_download_args(pool.model), "env": _cache_env() + env,
+            "resources": dict(pool.model.download_resources),
+            "securityContext": container_security_context(pool),
+            "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
+                             {"name": "tmp", "mountPath": TMP_MOUNT},
+                             {"name": "cache", "mountPath": CACHE_MOUNT}]}
 
 
 def _engine_container(pool: PoolSpec, role_name: str, role: RoleSpec,
                       secret_ref: SecretKeyRef | None) -> dict[str, Any]:
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "tmp", "mountPath": TMP_MOUNT},
+              {"name": "cache", "mountPath": CACHE_MOUNT}]
     if _needs_model_volume(pool):
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if secret_ref is not None:
@@ -211,13 +275,15 @@ def _engine_container(pool: PoolSpec, role_name: str, role: RoleSpec,
         "name": "engine", "image": pool.engine.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
         "command": commands.engine_args(pool, role_name),
-        "env": _downward_env() + commands.engine_env(pool) + list(pool.engine.env)
-        + list(role.env),
+        "env": _downward_env() + commands.engine_env(pool) + _cache_env()
+        + list(pool.engine.env) + list(role.env),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
                   {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"}],
         "resources": engine_resources(role),
+        "securityContext": container_security_context(pool),
         "volumeMounts": mounts,
-        **_http_probes("http"),
+        # Stock vLLM has no /ready.
+        **_http_probes("http", "/health" if pool.engine.kind == "vllm" else "/ready"),
     }
 
 
@@ -234,9 +300,33 @@ def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
         "command": commands.sidecar_args(), "env": _router_env(ref),
         "ports": [{"name": "router", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
         "resources": dict(pool.router.resources),
-        "readinessProbe": _probe("/health", "router", 5, 3),
+        "securityContext": container_security_context(pool),
+        # The engine's /tmp is not shared: the sidecar gets its own.
+        "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}],
+        "readinessProbe": _probe("/ready", "router", 5, 3),   # its engine's readiness
         "livenessProbe": _probe("/health", "router", 10, 6),
     }
+
+
+def topology_spread(ref: PoolRef, role_name: str, role: RoleSpec | None) -> list[dict]:
+    """Spread a role's pods over hosts, then zones (best effort: never blocks scheduling).
+    The spec's own list replaces these; its entries without a labelSelector get the role's."""
+    selector = {"matchLabels": selector_labels(ref.name, role_name)}
+    if role is not None and role.topology_spread is not None:
+        return [{"labelSelector": selector, **c} for c in role.topology_spread]
+    return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": selector}
+            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")]
+
+
+def _pod_security(pool: PoolSpec) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "securityContext": pod_security_context(pool),
+        # No pool process talks to the Kubernetes API: no token in the pods.
+        "automountServiceAccountToken": pool.security.automount_service_account_token}
+    if pool.security.service_account_name:
+        spec["serviceAccountName"] = pool.security.service_account_name
+    return spec
 
 
 def _pod_scheduling(pool: PoolSpec, role: RoleSpec | None) -> dict[str, Any]:
@@ -271,10 +361,17 @@ def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
     containers = [_engine_container(pool, role_name, role, secret_ref)]
     if role_name == DECODE:
         containers.append(_sidecar_container(ref, pool))
-    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    # /dev/shm: memory-backed and sized (NCCL, UCX and torch workers use it); it counts
+    # against the pod's memory.
+    volumes = [_empty_dir("dshm", pool.engine.shm_size, memory=True), _empty_dir("tmp"),
+               _empty_dir("cache", pool.engine.cache_size_limit)]
+    if role_name == DECODE:
+        volumes.append(_empty_dir("sidecar-tmp"))
     pod_spec: dict[str, Any] = {"containers": containers, "volumes": volumes,
                                 "terminationGracePeriodSeconds": 60,
-                                **_pod_scheduling(pool, role)}
+                                **_pod_security(pool), **_pod_scheduling(pool, role),
+                                "topologySpreadConstraints": topology_spread(ref, role_name,
+                                                                             role)}
     if _needs_model_volume(pool):
         volumes.append(_model_volume(pool))
     if secret_ref is not None:
@@ -293,9 +390,29 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         "command": commands.gateway_args(decode),
         "ports": [{"name": "http", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
         "resources": dict(pool.gateway.resources),
-        "readinessProbe": _probe("/health", "http", 5, 3),
+        "securityContext": container_security_context(pool),
+        "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}],
+        "readinessProbe": _probe("/ready", "http", 5, 3),
         "livenessProbe": _probe("/health", "http", 10, 6),
     }
-    pod_spec = {"containers": [container], **_pod_scheduling(pool, None)}
+    pod_spec = {"containers": [container], "volumes": [_empty_dir("tmp")],
+                **_pod_security(pool), **_pod_scheduling(pool, None),
+                "topologySpreadConstraints": topology_spread(ref, GATEWAY, None)}
     return _deployment(ref, GATEWAY, pool.gateway.replicas, pod_spec,
                        {ANNOTATION_ROUTER_HASH: router_hash})
+
+
+# --- PodDisruptionBudgets ----------------------------------------------------------------
+
+def disruption_budget(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
+    """One per role: voluntary evictions (node drains) take at most `maxUnavailable` pods
+    of a role at a time. A count, not minAvailable, so a one-replica role can still be
+    drained. Disabled: the budget stays but allows everything ("100%"), since the operator
+    applies children and never deletes them. Pods that are not ready may always be evicted
+    (a wedged pod must not block a drain)."""
+    budget = pool.disruption_budget
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _metadata(ref, child_name(ref.name, role_name), role_name),
+            "spec": {"maxUnavailable": budget.max_unavailable if budget.enabled else "100%",
+                     "selector": {"matchLabels": selector_labels(ref.name, role_name)},
+                     "unhealthyPodEvictionPolicy": "AlwaysAllow"}}

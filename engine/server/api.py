@@ -135,8 +135,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
     async def read_body(request: Request) -> bytes:
         """The body, refused with 413 as soon as it passes --max-body-bytes (announced or
         while it arrives: a huge body is never buffered)."""
-        too_large = ApiError(f"the request body exceeds {max_body} bytes", 413,
-                             "RequestTooLargeError")
+        too_large = ApiError(f"the request body exceeds {max_body} bytes (--max-body-bytes)",
+                             413)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_body:
             raise too_large

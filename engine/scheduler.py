@@ -12,10 +12,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pdpool.engine.kv.manager import KVCacheManager, cdiv
 from pdpool.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pdpool.engine.connector.base import KVConnector
 
 log = logging.getLogger("pdpool.scheduler")
 
@@ -57,7 +60,8 @@ class ThresholdDecision:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector=None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 connector: Optional["KVConnector"] = None):
         from pdpool.engine.connector.base import KVConnector
         self.config = config
         self.kv = kv

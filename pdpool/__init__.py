@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 # pdpool/operator/; an editable install's finder cannot resolve a folder without
 # __init__.py, so in a source checkout the repository root joins this package's path and
 # `pdpool.operator` resolves to operator/ as a namespace package.
-def _source_checkout_root():
+def _source_checkout_root() -> "str | None":
     import os
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -19,5 +19,6 @@ def _source_checkout_root():
     return None
 
 
-if _source_checkout_root() is not None:
-    __path__.append(_source_checkout_root())  # noqa: F821 (a package's own __path__)
+_root = _source_checkout_root()
+if _root is not None:
+    __path__.append(_root)  # noqa: F821 (a package's own __path__)

@@ -96,7 +96,7 @@ def parse_allowlist(spec: str | Iterable[str] | None, include_loopback: bool = T
 def system_resolver(host: str) -> list[str]:
     """All addresses `host` resolves to (TCP), in resolver order."""
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(info[4][0] for info in infos))
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 def _as_address(text: str) -> IPAddress | None:

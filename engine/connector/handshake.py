@@ -180,7 +180,8 @@ class _Handler(socketserver.BaseRequestHandler):
             return
         try:
             message = json.loads(_recv_exactly(self.request, length))
-            reply = owner.lease_handler(message) if isinstance(message, dict) \
+            handler = owner.lease_handler
+            reply = handler(message) if handler is not None and isinstance(message, dict) \
                 else {"ok": False, "error": "a lease message is a JSON object"}
         except ValueError:
             reply = {"ok": False, "error": "a lease message is JSON"}

@@ -81,7 +81,8 @@ def _signed_payload(params: Mapping[str, Any], lease: Mapping[str, Any]) -> byte
                        "lease": {k: v for k, v in lease.items() if k != "sig"}})
 
 
-def attach(params: dict, token: LeaseToken, secret: Optional[bytes]) -> dict:
+def attach(params: dict[str, Any], token: LeaseToken,
+           secret: Optional[bytes]) -> dict[str, Any]:
     """Adds the lease (signed when there is a secret) to params issued by a producer."""
     lease = {"id": token.lease_id, "epoch": token.epoch, "num_tokens": token.num_tokens,
              "hash": token.prefix_hash.hex(), "expires_ms": token.expires_ms}
@@ -91,14 +92,14 @@ def attach(params: dict, token: LeaseToken, secret: Optional[bytes]) -> dict:
     return params
 
 
-def _str(lease: Mapping, key: str, max_len: int = 128) -> str:
+def _str(lease: Mapping[str, Any], key: str, max_len: int = 128) -> str:
     v = lease.get(key)
     if not isinstance(v, str) or not v or len(v) > max_len:
         raise LeaseTokenError(f"{LEASE_KEY}.{key} must be a non-empty string")
     return v
 
 
-def _int(lease: Mapping, key: str) -> int:
+def _int(lease: Mapping[str, Any], key: str) -> int:
     v = lease.get(key)
     if isinstance(v, float) and v.is_integer():
         v = int(v)   # a router that decoded JSON numbers as floats

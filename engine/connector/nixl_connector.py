@@ -83,6 +83,13 @@ class LoadPlan:
     boundary_hash: Optional[bytes] = None
     orphan_blocks: Optional[list[Block]] = None  # request aborted mid-READ
 
+    @property
+    def read_id(self) -> int:
+        """The READ's transfer id (plans in `_reading` always have one)."""
+        if self.transfer_id is None:
+            raise RuntimeError(f"load for {self.request_id} has no READ")
+        return self.transfer_id
+
 
 @dataclass
 class _Wanted:
@@ -150,7 +157,7 @@ class NixlConnector(KVConnector):
         self.leases = kv.configure_leases(self.epoch, config.kv_producer_timeout,
                                           config.kv_load_timeout + HANDSHAKE_TIMEOUT_S)
         self.layout = layout
-        self.sliding = [g.kind == "sliding" for g in kv.groups]
+        self.sliding = [g.is_sliding for g in kv.groups]
         self.allowlist = parse_allowlist(config.kv_peer_allowlist)
         self.transport = NixlTransport(self.engine_id)
         self.transport.register_region("kv", kv_cache)
@@ -197,11 +204,12 @@ class NixlConnector(KVConnector):
         this engine cannot trust: no lease, a bad or missing signature (with a secret), an
         expired lease, or a lease over other tokens than this prompt's."""
         p = request.kv_transfer_params
-        if not self._wants_remote(p):
+        if p is None or not self._wants_remote(p):
             return None
         try:
             token = read_lease(p, self.secret)
-            if self._parse_peer(p) is None:
+            peer = self._parse_peer(p)
+            if peer is None:
                 raise LeaseTokenError("kv_transfer_params name no valid remote_host/remote_port")
             mine = prefix_hash(request.all_token_ids, request.block_hashes, token.num_tokens,
                                self.block_size, request.hasher.extra_keys)
@@ -215,7 +223,7 @@ class NixlConnector(KVConnector):
             log.warning("request %s: refusing kv_transfer_params: %s", request.request_id, exc)
             return str(exc)
         request.kv_lease = token
-        wanted = _Wanted(request, self._parse_peer(p), token)
+        wanted = _Wanted(request, peer, token)
         wanted.schedule(token.expires_ms / 1000 - time.time())
         self._wanted[request.request_id] = wanted
         return None
@@ -257,13 +265,17 @@ class NixlConnector(KVConnector):
 
     def update_state_after_alloc(self, request: Request, block_tables: list[list[int]],
                                  num_local_computed: int, num_external: int) -> None:
-        p = request.kv_transfer_params
         token: LeaseToken = request.kv_lease
-        request.kv_consumed = True   # never pull twice for one request
         wanted = self._wanted.pop(request.request_id, None)
+        peer = wanted.key if wanted is not None else \
+            self._parse_peer(request.kv_transfer_params or {})
+        if peer is None:
+            raise RuntimeError(f"{request.request_id}: a load planned without a peer")
+        host, port = peer
+        request.kv_consumed = True   # never pull twice for one request
         first = num_local_computed // self.block_size
         last = cdiv(num_local_computed + num_external, self.block_size)
-        plan = LoadPlan(request.request_id, *self._parse_peer(p), token,
+        plan = LoadPlan(request.request_id, host, port, token,
                         [t[first:last] for t in block_tables], first,
                         list(request.block_hashes),
                         prefix_hash(request.all_token_ids, request.block_hashes,
@@ -311,7 +323,7 @@ class NixlConnector(KVConnector):
             return self._describe(request, lease, do_remote_prefill=True)
         return None
 
-    def describe_rejected(self, request: Request, hits: list[Block],
+    def describe_rejected(self, request: Request, hits: list[list[Block]],
                           num_cached: int) -> Optional[dict]:
         """The prefix this engine caches for a request it rejects, held under a short lease
         for a prefill engine to pull. Prefill legs are never rejected, so never described."""
@@ -390,12 +402,13 @@ class NixlConnector(KVConnector):
         self._finish_opens()
         results, self._failed = self._failed, []
         for rid, plan in list(self._reading.items()):
-            state = self.transport.poll(plan.transfer_id)
+            tid = plan.read_id
+            state = self.transport.poll(tid)
             if state is TransferState.IN_PROGRESS:
                 continue
             arrived = state is TransferState.DONE
-            error = None if arrived else self.transport.transfer(plan.transfer_id).error
-            self.transport.release(plan.transfer_id)
+            error = None if arrived else self.transport.transfer(tid).error
+            self.transport.release(tid)
             del self._reading[rid]
             if not arrived:
                 # The notification that frees the producer's lease will not come.
@@ -447,10 +460,11 @@ class NixlConnector(KVConnector):
         if num_tokens is not None:
             params["remote_num_tokens"] = num_tokens
         expires_ms = int((time.time() + self.config.kv_producer_timeout) * 1000)
-        token = LeaseToken(lease.lease_id, self.epoch, lease.num_tokens,
-                           prefix_hash(request.all_token_ids, request.block_hashes,
-                                       lease.num_tokens, self.block_size,
-                                       request.hasher.extra_keys), expires_ms)
+        digest = prefix_hash(request.all_token_ids, request.block_hashes, lease.num_tokens,
+                             self.block_size, request.hasher.extra_keys)
+        if digest is None:
+            raise RuntimeError(f"no prefix hash for the {lease.num_tokens} leased tokens")
+        token = LeaseToken(lease.lease_id, self.epoch, lease.num_tokens, digest, expires_ms)
         return attach_lease(params, token, self.secret)
 
     def _drop_wanted(self, request_id: str, release: bool) -> None:
@@ -537,7 +551,7 @@ class NixlConnector(KVConnector):
             raise HandshakeError(f"KV lease refused by {key[0]}:{key[1]}: "
                                  f"{reply.get('error', 'no reason given')}")
         agent = reply.get("agent_name")
-        if agent == self._peers.get(key) and "peer" not in reply:
+        if isinstance(agent, str) and agent == self._peers.get(key) and "peer" not in reply:
             return agent
         if not isinstance(reply.get("peer"), dict):
             raise HandshakeError(f"KV peer {key[0]}:{key[1]} did not describe its agent")
@@ -562,7 +576,7 @@ class NixlConnector(KVConnector):
         """After a failed read: the next load asks the producer for its agent again."""
         agent = self._peers.pop(key, None)
         if agent is not None and agent not in self._peers.values() and not any(
-                self.transport.transfer(p.transfer_id).peer == agent
+                self.transport.transfer(p.read_id).peer == agent
                 for p in self._reading.values()):
             self._remove_agent(agent)
 
@@ -610,7 +624,7 @@ class NixlConnector(KVConnector):
                 local_ids.append(local[k])
                 remote_ids.append(remote[first + k])
         units = {"kv": (local_ids, remote_ids)}
-        if plan.wants_state and valid:
+        if plan.state_pair is not None and valid:
             plan.state_pair = (plan.state_pair[0], slots[0])
             units["state"] = ([plan.state_pair[0]], [slots[0]])
             if plan.boundary_snapshot is not None and len(slots) == 2:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 
 def hash_block(parent: Optional[bytes], token_ids: Sequence[int],
-               extra_keys: tuple = ()) -> bytes:
+               extra_keys: tuple[object, ...] = ()) -> bytes:
     h = hashlib.sha256()
     h.update(parent if parent is not None else b"pdpool-root")
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
@@ -24,7 +24,7 @@ def hash_block(parent: Optional[bytes], token_ids: Sequence[int],
 
 
 class BlockHasher:
-    def __init__(self, block_size: int, extra_keys: tuple = ()):
+    def __init__(self, block_size: int, extra_keys: tuple[object, ...] = ()):
         self.block_size = block_size
         self.extra_keys = extra_keys
 
@@ -42,7 +42,7 @@ class BlockHasher:
 
 
 def prefix_hash(token_ids: Sequence[int], block_hashes: Sequence[bytes], num_tokens: int,
-                block_size: int, extra_keys: tuple = ()) -> Optional[bytes]:
+                block_size: int, extra_keys: tuple[object, ...] = ()) -> Optional[bytes]:
     """The chained hash of the first `num_tokens` tokens: the full block hash when they end
     on a block boundary, else the hash of the partial last block chained on the full ones.
     It commits to every one of those tokens, so two engines agree on it exactly when they

@@ -50,7 +50,7 @@ class Lease:
     def live(self, now: float) -> bool:
         return not self.released and now <= max(self.deadline, self.read_until)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """What an `open` answers: where the blocks are and what they hold."""
         return {"lease_id": self.lease_id, "epoch": self.epoch, "block_ids": self.block_ids,
                 "state_slots": list(self.state_slots), "num_tokens": self.num_tokens,
@@ -90,7 +90,7 @@ class LeaseTable:
                                "granted)")
         return lease
 
-    def open(self, lease_id: str, epoch: str, read_timeout_s: float) -> dict:
+    def open(self, lease_id: str, epoch: str, read_timeout_s: float) -> dict[str, Any]:
         """Pins a live lease for one read and describes it; a second open is refused."""
         now = time.monotonic()
         with self._lock:

@@ -19,7 +19,7 @@ from pdpool.engine.kv.leases import Lease, LeaseTable
 from pdpool.engine.kv.state_cache import StateSnapshotCache
 from pdpool.engine.request import Request
 
-FULL = KVGroup("full", None, 1)
+FULL = KVGroup(num_layers=1)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -37,7 +37,7 @@ class KVCacheManager:
                  num_snapshot_slots: int = 0):
         self.block_size = block_size
         self.groups = list(groups) if groups else [FULL]
-        sliding = any(g.kind == "sliding" for g in self.groups)
+        sliding = any(g.is_sliding for g in self.groups)
         self.pool = BlockPool(num_blocks, enable_caching, reserve_null=sliding)
         self.req_blocks: dict[str, list[list[Block]]] = {}
         # Recurrent-state models (Gated DeltaNet) keep one running state slot per request
@@ -86,18 +86,9 @@ class KVCacheManager:
     # --- prefix cache: per-group hit lengths and the coordinator ----------------------
     def _group_hit_len(self, g: int, hashes: list[bytes], limit: int) -> int:
         """Blocks (<= limit) of prefix that group g can serve."""
-        group, pool = self.groups[g], self.pool
-        if group.kind == "full":
-            n = 0
-            while n < limit and pool.get_cached_block(_key(g, hashes[n])) is not None:
-                n += 1
-            return n
-        # Sliding window: resuming at position p needs the keys of p-W+1 .. p-1 only.
-        for n in range(limit, 0, -1):
-            first = max(0, (n * self.block_size - group.window + 1) // self.block_size)
-            if all(pool.get_cached_block(_key(g, h)) is not None for h in hashes[first:n]):
-                return n
-        return 0
+        return self.groups[g].hit_len(
+            lambda h: self.pool.get_cached_block(_key(g, h)) is not None, hashes, limit,
+            self.block_size)
 
     def _state_hit_len(self, hashes: list[bytes], limit: int) -> int:
         for n in range(limit, 0, -1):
@@ -106,11 +97,12 @@ class KVCacheManager:
         return 0
 
     def _group_hit_blocks(self, g: int, hashes: list[bytes], n: int) -> list[Block]:
-        group, pool = self.groups[g], self.pool
-        first = 0 if group.kind == "full" else \
-            max(0, (n * self.block_size - group.window + 1) // self.block_size)
-        return [pool.null_block] * first + \
-            [pool.get_cached_block(_key(g, h)) for h in hashes[first:n]]
+        first = self.groups[g].first_needed_block(n * self.block_size, self.block_size)
+        hits = [self.pool.get_cached_block(_key(g, h)) for h in hashes[first:n]]
+        null = self.pool.null_block
+        # hit_len found every one of these; the null block stands for the ones out of window
+        outside = [null] * first if null is not None else []
+        return outside + [b for b in hits if b is not None]
 
     def get_computed_blocks(self, request: Request, skip_state: bool = False
                             ) -> tuple[list[list[Block]], int]:
@@ -118,7 +110,7 @@ class KVCacheManager:
         length in tokens. At least one token is always left to compute so the last prompt
         token produces logits. `skip_state`: the recurrent state will come from elsewhere
         (a KV consumer), so the state group does not limit the hit (seed 004)."""
-        empty = [[] for _ in self.groups]
+        empty: list[list[Block]] = [[] for _ in self.groups]
         if not self.enable_caching:
             return empty, 0
         hashes = request.block_hashes
@@ -150,14 +142,15 @@ class KVCacheManager:
         if not tables:
             return
         for g, group in enumerate(self.groups):
-            if group.kind != "sliding":
-                continue
-            cutoff = (request.num_computed_tokens - group.window + 1) // self.block_size
+            cutoff = group.first_needed_block(request.num_computed_tokens, self.block_size)
             blocks = tables[g]
+            null = self.pool.null_block
+            if null is None:   # no sliding group
+                continue
             for i in range(min(cutoff, len(blocks))):
-                if blocks[i] is not self.pool.null_block:
+                if blocks[i] is not null:
                     self.pool.free([blocks[i]])
-                    blocks[i] = self.pool.null_block
+                    blocks[i] = null
 
     def blocks_needed(self, request: Request, num_new_tokens: int,
                       new_computed: Optional[list[list[Block]]] = None) -> int:
@@ -241,6 +234,9 @@ class KVCacheManager:
         if not self.has_state or num_cached == 0:
             return
         snap = self.snapshots.lookup(request.block_hashes[num_cached // self.block_size - 1])
+        if snap is None:
+            raise RuntimeError(f"no state snapshot for the {num_cached}-token hit of "
+                               f"{request.request_id}")
         self.pending_restores.append((snap, self.req_slot[request.request_id]))
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:

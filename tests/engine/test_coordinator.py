@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from pdpool.engine.kv.groups import KVGroup, attention_groups
+from pdpool.engine.kv.groups import KVGroup, SlidingWindowGroup, attention_groups
 from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
-FULL, SLIDE8 = KVGroup("full", None, 1), KVGroup("sliding", 8, 1)
+FULL, SLIDE8 = KVGroup(num_layers=1), SlidingWindowGroup(num_layers=1, window=8)
 
 
 def make(rid, tokens, **kw):

@@ -29,7 +29,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
-    # Prefix-cache-aware admission (the seed). Off only to measure what it brings.
+    # Prefix-cache-aware admission. Off only to measure what it brings.
     prefix_aware_admission: bool = True
     global_cache_hit_threshold: float = 0.0
 
@@ -187,7 +187,7 @@ class Scheduler:
                     continue
                 num_cached = num_local
             num_new = req.num_tokens - num_cached
-            # Without awareness (the seed's "before"), cached tokens are charged to the
+            # Without awareness (the comparison baseline), cached tokens are charged to the
             # budget and cached blocks are allocated as if they were new.
             charged = num_new if self.config.prefix_aware_admission else req.num_tokens
             if charged > budget:

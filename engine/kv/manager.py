@@ -109,7 +109,7 @@ class KVCacheManager:
         """The longest prefix every group can serve, as per-group block lists, and its
         length in tokens. At least one token is always left to compute so the last prompt
         token produces logits. `skip_state`: the recurrent state will come from elsewhere
-        (a KV consumer), so the state group does not limit the hit (seed 004)."""
+        (a KV consumer), so the state group does not limit the hit (vLLM PR #42524)."""
         empty: list[list[Block]] = [[] for _ in self.groups]
         if not self.enable_caching:
             return empty, 0

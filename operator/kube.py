@@ -17,6 +17,8 @@ KINDS = {
     ("v1", "Service"): ("/api/v1", "services"),
     ("v1", "Secret"): ("/api/v1", "secrets"),
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
+    ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
 }
 
 

@@ -18,6 +18,15 @@ ENGINE_KINDS = ("pdpool", "vllm")
 ROUTER_MODES = ("decode-first", "prefill-first", "aggregated")
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/pdpool/pdpool-slim:0.1.0"
 DEFAULT_PEER_ALLOWLIST = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+# Requests/limits of the containers that are not engines, when the spec names none: the
+# sidecar and the gateway are small async proxies; the model download streams to disk.
+DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"},
+                             "limits": {"memory": "1Gi"}}
+DEFAULT_GATEWAY_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"},
+                             "limits": {"memory": "1Gi"}}
+DEFAULT_DOWNLOAD_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"},
+                              "limits": {"memory": "2Gi"}}
+DEFAULT_SHM_SIZE = "2Gi"
 MAX_POOL_NAME = 52  # "<name>-gateway" must stay a valid DNS label (63)
 # Kubernetes resource.Quantity syntax (the CRD carries the same pattern).
 QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
@@ -35,6 +44,8 @@ class ModelSpec:
     pvc: str | None            # claim mounted at /models; None: an emptyDir
     hf_token_secret: str | None
     revision: str | None
+    download_resources: dict[str, Any] = field(default_factory=lambda: dict(
+        DEFAULT_DOWNLOAD_RESOURCES))
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,8 @@ class RoleSpec:
     env: tuple[dict[str, Any], ...]
     node_selector: dict[str, str]
     tolerations: tuple[dict[str, Any], ...]
+    # None: the operator's default spread (hosts, then zones, both best-effort).
+    topology_spread: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,8 @@ class EngineSpec:
     # A Secret the user manages, holding the key that signs kv_transfer_params; None: the
     # operator creates `<pool>-kv-secret` (pdpool engines only).
     kv_secret_ref: SecretKeyRef | None = None
+    shm_size: str = DEFAULT_SHM_SIZE          # the memory-backed /dev/shm of engine pods
+    cache_size_limit: str | None = None       # the writable cache emptyDir (None: unbounded)
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,21 @@ class GatewaySpec:
 
 
 @dataclass(frozen=True)
+class SecuritySpec:
+    """Merged (key by key) over the restricted-profile defaults in builders.py."""
+    pod_security_context: dict[str, Any] = field(default_factory=dict)
+    container_security_context: dict[str, Any] = field(default_factory=dict)
+    automount_service_account_token: bool = False
+    service_account_name: str | None = None
+
+
+@dataclass(frozen=True)
+class DisruptionBudgetSpec:
+    enabled: bool = True
+    max_unavailable: int | str = 1
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     model: ModelSpec
     engine: EngineSpec
@@ -97,6 +127,8 @@ class PoolSpec:
     router: RouterSpec
     gateway: GatewaySpec
     image_pull_secrets: tuple[str, ...] = field(default=())
+    security: SecuritySpec = field(default_factory=SecuritySpec)
+    disruption_budget: DisruptionBudgetSpec = field(default_factory=DisruptionBudgetSpec)
 
 
 def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
@@ -113,6 +145,8 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         router=_router(_section(spec, "router")),
         gateway=_gateway(_section(spec, "gateway")),
         image_pull_secrets=tuple(_str_list(spec, "imagePullSecrets")),
+        security=_security(_section(spec, "security")),
+        disruption_budget=_disruption_budget(_section(spec, "disruptionBudget")),
     )
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.
@@ -141,7 +175,9 @@ def _model(m: dict[str, Any]) -> ModelSpec:
     served = m.get("servedName") or (hf_id or path.rstrip("/").rsplit("/", 1)[-1])
     return ModelSpec(path=path, hugging_face_id=hf_id, served_name=served,
                      pvc=m.get("pvc"), hf_token_secret=m.get("hfTokenSecret"),
-                     revision=m.get("revision"))
+                     revision=m.get("revision"),
+                     download_resources=_resources(m, "spec.model", "downloadResources")
+                     or dict(DEFAULT_DOWNLOAD_RESOURCES))
 
 
 def _engine(e: dict[str, Any]) -> EngineSpec:
@@ -157,7 +193,9 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
         kv_port=_int(e, "kvPort", 5600, "spec.engine", minimum=1, maximum=65535),
         peer_allowlist=tuple(_str_list(e, "kvPeerAllowlist") or DEFAULT_PEER_ALLOWLIST),
         extra_args=tuple(_str_list(e, "extraArgs")), env=tuple(_env(e, "spec.engine")),
-        kv_secret_ref=_secret_ref(e, "kvSecretRef", "spec.engine", KV_SECRET_KEY))
+        kv_secret_ref=_secret_ref(e, "kvSecretRef", "spec.engine", KV_SECRET_KEY),
+        shm_size=_quantity(e, "shmSize", DEFAULT_SHM_SIZE, "spec.engine"),
+        cache_size_limit=_quantity(e, "cacheSizeLimit", None, "spec.engine"))
 
 
 def _secret_ref(d: dict[str, Any], key: str, where: str, default_key: str) -> SecretKeyRef | None:
@@ -185,7 +223,9 @@ def _role(role: str, r: dict[str, Any]) -> RoleSpec:
         replicas=_int(r, "replicas", 1, where, minimum=0), tensor_parallel_size=tp, gpus=gpus,
         resources=_resources(r, where), extra_args=tuple(_str_list(r, "extraArgs")),
         env=tuple(_env(r, where)), node_selector=dict(r.get("nodeSelector") or {}),
-        tolerations=tuple(r.get("tolerations") or ()))
+        tolerations=tuple(r.get("tolerations") or ()),
+        topology_spread=(None if r.get("topologySpreadConstraints") is None
+                         else tuple(r["topologySpreadConstraints"])))
 
 
 def _router(r: dict[str, Any]) -> RouterSpec:
@@ -202,7 +242,7 @@ def _router(r: dict[str, Any]) -> RouterSpec:
                       kv_pull_threshold=_int(r, "kvPullThreshold", 0, "spec.router", minimum=0),
                       prefill_timeout_seconds=timeout,
                       image=r.get("image") or DEFAULT_SIDECAR_IMAGE,
-                      resources=_resources(r, "spec.router"))
+                      resources=_resources(r, "spec.router") or dict(DEFAULT_SIDECAR_RESOURCES))
 
 
 def _gateway(g: dict[str, Any]) -> GatewaySpec:
@@ -211,15 +251,51 @@ def _gateway(g: dict[str, Any]) -> GatewaySpec:
         raise SpecError(f"spec.gateway.serviceType {service_type!r} is not supported")
     return GatewaySpec(replicas=_int(g, "replicas", 1, "spec.gateway", minimum=0),
                        port=_int(g, "port", 8080, "spec.gateway", minimum=1, maximum=65535),
-                       service_type=service_type, resources=_resources(g, "spec.gateway"))
+                       service_type=service_type,
+                       resources=_resources(g, "spec.gateway") or dict(DEFAULT_GATEWAY_RESOURCES))
 
 
-def _resources(d: dict[str, Any], where: str) -> dict[str, Any]:
-    resources = d.get("resources") or {}
+def _security(s: dict[str, Any]) -> SecuritySpec:
+    for key in ("podSecurityContext", "containerSecurityContext"):
+        if not isinstance(s.get(key) or {}, dict):
+            raise SpecError(f"spec.security.{key} must be an object")
+    automount = s.get("automountServiceAccountToken", False)
+    if not isinstance(automount, bool):
+        raise SpecError("spec.security.automountServiceAccountToken must be a boolean")
+    return SecuritySpec(pod_security_context=dict(s.get("podSecurityContext") or {}),
+                        container_security_context=dict(s.get("containerSecurityContext") or {}),
+                        automount_service_account_token=automount,
+                        service_account_name=s.get("serviceAccountName") or None)
+
+
+def _disruption_budget(d: dict[str, Any]) -> DisruptionBudgetSpec:
+    enabled = d.get("enabled", True)
+    value = d.get("maxUnavailable", 1)
+    if not isinstance(enabled, bool):
+        raise SpecError("spec.disruptionBudget.enabled must be a boolean")
+    if isinstance(value, bool) or not (
+            (isinstance(value, int) and value >= 0)
+            or (isinstance(value, str) and re.fullmatch(r"[0-9]+%", value))):
+        raise SpecError("spec.disruptionBudget.maxUnavailable must be a count >= 0 or a "
+                        f"percentage, got {value!r}")
+    return DisruptionBudgetSpec(enabled=enabled, max_unavailable=value)
+
+
+def _quantity(d: dict[str, Any], key: str, default: str | None, where: str) -> str | None:
+    value = d.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not QUANTITY.match(str(value)):
+        raise SpecError(f"{where}.{key}: {value!r} is not a quantity")
+    return str(value)
+
+
+def _resources(d: dict[str, Any], where: str, key: str = "resources") -> dict[str, Any]:
+    resources = d.get(key) or {}
     for section in ("limits", "requests"):
         for name, value in (resources.get(section) or {}).items():
             if isinstance(value, bool) or not QUANTITY.match(str(value)):
-                raise SpecError(f"{where}.resources.{section}.{name}: {value!r} is not a quantity")
+                raise SpecError(f"{where}.{key}.{section}.{name}: {value!r} is not a quantity")
     return dict(resources)
 
 

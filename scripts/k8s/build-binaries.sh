@@ -14,6 +14,7 @@ set -euo pipefail
 K8S_VERSION=${PDPOOL_K8S_VERSION:-v1.34.4}
 ETCD_VERSION=${PDPOOL_ETCD_VERSION:-v3.6.7}
 HELM_VERSION=${PDPOOL_HELM_VERSION:-v3.19.0}
+KWOK_VERSION=${PDPOOL_KWOK_VERSION:-v0.8.0}
 
 BIN=${PDPOOL_K8S_BIN:-$HOME/.cache/pdpool/k8s-bin}
 WORK=$BIN/.build
@@ -49,7 +50,8 @@ k8s_wrapper() {
         '{print "replace " $1 " => " $1 " " v}'
     } > "$dir/go.mod"
     (cd "$dir" && go get "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
-      "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" >&2)
+      "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
+      "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" >&2)
   fi
   echo "$dir"
 }
@@ -87,11 +89,13 @@ build_install() {  # build_install NAME PKG VERSION: modules without replace dir
 }
 
 tools=("$@")
-[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kube-apiserver kube-controller-manager helm)
+[[ ${#tools[@]} -gt 0 ]] || tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm)
 for t in "${tools[@]}"; do
   case $t in
     etcd) build_etcd ;;
-    kube-apiserver|kube-controller-manager) build_k8s "$t" ;;
+    kube-apiserver|kube-controller-manager|kube-scheduler) build_k8s "$t" ;;
+    # kwok: fake nodes and a fake kubelet (pods go Running/Ready without containers).
+    kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" ;;
     helm) build_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" ;;
     *) echo "build-binaries: unknown tool $t" >&2; exit 2 ;;
   esac

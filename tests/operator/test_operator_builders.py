@@ -32,7 +32,9 @@ def test_every_child_is_owned_by_the_pool_and_labelled():
     assert set(kids) == {
         ("ConfigMap", "demo-router"), ("Service", "demo-prefill"), ("Service", "demo-decode"),
         ("Service", "demo-gateway"), ("Deployment", "demo-prefill"),
-        ("Deployment", "demo-decode"), ("Deployment", "demo-gateway")}
+        ("Deployment", "demo-decode"), ("Deployment", "demo-gateway"),
+        ("PodDisruptionBudget", "demo-prefill"), ("PodDisruptionBudget", "demo-decode"),
+        ("PodDisruptionBudget", "demo-gateway")}
     for manifest in kids.values():
         meta = manifest["metadata"]
         assert meta["namespace"] == "llm"
@@ -221,7 +223,8 @@ def test_pdpool_engines_mount_the_pool_secret_read_only_and_pass_the_flag():
         assert argv[argv.index("--kv-secret-file") + 1] == "/etc/pdpool/kv-secret/kv-secret"
     # Only the engines hold the key: not the sidecar, not the gateway.
     sidecar = container(kids[("Deployment", "demo-decode")], "sidecar")
-    assert "volumeMounts" not in sidecar and "--kv-secret-file" not in sidecar["command"]
+    assert not any(m["name"] == "kv-secret" for m in sidecar["volumeMounts"])
+    assert "--kv-secret-file" not in sidecar["command"]
     assert not kv_volumes(pod_of(kids, "gateway"))
     # The Secret itself is not re-applied with the children (a random value would rotate).
     assert not any(m["kind"] == "Secret" for m in kids.values())

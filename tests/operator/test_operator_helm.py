@@ -26,6 +26,8 @@ EXPECTED_RULES = {
     ("apps", "deployments"): {"list", "watch", "create", "patch"},
     ("", "services"): {"create", "patch"},
     ("", "configmaps"): {"create", "patch"},
+    ("policy", "poddisruptionbudgets"): {"create", "patch"},
+    ("networking.k8s.io", "networkpolicies"): {"create", "patch"},
     ("", "secrets"): {"create"},
     ("", "events"): {"create"},
 }

@@ -42,6 +42,13 @@ Each rule names the call that needs it; nothing else is granted.
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [create, patch]
+# a PodDisruptionBudget per role and the pool's NetworkPolicies (server-side apply)
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, patch]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [create, patch]
 # each pool's KV-signing Secret, created once when absent: an existing one answers 409
 # and is left alone, so no Secret is ever read (no get/list/watch) or changed (no patch)
 - apiGroups: [""]

@@ -1,0 +1,193 @@
+"""Kubernetes hardening of a pool's children: the restricted Pod Security Standard (checked
+by the API server's own PodSecurity admission), resources, PodDisruptionBudgets, spread."""
+import copy
+
+import pytest
+from kubernetes import client
+
+from pdpool.operator.builders import PoolRef, build_children
+from pdpool.operator.kube import collection_path, request
+from pdpool.operator.spec import SpecError, parse_pool_spec
+
+REF = PoolRef(name="demo", namespace="llm", uid="uid-123")
+HF = {"model": {"huggingFaceId": "Qwen/Qwen3-0.6B"}, "engine": {"image": "engine:1"},
+      "router": {"image": "slim:1"}}
+VLLM = {"model": {"path": "/models/qwen3"}, "engine": {"kind": "vllm", "image": "vllm:1"},
+        "prefill": {"gpus": 1}, "decode": {"gpus": 1}}
+
+
+def children(spec, ref=REF):
+    return {(m["kind"], m["metadata"]["name"]): m
+            for m in build_children(ref, parse_pool_spec(ref.name, spec))}
+
+
+def pod_templates(kids):
+    return {name: m["spec"]["template"] for (kind, name), m in kids.items()
+            if kind == "Deployment"}
+
+
+def all_containers(pod_spec):
+    return pod_spec["containers"] + pod_spec.get("initContainers", [])
+
+
+# --- pure ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", [HF, VLLM], ids=["pdpool-hf", "vllm"])
+def test_every_container_meets_the_restricted_profile(spec):
+    for name, template in pod_templates(children(spec)).items():
+        pod = template["spec"]
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == 65532
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in all_containers(pod):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            # A read-only root: every container has a writable /tmp of its own.
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert "/tmp" in mounts, (name, c["name"])
+            if c["name"] != "engine":   # engines: the spec's resources and GPUs
+                assert c["resources"]["requests"] and c["resources"]["limits"], c["name"]
+
+
+def test_engines_get_sized_shm_and_a_writable_cache_every_library_points_at():
+    kids = children(HF)
+    pod = pod_templates(kids)["demo-decode"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert volumes["cache"]["emptyDir"] == {} and volumes["tmp"]["emptyDir"] == {}
+    engine = next(c for c in pod["containers"] if c["name"] == "engine")
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    for var in ("HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME",
+                "VLLM_CACHE_ROOT"):
+        assert env[var].startswith("/cache"), var
+    mounts = {m["mountPath"] for m in engine["volumeMounts"]}
+    assert {"/dev/shm", "/tmp", "/cache", "/models"} <= mounts
+    # The sidecar does not share the engine's /tmp.
+    sidecar = next(c for c in pod["containers"] if c["name"] == "sidecar")
+    assert [m["name"] for m in sidecar["volumeMounts"]] == ["sidecar-tmp"]
+    init = pod["initContainers"][0]
+    assert init["resources"]["limits"]["memory"] == "2Gi"
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {"/models", "/tmp", "/cache"}
+
+
+def test_security_resources_and_shm_are_overridable():
+    spec = copy.deepcopy(HF)
+    spec["security"] = {"podSecurityContext": {"fsGroup": 65532, "runAsUser": 1000},
+                        "containerSecurityContext": {"readOnlyRootFilesystem": False},
+                        "automountServiceAccountToken": True, "serviceAccountName": "llm"}
+    spec["engine"].update(shmSize="16Gi", cacheSizeLimit="50Gi")
+    spec["router"]["resources"] = {"requests": {"cpu": "1"}}
+    spec["gateway"] = {"resources": {"limits": {"memory": "4Gi"}}}
+    spec["model"]["downloadResources"] = {"limits": {"memory": "8Gi"}}
+    pods = pod_templates(children(spec))
+    decode = pods["demo-decode"]["spec"]
+    assert decode["securityContext"]["fsGroup"] == 65532
+    assert decode["securityContext"]["runAsUser"] == 1000
+    assert decode["securityContext"]["runAsNonRoot"] is True   # the rest stays
+    assert decode["automountServiceAccountToken"] is True
+    assert decode["serviceAccountName"] == "llm"
+    sc = decode["containers"][0]["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    volumes = {v["name"]: v for v in decode["volumes"]}
+    assert volumes["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"
+    assert volumes["cache"]["emptyDir"]["sizeLimit"] == "50Gi"
+    sidecar = next(c for c in decode["containers"] if c["name"] == "sidecar")
+    assert sidecar["resources"] == {"requests": {"cpu": "1"}}
+    gateway = pods["demo-gateway"]["spec"]["containers"][0]
+    assert gateway["resources"] == {"limits": {"memory": "4Gi"}}
+    assert decode["initContainers"][0]["resources"] == {"limits": {"memory": "8Gi"}}
+
+
+def test_a_disruption_budget_per_role_that_never_blocks_a_one_replica_drain():
+    kids = children(HF)
+    for role in ("prefill", "decode", "gateway"):
+        pdb = kids[("PodDisruptionBudget", f"demo-{role}")]["spec"]
+        assert pdb["maxUnavailable"] == 1 and "minAvailable" not in pdb
+        assert pdb["selector"]["matchLabels"] == {"pdpool.io/pool": "demo",
+                                                  "pdpool.io/role": role}
+        assert pdb["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    off = children(dict(HF, disruptionBudget={"enabled": False}))
+    assert off[("PodDisruptionBudget", "demo-decode")]["spec"]["maxUnavailable"] == "100%"
+    pct = children(dict(HF, disruptionBudget={"maxUnavailable": "25%"}))
+    assert pct[("PodDisruptionBudget", "demo-prefill")]["spec"]["maxUnavailable"] == "25%"
+    with pytest.raises(SpecError, match="maxUnavailable"):
+        parse_pool_spec("demo", dict(HF, disruptionBudget={"maxUnavailable": "half"}))
+
+
+def test_pods_spread_over_hosts_then_zones_unless_the_spec_says_otherwise():
+    pods = pod_templates(children(HF))
+    for name, template in pods.items():
+        spread = template["spec"]["topologySpreadConstraints"]
+        assert [c["topologyKey"] for c in spread] == ["kubernetes.io/hostname",
+                                                       "topology.kubernetes.io/zone"]
+        assert all(c["whenUnsatisfiable"] == "ScheduleAnyway" for c in spread)
+        role = name.rsplit("-", 1)[1]
+        assert spread[0]["labelSelector"] == {"matchLabels": {"pdpool.io/pool": "demo",
+                                                              "pdpool.io/role": role}}
+    own = [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule"}]
+    spread = pod_templates(children(dict(HF, decode={"topologySpreadConstraints": own})))[
+        "demo-decode"]["spec"]["topologySpreadConstraints"]
+    assert spread == [{**own[0], "labelSelector": {"matchLabels": {
+        "pdpool.io/pool": "demo", "pdpool.io/role": "decode"}}}]
+
+
+# --- the API server's PodSecurity admission --------------------------------------------------
+
+@pytest.fixture
+def restricted_namespace(admin_api, namespace):
+    core = client.CoreV1Api(admin_api)
+    core.patch_namespace(namespace, {"metadata": {"labels": {
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest"}}})
+    # The ServiceAccount admission plugin wants the pod's account to exist (this cluster
+    # runs no serviceaccount controller).
+    try:
+        core.create_namespaced_service_account(namespace, {"metadata": {"name": "default"}})
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    return namespace
+
+
+def _dry_run_pod(core, namespace, name, template):
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "labels": template["metadata"]["labels"]},
+           "spec": template["spec"]}
+    # Raw JSON (the typed client would insist GPU quantities be strings).
+    return request(core.api_client, "POST", f"/api/v1/namespaces/{namespace}/pods", pod,
+                   "application/json", [("dryRun", "All")])
+
+
+@pytest.mark.parametrize("spec", [HF, VLLM], ids=["pdpool-hf", "vllm"])
+def test_restricted_namespace_admits_every_pod_and_child(admin_api, restricted_namespace, spec):
+    core = client.CoreV1Api(admin_api)
+    ref = PoolRef("demo", restricted_namespace, "00000000-0000-0000-0000-000000000001")
+    kids = build_children(ref, parse_pool_spec("demo", spec))
+    admitted = []
+    for manifest in kids:
+        if manifest["kind"] == "Deployment":
+            template = manifest["spec"]["template"]
+            _dry_run_pod(core, restricted_namespace, manifest["metadata"]["name"], template)
+            admitted.append(manifest["metadata"]["name"])
+    assert sorted(admitted) == ["demo-decode", "demo-gateway", "demo-prefill"]
+    # Every child (Deployments, Services, PDBs, ...) passes the API server's validation.
+    for manifest in kids:
+        request(admin_api, "POST", collection_path(manifest), manifest, "application/json",
+                [("dryRun", "All")])
+
+
+def test_restricted_namespace_refuses_an_override_that_breaks_the_profile(
+        admin_api, restricted_namespace):
+    core = client.CoreV1Api(admin_api)
+    spec = dict(HF, security={"containerSecurityContext": {"allowPrivilegeEscalation": True}})
+    ref = PoolRef("demo", restricted_namespace, "uid")
+    template = next(m for m in build_children(ref, parse_pool_spec("demo", spec))
+                    if m["kind"] == "Deployment")["spec"]["template"]
+    with pytest.raises(client.ApiException) as err:
+        _dry_run_pod(core, restricted_namespace, "bad", template)
+    body = err.value.body.decode() if isinstance(err.value.body, bytes) else err.value.body
+    assert err.value.status == 403 and "allowPrivilegeEscalation" in body

@@ -8,6 +8,10 @@ could make the engine connect anywhere (SSRF). Policy:
   only" (the `pdpool up` topology) and a cluster adds its pod CIDR or service names;
 - a host name in a request is allowed if it is listed by name, or if EVERY address it
   resolves to lies in an allowed network (one stray DNS record is enough to refuse);
+- an address in a request is allowed if it lies in an allowed network, or if a listed host
+  name resolves to it now: a Kubernetes pool lists its headless Services
+  (`<pool>-prefill.<ns>.svc`), whose names resolve to exactly the pool's ready pods, so
+  peers are the pool's own pods and nothing else on the pod network;
 - the unspecified address (0.0.0.0, ::) is never allowed: it is not a place to connect to.
 
 Pure except for name resolution, which is injectable for tests.
@@ -116,6 +120,22 @@ def _address_allowed(address: IPAddress, allowlist: Allowlist) -> bool:
                if network.version == address.version)
 
 
+def _listed_name_resolves_to(address: IPAddress, allowlist: Allowlist,
+                             resolver: Resolver) -> bool:
+    """Some allowlisted host name resolves to `address` (now; names that do not resolve
+    count as nothing)."""
+    if address.is_unspecified:
+        return False
+    for name in sorted(allowlist.hostnames):
+        try:
+            resolved = {_as_address(r) for r in resolver(name)}
+        except OSError:
+            continue
+        if address in resolved:
+            return True
+    return False
+
+
 def resolve_allowed(host: str, allowlist: Allowlist, resolver: Resolver = system_resolver) -> str:
     """The address to connect to for `host`, or PeerNotAllowedError saying why not.
 
@@ -127,7 +147,8 @@ def resolve_allowed(host: str, allowlist: Allowlist, resolver: Resolver = system
         raise PeerNotAllowedError("empty peer host")
     literal = _as_address(text)
     if literal is not None:
-        if _address_allowed(literal, allowlist):
+        if _address_allowed(literal, allowlist) or _listed_name_resolves_to(
+                literal, allowlist, resolver):
             return str(literal)
         raise PeerNotAllowedError(f"peer {host!r} is not in the KV peer allowlist "
                                   f"({allowlist.describe()})")

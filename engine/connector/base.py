@@ -75,9 +75,6 @@ class KVConnector:
     def poll(self) -> list[LoadResult]:
         return []
 
-    def has_pending_work(self) -> bool:
-        return False
-
     def stats(self) -> dict[str, float]:
         return {}
 

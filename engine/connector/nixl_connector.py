@@ -41,12 +41,12 @@ from pdpool.engine.config import EngineConfig
 from pdpool.engine.connector.allowlist import parse_allowlist, resolve_allowed
 from pdpool.engine.connector.base import KVConnector, LoadResult
 from pdpool.engine.connector.handshake import (HandshakeDocument, HandshakeError,
-                                               HandshakeServer, check_compatible,
-                                               document_for, lease_call)
+                                               HandshakeServer, document_for, lease_call)
 from pdpool.engine.connector.lease_token import (SECRET_ENV, LeaseToken, LeaseTokenError)
 from pdpool.engine.connector.lease_token import attach as attach_lease
 from pdpool.engine.connector.lease_token import read as read_lease
 from pdpool.engine.connector.nixl_transport import NixlTransport, TransferState
+from pdpool.engine.connector.peering import admit_peer
 from pdpool.engine.kv.block_pool import Block
 from pdpool.engine.kv.hashing import prefix_hash
 from pdpool.engine.kv.leases import Lease, LeaseRefused
@@ -424,9 +424,6 @@ class NixlConnector(KVConnector):
         self.kv.end_leases()
         return results
 
-    def has_pending_work(self) -> bool:
-        return bool(self._waiting or self._reading or len(self.leases))
-
     def stats(self) -> dict[str, float]:
         return {**self.counters, **self.leases.counters,
                 "bytes_read": self.transport.bytes_read, "leases_active": len(self.leases),
@@ -558,18 +555,18 @@ class NixlConnector(KVConnector):
         doc = HandshakeDocument.from_json(reply["peer"])
         if doc.agent_name != agent or doc.epoch != reply.get("epoch"):
             raise HandshakeError(f"KV peer {key[0]}:{key[1]}: inconsistent agent or epoch")
-        try:
-            check_compatible(self.layout, doc)
-        except HandshakeError:
-            self.counters["peers_refused"] += 1
-            raise
         old = self._peers.pop(key, None)
         if old is not None and old != agent:
             self.counters["peers_replaced"] += 1
             log.info("KV peer %s:%d restarted (epoch %s): new NIXL agent", key[0], key[1],
                      doc.epoch[:8])
             self._remove_agent(old)
-        self._peers[key] = self.transport.add_peer(doc.agent_metadata, doc.regions)
+        try:
+            self._peers[key] = admit_peer(self.transport, doc, self.layout,
+                                          f"{key[0]}:{key[1]}")
+        except HandshakeError:
+            self.counters["peers_refused"] += 1
+            raise
         return self._peers[key]
 
     def _forget_peer(self, key: tuple[str, int]) -> None:

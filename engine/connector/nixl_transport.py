@@ -360,11 +360,6 @@ class NixlTransport:
         return [Notification(_name(peer), bytes(msg)) for peer, msgs in new.items()
                 for msg in msgs]
 
-    def send_notification(self, peer: str, message: bytes | str) -> None:
-        self._check_open()
-        p = self._require_peer(peer)
-        self._agent.send_notif(p.name, message.encode() if isinstance(message, str) else message)
-
     # ---- lifetime -----------------------------------------------------------------------
 
     def _check_open(self):

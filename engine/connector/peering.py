@@ -31,10 +31,19 @@ def connect_peer(transport: Any, host: str, port: int, *, allowlist: Allowlist,
         raise HandshakeError(f"invalid KV port {port!r}")
     address = resolve_allowed(host, allowlist, resolver)
     doc = fetch_handshake(address, port, timeout)
+    return Peer(doc.engine_id, admit_peer(transport, doc, local_layout, f"{host}:{port}"),
+                address, port, doc)
+
+
+def admit_peer(transport: Any, doc: HandshakeDocument, local_layout: Mapping[str, Any],
+               where: str) -> str:
+    """Adds a peer described by its handshake document to the transport, after checking
+    that its KV layout is ours and that its metadata is the agent it announced; returns the
+    agent name. Raises IncompatiblePeerError, HandshakeError or TransportError."""
     check_compatible(local_layout, doc)
-    name = transport.add_peer(doc.agent_metadata, doc.regions)
+    name: str = transport.add_peer(doc.agent_metadata, doc.regions)
     if name != doc.agent_name:
         transport.remove_peer(name)
-        raise HandshakeError(f"engine {doc.engine_id} at {host}:{port} announced agent "
+        raise HandshakeError(f"engine {doc.engine_id} at {where} announced agent "
                              f"{doc.agent_name!r} but its metadata is for {name!r}")
-    return Peer(doc.engine_id, name, address, port, doc)
+    return name

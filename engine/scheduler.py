@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from pdpool.engine.kv.block_pool import Block
 from pdpool.engine.kv.manager import KVCacheManager, cdiv
 from pdpool.engine.request import Request, RequestStatus
 
@@ -126,10 +127,21 @@ class Scheduler:
 
     # --- the decision -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """One step's decision: running requests first, then admissions, under one budget."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Waiting requests, in arrival order; none after a preemption this step.
+        while self.waiting and budget > 0 and not out.preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            charged = self._admit(self.waiting[0], out, budget)
+            if charged is None:
+                break   # the head of the line does not fit: nobody behind it jumps ahead
+            budget -= charged
+        return out
 
-        # 1. Running requests, oldest first.
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests, oldest first, preempting the newest when blocks run out.
+        Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -149,72 +161,78 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
             i += 1
+        return budget
 
-        # 2. Waiting requests, in arrival order; none after a preemption this step.
-        while self.waiting and budget > 0 and not out.preempted \
-                and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if self.kv.holds(req):
-                # Back from a remote load: it holds its blocks and was judged on admission.
-                hits, num_cached = None, req.num_computed_tokens
-            else:
-                skip_state = self.connector.will_load_state(req)
-                hits, num_local = self.kv.get_computed_blocks(req, skip_state)
-                num_external = self.connector.get_num_new_matched_tokens(req, num_local)
-                if skip_state and not num_external:
-                    # Nothing will arrive after all: the hit must include the state.
-                    hits, num_local = self.kv.get_computed_blocks(req)
-                # Tokens coming from a remote engine count as cached for the threshold.
-                decision = self.threshold_decision(req, num_local + num_external)
-                if decision is not None:
-                    self.waiting.popleft()
-                    self._reject(req, decision, num_local)
-                    req.kv_params_out = self.connector.describe_rejected(req, hits, num_local)
-                    out.rejected.append(req)
-                    continue
-                if num_external:
-                    # Blocks for the remote tokens now; the READ runs while others compute.
-                    if not self.kv.allocate_slots(req, num_external, hits):
-                        break
-                    self.waiting.popleft()
-                    req.num_computed_tokens = num_local
-                    if req.num_cached_tokens < 0:
-                        req.num_cached_tokens = num_local   # loaded tokens are added later
-                    self.connector.update_state_after_alloc(
-                        req, self.kv.block_tables(req.request_id), num_local, num_external)
-                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    self.loading[req.request_id] = req
-                    continue
-                num_cached = num_local
-            num_new = req.num_tokens - num_cached
-            # Without awareness (the comparison baseline), cached tokens are charged to the
-            # budget and cached blocks are allocated as if they were new.
-            charged = num_new if self.config.prefix_aware_admission else req.num_tokens
-            if charged > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget if self.config.prefix_aware_admission \
-                    else max(budget - num_cached, 0)
-                charged = budget
-            num_new = self._align_chunk(req, num_cached, num_new)
-            if num_new <= 0:
-                break
-            if not self.config.prefix_aware_admission and \
-                    cdiv(req.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
-                break
-            if not self.kv.allocate_slots(req, num_new, hits):
-                break
+    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> Optional[int]:
+        """Decides for the request at the head of the line: reject it (below its cache-hit
+        threshold), start loading its KV from a peer, or start running it. Returns the
+        budget it takes, or None when it cannot be admitted this step."""
+        if self.kv.holds(req):
+            # Back from a remote load: it holds its blocks and was judged on admission.
+            return self._start_running(req, None, req.num_computed_tokens, out, budget)
+        skip_state = self.connector.will_load_state(req)
+        hits, num_local = self.kv.get_computed_blocks(req, skip_state)
+        num_external = self.connector.get_num_new_matched_tokens(req, num_local)
+        if skip_state and not num_external:
+            # Nothing will arrive after all: the hit must include the state.
+            hits, num_local = self.kv.get_computed_blocks(req)
+        # Tokens coming from a remote engine count as cached for the threshold.
+        decision = self.threshold_decision(req, num_local + num_external)
+        if decision is not None:
             self.waiting.popleft()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-            if hits is not None:
-                self.kv.restore_state(req, num_cached)
-            req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new))
-            budget -= charged
-        return out
+            self._reject(req, decision, num_local)
+            req.kv_params_out = self.connector.describe_rejected(req, hits, num_local)
+            out.rejected.append(req)
+            return 0
+        if num_external:
+            return 0 if self._start_loading(req, hits, num_local, num_external) else None
+        return self._start_running(req, hits, num_local, out, budget)
+
+    def _start_loading(self, req: Request, hits: list[list[Block]], num_local: int,
+                       num_external: int) -> bool:
+        """Blocks for the remote tokens now; the READ runs while others compute."""
+        if not self.kv.allocate_slots(req, num_external, hits):
+            return False
+        self.waiting.popleft()
+        req.num_computed_tokens = num_local
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_local   # loaded tokens are added when they arrive
+        self.connector.update_state_after_alloc(
+            req, self.kv.block_tables(req.request_id), num_local, num_external)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[req.request_id] = req
+        return True
+
+    def _start_running(self, req: Request, hits: Optional[list[list[Block]]], num_cached: int,
+                       out: SchedulerOutput, budget: int) -> Optional[int]:
+        num_new = req.num_tokens - num_cached
+        # Without awareness (the comparison baseline), cached tokens are charged to the
+        # budget and cached blocks are allocated as if they were new.
+        charged = num_new if self.config.prefix_aware_admission else req.num_tokens
+        if charged > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget if self.config.prefix_aware_admission \
+                else max(budget - num_cached, 0)
+            charged = budget
+        num_new = self._align_chunk(req, num_cached, num_new)
+        if num_new <= 0:
+            return None
+        if not self.config.prefix_aware_admission and \
+                cdiv(req.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
+            return None
+        if not self.kv.allocate_slots(req, num_new, hits):
+            return None
+        self.waiting.popleft()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+        if hits is not None:
+            self.kv.restore_state(req, num_cached)
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(ScheduledRequest(req, num_new))
+        return charged
 
     def _align_chunk(self, req: Request, start: int, num_new: int) -> int:
         """For recurrent-state models, a prefill chunk ends on a block boundary when it can,

@@ -16,7 +16,8 @@ from typing import Any
 
 from . import commands
 from .names import (ANNOTATION_ROUTER_HASH, API_VERSION, DECODE, ENGINE_PORT, GATEWAY, KIND,
-                    KV_SECRET_DIR, KV_SECRET_KEY, LABEL_METRICS, MODELS_MOUNT, PREFILL,
+                    KV_SECRET_DIR, KV_SECRET_KEY, LABEL_METRICS, LABEL_POOL, LABEL_ROLE,
+                    MODELS_MOUNT, PREFILL,
                     SIDECAR_PORT, child_name, kv_secret_name, labels, router_config_name,
                     selector_labels, service_host)
 from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
@@ -101,6 +102,7 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         engine_deployment(ref, pool, DECODE, router_hash=config_hash),
         gateway_deployment(ref, pool, router_hash=config_hash),
         *(disruption_budget(ref, pool, role) for role in (PREFILL, DECODE, GATEWAY)),
+        *(network_policies(ref, pool) if pool.network_policy.enabled else []),
     ]
 
 
@@ -195,8 +197,9 @@ def prefill_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
 
 
 def decode_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
-    return _service(ref, DECODE, [_port("http", SIDECAR_PORT), _port("engine", ENGINE_PORT),
-                                  _port("nixl", pool.engine.kv_port)], headless=True)
+    # The sidecar only: it strips clients' kv_transfer_params, which the engine port would
+    # let them send straight to the engine. Peers reach decode engines at their pod IPs.
+    return _service(ref, DECODE, [_port("http", SIDECAR_PORT)], headless=True)
 
 
 def gateway_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
@@ -262,7 +265,28 @@ def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
                              {"name": "cache", "mountPath": CACHE_MOUNT}]}
 
 
-def _engine_container(pool: PoolSpec, role_name: str, role: RoleSpec,
+def pool_peers(ref: PoolRef) -> tuple[str, ...]:
+    """The default KV peer allowlist: the pool's headless Services, whose names resolve to
+    the pool's own ready engine pods (and to nothing else)."""
+    return (service_host(ref.name, PREFILL, ref.namespace),
+            service_host(ref.name, DECODE, ref.namespace))
+
+
+def ucx_port_range(pool: PoolSpec) -> tuple[int, int] | None:
+    """The TCP ports UCX (under NIXL) listens on: right above the handshake port."""
+    count = pool.engine.ucx_port_count
+    if count <= 0 or pool.engine.kv_port >= 65535:
+        return None
+    return pool.engine.kv_port + 1, min(pool.engine.kv_port + count, 65535)
+
+
+def _ucx_env(pool: PoolSpec) -> list[dict[str, Any]]:
+    ports = ucx_port_range(pool)
+    return [] if ports is None else [{"name": "UCX_TCP_PORT_RANGE",
+                                      "value": f"{ports[0]}-{ports[1]}"}]
+
+
+def _engine_container(ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSpec,
                       secret_ref: SecretKeyRef | None) -> dict[str, Any]:
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "tmp", "mountPath": TMP_MOUNT},
@@ -274,8 +298,8 @@ def _engine_container(pool: PoolSpec, role_name: str, role: RoleSpec,
     return {
         "name": "engine", "image": pool.engine.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.engine_args(pool, role_name),
-        "env": _downward_env() + commands.engine_env(pool) + _cache_env()
+        "command": commands.engine_args(pool, role_name, pool_peers(ref)),
+        "env": _downward_env() + commands.engine_env(pool) + _cache_env() + _ucx_env(pool)
         + list(pool.engine.env) + list(role.env),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
                   {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"}],
@@ -358,7 +382,7 @@ def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
                       router_hash: str | None = None) -> Manifest:
     role = pool.prefill if role_name == PREFILL else pool.decode
     secret_ref = kv_secret_ref(ref, pool)
-    containers = [_engine_container(pool, role_name, role, secret_ref)]
+    containers = [_engine_container(ref, pool, role_name, role, secret_ref)]
     if role_name == DECODE:
         containers.append(_sidecar_container(ref, pool))
     # /dev/shm: memory-backed and sized (NCCL, UCX and torch workers use it); it counts
@@ -416,3 +440,57 @@ def disruption_budget(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
             "spec": {"maxUnavailable": budget.max_unavailable if budget.enabled else "100%",
                      "selector": {"matchLabels": selector_labels(ref.name, role_name)},
                      "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+
+
+# --- NetworkPolicies -----------------------------------------------------------------------
+
+def _np_port(port: int, end: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"protocol": "TCP", "port": port}
+    if end is not None and end > port:
+        out["endPort"] = end
+    return out
+
+
+def _network_policy(ref: PoolRef, name: str, role: str, selector: dict[str, Any],
+                    rules: list[dict[str, Any]]) -> Manifest:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _metadata(ref, f"{ref.name}-{name}", role),
+            "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": rules}}
+
+
+def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
+    """Ingress of the pool's pods (NetworkPolicies add up: a pod gets the union):
+
+    - engines (prefill and decode): HTTP 8000, the NIXL handshake port and UCX's TCP port
+      range, from the pool's own engine pods only (decode pods hold the sidecar that calls
+      prefill; the gateway never needs an engine); 8000 also from the metrics scrapers
+      (`networkPolicy.metricsFrom`), as engines serve /metrics there;
+    - decode sidecars (8080): from the pool's gateway pods and the metrics scrapers;
+    - the gateway (8080): from `networkPolicy.clientsFrom`, default anyone.
+    Egress is not restricted (engines may need to fetch models, DNS, ...).
+    """
+    metrics = [dict(p) for p in pool.network_policy.metrics_from]
+    kv_ports = [_np_port(pool.engine.kv_port)]
+    ucx = ucx_port_range(pool)
+    if ucx is not None:
+        kv_ports.append(_np_port(*ucx))
+    engines = {"matchLabels": {LABEL_POOL: ref.name},
+               "matchExpressions": [{"key": LABEL_ROLE, "operator": "In",
+                                     "values": [PREFILL, DECODE]}]}
+    engine_rules = [{"from": [{"podSelector": engines}],
+                     "ports": [_np_port(ENGINE_PORT), *kv_ports]}]
+    if metrics:
+        engine_rules.append({"from": metrics, "ports": [_np_port(ENGINE_PORT)]})
+    gateway_pods = {"podSelector": {"matchLabels": selector_labels(ref.name, GATEWAY)}}
+    clients = pool.network_policy.clients_from
+    gateway_rule: dict[str, Any] = {"ports": [_np_port(SIDECAR_PORT)]}
+    if clients is not None:
+        gateway_rule["from"] = [dict(p) for p in clients] + metrics
+    return [
+        _network_policy(ref, "engines", "engine", engines, engine_rules),
+        _network_policy(ref, "decode-sidecar", DECODE,
+                        {"matchLabels": selector_labels(ref.name, DECODE)},
+                        [{"from": [gateway_pods, *metrics], "ports": [_np_port(SIDECAR_PORT)]}]),
+        _network_policy(ref, "gateway", GATEWAY,
+                        {"matchLabels": selector_labels(ref.name, GATEWAY)}, [gateway_rule]),
+    ]

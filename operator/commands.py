@@ -31,17 +31,17 @@ def model_dir(model: ModelSpec) -> str:
     return f"{MODELS_MOUNT}/{model.path.strip('/')}"
 
 
-def engine_args(pool: PoolSpec, role: str) -> list[str]:
+def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) -> list[str]:
     """Full command line (argv) of the engine container of `role`."""
     spec = pool.prefill if role == PREFILL else pool.decode
     if pool.engine.kind == "vllm":
         argv = _vllm_args(pool, spec.tensor_parallel_size)
     else:
-        argv = _pdpool_args(pool, role)
+        argv = _pdpool_args(pool, role, default_peers)
     return argv + list(pool.engine.extra_args) + list(spec.extra_args)
 
 
-def _pdpool_args(pool: PoolSpec, role: str) -> list[str]:
+def _pdpool_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) -> list[str]:
     engine = pool.engine
     # Decode engines reject cache-poor requests themselves in decode-first mode.
     threshold = pool.router.cache_hit_threshold if (
@@ -54,7 +54,7 @@ def _pdpool_args(pool: PoolSpec, role: str) -> list[str]:
         "--kv-role", "producer" if role == PREFILL else "consumer",
         # Peers must reach this pod at its own IP: never advertise 0.0.0.0.
         "--kv-host", "$(POD_IP)", "--kv-port", str(engine.kv_port),
-        "--kv-peer-allowlist", ",".join(engine.peer_allowlist),
+        "--kv-peer-allowlist", ",".join(engine.peer_allowlist or default_peers),
         # The pool's shared key: kv_transfer_params are signed, and forged ones refused.
         "--kv-secret-file", KV_SECRET_FILE,
         "--global-cache-hit-threshold", _num(threshold),

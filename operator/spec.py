@@ -17,7 +17,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
 ROUTER_MODES = ("decode-first", "prefill-first", "aggregated")
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/pdpool/pdpool-slim:0.1.0"
-DEFAULT_PEER_ALLOWLIST = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
 # Requests/limits of the containers that are not engines, when the spec names none: the
 # sidecar and the gateway are small async proxies; the model download streams to disk.
 DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"},
@@ -27,6 +26,13 @@ DEFAULT_GATEWAY_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"},
 DEFAULT_DOWNLOAD_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"},
                               "limits": {"memory": "2Gi"}}
 DEFAULT_SHM_SIZE = "2Gi"
+# UCX's TCP transport (NIXL's bytes when there is no RDMA) listens on random ports unless
+# told a range: the engines get UCX_TCP_PORT_RANGE so a NetworkPolicy can name it.
+DEFAULT_UCX_PORT_COUNT = 64
+# Who may scrape /metrics when the spec names nobody: pods in namespaces a cluster admin
+# labelled so (the Prometheus namespace, typically).
+DEFAULT_METRICS_FROM = ({"namespaceSelector": {"matchLabels": {
+    "pdpool.io/metrics-scraper": "true"}}},)
 MAX_POOL_NAME = 52  # "<name>-gateway" must stay a valid DNS label (63)
 # Kubernetes resource.Quantity syntax (the CRD carries the same pattern).
 QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
@@ -82,6 +88,7 @@ class EngineSpec:
     # operator creates `<pool>-kv-secret` (pdpool engines only).
     kv_secret_ref: SecretKeyRef | None = None
     shm_size: str = DEFAULT_SHM_SIZE          # the memory-backed /dev/shm of engine pods
+    ucx_port_count: int = DEFAULT_UCX_PORT_COUNT  # UCX TCP ports: kvPort+1 .. kvPort+count
     cache_size_limit: str | None = None       # the writable cache emptyDir (None: unbounded)
 
 
@@ -113,6 +120,15 @@ class SecuritySpec:
 
 
 @dataclass(frozen=True)
+class NetworkPolicySpec:
+    enabled: bool = True
+    # NetworkPolicyPeers allowed to the gateway; None: any source (the gateway is the
+    # pool's entry point).
+    clients_from: tuple[dict[str, Any], ...] | None = None
+    metrics_from: tuple[dict[str, Any], ...] = DEFAULT_METRICS_FROM
+
+
+@dataclass(frozen=True)
 class DisruptionBudgetSpec:
     enabled: bool = True
     max_unavailable: int | str = 1
@@ -129,6 +145,7 @@ class PoolSpec:
     image_pull_secrets: tuple[str, ...] = field(default=())
     security: SecuritySpec = field(default_factory=SecuritySpec)
     disruption_budget: DisruptionBudgetSpec = field(default_factory=DisruptionBudgetSpec)
+    network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
 
 
 def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
@@ -147,6 +164,7 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         image_pull_secrets=tuple(_str_list(spec, "imagePullSecrets")),
         security=_security(_section(spec, "security")),
         disruption_budget=_disruption_budget(_section(spec, "disruptionBudget")),
+        network_policy=_network_policy(_section(spec, "networkPolicy")),
     )
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.
@@ -191,10 +209,13 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
         kind=kind, image=image, image_pull_policy=e.get("imagePullPolicy", "IfNotPresent"),
         block_size=_int(e, "blockSize", 16, "spec.engine", minimum=1),
         kv_port=_int(e, "kvPort", 5600, "spec.engine", minimum=1, maximum=65535),
-        peer_allowlist=tuple(_str_list(e, "kvPeerAllowlist") or DEFAULT_PEER_ALLOWLIST),
+        # Empty: the pool's own pods (its headless Services' names; see builders.py).
+        peer_allowlist=tuple(_str_list(e, "kvPeerAllowlist")),
         extra_args=tuple(_str_list(e, "extraArgs")), env=tuple(_env(e, "spec.engine")),
         kv_secret_ref=_secret_ref(e, "kvSecretRef", "spec.engine", KV_SECRET_KEY),
         shm_size=_quantity(e, "shmSize", DEFAULT_SHM_SIZE, "spec.engine"),
+        ucx_port_count=_int(e, "ucxPortCount", DEFAULT_UCX_PORT_COUNT, "spec.engine",
+                            minimum=0, maximum=4096),
         cache_size_limit=_quantity(e, "cacheSizeLimit", None, "spec.engine"))
 
 
@@ -266,6 +287,24 @@ def _security(s: dict[str, Any]) -> SecuritySpec:
                         container_security_context=dict(s.get("containerSecurityContext") or {}),
                         automount_service_account_token=automount,
                         service_account_name=s.get("serviceAccountName") or None)
+
+
+def _peers(d: dict[str, Any], key: str) -> tuple[dict[str, Any], ...] | None:
+    value = d.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(p, dict) for p in value):
+        raise SpecError(f"spec.networkPolicy.{key} must be a list of NetworkPolicy peers")
+    return tuple(value)
+
+
+def _network_policy(n: dict[str, Any]) -> NetworkPolicySpec:
+    enabled = n.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise SpecError("spec.networkPolicy.enabled must be a boolean")
+    metrics = _peers(n, "metricsFrom")
+    return NetworkPolicySpec(enabled=enabled, clients_from=_peers(n, "clientsFrom"),
+                             metrics_from=DEFAULT_METRICS_FROM if metrics is None else metrics)
 
 
 def _disruption_budget(d: dict[str, Any]) -> DisruptionBudgetSpec:

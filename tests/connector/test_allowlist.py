@@ -87,3 +87,18 @@ def test_accepts_a_list_and_dedupes():
     allow = parse_allowlist(["127.0.0.1", "10.0.0.0/8", "10.0.0.0/8"])
     assert allow.describe().count("10.0.0.0/8") == 1
     assert allow.describe().startswith("127.0.0.0/8,::1/128")
+
+
+def test_an_address_is_allowed_when_a_listed_name_resolves_to_it():
+    """A Kubernetes pool lists its headless Services: their names resolve to the pool's own
+    ready pods, so those pods' IPs (what kv_transfer_params carry) are peers, others not."""
+    allow = parse_allowlist("demo-prefill.llm.svc,demo-decode.llm.svc")
+    resolver = dns({"demo-prefill.llm.svc": ["10.1.0.5", "10.1.0.6"],
+                    "demo-decode.llm.svc": ["10.1.0.9"]})
+    assert resolve_allowed("10.1.0.6", allow, resolver) == "10.1.0.6"
+    assert resolve_allowed("10.1.0.9", allow, resolver) == "10.1.0.9"
+    with pytest.raises(PeerNotAllowedError, match="not in the KV peer allowlist"):
+        resolve_allowed("10.1.0.7", allow, resolver)   # another pool's pod, same network
+    # A listed name that does not resolve (no ready pods) allows nothing.
+    assert not is_allowed("10.1.0.5", allow, dns({"demo-decode.llm.svc": ["10.1.0.9"]}))
+    assert not is_allowed("0.0.0.0", allow, dns({"demo-prefill.llm.svc": ["0.0.0.0"]}))

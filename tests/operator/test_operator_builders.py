@@ -34,7 +34,8 @@ def test_every_child_is_owned_by_the_pool_and_labelled():
         ("Service", "demo-gateway"), ("Deployment", "demo-prefill"),
         ("Deployment", "demo-decode"), ("Deployment", "demo-gateway"),
         ("PodDisruptionBudget", "demo-prefill"), ("PodDisruptionBudget", "demo-decode"),
-        ("PodDisruptionBudget", "demo-gateway")}
+        ("PodDisruptionBudget", "demo-gateway"), ("NetworkPolicy", "demo-engines"),
+        ("NetworkPolicy", "demo-decode-sidecar"), ("NetworkPolicy", "demo-gateway")}
     for manifest in kids.values():
         meta = manifest["metadata"]
         assert meta["namespace"] == "llm"
@@ -74,7 +75,8 @@ def test_pdpool_engine_command_advertises_the_pod_ip():
     assert flags["--kv-host"] == "$(POD_IP)" and flags["--kv-role"] == "producer"
     assert flags["--host"] == "0.0.0.0" and flags["--kv-port"] == "5600"
     assert flags["--global-cache-hit-threshold"] == "0"
-    assert flags["--kv-peer-allowlist"] == "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16"
+    # Default peers: the pool's own pods (its headless Services), not the private ranges.
+    assert flags["--kv-peer-allowlist"] == "demo-prefill.llm.svc,demo-decode.llm.svc"
     decode_flags = dict(zip(decode["command"][3::2], decode["command"][4::2]))
     assert decode_flags["--kv-role"] == "consumer"
     assert decode_flags["--global-cache-hit-threshold"] == "0.7"

@@ -1,7 +1,7 @@
 """parse_pool_spec: defaults, and the specs the operator must refuse with a clear reason."""
 import pytest
 
-from pdpool.operator.spec import DEFAULT_PEER_ALLOWLIST, SpecError, parse_pool_spec
+from pdpool.operator.spec import SpecError, parse_pool_spec
 
 BASE = {"model": {"path": "/models/qwen3"}, "engine": {"image": "img:1"}}
 
@@ -17,7 +17,7 @@ def test_defaults_are_filled_in():
     pool = parse_pool_spec("demo", BASE)
     assert pool.engine.kind == "pdpool"
     assert pool.engine.block_size == 16 and pool.engine.kv_port == 5600
-    assert pool.engine.peer_allowlist == DEFAULT_PEER_ALLOWLIST
+    assert pool.engine.peer_allowlist == ()   # the builders fill in the pool's own pods
     assert (pool.prefill.replicas, pool.decode.replicas, pool.gateway.replicas) == (1, 1, 1)
     assert pool.router.mode == "decode-first" and pool.router.cache_hit_threshold == 0.5
     assert pool.model.served_name == "qwen3"

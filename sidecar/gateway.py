@@ -54,7 +54,7 @@ class GatewaySettings:
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     balance: float = 1.25
     connect_timeout: float = 2.0
-    probe_timeout_s: float = 2.0
+    probe_timeout_s: float = 3.0       # more than the sidecar's own check of its engine
     # Outlier detection: this many failed requests in a row eject a sidecar (a failed
     # health probe or a refused connection ejects it at once) for ejection_s x recent
     # ejections; it comes back when a probe succeeds after that.

@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--balance", type=float, default=1.25,
                    help="load bound: a sidecar takes at most this times the average load")
     p.add_argument("--health-interval-s", type=float, default=2.0)
-    p.add_argument("--probe-timeout-s", type=float, default=2.0,
+    p.add_argument("--probe-timeout-s", type=float, default=3.0,
                    help="health probe timeout; a failed probe ejects the sidecar")
     p.add_argument("--outlier-failures", type=int, default=3,
                    help="failed requests in a row that eject a sidecar")

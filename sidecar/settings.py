@@ -28,7 +28,7 @@ class SidecarSettings:
     connect_timeout: float = 2.0
     # Outlier detection of prefill engines (see outlier.py).
     probe_interval_s: float = 1.0              # health probe of every prefill engine
-    probe_timeout_s: float = 1.0
+    probe_timeout_s: float = 2.0               # (also the decode engine check of /ready)
     outlier_failures: int = 3                  # consecutive failed legs that eject
     ejection_s: float = 2.0                    # base ejection time (x recent ejections)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413

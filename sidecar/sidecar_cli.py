@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "least this many tokens (default 0)")
     p.add_argument("--probe-interval-s", type=float,
                    help="health probe period of each prefill engine (default 1; 0: off)")
-    p.add_argument("--probe-timeout-s", type=float, help="health probe timeout (default 1)")
+    p.add_argument("--probe-timeout-s", type=float, help="health probe timeout (default 2)")
     p.add_argument("--outlier-failures", type=int,
                    help="consecutive failed prefill legs that eject an engine (default 3)")
     p.add_argument("--ejection-s", type=float,

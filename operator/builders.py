@@ -209,18 +209,41 @@ def gateway_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
 
 # --- Deployments -------------------------------------------------------------------------
 
-def _probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+# Probe design (docs/kubernetes.md, "Probes and readiness"):
+# - readiness decides traffic: engines' /ready (fails while the loop is wedged with work),
+#   the sidecar's /ready (its engine's), the gateway's /ready (any decode sidecar ready);
+# - liveness decides restarts and looks at the process alone: the engine's /health (its
+#   loop thread is alive), a TCP connect for the sidecar and the gateway, whose /health
+#   follows their upstreams (a decode engine loading a model must not get its sidecar
+#   restarted, nor all-decode-down get the gateway restarted);
+# - timeouts are generous (the default 1 s fails under load: a busy event loop answers
+#   late, not never), and liveness needs a minute of failures before a restart.
+PROBE_TIMEOUT_S = 5
+LIVENESS_TIMEOUT_S = 10
+STARTUP_PERIOD_S = 10
+
+
+def _probe(path: str, port: str, period: int, failures: int,
+           timeout: int = PROBE_TIMEOUT_S) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
-            "failureThreshold": failures}
+            "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
-def _http_probes(port: str, ready_path: str = "/ready") -> dict[str, Any]:
+def _tcp_probe(port: str, period: int, failures: int) -> dict[str, Any]:
+    return {"tcpSocket": {"port": port}, "periodSeconds": period,
+            "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": failures}
+
+
+def _http_probes(port: str, ready_path: str = "/ready",
+                 startup_timeout_s: int = 1800) -> dict[str, Any]:
     return {
-        # Loading a model can take many minutes: the startup probe holds liveness back.
-        "startupProbe": _probe("/health", port, 10, 180),
+        # Loading a model can take many minutes: the startup probe holds liveness back
+        # (engine.startupTimeoutSeconds), then readiness and liveness take over.
+        "startupProbe": _probe("/health", port, STARTUP_PERIOD_S,
+                               max(1, -(-startup_timeout_s // STARTUP_PERIOD_S))),
         # /ready also fails while the engine loop is wedged with work (/health: liveness).
         "readinessProbe": _probe(ready_path, port, 5, 3),
-        "livenessProbe": _probe("/health", port, 10, 6),
+        "livenessProbe": _probe("/health", port, 10, 6, LIVENESS_TIMEOUT_S),
     }
 
 
@@ -307,7 +330,8 @@ def _engine_container(ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSp
         "securityContext": container_security_context(pool),
         "volumeMounts": mounts,
         # Stock vLLM has no /ready.
-        **_http_probes("http", "/health" if pool.engine.kind == "vllm" else "/ready"),
+        **_http_probes("http", "/health" if pool.engine.kind == "vllm" else "/ready",
+                       pool.engine.startup_timeout_s),
     }
 
 
@@ -328,7 +352,7 @@ def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
         # The engine's /tmp is not shared: the sidecar gets its own.
         "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}],
         "readinessProbe": _probe("/ready", "router", 5, 3),   # its engine's readiness
-        "livenessProbe": _probe("/health", "router", 10, 6),
+        "livenessProbe": _tcp_probe("router", 10, 6),         # the process alone
     }
 
 
@@ -416,8 +440,8 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         "resources": dict(pool.gateway.resources),
         "securityContext": container_security_context(pool),
         "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}],
-        "readinessProbe": _probe("/ready", "http", 5, 3),
-        "livenessProbe": _probe("/health", "http", 10, 6),
+        "readinessProbe": _probe("/ready", "http", 5, 3),    # any decode sidecar ready
+        "livenessProbe": _tcp_probe("http", 10, 6),          # the process alone
     }
     pod_spec = {"containers": [container], "volumes": [_empty_dir("tmp")],
                 **_pod_security(pool), **_pod_scheduling(pool, None),

@@ -89,6 +89,7 @@ class EngineSpec:
     kv_secret_ref: SecretKeyRef | None = None
     shm_size: str = DEFAULT_SHM_SIZE          # the memory-backed /dev/shm of engine pods
     ucx_port_count: int = DEFAULT_UCX_PORT_COUNT  # UCX TCP ports: kvPort+1 .. kvPort+count
+    startup_timeout_s: int = 1800              # model load allowed before liveness applies
     cache_size_limit: str | None = None       # the writable cache emptyDir (None: unbounded)
 
 
@@ -216,6 +217,8 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
         shm_size=_quantity(e, "shmSize", DEFAULT_SHM_SIZE, "spec.engine"),
         ucx_port_count=_int(e, "ucxPortCount", DEFAULT_UCX_PORT_COUNT, "spec.engine",
                             minimum=0, maximum=4096),
+        startup_timeout_s=_int(e, "startupTimeoutSeconds", 1800, "spec.engine", minimum=10,
+                               maximum=86400),
         cache_size_limit=_quantity(e, "cacheSizeLimit", None, "spec.engine"))
 
 

@@ -191,3 +191,39 @@ def test_restricted_namespace_refuses_an_override_that_breaks_the_profile(
         _dry_run_pod(core, restricted_namespace, "bad", template)
     body = err.value.body.decode() if isinstance(err.value.body, bytes) else err.value.body
     assert err.value.status == 403 and "allowPrivilegeEscalation" in body
+
+
+# --- probes ------------------------------------------------------------------------------------
+
+def _probes(kids, deployment, container_name):
+    pod = kids[("Deployment", deployment)]["spec"]["template"]["spec"]
+    c = next(c for c in pod["containers"] if c["name"] == container_name)
+    return c.get("startupProbe"), c["readinessProbe"], c["livenessProbe"]
+
+
+def test_engine_probes_startup_for_model_load_readiness_on_ready_liveness_on_health():
+    kids = children(dict(HF, engine={"image": "engine:1", "startupTimeoutSeconds": 3600}))
+    for role in ("prefill", "decode"):
+        startup, ready, live = _probes(kids, f"demo-{role}", "engine")
+        assert startup["httpGet"]["path"] == "/health"
+        assert startup["periodSeconds"] * startup["failureThreshold"] == 3600
+        assert ready["httpGet"] == {"path": "/ready", "port": "http"}
+        assert live["httpGet"] == {"path": "/health", "port": "http"}
+        # Generous timeouts (the 1 s default fails under load); a minute before a restart.
+        assert ready["timeoutSeconds"] >= 5 and live["timeoutSeconds"] >= 10
+        assert live["periodSeconds"] * live["failureThreshold"] >= 60
+    # Stock vLLM has no /ready.
+    _, ready, _ = _probes(children(VLLM), "demo-decode", "engine")
+    assert ready["httpGet"]["path"] == "/health"
+
+
+def test_sidecar_and_gateway_readiness_follow_upstreams_liveness_only_the_process():
+    kids = children(HF)
+    startup, ready, live = _probes(kids, "demo-decode", "sidecar")
+    assert startup is None
+    assert ready["httpGet"] == {"path": "/ready", "port": "router"}   # its engine's /ready
+    assert live == {"tcpSocket": {"port": "router"}, "periodSeconds": 10,
+                    "timeoutSeconds": 5, "failureThreshold": 6}
+    _, ready, live = _probes(kids, "demo-gateway", "gateway")
+    assert ready["httpGet"] == {"path": "/ready", "port": "http"}   # any sidecar ready
+    assert "tcpSocket" in live and "httpGet" not in live

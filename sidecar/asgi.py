@@ -10,10 +10,12 @@ import asyncio
 import json
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
+from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
+
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
-from pdpool.protocol import DEFAULT_MAX_BODY_BYTES as MAX_BODY_BYTES
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 # Hop-by-hop headers and those a proxy must recompute never travel between legs.
 HOP_HEADERS = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",

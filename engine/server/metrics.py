@@ -79,13 +79,13 @@ class EngineMetrics:
                 lambda s=source: engine.stats[f"prompt_tokens_{s}"])
 
     def observe_output(self, out, first: bool, since: float) -> None:
-        l = self._labels
+        lab = self._labels
         if first:
-            self.ttft.labels(**l).observe(since)
+            self.ttft.labels(**lab).observe(since)
         else:
-            self.itl.labels(**l).observe(since)
+            self.itl.labels(**lab).observe(since)
         if out.finished:
-            self.prompt_tokens.labels(**l).inc(out.num_prompt_tokens)
-            self.generation_tokens.labels(**l).inc(out.num_output_tokens)
+            self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
+            self.generation_tokens.labels(**lab).inc(out.num_output_tokens)
             self.requests_finished.labels(finished_reason=out.finish_reason or "unknown",
-                                          **l).inc()
+                                          **lab).inc()

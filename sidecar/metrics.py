@@ -47,6 +47,13 @@ class SidecarMetrics:
         self.prefill_ejected = Gauge("pdpool_sidecar_prefill_ejected",
                                      "1 while the prefill engine is ejected", ["endpoint"],
                                      registry=r)
+        self.engine_rejects = Gauge("pdpool_sidecar_engine_rejects",
+                                    "1 when the decode engine honours cache_hit_threshold, "
+                                    "0 when not (decode-first decides by length), -1 unknown",
+                                    registry=r)
+        self.length_decisions = Counter("pdpool_sidecar_length_decisions",
+                                        "decode-first with an engine that cannot reject: "
+                                        "decided by prompt length", ["decision"], registry=r)
         self.prefill_seconds = Histogram("pdpool_sidecar_prefill_leg_seconds",
                                          "Duration of successful prefill legs", registry=r)
 

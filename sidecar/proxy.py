@@ -30,6 +30,7 @@ from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
 from .outlier import OutlierDetector
 from .picker import LoadPicker
+from .capability import EngineCapability, estimate_prompt_tokens
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
 from .settings import SidecarSettings
 from .upstream import ClientShards
@@ -99,6 +100,9 @@ class Sidecar:
             on_eject=self._on_eject, on_readmit=self._on_readmit)
         self._probe_task: Optional[asyncio.Task] = None
         self._background: set[asyncio.Future] = set()   # fire-and-forget lease releases
+        self.capability = EngineCapability(settings.engine_rejects)
+        self._capability_task: Optional[asyncio.Future] = None
+        self.metrics.engine_rejects.set_function(lambda: self.capability.gauge_value)
 
     def _on_eject(self, endpoint: str, reason: str) -> None:
         log.warning("prefill engine %s ejected (%s)", endpoint, reason)
@@ -116,6 +120,9 @@ class Sidecar:
         await self.endpoints.start()
         if self.settings.probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self._probe_forever())
+        if self.settings.mode == "decode-first" and self.capability.known is None:
+            self._capability_task = asyncio.ensure_future(self.capability.probe_until_known(
+                lambda: self.client, self.settings.decode_url))
 
     async def _probe_forever(self) -> None:
         """Health probes of every prefill engine with a short timeout: a wedged engine
@@ -144,6 +151,9 @@ class Sidecar:
                 log.exception("prefill probe failed")
 
     async def shutdown(self) -> None:
+        if self._capability_task:
+            self._capability_task.cancel()
+            self._capability_task = None
         if self._probe_task:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -324,6 +334,8 @@ class Sidecar:
         await self._remote_prefill_then_decode(ex, pull=None)
 
     async def _decode_first(self, ex: Exchange) -> None:
+        if await self.capability.rejects(self.client, self.settings.decode_url) is False:
+            return await self._decided_by_length(ex)
         leg = legs.decode_first_leg(ex.body, self.settings.cache_hit_threshold)
         self.metrics.legs.labels("decode_first").inc()
         if ex.stream:
@@ -338,6 +350,16 @@ class Sidecar:
         if pull is None and isinstance(rejection, dict) and rejection.get("pdpool_lease"):
             self._release_decode_lease(rejection)   # decode's prefix will not be pulled
         await self._remote_prefill_then_decode(ex, pull)
+
+    async def _decided_by_length(self, ex: Exchange) -> None:
+        """Decode-first for an engine that cannot reject (stock vLLM): long prompts are
+        prefilled remotely, short ones decoded here (capability.py)."""
+        if estimate_prompt_tokens(ex.body) >= self.settings.prefill_min_prompt_tokens:
+            self.metrics.length_decisions.labels("pd").inc()
+            return await self._remote_prefill_then_decode(ex, pull=None)
+        self.metrics.length_decisions.labels("decode").inc()
+        ex.path_taken = "decode"
+        await self._final_decode(ex, legs.aggregated_leg(ex.body))
 
     async def _retrying(self, attempt, ex: Exchange, leg: dict):
         """Runs `attempt` again while it fails before sending anything to the client

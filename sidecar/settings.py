@@ -32,6 +32,11 @@ class SidecarSettings:
     outlier_failures: int = 3                  # consecutive failed legs that eject
     ejection_s: float = 2.0                    # base ejection time (x recent ejections)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
+    # Does the decode engine honour cache_hit_threshold? (capability.py) auto: probe it.
+    engine_rejects: str = "auto"
+    # Engines that cannot reject: decode-first sends prompts of at least this many
+    # (estimated) tokens prefill-first, shorter ones to decode only.
+    prefill_min_prompt_tokens: int = 128
 
     def validate(self) -> "SidecarSettings":
         if isinstance(self.max_body_bytes, str):   # "32MiB" from a config file
@@ -52,6 +57,12 @@ class SidecarSettings:
                      "probe_interval_s", "probe_timeout_s", "ejection_s"):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        from .capability import ENGINE_REJECTS
+        if self.engine_rejects not in ENGINE_REJECTS:
+            raise ValueError(f"engine_rejects must be one of {', '.join(ENGINE_REJECTS)}")
+        if int(self.prefill_min_prompt_tokens) < 0:
+            raise ValueError("prefill_min_prompt_tokens must be >= 0")
+        self.prefill_min_prompt_tokens = int(self.prefill_min_prompt_tokens)
         if int(self.outlier_failures) < 1:
             raise ValueError("outlier_failures must be >= 1")
         return self

@@ -34,13 +34,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="base ejection time of a sick prefill engine (default 2)")
     p.add_argument("--max-body-bytes",
                    help="request bodies above this size get 413 (default 32MiB)")
+    p.add_argument("--engine-rejects", choices=("auto", "yes", "no"),
+                   help="does the decode engine honour cache_hit_threshold (pdpool serve: "
+                        "yes; stock vLLM: no)? auto (default) probes it once")
+    p.add_argument("--prefill-min-prompt-tokens", type=int,
+                   help="decode-first with an engine that cannot reject: prompts of at "
+                        "least this many tokens (estimated: characters / 4) go "
+                        "prefill-first, shorter ones to decode only (default 128)")
     p.add_argument("--log-level", default="warning")
 
 
 SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refresh_s", "mode",
                  "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode",
                  "kv_pull_threshold", "probe_interval_s", "probe_timeout_s", "outlier_failures",
-                 "ejection_s", "max_body_bytes")
+                 "ejection_s", "max_body_bytes", "engine_rejects", "prefill_min_prompt_tokens")
 
 
 def settings_from_args(args: argparse.Namespace):

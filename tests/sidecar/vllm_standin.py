@@ -57,6 +57,9 @@ class StandInState:
     global_threshold: float = 0.0
     cached_prefixes: set = field(default_factory=set)   # tuples of block-aligned prefixes
     received: list = field(default_factory=list)        # (route, body, headers)
+    probes: int = 0                                      # sidecar capability probes
+    # False: stock vLLM, which ignores cache_hit_threshold (never rejects)
+    honours_threshold: bool = True
     hang: bool = False          # accept requests and never answer (a stuck engine)
     fail_status: Optional[int] = None
     token_delay_s: float = 0.0
@@ -109,7 +112,10 @@ class VllmStandIn:
             return await _send_json(send, 200, {"object": "list", "data": [{"id": "standin"}]})
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         req = json.loads(body)
-        self.state.received.append((route, req, headers))
+        if headers.get("x-request-id", "").startswith("pdpool-probe-"):
+            self.state.probes += 1     # the sidecar's capability probe (capability.py)
+        else:
+            self.state.received.append((route, req, headers))
         if self.state.hang:
             while (await receive())["type"] != "http.disconnect":
                 pass
@@ -152,7 +158,7 @@ class VllmStandIn:
         chat = route.endswith("/chat/completions")
         usage = {"prompt_tokens": len(words), "completion_tokens": 0,
                  "total_tokens": len(words), "prompt_tokens_details": {"cached_tokens": cached}}
-        if threshold and cached / max(len(words), 1) < threshold:
+        if st.honours_threshold and threshold and cached / max(len(words), 1) < threshold:
             kv_out = {"do_remote_decode": True, "do_remote_prefill": False,
                       "remote_engine_id": st.name, "remote_host": st.host,
                       "remote_port": st.port, "remote_block_ids": list(range(local // BLOCK)),

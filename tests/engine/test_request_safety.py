@@ -118,6 +118,7 @@ def test_queued_requests_of_departed_clients_are_aborted_and_never_computed(eng)
     up after 1 s. Their requests must leave the queue (aborted, counted) and never be
     computed: none of their prompt blocks ever reaches the prefix cache."""
     aborted0 = eng.metric("pdpool_requests_aborted_total")
+    computed0 = _labelled(eng, "pdpool_prompt_tokens_by_source_total", 'source="computed"')
     waiting_gone0 = _labelled(eng, "pdpool_client_disconnects_total", 'phase="waiting"')
     long_body = {"prompt": "one long request ", "max_tokens": 3000, "temperature": 0}
     queued = [{"prompt": f"client {i} gave up " * 40, "max_tokens": 20, "ignore_eos": True,
@@ -159,6 +160,8 @@ def test_queued_requests_of_departed_clients_are_aborted_and_never_computed(eng)
             and time.monotonic() < deadline:
         time.sleep(0.1)
     assert eng.metric("pdpool_requests_aborted_total") - aborted0 == 5 + MAX_NUM_SEQS
+    computed = _labelled(eng, "pdpool_prompt_tokens_by_source_total", 'source="computed"') \
+        - computed0
     # Never computed: a computed prompt leaves its full blocks in the prefix cache.
     for body in queued:
         usage = httpx.post(eng.url + "/v1/completions", timeout=30,
@@ -169,6 +172,11 @@ def test_queued_requests_of_departed_clients_are_aborted_and_never_computed(eng)
     usage = httpx.post(eng.url + "/v1/completions", timeout=30,
                        json={"prompt": queued[0]["prompt"], "max_tokens": 1}).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    # The engine's own count agrees: only the long requests' prompts were ever computed.
+    long_prompt = httpx.post(eng.url + "/v1/completions", timeout=30,
+                             json={"prompt": long_body["prompt"], "max_tokens": 1}
+                             ).json()["usage"]["prompt_tokens"]
+    assert computed == MAX_NUM_SEQS * long_prompt, (computed, long_prompt)
 
 
 def test_health_answers_within_1s_while_a_10mb_body_is_prepared(eng):

@@ -147,7 +147,7 @@ class LocalCluster:
             self._spawn("kube-controller-manager", [
                 str(self.bin_dir / "kube-controller-manager"),
                 "--kubeconfig", str(self.kubeconfig),
-                "--controllers", "garbagecollector,namespace",
+                "--controllers", "garbagecollector,namespace,clusterrole-aggregation",
                 "--leader-elect=false", "--secure-port=0", "-v", "0"])
         return self
 

@@ -64,7 +64,9 @@ def test_chart_crd_is_the_repository_crd():
 
 
 @pytest.mark.parametrize("sets", [[], ["serviceMonitor.enabled=true", "examplePool.enabled=true",
-                                       "watchNamespaces={team-a,team-b}"]])
+                                       "watchNamespaces={team-a,team-b}"],
+                                  ["podMonitor.enabled=true", "watchAllNamespaces=true",
+                                   "aggregatedRoles=false"]])
 def test_helm_lint_is_clean(helm_bin, sets):
     args = ["lint", "--strict", str(CHART)]
     for s in sets:
@@ -82,7 +84,8 @@ def test_values_schema_rejects_bad_values(helm_bin):
 
 
 @pytest.mark.parametrize("sets", [[], ["examplePool.enabled=true", "verbose=true"],
-                                  ["watchNamespaces={team-a,team-b}"]])
+                                  ["watchNamespaces={team-a,team-b}"],
+                                  ["watchAllNamespaces=true"]])
 def test_rendered_manifests_pass_server_side_validation(helm_bin, admin_api, sets):
     """Each rendered object is dry-run created with strict field validation."""
     core = client.CoreV1Api(admin_api)
@@ -105,25 +108,99 @@ def test_rendered_manifests_pass_server_side_validation(helm_bin, admin_api, set
         request(admin_api, "POST", path, doc, "application/json",
                 [("dryRun", "All"), ("fieldValidation", "Strict")])
     kinds = {d["kind"] for d in docs}
-    if any(s.startswith("watchNamespaces") for s in sets):
-        assert "ClusterRole" not in kinds and "Role" in kinds
+    # The operator's own ClusterRole only when it watches every namespace; the aggregated
+    # pdpool-view / pdpool-edit grant nothing to anyone by themselves.
+    operator_cluster_roles = [d for d in docs if d["kind"] in ("ClusterRole",
+                                                               "ClusterRoleBinding")
+                              and d["metadata"]["name"] not in ("pdpool-view", "pdpool-edit")]
+    if "watchAllNamespaces=true" in sets:
+        assert operator_cluster_roles and "Role" not in kinds
     else:
-        assert "ClusterRole" in kinds and "Role" not in kinds
+        assert not operator_cluster_roles and "Role" in kinds
+        roles = {d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"}
+        assert roles == ({"team-a", "team-b"} if any(s.startswith("watchNamespaces")
+                                                     for s in sets) else {SYSTEM_NS})
 
 
-def test_service_monitor_selects_pool_services(helm_bin):
-    docs = render(helm_bin, "serviceMonitor.enabled=true")
-    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
-    assert monitor["spec"]["selector"] == {"matchLabels": {"pdpool.io/metrics": "true"}}
-    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
-    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+def test_default_install_is_namespaced(helm_bin):
+    docs = render(helm_bin)
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"--namespace={SYSTEM_NS}" in command and "--all-namespaces" not in command
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["metadata"]["namespace"] == SYSTEM_NS
+
+
+def test_pod_monitor_scrapes_engines_sidecars_and_gateways(helm_bin):
+    for flag in ("podMonitor.enabled=true", "serviceMonitor.enabled=true"):  # old name too
+        docs = render(helm_bin, flag)
+        (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+        assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "pdpool"
+        endpoints = {e["port"]: e["path"] for e in monitor["spec"]["podMetricsEndpoints"]}
+        assert endpoints == {"http": "/metrics", "router": "/metrics"}
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": [SYSTEM_NS]}
+    # The ports it names are the containers' port names in every role's pods.
+    from pdpool.operator.builders import PoolRef, build_children
+    from pdpool.operator.spec import parse_pool_spec
+    kids = build_children(PoolRef("demo", "llm", "u"), parse_pool_spec("demo", pool_manifest(
+        "demo")["spec"]))
+    scraped = set()
+    for d in kids:
+        if d["kind"] != "Deployment":
+            continue
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert labels.items() >= monitor["spec"]["selector"]["matchLabels"].items()
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            for p in c["ports"]:
+                if p["name"] in endpoints:
+                    scraped.add((labels["pdpool.io/role"], c["name"], p["containerPort"]))
+    assert scraped == {("prefill", "engine", 8000), ("decode", "engine", 8000),
+                       ("decode", "sidecar", 8080), ("gateway", "gateway", 8080)}
+    everywhere = render(helm_bin, "podMonitor.enabled=true", "watchAllNamespaces=true")
+    (monitor,) = [d for d in everywhere if d["kind"] == "PodMonitor"]
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_aggregated_roles_let_namespace_editors_create_pools(helm_bin, k8s, admin_api):
+    """pdpool-edit aggregates into the built-in edit role, pdpool-view into view (the
+    clusterrole-aggregation controller runs in the test cluster)."""
+    docs = render(helm_bin)
+    for d in docs:
+        if d["kind"] == "ClusterRole" and d["metadata"]["name"] in ("pdpool-view",
+                                                                      "pdpool-edit"):
+            try:
+                request(admin_api, "POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+                        d, "application/json")
+            except client.ApiException as exc:
+                assert exc.status == 409
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    core, rbac = client.CoreV1Api(admin_api), client.RbacAuthorizationV1Api(admin_api)
+    core.create_namespace({"metadata": {"name": namespace}})
+    for user, role in (("alice", "edit"), ("bob", "view")):
+        rbac.create_namespaced_role_binding(namespace, {
+            "metadata": {"name": user},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
+                          "name": user}]})
+    review = client.AuthorizationV1Api(admin_api)
+
+    def allowed(user, verb):
+        return review.create_subject_access_review({"spec": {"user": user, "resourceAttributes": {
+            "verb": verb, "group": "pdpool.io", "resource": "pdinferencepools",
+            "namespace": namespace}}}).status.allowed
+
+    wait_for(lambda: allowed("alice", "create"), 30, what="edit aggregates pdpool-edit")
+    assert allowed("alice", "delete") and allowed("bob", "list") and allowed("bob", "watch")
+    assert not allowed("bob", "create") and not allowed("bob", "delete")
+    assert not allowed("carol", "list")
 
 
 def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(helm_bin, k8s, admin_api,
                                                                      tmp_path):
     helm(helm_bin, "upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-         "--create-namespace", k8s=k8s)
+         "--create-namespace", "--set", "watchAllNamespaces=true",
+         "--set", "aggregatedRoles=false", k8s=k8s)
     apps, rbac = client.AppsV1Api(admin_api), client.RbacAuthorizationV1Api(admin_api)
     deployment = apps.read_namespaced_deployment(f"{RELEASE}-pdpool-operator", SYSTEM_NS)
     command = deployment.spec.template.spec.containers[0].command
@@ -204,7 +281,8 @@ def test_namespaced_install_needs_no_cluster_role(helm_bin, k8s, admin_api, tmp_
     core = client.CoreV1Api(admin_api)
     core.create_namespace({"metadata": {"name": watched}})
     helm(helm_bin, "upgrade", "--install", release, str(CHART), "--namespace", system_ns,
-         "--create-namespace", "--set", f"watchNamespaces={{{watched}}}", k8s=k8s)
+         "--create-namespace", "--set", f"watchNamespaces={{{watched}}}",
+         "--set", "aggregatedRoles=false", k8s=k8s)
     rbac = client.RbacAuthorizationV1Api(admin_api)
     names = [r.metadata.name for r in rbac.list_cluster_role().items]
     assert f"{release}-pdpool-operator" not in names

@@ -23,6 +23,22 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{/*
+The namespaces the operator watches: watchNamespaces, else the release's own (a
+namespaced install, the default). Empty when watchAllNamespaces (a ClusterRole).
+*/}}
+{{- define "pdpool-operator.namespaces" -}}
+{{- if not .Values.watchAllNamespaces -}}
+{{- if .Values.watchNamespaces -}}
+{{- toJson .Values.watchNamespaces -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- end -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end -}}
+
+{{/*
 The operator's permissions, shared by the ClusterRole and the per-namespace Roles.
 Each rule names the call that needs it; nothing else is granted.
 */}}

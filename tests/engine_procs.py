@@ -38,6 +38,7 @@ def wait_healthy(url: str, proc: Optional[subprocess.Popen] = None,
 
 class EngineProcess:
     def __init__(self, model: Path, log_dir: Path, *flags: str, port: Optional[int] = None):
+        self.model = Path(model)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"engine-{self.port}.log"

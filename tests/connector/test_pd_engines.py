@@ -69,8 +69,12 @@ def wait_no_blocks(*engs, timeout=15.0) -> None:
 
 
 def block_bytes(eng) -> int:
-    # tiny-qwen3: 2 layers x K,V x 16 tokens x 2 KV heads x 16 dims x 4 bytes
-    return 2 * 2 * BLOCK * 2 * 16 * 4
+    """Bytes of one KV block of the engine's model: layers x (K, V) x tokens x KV heads x
+    head dim x 4 (float32)."""
+    import json
+    cfg = json.loads((eng.model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * BLOCK * cfg["num_key_value_heads"] * head_dim * 4
 
 
 @pytest.mark.parametrize("n", [1, 5, 40, 200])

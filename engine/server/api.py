@@ -251,7 +251,7 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         out = first
         while True:
             now = time.monotonic()
-            metrics.observe_output(out, n == 0, now - t_last)
+            metrics.observe_output(out, n == 0, now - t_last, now - t_arrival)
             t_last, n = now, n + 1
             yield out
             if out.finished:

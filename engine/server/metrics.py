@@ -3,8 +3,56 @@ process in tests)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# vLLM's own series (vllm/v1/metrics/loggers.py and buckets.py of vLLM 0.32), beside ours, so
+# that vLLM dashboards and routers that scrape vLLM (llm-d's endpoint picker) work unchanged:
+# same names, types, label names (model_name, engine) and histogram buckets.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+# name -> type, as vLLM 0.32 exposes them (counters add _total); tests check both engines.
+VLLM_METRICS = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:cache_config_info": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+}
+
+
+class _VllmCounters:
+    """Counters the engine keeps itself, exported as counters (not gauges) at scrape time."""
+
+    def __init__(self, engine, labels: dict[str, str]) -> None:
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        pool, sched = self.engine.kv.pool, self.engine.scheduler
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                 "queried tokens.", lambda: pool.queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                 "tokens.", lambda: pool.hits),
+                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                 lambda: sched.num_preemptions)):
+            family = CounterMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), value())
+            yield family
 
 
 class EngineMetrics:
@@ -41,6 +89,7 @@ class EngineMetrics:
                               list(labels), buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdpool_inter_token_latency_seconds", "Time between tokens.",
                              list(labels), buckets=_LATENCY_BUCKETS, registry=r)
+        self._vllm_series(engine, model_name)
         # Counters that the engine keeps itself are exported by reading them at scrape time.
         gauge("pdpool_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
               lambda: pool.queries)
@@ -78,14 +127,64 @@ class EngineMetrics:
             by_source.labels(source=source, **labels).set_function(
                 lambda s=source: engine.stats[f"prompt_tokens_{s}"])
 
-    def observe_output(self, out, first: bool, since: float) -> None:
+    def _vllm_series(self, engine, model_name: str) -> None:
+        r, sched, pool = self.registry, engine.scheduler, engine.kv.pool
+        vl = self.vllm_labels = {"model_name": model_name, "engine": "0"}
+        names = list(vl)
+
+        def gauge(name: str, doc: str, fn) -> None:
+            Gauge(name, doc, names, registry=r, multiprocess_mode="mostrecent") \
+                .labels(**vl).set_function(fn)
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+              lambda: len(sched.running))
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+              lambda: len(sched.waiting))
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+              pool.usage)
+        cfg = engine.config
+        info = {"block_size": str(cfg.block_size), "cache_dtype": "auto",
+                "enable_prefix_caching": str(bool(cfg.enable_prefix_caching)),
+                "num_gpu_blocks": str(pool.num_blocks), "num_cpu_blocks": "None",
+                "engine": "0"}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(info), registry=r, multiprocess_mode="mostrecent").labels(**info).set(1)
+        r.register(_VllmCounters(engine, vl))
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens "
+                                          "processed.", names, registry=r).labels(**vl)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Number of generation "
+                                              "tokens processed.", names, registry=r).labels(**vl)
+        self.vllm_success = Counter("vllm:request_success", "Count of successfully processed "
+                                    "requests.", names + ["finished_reason"], registry=r)
+        for reason in VLLM_FINISH_REASONS:
+            self.vllm_success.labels(finished_reason=reason, **vl)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to "
+                                   "first token in seconds.", names, buckets=VLLM_TTFT_BUCKETS,
+                                   registry=r).labels(**vl)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of "
+                                  "inter-token latency in seconds.", names,
+                                  buckets=VLLM_ITL_BUCKETS, registry=r).labels(**vl)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e "
+                                  "request latency in seconds.", names,
+                                  buckets=VLLM_E2E_BUCKETS, registry=r).labels(**vl)
+
+    def observe_output(self, out, first: bool, since: float,
+                       e2e: float | None = None) -> None:
         lab = self._labels
         if first:
             self.ttft.labels(**lab).observe(since)
+            self.vllm_ttft.observe(since)
         else:
             self.itl.labels(**lab).observe(since)
+            self.vllm_itl.observe(since)
         if out.finished:
             self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
             self.generation_tokens.labels(**lab).inc(out.num_output_tokens)
             self.requests_finished.labels(finished_reason=out.finish_reason or "unknown",
                                           **lab).inc()
+            self.vllm_prompt_tokens.inc(out.num_prompt_tokens)
+            self.vllm_generation_tokens.inc(out.num_output_tokens)
+            self.vllm_success.labels(finished_reason=out.finish_reason or "abort",
+                                     **self.vllm_labels).inc()
+            if e2e is not None:
+                self.vllm_e2e.observe(e2e)

@@ -83,6 +83,7 @@ class Child:
     argv: list[str]
     log_path: str
     kv_port: Optional[int] = None
+    env: dict[str, str] = field(default_factory=dict)   # added to the parent's environment
     pid: Optional[int] = None
     restarts: int = 0
     proc: Optional[subprocess.Popen] = field(default=None, repr=False)
@@ -111,6 +112,35 @@ class TopologySpec:
     decode_retry_s: float = 5.0
     engine_args: list[str] = field(default_factory=list)
     log_dir: Optional[str] = None
+    # pdpool (`pdpool serve`) or vllm (stock `vllm serve`, CPU build: see vllm_command())
+    engine: str = "pdpool"
+    vllm_bin: Optional[str] = None          # the `vllm` executable (default: vllm_command())
+    engine_rejects: Optional[str] = None    # sidecar --engine-rejects (default: by engine)
+    prefill_min_prompt_tokens: Optional[int] = None
+
+
+ENGINES = ("pdpool", "vllm")
+# Stock vLLM on CPU, as tests/vllm and benchmarks/engine_vs_vllm.py run it (block size 128).
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "UCX_NET_DEVICES": "lo"}
+VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
+
+
+def vllm_command() -> str:
+    """$PDPOOL_VLLM_BIN, else the venv of scripts/vllm/build-venv.sh, else `vllm` on PATH."""
+    explicit = os.environ.get("PDPOOL_VLLM_BIN")
+    if explicit:
+        return explicit
+    venv = os.environ.get("PDPOOL_VLLM_VENV") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pdpool", "vllm-venv")
+    candidate = os.path.join(venv, "bin", "vllm")
+    return candidate if os.access(candidate, os.X_OK) else (shutil.which("vllm") or "vllm")
+
+
+def served_model_name(model: str) -> str:
+    """The name `pdpool serve` gives a model folder; vLLM engines get the same one."""
+    return os.path.basename(os.path.realpath(model.rstrip("/")))
 
 
 def nixl_available() -> bool:
@@ -126,9 +156,12 @@ class Topology:
         self.spec = spec
         self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="pdpool-up-")
         os.makedirs(self.log_dir, exist_ok=True)
+        if spec.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {spec.engine!r}")
         self.kv_connector = spec.kv_connector
         if self.kv_connector == "auto":
-            self.kv_connector = "nixl" if nixl_available() else "none"
+            # vLLM's venv (scripts/vllm/build-venv.sh) brings its own nixl.
+            self.kv_connector = "nixl" if spec.engine == "vllm" or nixl_available() else "none"
         self.children: list[Child] = []
         self.kv_secret_file = self._write_kv_secret() if self.kv_connector != "none" else None
         self._plan()
@@ -147,6 +180,8 @@ class Topology:
 
     # ------------------------------------------------------------------ planning
     def _engine(self, role: str, index: int) -> Child:
+        if self.spec.engine == "vllm":
+            return self._vllm_engine(role, index)
         port, kv_port = free_port(), free_port()
         argv = pdpool_command("serve", self.spec.model, "--host", "127.0.0.1",
                               "--port", str(port), "--device", self.spec.device,
@@ -158,6 +193,26 @@ class Topology:
                      "--kv-peer-allowlist", "127.0.0.1", "--kv-secret-file", self.kv_secret_file]
         argv += self.spec.engine_args
         return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port)
+
+    def _vllm_engine(self, role: str, index: int) -> Child:
+        """Stock `vllm serve` on CPU. P/D through vLLM's NixlConnector: prefill engines are
+        kv_producer, decode engines kv_consumer (CPU buffers; its side channel on kv_port)."""
+        port, kv_port = free_port(), free_port()
+        argv = [self.spec.vllm_bin or vllm_command(), "serve", self.spec.model,
+                "--host", "127.0.0.1", "--port", str(port),
+                "--served-model-name", served_model_name(self.spec.model), *VLLM_ARGS]
+        if self.kv_connector != "none":
+            role_name = "kv_producer" if role == "prefill" else "kv_consumer"
+            argv += ["--kv-transfer-config", json.dumps(
+                {"kv_connector": "NixlConnector", "kv_role": role_name,
+                 "kv_buffer_device": "cpu"})]
+        argv += self.spec.engine_args   # later flags win in vLLM's parser
+        env = dict(VLLM_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(kv_port))
+        # One OpenMP core each, spread over the machine (vLLM's default binds every
+        # engine to the same first core).
+        ordinal = index if role == "prefill" else self.spec.prefill + index
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(ordinal % (os.cpu_count() or 1))
+        return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port, env=env)
 
     def _log(self, role: str, index: int) -> str:
         return os.path.join(self.log_dir, f"{role}-{index}.log")
@@ -178,6 +233,11 @@ class Topology:
                 argv += ["--prefill-url", f"127.0.0.1:{p.port}"]
             if not s.pull_from_decode:
                 argv.append("--no-pull-from-decode")
+            # Stock vLLM ignores cache_hit_threshold: the sidecar decides by length.
+            rejects = s.engine_rejects or ("no" if s.engine == "vllm" else "yes")
+            argv += ["--engine-rejects", rejects]
+            if s.prefill_min_prompt_tokens is not None:
+                argv += ["--prefill-min-prompt-tokens", str(s.prefill_min_prompt_tokens)]
             sidecars.append(Child("sidecar", i, port, argv, self._log("sidecar", i)))
         gw_port = s.port or free_port()
         argv = pdpool_command("gateway", "--host", "127.0.0.1", "--port", str(gw_port),
@@ -198,7 +258,8 @@ class Topology:
     def _spawn(self, child: Child) -> None:
         log = open(child.log_path, "ab")
         child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      env={**os.environ, **child.env} if child.env else None)
         log.close()
         child.pid = child.proc.pid
 
@@ -264,6 +325,7 @@ class Topology:
         return {
             "gateway_url": self.gateway.url,
             "kv_connector": self.kv_connector,
+            "engine": self.spec.engine,
             "log_dir": self.log_dir,
             "spec": asdict(self.spec),
             "children": [{"name": c.name, "role": c.role, "port": c.port, "url": c.url,

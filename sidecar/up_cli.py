@@ -29,6 +29,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
                    help="extra argument for every `pdpool serve` (repeatable), "
                         "e.g. --engine-arg=--num-kv-blocks=512")
+    p.add_argument("--engine", default="pdpool", choices=("pdpool", "vllm"),
+                   help="engine of every prefill/decode process: pdpool serve, or stock "
+                        "`vllm serve` (CPU build from scripts/vllm/build-venv.sh, or "
+                        "$PDPOOL_VLLM_BIN; --engine-arg passes vLLM flags)")
+    p.add_argument("--engine-rejects", choices=("auto", "yes", "no"),
+                   help="sidecar: does the engine honour cache_hit_threshold (default: yes "
+                        "for pdpool, no for vllm)")
+    p.add_argument("--prefill-min-prompt-tokens", type=int,
+                   help="sidecar, engines that cannot reject: prompts of at least this many "
+                        "tokens go prefill-first in decode-first mode (default 128)")
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
     p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -51,7 +61,9 @@ def main(args: argparse.Namespace) -> int:
                         pull_from_decode=args.pull_from_decode, kv_connector=args.kv_connector,
                         device=args.device, prefill_timeout=args.prefill_timeout,
                         decode_retry_s=args.decode_retry_s,
-                        engine_args=args.engine_args, log_dir=args.log_dir)
+                        engine_args=args.engine_args, log_dir=args.log_dir,
+                        engine=args.engine, engine_rejects=args.engine_rejects,
+                        prefill_min_prompt_tokens=args.prefill_min_prompt_tokens)
     topology = Topology(spec)
 
     def stop_on_signal(signum, frame):
@@ -59,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop_on_signal)
     print(f"pdpool up: starting {args.prefill} prefill + {args.decode} decode engines "
-          f"(model {model}, kv connector {topology.kv_connector}, mode {args.mode}); "
+          f"(engine {args.engine}, model {model}, kv connector {topology.kv_connector}, "
+          f"mode {args.mode}); "
           f"logs in {topology.log_dir}", flush=True)
     try:
         try:

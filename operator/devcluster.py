@@ -5,11 +5,18 @@ authorization, service-account token signing) and, when built, `kube-controller-
 restricted to the garbage-collector and namespace controllers (owner references really
 cascade; Deployment status stays whatever a test patches, since no pods ever run here).
 
+With `workloads=True` the cluster runs workloads for real, without containers: the
+controller-manager adds the deployment, replicaset, serviceaccount and disruption
+controllers, `kube-scheduler` places pods, and `kwok` plays the kubelet of a few fake
+nodes (pods go Running and Ready at once; deleted pods go away). Deployments then report
+what their pods do, with no status patching.
+
 Binaries come from `scripts/k8s/build-binaries.sh` (cached outside the repository).
 """
 from __future__ import annotations
 
 import os
+import json
 import secrets
 import shutil
 import socket
@@ -90,6 +97,8 @@ class LocalCluster:
     work: Path
     bin_dir: Path = DEFAULT_BIN
     with_controller_manager: bool = True
+    workloads: bool = False     # + scheduler, kwok fake nodes, deployment controllers
+    nodes: int = 2
     server: str = ""
     admin_token: str = ""
     kubeconfig: Path = field(default=Path())
@@ -143,13 +152,47 @@ class LocalCluster:
         """Start the garbage collector. Install CRDs first: the collector rediscovers API
         resources only every 30s, and owner references to a kind it has not discovered yet
         wait for that."""
+        controllers = "garbagecollector,namespace,clusterrole-aggregation"
+        if self.workloads:
+            controllers += ",deployment,replicaset,serviceaccount,disruption"
         if self.with_controller_manager:
             self._spawn("kube-controller-manager", [
                 str(self.bin_dir / "kube-controller-manager"),
                 "--kubeconfig", str(self.kubeconfig),
-                "--controllers", "garbagecollector,namespace,clusterrole-aggregation",
+                "--controllers", controllers,
                 "--leader-elect=false", "--secure-port=0", "-v", "0"])
+        if self.workloads:
+            self._start_workloads()
         return self
+
+    def _start_workloads(self) -> None:
+        self._spawn("kube-scheduler", [
+            str(self.bin_dir / "kube-scheduler"), "--kubeconfig", str(self.kubeconfig),
+            "--leader-elect=false", "--secure-port=0", "-v", "0"])
+        self._spawn("kwok", [
+            str(self.bin_dir / "kwok"), "--kubeconfig", str(self.kubeconfig),
+            "--config", str(self.bin_dir / "kwok-stages.yaml"),
+            "--manage-all-nodes=false",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            "--cidr=10.244.0.1/16", "--node-ip=10.0.0.1"])
+        for i in range(self.nodes):
+            name = f"kwok-node-{i}"
+            self.api("POST", "/api/v1/nodes", fake_node(name, zone=f"zone-{i % 2}"))
+            # The API server taints new nodes not-ready; the node lifecycle controller (not
+            # run: kwok sends no heartbeats it would trust) would lift it once Ready.
+            self.api("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": None}},
+                     "application/merge-patch+json")
+
+    def api(self, method: str, path: str, body: dict | None = None,
+            content_type: str = "application/json") -> dict:
+        """One call as the admin (JSON in and out), for setting the cluster up."""
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"{self.server}{path}", data=data, method=method,
+                                     headers={"Authorization": f"Bearer {self.admin_token}",
+                                              "Content-Type": content_type})
+        with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:
+            return json.loads(resp.read() or b"{}")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.work / f"{name}.log", "wb")
@@ -200,3 +243,15 @@ class LocalCluster:
 
     def remove(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def fake_node(name: str, zone: str, gpus: int = 8) -> dict:
+    """A node kwok plays the kubelet of (its annotation), with GPUs to schedule on."""
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": str(gpus),
+                "ephemeral-storage": "1Ti"}
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                         "labels": {"kubernetes.io/hostname": name, "type": "kwok",
+                                    "topology.kubernetes.io/zone": zone,
+                                    "kubernetes.io/os": "linux"}},
+            "status": {"capacity": capacity, "allocatable": capacity}}

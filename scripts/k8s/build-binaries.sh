@@ -88,6 +88,22 @@ build_install() {  # build_install NAME PKG VERSION: modules without replace dir
   mark "$1" "$3"
 }
 
+# kwok runs nothing by itself: Stages say how fake nodes and pods evolve. Its own "fast"
+# stages (node ready at once, pod Running+Ready at once, deleted pods removed) are copied
+# from the module next to the binary, as one config file for `kwok --config`.
+kwok_stages() {
+  local out=$BIN/kwok-stages.yaml src
+  [[ -f $out && "$(cat "$BIN/.kwok-stages.version" 2>/dev/null)" == "$KWOK_VERSION" ]] && return
+  src=$(GOFLAGS= go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage
+  [[ -d $src ]] || (cd "$WORK" && GOFLAGS= go mod download "sigs.k8s.io/kwok@$KWOK_VERSION")
+  {
+    for f in node/fast/node-initialize.yaml pod/fast/pod-ready.yaml pod/fast/pod-delete.yaml; do
+      echo "---"; cat "$src/$f"
+    done
+  } > "$out.tmp" && mv "$out.tmp" "$out"
+  mark kwok-stages "$KWOK_VERSION"
+}
+
 tools=("$@")
 [[ ${#tools[@]} -gt 0 ]] || tools=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok helm)
 for t in "${tools[@]}"; do
@@ -95,7 +111,7 @@ for t in "${tools[@]}"; do
     etcd) build_etcd ;;
     kube-apiserver|kube-controller-manager|kube-scheduler) build_k8s "$t" ;;
     # kwok: fake nodes and a fake kubelet (pods go Running/Ready without containers).
-    kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" ;;
+    kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"; kwok_stages ;;
     helm) build_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" ;;
     *) echo "build-binaries: unknown tool $t" >&2; exit 2 ;;
   esac

@@ -166,6 +166,7 @@ def router_config_map(ref: PoolRef, pool: PoolSpec) -> Manifest:
         "prefillTimeoutSeconds": format(router.prefill_timeout_seconds, "g"),
         "prefillService": f"{service_host(ref.name, PREFILL, ref.namespace)}:{ENGINE_PORT}",
         "decodeService": f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}",
+        "engineRejects": commands.engine_rejects(pool),
     }
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _metadata(ref, router_config_name(ref.name), "router"), "data": data}

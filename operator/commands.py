@@ -19,7 +19,16 @@ ROUTER_ENV = {
     "kvPullThreshold": "PDPOOL_KV_PULL_THRESHOLD",
     "prefillTimeoutSeconds": "PDPOOL_PREFILL_TIMEOUT",
     "prefillService": "PDPOOL_PREFILL_SERVICE",
+    "engineRejects": "PDPOOL_ENGINE_REJECTS",
 }
+
+
+def engine_rejects(pool: PoolSpec) -> str:
+    """Whether the decode engine honours cache_hit_threshold (the sidecar's
+    --engine-rejects): stock vLLM has no such field, so for `engine.kind: vllm` decode-first
+    is decided by the sidecar on prompt length (long prompts prefill-first), never silently
+    decode-only."""
+    return "no" if pool.engine.kind == "vllm" else "yes"
 
 
 def model_dir(model: ModelSpec) -> str:
@@ -93,6 +102,7 @@ def sidecar_args() -> list[str]:
         "--cache-hit-threshold", env["cacheHitThreshold"],
         "--kv-pull-threshold", env["kvPullThreshold"],
         "--prefill-timeout", env["prefillTimeoutSeconds"],
+        "--engine-rejects", env["engineRejects"],
     ]
 
 

@@ -101,6 +101,8 @@ def test_vllm_engine_gets_stock_vllm_flags_and_nixl_env():
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
     assert decode["resources"] == {"limits": {"nvidia.com/gpu": 2},
                                    "requests": {"nvidia.com/gpu": 2}}
+    # stock vLLM ignores cache_hit_threshold: its sidecars decide P/D by prompt length
+    assert children(spec)[("ConfigMap", "demo-router")]["data"]["engineRejects"] == "no"
 
 
 def test_hugging_face_model_is_fetched_by_an_init_container():
@@ -137,12 +139,14 @@ def test_decode_pod_has_the_sidecar_reading_the_router_config_map():
     for flag, key in [("--mode", "mode"), ("--cache-hit-threshold", "cacheHitThreshold"),
                       ("--prefill-service", "prefillService"),
                       ("--kv-pull-threshold", "kvPullThreshold"),
-                      ("--prefill-timeout", "prefillTimeoutSeconds")]:
+                      ("--prefill-timeout", "prefillTimeoutSeconds"),
+                      ("--engine-rejects", "engineRejects")]:
         var = commands.ROUTER_ENV[key]
         assert flags[flag] == f"$({var})"
         assert env[var]["valueFrom"]["configMapKeyRef"] == {"name": "demo-router", "key": key}
         assert key in config
     assert config["prefillService"] == "demo-prefill.llm.svc:8000"
+    assert config["engineRejects"] == "yes"   # pdpool engines reject (decode-first as is)
     assert "sidecar" not in [c["name"] for c in
                              kids[("Deployment", "demo-prefill")]["spec"]["template"]["spec"]["containers"]]
 

@@ -49,7 +49,8 @@ def test_the_operators_sidecar_command_line_parses():
     from pdpool.sidecar.sidecar_cli import settings_from_args
     values = {"PDPOOL_ROUTER_MODE": "decode-first", "PDPOOL_CACHE_HIT_THRESHOLD": "0.6",
               "PDPOOL_KV_PULL_THRESHOLD": "64", "PDPOOL_PREFILL_TIMEOUT": "15",
-              "PDPOOL_PREFILL_SERVICE": "prefill.ns.svc.cluster.local:8000"}
+              "PDPOOL_PREFILL_SERVICE": "prefill.ns.svc.cluster.local:8000",
+              "PDPOOL_ENGINE_REJECTS": "no"}
     argv = commands.sidecar_args()[1:]
     for var, value in values.items():
         argv = [a.replace(f"$({var})", value) for a in argv]
@@ -58,5 +59,6 @@ def test_the_operators_sidecar_command_line_parses():
     assert (s.mode, s.cache_hit_threshold, s.kv_pull_threshold, s.prefill_timeout) == \
         ("decode-first", 0.6, 64, 15.0)
     assert s.prefill_service == "prefill.ns.svc.cluster.local:8000"
+    assert s.engine_rejects == "no"
     gw = build_parser().parse_args(commands.gateway_args("decode.ns.svc:8000")[1:])
     assert gw.decode_service == "decode.ns.svc:8000"

@@ -94,10 +94,11 @@ def main() -> int:
                          "-" if copy_gbps is None else f"{point['pct_copy']:.0f}%",
                          "-" if torch_ms is None else f"{torch_ms * 1e3:.0f}",
                          f"{err:.1e}"])
-            del q, kc, vc, tables
+            q = kc = vc = tables = None   # free the cache before the next shape
     print(f"decode paged attention on {name}: H={args.heads} H_kv={args.kv_heads} "
           f"D={args.head_dim} {args.dtype} block={args.block_size}; HBM peak "
-          f"{peak or '?'} GB/s (datasheet), copy {copy_gbps and round(copy_gbps)} GB/s (measured)\n")
+          f"{peak or '?'} GB/s (datasheet), "
+          f"copy {copy_gbps and round(copy_gbps)} GB/s (measured)\n")
     print_table(["batch", "context", "KV MB", "triton us", "GB/s", "%peak", "%copy",
                  "torch us", "err"], rows)
     write_json("kernels_decode_attention", {

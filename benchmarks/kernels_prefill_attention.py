@@ -84,7 +84,7 @@ def main() -> int:
                 rows.append([head_dim, seq_len, batch, prefix, f"{ms:.3f}", f"{tflops:.1f}",
                              "-" if peak is None else f"{point['pct_peak']:.0f}%",
                              "-" if sdpa_tflops is None else f"{sdpa_tflops:.1f}"])
-                del kc, vc, q
+                kc = vc = q = None   # free the cache before the next shape
     print(f"prefill paged attention on {name}: H={args.heads} H_kv={args.kv_heads} "
           f"{args.dtype} block={args.block_size}, {args.tokens} new tokens per batch; "
           f"bf16 dense peak {peak or '?'} TFLOP/s (datasheet)\n")

@@ -97,7 +97,8 @@ def run_mode(model: Path, logs: Path, pull: bool, prefix_caching: bool, args) ->
                 "mode": "pull" if pull else "recompute",
                 "ttft_p50_ms": statistics.median(ttfts) * 1000,
                 "ttft_max_ms": max(ttfts) * 1000,
-                "prefill_computed_tokens": int(P.metric("pdpool_computed_tokens_total") - computed0),
+                "prefill_computed_tokens":
+                    int(P.metric("pdpool_computed_tokens_total") - computed0),
                 "pulled_tokens": int(connector_stat(P, "tokens_pulled") - pulled0)}
     finally:
         P.stop()

@@ -238,7 +238,8 @@ def main() -> int:
     with open(out, "w") as fh:
         json.dump({"concurrency": args.concurrency, "upstream": upstream,
                    "cpus": os.cpu_count(), "load_average": load, "sidecar_nice": args.sidecar_nice,
-                   "sidecar_cpu_ms_per_request": cpu_ms, "rows": rows, "added": added}, fh, indent=2)
+                   "sidecar_cpu_ms_per_request": cpu_ms, "rows": rows, "added": added},
+                  fh, indent=2)
     print(f"wrote {out}")
     return 0
 

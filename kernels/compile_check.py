@@ -19,7 +19,8 @@ import time
 
 PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16"}
 # At launch Triton specialises integer arguments equal to 1 into constants and marks pointers
-# and integers divisible by 16; the head-dim strides are 1 for the engine's tensors. Compiling with the
+# and integers divisible by 16; the head-dim strides are 1 for the engine's tensors.
+# Compiling with the
 # same specialisation checks the code the GPU will really run (vectorised loads included).
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_kcd", "stride_vcd",
                 "stride_sv")

@@ -51,7 +51,7 @@ def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor,
     """
     squeeze = x.dim() == 2
     xs = x.unsqueeze(-1) if squeeze else x
-    seq_len, width = xs.shape[-1], weight.shape[-1]
+    width = weight.shape[-1]
     if state_indices is None:
         rows = None
         state = conv_state
@@ -63,7 +63,8 @@ def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor,
         state[live] = conv_state[rows[live]]
     state_len = state.shape[-1]
     if state_len < width - 1:
-        raise ValueError(f"conv_state keeps {state_len} inputs; kernel width {width} needs >= {width - 1}")
+        raise ValueError(f"conv_state keeps {state_len} inputs; kernel width {width} "
+                         f"needs >= {width - 1}")
     full = torch.cat([state.float(), xs.float()], dim=-1)  # [B, C, S + T]
     window = full[..., state_len + 1 - width:]              # the inputs the T outputs need
     out = F.conv1d(window, weight.float().unsqueeze(1), None if bias is None else bias.float(),
@@ -267,7 +268,8 @@ def gated_delta_rule_chunked_reference(q, k, v, g, beta, initial_state=None,
         bounds = cu_seqlens.tolist()
         spans = [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
     if initial_state is not None and initial_state.shape[0] != len(spans):
-        raise ValueError(f"initial_state has {initial_state.shape[0]} rows for {len(spans)} sequences")
+        raise ValueError(f"initial_state has {initial_state.shape[0]} rows for {len(spans)} "
+                         "sequences")
     qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm, scale)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     final = torch.empty(len(spans), num_v_heads, dk, dv, device=v.device)

@@ -96,7 +96,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _fail(f"q must be [T, H, {k_cache.shape[3]}], got {tuple(q.shape)}")
     if q.shape[1] % k_cache.shape[2]:
         _fail(f"query heads {q.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
-    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_tables.shape[0] != seq_lens.shape[0]:
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 \
+            or block_tables.shape[0] != seq_lens.shape[0]:
         _fail(f"query_start_loc needs B+1 = {seq_lens.shape[0] + 1} entries and block_tables "
               f"B rows, got {query_start_loc.shape[0]} and {block_tables.shape[0]}")
     if sliding_window is not None and sliding_window <= 0:
@@ -185,8 +186,10 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     if cu_seqlens is not None:
         _check_index("cu_seqlens", cu_seqlens, 1)
         num = cu_seqlens.shape[0] - 1
-    if initial_state is not None and (initial_state.dim() != 3 or initial_state.shape[:2] != (num, x.shape[1])):
-        _fail(f"initial_state must be [N={num}, C={x.shape[1]}, S], got {tuple(initial_state.shape)}")
+    if initial_state is not None and (initial_state.dim() != 3
+                                      or initial_state.shape[:2] != (num, x.shape[1])):
+        _fail(f"initial_state must be [N={num}, C={x.shape[1]}, S], "
+              f"got {tuple(initial_state.shape)}")
     _check_same_device(x, weight, bias, initial_state, cu_seqlens)
     return gdn.causal_conv1d_prefill_reference(x, weight, bias, initial_state, activation,
                                                cu_seqlens, state_len)

@@ -44,7 +44,8 @@ class KVConnector:
 
     def will_load_state(self, request: Request) -> bool:
         """The request's recurrent state will come from a peer, so the local lookup need
-        not find a state snapshot (per-group hits, as vLLM PR #42524 proposes for hybrid KV consumers)."""
+        not find a state snapshot (per-group hits, as vLLM PR #42524 proposes for hybrid
+        KV consumers)."""
         return False
 
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:

@@ -200,7 +200,7 @@ def test_a_queued_consumer_keeps_its_lease_alive(engines):
         blocker.join()
     assert waited > HOLD_S, "the decode leg did not wait: the test proves nothing"
     assert text_of(out) == text_of(post(A.url, b))
-    assert stat(Ds, "tokens_pulled") - pulled0 == 59, (stat(Ds, "lease_renewals_sent"), stat(Ps, "leases_renewed"), waited)
+    assert stat(Ds, "tokens_pulled") - pulled0 == 59
     assert stat(Ps, "leases_renewed") >= 1
     wait_idle(Ps, Ds)
 

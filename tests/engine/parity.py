@@ -30,7 +30,7 @@ def hf_greedy(model, prompt: list[int], max_new: int):
                          eos_token_id=None, pad_token_id=0, output_logits=True,
                          return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
-    return tokens, [l[0].float() for l in out.logits]
+    return tokens, [step[0].float() for step in out.logits]
 
 
 def run_engine_recording_first_logits(engine, prompts, params):
@@ -54,7 +54,8 @@ def compare(hf_model, prompts, engine_tokens, engine_first_logits, max_new) -> P
         ref, ref_logits = hf_greedy(hf_model, prompt, max_new)
         diff = (engine_first_logits[i] - ref_logits[0]).abs().max().item()
         report.max_logit_diff = max(report.max_logit_diff, diff)
-        assert diff < LOGIT_ATOL, f"prompt {i} (len {len(prompt)}): first-step logits differ by {diff}"
+        assert diff < LOGIT_ATOL, \
+            f"prompt {i} (len {len(prompt)}): first-step logits differ by {diff}"
         report.compared += 1
         if got == ref:
             continue

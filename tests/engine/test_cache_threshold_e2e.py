@@ -81,8 +81,8 @@ def test_streamed_rejection_and_chat(server):
     with httpx.stream("POST", f"{server.url}/v1/completions",
                       json={"prompt": tail(80, 3000), "max_tokens": 4, "stream": True,
                             "cache_hit_threshold": 0.5}, timeout=60) as r:
-        events = [json.loads(l[5:]) for l in r.iter_lines()
-                  if l.startswith("data:") and "[DONE]" not in l]
+        events = [json.loads(line[5:]) for line in r.iter_lines()
+                  if line.startswith("data:") and "[DONE]" not in line]
     assert events[-1]["choices"][0]["finish_reason"] == "cache_threshold"
     assert "".join(e["choices"][0]["text"] for e in events) == ""
     r = httpx.post(f"{server.url}/v1/chat/completions",

@@ -15,7 +15,8 @@ def test_random_mix_leaves_no_block_behind(tiny_qwen3):
     shared = [rng.randrange(3, 500) for _ in range(40)]   # a common prefix: cache hits too
     live, n_aborted, finished = set(), 0, 0
     for i in range(40):
-        prompt = (shared if i % 2 else []) + [rng.randrange(3, 500) for _ in range(rng.randint(1, 80))]
+        own = [rng.randrange(3, 500) for _ in range(rng.randint(1, 80))]
+        prompt = (shared if i % 2 else []) + own
         threshold = 0.9 if i % 7 == 0 else None
         engine.add_request(f"r{i}", prompt, SamplingParams(
             max_tokens=rng.randint(1, 30), temperature=rng.choice([0.0, 0.8]), seed=i,

@@ -18,7 +18,8 @@ def make(rid, n_tokens, start=0, threshold=None, kv_params=None, max_tokens=8):
 
 def sched(num_blocks=64, budget=32, max_seqs=8, **kw):
     kv = KVCacheManager(num_blocks, BS)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw), kv)
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                     **kw), kv)
 
 
 def run_step(s: Scheduler, out, token=1):
@@ -107,7 +108,8 @@ def test_unaware_admission_charges_cached_tokens():
     assert out.scheduled == [] or out.num_scheduled_tokens < 2
 
 
-@pytest.mark.parametrize("threshold,admitted", [(0.0, True), (0.5, True), (0.9, False), (1.0, False)])
+@pytest.mark.parametrize("threshold,admitted",
+                         [(0.0, True), (0.5, True), (0.9, False), (1.0, False)])
 def test_cache_hit_threshold(threshold, admitted):
     s = sched(budget=64)
     warm = make("warm", 16)

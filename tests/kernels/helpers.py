@@ -25,7 +25,8 @@ def paged_cache(num_blocks: int, num_layers: int, block_size: int, num_kv_heads:
 
 
 def batch_tables(seq_lens, block_size: int, num_blocks: int, device, generator=None):
-    """Block tables with distinct, shuffled blocks per sequence (unused entries point at block 0)."""
+    """Block tables with distinct, shuffled blocks per sequence (unused entries point at
+    block 0)."""
     need = [(s + block_size - 1) // block_size for s in seq_lens]
     width = max(1, max(need))
     assert sum(need) <= num_blocks, "test cache too small"

@@ -130,7 +130,8 @@ def test_full_size_gpu(dtype, head_dim, group, window):
     device = torch.device("cuda")
     q_lens = [1500, 700] + [1] * 62
     context_lens = [0, 2300] + [3000 + 37 * i for i in range(62)]
-    q, k_cache, v_cache, tables, starts, lens = _batch(device, dtype, 16, 8, group, head_dim, q_lens, context_lens)
+    q, k_cache, v_cache, tables, starts, lens = _batch(device, dtype, 16, 8, group, head_dim,
+                                                       q_lens, context_lens)
     scale = head_dim ** -0.5
     expected = paged_attention_reference(q, k_cache, v_cache, tables, starts, lens, scale, window)
     out = ops.paged_attention(q, k_cache, v_cache, tables, starts, lens, scale, window,

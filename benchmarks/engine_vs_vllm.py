@@ -1,0 +1,196 @@
+"""pdpool serve vs stock vLLM (CPU build, scripts/vllm/build-venv.sh) on the same checkpoint.
+
+    python benchmarks/engine_vs_vllm.py                  # both shapes, best of 3
+    python benchmarks/engine_vs_vllm.py --shapes small --rounds 1
+
+Workload: 64 concurrent streaming greedy /v1/completions (token-id prompts of 16-256 tokens,
+outputs of 8-128 tokens with ignore_eos; one seeded random draw shared by both engines).
+Each engine runs alone: the other server is SIGSTOPped during a round; rounds alternate
+(ours, vLLM, ours, ...) and the best of N counts. Reported: output tokens/s (all output
+tokens / wall time of the round), TTFT p50/p90 of that round, and how many of the 64 greedy
+texts are equal between the engines (float32 both; vLLM on CPU with --enforce-eager).
+Shapes: small = 2 layers, hidden 64, head_dim 32; large = 4 layers, hidden 512, head_dim 64.
+Both engines get the machine's defaults: pdpool serve torch's threads; vLLM its CPU defaults
+(OpenMP bound to one core, one reserved for its frontend); `--vllm-bind 0-1` changes that.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pdpool.sidecar.topology import (VLLM_ARGS, VLLM_ENV, free_port, healthy,  # noqa: E402
+                                     pdpool_command, served_model_name, vllm_command)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SHAPES = {
+    "small": dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
+                  num_kv_heads=2, head_dim=32),
+    "large": dict(num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=8,
+                  num_kv_heads=4, head_dim=64),
+}
+
+
+def model_for(shape: str) -> str:
+    from pdpool.engine.tiny_model import TinyModelSpec, write_tiny_model
+    out = os.path.join(os.path.expanduser("~"), ".cache", "pdpool", f"bench-vllm-{shape}-h32")
+    if not os.path.exists(os.path.join(out, "model.safetensors")):
+        write_tiny_model(out, TinyModelSpec(arch="qwen3", seed=7, **SHAPES[shape]))
+    return out
+
+
+def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab - 20) for _ in range(rng.randint(16, 256))],
+             rng.randint(8, 128)) for _ in range(n)]
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], port: int, log: str, env=None):
+        self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                     start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+        self.log = log
+
+    def wait(self, timeout: float = 900) -> float:
+        t0 = time.monotonic()
+        while not healthy(self.url):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log}")
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(self.name)
+            time.sleep(0.5)
+        return time.monotonic() - t0
+
+    def signal(self, sig) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+              max_tokens: int) -> tuple[float, str, int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, tokens = None, [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("choices"):
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(ev["choices"][0].get("text") or "")
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+    return ttft or float("nan"), "".join(text), tokens
+
+
+async def run_round(url: str, model: str, work) -> dict:
+    limits = httpx.Limits(max_connections=len(work), max_keepalive_connections=len(work))
+    async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(one(client, url, model, p, m) for p, m in work))
+        wall = time.perf_counter() - t0
+    ttfts = sorted(o[0] for o in outs)
+    tokens = sum(o[2] for o in outs)
+    return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
+            "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * len(ttfts))],
+            "texts": [o[1] for o in outs]}
+
+
+def bench_shape(shape: str, args) -> dict:
+    model = model_for(shape)
+    name = served_model_name(model)
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    work = workload(args.requests, args.seed, vocab)
+    logs = os.path.join(RESULTS, "logs")
+    os.makedirs(logs, exist_ok=True)
+    p1, p2 = free_port(), free_port()
+    ours = Server("pdpool", pdpool_command("serve", model, "--port", str(p1), "--device", "cpu",
+                                           "--log-level", "warning"), p1,
+                  os.path.join(logs, f"vs-vllm-{shape}-pdpool.log"))
+    env = dict(VLLM_ENV)
+    if args.vllm_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind
+    theirs = Server("vllm", [args.vllm_bin or vllm_command(), "serve", model, "--port", str(p2),
+                             "--served-model-name", name, *VLLM_ARGS], p2,
+                    os.path.join(logs, f"vs-vllm-{shape}-vllm.log"), env)
+    try:
+        start = {"pdpool": ours.wait(), "vllm": theirs.wait()}
+        servers = [ours, theirs]
+        rounds = {"pdpool": [], "vllm": []}
+        for r in range(args.rounds):
+            for s in servers:
+                other = theirs if s is ours else ours
+                other.signal(signal.SIGSTOP)
+                try:
+                    if r == 0:   # warm-up: one request
+                        asyncio.run(run_round(s.url, name, work[:1]))
+                    res = asyncio.run(run_round(s.url, name, work))
+                finally:
+                    other.signal(signal.SIGCONT)
+                rounds[s.name].append(res)
+                print(f"  {shape} round {r + 1} {s.name}: {res['tok_s']:.0f} tok/s, "
+                      f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms", flush=True)
+    finally:
+        ours.stop()
+        theirs.stop()
+    best = {k: max(v, key=lambda x: x["tok_s"]) for k, v in rounds.items()}
+    same = sum(a == b for a, b in zip(rounds["pdpool"][0]["texts"], rounds["vllm"][0]["texts"]))
+    return {"shape": shape, "spec": SHAPES[shape], "startup_s": start,
+            "best": {k: {kk: vv for kk, vv in v.items() if kk != "texts"}
+                     for k, v in best.items()},
+            "all_tok_s": {k: [round(x["tok_s"], 1) for x in v] for k, v in rounds.items()},
+            "equal_texts": same, "requests": len(work)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="small,large")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-bin", help="the vllm executable (default: the build-venv.sh venv)")
+    ap.add_argument("--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: its own)")
+    args = ap.parse_args()
+    results = []
+    for shape in args.shapes.split(","):
+        results.append(bench_shape(shape, args))
+    print("\n| shape | engine | output tok/s (best of %d) | TTFT p50 | TTFT p90 | equal texts |"
+          % args.rounds)
+    print("|---|---|---|---|---|---|")
+    for res in results:
+        for eng in ("pdpool", "vllm"):
+            b = res["best"][eng]
+            print(f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | {b['ttft_p50'] * 1000:.0f} ms "
+                  f"| {b['ttft_p90'] * 1000:.0f} ms | {res['equal_texts']}/{res['requests']} |")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "engine_vs_vllm.json"), "w") as fh:
+        json.dump(results, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

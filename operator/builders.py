@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import commands
-from .names import (ANNOTATION_ROUTER_HASH, API_VERSION, DECODE, ENGINE_PORT, GATEWAY, KIND,
+from .names import (API_KEYS_DIR, API_KEYS_FILE, API_KEYS_KEY, ANNOTATION_ROUTER_HASH,
+                    API_VERSION, DECODE, ENGINE_PORT, GATEWAY, KIND,
                     KV_SECRET_DIR, KV_SECRET_KEY, LABEL_METRICS, LABEL_POOL, LABEL_ROLE,
                     MODELS_MOUNT, PREFILL,
                     SIDECAR_PORT, child_name, kv_secret_name, labels, router_config_name,
@@ -433,10 +434,11 @@ def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
 
 def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manifest:
     decode = f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}"
+    keys = pool.gateway.api_keys_secret
     container = {
         "name": "gateway", "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.gateway_args(decode),
+        "command": commands.gateway_args(decode, API_KEYS_FILE if keys else None),
         "ports": [{"name": "http", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
         "resources": dict(pool.gateway.resources),
         "securityContext": container_security_context(pool),
@@ -444,7 +446,16 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         "readinessProbe": _probe("/ready", "http", 5, 3),    # any decode sidecar ready
         "livenessProbe": _tcp_probe("http", 10, 6),          # the process alone
     }
-    pod_spec = {"containers": [container], "volumes": [_empty_dir("tmp")],
+    volumes = [_empty_dir("tmp")]
+    if keys is not None:
+        # Mounted whole (no subPath), so a rotated Secret reaches the file and the gateway
+        # re-reads it without a restart.
+        container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR,
+                                          "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {
+            "secretName": keys.name, "defaultMode": KV_SECRET_MODE,
+            "items": [{"key": keys.key, "path": API_KEYS_KEY}]}})
+    pod_spec = {"containers": [container], "volumes": volumes,
                 **_pod_security(pool), **_pod_scheduling(pool, None),
                 "topologySpreadConstraints": topology_spread(ref, GATEWAY, None)}
     return _deployment(ref, GATEWAY, pool.gateway.replicas, pod_spec,

@@ -106,9 +106,10 @@ def sidecar_args() -> list[str]:
     ]
 
 
-def gateway_args(decode_service: str) -> list[str]:
-    return ["pdpool", "gateway", "--host", "0.0.0.0", "--port", str(SIDECAR_PORT),
+def gateway_args(decode_service: str, api_keys_file: str | None = None) -> list[str]:
+    argv = ["pdpool", "gateway", "--host", "0.0.0.0", "--port", str(SIDECAR_PORT),
             "--decode-service", decode_service]
+    return argv + (["--api-keys-file", api_keys_file] if api_keys_file else [])
 
 
 def hf_download_args(model: ModelSpec) -> list[str]:

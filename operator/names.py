@@ -27,6 +27,10 @@ MODELS_MOUNT = "/models"
 KV_SECRET_KEY = "kv-secret"
 KV_SECRET_DIR = "/etc/pdpool/kv-secret"
 KV_SECRET_FILE = f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"
+# The gateway's API keys (spec.gateway.apiKeysSecret), mounted read-only in the gateway.
+API_KEYS_KEY = "api-keys"
+API_KEYS_DIR = "/etc/pdpool/api-keys"
+API_KEYS_FILE = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
 
 
 def child_name(pool: str, role: str) -> str:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .names import KV_SECRET_KEY
+from .names import API_KEYS_KEY, KV_SECRET_KEY
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
@@ -109,6 +109,8 @@ class GatewaySpec:
     port: int
     service_type: str
     resources: dict[str, Any]
+    # A Secret holding the API keys clients must send (one per line); None: no keys.
+    api_keys_secret: "SecretKeyRef | None" = None
 
 
 @dataclass(frozen=True)
@@ -276,7 +278,9 @@ def _gateway(g: dict[str, Any]) -> GatewaySpec:
     return GatewaySpec(replicas=_int(g, "replicas", 1, "spec.gateway", minimum=0),
                        port=_int(g, "port", 8080, "spec.gateway", minimum=1, maximum=65535),
                        service_type=service_type,
-                       resources=_resources(g, "spec.gateway") or dict(DEFAULT_GATEWAY_RESOURCES))
+                       resources=_resources(g, "spec.gateway") or dict(DEFAULT_GATEWAY_RESOURCES),
+                       api_keys_secret=_secret_ref(g, "apiKeysSecret", "spec.gateway",
+                                                   API_KEYS_KEY))
 
 
 def _security(s: dict[str, Any]) -> SecuritySpec:

@@ -23,6 +23,7 @@ from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 
 from . import migration
 from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
+from .apikeys import OPEN_PATHS, ApiKeys, presented_key
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
                    off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error,
                    send_start, sse_error_event)
@@ -66,6 +67,8 @@ class GatewaySettings:
     stall_timeout_s: float = 20.0      # no byte for this long mid-stream: broken
     default_max_tokens: int = 16       # the engine's default when a request has none
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
+    # A file of API keys (apikeys.py): requests without one get 401. None: no keys asked.
+    api_keys_file: Optional[str] = None
 
     def validate(self) -> "GatewaySettings":
         if not self.decode_urls and not self.decode_service:
@@ -88,6 +91,7 @@ class _Leg:
 class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings.validate()
+        self.api_keys = ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
         self.metrics = GatewayMetrics()
         self.backends = EndpointSet(settings.decode_urls, settings.decode_service,
                                     settings.refresh_s)
@@ -192,6 +196,11 @@ class Gateway:
         if scope["type"] != "http":
             return
         route = scope["path"]
+        if self.api_keys is not None and route not in OPEN_PATHS and \
+                not self.api_keys.allows(presented_key(header_dict(scope))):
+            return await send_error(send, 401, "a valid API key is required (Authorization: "
+                                    "Bearer <key>)", code="invalid_api_key",
+                                    headers={"www-authenticate": "Bearer"})
         if route == "/metrics" and scope["method"] == "GET":
             return await send_bytes(send, 200, self.metrics.render(),
                                     content_type=CONTENT_TYPE_LATEST)
@@ -211,6 +220,9 @@ class Gateway:
             return await send_error(send, 413, f"request body exceeds "
                                     f"{self.settings.max_body_bytes} bytes")
         headers = header_dict(scope)
+        if self.api_keys is not None:   # the client's key goes no further than the gateway
+            headers.pop("authorization", None)
+            headers.pop("x-api-key", None)
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         key, body = "", None
         if scope["path"] in GENERATION_PATHS:

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that set none)")
     p.add_argument("--max-body-bytes", default="32MiB",
                    help="request bodies above this size get 413 (default 32MiB)")
+    p.add_argument("--api-keys-file",
+                   help="file of API keys, one per line (>= 16 characters): clients must "
+                        "send one (Authorization: Bearer KEY); re-read when it changes")
     p.add_argument("--log-level", default="warning")
 
 
@@ -51,9 +54,10 @@ def main(args: argparse.Namespace) -> int:
                                    ejection_s=args.ejection_s, migrate=args.migrate,
                                    stall_timeout_s=args.stall_timeout_s,
                                    default_max_tokens=args.default_max_tokens,
-                                   max_body_bytes=parse_size(args.max_body_bytes))
+                                   max_body_bytes=parse_size(args.max_body_bytes),
+                                   api_keys_file=args.api_keys_file)
         app = Gateway(settings)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, lifespan="on")

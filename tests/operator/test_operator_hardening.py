@@ -227,3 +227,22 @@ def test_sidecar_and_gateway_readiness_follow_upstreams_liveness_only_the_proces
     _, ready, live = _probes(kids, "demo-gateway", "gateway")
     assert ready["httpGet"] == {"path": "/ready", "port": "http"}   # any sidecar ready
     assert "tcpSocket" in live and "httpGet" not in live
+
+
+# --- gateway API keys ------------------------------------------------------------------------
+
+def test_gateway_api_keys_come_from_a_secret_mounted_in_the_gateway_only():
+    kids = children(dict(HF, gateway={"apiKeysSecret": {"name": "llm-keys"}}))
+    pod = pod_templates(kids)["demo-gateway"]["spec"]
+    gateway = pod["containers"][0]
+    argv = gateway["command"]
+    assert argv[argv.index("--api-keys-file") + 1] == "/etc/pdpool/api-keys/api-keys"
+    assert {"name": "api-keys", "mountPath": "/etc/pdpool/api-keys",
+            "readOnly": True} in gateway["volumeMounts"]
+    assert {"name": "api-keys", "secret": {"secretName": "llm-keys", "defaultMode": 0o444,
+            "items": [{"key": "api-keys", "path": "api-keys"}]}} in pod["volumes"]
+    for role in ("prefill", "decode"):
+        assert not any(v["name"] == "api-keys" for v in pod_templates(kids)[f"demo-{role}"][
+            "spec"]["volumes"])
+    open_gateway = pod_templates(children(HF))["demo-gateway"]["spec"]["containers"][0]
+    assert "--api-keys-file" not in open_gateway["command"]

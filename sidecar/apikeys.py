@@ -1,0 +1,93 @@
+"""Gateway API keys: clients must send one of the keys listed in a file.
+
+- the file holds one key per line (blank lines and `#` comments ignored); keys shorter
+  than 16 characters are refused at load (a typo must not become a guessable key);
+- a client sends `Authorization: Bearer <key>` (what OpenAI clients send) or `x-api-key`;
+- keys are compared as SHA-256 digests with `hmac.compare_digest`, against every key, so
+  neither the length nor the position of a match shows in the timing;
+- the file is re-read when its modification time changes (checked at most once a second):
+  a rotated Kubernetes Secret takes effect without a restart. A file that became unreadable
+  or empty keeps the last good keys (and logs), rather than opening or closing the door.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import time
+from typing import Optional
+
+log = logging.getLogger("pdpool.gateway")
+MIN_KEY_CHARS = 16
+# Paths that stay open: the kubelet's probes and the metrics scraper (the pool's
+# NetworkPolicy limits who reaches /metrics).
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+
+class ApiKeyError(ValueError):
+    pass
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def parse_keys(text: str) -> list[bytes]:
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        if len(key) < MIN_KEY_CHARS:
+            raise ApiKeyError(f"API key on line {n} is shorter than {MIN_KEY_CHARS} characters")
+        keys.append(_digest(key))
+    if not keys:
+        raise ApiKeyError("no API key in the file")
+    return keys
+
+
+def presented_key(headers: dict[str, str]) -> Optional[str]:
+    """The key a request carries (header names lower-case), or None."""
+    auth = headers.get("authorization", "")
+    scheme, _, value = auth.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return headers.get("x-api-key") or None
+
+
+class ApiKeys:
+    def __init__(self, path: str, recheck_s: float = 1.0):
+        self.path, self.recheck_s = path, recheck_s
+        self._mtime: Optional[float] = None
+        self._checked = 0.0
+        self._keys = self._load()   # raises at startup: a bad file is a configuration error
+
+    def _load(self) -> list[bytes]:
+        with open(self.path, encoding="utf-8") as f:
+            text = f.read()
+        self._mtime = os.stat(self.path).st_mtime
+        return parse_keys(text)
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < self.recheck_s:
+            return
+        self._checked = now
+        try:
+            if os.stat(self.path).st_mtime == self._mtime:
+                return
+            self._keys = self._load()
+            log.warning("API keys reloaded from %s (%d keys)", self.path, len(self._keys))
+        except (OSError, ApiKeyError) as exc:
+            log.error("API keys file %s: %s; keeping the last good keys", self.path, exc)
+
+    def allows(self, key: Optional[str]) -> bool:
+        self._maybe_reload()
+        if not key:
+            return False
+        digest = _digest(key)
+        ok = False
+        for known in self._keys:   # no early exit: every key is compared
+            ok |= hmac.compare_digest(digest, known)
+        return ok

@@ -1,0 +1,82 @@
+"""Gateway API keys: 401 without a valid key, probes and metrics stay open, the key is not
+forwarded, a rotated key file takes effect without a restart."""
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from pdpool.sidecar.apikeys import ApiKeyError, ApiKeys, parse_keys, presented_key
+from pdpool.sidecar.gateway import Gateway, GatewaySettings
+from pdpool.sidecar.proxy import Sidecar
+from pdpool.sidecar.settings import SidecarSettings
+
+from .vllm_standin import VllmStandIn
+
+KEY_A, KEY_B = "a" * 8 + "-team-a-0123456789", "b" * 8 + "-team-b-0123456789"
+
+
+def test_key_file_parsing_and_headers():
+    assert len(parse_keys(f"# comment\n\n{KEY_A}\n  {KEY_B}  \n")) == 2
+    with pytest.raises(ApiKeyError, match="shorter"):
+        parse_keys("short\n")
+    with pytest.raises(ApiKeyError, match="no API key"):
+        parse_keys("# nothing\n")
+    assert presented_key({"authorization": f"Bearer {KEY_A}"}) == KEY_A
+    assert presented_key({"authorization": f"bearer  {KEY_A} "}) == KEY_A
+    assert presented_key({"x-api-key": KEY_B}) == KEY_B
+    assert presented_key({"authorization": "Basic abc"}) is None
+
+
+def test_rotation_keeps_last_good_keys_on_a_broken_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(KEY_A + "\n")
+    keys = ApiKeys(str(path), recheck_s=0)
+    assert keys.allows(KEY_A) and not keys.allows(KEY_B) and not keys.allows(None)
+    path.write_text(KEY_B + "\n")
+    os.utime(path, (time.time() + 5, time.time() + 5))
+    assert keys.allows(KEY_B) and not keys.allows(KEY_A)
+    path.write_text("")   # emptied by mistake: the door stays as it was
+    os.utime(path, (time.time() + 10, time.time() + 10))
+    assert keys.allows(KEY_B)
+
+
+async def test_gateway_asks_for_a_key_and_does_not_forward_it(servers, tmp_path):
+    engine = VllmStandIn("decode-0")
+    e = await servers(engine)
+    side = await servers(Sidecar(SidecarSettings(decode_url=e.url, mode="aggregated")))
+    path = tmp_path / "keys"
+    path.write_text(f"{KEY_A}\n{KEY_B}\n")
+    gw = await servers(Gateway(GatewaySettings(decode_urls=[side.host_port],
+                                               api_keys_file=str(path))))
+    body = {"prompt": "hello " * 10, "max_tokens": 2}
+    async with httpx.AsyncClient() as c:
+        none = await c.post(gw.url + "/v1/completions", json=body)
+        wrong = await c.post(gw.url + "/v1/completions", json=body,
+                             headers={"authorization": "Bearer " + "x" * 30})
+        models = await c.get(gw.url + "/v1/models")
+        ok = await c.post(gw.url + "/v1/completions", json=body,
+                          headers={"authorization": f"Bearer {KEY_A}"})
+        ok_b = await c.post(gw.url + "/v1/completions", json=body, headers={"x-api-key": KEY_B})
+        probes = [(await c.get(gw.url + p)).status_code for p in ("/health", "/ready", "/metrics")]
+    assert none.status_code == wrong.status_code == models.status_code == 401
+    assert none.headers["www-authenticate"] == "Bearer"
+    assert none.json()["error"]["code"] == "invalid_api_key"
+    assert ok.status_code == ok_b.status_code == 200
+    assert probes == [200, 200, 200]
+    assert len(engine.state.received) == 2   # refused requests never reached an engine
+    for _, _, headers in engine.state.received:
+        lowered = {k.lower() for k in headers}
+        assert "authorization" not in lowered and "x-api-key" not in lowered
+
+
+async def test_gateway_without_a_key_file_is_open(servers):
+    engine = VllmStandIn("decode-0")
+    e = await servers(engine)
+    side = await servers(Sidecar(SidecarSettings(decode_url=e.url, mode="aggregated")))
+    gw = await servers(Gateway(GatewaySettings(decode_urls=[side.host_port])))
+    async with httpx.AsyncClient() as c:
+        r = await c.post(gw.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200

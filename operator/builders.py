@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import commands
-from .names import (API_KEYS_DIR, API_KEYS_FILE, API_KEYS_KEY, ANNOTATION_ROUTER_HASH,
+from .names import (API_KEYS_DIR, API_KEYS_FILE, API_KEYS_KEY, ANNOTATION_ROUTER_HASH, TLS_DIR,
                     API_VERSION, DECODE, ENGINE_PORT, GATEWAY, KIND,
                     KV_SECRET_DIR, KV_SECRET_KEY, LABEL_METRICS, LABEL_POOL, LABEL_ROLE,
                     MODELS_MOUNT, PREFILL,
@@ -226,8 +226,11 @@ STARTUP_PERIOD_S = 10
 
 
 def _probe(path: str, port: str, period: int, failures: int,
-           timeout: int = PROBE_TIMEOUT_S) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+           timeout: int = PROBE_TIMEOUT_S, scheme: str | None = None) -> dict[str, Any]:
+    get: dict[str, Any] = {"path": path, "port": port}
+    if scheme:
+        get["scheme"] = scheme   # the kubelet does not verify the certificate
+    return {"httpGet": get, "periodSeconds": period,
             "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
@@ -434,17 +437,21 @@ def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
 
 def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manifest:
     decode = f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}"
-    keys = pool.gateway.api_keys_secret
+    keys, tls = pool.gateway.api_keys_secret, pool.gateway.tls_secret
     container = {
         "name": "gateway", "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.gateway_args(decode, API_KEYS_FILE if keys else None),
-        "ports": [{"name": "http", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
+        "command": commands.gateway_args(decode, API_KEYS_FILE if keys else None,
+                                         TLS_DIR if tls else None),
+        # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
+        "ports": [{"name": "https" if tls else "http", "containerPort": SIDECAR_PORT,
+                   "protocol": "TCP"}],
         "resources": dict(pool.gateway.resources),
         "securityContext": container_security_context(pool),
         "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}],
-        "readinessProbe": _probe("/ready", "http", 5, 3),    # any decode sidecar ready
-        "livenessProbe": _tcp_probe("http", 10, 6),          # the process alone
+        "readinessProbe": _probe("/ready", "https" if tls else "http", 5, 3,
+                                 scheme="HTTPS" if tls else None),  # any sidecar ready
+        "livenessProbe": _tcp_probe("https" if tls else "http", 10, 6),  # the process
     }
     volumes = [_empty_dir("tmp")]
     if keys is not None:
@@ -455,6 +462,11 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         volumes.append({"name": "api-keys", "secret": {
             "secretName": keys.name, "defaultMode": KV_SECRET_MODE,
             "items": [{"key": keys.key, "path": API_KEYS_KEY}]}})
+    if tls is not None:
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR,
+                                          "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": tls,
+                                                  "defaultMode": KV_SECRET_MODE}})
     pod_spec = {"containers": [container], "volumes": volumes,
                 **_pod_security(pool), **_pod_scheduling(pool, None),
                 "topologySpreadConstraints": topology_spread(ref, GATEWAY, None)}

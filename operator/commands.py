@@ -106,9 +106,12 @@ def sidecar_args() -> list[str]:
     ]
 
 
-def gateway_args(decode_service: str, api_keys_file: str | None = None) -> list[str]:
+def gateway_args(decode_service: str, api_keys_file: str | None = None,
+                 tls_dir: str | None = None) -> list[str]:
     argv = ["pdpool", "gateway", "--host", "0.0.0.0", "--port", str(SIDECAR_PORT),
             "--decode-service", decode_service]
+    if tls_dir:
+        argv += ["--tls-cert-file", f"{tls_dir}/tls.crt", "--tls-key-file", f"{tls_dir}/tls.key"]
     return argv + (["--api-keys-file", api_keys_file] if api_keys_file else [])
 
 

@@ -31,6 +31,8 @@ KV_SECRET_FILE = f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"
 API_KEYS_KEY = "api-keys"
 API_KEYS_DIR = "/etc/pdpool/api-keys"
 API_KEYS_FILE = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
+# The gateway's serving certificate (spec.gateway.tlsSecret, a kubernetes.io/tls Secret).
+TLS_DIR = "/etc/pdpool/tls"
 
 
 def child_name(pool: str, role: str) -> str:

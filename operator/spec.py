@@ -111,6 +111,8 @@ class GatewaySpec:
     resources: dict[str, Any]
     # A Secret holding the API keys clients must send (one per line); None: no keys.
     api_keys_secret: "SecretKeyRef | None" = None
+    # A kubernetes.io/tls Secret (tls.crt, tls.key): the gateway serves HTTPS with it.
+    tls_secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,8 @@ def _gateway(g: dict[str, Any]) -> GatewaySpec:
                        service_type=service_type,
                        resources=_resources(g, "spec.gateway") or dict(DEFAULT_GATEWAY_RESOURCES),
                        api_keys_secret=_secret_ref(g, "apiKeysSecret", "spec.gateway",
-                                                   API_KEYS_KEY))
+                                                   API_KEYS_KEY),
+                       tls_secret=g.get("tlsSecret") or None)
 
 
 def _security(s: dict[str, Any]) -> SecuritySpec:

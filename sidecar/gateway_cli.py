@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-keys-file",
                    help="file of API keys, one per line (>= 16 characters): clients must "
                         "send one (Authorization: Bearer KEY); re-read when it changes")
+    p.add_argument("--tls-cert-file",
+                   help="serve HTTPS with this certificate (PEM; with --tls-key-file)")
+    p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -44,6 +47,10 @@ def main(args: argparse.Namespace) -> int:
     from pdpool.units import parse_size
 
     from .gateway import Gateway, GatewaySettings
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise CliError("--tls-cert-file and --tls-key-file go together")
+    tls = {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file} \
+        if args.tls_cert_file else {}
     try:
         settings = GatewaySettings(decode_urls=args.decode_urls,
                                    decode_service=args.decode_service,
@@ -59,6 +66,6 @@ def main(args: argparse.Namespace) -> int:
         app = Gateway(settings)
     except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **tls,
                 access_log=False, lifespan="on")
     return 0

@@ -246,3 +246,18 @@ def test_gateway_api_keys_come_from_a_secret_mounted_in_the_gateway_only():
             "spec"]["volumes"])
     open_gateway = pod_templates(children(HF))["demo-gateway"]["spec"]["containers"][0]
     assert "--api-keys-file" not in open_gateway["command"]
+
+
+def test_gateway_serves_tls_from_a_secret_and_probes_follow():
+    kids = children(dict(HF, gateway={"tlsSecret": "demo-gateway-tls"}))
+    pod = pod_templates(kids)["demo-gateway"]["spec"]
+    gateway = pod["containers"][0]
+    argv = gateway["command"]
+    assert argv[argv.index("--tls-cert-file") + 1] == "/etc/pdpool/tls/tls.crt"
+    assert argv[argv.index("--tls-key-file") + 1] == "/etc/pdpool/tls/tls.key"
+    assert gateway["ports"][0]["name"] == "https"
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "https",
+                                                    "scheme": "HTTPS"}
+    assert gateway["livenessProbe"]["tcpSocket"] == {"port": "https"}
+    assert {"name": "tls", "secret": {"secretName": "demo-gateway-tls",
+                                      "defaultMode": 0o444}} in pod["volumes"]

@@ -35,7 +35,8 @@ DEFAULT_METRICS_FROM = ({"namespaceSelector": {"matchLabels": {
     "pdpool.io/metrics-scraper": "true"}}},)
 MAX_POOL_NAME = 52  # "<name>-gateway" must stay a valid DNS label (63)
 # Kubernetes resource.Quantity syntax (the CRD carries the same pattern).
-QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                      r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 
 
 class SpecError(ValueError):

@@ -120,7 +120,8 @@ def test_pvc_model_is_mounted_read_only():
     spec = dict(BASE, model={"path": "qwen3", "pvc": "weights"})
     pod = children(spec)[("Deployment", "demo-decode")]["spec"]["template"]["spec"]
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights"}} in pod["volumes"]
-    assert container({"spec": {"template": {"spec": pod}}}, "engine")["command"][2] == "/models/qwen3"
+    engine = container({"spec": {"template": {"spec": pod}}}, "engine")
+    assert engine["command"][2] == "/models/qwen3"
     assert "initContainers" not in pod
 
 
@@ -147,8 +148,8 @@ def test_decode_pod_has_the_sidecar_reading_the_router_config_map():
         assert key in config
     assert config["prefillService"] == "demo-prefill.llm.svc:8000"
     assert config["engineRejects"] == "yes"   # pdpool engines reject (decode-first as is)
-    assert "sidecar" not in [c["name"] for c in
-                             kids[("Deployment", "demo-prefill")]["spec"]["template"]["spec"]["containers"]]
+    prefill_pod = kids[("Deployment", "demo-prefill")]["spec"]["template"]["spec"]
+    assert "sidecar" not in [c["name"] for c in prefill_pod["containers"]]
 
 
 def test_router_change_rolls_decode_and_gateway_pods_but_not_prefill():

@@ -250,12 +250,14 @@ def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(helm_bin, k
         return review.create_self_subject_access_review(
             {"spec": {"resourceAttributes": attrs}}).status.allowed
 
-    assert allowed("patch", "deployments", "apps") and allowed("watch", "pdinferencepools", "pdpool.io")
+    assert allowed("patch", "deployments", "apps")
+    assert allowed("watch", "pdinferencepools", "pdpool.io")
     assert allowed("create", "secrets")
     for verb, resource, group in [("delete", "deployments", "apps"), ("get", "secrets", ""),
                                   ("list", "secrets", ""), ("patch", "secrets", ""),
                                   ("update", "secrets", ""), ("delete", "secrets", ""),
-                                  ("create", "pods", ""), ("delete", "pdinferencepools", "pdpool.io"),
+                                  ("create", "pods", ""),
+                                  ("delete", "pdinferencepools", "pdpool.io"),
                                   ("update", "pdinferencepools", "pdpool.io"),
                                   ("create", "pdinferencepools", "pdpool.io"),
                                   ("delete", "services", ""), ("list", "services", ""),

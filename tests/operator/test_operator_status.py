@@ -94,4 +94,5 @@ def test_role_state_reads_a_deployment():
     dep = {"metadata": {"generation": 4}, "spec": {"replicas": 3},
            "status": {"observedGeneration": 4, "readyReplicas": 2, "updatedReplicas": 3}}
     assert RoleState.from_deployment(dep) == RoleState(3, 2, 3, True)
-    assert RoleState.from_deployment({"metadata": {"generation": 2}, "spec": {}}).rolled_out is False
+    state = RoleState.from_deployment({"metadata": {"generation": 2}, "spec": {}})
+    assert state.rolled_out is False

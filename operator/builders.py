@@ -91,7 +91,9 @@ class PoolRef:
 
 
 def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
-    """Every child of the pool, in an order that is safe to apply one by one."""
+    """Every child of the pool, in an order that is safe to apply one by one: the
+    NetworkPolicies and disruption budgets before the Deployments, so no pod of the pool
+    ever runs unprotected."""
     config = router_config_map(ref, pool)
     config_hash = data_hash(config["data"])
     return [
@@ -99,11 +101,11 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         prefill_service(ref, pool),
         decode_service(ref, pool),
         gateway_service(ref, pool),
+        *(network_policies(ref, pool) if pool.network_policy.enabled else []),
+        *(disruption_budget(ref, pool, role) for role in (PREFILL, DECODE, GATEWAY)),
         engine_deployment(ref, pool, PREFILL),
         engine_deployment(ref, pool, DECODE, router_hash=config_hash),
         gateway_deployment(ref, pool, router_hash=config_hash),
-        *(disruption_budget(ref, pool, role) for role in (PREFILL, DECODE, GATEWAY)),
-        *(network_policies(ref, pool) if pool.network_policy.enabled else []),
     ]
 
 

@@ -204,3 +204,11 @@ def test_nobody_outside_the_pool_reaches_engine_or_kv_ports(source):
     for (target, port), who in table.items():
         if target != "demo-gateway" and port != 8080:
             assert source not in who, (target, port)
+
+
+def test_policies_are_applied_before_any_pod_can_exist():
+    kinds = [m["kind"] for m in build_children(PoolRef("demo", "llm", "u"),
+                                               parse_pool_spec("demo", SPEC))]
+    first_deployment = kinds.index("Deployment")
+    assert all(kinds.index(k) < first_deployment
+               for k in ("NetworkPolicy", "PodDisruptionBudget"))

@@ -20,8 +20,8 @@ from typing import Optional
 
 log = logging.getLogger("pdpool.gateway")
 MIN_KEY_CHARS = 16
-# Paths that stay open: the kubelet's probes and the metrics scraper (the pool's
-# NetworkPolicy limits who reaches /metrics).
+# Paths that stay open: the kubelet's probes and the metrics scraper (counters only: no
+# prompts, no keys; whoever reaches the gateway can read them).
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 

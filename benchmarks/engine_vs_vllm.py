@@ -8,7 +8,10 @@ outputs of 8-128 tokens with ignore_eos; one seeded random draw shared by both e
 Each engine runs alone: the other server is SIGSTOPped during a round; rounds alternate
 (ours, vLLM, ours, ...) and the best of N counts. Reported: output tokens/s (all output
 tokens / wall time of the round), TTFT p50/p90 of that round, and how many of the 64 greedy
-texts are equal between the engines (float32 both; vLLM on CPU with --enforce-eager).
+outputs are equal between the engines, as token ids and as text (float32 both; vLLM on CPU
+with --enforce-eager). On these random token-id prompts vLLM's streamed text is not always
+tokenizer.decode(its own token ids) (its incremental detokenizer starts from the prompt's
+bytes), so the token ids are the comparison that counts; ours is decode(ids).
 Shapes: small = 2 layers, hidden 64, head_dim 32; large = 4 layers, hidden 512, head_dim 64.
 Both engines get the machine's defaults: pdpool serve torch's threads; vLLM its CPU defaults
 (OpenMP bound to one core, one reserved for its frontend); `--vllm-bind 0-1` changes that.
@@ -87,11 +90,12 @@ class Server:
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-              max_tokens: int) -> tuple[float, str, int]:
+              max_tokens: int) -> tuple[float, str, int, list[int]]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}   # vLLM's extension, also ours: token ids per chunk
     t0 = time.perf_counter()
-    ttft, text, tokens = None, [], 0
+    ttft, text, tokens, ids = None, [], 0, []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -102,9 +106,10 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 text.append(ev["choices"][0].get("text") or "")
+                ids.extend(ev["choices"][0].get("token_ids") or [])
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
-    return ttft or float("nan"), "".join(text), tokens
+    return ttft or float("nan"), "".join(text), tokens, ids
 
 
 async def run_round(url: str, model: str, work) -> dict:
@@ -117,7 +122,7 @@ async def run_round(url: str, model: str, work) -> dict:
     tokens = sum(o[2] for o in outs)
     return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
             "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * len(ttfts))],
-            "texts": [o[1] for o in outs]}
+            "texts": [o[1] for o in outs], "ids": [o[3] for o in outs]}
 
 
 def bench_shape(shape: str, args) -> dict:
@@ -159,11 +164,13 @@ def bench_shape(shape: str, args) -> dict:
         theirs.stop()
     best = {k: max(v, key=lambda x: x["tok_s"]) for k, v in rounds.items()}
     same = sum(a == b for a, b in zip(rounds["pdpool"][0]["texts"], rounds["vllm"][0]["texts"]))
+    same_ids = sum(a == b and len(a) > 0
+                   for a, b in zip(rounds["pdpool"][0]["ids"], rounds["vllm"][0]["ids"]))
     return {"shape": shape, "spec": SHAPES[shape], "startup_s": start,
-            "best": {k: {kk: vv for kk, vv in v.items() if kk != "texts"}
+            "best": {k: {kk: vv for kk, vv in v.items() if kk not in ("texts", "ids")}
                      for k, v in best.items()},
             "all_tok_s": {k: [round(x["tok_s"], 1) for x in v] for k, v in rounds.items()},
-            "equal_texts": same, "requests": len(work)}
+            "equal_texts": same, "equal_token_ids": same_ids, "requests": len(work)}
 
 
 def main() -> int:
@@ -178,14 +185,15 @@ def main() -> int:
     results = []
     for shape in args.shapes.split(","):
         results.append(bench_shape(shape, args))
-    print("\n| shape | engine | output tok/s (best of %d) | TTFT p50 | TTFT p90 | equal texts |"
-          % args.rounds)
-    print("|---|---|---|---|---|---|")
+    print("\n| shape | engine | output tok/s (best of %d) | TTFT p50 | TTFT p90 | equal token ids "
+          "| equal texts |" % args.rounds)
+    print("|---|---|---|---|---|---|---|")
     for res in results:
         for eng in ("pdpool", "vllm"):
             b = res["best"][eng]
             print(f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | {b['ttft_p50'] * 1000:.0f} ms "
-                  f"| {b['ttft_p90'] * 1000:.0f} ms | {res['equal_texts']}/{res['requests']} |")
+                  f"| {b['ttft_p90'] * 1000:.0f} ms | {res['equal_token_ids']}/{res['requests']} "
+                  f"| {res['equal_texts']}/{res['requests']} |")
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "engine_vs_vllm.json"), "w") as fh:
         json.dump(results, fh, indent=2)

@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-max-stall-s", type=float, default=30.0,
                    help="/ready answers 503 when the engine loop has work and has not "
                         "ticked for this long (/health is liveness only)")
+    p.add_argument("--tls-cert-file", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
     p.add_argument("--log-level", default="info")
 
 
@@ -94,6 +96,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise CliError("--tls-cert-file and --tls-key-file go together")
     import uvicorn
 
     from pdpool.engine.async_engine import AsyncEngine
@@ -108,8 +112,10 @@ def main(args: argparse.Namespace) -> int:
     aengine = AsyncEngine(engine)
     app = build_app(aengine)
     try:
+        tls = {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file} \
+            if args.tls_cert_file else {}
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, **tls)
     finally:
         aengine.shutdown()
     return 0

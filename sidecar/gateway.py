@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -69,6 +70,8 @@ class GatewaySettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
     # A file of API keys (apikeys.py): requests without one get 401. None: no keys asked.
     api_keys_file: Optional[str] = None
+    # Sidecars over TLS: reached at https:// and verified against this CA bundle.
+    tls_ca_file: Optional[str] = None
 
     def validate(self) -> "GatewaySettings":
         if not self.decode_urls and not self.decode_service:
@@ -99,7 +102,11 @@ class Gateway:
         self.unhealthy: set[str] = set()
         self._ring = HashRing([])
         self.client: Optional[httpx.AsyncClient] = None   # health checks
-        self.pool = Http1Pool(connect_timeout=settings.connect_timeout)  # proxied traffic
+        self.scheme = "https" if settings.tls_ca_file else "http"   # to the sidecars
+        self.tls = (ssl.create_default_context(cafile=settings.tls_ca_file)
+                    if settings.tls_ca_file else None)
+        self.pool = Http1Pool(connect_timeout=settings.connect_timeout,  # proxied traffic
+                              ssl_context=self.tls)
         self._health_task: Optional[asyncio.Task] = None
         self.outliers = OutlierDetector(consecutive_failures=settings.outlier_failures,
                                         probe_failures=1, base_ejection_s=settings.ejection_s,
@@ -120,7 +127,8 @@ class Gateway:
     async def startup(self) -> None:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=self.settings.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+            verify=self.tls if self.tls is not None else True)
         await self.backends.start()
         await self.check_health()
         self._health_task = asyncio.create_task(self._health_forever())
@@ -145,10 +153,10 @@ class Gateway:
     async def check_health(self) -> None:
         async def probe(backend: str) -> None:
             try:   # readiness (a wedged engine is not ready); /health for older sidecars
-                r = await self.client.get(f"http://{backend}/ready",
+                r = await self.client.get(f"{self.scheme}://{backend}/ready",
                                           timeout=self.settings.probe_timeout_s)
                 if r.status_code == 404:
-                    r = await self.client.get(f"http://{backend}/health",
+                    r = await self.client.get(f"{self.scheme}://{backend}/health",
                                               timeout=self.settings.probe_timeout_s)
                 ok = r.status_code == 200
             except httpx.HTTPError:
@@ -322,7 +330,7 @@ class Gateway:
                        send: Send, buffered: bool, leg: _Leg, last: bool):
         """None when the client was answered, else (failure reason, message)."""
         try:
-            resp = await self.pool.send(method, f"http://{backend}{path}", raw, fwd)
+            resp = await self.pool.send(method, f"{self.scheme}://{backend}{path}", raw, fwd)
         except RETRYABLE as exc:
             return "connect_error", f"unreachable: {exc!r}"
         try:
@@ -425,7 +433,8 @@ class Gateway:
         complete (or answered with an error it must see); else (reason, message)."""
         loop = asyncio.get_running_loop()
         try:
-            resp = await self.pool.send("POST", f"http://{backend}{route}", payload, fwd)
+            resp = await self.pool.send("POST", f"{self.scheme}://{backend}{route}", payload,
+                                        fwd)
         except RETRYABLE as exc:
             return "connect_error", f"unreachable: {exc!r}"
         try:

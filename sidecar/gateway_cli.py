@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert-file",
                    help="serve HTTPS with this certificate (PEM; with --tls-key-file)")
     p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
+    p.add_argument("--tls-ca-file",
+                   help="reach the sidecars over HTTPS, verified against this CA bundle")
     p.add_argument("--log-level", default="warning")
 
 
@@ -62,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
                                    stall_timeout_s=args.stall_timeout_s,
                                    default_max_tokens=args.default_max_tokens,
                                    max_body_bytes=parse_size(args.max_body_bytes),
-                                   api_keys_file=args.api_keys_file)
+                                   api_keys_file=args.api_keys_file,
+                                   tls_ca_file=args.tls_ca_file)
         app = Gateway(settings)
     except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None

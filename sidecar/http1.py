@@ -5,13 +5,15 @@ its overhead. httpx passes each chunk through several layers of async generators
 checks every pooled socket on each request; this client reads a chunk with two awaits on
 an asyncio stream and keeps idle keep-alive connections in a plain list per host.
 
-Scope on purpose: plain http://, requests with a byte body, responses framed by
+Scope on purpose: http:// or https:// (TLS verified against the pool's SSL context, or
+the system's), requests with a byte body, responses framed by
 Content-Length or chunked encoding (what uvicorn and vLLM send), no redirects. Anything
 else raises UpstreamProtocolError, which callers treat like a broken connection.
 """
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import AsyncIterator, Optional
 from urllib.parse import urlsplit
 
@@ -102,8 +104,10 @@ class Response:
 
 
 class Http1Pool:
-    def __init__(self, connect_timeout: float = 2.0, max_idle_per_host: int = 256) -> None:
+    def __init__(self, connect_timeout: float = 2.0, max_idle_per_host: int = 256,
+                 ssl_context: Optional[ssl.SSLContext] = None) -> None:
         self.connect_timeout = connect_timeout
+        self.ssl_context = ssl_context   # for https:// (None: the system's trust store)
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[tuple, list[_Conn]] = {}
 
@@ -117,12 +121,18 @@ class Http1Pool:
             conn.close()
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(key[0], key[1], limit=MAX_HEAD),
+                asyncio.open_connection(key[0], key[1], limit=MAX_HEAD, **self._tls(key)),
                 self.connect_timeout or None)
         except (OSError, asyncio.TimeoutError) as exc:
             raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc!r}") \
                 from None
         return _Conn(reader, writer)
+
+    def _tls(self, key: tuple) -> dict:
+        if not key[2]:
+            return {}
+        return {"ssl": self.ssl_context or ssl.create_default_context(),
+                "server_hostname": key[0]}
 
     def _release(self, key: tuple, conn: _Conn) -> None:
         idle = self._idle.setdefault(key, [])
@@ -136,9 +146,10 @@ class Http1Pool:
         """Sends a request and reads the response head. A reused keep-alive connection
         that the server closed meanwhile is replaced once, transparently."""
         parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
+        if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UpstreamProtocolError(f"unsupported url {url!r}")
-        key = (parts.hostname, parts.port or 80)
+        tls = parts.scheme == "https"
+        key = (parts.hostname, parts.port or (443 if tls else 80), tls)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         head = [f"{method} {target} HTTP/1.1", f"host: {parts.netloc}",
                 f"content-length: {len(body)}"]

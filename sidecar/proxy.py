@@ -115,8 +115,11 @@ class Sidecar:
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
-        self.clients = ClientShards(connect_timeout=self.settings.connect_timeout)
-        self.decode_pool = Http1Pool(connect_timeout=self.settings.connect_timeout)
+        tls = self.settings.ssl_context()
+        self.clients = ClientShards(connect_timeout=self.settings.connect_timeout,
+                                    ssl_context=tls)
+        self.decode_pool = Http1Pool(connect_timeout=self.settings.connect_timeout,
+                                     ssl_context=tls)
         await self.endpoints.start()
         if self.settings.probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self._probe_forever())
@@ -133,9 +136,11 @@ class Sidecar:
             # engine has no /ready (vLLM: any answer but 200 or 503).
             timeout = self.settings.probe_timeout_s or None
             try:
-                r = await self.client.get(f"http://{endpoint}/ready", timeout=timeout)
+                scheme = self.settings.upstream_scheme
+                r = await self.client.get(f"{scheme}://{endpoint}/ready", timeout=timeout)
                 if r.status_code not in (200, 503):
-                    r = await self.client.get(f"http://{endpoint}/health", timeout=timeout)
+                    r = await self.client.get(f"{scheme}://{endpoint}/health",
+                                              timeout=timeout)
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
@@ -491,7 +496,7 @@ class Sidecar:
         return PrefillResult()
 
     async def _prefill_once(self, ex: Exchange, endpoint: str, leg: dict):
-        url = f"http://{endpoint}{ex.route}"
+        url = f"{self.settings.upstream_scheme}://{endpoint}{ex.route}"
         with self.picker.track(endpoint):
             # Given up as soon as the engine is ejected (a probe found it wedged): the
             # request moves on to the next engine instead of waiting out its timeout.

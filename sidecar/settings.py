@@ -37,6 +37,20 @@ class SidecarSettings:
     # Engines that cannot reject: decode-first sends prompts of at least this many
     # (estimated) tokens prefill-first, shorter ones to decode only.
     prefill_min_prompt_tokens: int = 128
+    # Upstreams over TLS: prefill engines are reached at https:// and every upstream
+    # certificate (decode_url too, when https://) is verified against this CA bundle.
+    tls_ca_file: Optional[str] = None
+
+    @property
+    def upstream_scheme(self) -> str:
+        return "https" if self.tls_ca_file else "http"
+
+    def ssl_context(self):
+        """The context upstream TLS is verified with (None: no CA given)."""
+        if not self.tls_ca_file:
+            return None
+        import ssl
+        return ssl.create_default_context(cafile=self.tls_ca_file)
 
     def validate(self) -> "SidecarSettings":
         if isinstance(self.max_body_bytes, str):   # "32MiB" from a config file

@@ -41,13 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode-first with an engine that cannot reject: prompts of at "
                         "least this many tokens (estimated: characters / 4) go "
                         "prefill-first, shorter ones to decode only (default 128)")
+    p.add_argument("--tls-cert-file", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
+    p.add_argument("--tls-ca-file",
+                   help="reach prefill engines over HTTPS and verify every upstream (the "
+                        "decode engine too, when --decode-url is https://) against this CA")
     p.add_argument("--log-level", default="warning")
 
 
 SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refresh_s", "mode",
                  "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode",
                  "kv_pull_threshold", "probe_interval_s", "probe_timeout_s", "outlier_failures",
-                 "ejection_s", "max_body_bytes", "engine_rejects", "prefill_min_prompt_tokens")
+                 "ejection_s", "max_body_bytes", "engine_rejects", "prefill_min_prompt_tokens",
+                 "tls_ca_file")
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -63,8 +69,13 @@ def settings_from_args(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     import uvicorn
     from .proxy import build_app
+    from pdpool.cli import CliError
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise CliError("--tls-cert-file and --tls-key-file go together")
+    tls = {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file} \
+        if args.tls_cert_file else {}
     settings = settings_from_args(args)
     app = build_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **tls,
                 access_log=False, lifespan="on")
     return 0

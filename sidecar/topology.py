@@ -87,10 +87,11 @@ class Child:
     pid: Optional[int] = None
     restarts: int = 0
     proc: Optional[subprocess.Popen] = field(default=None, repr=False)
+    scheme: str = "http"       # https with `pdpool up --tls`
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def name(self) -> str:
@@ -117,6 +118,9 @@ class TopologySpec:
     vllm_bin: Optional[str] = None          # the `vllm` executable (default: vllm_command())
     engine_rejects: Optional[str] = None    # sidecar --engine-rejects (default: by engine)
     prefill_min_prompt_tokens: Optional[int] = None
+    # Every hop over HTTPS (client -> gateway -> sidecar -> engines), with a CA and one
+    # certificate (127.0.0.1, localhost) made for this topology in <log dir>/tls.
+    tls: bool = False
 
 
 ENGINES = ("pdpool", "vllm")
@@ -164,6 +168,10 @@ class Topology:
             self.kv_connector = "nixl" if spec.engine == "vllm" or nixl_available() else "none"
         self.children: list[Child] = []
         self.kv_secret_file = self._write_kv_secret() if self.kv_connector != "none" else None
+        self.ca_file: Optional[str] = None
+        self.tls_files: Optional[tuple[str, str]] = None
+        if spec.tls:
+            self.ca_file, self.tls_files = make_tls_files(os.path.join(self.log_dir, "tls"))
         self._plan()
         self._stopping = False
 
@@ -191,8 +199,23 @@ class Topology:
             # decode's cached prefix (the bidirectional pull of decode-first).
             argv += ["--kv-role", "both", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
                      "--kv-peer-allowlist", "127.0.0.1", "--kv-secret-file", self.kv_secret_file]
+        argv += self._serve_tls_args()
         argv += self.spec.engine_args
-        return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port)
+        return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port,
+                     scheme=self._scheme)
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self.tls_files else "http"
+
+    def _serve_tls_args(self, cert_flag: str = "--tls-cert-file",
+                        key_flag: str = "--tls-key-file") -> list[str]:
+        if not self.tls_files:
+            return []
+        return [cert_flag, self.tls_files[0], key_flag, self.tls_files[1]]
+
+    def _client_tls_args(self) -> list[str]:
+        return ["--tls-ca-file", self.ca_file] if self.ca_file else []
 
     def _vllm_engine(self, role: str, index: int) -> Child:
         """Stock `vllm serve` on CPU. P/D through vLLM's NixlConnector: prefill engines are
@@ -206,13 +229,15 @@ class Topology:
             argv += ["--kv-transfer-config", json.dumps(
                 {"kv_connector": "NixlConnector", "kv_role": role_name,
                  "kv_buffer_device": "cpu"})]
+        argv += self._serve_tls_args("--ssl-certfile", "--ssl-keyfile")
         argv += self.spec.engine_args   # later flags win in vLLM's parser
         env = dict(VLLM_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(kv_port))
         # One OpenMP core each, spread over the machine (vLLM's default binds every
         # engine to the same first core).
         ordinal = index if role == "prefill" else self.spec.prefill + index
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(ordinal % (os.cpu_count() or 1))
-        return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port, env=env)
+        return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port, env=env,
+                     scheme=self._scheme)
 
     def _log(self, role: str, index: int) -> str:
         return os.path.join(self.log_dir, f"{role}-{index}.log")
@@ -238,13 +263,17 @@ class Topology:
             argv += ["--engine-rejects", rejects]
             if s.prefill_min_prompt_tokens is not None:
                 argv += ["--prefill-min-prompt-tokens", str(s.prefill_min_prompt_tokens)]
-            sidecars.append(Child("sidecar", i, port, argv, self._log("sidecar", i)))
+            argv += self._serve_tls_args() + self._client_tls_args()
+            sidecars.append(Child("sidecar", i, port, argv, self._log("sidecar", i),
+                                  scheme=self._scheme))
         gw_port = s.port or free_port()
         argv = pdpool_command("gateway", "--host", "127.0.0.1", "--port", str(gw_port),
                               "--health-interval-s", "1")
         for sc in sidecars:
             argv += ["--decode-url", f"127.0.0.1:{sc.port}"]
-        gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0))
+        argv += self._serve_tls_args() + self._client_tls_args()
+        gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0),
+                        scheme=self._scheme)
         self.children = prefills + decodes + sidecars + [gateway]
 
     @property
@@ -280,7 +309,7 @@ class Topology:
                 if child.proc.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; "
                                        f"last log lines:\n{tail(child.log_path)}")
-                if healthy(child.url):
+                if healthy(child.url, ca_file=self.ca_file):
                     pending.remove(child)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
@@ -327,6 +356,7 @@ class Topology:
             "kv_connector": self.kv_connector,
             "engine": self.spec.engine,
             "log_dir": self.log_dir,
+            "ca_file": self.ca_file,
             "spec": asdict(self.spec),
             "children": [{"name": c.name, "role": c.role, "port": c.port, "url": c.url,
                           "kv_port": c.kv_port, "pid": c.pid, "restarts": c.restarts,
@@ -350,9 +380,11 @@ def _signal(child: Child, sig: int) -> None:
         pass
 
 
-def healthy(url: str, timeout: float = 1.0) -> bool:
+def healthy(url: str, timeout: float = 1.0, ca_file: Optional[str] = None) -> bool:
+    import ssl
+    context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+        with urllib.request.urlopen(url + "/health", timeout=timeout, context=context) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -371,3 +403,27 @@ def write_state(path: str, topology: Topology) -> None:
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(topology.describe(), fh, indent=2)
     os.replace(tmp, path)
+
+
+def make_tls_files(directory: str) -> tuple[str, tuple[str, str]]:
+    """A CA and one server certificate for 127.0.0.1 and localhost (openssl), valid for a
+    week; the keys are readable by this user only. Returns (ca.crt, (tls.crt, tls.key))."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+
+    def run(*args: str) -> None:
+        done = subprocess.run(["openssl", *args], cwd=directory, capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl {args[0]} failed: {done.stderr.strip()[-500:]}")
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "7",
+        "-subj", "/CN=pdpool-up-ca", "-keyout", "ca.key", "-out", "ca.crt")
+    with open(os.path.join(directory, "san.cnf"), "w") as fh:
+        fh.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=pdpool-up",
+        "-keyout", "tls.key", "-out", "tls.csr")
+    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "7", "-extfile", "san.cnf", "-out", "tls.crt")
+    for key in ("ca.key", "tls.key"):
+        os.chmod(os.path.join(directory, key), 0o600)
+    return (os.path.join(directory, "ca.crt"),
+            (os.path.join(directory, "tls.crt"), os.path.join(directory, "tls.key")))

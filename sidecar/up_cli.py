@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-min-prompt-tokens", type=int,
                    help="sidecar, engines that cannot reject: prompts of at least this many "
                         "tokens go prefill-first in decode-first mode (default 128)")
+    p.add_argument("--tls", action="store_true",
+                   help="every hop over HTTPS (gateway, sidecars, engines), with a CA and "
+                        "certificate made for this run in <log dir>/tls (clients: --cacert)")
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
     p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -63,8 +66,12 @@ def main(args: argparse.Namespace) -> int:
                         decode_retry_s=args.decode_retry_s,
                         engine_args=args.engine_args, log_dir=args.log_dir,
                         engine=args.engine, engine_rejects=args.engine_rejects,
-                        prefill_min_prompt_tokens=args.prefill_min_prompt_tokens)
-    topology = Topology(spec)
+                        prefill_min_prompt_tokens=args.prefill_min_prompt_tokens,
+                        tls=args.tls)
+    try:
+        topology = Topology(spec)
+    except RuntimeError as exc:   # openssl missing or failing (--tls)
+        raise CliError(str(exc)) from None
 
     def stop_on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -82,6 +89,9 @@ def main(args: argparse.Namespace) -> int:
         if args.state_file:
             write_state(args.state_file, topology)
         print(f"pdpool up: ready. OpenAI base URL: {topology.gateway.url}/v1", flush=True)
+        if topology.ca_file:
+            print(f"pdpool up: TLS on every hop; trust {topology.ca_file} "
+                  f"(curl --cacert, SSL_CERT_FILE)", flush=True)
         while True:
             time.sleep(0.5)
             for child in topology.supervise_once():

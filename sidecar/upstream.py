@@ -7,14 +7,19 @@ used in turn, keep each scan short."""
 from __future__ import annotations
 
 import itertools
+import ssl
+from typing import Optional
+
 import httpx
 
 
 class ClientShards:
-    def __init__(self, shards: int = 16, connect_timeout: float = 2.0) -> None:
+    def __init__(self, shards: int = 16, connect_timeout: float = 2.0,
+                 ssl_context: Optional[ssl.SSLContext] = None) -> None:
         timeout = httpx.Timeout(None, connect=connect_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self.clients = [httpx.AsyncClient(timeout=timeout, limits=limits)
+        verify = ssl_context if ssl_context is not None else True
+        self.clients = [httpx.AsyncClient(timeout=timeout, limits=limits, verify=verify)
                         for _ in range(shards)]
         self._turn = itertools.cycle(self.clients)
 

@@ -104,7 +104,9 @@ async def test_refused_broken_and_garbage_answers_raise_upstream_errors():
                 r = await pool.send("GET", f"http://127.0.0.1:{port}/", b"")
                 await r.aread()
     with pytest.raises(UpstreamProtocolError):
-        await pool.send("GET", "https://127.0.0.1/", b"")
+        await pool.send("GET", "ftp://127.0.0.1/", b"")
+    with pytest.raises(UpstreamConnectError):   # https:// is spoken (TLS), here refused
+        await pool.send("GET", f"https://127.0.0.1:{dead}/", b"")
 
 
 async def test_closing_an_unfinished_stream_closes_the_connection():

@@ -1,0 +1,111 @@
+"""In-pool TLS: gateway -> sidecar -> engines (decode and prefill) all over HTTPS, each hop
+verified against the pool's CA; a peer with a certificate from another CA is refused."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import subprocess
+
+import httpx
+import pytest
+import uvicorn
+
+from pdpool.sidecar.gateway import Gateway, GatewaySettings
+from pdpool.sidecar.proxy import Sidecar
+from pdpool.sidecar.settings import SidecarSettings
+
+from .vllm_standin import VllmStandIn
+
+PROMPT = "the history of the pool " * 20
+
+
+def make_ca(d, name):
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
+        "-keyout", f"{name}.key", "-out", f"{name}.crt")
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=pool", "-keyout",
+        f"{name}-leaf.key", "-out", f"{name}-leaf.csr")
+    run("x509", "-req", "-in", f"{name}-leaf.csr", "-CA", f"{name}.crt", "-CAkey", f"{name}.key",
+        "-CAcreateserial", "-days", "1", "-extfile", "san.cnf", "-out", f"{name}-leaf.crt")
+    return d / f"{name}.crt", (str(d / f"{name}-leaf.crt"), str(d / f"{name}-leaf.key"))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca, leaf = make_ca(d, "pool-ca")
+    _, foreign_leaf = make_ca(d, "other-ca")
+    return ca, leaf, foreign_leaf
+
+
+class TlsServed:
+    def __init__(self, server, task):
+        self.server, self.task = server, task
+        self.port = server.servers[0].sockets[0].getsockname()[1]
+        self.host_port = f"127.0.0.1:{self.port}"
+        self.url = f"https://{self.host_port}"
+
+
+@pytest.fixture
+async def tls_servers():
+    started = []
+
+    async def start(app, cert):
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                lifespan="on", access_log=False, timeout_graceful_shutdown=1,
+                                ssl_certfile=cert[0], ssl_keyfile=cert[1])
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        started.append((server, task))
+        return TlsServed(server, task)
+
+    yield start
+    for server, task in reversed(started):
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+
+
+async def test_every_hop_is_https_and_verified(tls_servers, pki):
+    ca, leaf, _ = pki
+    decode, prefill = VllmStandIn("decode-0"), VllmStandIn("prefill-0")
+    dec = await tls_servers(decode, leaf)
+    pre = await tls_servers(prefill, leaf)
+    decode.state.port, prefill.state.port = dec.port, pre.port
+    side = await tls_servers(Sidecar(SidecarSettings(
+        decode_url=dec.url, prefill_urls=[pre.host_port], mode="prefill-first",
+        decode_retry_s=0.5, tls_ca_file=str(ca))), leaf)
+    gateway = Gateway(GatewaySettings(decode_urls=[side.host_port], tls_ca_file=str(ca)))
+    gw = await tls_servers(gateway, leaf)
+    client_ctx = ssl.create_default_context(cafile=str(ca))
+    async with httpx.AsyncClient(verify=client_ctx) as c:
+        r = await c.post(gw.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+        s = await c.post(gw.url + "/v1/completions",
+                         json={"prompt": PROMPT + "again", "max_tokens": 3, "stream": True})
+        ready = await c.get(gw.url + "/ready")
+    assert r.status_code == 200 and r.headers["x-pdpool-path"] != "decode"
+    assert s.status_code == 200 and s.text.rstrip().endswith("data: [DONE]")
+    assert ready.status_code == 200 and side.host_port in ready.json()["healthy"]
+    assert prefill.state.received and decode.state.received   # both legs ran over TLS
+
+
+async def test_a_peer_with_a_foreign_certificate_is_refused(tls_servers, pki):
+    ca, leaf, foreign = pki
+    decode = VllmStandIn("decode-0")
+    dec = await tls_servers(decode, foreign)            # not signed by the pool's CA
+    side = await tls_servers(Sidecar(SidecarSettings(
+        decode_url=dec.url, mode="aggregated", decode_retry_s=0.3,
+        tls_ca_file=str(ca))), leaf)
+    client_ctx = ssl.create_default_context(cafile=str(ca))
+    async with httpx.AsyncClient(verify=client_ctx) as c:
+        ready = await c.get(side.url + "/ready")
+        r = await c.post(side.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert ready.status_code == 503 and r.status_code >= 500
+    assert decode.state.received == []

@@ -16,7 +16,7 @@ async def raw_server(handler):
 
 async def read_request(reader):
     head = await reader.readuntil(b"\r\n\r\n")
-    length = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0]
+    length = int([line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0]
                  .split(b":")[1])
     return head, await reader.readexactly(length)
 

@@ -16,7 +16,8 @@ async def raw_server(handler):
 
 async def read_request(reader):
     head = await reader.readuntil(b"\r\n\r\n")
-    length = int([line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0]
+    lines = head.split(b"\r\n")
+    length = int([h for h in lines if h.lower().startswith(b"content-length")][0]
                  .split(b":")[1])
     return head, await reader.readexactly(length)
 

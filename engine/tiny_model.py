@@ -78,13 +78,14 @@ class TinyModelSpec:
     vocab_size: int = 512
     max_position_embeddings: int = 4096
     sliding_window: int | None = None  # qwen3: a window makes every other layer sliding
+    linear_head_dim: int = 64  # qwen3_5: Gated DeltaNet key = value head dim (vLLM's CPU: 64)
     dtype: str = "float32"
 
     def validate(self) -> None:
         if self.arch not in ("qwen3", "qwen3_5"):
             raise ValueError(f"unknown --arch {self.arch!r} (choose qwen3 or qwen3_5)")
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
-                     "num_kv_heads", "head_dim"):
+                     "num_kv_heads", "head_dim", "linear_head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.num_heads % self.num_kv_heads:

@@ -4,9 +4,10 @@ Layer kinds follow the real checkpoints: three Gated DeltaNet (`linear_attention
 then one gated `full_attention` layer, repeated; the last layer is always full attention so
 that even a 2-layer model has a KV cache. The linear-attention heads are shaped to
 catch layout mix-ups: value heads are twice the key heads (real Qwen3.5 uses 16 key / 32
-value heads of 128). Key and value head dims are equal, as in the real checkpoints: vLLM's
-CPU Gated DeltaNet kernel needs that (and bfloat16), so the same tiny checkpoint runs on both
-engines.
+value heads of 128). Key and value head dims are equal (`linear_head_dim`, 64), as in the
+real checkpoints: vLLM's CPU Gated DeltaNet kernel needs that, rejects 32 ("Unexpected head
+dim size") and runs in bfloat16 only, so the same tiny checkpoint (with --dtype bfloat16)
+runs on both engines.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def qwen3_5_config(spec, tokenizer):
                          "partial_rotary_factor": PARTIAL_ROTARY_FACTOR},
         layer_types=hybrid_layer_types(spec.num_layers),
         linear_num_key_heads=spec.num_kv_heads, linear_num_value_heads=spec.num_heads,
-        linear_key_head_dim=spec.head_dim, linear_value_head_dim=spec.head_dim,
+        linear_key_head_dim=spec.linear_head_dim, linear_value_head_dim=spec.linear_head_dim,
         linear_conv_kernel_dim=CONV_KERNEL,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, dtype=spec.dtype)

@@ -61,10 +61,10 @@ def test_checkpoint_is_hybrid(tiny_qwen3_5, hf_model):
     assert engine.kv_cache.shape[1] == 1  # only the full-attention layer has paged KV
     state = engine.state
     # a slot per schedulable request (at least), 3 linear layers; conv keeps K-1 = 3 inputs
-    # of q/k/v (2 key heads x 32 twice, 4 value heads x 32); ssm [Hv=4, Dk=32, Dv=32] in fp32
+    # of q/k/v (2 key heads x 64 twice, 4 value heads x 64); ssm [Hv=4, Dk=64, Dv=64] in fp32
     assert state.conv.shape[0] == state.ssm.shape[0] >= engine.config.max_num_seqs
-    assert tuple(state.conv.shape[1:]) == (3, 2 * 2 * 32 + 4 * 32, 3)
-    assert tuple(state.ssm.shape[1:]) == (3, 4, 32, 32)
+    assert tuple(state.conv.shape[1:]) == (3, 2 * 2 * 64 + 4 * 64, 3)
+    assert tuple(state.ssm.shape[1:]) == (3, 4, 64, 64)
     assert state.ssm.dtype == torch.float32
 
 

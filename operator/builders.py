@@ -16,6 +16,7 @@ from typing import Any
 
 from . import commands
 from .names import (API_KEYS_DIR, API_KEYS_FILE, API_KEYS_KEY, ANNOTATION_ROUTER_HASH, TLS_DIR,
+                    POOL_TLS_DIR,
                     API_VERSION, DECODE, ENGINE_PORT, GATEWAY, KIND,
                     KV_SECRET_DIR, KV_SECRET_KEY, LABEL_METRICS, LABEL_POOL, LABEL_ROLE,
                     MODELS_MOUNT, PREFILL,
@@ -241,16 +242,17 @@ def _tcp_probe(port: str, period: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": failures}
 
 
-def _http_probes(port: str, ready_path: str = "/ready",
-                 startup_timeout_s: int = 1800) -> dict[str, Any]:
+def _http_probes(port: str, ready_path: str = "/ready", startup_timeout_s: int = 1800,
+                 scheme: str | None = None) -> dict[str, Any]:
     return {
         # Loading a model can take many minutes: the startup probe holds liveness back
         # (engine.startupTimeoutSeconds), then readiness and liveness take over.
         "startupProbe": _probe("/health", port, STARTUP_PERIOD_S,
-                               max(1, -(-startup_timeout_s // STARTUP_PERIOD_S))),
+                               max(1, -(-startup_timeout_s // STARTUP_PERIOD_S)),
+                               scheme=scheme),
         # /ready also fails while the engine loop is wedged with work (/health: liveness).
-        "readinessProbe": _probe(ready_path, port, 5, 3),
-        "livenessProbe": _probe("/health", port, 10, 6, LIVENESS_TIMEOUT_S),
+        "readinessProbe": _probe(ready_path, port, 5, 3, scheme=scheme),
+        "livenessProbe": _probe("/health", port, 10, 6, LIVENESS_TIMEOUT_S, scheme=scheme),
     }
 
 
@@ -328,18 +330,72 @@ def _engine_container(ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSp
     return {
         "name": "engine", "image": pool.engine.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.engine_args(pool, role_name, pool_peers(ref)),
+        "command": commands.engine_args(pool, role_name, pool_peers(ref))
+        + _engine_tls_args(pool),
         "env": _downward_env() + commands.engine_env(pool) + _cache_env() + _ucx_env(pool)
         + list(pool.engine.env) + list(role.env),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+        # Named https under pool TLS, so a PodMonitor scrapes it with the right scheme.
+        "ports": [{"name": _http_name(pool), "containerPort": ENGINE_PORT, "protocol": "TCP"},
                   {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"}],
         "resources": engine_resources(role),
         "securityContext": container_security_context(pool),
-        "volumeMounts": mounts,
+        "volumeMounts": mounts + _pool_tls_mounts(pool),
         # Stock vLLM has no /ready.
-        **_http_probes("http", "/health" if pool.engine.kind == "vllm" else "/ready",
-                       pool.engine.startup_timeout_s),
+        **_http_probes(_http_name(pool),
+                       "/health" if pool.engine.kind == "vllm" else "/ready",
+                       pool.engine.startup_timeout_s, _probe_scheme(pool)),
     }
+
+
+# --- TLS inside the pool (spec.tls) -----------------------------------------------------------
+# Engines and sidecars serve HTTPS with the pool's certificate; sidecars and the gateway
+# verify their upstreams against the pool's CA. Peers are reached at pod IPs, which no
+# certificate names in advance, so the chain is what is checked (--tls-any-name): the CA
+# must be dedicated to the pool (a cert-manager Issuer of its own).
+
+def _http_name(pool: PoolSpec) -> str:
+    return "https" if pool.tls_secret else "http"
+
+
+def _probe_scheme(pool: PoolSpec) -> str | None:
+    return "HTTPS" if pool.tls_secret else None
+
+
+def _pool_tls_mounts(pool: PoolSpec) -> list[dict[str, Any]]:
+    if not pool.tls_secret:
+        return []
+    return [{"name": "pool-tls", "mountPath": POOL_TLS_DIR, "readOnly": True}]
+
+
+def _pool_tls_volumes(pool: PoolSpec) -> list[dict[str, Any]]:
+    if not pool.tls_secret:
+        return []
+    return [{"name": "pool-tls", "secret": {"secretName": pool.tls_secret,
+                                            "defaultMode": KV_SECRET_MODE}}]
+
+
+def _engine_tls_args(pool: PoolSpec) -> list[str]:
+    if not pool.tls_secret:
+        return []
+    cert, key = ("--ssl-certfile", "--ssl-keyfile") if pool.engine.kind == "vllm" else (
+        "--tls-cert-file", "--tls-key-file")
+    return [cert, f"{POOL_TLS_DIR}/tls.crt", key, f"{POOL_TLS_DIR}/tls.key"]
+
+
+def _pool_tls_client_args(pool: PoolSpec) -> list[str]:
+    if not pool.tls_secret:
+        return []
+    return ["--tls-ca-file", f"{POOL_TLS_DIR}/ca.crt", "--tls-any-name"]
+
+
+def _sidecar_args(pool: PoolSpec) -> list[str]:
+    argv = commands.sidecar_args()
+    if not pool.tls_secret:
+        return argv
+    local = f"http://127.0.0.1:{ENGINE_PORT}"
+    argv = [f"https://127.0.0.1:{ENGINE_PORT}" if a == local else a for a in argv]
+    return argv + ["--tls-cert-file", f"{POOL_TLS_DIR}/tls.crt",
+                   "--tls-key-file", f"{POOL_TLS_DIR}/tls.key", *_pool_tls_client_args(pool)]
 
 
 def _router_env(ref: PoolRef) -> list[dict[str, Any]]:
@@ -349,17 +405,20 @@ def _router_env(ref: PoolRef) -> list[dict[str, Any]]:
 
 
 def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
+    port = "router-tls" if pool.tls_secret else "router"
     return {
         "name": "sidecar", "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.sidecar_args(), "env": _router_env(ref),
-        "ports": [{"name": "router", "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
+        "command": _sidecar_args(pool), "env": _router_env(ref),
+        "ports": [{"name": port, "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
         "resources": dict(pool.router.resources),
         "securityContext": container_security_context(pool),
         # The engine's /tmp is not shared: the sidecar gets its own.
-        "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}],
-        "readinessProbe": _probe("/ready", "router", 5, 3),   # its engine's readiness
-        "livenessProbe": _tcp_probe("router", 10, 6),         # the process alone
+        "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}]
+        + _pool_tls_mounts(pool),
+        "readinessProbe": _probe("/ready", port, 5, 3,     # its engine's readiness
+                                 scheme=_probe_scheme(pool)),
+        "livenessProbe": _tcp_probe(port, 10, 6),          # the process alone
     }
 
 
@@ -431,6 +490,7 @@ def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
         volumes.append(_model_volume(pool))
     if secret_ref is not None:
         volumes.append(_kv_secret_volume(secret_ref))
+    volumes += _pool_tls_volumes(pool)
     if pool.model.hugging_face_id:
         pod_spec["initContainers"] = [_download_init_container(pool)]
     annotations = {ANNOTATION_ROUTER_HASH: router_hash} if router_hash else {}
@@ -444,7 +504,8 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         "name": "gateway", "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
         "command": commands.gateway_args(decode, API_KEYS_FILE if keys else None,
-                                         TLS_DIR if tls else None),
+                                         TLS_DIR if tls else None)
+        + _pool_tls_client_args(pool),
         # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [{"name": "https" if tls else "http", "containerPort": SIDECAR_PORT,
                    "protocol": "TCP"}],
@@ -464,6 +525,8 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         volumes.append({"name": "api-keys", "secret": {
             "secretName": keys.name, "defaultMode": KV_SECRET_MODE,
             "items": [{"key": keys.key, "path": API_KEYS_KEY}]}})
+    container["volumeMounts"] += _pool_tls_mounts(pool)
+    volumes += _pool_tls_volumes(pool)
     if tls is not None:
         container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR,
                                           "readOnly": True})

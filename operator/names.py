@@ -33,6 +33,8 @@ API_KEYS_DIR = "/etc/pdpool/api-keys"
 API_KEYS_FILE = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
 # The gateway's serving certificate (spec.gateway.tlsSecret, a kubernetes.io/tls Secret).
 TLS_DIR = "/etc/pdpool/tls"
+# The pool's internal certificate (spec.tls.secretName: tls.crt, tls.key, ca.crt).
+POOL_TLS_DIR = "/etc/pdpool/pool-tls"
 
 
 def child_name(pool: str, role: str) -> str:

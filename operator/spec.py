@@ -152,6 +152,9 @@ class PoolSpec:
     security: SecuritySpec = field(default_factory=SecuritySpec)
     disruption_budget: DisruptionBudgetSpec = field(default_factory=DisruptionBudgetSpec)
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
+    # HTTPS inside the pool (gateway -> sidecars -> engines): a Secret with tls.crt,
+    # tls.key and ca.crt (cert-manager's layout), the CA dedicated to this pool.
+    tls_secret: str | None = None
 
 
 def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
@@ -171,6 +174,7 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         security=_security(_section(spec, "security")),
         disruption_budget=_disruption_budget(_section(spec, "disruptionBudget")),
         network_policy=_network_policy(_section(spec, "networkPolicy")),
+        tls_secret=_section(spec, "tls").get("secretName") or None,
     )
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.

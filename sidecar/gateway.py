@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import ssl
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -21,6 +20,7 @@ from typing import Any, Optional
 import httpx
 
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
+from pdpool.tlsutil import client_context
 
 from . import migration
 from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
@@ -72,6 +72,7 @@ class GatewaySettings:
     api_keys_file: Optional[str] = None
     # Sidecars over TLS: reached at https:// and verified against this CA bundle.
     tls_ca_file: Optional[str] = None
+    tls_any_name: bool = False        # see SidecarSettings.tls_any_name
 
     def validate(self) -> "GatewaySettings":
         if not self.decode_urls and not self.decode_service:
@@ -103,7 +104,7 @@ class Gateway:
         self._ring = HashRing([])
         self.client: Optional[httpx.AsyncClient] = None   # health checks
         self.scheme = "https" if settings.tls_ca_file else "http"   # to the sidecars
-        self.tls = (ssl.create_default_context(cafile=settings.tls_ca_file)
+        self.tls = (client_context(settings.tls_ca_file, settings.tls_any_name)
                     if settings.tls_ca_file else None)
         self.pool = Http1Pool(connect_timeout=settings.connect_timeout,  # proxied traffic
                               ssl_context=self.tls)

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
     p.add_argument("--tls-ca-file",
                    help="reach the sidecars over HTTPS, verified against this CA bundle")
+    p.add_argument("--tls-any-name", action="store_true",
+                   help="with --tls-ca-file: accept any certificate that CA signed, whatever "
+                        "its name (a CA dedicated to the pool; sidecars are reached by pod IP)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -65,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
                                    default_max_tokens=args.default_max_tokens,
                                    max_body_bytes=parse_size(args.max_body_bytes),
                                    api_keys_file=args.api_keys_file,
-                                   tls_ca_file=args.tls_ca_file)
+                                   tls_ca_file=args.tls_ca_file,
+                                   tls_any_name=args.tls_any_name)
         app = Gateway(settings)
     except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None

@@ -40,6 +40,9 @@ class SidecarSettings:
     # Upstreams over TLS: prefill engines are reached at https:// and every upstream
     # certificate (decode_url too, when https://) is verified against this CA bundle.
     tls_ca_file: Optional[str] = None
+    # Accept any certificate that CA signed, whatever name it carries: for a CA dedicated
+    # to one pool, whose peers are reached at pod IPs no certificate can name in advance.
+    tls_any_name: bool = False
 
     @property
     def upstream_scheme(self) -> str:
@@ -49,8 +52,8 @@ class SidecarSettings:
         """The context upstream TLS is verified with (None: no CA given)."""
         if not self.tls_ca_file:
             return None
-        import ssl
-        return ssl.create_default_context(cafile=self.tls_ca_file)
+        from pdpool.tlsutil import client_context
+        return client_context(self.tls_ca_file, self.tls_any_name)
 
     def validate(self) -> "SidecarSettings":
         if isinstance(self.max_body_bytes, str):   # "32MiB" from a config file

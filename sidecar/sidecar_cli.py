@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca-file",
                    help="reach prefill engines over HTTPS and verify every upstream (the "
                         "decode engine too, when --decode-url is https://) against this CA")
+    p.add_argument("--tls-any-name", action="store_const", const=True,
+                   help="with --tls-ca-file: accept any certificate that CA signed, whatever "
+                        "its name (a CA dedicated to the pool; peers are reached by pod IP)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -53,7 +56,7 @@ SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refre
                  "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode",
                  "kv_pull_threshold", "probe_interval_s", "probe_timeout_s", "outlier_failures",
                  "ejection_s", "max_body_bytes", "engine_rejects", "prefill_min_prompt_tokens",
-                 "tls_ca_file")
+                 "tls_ca_file", "tls_any_name")
 
 
 def settings_from_args(args: argparse.Namespace):

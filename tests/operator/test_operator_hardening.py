@@ -162,7 +162,11 @@ def _dry_run_pod(core, namespace, name, template):
                    "application/json", [("dryRun", "All")])
 
 
-@pytest.mark.parametrize("spec", [HF, VLLM], ids=["pdpool-hf", "vllm"])
+TLS = dict(HF, tls={"secretName": "demo-pool-tls"},
+           gateway={"tlsSecret": "demo-gateway-tls", "apiKeysSecret": {"name": "keys"}})
+
+
+@pytest.mark.parametrize("spec", [HF, VLLM, TLS], ids=["pdpool-hf", "vllm", "tls-keys"])
 def test_restricted_namespace_admits_every_pod_and_child(admin_api, restricted_namespace, spec):
     core = client.CoreV1Api(admin_api)
     ref = PoolRef("demo", restricted_namespace, "00000000-0000-0000-0000-000000000001")
@@ -261,3 +265,38 @@ def test_gateway_serves_tls_from_a_secret_and_probes_follow():
     assert gateway["livenessProbe"]["tcpSocket"] == {"port": "https"}
     assert {"name": "tls", "secret": {"secretName": "demo-gateway-tls",
                                       "defaultMode": 0o444}} in pod["volumes"]
+
+
+@pytest.mark.parametrize("kind", ["pdpool", "vllm"])
+def test_pool_tls_serves_https_on_every_hop_and_verifies_with_the_pools_ca(kind):
+    spec = dict(HF, tls={"secretName": "demo-pool-tls"},
+                engine={"image": "e:1", "kind": kind})
+    pods = pod_templates(children(spec))
+    tls_volume = {"name": "pool-tls", "secret": {"secretName": "demo-pool-tls",
+                                                 "defaultMode": 0o444}}
+    mount = {"name": "pool-tls", "mountPath": "/etc/pdpool/pool-tls", "readOnly": True}
+    for role in ("prefill", "decode"):
+        pod = pods[f"demo-{role}"]["spec"]
+        assert tls_volume in pod["volumes"]
+        engine = pod["containers"][0]
+        argv = engine["command"]
+        cert_flag = "--ssl-certfile" if kind == "vllm" else "--tls-cert-file"
+        assert argv[argv.index(cert_flag) + 1] == "/etc/pdpool/pool-tls/tls.crt"
+        assert mount in engine["volumeMounts"]
+        assert engine["ports"][0]["name"] == "https"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert engine[probe]["httpGet"]["scheme"] == "HTTPS"
+    sidecar = pods["demo-decode"]["spec"]["containers"][1]
+    argv = sidecar["command"]
+    assert argv[argv.index("--decode-url") + 1] == "https://127.0.0.1:8000"
+    assert argv[argv.index("--tls-ca-file") + 1] == "/etc/pdpool/pool-tls/ca.crt"
+    assert "--tls-any-name" in argv and "--tls-cert-file" in argv
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "router-tls",
+                                                    "scheme": "HTTPS"}
+    gateway = pods["demo-gateway"]["spec"]["containers"][0]
+    assert "--tls-ca-file" in gateway["command"] and "--tls-any-name" in gateway["command"]
+    assert "--tls-cert-file" not in gateway["command"]   # clients: gateway.tlsSecret decides
+    assert mount in gateway["volumeMounts"]
+    # Without spec.tls nothing changes.
+    plain = pod_templates(children(HF))["demo-decode"]["spec"]["containers"]
+    assert "--tls-ca-file" not in plain[1]["command"] and plain[0]["ports"][0]["name"] == "http"

@@ -137,7 +137,8 @@ def test_pod_monitor_scrapes_engines_sidecars_and_gateways(helm_bin):
         (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
         assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "pdpool"
         endpoints = {e["port"]: e["path"] for e in monitor["spec"]["podMetricsEndpoints"]}
-        assert endpoints == {"http": "/metrics", "router": "/metrics", "https": "/metrics"}
+        assert endpoints == {"http": "/metrics", "router": "/metrics", "https": "/metrics",
+                             "router-tls": "/metrics"}
         assert monitor["spec"]["namespaceSelector"] == {"matchNames": [SYSTEM_NS]}
     # The ports it names are the containers' port names in every role's pods.
     from pdpool.operator.builders import PoolRef, build_children

@@ -20,12 +20,12 @@ from .vllm_standin import VllmStandIn
 PROMPT = "the history of the pool " * 20
 
 
-def make_ca(d, name):
+def make_ca(d, name, san="IP:127.0.0.1,DNS:localhost"):
     def run(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
         "-keyout", f"{name}.key", "-out", f"{name}.crt")
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (d / "san.cnf").write_text(f"subjectAltName={san}\n")
     run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=pool", "-keyout",
         f"{name}-leaf.key", "-out", f"{name}-leaf.csr")
     run("x509", "-req", "-in", f"{name}-leaf.csr", "-CA", f"{name}.crt", "-CAkey", f"{name}.key",
@@ -39,6 +39,16 @@ def pki(tmp_path_factory):
     ca, leaf = make_ca(d, "pool-ca")
     _, foreign_leaf = make_ca(d, "other-ca")
     return ca, leaf, foreign_leaf
+
+
+@pytest.fixture(scope="module")
+def service_named_pki(tmp_path_factory):
+    """What a Kubernetes pool has: a CA of its own and a certificate naming its Services,
+    while peers are reached at pod IPs."""
+    d = tmp_path_factory.mktemp("pki-svc")
+    ca, leaf = make_ca(d, "svc-ca", san="DNS:demo-prefill.llm.svc,DNS:demo-decode.llm.svc")
+    _, foreign = make_ca(d, "svc-other", san="DNS:demo-prefill.llm.svc")
+    return ca, leaf, foreign
 
 
 class TlsServed:
@@ -109,3 +119,31 @@ async def test_a_peer_with_a_foreign_certificate_is_refused(tls_servers, pki):
         r = await c.post(side.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert ready.status_code == 503 and r.status_code >= 500
     assert decode.state.received == []
+
+
+async def ok_app(scope, receive, send):
+    """A sidecar stand-in that is always ready."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+@pytest.mark.parametrize("any_name", [False, True])
+async def test_pod_ip_peers_need_any_name_and_still_the_pools_ca(tls_servers, service_named_pki,
+                                                                  any_name):
+    ca, leaf, foreign = service_named_pki
+    good_srv = await tls_servers(ok_app, leaf)
+    bad_srv = await tls_servers(ok_app, foreign)
+    gateway = Gateway(GatewaySettings(decode_urls=[good_srv.host_port, bad_srv.host_port],
+                                      tls_ca_file=str(ca), tls_any_name=any_name,
+                                      health_interval_s=60))
+    gw = await tls_servers(gateway, leaf)
+    healthy = {b for b in gateway.backends.current if b not in gateway.unhealthy}
+    # The name on the certificate never matches 127.0.0.1: only any_name accepts it; a
+    # certificate from another CA is refused either way.
+    assert healthy == ({good_srv.host_port} if any_name else set())
+    assert gw.port

@@ -45,6 +45,8 @@ class EngineConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # /ready fails when the engine loop has work and has not ticked for this long.
     ready_max_stall_s: float = 30.0
+    # vLLM's --kv-events-config (JSON): publish KV cache events over ZeroMQ.
+    kv_events_config: Optional[str] = None
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -88,5 +90,8 @@ class EngineConfig:
             raise ValueError("--kv-pull-threshold must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1KiB")
+        if self.kv_events_config:
+            from pdpool.kv_events import KVEventsConfig
+            KVEventsConfig.parse(self.kv_events_config)   # a bad config stops the start
         if self.ready_max_stall_s <= 0:
             raise ValueError("--ready-max-stall-s must be > 0")

@@ -101,6 +101,7 @@ class LLMEngine:
             if has_state else None
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_slots,
                                  self.groups, num_snapshots)
+        self.kv_events = self._start_kv_events()
         # Every group needs its own blocks for the same tokens.
         self.kv_capacity_tokens = self.kv.pool.num_usable_blocks // len(self.groups) * bs
         max_len = min(mc.get("max_position_embeddings", 4096), self.kv_capacity_tokens)
@@ -201,8 +202,22 @@ class LLMEngine:
         return NixlConnector(self.config, self.kv, self.kv_cache, self.kv_layout(), self.state,
                              secret=load_secret(self.config.kv_secret_file))
 
+    def _start_kv_events(self):
+        """vLLM's --kv-events-config: a ZeroMQ publisher of this engine's cache changes."""
+        from pdpool.kv_events import AllBlocksCleared, KVEventPublisher, KVEventsConfig
+
+        cfg = KVEventsConfig.parse(self.config.kv_events_config)
+        if cfg is None or not cfg.active:
+            return None
+        publisher = KVEventPublisher(cfg)
+        publisher.record(AllBlocksCleared())   # a (re)started engine holds nothing
+        self.kv.attach_events(publisher)
+        return publisher
+
     def close(self) -> None:
         self.connector.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def idle_tick(self) -> None:
         """Connector housekeeping while no request runs (notifications, held blocks)."""

@@ -61,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ticked for this long (/health is liveness only)")
     p.add_argument("--tls-cert-file", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
+    p.add_argument("--kv-events-config", default=None,
+                   help='vLLM\'s KV cache events config (JSON), e.g. \'{"enable_kv_cache_events":'
+                        ' true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558"}\'')
     p.add_argument("--log-level", default="info")
 
 
@@ -89,7 +93,8 @@ def config_from_args(args: argparse.Namespace):
         kv_load_failure_policy=args.kv_load_failure_policy,
         kv_producer_timeout=args.kv_producer_timeout, kv_load_timeout=args.kv_load_timeout,
         kv_secret_file=args.kv_secret_file, max_body_bytes=max_body,
-        ready_max_stall_s=args.ready_max_stall_s)
+        ready_max_stall_s=args.ready_max_stall_s,
+        kv_events_config=getattr(args, "kv_events_config", None))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ the end of a prefix is evicted before its beginning.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 
 class Block:
@@ -39,6 +39,10 @@ class BlockPool:
         # Prometheus-style counters of prefix-cache lookups, in blocks.
         self.queries = 0
         self.hits = 0
+        # KV cache events (see pdpool/kv_events.py): called with a cache key when the
+        # canonical block of that key leaves the cache, and when the whole cache is reset.
+        self.on_removed: Optional[Callable[[bytes], None]] = None
+        self.on_cleared: Optional[Callable[[], None]] = None
 
     # --- lookups ------------------------------------------------------------------------
     def get_cached_block(self, block_hash: bytes) -> Optional[Block]:
@@ -92,17 +96,20 @@ class BlockPool:
                 self._free[block.block_id] = block
 
     # --- the prefix cache ---------------------------------------------------------------
-    def cache_block(self, block: Block, block_hash: bytes) -> None:
-        """Names a full block by its hash. The first block with a hash stays canonical."""
+    def cache_block(self, block: Block, block_hash: bytes) -> bool:
+        """Names a full block by its hash. The first block with a hash stays canonical.
+        True when this block became the canonical one (the key is new to the cache)."""
         if not self.enable_caching or block.block_hash is not None or block is self.null_block:
-            return
+            return False
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash, block)
+        return self._cached.setdefault(block_hash, block) is block
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.on_removed is not None:
+                    self.on_removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -111,4 +118,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.on_cleared is not None:
+            self.on_cleared()
         return True

@@ -7,20 +7,13 @@ later hash chains through it, the whole prefix is isolated per salt.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import struct
 from typing import Optional, Sequence
 
+# The definition lives in pdpool/block_hash.py so that the gateway's KV index (no engine
+# imports) computes exactly the names engines publish.
+from pdpool.block_hash import hash_block
 
-def hash_block(parent: Optional[bytes], token_ids: Sequence[int],
-               extra_keys: tuple[object, ...] = ()) -> bytes:
-    h = hashlib.sha256()
-    h.update(parent if parent is not None else b"pdpool-root")
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if extra_keys:
-        h.update(json.dumps(list(extra_keys), sort_keys=True).encode())
-    return h.digest()
+__all__ = ["hash_block", "BlockHasher", "prefix_hash"]
 
 
 class BlockHasher:

@@ -10,7 +10,7 @@ is using costs no free block, a cached block on the free list is taken off it.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pdpool.engine.kv.block_pool import Block, BlockPool
 from pdpool.engine.kv.groups import KVGroup
@@ -18,6 +18,9 @@ from pdpool.engine.kv.hashing import prefix_hash
 from pdpool.engine.kv.leases import Lease, LeaseTable
 from pdpool.engine.kv.state_cache import StateSnapshotCache
 from pdpool.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdpool.kv_events import KVEventPublisher
 
 FULL = KVGroup(num_layers=1)
 
@@ -49,6 +52,7 @@ class KVCacheManager:
         self.pending_restores: list[tuple[int, int]] = []   # (snapshot slot, running slot)
         self._num_published: dict[str, int] = {}   # per request: blocks already published
         self.last_hit_lengths: dict[str, int] = {}
+        self.events: Optional["KVEventPublisher"] = None   # set by attach_events
         # Holds of blocks for other engines; the connector decides, the manager holds.
         self.leases = LeaseTable(epoch="", hold_s=10.0, max_read_s=30.0)
 
@@ -249,9 +253,41 @@ class KVCacheManager:
         if num_full <= done:
             return
         for g, blocks in enumerate(tables):
-            for i in range(done, min(num_full, len(blocks))):
-                self.pool.cache_block(blocks[i], _key(g, request.block_hashes[i]))
+            stored = [i for i in range(done, min(num_full, len(blocks)))
+                      if self.pool.cache_block(blocks[i], _key(g, request.block_hashes[i]))]
+            if stored and self.events is not None:
+                self._record_stored(request, g, stored)
         self._num_published[request.request_id] = num_full
+
+    # --- KV cache events ----------------------------------------------------------------
+    def attach_events(self, publisher: "KVEventPublisher") -> None:
+        """Publishes this cache's changes in vLLM's KV-events format (pdpool/kv_events.py):
+        BlockStored when a block becomes the cached copy of its hash, BlockRemoved when
+        that copy is evicted, AllBlocksCleared on a reset. Every group publishes with its
+        `group_idx`; the hash is the 32-byte chained digest (the group is not in it)."""
+        from pdpool.kv_events import AllBlocksCleared, BlockRemoved
+
+        self.events = publisher
+        self.pool.on_removed = lambda key: publisher.record(
+            BlockRemoved([key[1:]], "GPU", key[0]))
+        self.pool.on_cleared = lambda: publisher.record(AllBlocksCleared())
+
+    def _record_stored(self, request: Request, g: int, stored: list[int]) -> None:
+        from pdpool.kv_events import BlockStored
+
+        events = self.events
+        assert events is not None
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        kind = "sliding_window" if self.groups[g].is_sliding else "full_attention"
+        run: list[int] = []
+        for i in stored + [-1]:   # one event per run of consecutive blocks
+            if run and i != run[-1] + 1:
+                first, last = run[0], run[-1]
+                events.record(BlockStored(
+                    [hashes[j] for j in run], hashes[first - 1] if first else None,
+                    list(tokens[first * bs:(last + 1) * bs]), bs, None, "GPU", g, kind))
+                run = []
+            run.append(i)
 
     def snapshot_state(self, request: Request) -> Optional[tuple[int, int]]:
         """After a step that ended on a block boundary: (running slot, snapshot slot) to

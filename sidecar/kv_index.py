@@ -1,0 +1,129 @@
+"""Who caches what: one index of KV blocks across engines, fed by KV cache events.
+
+Keys are `pdpool.kv_events.hash_key(block_hash)` (64-bit ints), so pdpool engines (32-byte
+sha256 digests) and vLLM engines (bytes or ints) land in the same table. No torch.
+
+Per engine:
+- an LRU-ordered set of the block keys it holds (capped: `max_blocks_per_engine`; the oldest
+  are forgotten first, which can only under-estimate a hit);
+- the next sequence number it should send. A gap (a message lost) asks the engine's replay
+  socket for the missing messages (the caller passes a `replay` function); when that fails
+  the engine is marked *unknown* (its hits are not trusted, routing falls back to hash
+  affinity) until an `AllBlocksCleared` arrives or a replay succeeds;
+- a sequence number that goes backwards means the engine restarted: its blocks are dropped.
+
+`prefix_hit_blocks(engine, keys)` is the number of leading blocks of a request that the
+engine holds: the caller computes the request's chained hashes exactly as engines do
+(`request_block_keys`).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from pdpool.block_hash import chain_hashes
+from pdpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, hash_key
+
+
+@dataclass
+class EngineBlocks:
+    blocks: "OrderedDict[int, None]" = field(default_factory=OrderedDict)
+    next_seq: Optional[int] = None
+    known: bool = True
+    gaps: int = 0
+    restarts: int = 0
+    events: int = 0
+    # The group whose events count (the first full-attention group seen); None: any.
+    group: Optional[int] = None
+
+
+class KVIndex:
+    def __init__(self, max_blocks_per_engine: int = 1_000_000):
+        self.max_blocks = max_blocks_per_engine
+        self.engines: dict[str, EngineBlocks] = {}
+        self._lock = threading.Lock()
+
+    # --- feeding -------------------------------------------------------------------------
+    def on_message(self, engine: str, seq: int, batch: KVEventBatch,
+                   replay: Optional[Callable[[int], list[tuple[int, KVEventBatch]]]] = None
+                   ) -> None:
+        """One PUB message from `engine`. `replay(start)` fetches missed messages."""
+        with self._lock:
+            st = self.engines.setdefault(engine, EngineBlocks())
+            if st.next_seq is not None and seq < st.next_seq:
+                # The counter went back: the engine restarted with an empty cache.
+                st.blocks.clear()
+                st.restarts += 1
+                st.known = True
+            elif st.next_seq is not None and seq > st.next_seq:
+                st.gaps += 1
+                missed = replay(st.next_seq) if replay is not None else []
+                got = [(s, b) for s, b in missed if st.next_seq <= s < seq]
+                if [s for s, _ in got] == list(range(st.next_seq, seq)):
+                    for _, b in got:
+                        self._apply(st, b)
+                else:
+                    st.known = False   # until AllBlocksCleared resynchronises it
+            st.next_seq = seq + 1
+            self._apply(st, batch)
+
+    def _apply(self, st: EngineBlocks, batch: KVEventBatch) -> None:
+        for ev in batch.events:
+            st.events += 1
+            if isinstance(ev, AllBlocksCleared):
+                st.blocks.clear()
+                st.known = True
+                continue
+            group = ev.group_idx
+            if isinstance(ev, BlockStored):
+                if st.group is None and group is not None and \
+                        ev.kv_cache_spec_kind in (None, "full_attention"):
+                    st.group = group
+                if group is not None and st.group is not None and group != st.group:
+                    continue
+                for h in ev.block_hashes:
+                    k = hash_key(h)
+                    st.blocks[k] = None
+                    st.blocks.move_to_end(k)
+                while len(st.blocks) > self.max_blocks:
+                    st.blocks.popitem(last=False)
+            elif isinstance(ev, BlockRemoved):
+                if group is not None and st.group is not None and group != st.group:
+                    continue
+                for h in ev.block_hashes:
+                    st.blocks.pop(hash_key(h), None)
+
+    def forget(self, engine: str) -> None:
+        with self._lock:
+            self.engines.pop(engine, None)
+
+    # --- queries -------------------------------------------------------------------------
+    def knows(self, engine: str) -> bool:
+        st = self.engines.get(engine)
+        return st is not None and st.known
+
+    def prefix_hit_blocks(self, engine: str, keys: Sequence[int]) -> Optional[int]:
+        """Leading blocks of `keys` the engine holds; None when the engine is unknown."""
+        st = self.engines.get(engine)
+        if st is None or not st.known:
+            return None
+        blocks, n = st.blocks, 0
+        for k in keys:
+            if k not in blocks:
+                break
+            n += 1
+        return n
+
+    def block_count(self, engine: str) -> int:
+        st = self.engines.get(engine)
+        return len(st.blocks) if st else 0
+
+
+def request_block_keys(token_ids: Sequence[int], block_size: int,
+                       cache_salt: Optional[str] = None) -> list[int]:
+    """The index keys of a prompt's full blocks, chained exactly as pdpool engines hash
+    them (`pdpool/block_hash.py`, shared with the engine)."""
+    extra = (cache_salt,) if cache_salt else ()
+    return [hash_key(h) for h in chain_hashes(token_ids, block_size, extra)]

@@ -43,8 +43,9 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
         pytest.skip("pdpool engine (torch) is not installed")
     state = tmp_path / "state.json"
     proc = subprocess.Popen(pdpool_command("up", "--port", "0",
-                                           "--prefill", "1", "--decode", "2", "--state-file", str(state),
-                             "--log-dir", str(tmp_path / "logs"),
+                                           "--prefill", "1", "--decode", "2",
+                                           "--state-file", str(state),
+                                           "--log-dir", str(tmp_path / "logs"),
                                            "--engine-arg=--num-kv-blocks=256"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

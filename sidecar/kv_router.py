@@ -1,0 +1,127 @@
+"""Precise KV-aware routing: pick the decode engine by cost, from the engines' KV events.
+
+    cost(engine) = uncached prompt tokens (what it would have to prefill)
+                   + load_cost_tokens * load(engine)    (in-flight / queued requests)
+
+`uncached = prompt_tokens - block_size * prefix_hit_blocks(engine)`, the hit read from the
+KV index (sidecar/kv_index.py) fed by each engine's ZeroMQ events. Engines the index does
+not know (no events configured, or a gap not yet resynchronised) are scored as holding
+nothing; when no engine is known the caller keeps today's hash-affinity order.
+
+The P/D path is decided up front: when the chosen engine's hit ratio
+(cached / prompt tokens) is below the pool's threshold, the request should go to a prefill
+engine first (`PD_HEADER: pd`), else decode-first (`PD_HEADER: decode`); the engine would
+have made the same decision from its own cache, so the decode-first attempt can be skipped.
+
+Tokenization: completions with token-id prompts need none; string prompts use the model's
+`tokenizer.json` through `tokenizers` (Rust, no torch), run off the event loop by callers.
+Chat requests are not tokenized here (the chat template lives in the engine): they keep
+hash affinity.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from pdpool.kv_events import KVEventSubscriber
+
+from .kv_index import KVIndex, request_block_keys
+
+log = logging.getLogger(__name__)
+
+PD_HEADER = "x-pdpool-kv-path"   # "pd": skip decode-first; "decode": decode-first
+
+
+@dataclass
+class RouteDecision:
+    order: list[str]
+    hit_tokens: int           # predicted cached tokens on order[0]
+    prompt_tokens: int
+    path: str                 # "pd" or "decode"
+    precise: bool             # False: no engine known, affinity order kept
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class KVRouter:
+    def __init__(self, block_size: int, threshold: float = 0.0,
+                 load_cost_tokens: float = 256.0, tokenizer_file: Optional[str] = None,
+                 max_blocks_per_engine: int = 1_000_000):
+        self.block_size = block_size
+        self.threshold = threshold
+        self.load_cost_tokens = load_cost_tokens
+        self.index = KVIndex(max_blocks_per_engine)
+        self._tokenizer = None
+        if tokenizer_file:
+            from tokenizers import Tokenizer
+            self._tokenizer = Tokenizer.from_file(tokenizer_file)
+        self._threads: list[threading.Thread] = []
+        self._subs: list[KVEventSubscriber] = []
+        self._stop = threading.Event()
+
+    # --- feeding the index ---------------------------------------------------------------
+    def subscribe(self, backend: str, endpoint: str, replay_endpoint: Optional[str] = None
+                  ) -> None:
+        """A thread that feeds `backend`'s events (its engine's PUB socket) to the index."""
+        sub = KVEventSubscriber(endpoint, replay_endpoint)
+        self._subs.append(sub)
+
+        def run() -> None:
+            while not self._stop.is_set():
+                try:
+                    got = sub.recv(timeout_s=0.2)
+                    if got is not None:
+                        self.index.on_message(backend, got[0], got[1], replay=sub.replay)
+                except Exception:   # a bad message must not stop the feed
+                    if self._stop.is_set():
+                        return
+                    log.exception("kv events from %s", backend)
+
+        t = threading.Thread(target=run, name=f"kv-events-{backend}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2)
+        for s in self._subs:
+            s.close()
+
+    # --- deciding ------------------------------------------------------------------------
+    def prompt_token_ids(self, body: Any) -> Optional[list[int]]:
+        """A completion's prompt as token ids; None when this router cannot tell."""
+        if not isinstance(body, dict) or "messages" in body:
+            return None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if isinstance(prompt, str) and self._tokenizer is not None:
+            return list(self._tokenizer.encode(prompt, add_special_tokens=False).ids)
+        return None
+
+    def decide(self, order: Sequence[str], token_ids: Sequence[int],
+               load: Callable[[str], float], cache_salt: Optional[str] = None,
+               healthy: Callable[[str], bool] = lambda b: True) -> RouteDecision:
+        """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last."""
+        n = len(token_ids)
+        keys = request_block_keys(token_ids, self.block_size, cache_salt)
+        hits = {b: self.index.prefix_hit_blocks(b, keys) for b in order}
+        if all(h is None for h in hits.values()):
+            return RouteDecision(list(order), 0, n, "decode", False)
+        # As the engine: whole blocks, at least one token left to compute.
+        limit = max(n - 1, 0) // self.block_size
+        cached = {b: min(h or 0, limit) * self.block_size for b, h in hits.items()}
+        pos = {b: i for i, b in enumerate(order)}
+
+        def cost(b: str) -> tuple[float, int]:
+            return (n - cached[b] + self.load_cost_tokens * load(b), pos[b])
+        ranked = sorted((b for b in order if healthy(b)), key=cost) + \
+            [b for b in order if not healthy(b)]
+        best = cached[ranked[0]]
+        path = "pd" if n and best / n < self.threshold else "decode"
+        return RouteDecision(ranked, best, n, path, True)

@@ -1,0 +1,107 @@
+"""Precise routing from real engines' KV events: the router picks the engine holding the
+longest prefix, and its up-front P/D decision equals the engine's own threshold decision."""
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from pdpool.sidecar.kv_router import KVRouter
+from tests.engine_procs import free_port
+
+pytest.importorskip("torch")
+
+BS = 16
+
+
+def _engine(model, port):
+    from pdpool.engine.config import EngineConfig
+    from pdpool.engine.engine_core import LLMEngine
+
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+           "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 1}"}
+    return LLMEngine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=64,
+                                  block_size=BS, max_num_batched_tokens=256,
+                                  kv_events_config=json.dumps(cfg)))
+
+
+def _run(engine, rid, prompt, threshold=None):
+    from pdpool.engine.sampling_params import SamplingParams
+
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                   ignore_eos=True),
+                       cache_hit_threshold=threshold)
+    reason = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                reason = out.finish_reason
+    return reason
+
+
+def _synced(router, name, engine, timeout=5.0):
+    want = {k[1:] for k in engine.kv.pool._cached if k[0] == 0}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if router.index.knows(name) and router.index.block_count(name) == len(want):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"index of {name} not in sync")
+
+
+def test_routes_to_the_longest_prefix_and_predicts_the_engines_threshold(tiny_qwen3):
+    ports = {"a": free_port(), "b": free_port()}
+    while abs(ports["a"] - ports["b"]) < 2:
+        ports["b"] = free_port()
+    engines = {n: _engine(tiny_qwen3, p) for n, p in ports.items()}
+    threshold = 0.5
+    router = KVRouter(block_size=BS, threshold=threshold,
+                      tokenizer_file=str(tiny_qwen3 / "tokenizer.json"))
+    for n, p in ports.items():
+        router.subscribe(n, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}")
+    try:
+        time.sleep(0.3)
+        rng = random.Random(1)
+        docs = {n: [rng.randrange(3, 500) for _ in range(80)] for n in engines}
+        for n, eng in engines.items():
+            _run(eng, f"warm-{n}", docs[n])
+            _synced(router, n, eng)
+        order = ["a", "b"]
+        idle = lambda b: 0   # noqa: E731
+        for n in engines:
+            d = router.decide(order, docs[n] + [7, 8, 9], idle)
+            assert d.precise and d.order[0] == n and d.hit_tokens == 80
+        # Load moves a short hit elsewhere: cost = uncached + 256 per in-flight request.
+        d = router.decide(order, docs["a"][:20] + [1] * 40, lambda b: 1 if b == "a" else 0)
+        assert d.order[0] == "b"
+
+        # A workload of partial overlaps: the router decides the path before sending; the
+        # engine then judges the same request against the same threshold.
+        agree, total = 0, 0
+        for i in range(16):
+            base = docs[rng.choice("ab")]
+            keep = rng.randrange(0, 81)
+            prompt = base[:keep] + [rng.randrange(3, 500) for _ in range(rng.randint(8, 60))]
+            d = router.decide(order, prompt, idle)
+            name = d.order[0]
+            reason = _run(engines[name], f"w{i}", prompt, threshold)
+            engine_pd = reason == "cache_threshold"
+            agree += (d.path == "pd") == engine_pd
+            total += 1
+            _synced(router, name, engines[name])
+        print(f"up-front P/D decision agreed with the engine on {agree}/{total}")
+        assert agree == total
+    finally:
+        router.close()
+        for eng in engines.values():
+            eng.close()
+
+
+def test_no_events_keeps_affinity_order():
+    router = KVRouter(block_size=BS)
+    d = router.decide(["x", "y"], list(range(40)), lambda b: 0)
+    assert not d.precise and d.order == ["x", "y"] and d.path == "decode"
+    assert router.prompt_token_ids({"messages": []}) is None
+    assert router.prompt_token_ids({"prompt": [1, 2, 3]}) == [1, 2, 3]

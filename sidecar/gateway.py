@@ -73,6 +73,13 @@ class GatewaySettings:
     # Sidecars over TLS: reached at https:// and verified against this CA bundle.
     tls_ca_file: Optional[str] = None
     tls_any_name: bool = False        # see SidecarSettings.tls_any_name
+    # Precise KV-aware routing (kv_router.py): sidecar URL -> its engine's KV events
+    # endpoint ("tcp://host:5557" or "tcp://host:5557|tcp://host:5558" with replay).
+    kv_events: dict[str, str] = field(default_factory=dict)
+    kv_block_size: int = 16
+    kv_tokenizer: Optional[str] = None   # the model's tokenizer.json (string prompts)
+    kv_threshold: float = 0.0            # below this predicted hit ratio: P/D up front
+    kv_load_cost: float = 256.0          # tokens of cost per in-flight request
 
     def validate(self) -> "GatewaySettings":
         if not self.decode_urls and not self.decode_service:
@@ -109,9 +116,46 @@ class Gateway:
         self.pool = Http1Pool(connect_timeout=settings.connect_timeout,  # proxied traffic
                               ssl_context=self.tls)
         self._health_task: Optional[asyncio.Task] = None
+        self.kv_router = self._build_kv_router() if settings.kv_events else None
         self.outliers = OutlierDetector(consecutive_failures=settings.outlier_failures,
                                         probe_failures=1, base_ejection_s=settings.ejection_s,
                                         on_eject=self._on_eject, on_readmit=self._on_readmit)
+
+    def _build_kv_router(self):
+        from .kv_router import KVRouter
+        from .security import normalize_host_port
+
+        s = self.settings
+        router = KVRouter(s.kv_block_size, s.kv_threshold, s.kv_load_cost, s.kv_tokenizer)
+        for backend, spec in s.kv_events.items():
+            endpoint, _, replay = spec.partition("|")
+            router.subscribe(normalize_host_port(backend), endpoint, replay or None)
+        return router
+
+    async def _kv_route(self, body: Any, order: list[str], headers: dict) -> list[str]:
+        """Reorders by cost from the engines' KV events and tells the sidecar the path."""
+        router = self.kv_router
+        assert router is not None
+        try:
+            ids = await asyncio.to_thread(router.prompt_token_ids, body)
+            if ids is None:
+                self.metrics.kv_routes.labels("affinity", "none").inc()
+                return order
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            d = await asyncio.to_thread(router.decide, order, ids,
+                                        lambda b: self.in_flight.get(b, 0), salt,
+                                        lambda b: b not in self.unhealthy)
+        except Exception:   # routing must not fail a request: affinity order stands
+            log.exception("kv routing failed")
+            return order
+        if not d.precise:
+            self.metrics.kv_routes.labels("affinity", "none").inc()
+            return order
+        self.metrics.kv_routes.labels("precise", d.path).inc()
+        self.metrics.kv_predicted_hit_ratio.observe(d.hit_ratio)
+        from .kv_router import PD_HEADER
+        headers[PD_HEADER] = d.path
+        return d.order
 
     def _on_eject(self, backend: str, reason: str) -> None:
         log.warning("decode sidecar %s ejected (%s)", backend, reason)
@@ -140,6 +184,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         await self.backends.stop()
+        if self.kv_router is not None:
+            self.kv_router.close()
         await self.pool.aclose()
         if self.client:
             await self.client.aclose()
@@ -247,6 +293,9 @@ class Gateway:
                                        lambda b: b not in self.unhealthy, self.settings.balance)
         if not order:
             return await send_error(send, 503, "no decode sidecar configured")
+        headers.pop("x-pdpool-kv-path", None)   # only the gateway sets it
+        if self.kv_router is not None and body is not None:
+            order = await self._kv_route(body, order, headers)
         self.metrics.affinity.labels("preferred" if preferred else "spilled").inc()
         if self.settings.migrate and scope["method"] == "POST" and \
                 migration.can_migrate(scope["path"], body):

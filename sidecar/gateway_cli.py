@@ -42,7 +42,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-any-name", action="store_true",
                    help="with --tls-ca-file: accept any certificate that CA signed, whatever "
                         "its name (a CA dedicated to the pool; sidecars are reached by pod IP)")
+    p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT[|REPLAY]",
+                   help="precise KV-aware routing: the decode sidecar URL and its engine's KV "
+                        "events endpoint (vLLM --kv-events-config), e.g. "
+                        "http://10.0.0.5:8000=tcp://10.0.0.5:5557|tcp://10.0.0.5:5558 "
+                        "(repeatable; sidecars without one keep hash affinity)")
+    p.add_argument("--kv-block-size", type=int, default=16,
+                   help="the engines' KV block size (their --block-size)")
+    p.add_argument("--kv-tokenizer", default=None,
+                   help="the model's tokenizer.json, to route string prompts precisely")
+    p.add_argument("--kv-threshold", type=float, default=0.0,
+                   help="predicted hit ratio below which requests go P/D up front "
+                        "(the pool's cache-hit threshold)")
+    p.add_argument("--kv-load-cost", type=float, default=256.0,
+                   help="cost of one in-flight request on a sidecar, in prompt tokens")
     p.add_argument("--log-level", default="warning")
+
+
+def _kv_events(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        url, sep, spec = item.rpartition("=")
+        if not sep or not url or not spec.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--kv-events wants URL=tcp://HOST:PORT[|tcp://HOST:PORT], "
+                             f"got {item!r}")
+        out[url.rstrip("/")] = spec
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -69,7 +94,12 @@ def main(args: argparse.Namespace) -> int:
                                    max_body_bytes=parse_size(args.max_body_bytes),
                                    api_keys_file=args.api_keys_file,
                                    tls_ca_file=args.tls_ca_file,
-                                   tls_any_name=args.tls_any_name)
+                                   tls_any_name=args.tls_any_name,
+                                   kv_events=_kv_events(args.kv_events),
+                                   kv_block_size=args.kv_block_size,
+                                   kv_tokenizer=args.kv_tokenizer,
+                                   kv_threshold=args.kv_threshold,
+                                   kv_load_cost=args.kv_load_cost)
         app = Gateway(settings)
     except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None

@@ -18,6 +18,11 @@ class SidecarMetrics:
         # aggregated, client_error, upstream_error, cancelled.
         self.requests = Counter("pdpool_sidecar_requests", "Requests by path taken",
                                 ["mode", "path"], registry=r)
+        # The gateway's up-front path (x-pdpool-kv-path): pd honoured; decode correct or
+        # mispredicted (the engine rejected after all).
+        self.kv_path_hints = Counter("pdpool_sidecar_kv_path_hints",
+                                     "Gateway path hints from KV events, by outcome",
+                                     ["hint", "outcome"], registry=r)
         self.legs = Counter("pdpool_sidecar_legs", "Upstream legs sent",
                             ["leg"], registry=r)
         self.rejections = Counter("pdpool_sidecar_threshold_rejections",
@@ -69,6 +74,13 @@ class GatewayMetrics:
         self.affinity = Counter("pdpool_gateway_affinity",
                                 "Routing decisions: preferred (prefix owner) or spilled",
                                 ["decision"], registry=r)
+        # precise (KV events; path pd or decode) or affinity (no engine known).
+        self.kv_routes = Counter("pdpool_gateway_kv_routes",
+                                 "Routing decisions from KV events, by path",
+                                 ["mode", "path"], registry=r)
+        self.kv_predicted_hit_ratio = Histogram(
+            "pdpool_gateway_kv_predicted_hit_ratio", "Predicted prefix hit ratio of the "
+            "chosen engine", buckets=(0, .1, .25, .5, .75, .9, 1), registry=r)
         self.retries = Counter("pdpool_gateway_retries",
                                "Requests retried on another backend", registry=r)
         self.healthy = Gauge("pdpool_gateway_backend_healthy", "1 when the backend is healthy",

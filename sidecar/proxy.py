@@ -31,6 +31,7 @@ from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
 from .outlier import OutlierDetector
 from .picker import LoadPicker
 from .capability import EngineCapability, estimate_prompt_tokens
+from .kv_router import PD_HEADER as KV_PATH_HEADER
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
 from .settings import SidecarSettings
 from .upstream import ClientShards
@@ -339,6 +340,12 @@ class Sidecar:
         await self._remote_prefill_then_decode(ex, pull=None)
 
     async def _decode_first(self, ex: Exchange) -> None:
+        # The gateway's precise router (kv_router.py) may have decided the path already
+        # from the engines' KV events: "pd" skips the decode-first attempt.
+        hint = ex.headers.pop(KV_PATH_HEADER, None)
+        if hint == "pd":
+            self.metrics.kv_path_hints.labels("pd", "honoured").inc()
+            return await self._remote_prefill_then_decode(ex, pull=None)
         if await self.capability.rejects(self.client, self.settings.decode_url) is False:
             return await self._decided_by_length(ex)
         leg = legs.decode_first_leg(ex.body, self.settings.cache_hit_threshold)
@@ -347,6 +354,9 @@ class Sidecar:
             rejection = await self._retrying(self._try_decode_stream, ex, leg)
         else:
             rejection = await self._try_decode_buffered(ex, leg)
+        if hint == "decode":   # a rejection is a misprediction of the gateway's index
+            self.metrics.kv_path_hints.labels(
+                "decode", "correct" if rejection is None else "mispredicted").inc()
         if rejection is None:
             return
         self.metrics.rejections.inc()

@@ -121,6 +121,9 @@ class TopologySpec:
     # Every hop over HTTPS (client -> gateway -> sidecar -> engines), with a CA and one
     # certificate (127.0.0.1, localhost) made for this topology in <log dir>/tls.
     tls: bool = False
+    # Precise KV-aware routing: decode engines publish KV events (--kv-events-config), the
+    # gateway indexes them and routes by cost (sidecar/kv_router.py).
+    kv_events: bool = False
 
 
 ENGINES = ("pdpool", "vllm")
@@ -271,10 +274,35 @@ class Topology:
                               "--health-interval-s", "1")
         for sc in sidecars:
             argv += ["--decode-url", f"127.0.0.1:{sc.port}"]
+        if s.kv_events:
+            argv += self._wire_kv_events(decodes, sidecars)
         argv += self._serve_tls_args() + self._client_tls_args()
         gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0),
                         scheme=self._scheme)
         self.children = prefills + decodes + sidecars + [gateway]
+
+    def _wire_kv_events(self, decodes: list[Child], sidecars: list[Child]) -> list[str]:
+        """Each decode engine gets vLLM's --kv-events-config (PUB + replay on free ports);
+        the gateway's flags that subscribe to them."""
+        s = self.spec
+        block_size = 128 if s.engine == "vllm" else 16
+        for i, arg in enumerate(s.engine_args):
+            if arg.startswith("--block-size="):
+                block_size = int(arg.split("=", 1)[1])
+            elif arg == "--block-size" and i + 1 < len(s.engine_args):
+                block_size = int(s.engine_args[i + 1])
+        gw = ["--kv-block-size", str(block_size), "--kv-threshold", str(s.cache_hit_threshold)]
+        tokenizer = os.path.join(s.model, "tokenizer.json")
+        if os.path.exists(tokenizer):
+            gw += ["--kv-tokenizer", tokenizer]
+        for dec, sc in zip(decodes, sidecars):
+            pub, replay = free_port(), free_port()
+            dec.argv += ["--kv-events-config", json.dumps(
+                {"enable_kv_cache_events": True, "publisher": "zmq",
+                 "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"})]
+            gw += ["--kv-events",
+                   f"127.0.0.1:{sc.port}=tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}"]
+        return gw
 
     @property
     def gateway(self) -> Child:

@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", action="store_true",
                    help="every hop over HTTPS (gateway, sidecars, engines), with a CA and "
                         "certificate made for this run in <log dir>/tls (clients: --cacert)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="decode engines publish KV cache events (--kv-events-config) and the "
+                        "gateway routes by them: cost = uncached prompt tokens + load, P/D "
+                        "decided up front (see docs/sidecar.md)")
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
     p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -67,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
                         engine_args=args.engine_args, log_dir=args.log_dir,
                         engine=args.engine, engine_rejects=args.engine_rejects,
                         prefill_min_prompt_tokens=args.prefill_min_prompt_tokens,
-                        tls=args.tls)
+                        tls=args.tls, kv_events=args.kv_events)
     try:
         topology = Topology(spec)
     except RuntimeError as exc:   # openssl missing or failing (--tls)

@@ -10,7 +10,8 @@ Per engine:
   socket for the missing messages (the caller passes a `replay` function); when that fails
   the engine is marked *unknown* (its hits are not trusted, routing falls back to hash
   affinity) until an `AllBlocksCleared` arrives or a replay succeeds;
-- a sequence number that goes backwards means the engine restarted: its blocks are dropped.
+- a sequence number that goes backwards means the engine restarted: its blocks are dropped;
+- joining late (first message seq > 0), what the replay buffer still holds is applied first.
 
 `prefix_hit_blocks(engine, keys)` is the number of leading blocks of a request that the
 engine holds: the caller computes the request's chained hashes exactly as engines do
@@ -52,7 +53,13 @@ class KVIndex:
         """One PUB message from `engine`. `replay(start)` fetches missed messages."""
         with self._lock:
             st = self.engines.setdefault(engine, EngineBlocks())
-            if st.next_seq is not None and seq < st.next_seq:
+            if st.next_seq is None and seq > 0 and replay is not None:
+                # Joined late (the gateway restarted): what the engine still buffers. If it
+                # no longer reaches back to 0 the index starts partial (it under-estimates).
+                for s, b in replay(0):
+                    if s < seq:
+                        self._apply(st, b)
+            elif st.next_seq is not None and seq < st.next_seq:
                 # The counter went back: the engine restarted with an empty cache.
                 st.blocks.clear()
                 st.restarts += 1

@@ -345,6 +345,28 @@ class Topology:
                                    f"(logs in {self.log_dir})")
             if pending:
                 time.sleep(0.2)
+        self._wait_gateway_sees_backends(deadline)
+
+    def _wait_gateway_sees_backends(self, deadline: float) -> None:
+        """Every child answering is not enough: the gateway routes only to backends its own
+        probes found healthy, so ready means the gateway sees every sidecar."""
+        import ssl
+
+        want = len(self.by_role("sidecar"))
+        context = ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
+        while True:
+            try:
+                with urllib.request.urlopen(self.gateway.url + "/health", timeout=2,
+                                            context=context) as r:
+                    seen = len(json.loads(r.read()).get("healthy", []))
+            except (urllib.error.URLError, OSError, ValueError):
+                seen = 0
+            if seen >= want:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway sees {seen} of {want} sidecars healthy "
+                                   f"(logs in {self.log_dir})")
+            time.sleep(0.2)
 
     def restart(self, child: Child) -> None:
         """Kills one child and starts it again on the same port (a crash and restart)."""

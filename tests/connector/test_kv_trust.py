@@ -187,8 +187,9 @@ def test_a_queued_consumer_keeps_its_lease_alive(engines):
     Ps, Ds, A = engines["Ps"], engines["Ds"], engines["A"]
     b = body(ids(60, seed=20))
     kv = prefill_leg(Ps.url, b)
+    # Enough work queued ahead of it, one request at a time, to outlast the hold.
     blockers = [threading.Thread(target=post, args=(Ds.url, body(ids(10, seed=21 + k), 400)))
-                for k in range(3)]
+                for k in range(12)]
     for blocker in blockers:
         blocker.start()
     time.sleep(0.3)

@@ -57,6 +57,7 @@ log = logging.getLogger("pdpool.connector")
 
 HANDSHAKE_TIMEOUT_S = 5.0
 HOUSEKEEPING_TIMEOUT_S = 2.0   # renewals and releases: a later one, or expiry, covers a miss
+FIRST_RENEWAL_S = 0.05         # a queued request's first renewal
 
 
 @dataclass
@@ -224,7 +225,9 @@ class NixlConnector(KVConnector):
             return str(exc)
         request.kv_lease = token
         wanted = _Wanted(request, peer, token)
-        wanted.schedule(token.expires_ms / 1000 - time.time())
+        # A request admitted at once opens the lease before this; one that waits renews
+        # early, whatever the producer's clock says is left.
+        wanted.schedule(min(token.expires_ms / 1000 - time.time(), FIRST_RENEWAL_S * 3))
         self._wanted[request.request_id] = wanted
         return None
 

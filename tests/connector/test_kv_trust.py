@@ -182,17 +182,19 @@ def test_refused_params_recompute_and_leave_nothing_held(engines, tamper):
 
 
 def test_a_queued_consumer_keeps_its_lease_alive(engines):
-    """Ds runs one request at a time: the decode leg waits behind a long request for longer
+    """Ds runs one request at a time: the decode leg waits behind long requests for longer
     than the producer's hold, renewing the lease, and still loads."""
     Ps, Ds, A = engines["Ps"], engines["Ds"], engines["A"]
     b = body(ids(60, seed=20))
-    kv = prefill_leg(Ps.url, b)
     # Enough work queued ahead of it, one request at a time, to outlast the hold.
     blockers = [threading.Thread(target=post, args=(Ds.url, body(ids(10, seed=21 + k), 400)))
-                for k in range(12)]
+                for k in range(8)]
     for blocker in blockers:
         blocker.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while Ds.metric("pdpool_num_requests_waiting") < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kv = prefill_leg(Ps.url, b)
     pulled0 = stat(Ds, "tokens_pulled")
     t = time.monotonic()
     out = decode_leg(Ds.url, b, kv)

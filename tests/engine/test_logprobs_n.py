@@ -10,18 +10,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_procs import EngineProcess
+from engine_procs import engine_process
 
 ATOL = 1e-4   # float32 tiny model: summation order only
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    eng = EngineProcess(tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "128")
-    try:
-        yield eng.wait()
-    finally:
-        eng.stop()
+    with engine_process(tiny_qwen3, tmp_path_factory.mktemp("logs"),
+                        "--num-kv-blocks", "128") as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

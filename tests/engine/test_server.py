@@ -8,17 +8,15 @@ import httpx
 import openai
 import pytest
 
-from engine_procs import EngineProcess
+from engine_procs import engine_process
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
     # 64 blocks x 16 tokens: small enough to test "cannot fit in the KV cache".
-    eng = EngineProcess(tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64")
-    try:
-        yield eng.wait()
-    finally:
-        eng.stop()
+    with engine_process(tiny_qwen3, tmp_path_factory.mktemp("logs"),
+                        "--num-kv-blocks", "64") as eng:
+        yield eng
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine_procs import EngineProcess
+from engine_procs import engine_process
 from vllm_metric_names import check_vllm_names
 
 
@@ -20,11 +20,9 @@ def value(fams: dict, name: str, sample: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    eng = EngineProcess(tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64")
-    try:
-        yield eng.wait()
-    finally:
-        eng.stop()
+    with engine_process(tiny_qwen3, tmp_path_factory.mktemp("logs"),
+                        "--num-kv-blocks", "64") as eng:
+        yield eng
 
 
 def test_vllm_metric_names_types_labels_and_values(server):

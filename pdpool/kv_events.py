@@ -207,7 +207,9 @@ class KVEventPublisher:
         self._buffer: deque = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self.published_events = 0
-        self._ctx = zmq.Context()
+        # The process-wide context: a context of our own could be garbage-collected while
+        # a socket of it is still in use, and its term() would then block that thread.
+        self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._open(self._pub, config.endpoint)
@@ -281,7 +283,6 @@ class KVEventPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
-        self._ctx.term()
 
 
 # --- subscriber ---------------------------------------------------------------------------
@@ -298,7 +299,7 @@ class KVEventSubscriber:
         address); `bind=True` for publishers configured to connect to the subscriber."""
         import zmq
         self._zmq = zmq
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context.instance()   # see KVEventPublisher
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         if bind:
@@ -338,5 +339,4 @@ class KVEventSubscriber:
 
     def close(self) -> None:
         self.sub.close(linger=0)
-        self._ctx.term()
 

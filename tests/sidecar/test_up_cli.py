@@ -78,6 +78,11 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
             output, _ = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            # Its children run in sessions of their own: leave none behind for later tests.
+            if state.exists():
+                for child in json.loads(state.read_text())["children"]:
+                    if pid_alive(child["pid"]):
+                        os.killpg(child["pid"], signal.SIGKILL)
             raise
     assert proc.returncode == 0
     assert f"OpenAI base URL: {info['gateway_url']}/v1" in output

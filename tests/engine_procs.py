@@ -42,16 +42,32 @@ class EngineProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"engine-{self.port}.log"
-        cmd = [sys.executable, "-m", "pdpool.cli", "serve", str(model), "--device", "cpu",
-               "--port", str(self.port), "--log-level", "warning", *flags]
+        self.flags = flags
+        self._start()
+
+    def _start(self) -> None:
+        cmd = [sys.executable, "-m", "pdpool.cli", "serve", str(self.model), "--device", "cpu",
+               "--port", str(self.port), "--log-level", "warning", *self.flags]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self._fh = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
     def wait(self, timeout: float = 120.0) -> "EngineProcess":
-        wait_healthy(self.url, self.proc, timeout, self.log)
-        return self
+        for _ in range(3):
+            try:
+                wait_healthy(self.url, self.proc, timeout, self.log)
+                return self
+            except RuntimeError:
+                # The free port was taken by someone else before the engine bound it.
+                if "address already in use" not in self.log.read_text():
+                    raise
+                self._fh.close()
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                self.log = self.log.with_name(f"engine-{self.port}.log")
+                self._start()
+        raise RuntimeError(f"no free port for the engine after 3 tries ({self.log})")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

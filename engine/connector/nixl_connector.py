@@ -281,9 +281,8 @@ class NixlConnector(KVConnector):
         plan = LoadPlan(request.request_id, host, port, token,
                         [t[first:last] for t in block_tables], first,
                         list(request.block_hashes),
-                        prefix_hash(request.all_token_ids, request.block_hashes,
-                                    token.num_tokens, self.block_size,
-                                    request.hasher.extra_keys), num_external)
+                        # check_request found the prompt's own prefix hash equal to this one
+                        token.prefix_hash, num_external)
         if wanted is not None and wanted.renewing is not None:
             wanted.renewing.cancel()
         if self.kv.has_state:
@@ -460,8 +459,7 @@ class NixlConnector(KVConnector):
         if num_tokens is not None:
             params["remote_num_tokens"] = num_tokens
         expires_ms = int((time.time() + self.config.kv_producer_timeout) * 1000)
-        digest = prefix_hash(request.all_token_ids, request.block_hashes, lease.num_tokens,
-                             self.block_size, request.hasher.extra_keys)
+        digest = lease.prefix_hash   # computed once, when the lease was granted
         if digest is None:
             raise RuntimeError(f"no prefix hash for the {lease.num_tokens} leased tokens")
         token = LeaseToken(lease.lease_id, self.epoch, lease.num_tokens, digest, expires_ms)

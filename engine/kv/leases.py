@@ -47,6 +47,11 @@ class Lease:
     opened: bool = False
     released: bool = False
 
+    @property
+    def prefix_hash(self) -> Optional[bytes]:
+        """The chained hash of all the leased tokens (it commits to every one of them)."""
+        return self.tail_hash or (self.hashes[-1] if self.hashes else None)
+
     def live(self, now: float) -> bool:
         return not self.released and now <= max(self.deadline, self.read_until)
 

@@ -6,9 +6,11 @@ adds peers from their handshake documents, and READs units of a peer's regions i
 of its own. A READ carries a notification that NIXL delivers to the peer once the data has
 landed, so the peer knows it may free what it held for us.
 
-Threading: NOT thread-safe. The engine calls every method from one thread (its step loop);
-NIXL's own progress thread moves the bytes. The handshake server never touches the agent:
-it serves a document built once from `agent_metadata()` and `regions`.
+Threading: NOT thread-safe. The engine calls every method from one thread (its step loop).
+The agent runs without NIXL's progress thread (it spins a core while idle): `poll` and
+`notifications` drive progress, so the engine calls them every step and, while bytes move,
+every millisecond when idle. The handshake server never touches the agent: it serves a
+document built once from `agent_metadata()` and `regions`.
 
 Failures after validation (peer gone, transport error, timeout) never raise from
 `start_read`/`poll`: the transfer ends FAILED with a reason, so the engine has one path for
@@ -87,7 +89,10 @@ class NixlTransport:
         self.engine_id = engine_id
         # A fresh name per process: a restarted engine must not be mistaken for its old self.
         self.agent_name = agent_name or f"{engine_id}-{uuid.uuid4().hex[:12]}"
-        config = nixl_agent_config(backends=list(backends), num_threads=num_threads)
+        # No progress thread: it spins a core even when idle. The engine loop drives
+        # progress itself, through `poll` and `notifications`, whenever transfers are live.
+        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends),
+                                   num_threads=num_threads)
         self._agent = nixl_agent(self.agent_name, config)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:

@@ -100,7 +100,7 @@ class AsyncEngine:
                 self.last_tick = time.monotonic()
                 while not self._inbox and not self._stopping \
                         and not self.engine.has_unfinished():
-                    self._cv.wait(timeout=self.engine.idle_wait_s())
+                    self._cv.wait(timeout=0.05)
                     self.last_tick = time.monotonic()
                     self.engine.idle_tick()  # connector housekeeping while idle
                 if self._stopping:

@@ -224,10 +224,6 @@ class LLMEngine:
         for result in self.connector.poll():
             self._apply_load_result(result)
 
-    def idle_wait_s(self) -> float:
-        """How long the idle loop may sleep between ticks."""
-        return 0.001 if self.connector.wants_progress() else 0.05
-
     # --- requests -----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, cache_salt: Optional[str] = None,

@@ -76,10 +76,6 @@ class KVConnector:
     def poll(self) -> list[LoadResult]:
         return []
 
-    def wants_progress(self) -> bool:
-        """Bytes are moving that need `poll` called often, even with no request running."""
-        return False
-
     def stats(self) -> dict[str, float]:
         return {}
 

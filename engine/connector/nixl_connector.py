@@ -426,11 +426,6 @@ class NixlConnector(KVConnector):
         self.kv.end_leases()
         return results
 
-    def wants_progress(self) -> bool:
-        # The transport has no progress thread: our own reads, and a peer's read of our
-        # blocks over a transport that needs the target's help, advance only in `poll`.
-        return bool(self._reading) or self.leases.any_opened()
-
     def stats(self) -> dict[str, float]:
         return {**self.counters, **self.leases.counters,
                 "bytes_read": self.transport.bytes_read, "leases_active": len(self.leases),

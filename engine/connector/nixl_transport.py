@@ -6,11 +6,10 @@ adds peers from their handshake documents, and READs units of a peer's regions i
 of its own. A READ carries a notification that NIXL delivers to the peer once the data has
 landed, so the peer knows it may free what it held for us.
 
-Threading: NOT thread-safe. The engine calls every method from one thread (its step loop).
-The agent runs without NIXL's progress thread (it spins a core while idle): `poll` and
-`notifications` drive progress, so the engine calls them every step and, while bytes move,
-every millisecond when idle. The handshake server never touches the agent: it serves a
-document built once from `agent_metadata()` and `regions`.
+Threading: NOT thread-safe. The engine calls every method from one thread (its step loop);
+NIXL's progress thread moves the bytes, sleeping on the UCX worker's events between them.
+The handshake server never touches the agent: it serves a document built once from
+`agent_metadata()` and `regions`.
 
 Failures after validation (peer gone, transport error, timeout) never raise from
 `start_read`/`poll`: the transfer ends FAILED with a reason, so the engine has one path for
@@ -22,6 +21,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -70,10 +70,44 @@ class _Peer:
 
 def _load_nixl():
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import _api
     except ImportError as exc:  # the `nixl` extra is not installed
         raise TransportError(f"NIXL is not available ({exc}); install pdpool[nixl]") from None
-    return nixl_agent, nixl_agent_config
+    return _api
+
+
+# The progress thread's longest sleep between wake-ups, in microseconds. It sleeps on the
+# UCX worker's event file descriptor, so bytes still move as soon as they can; with NIXL's
+# Python default of 0 it never sleeps and spins a core per agent even when idle.
+PROGRESS_THREAD_DELAY_US = 10_000
+_AGENT_LOCK = threading.Lock()
+
+
+class _PacedBindings:
+    """The NIXL bindings, except that agents get a progress thread that sleeps
+    (`nixl_agent` sets `pthrDelay = 0` and offers no way to change it)."""
+
+    def __init__(self, real: Any):
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 (the binding's name)
+        config.pthrDelay = PROGRESS_THREAD_DELAY_US
+        return self._real.nixlAgent(name, config)
+
+
+def _new_agent(api: Any, name: str, config: Any) -> Any:
+    real = getattr(api, "nixlBind", None)
+    if real is None or not hasattr(real.nixlAgentConfig(), "pthrDelay"):
+        return api.nixl_agent(name, config)   # another NIXL layout: its own default
+    with _AGENT_LOCK:
+        api.nixlBind = _PacedBindings(real)
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            api.nixlBind = real
 
 
 def _name(value: str | bytes) -> str:
@@ -85,15 +119,14 @@ class NixlTransport:
 
     def __init__(self, engine_id: str, *, agent_name: str | None = None,
                  backends: Sequence[str] = ("UCX",), num_threads: int = 0):
-        nixl_agent, nixl_agent_config = _load_nixl()
+        api = _load_nixl()
         self.engine_id = engine_id
         # A fresh name per process: a restarted engine must not be mistaken for its old self.
         self.agent_name = agent_name or f"{engine_id}-{uuid.uuid4().hex[:12]}"
-        # No progress thread: it spins a core even when idle. The engine loop drives
-        # progress itself, through `poll` and `notifications`, whenever transfers are live.
-        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends),
-                                   num_threads=num_threads)
-        self._agent = nixl_agent(self.agent_name, config)
+        # The progress thread moves bytes while the engine computes (a peer reading from
+        # us needs it over transports that emulate READ with messages).
+        config = api.nixl_agent_config(backends=list(backends), num_threads=num_threads)
+        self._agent = _new_agent(api, self.agent_name, config)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise TransportError(f"NIXL backends {missing} could not be created "

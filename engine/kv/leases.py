@@ -112,11 +112,6 @@ class LeaseTable:
             self.counters["leases_opened"] += 1
             return lease.describe()
 
-    def any_opened(self) -> bool:
-        """A peer may be reading from this engine right now."""
-        with self._lock:
-            return any(lease.opened and not lease.released for lease in self._leases.values())
-
     def renew(self, lease_id: str, epoch: str) -> float:
         """Extends a live, unopened lease by the hold time; returns the seconds granted."""
         now = time.monotonic()

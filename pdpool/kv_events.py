@@ -56,6 +56,9 @@ class BlockStored:
     medium: Optional[str] = None
     group_idx: Optional[int] = None
     kv_cache_spec_kind: Optional[str] = None
+    # Per block: what else went into its hash (a cache_salt on a prompt's first block), or
+    # None; None for the whole event when nothing did.
+    extra_keys: Optional[list] = None
 
 
 @dataclass
@@ -90,6 +93,8 @@ def _event_to_wire(ev: KVCacheEvent) -> dict:
             d["group_idx"] = ev.group_idx
         if ev.kv_cache_spec_kind is not None:
             d["kv_cache_spec_kind"] = ev.kv_cache_spec_kind
+        if ev.extra_keys is not None:
+            d["extra_keys"] = ev.extra_keys
         return d
     if isinstance(ev, BlockRemoved):
         d = {"type": "BlockRemoved", "block_hashes": ev.block_hashes, "medium": ev.medium}
@@ -125,12 +130,18 @@ def _event_from_wire(raw: Any) -> Optional[KVCacheEvent]:
         return BlockStored(list(get("block_hashes") or []), get("parent_block_hash"),
                            list(get("token_ids") or []), int(get("block_size") or 0),
                            get("lora_id"), get("medium"), get("group_idx"),
-                           get("kv_cache_spec_kind"))
+                           get("kv_cache_spec_kind"), _extra_keys(get("extra_keys")))
     if kind == "BlockRemoved":
         return BlockRemoved(list(get("block_hashes") or []), get("medium"), get("group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None   # an event kind this reader does not know: skipped
+
+
+def _extra_keys(raw: Any) -> Optional[list]:
+    if not isinstance(raw, (list, tuple)):
+        return None
+    return [tuple(k) if isinstance(k, (list, tuple)) else None for k in raw]
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

@@ -122,14 +122,14 @@ class Gateway:
                                         on_eject=self._on_eject, on_readmit=self._on_readmit)
 
     def _build_kv_router(self):
+        from .kv_events_spec import split_spec
         from .kv_router import KVRouter
         from .security import normalize_host_port
 
         s = self.settings
         router = KVRouter(s.kv_block_size, s.kv_threshold, s.kv_load_cost, s.kv_tokenizer)
         for backend, spec in s.kv_events.items():
-            endpoint, _, replay = spec.partition("|")
-            router.subscribe(normalize_host_port(backend), endpoint, replay or None)
+            router.subscribe(normalize_host_port(backend), *split_spec(spec))
         return router
 
     async def _kv_route(self, body: Any, order: list[str], headers: dict) -> list[str]:

@@ -59,17 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning")
 
 
-def _kv_events(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        url, sep, spec = item.rpartition("=")
-        if not sep or not url or not spec.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"--kv-events wants URL=tcp://HOST:PORT[|tcp://HOST:PORT], "
-                             f"got {item!r}")
-        out[url.rstrip("/")] = spec
-    return out
-
-
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -77,6 +66,7 @@ def main(args: argparse.Namespace) -> int:
     from pdpool.units import parse_size
 
     from .gateway import Gateway, GatewaySettings
+    from .kv_events_spec import parse_kv_events
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise CliError("--tls-cert-file and --tls-key-file go together")
     tls = {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file} \
@@ -95,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
                                    api_keys_file=args.api_keys_file,
                                    tls_ca_file=args.tls_ca_file,
                                    tls_any_name=args.tls_any_name,
-                                   kv_events=_kv_events(args.kv_events),
+                                   kv_events=parse_kv_events(args.kv_events, "--kv-events"),
                                    kv_block_size=args.kv_block_size,
                                    kv_tokenizer=args.kv_tokenizer,
                                    kv_threshold=args.kv_threshold,

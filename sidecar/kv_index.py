@@ -1,7 +1,13 @@
 """Who caches what: one index of KV blocks across engines, fed by KV cache events.
 
-Keys are `pdpool.kv_events.hash_key(block_hash)` (64-bit ints), so pdpool engines (32-byte
-sha256 digests) and vLLM engines (bytes or ints) land in the same table. No torch.
+Keys are our own names for blocks: `hash_key` of pdpool's chained hash (`pdpool/block_hash.py`)
+of the block's tokens, recomputed here from each `BlockStored`'s token ids, parent and extra
+keys (the salt). So an engine that names blocks its own way (stock vLLM: sha256 of CBOR or
+Python's hash, seeded per process) is indexed under the names a request's prompt gets here,
+and one lookup serves every engine. An engine's own hash is kept only where it differs from
+ours, to follow its parent links and removals; a block whose chain cannot be followed (its
+parent was never seen, or no token ids) is indexed under the engine's hash as published.
+No torch.
 
 Per engine:
 - an LRU-ordered set of the block keys it holds (capped: `max_blocks_per_engine`; the oldest
@@ -24,13 +30,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from pdpool.block_hash import chain_hashes
+from pdpool.block_hash import chain_hashes, hash_block
 from pdpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, hash_key
 
 
 @dataclass
 class EngineBlocks:
     blocks: "OrderedDict[int, None]" = field(default_factory=OrderedDict)
+    # The engine's key for a block -> our chained digest of it, where the two differ.
+    ours: "OrderedDict[int, bytes]" = field(default_factory=OrderedDict)
     next_seq: Optional[int] = None
     known: bool = True
     gaps: int = 0
@@ -62,6 +70,7 @@ class KVIndex:
             elif st.next_seq is not None and seq < st.next_seq:
                 # The counter went back: the engine restarted with an empty cache.
                 st.blocks.clear()
+                st.ours.clear()
                 st.restarts += 1
                 st.known = True
             elif st.next_seq is not None and seq > st.next_seq:
@@ -81,6 +90,7 @@ class KVIndex:
             st.events += 1
             if isinstance(ev, AllBlocksCleared):
                 st.blocks.clear()
+                st.ours.clear()
                 st.known = True
                 continue
             group = ev.group_idx
@@ -90,17 +100,49 @@ class KVIndex:
                     st.group = group
                 if group is not None and st.group is not None and group != st.group:
                     continue
-                for h in ev.block_hashes:
-                    k = hash_key(h)
+                for k in self._our_keys(st, ev):
                     st.blocks[k] = None
                     st.blocks.move_to_end(k)
                 while len(st.blocks) > self.max_blocks:
                     st.blocks.popitem(last=False)
+                while len(st.ours) > self.max_blocks:
+                    st.ours.popitem(last=False)
             elif isinstance(ev, BlockRemoved):
                 if group is not None and st.group is not None and group != st.group:
                     continue
                 for h in ev.block_hashes:
-                    st.blocks.pop(hash_key(h), None)
+                    k = hash_key(h)
+                    digest = st.ours.pop(k, None)
+                    st.blocks.pop(hash_key(digest) if digest is not None else k, None)
+
+    @staticmethod
+    def _our_keys(st: EngineBlocks, ev: BlockStored) -> list[int]:
+        """Our keys for a stored run of blocks, chained from its parent; the engine's own
+        where the chain cannot be followed."""
+        native = [hash_key(h) for h in ev.block_hashes]
+        bs, tokens = ev.block_size, ev.token_ids
+        if bs <= 0 or len(tokens) != bs * len(native):
+            return native
+        parent: Optional[bytes] = None
+        if ev.parent_block_hash is not None:
+            pk = hash_key(ev.parent_block_hash)
+            parent = st.ours.get(pk)
+            if parent is None:
+                raw = ev.parent_block_hash
+                if not (isinstance(raw, bytes) and len(raw) == 32 and pk in st.blocks):
+                    return native      # a parent we never saw: the chain is lost
+                parent = raw           # the engine names blocks as we do
+        extras = ev.extra_keys or [None] * len(native)
+        keys = []
+        for i, k in enumerate(native):
+            extra = extras[i] if i < len(extras) and extras[i] else ()
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], tuple(extra))
+            ours = hash_key(parent)
+            if ours != k:
+                st.ours[k] = parent
+                st.ours.move_to_end(k)
+            keys.append(ours)
+        return keys
 
     def forget(self, engine: str) -> None:
         with self._lock:

@@ -25,6 +25,11 @@ class SidecarMetrics:
                                      ["hint", "outcome"], registry=r)
         self.legs = Counter("pdpool_sidecar_legs", "Upstream legs sent",
                             ["leg"], registry=r)
+        # by: kv (the prefill engines' KV events), load (in-flight legs), named (the
+        # request's own x-prefiller-host-port).
+        self.prefill_ranking = Counter("pdpool_sidecar_prefill_ranking",
+                                       "How prefill engines were ordered for a leg", ["by"],
+                                       registry=r)
         self.rejections = Counter("pdpool_sidecar_threshold_rejections",
                                   "Decode-first attempts rejected by the cache-hit threshold",
                                   registry=r)

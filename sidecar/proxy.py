@@ -30,6 +30,7 @@ from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
 from .outlier import OutlierDetector
 from .picker import LoadPicker
+from .prefill_ranking import PrefillRanking
 from .capability import EngineCapability, estimate_prompt_tokens
 from .kv_router import PD_HEADER as KV_PATH_HEADER
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
@@ -93,6 +94,8 @@ class Sidecar:
         self.settings = settings.validate()
         self.metrics = SidecarMetrics()
         self.picker = LoadPicker()
+        self.prefill_ranking = PrefillRanking(self.picker, settings.prefill_kv_events,
+                                              settings.kv_block_size, settings.kv_tokenizer)
         self.endpoints = EndpointSet(settings.prefill_urls, settings.prefill_service,
                                           settings.prefill_refresh_s)
         self.clients: Optional[ClientShards] = None
@@ -166,6 +169,7 @@ class Sidecar:
                 await self._probe_task
             self._probe_task = None
         await self.endpoints.stop()
+        self.prefill_ranking.close()
         if self.clients:
             await self.clients.aclose()
             await self.decode_pool.aclose()
@@ -483,8 +487,9 @@ class Sidecar:
         # Several named (llm-d's comma-separated list): the least loaded of them goes first.
         named = [t for t in ex.targets if not self.outliers.is_ejected(t)]
         preferred = self.picker.order(named)[0] if named else None
-        candidates = self.picker.order(self.outliers.available(self.endpoints.current),
-                                       preferred=preferred)
+        candidates, ranked_by = await self.prefill_ranking.order(
+            self.outliers.available(self.endpoints.current), preferred, ex.body)
+        self.metrics.prefill_ranking.labels(ranked_by).inc()
         for endpoint in candidates:
             self.metrics.legs.labels("prefill").inc()
             started = time.perf_counter()

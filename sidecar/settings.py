@@ -43,6 +43,11 @@ class SidecarSettings:
     # Accept any certificate that CA signed, whatever name it carries: for a CA dedicated
     # to one pool, whose peers are reached at pod IPs no certificate can name in advance.
     tls_any_name: bool = False
+    # Prefill engines' KV events ("HOST:PORT" -> "tcp://HOST:5557[|tcp://HOST:5558]"): the
+    # one with the most of the prompt cached gets the leg (prefill_ranking.py).
+    prefill_kv_events: dict[str, str] = field(default_factory=dict)
+    kv_block_size: int = 16
+    kv_tokenizer: Optional[str] = None     # the model's tokenizer.json (string prompts)
 
     @property
     def upstream_scheme(self) -> str:
@@ -82,6 +87,14 @@ class SidecarSettings:
         self.prefill_min_prompt_tokens = int(self.prefill_min_prompt_tokens)
         if int(self.outlier_failures) < 1:
             raise ValueError("outlier_failures must be >= 1")
+        if int(self.kv_block_size) < 1:
+            raise ValueError("kv_block_size must be >= 1")
+        if isinstance(self.prefill_kv_events, list):   # TARGET=SPEC items from a file
+            from .kv_events_spec import parse_kv_events
+            self.prefill_kv_events = parse_kv_events(self.prefill_kv_events,
+                                                     "prefill_kv_events")
+        if not isinstance(self.prefill_kv_events, dict):
+            raise ValueError("prefill_kv_events must map HOST:PORT to tcp://HOST:PORT")
         return self
 
 

@@ -49,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-any-name", action="store_const", const=True,
                    help="with --tls-ca-file: accept any certificate that CA signed, whatever "
                         "its name (a CA dedicated to the pool; peers are reached by pod IP)")
+    p.add_argument("--prefill-kv-events", action="append", metavar="HOST:PORT=ENDPOINT[|REPLAY]",
+                   help="a prefill engine and its KV events endpoint (vLLM "
+                        "--kv-events-config), e.g. 10.0.0.7:8000=tcp://10.0.0.7:5557 "
+                        "(repeatable): legs go to the engine with the most of the prompt "
+                        "cached")
+    p.add_argument("--kv-block-size", type=int, help="the engines' KV block size (default 16)")
+    p.add_argument("--kv-tokenizer", help="the model's tokenizer.json (string prompts)")
     p.add_argument("--log-level", default="warning")
 
 
@@ -56,7 +63,8 @@ SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refre
                  "cache_hit_threshold", "prefill_timeout", "decode_retry_s", "pull_from_decode",
                  "kv_pull_threshold", "probe_interval_s", "probe_timeout_s", "outlier_failures",
                  "ejection_s", "max_body_bytes", "engine_rejects", "prefill_min_prompt_tokens",
-                 "tls_ca_file", "tls_any_name")
+                 "tls_ca_file", "tls_any_name", "prefill_kv_events", "kv_block_size",
+                 "kv_tokenizer")
 
 
 def settings_from_args(args: argparse.Namespace):

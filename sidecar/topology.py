@@ -275,15 +275,17 @@ class Topology:
         for sc in sidecars:
             argv += ["--decode-url", f"127.0.0.1:{sc.port}"]
         if s.kv_events:
-            argv += self._wire_kv_events(decodes, sidecars)
+            argv += self._wire_kv_events(prefills, decodes, sidecars)
         argv += self._serve_tls_args() + self._client_tls_args()
         gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0),
                         scheme=self._scheme)
         self.children = prefills + decodes + sidecars + [gateway]
 
-    def _wire_kv_events(self, decodes: list[Child], sidecars: list[Child]) -> list[str]:
-        """Each decode engine gets vLLM's --kv-events-config (PUB + replay on free ports);
-        the gateway's flags that subscribe to them."""
+    def _wire_kv_events(self, prefills: list[Child], decodes: list[Child],
+                        sidecars: list[Child]) -> list[str]:
+        """Every engine gets vLLM's --kv-events-config (PUB + replay on free ports); each
+        sidecar subscribes to the prefill engines', the gateway (its flags are returned)
+        to the decode engines'."""
         s = self.spec
         block_size = 128 if s.engine == "vllm" else 16
         for i, arg in enumerate(s.engine_args):
@@ -291,18 +293,31 @@ class Topology:
                 block_size = int(arg.split("=", 1)[1])
             elif arg == "--block-size" and i + 1 < len(s.engine_args):
                 block_size = int(s.engine_args[i + 1])
-        gw = ["--kv-block-size", str(block_size), "--kv-threshold", str(s.cache_hit_threshold)]
+        common = ["--kv-block-size", str(block_size)]
         tokenizer = os.path.join(s.model, "tokenizer.json")
         if os.path.exists(tokenizer):
-            gw += ["--kv-tokenizer", tokenizer]
+            common += ["--kv-tokenizer", tokenizer]
+        for pre in prefills:
+            spec = self._publish_kv_events(pre)
+            for sc in sidecars:
+                sc.argv += ["--prefill-kv-events", f"127.0.0.1:{pre.port}={spec}"]
+        if prefills:
+            for sc in sidecars:
+                sc.argv += common
+        gw = common + ["--kv-threshold", str(s.cache_hit_threshold)]
         for dec, sc in zip(decodes, sidecars):
-            pub, replay = free_port(), free_port()
-            dec.argv += ["--kv-events-config", json.dumps(
-                {"enable_kv_cache_events": True, "publisher": "zmq",
-                 "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"})]
-            gw += ["--kv-events",
-                   f"127.0.0.1:{sc.port}=tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}"]
+            gw += ["--kv-events", f"127.0.0.1:{sc.port}={self._publish_kv_events(dec)}"]
         return gw
+
+    @staticmethod
+    def _publish_kv_events(engine: Child) -> str:
+        """Adds --kv-events-config (PUB + replay on free ports) to the engine; returns
+        where a subscriber finds them (ENDPOINT|REPLAY)."""
+        pub, replay = free_port(), free_port()
+        engine.argv += ["--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq",
+             "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"})]
+        return f"tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}"
 
     @property
     def gateway(self) -> Child:

@@ -283,9 +283,13 @@ class KVCacheManager:
         for i in stored + [-1]:   # one event per run of consecutive blocks
             if run and i != run[-1] + 1:
                 first, last = run[0], run[-1]
+                # As vLLM: the salt is published with the block whose hash it went into.
+                extra = [(request.cache_salt,) if j == 0 else None for j in run] \
+                    if request.cache_salt and first == 0 else None
                 events.record(BlockStored(
                     [hashes[j] for j in run], hashes[first - 1] if first else None,
-                    list(tokens[first * bs:(last + 1) * bs]), bs, None, "GPU", g, kind))
+                    list(tokens[first * bs:(last + 1) * bs]), bs, None, "GPU", g, kind,
+                    extra))
                 run = []
             run.append(i)
 

@@ -158,3 +158,37 @@ def test_index_lru_cap_and_group_filter():
                                                             "sliding_window")]))
     assert 9 not in index.engines["e"].blocks
     assert index.prefix_hit_blocks("e", [2, 3, 5]) == 2
+
+
+def test_an_engine_with_its_own_block_names_is_indexed_under_ours():
+    """A publisher that names blocks its own way (stock vLLM's seeded hashes): the index
+    rebuilds our chained names from token ids, parents and the salt, so a request's own
+    keys find them; removals by the engine's names still land."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 500) for _ in range(4 * BS)]
+    salted = [rng.randrange(3, 500) for _ in range(2 * BS)]
+    index = KVIndex()
+    index.on_message("vllm", 0, KVEventBatch(0.0, [
+        BlockStored([101, 102], None, prompt[:2 * BS], BS, None, "GPU"),
+        BlockStored([103, 104], 102, prompt[2 * BS:], BS, None, "GPU"),
+        BlockStored([201, 202], None, salted, BS, None, "GPU", extra_keys=[("tenant-a",), None]),
+    ]))
+    assert index.prefix_hit_blocks("vllm", request_block_keys(prompt, BS)) == 4
+    assert index.prefix_hit_blocks("vllm", request_block_keys(salted, BS, "tenant-a")) == 2
+    assert index.prefix_hit_blocks("vllm", request_block_keys(salted, BS, "tenant-b")) == 0
+    assert index.prefix_hit_blocks("vllm", request_block_keys(salted, BS)) == 0
+    index.on_message("vllm", 1, KVEventBatch(0.0, [BlockRemoved([103], "GPU")]))
+    assert index.prefix_hit_blocks("vllm", request_block_keys(prompt, BS)) == 2
+    # A run whose parent was never seen cannot be named by us: kept under the engine's name.
+    index.on_message("vllm", 2, KVEventBatch(0.0, [
+        BlockStored([301], 999, prompt[:BS], BS, None, "GPU")]))
+    assert 301 in index.engines["vllm"].blocks
+    index.on_message("vllm", 3, KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert not index.engines["vllm"].blocks and not index.engines["vllm"].ours
+
+
+def test_extra_keys_survive_the_wire():
+    ev = BlockStored([b"x" * 32], None, list(range(BS)), BS, None, "GPU", 0, "full_attention",
+                     [("salt",)])
+    back = decode_batch(encode_batch(KVEventBatch(1.0, [ev]))).events[0]
+    assert back.extra_keys == [("salt",)] and back.block_hashes == [b"x" * 32]

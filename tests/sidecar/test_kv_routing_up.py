@@ -1,6 +1,7 @@
 """`pdpool up --kv-events` end to end: decode engines publish KV events, the gateway routes
 each request to the sidecar whose engine holds its prefix (even where hash affinity would
-pick another) and decides the P/D path up front; the sidecars count no misprediction."""
+pick another) and decides the P/D path up front; the sidecars count no misprediction.
+Prefill engines publish too: a sidecar sends the prefill leg to the one holding the prompt."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ from tests.sidecar.e2e_helpers import cleanup, metric, model_name, start_topolog
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory):
-    t = start_topology(tmp_path_factory, prefill=1, decode=2, kv_events=True)
+    t = start_topology(tmp_path_factory, prefill=2, decode=2, kv_events=True)
     yield t
     cleanup(t)
 
@@ -52,3 +53,28 @@ def test_routes_to_the_engine_holding_the_prefix(topo):
     hints = {o: sum(metric(s.url, "pdpool_sidecar_kv_path_hints_total", f'outcome="{o}"')
                     for s in sidecars) for o in ("honoured", "correct", "mispredicted")}
     assert hints == {"honoured": 1, "correct": 6, "mispredicted": 0}
+
+
+def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
+    gw = topo.gateway.url
+    model = model_name(gw)
+    prefills = topo.by_role("prefill")
+    rng = random.Random(11)
+    docs = []
+    for i in range(6):
+        # Warm one prefill engine directly: no decode engine holds the prompt, so the leg
+        # goes P/D, and only the prefill engines' events say which one has it.
+        doc = [rng.randrange(3, 500) for _ in range(96)]
+        holder = prefills[i % 2]
+        _complete(holder.url, model, doc)
+        docs.append((doc, holder.port))
+    time.sleep(0.5)   # events reach the sidecars' indexes
+    ranked0 = sum(metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
+                  for s in topo.by_role("sidecar"))
+    for doc, port in docs:
+        r = _complete(gw, model, doc + [rng.randrange(3, 500) for _ in range(8)])
+        assert r.headers["x-pdpool-path"] == "pd", r.headers
+        assert r.headers["x-pdpool-prefill-endpoint"].endswith(f":{port}"), r.headers
+    ranked = sum(metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
+                 for s in topo.by_role("sidecar"))
+    assert ranked - ranked0 == len(docs)

@@ -3,15 +3,21 @@ by our subscriber, decoder and index: live PUB messages, replay, bytes and int h
 Skipped with the reason when the vLLM venv is missing (conftest.py)."""
 from __future__ import annotations
 
+import json
+import os
+import random
 import subprocess
 import textwrap
 import time
 from pathlib import Path
 
-from pdpool.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber,
-                              hash_key)
-from pdpool.sidecar.kv_index import KVIndex
-from tests.engine_procs import free_port
+import httpx
+import pytest
+
+from pdpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
+from pdpool.sidecar.kv_index import KVIndex, request_block_keys
+from pdpool.sidecar.topology import VLLM_ARGS, VLLM_ENV, served_model_name
+from tests.engine_procs import free_port, wait_healthy
 
 PUBLISHER = textwrap.dedent("""
     import sys, time
@@ -26,7 +32,10 @@ PUBLISHER = textwrap.dedent("""
     pub.publish(KVEventBatch(ts=time.time(), events=[
         BlockRemoved(block_hashes=[h2], medium="GPU"),
         BlockStored(block_hashes=[12345], parent_block_hash=h1, token_ids=list(range(16)),
-                    block_size=16, lora_id=None, medium="GPU", lora_name=None)]))
+                    block_size=16, lora_id=None, medium="GPU", lora_name=None),
+        BlockStored(block_hashes=[777], parent_block_hash=None, token_ids=list(range(16)),
+                    block_size=16, lora_id=None, medium="GPU", lora_name=None,
+                    extra_keys=[("tenant-a",)])]))
     pub.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
     time.sleep(3.0)   # serve the replay request
     pub.shutdown()
@@ -59,8 +68,63 @@ def test_vllm_publisher_is_decoded_and_indexed(tmp_path, vllm_bin):
         index = KVIndex()
         for seq, batch in got[:2]:
             index.on_message("vllm", seq, batch)
-        assert set(index.engines["vllm"].blocks) == {hash_key(bytes(range(32))), 12345}
+        # Indexed under our names for the same tokens, whatever vLLM called the blocks.
+        first_two = list(range(32))
+        assert index.prefix_hit_blocks("vllm", request_block_keys(first_two, 16)) == 1
+        assert index.prefix_hit_blocks("vllm", request_block_keys(first_two[:16] * 2, 16)) == 2
+        assert index.prefix_hit_blocks("vllm", request_block_keys(first_two, 16, "s")) == 0
+        salted = got[1][1].events[2]
+        assert salted.extra_keys == [("tenant-a",)]
+        index.on_message("vllm", 2, got[2][1])
+        assert not index.engines["vllm"].blocks
         assert [s for s, _ in sub.replay(1)] == [1, 2]
     finally:
         sub.close()
         proc.wait(30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_real_vllm_engines_events_find_a_prompt_by_our_names(tmp_path, vllm_bin, tiny_qwen3):
+    """`vllm serve` with --kv-events-config names blocks by its own seeded hashes; the
+    index, fed by its live events, finds a prompt's full blocks by the keys the gateway
+    computes for that prompt."""
+    port, pub, replay = free_port(), free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+    name = served_model_name(str(tiny_qwen3))
+    log = tmp_path / "vllm.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [vllm_bin, "serve", str(tiny_qwen3), "--host", "127.0.0.1", "--port", str(port),
+             "--served-model-name", name, *VLLM_ARGS, "--kv-events-config", json.dumps(config)],
+            stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV},
+            start_new_session=True)
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=600, log=log)
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 500) for _ in range(300)] for _ in range(3)]
+        index, sizes = KVIndex(), set()
+        for prompt in prompts:   # a step's events leave with the next step's output
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            while (msg := sub.recv(timeout_s=1.0)) is not None:
+                index.on_message("vllm", msg[0], msg[1], replay=sub.replay)
+                sizes |= {e.block_size for e in msg[1].events if isinstance(e, BlockStored)}
+        assert len(sizes) == 1, f"no BlockStored from vLLM (sizes {sizes}); log: {log}"
+        block_size = sizes.pop()
+        for prompt in prompts[:2]:
+            keys = request_block_keys(prompt, block_size)
+            assert keys and index.prefix_hit_blocks("vllm", keys) == len(keys)
+            assert index.prefix_hit_blocks("vllm", request_block_keys(prompt, block_size,
+                                                                      "other-tenant")) == 0
+    finally:
+        sub.close()
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -1,0 +1,52 @@
+"""Which prefill engine a prefill leg goes to first.
+
+With the prefill engines' KV events (`prefill_kv_events`), the one that would have the
+least left to compute: most of the prompt already cached, weighed against the legs in flight
+on it (`KVRouter.decide`'s cost). Without them, or for a prompt the router cannot tokenize,
+the least loaded (`LoadPicker`). A target the request names itself (a trusted
+x-prefiller-host-port) always goes first.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional, Sequence
+
+from .picker import LoadPicker
+
+log = logging.getLogger(__name__)
+
+
+class PrefillRanking:
+    def __init__(self, picker: LoadPicker, events: dict[str, str], block_size: int,
+                 tokenizer_file: Optional[str] = None, load_cost_tokens: float = 256.0):
+        self.picker = picker
+        self.router = None
+        if events:
+            from .kv_events_spec import split_spec
+            from .kv_router import KVRouter
+            from .security import normalize_host_port
+            self.router = KVRouter(block_size, 0.0, load_cost_tokens, tokenizer_file)
+            for target, spec in events.items():
+                self.router.subscribe(normalize_host_port(target), *split_spec(spec))
+
+    async def order(self, available: Sequence[str], preferred: Optional[str],
+                    body: Any) -> tuple[list[str], str]:
+        """(endpoints to try in order, how they were ranked: "kv", "load" or "named")."""
+        by_load = self.picker.order(available, preferred=preferred)
+        if preferred or self.router is None or len(by_load) < 2:
+            return by_load, "named" if preferred else "load"
+        try:
+            ids = await asyncio.to_thread(self.router.prompt_token_ids, body)
+            if ids is None:
+                return by_load, "load"
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            decision = self.router.decide(by_load, ids, self.picker.in_flight, salt)
+        except Exception:   # ranking must never fail a request: load order stands
+            log.exception("ranking prefill engines by KV events failed")
+            return by_load, "load"
+        return (decision.order, "kv") if decision.precise else (by_load, "load")
+
+    def close(self) -> None:
+        if self.router is not None:
+            self.router.close()

@@ -4,10 +4,15 @@ KV index's own cost.
     python benchmarks/routing.py [--decode 4] [--prefixes 8] [--per-prefix 6] [--skip-e2e]
 
 Strategies: round-robin (the client sends to the sidecars in turn), hash affinity (the
-gateway as before), precise (the gateway with --kv-events: cost = uncached tokens + load).
+gateway as before), precise (the gateway with --kv-events: cost = uncached tokens + load),
+all with aggregated sidecars; then precise again with decode-first sidecars, to count the
+decode-first round trips the up-front P/D decision saves (requests the gateway sent straight
+to P/D, which the engine would have rejected after a round trip) and its mispredictions.
 Reported: prefix hit rate on the decode engines (vllm:prefix_cache_hits / queries, this
-run's delta), TTFT p50/p99 (streamed), output tokens/s. Then the index alone: memory per
-million blocks and events/s.
+run's delta) and as a fraction of the oracle's (every request after the first of its prefix
+finds the whole prefix cached: the most any router can get), TTFT p50/p99 (streamed), output
+tokens/s. Then the index alone: memory per million blocks and events/s. Prints a table and
+writes benchmarks/results/routing.json.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import tracemalloc
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import print_table, write_json  # noqa: E402
 from pdpool.kv_events import BlockStored, KVEventBatch  # noqa: E402
 from pdpool.sidecar.kv_index import KVIndex  # noqa: E402
 from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model  # noqa: E402
@@ -34,9 +40,18 @@ def engine_sum(urls: list[str], name: str) -> float:
         for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
             if line.startswith(name) and not line.startswith("#"):
                 head = line.split(" ")[0]
-                if head == name or head.startswith(name + "{"):
+                # `name` may carry leading labels: 'metric{label="x"'
+                if head == name or head.startswith(name + "{") or \
+                        ("{" in name and head.startswith(name)):
                     total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def oracle_hit_rate(args, reqs: list[list[int]], block_size: int = 16) -> float:
+    """Every request after the first of its prefix hits the prefix's full blocks."""
+    per_prefix = args.prefix_tokens // block_size * block_size
+    hits = per_prefix * (len(reqs) - args.prefixes)
+    return hits / sum(len(r) for r in reqs)
 
 
 def workload(args) -> list[list[int]]:
@@ -72,10 +87,10 @@ async def drive(targets, model: str, reqs, concurrency: int) -> tuple[list[float
         return ttfts, tokens, time.perf_counter() - t0
 
 
-def run_strategy(name: str, args, model_dir: str) -> dict:
-    spec = TopologySpec(model=model_dir, prefill=1, decode=args.decode, mode="aggregated",
+def run_strategy(name: str, args, model_dir: str, mode: str = "aggregated") -> dict:
+    spec = TopologySpec(model=model_dir, prefill=1, decode=args.decode, mode=mode,
                         engine_args=["--num-kv-blocks", str(args.kv_blocks)],
-                        kv_events=(name == "precise"))
+                        kv_events=name.startswith("precise"), kv_load_cost=args.load_cost)
     topo = Topology(spec)
     topo.start(timeout_s=300)
     try:
@@ -91,10 +106,15 @@ def run_strategy(name: str, args, model_dir: str) -> dict:
                                                 args.concurrency))
         q = engine_sum(decodes, "vllm:prefix_cache_queries_total") - q0
         h = engine_sum(decodes, "vllm:prefix_cache_hits_total") - h0
+        hints = {o: engine_sum(sidecars, "pdpool_sidecar_kv_path_hints_total{" + o)
+                 for o in ('hint="pd",outcome="honoured"', 'hint="decode",outcome="correct"',
+                           'hint="decode",outcome="mispredicted"')}
     finally:
         topo.stop()
     ttfts.sort()
-    return {"strategy": name, "hit_rate": h / q if q else 0.0,
+    return {"strategy": name, "mode": mode, "hit_rate": h / q if q else 0.0,
+            "round_trips_saved": int(hints['hint="pd",outcome="honoured"']),
+            "mispredicted": int(hints['hint="decode",outcome="mispredicted"']),
             "ttft_p50_ms": 1000 * statistics.median(ttfts),
             "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
             "tok_s": tokens / wall}
@@ -129,18 +149,36 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=512)
     ap.add_argument("--model")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--load-cost", type=float, default=None,
+                    help="the gateway's --kv-load-cost (default: the gateway's own)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated strategy rows to run, e.g. precise/aggregated")
     args = ap.parse_args()
+    rows: list[dict] = []
+    oracle = oracle_hit_rate(args, workload(args))
     if not args.skip_e2e:
         model_dir = args.model or ensure_tiny_model("qwen3")
-        print("strategy      hit rate  TTFT p50  TTFT p99   tok/s")
-        for name in ("round-robin", "affinity", "precise"):
-            r = run_strategy(name, args, model_dir)
-            print(f"{name:12s} {r['hit_rate']:8.2f} {r['ttft_p50_ms']:7.0f}ms "
-                  f"{r['ttft_p99_ms']:7.0f}ms {r['tok_s']:7.1f}", flush=True)
+        for name, mode in (("round-robin", "aggregated"), ("affinity", "aggregated"),
+                           ("precise", "aggregated"), ("precise", "decode-first")):
+            if args.only and f"{name}/{mode}" not in args.only.split(","):
+                continue
+            r = run_strategy(name, args, model_dir, mode)
+            r["of_oracle"] = r["hit_rate"] / oracle
+            rows.append(r)
+            print(f"{name} ({mode}): {r}", flush=True)
+        rr = rows[0]["ttft_p50_ms"] if rows[0]["strategy"] == "round-robin" else float("nan")
+        for r in rows:
+            r["ttft_p50_vs_rr"] = r["ttft_p50_ms"] / rr
+        print_table(rows, f"{args.decode} decode engines, {args.prefixes} prefixes x "
+                          f"{args.per_prefix} requests, {args.prefix_tokens}-token prefixes + "
+                          f"32 own tokens, concurrency {args.concurrency}; oracle hit rate "
+                          f"{oracle:.3f}")
     c = index_cost()
     print(f"index: {c['MiB_per_million_blocks']:.0f} MiB per million blocks, "
           f"{c['events_per_s']:.0f} events/s ({c['blocks_per_s']:.0f} blocks/s, "
           f"16 hashes per BlockStored)")
+    write_json("routing", {"args": vars(args), "oracle_hit_rate": oracle, "strategies": rows,
+                           "index": c})
 
 
 if __name__ == "__main__":

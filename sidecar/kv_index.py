@@ -22,10 +22,16 @@ Per engine:
 `prefix_hit_blocks(engine, keys)` is the number of leading blocks of a request that the
 engine holds: the caller computes the request's chained hashes exactly as engines do
 (`request_block_keys`).
+
+Routed, not yet stored: `expect(engine, keys)` records that a request was just sent there, so
+its blocks count as held for `expect_s` (events arrive only after the engine has computed
+them; meanwhile a burst of requests sharing a new prefix would each see an empty cache and
+scatter). A stored or removed event replaces the expectation; unconfirmed ones lapse.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -39,6 +45,8 @@ class EngineBlocks:
     blocks: "OrderedDict[int, None]" = field(default_factory=OrderedDict)
     # The engine's key for a block -> our chained digest of it, where the two differ.
     ours: "OrderedDict[int, bytes]" = field(default_factory=OrderedDict)
+    # Blocks of requests just routed here, not yet reported stored: key -> until (monotonic).
+    expected: "OrderedDict[int, float]" = field(default_factory=OrderedDict)
     next_seq: Optional[int] = None
     known: bool = True
     gaps: int = 0
@@ -49,8 +57,9 @@ class EngineBlocks:
 
 
 class KVIndex:
-    def __init__(self, max_blocks_per_engine: int = 1_000_000):
+    def __init__(self, max_blocks_per_engine: int = 1_000_000, expect_s: float = 5.0):
         self.max_blocks = max_blocks_per_engine
+        self.expect_s = expect_s
         self.engines: dict[str, EngineBlocks] = {}
         self._lock = threading.Lock()
 
@@ -71,6 +80,7 @@ class KVIndex:
                 # The counter went back: the engine restarted with an empty cache.
                 st.blocks.clear()
                 st.ours.clear()
+                st.expected.clear()
                 st.restarts += 1
                 st.known = True
             elif st.next_seq is not None and seq > st.next_seq:
@@ -91,6 +101,7 @@ class KVIndex:
             if isinstance(ev, AllBlocksCleared):
                 st.blocks.clear()
                 st.ours.clear()
+                st.expected.clear()
                 st.known = True
                 continue
             group = ev.group_idx
@@ -103,6 +114,7 @@ class KVIndex:
                 for k in self._our_keys(st, ev):
                     st.blocks[k] = None
                     st.blocks.move_to_end(k)
+                    st.expected.pop(k, None)
                 while len(st.blocks) > self.max_blocks:
                     st.blocks.popitem(last=False)
                 while len(st.ours) > self.max_blocks:
@@ -113,7 +125,9 @@ class KVIndex:
                 for h in ev.block_hashes:
                     k = hash_key(h)
                     digest = st.ours.pop(k, None)
-                    st.blocks.pop(hash_key(digest) if digest is not None else k, None)
+                    ours = hash_key(digest) if digest is not None else k
+                    st.blocks.pop(ours, None)
+                    st.expected.pop(ours, None)
 
     @staticmethod
     def _our_keys(st: EngineBlocks, ev: BlockStored) -> list[int]:
@@ -154,16 +168,33 @@ class KVIndex:
         return st is not None and st.known
 
     def prefix_hit_blocks(self, engine: str, keys: Sequence[int]) -> Optional[int]:
-        """Leading blocks of `keys` the engine holds; None when the engine is unknown."""
+        """Leading blocks of `keys` the engine holds or is about to (see `expect`); None
+        when the engine is unknown."""
         st = self.engines.get(engine)
         if st is None or not st.known:
             return None
-        blocks, n = st.blocks, 0
+        blocks, expected, now, n = st.blocks, st.expected, time.monotonic(), 0
         for k in keys:
-            if k not in blocks:
+            if k not in blocks and expected.get(k, 0.0) < now:
                 break
             n += 1
         return n
+
+    def expect(self, engine: str, keys: Sequence[int]) -> None:
+        """A request with these block keys was just routed to `engine`."""
+        with self._lock:
+            st = self.engines.get(engine)
+            if st is None or not st.known:
+                return
+            until = time.monotonic() + self.expect_s
+            for k in keys:
+                if k not in st.blocks:
+                    st.expected[k] = until
+                    st.expected.move_to_end(k)
+            now = time.monotonic()
+            while st.expected and (len(st.expected) > self.max_blocks
+                                   or next(iter(st.expected.values())) < now):
+                st.expected.popitem(last=False)
 
     def block_count(self, engine: str) -> int:
         st = self.engines.get(engine)

@@ -124,6 +124,7 @@ class TopologySpec:
     # Precise KV-aware routing: decode engines publish KV events (--kv-events-config), the
     # gateway indexes them and routes by cost (sidecar/kv_router.py).
     kv_events: bool = False
+    kv_load_cost: Optional[float] = None    # gateway --kv-load-cost (None: its default)
 
 
 ENGINES = ("pdpool", "vllm")
@@ -305,6 +306,8 @@ class Topology:
             for sc in sidecars:
                 sc.argv += common
         gw = common + ["--kv-threshold", str(s.cache_hit_threshold)]
+        if s.kv_load_cost is not None:
+            gw += ["--kv-load-cost", str(s.kv_load_cost)]
         for dec, sc in zip(decodes, sidecars):
             gw += ["--kv-events", f"127.0.0.1:{sc.port}={self._publish_kv_events(dec)}"]
         return gw

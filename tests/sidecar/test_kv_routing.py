@@ -57,7 +57,9 @@ def test_routes_to_the_longest_prefix_and_predicts_the_engines_threshold(tiny_qw
         ports["b"] = free_port()
     engines = {n: _engine(tiny_qwen3, p) for n, p in ports.items()}
     threshold = 0.5
-    router = KVRouter(block_size=BS, threshold=threshold,
+    # expect_s=0: every decision is judged against what the engines have really stored
+    # (a rejected request stores nothing, so an expectation would outlive it here).
+    router = KVRouter(block_size=BS, threshold=threshold, expect_s=0.0,
                       tokenizer_file=str(tiny_qwen3 / "tokenizer.json"))
     for n, p in ports.items():
         router.subscribe(n, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}")
@@ -105,3 +107,35 @@ def test_no_events_keeps_affinity_order():
     assert not d.precise and d.order == ["x", "y"] and d.path == "decode"
     assert router.prompt_token_ids({"messages": []}) is None
     assert router.prompt_token_ids({"prompt": [1, 2, 3]}) == [1, 2, 3]
+
+
+def test_a_burst_on_a_new_prefix_goes_to_one_engine():
+    """Before any engine has reported a new prefix, the requests already routed with it
+    count as held where they went: a burst sharing it is not scattered by load."""
+    from pdpool.kv_events import AllBlocksCleared, BlockRemoved, KVEventBatch
+    from pdpool.sidecar.kv_index import request_block_keys
+
+    router = KVRouter(block_size=BS, load_cost_tokens=8.0, expect_s=60.0)
+    for n in ("a", "b", "c"):
+        router.index.on_message(n, 0, KVEventBatch(0.0, [AllBlocksCleared()]))
+    rng = random.Random(4)
+    system = [rng.randrange(3, 500) for _ in range(160)]
+    in_flight = {"a": 0, "b": 0, "c": 0}
+    chosen = []
+    for i in range(6):
+        d = router.decide(["a", "b", "c"], system + [rng.randrange(3, 500) for _ in range(20)],
+                          in_flight.get)
+        chosen.append(d.order[0])
+        in_flight[d.order[0]] += 1
+    assert len(set(chosen)) == 1 and chosen[0] == "a", chosen
+    # The engine evicts one of those blocks: the expectation goes with it.
+    keys = request_block_keys(system, BS)
+    router.index.on_message("a", 1, KVEventBatch(0.0, [BlockRemoved([keys[0]], "GPU")]))
+    assert router.index.prefix_hit_blocks("a", keys) == 0
+    # Unconfirmed expectations lapse.
+    lapsing = KVRouter(block_size=BS, expect_s=0.05)
+    lapsing.index.on_message("a", 0, KVEventBatch(0.0, [AllBlocksCleared()]))
+    lapsing.decide(["a"], system, lambda b: 0)
+    assert lapsing.index.prefix_hit_blocks("a", keys) == len(keys)
+    time.sleep(0.1)
+    assert lapsing.index.prefix_hit_blocks("a", keys) == 0

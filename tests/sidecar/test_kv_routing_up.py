@@ -28,20 +28,26 @@ def _complete(url: str, model: str, prompt) -> httpx.Response:
     return r
 
 
+def _warm_directly(holders, model: str, rng, n: int = 6) -> list[tuple[list[int], int]]:
+    """Each of n prompts sent straight to one of `holders` (in turn), past the gateway and
+    sidecars: [(prompt, holder's port)], once their events have had time to arrive."""
+    docs = []
+    for i in range(n):
+        doc = [rng.randrange(3, 500) for _ in range(96)]
+        holder = holders[i % len(holders)]
+        _complete(holder.url, model, doc)
+        docs.append((doc, holder.port))
+    time.sleep(0.5)
+    return docs
+
+
 def test_routes_to_the_engine_holding_the_prefix(topo):
     gw = topo.gateway.url
     model = model_name(gw)
     sidecars = topo.by_role("sidecar")
     rng = random.Random(5)
-    docs = []
-    for i in range(6):
-        # Warm one sidecar's engine directly (the gateway does not see it): only the KV
-        # events can tell the gateway where this prefix lives.
-        doc = [rng.randrange(3, 500) for _ in range(96)]
-        holder = sidecars[i % 2]
-        _complete(holder.url, model, doc)
-        docs.append((doc, holder.port))
-    time.sleep(0.5)   # events reach the gateway's index
+    # Only the KV events can tell the gateway where these prefixes live.
+    docs = _warm_directly(sidecars, model, rng)
     for doc, port in docs:
         r = _complete(gw, model, doc + [rng.randrange(3, 500) for _ in range(8)])
         assert r.headers["x-pdpool-backend"].endswith(f":{port}"), r.headers
@@ -60,15 +66,9 @@ def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
     model = model_name(gw)
     prefills = topo.by_role("prefill")
     rng = random.Random(11)
-    docs = []
-    for i in range(6):
-        # Warm one prefill engine directly: no decode engine holds the prompt, so the leg
-        # goes P/D, and only the prefill engines' events say which one has it.
-        doc = [rng.randrange(3, 500) for _ in range(96)]
-        holder = prefills[i % 2]
-        _complete(holder.url, model, doc)
-        docs.append((doc, holder.port))
-    time.sleep(0.5)   # events reach the sidecars' indexes
+    # No decode engine holds these prompts, so the legs go P/D, and only the prefill
+    # engines' events say which one has each.
+    docs = _warm_directly(prefills, model, rng)
     ranked0 = sum(metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
                   for s in topo.by_role("sidecar"))
     for doc, port in docs:

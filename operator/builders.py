@@ -306,10 +306,7 @@ def pool_peers(ref: PoolRef) -> tuple[str, ...]:
 
 def ucx_port_range(pool: PoolSpec) -> tuple[int, int] | None:
     """The TCP ports UCX (under NIXL) listens on: right above the handshake port."""
-    count = pool.engine.ucx_port_count
-    if count <= 0 or pool.engine.kv_port >= 65535:
-        return None
-    return pool.engine.kv_port + 1, min(pool.engine.kv_port + count, 65535)
+    return pool.engine.ucx_port_range()
 
 
 def _ucx_env(pool: PoolSpec) -> list[dict[str, Any]]:
@@ -336,7 +333,8 @@ def _engine_container(ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSp
         + list(pool.engine.env) + list(role.env),
         # Named https under pool TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [{"name": _http_name(pool), "containerPort": ENGINE_PORT, "protocol": "TCP"},
-                  {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"}],
+                  {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"}]
+        + _kv_events_ports(pool),
         "resources": engine_resources(role),
         "securityContext": container_security_context(pool),
         "volumeMounts": mounts + _pool_tls_mounts(pool),
@@ -345,6 +343,17 @@ def _engine_container(ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSp
                        "/health" if pool.engine.kind == "vllm" else "/ready",
                        pool.engine.startup_timeout_s, _probe_scheme(pool)),
     }
+
+
+def kv_event_ports(pool: PoolSpec) -> list[int]:
+    """The ports engines publish KV events on (PUB, replay); none when not enabled."""
+    events = pool.router.kv_events
+    return [events.port, events.replay_port] if events.enabled else []
+
+
+def _kv_events_ports(pool: PoolSpec) -> list[dict[str, Any]]:
+    return [{"name": name, "containerPort": port, "protocol": "TCP"}
+            for name, port in zip(("kv-events", "kv-replay"), kv_event_ports(pool))]
 
 
 # --- TLS inside the pool (spec.tls) -----------------------------------------------------------
@@ -389,7 +398,7 @@ def _pool_tls_client_args(pool: PoolSpec) -> list[str]:
 
 
 def _sidecar_args(pool: PoolSpec) -> list[str]:
-    argv = commands.sidecar_args()
+    argv = commands.sidecar_args() + commands.sidecar_kv_events_args(pool)
     if not pool.tls_secret:
         return argv
     local = f"http://127.0.0.1:{ENGINE_PORT}"
@@ -505,7 +514,7 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         "imagePullPolicy": pool.engine.image_pull_policy,
         "command": commands.gateway_args(decode, API_KEYS_FILE if keys else None,
                                          TLS_DIR if tls else None)
-        + _pool_tls_client_args(pool),
+        + _pool_tls_client_args(pool) + commands.gateway_kv_events_args(pool),
         # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [{"name": "https" if tls else "http", "containerPort": SIDECAR_PORT,
                    "protocol": "TCP"}],
@@ -579,7 +588,9 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
       prefill; the gateway never needs an engine); 8000 also from the metrics scrapers
       (`networkPolicy.metricsFrom`), as engines serve /metrics there;
     - decode sidecars (8080): from the pool's gateway pods and the metrics scrapers;
-    - the gateway (8080): from `networkPolicy.clientsFrom`, default anyone.
+    - the gateway (8080): from `networkPolicy.clientsFrom`, default anyone;
+    - with `router.kvEvents`: the event ports of decode pods from the gateway, of prefill
+      pods from decode pods (their sidecars subscribe).
     Egress is not restricted (engines may need to fetch models, DNS, ...).
     """
     metrics = [dict(p) for p in pool.network_policy.metrics_from]
@@ -599,11 +610,23 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
     gateway_rule: dict[str, Any] = {"ports": [_np_port(SIDECAR_PORT)]}
     if clients is not None:
         gateway_rule["from"] = [dict(p) for p in clients] + metrics
+    decode_rules = [{"from": [gateway_pods, *metrics], "ports": [_np_port(SIDECAR_PORT)]}]
+    events = [_np_port(p) for p in kv_event_ports(pool)]
+    if events:
+        decode_rules.append({"from": [gateway_pods], "ports": events})
     return [
         _network_policy(ref, "engines", "engine", engines, engine_rules),
         _network_policy(ref, "decode-sidecar", DECODE,
-                        {"matchLabels": selector_labels(ref.name, DECODE)},
-                        [{"from": [gateway_pods, *metrics], "ports": [_np_port(SIDECAR_PORT)]}]),
+                        {"matchLabels": selector_labels(ref.name, DECODE)}, decode_rules),
         _network_policy(ref, "gateway", GATEWAY,
                         {"matchLabels": selector_labels(ref.name, GATEWAY)}, [gateway_rule]),
+        *([_prefill_events_policy(ref, events)] if events else []),
     ]
+
+
+def _prefill_events_policy(ref: PoolRef, ports: list[dict[str, Any]]) -> Manifest:
+    """Prefill engines' KV events, to the sidecars (in the decode pods) that subscribe."""
+    decode_pods = {"podSelector": {"matchLabels": selector_labels(ref.name, DECODE)}}
+    return _network_policy(ref, "prefill-kv-events", PREFILL,
+                           {"matchLabels": selector_labels(ref.name, PREFILL)},
+                           [{"from": [decode_pods], "ports": ports}])

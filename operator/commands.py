@@ -47,7 +47,32 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         argv = _vllm_args(pool, spec.tensor_parallel_size)
     else:
         argv = _pdpool_args(pool, role, default_peers)
-    return argv + list(pool.engine.extra_args) + list(spec.extra_args)
+    return argv + _kv_events_config(pool) + list(pool.engine.extra_args) + list(spec.extra_args)
+
+
+def _kv_events_config(pool: PoolSpec) -> list[str]:
+    """vLLM's --kv-events-config (pdpool serve takes it too): PUB and replay sockets on
+    every interface of the pod, which the gateway and the sidecars reach at the pod IP."""
+    events = pool.router.kv_events
+    if not events.enabled:
+        return []
+    config = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://*:{events.port}",
+              "replay_endpoint": f"tcp://*:{events.replay_port}"}
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
+def engine_block_size(pool: PoolSpec, role: str) -> int:
+    """The KV block size the role's engines run with: the last --block-size of their
+    command line (extraArgs may override spec.engine.blockSize, which both kinds get)."""
+    argv = engine_args(pool, role)
+    size = pool.engine.block_size
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--block-size=") else (
+            argv[i + 1] if arg == "--block-size" and i + 1 < len(argv) else "")
+        if value.isdigit():
+            size = int(value)
+    return size
 
 
 def _pdpool_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) -> list[str]:
@@ -104,6 +129,29 @@ def sidecar_args() -> list[str]:
         "--prefill-timeout", env["prefillTimeoutSeconds"],
         "--engine-rejects", env["engineRejects"],
     ]
+
+
+def sidecar_kv_events_args(pool: PoolSpec) -> list[str]:
+    """The sidecar subscribes to every prefill engine its --prefill-service lists."""
+    events = pool.router.kv_events
+    if not events.enabled:
+        return []
+    return ["--prefill-kv-events-port", str(events.port),
+            "--prefill-kv-events-replay-port", str(events.replay_port),
+            "--kv-block-size", str(engine_block_size(pool, PREFILL))]
+
+
+def gateway_kv_events_args(pool: PoolSpec) -> list[str]:
+    """The gateway subscribes to every decode engine its --decode-service lists (the
+    engine shares the sidecar's pod IP) and routes by cost."""
+    events = pool.router.kv_events
+    if not events.enabled:
+        return []
+    return ["--kv-events-port", str(events.port),
+            "--kv-events-replay-port", str(events.replay_port),
+            "--kv-block-size", str(engine_block_size(pool, DECODE)),
+            "--kv-threshold", _num(pool.router.cache_hit_threshold),
+            "--kv-load-cost", _num(events.load_cost_tokens)]
 
 
 def gateway_args(decode_service: str, api_keys_file: str | None = None,

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .names import API_KEYS_KEY, KV_SECRET_KEY
+from .names import API_KEYS_KEY, ENGINE_PORT, KV_SECRET_KEY, SIDECAR_PORT
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
@@ -93,6 +93,23 @@ class EngineSpec:
     startup_timeout_s: int = 1800              # model load allowed before liveness applies
     cache_size_limit: str | None = None       # the writable cache emptyDir (None: unbounded)
 
+    def ucx_port_range(self) -> tuple[int, int] | None:
+        """The TCP ports UCX (under NIXL) listens on: right above the handshake port."""
+        if self.ucx_port_count <= 0 or self.kv_port >= 65535:
+            return None
+        return self.kv_port + 1, min(self.kv_port + self.ucx_port_count, 65535)
+
+
+@dataclass(frozen=True)
+class KVEventsSpec:
+    """Precise KV-aware routing: every engine publishes its KV cache events on these ports
+    (vLLM's --kv-events-config); the gateway follows the decode engines', each sidecar the
+    prefill engines'."""
+    enabled: bool = False
+    port: int = 5557
+    replay_port: int = 5558
+    load_cost_tokens: float = 256.0     # the gateway's cost of one in-flight request
+
 
 @dataclass(frozen=True)
 class RouterSpec:
@@ -102,6 +119,7 @@ class RouterSpec:
     prefill_timeout_seconds: float
     image: str
     resources: dict[str, Any]
+    kv_events: KVEventsSpec = field(default_factory=KVEventsSpec)
 
 
 @dataclass(frozen=True)
@@ -179,6 +197,8 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.
         raise SpecError("spec.router.mode prefill-first needs prefill.replicas >= 1")
+    if pool.router.kv_events.enabled:
+        _check_kv_event_ports(pool.router.kv_events, pool.engine)
     return pool
 
 
@@ -275,7 +295,43 @@ def _router(r: dict[str, Any]) -> RouterSpec:
                       kv_pull_threshold=_int(r, "kvPullThreshold", 0, "spec.router", minimum=0),
                       prefill_timeout_seconds=timeout,
                       image=r.get("image") or DEFAULT_SIDECAR_IMAGE,
-                      resources=_resources(r, "spec.router") or dict(DEFAULT_SIDECAR_RESOURCES))
+                      resources=_resources(r, "spec.router") or dict(DEFAULT_SIDECAR_RESOURCES),
+                      kv_events=_kv_events(r))
+
+
+def _kv_events(r: dict[str, Any]) -> KVEventsSpec:
+    where = "spec.router.kvEvents"
+    k = r.get("kvEvents") or {}
+    if not isinstance(k, dict):
+        raise SpecError(f"{where} must be an object")
+    enabled = k.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise SpecError(f"{where}.enabled must be a boolean")
+    cost = k.get("loadCostTokens", 256)
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
+        raise SpecError(f"{where}.loadCostTokens must be a number >= 0, got {cost!r}")
+    return KVEventsSpec(enabled=enabled,
+                        port=_int(k, "port", 5557, where, minimum=1, maximum=65535),
+                        replay_port=_int(k, "replayPort", 5558, where, minimum=1,
+                                         maximum=65535),
+                        load_cost_tokens=float(cost))
+
+
+def _check_kv_event_ports(events: KVEventsSpec, engine: EngineSpec) -> None:
+    """The event ports share the engine pod with these: a clash would stop the engine."""
+    taken = {ENGINE_PORT: "the engine's HTTP port", SIDECAR_PORT: "the sidecar's port",
+             engine.kv_port: "spec.engine.kvPort (NIXL)"}
+    ucx = engine.ucx_port_range()
+    for name, port in (("port", events.port), ("replayPort", events.replay_port)):
+        where = f"spec.router.kvEvents.{name} {port}"
+        if port in taken:
+            raise SpecError(f"{where} is already {taken[port]}")
+        if ucx is not None and ucx[0] <= port <= ucx[1]:
+            raise SpecError(f"{where} is in UCX's port range {ucx[0]}-{ucx[1]} "
+                            "(spec.engine.kvPort+1 .. +ucxPortCount)")
+    if events.port == events.replay_port:
+        raise SpecError(f"spec.router.kvEvents.port and replayPort must differ, both are "
+                        f"{events.port}")
 
 
 def _gateway(g: dict[str, Any]) -> GatewaySpec:

@@ -80,6 +80,10 @@ class GatewaySettings:
     kv_tokenizer: Optional[str] = None   # the model's tokenizer.json (string prompts)
     kv_threshold: float = 0.0            # below this predicted hit ratio: P/D up front
     kv_load_cost: float = 256.0          # tokens of cost per in-flight request
+    # The same, following discovery: every listed sidecar's engine (same pod, same IP)
+    # publishes on these ports (kv_feeds.py).
+    kv_events_port: Optional[int] = None
+    kv_events_replay_port: Optional[int] = None
 
     def validate(self) -> "GatewaySettings":
         if not self.decode_urls and not self.decode_service:
@@ -88,6 +92,10 @@ class GatewaySettings:
             raise ValueError("prefix chars must be >= 1 and balance >= 1.0")
         if self.outlier_failures < 1 or self.max_migrations < 0:
             raise ValueError("outlier failures must be >= 1 and max migrations >= 0")
+        from .kv_feeds import check_event_ports
+        self.kv_events_port, self.kv_events_replay_port = check_event_ports(
+            self.kv_events_port, self.kv_events_replay_port,
+            ("--kv-events-port", "--kv-events-replay-port"))
         return self
 
 
@@ -116,7 +124,9 @@ class Gateway:
         self.pool = Http1Pool(connect_timeout=settings.connect_timeout,  # proxied traffic
                               ssl_context=self.tls)
         self._health_task: Optional[asyncio.Task] = None
-        self.kv_router = self._build_kv_router() if settings.kv_events else None
+        self.kv_router = self._build_kv_router() \
+            if settings.kv_events or settings.kv_events_port else None
+        self.kv_feeds = self._build_kv_feeds()
         self.outliers = OutlierDetector(consecutive_failures=settings.outlier_failures,
                                         probe_failures=1, base_ejection_s=settings.ejection_s,
                                         on_eject=self._on_eject, on_readmit=self._on_readmit)
@@ -131,6 +141,20 @@ class Gateway:
         for backend, spec in s.kv_events.items():
             router.subscribe(normalize_host_port(backend), *split_spec(spec))
         return router
+
+    def _build_kv_feeds(self):
+        """Subscriptions that follow the decode Service (None without --kv-events-port)."""
+        s = self.settings
+        if self.kv_router is None or s.kv_events_port is None:
+            return None
+        from .kv_feeds import KVFeeds
+        from .security import normalize_host_port
+        return KVFeeds(self.kv_router, s.kv_events_port, s.kv_events_replay_port,
+                       static=[normalize_host_port(b) for b in s.kv_events])
+
+    async def _follow_kv_events(self) -> None:
+        if self.kv_feeds is not None:
+            await self.kv_feeds.refresh(self.backends.current)
 
     async def _kv_route(self, body: Any, order: list[str], headers: dict) -> list[str]:
         """Reorders by cost from the engines' KV events and tells the sidecar the path."""
@@ -176,6 +200,7 @@ class Gateway:
             verify=self.tls if self.tls is not None else True)
         await self.backends.start()
         await self.check_health()
+        await self._follow_kv_events()
         self._health_task = asyncio.create_task(self._health_forever())
 
     async def shutdown(self) -> None:
@@ -235,6 +260,7 @@ class Gateway:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             await self.check_health()
+            await self._follow_kv_events()   # the decode set may have changed
 
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:

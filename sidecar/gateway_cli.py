@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "events endpoint (vLLM --kv-events-config), e.g. "
                         "http://10.0.0.5:8000=tcp://10.0.0.5:5557|tcp://10.0.0.5:5558 "
                         "(repeatable; sidecars without one keep hash affinity)")
+    p.add_argument("--kv-events-port", type=int, default=None,
+                   help="precise KV-aware routing that follows --decode-service: each "
+                        "sidecar's engine (same pod IP) publishes its KV events on this port "
+                        "(its --kv-events-config tcp://*:PORT)")
+    p.add_argument("--kv-events-replay-port", type=int, default=None,
+                   help="with --kv-events-port: the engines' replay port")
     p.add_argument("--kv-block-size", type=int, default=16,
                    help="the engines' KV block size (their --block-size)")
     p.add_argument("--kv-tokenizer", default=None,
@@ -89,7 +95,9 @@ def main(args: argparse.Namespace) -> int:
                                    kv_block_size=args.kv_block_size,
                                    kv_tokenizer=args.kv_tokenizer,
                                    kv_threshold=args.kv_threshold,
-                                   kv_load_cost=args.kv_load_cost)
+                                   kv_load_cost=args.kv_load_cost,
+                                   kv_events_port=args.kv_events_port,
+                                   kv_events_replay_port=args.kv_events_replay_port)
         app = Gateway(settings)
     except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None

@@ -47,6 +47,13 @@ class RouteDecision:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+@dataclass
+class _Feed:
+    """One engine's subscription: the thread reading it, and what stops that thread."""
+    thread: threading.Thread
+    stop: threading.Event
+
+
 class KVRouter:
     def __init__(self, block_size: int, threshold: float = 0.0,
                  load_cost_tokens: float = 256.0, tokenizer_file: Optional[str] = None,
@@ -59,38 +66,53 @@ class KVRouter:
         if tokenizer_file:
             from tokenizers import Tokenizer
             self._tokenizer = Tokenizer.from_file(tokenizer_file)
-        self._threads: list[threading.Thread] = []
-        self._subs: list[KVEventSubscriber] = []
+        self._feeds: dict[str, _Feed] = {}
         self._stop = threading.Event()
 
     # --- feeding the index ---------------------------------------------------------------
     def subscribe(self, backend: str, endpoint: str, replay_endpoint: Optional[str] = None
                   ) -> None:
-        """A thread that feeds `backend`'s events (its engine's PUB socket) to the index."""
+        """A thread that feeds `backend`'s events (its engine's PUB socket) to the index;
+        it replaces an earlier subscription of `backend`."""
+        self.unsubscribe(backend)
         sub = KVEventSubscriber(endpoint, replay_endpoint)
-        self._subs.append(sub)
+        stop = threading.Event()
+
+        def stopped() -> bool:
+            return stop.is_set() or self._stop.is_set()
 
         def run() -> None:
-            while not self._stop.is_set():
-                try:
-                    got = sub.recv(timeout_s=0.2)
-                    if got is not None:
-                        self.index.on_message(backend, got[0], got[1], replay=sub.replay)
-                except Exception:   # a bad message must not stop the feed
-                    if self._stop.is_set():
-                        return
-                    log.exception("kv events from %s", backend)
+            try:
+                while not stopped():
+                    try:
+                        got = sub.recv(timeout_s=0.2)
+                        if got is not None:
+                            self.index.on_message(backend, got[0], got[1], replay=sub.replay)
+                    except Exception:   # a bad message must not stop the feed
+                        if stopped():
+                            return
+                        log.exception("kv events from %s", backend)
+            finally:
+                sub.close()   # here: a ZeroMQ socket belongs to the thread that uses it
 
         t = threading.Thread(target=run, name=f"kv-events-{backend}", daemon=True)
+        self._feeds[backend] = _Feed(t, stop)
         t.start()
-        self._threads.append(t)
+
+    def unsubscribe(self, backend: str) -> None:
+        """Stops `backend`'s feed and forgets its blocks (its engine is gone)."""
+        feed = self._feeds.pop(backend, None)
+        if feed is None:
+            return
+        feed.stop.set()
+        feed.thread.join(timeout=2)
+        self.index.forget(backend)
 
     def close(self) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join(timeout=2)
-        for s in self._subs:
-            s.close()
+        feeds = list(self._feeds.values())
+        for feed in feeds:
+            feed.thread.join(timeout=2)
 
     # --- deciding ------------------------------------------------------------------------
     def prompt_token_ids(self, body: Any) -> Optional[list[int]]:

@@ -5,12 +5,16 @@ least left to compute: most of the prompt already cached, weighed against the le
 on it (`KVRouter.decide`'s cost). Without them, or for a prompt the router cannot tokenize,
 the least loaded (`LoadPicker`). A target the request names itself (a trusted
 x-prefiller-host-port) always goes first.
+
+The events come from fixed endpoints (`events`), or follow the prefill endpoint set:
+`events_port` names the port every prefill engine publishes on, and `sync` keeps one
+subscription per engine the set lists (kv_feeds.py).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from .picker import LoadPicker
 
@@ -19,16 +23,28 @@ log = logging.getLogger(__name__)
 
 class PrefillRanking:
     def __init__(self, picker: LoadPicker, events: dict[str, str], block_size: int,
-                 tokenizer_file: Optional[str] = None, load_cost_tokens: float = 256.0):
+                 tokenizer_file: Optional[str] = None, load_cost_tokens: float = 256.0,
+                 events_port: Optional[int] = None, events_replay_port: Optional[int] = None):
         self.picker = picker
         self.router = None
-        if events:
+        self.feeds = None
+        if events or events_port:
             from .kv_events_spec import split_spec
             from .kv_router import KVRouter
             from .security import normalize_host_port
             self.router = KVRouter(block_size, 0.0, load_cost_tokens, tokenizer_file)
-            for target, spec in events.items():
-                self.router.subscribe(normalize_host_port(target), *split_spec(spec))
+            static = {normalize_host_port(t): spec for t, spec in events.items()}
+            for target, spec in static.items():
+                self.router.subscribe(target, *split_spec(spec))
+            if events_port:
+                from .kv_feeds import KVFeeds
+                self.feeds = KVFeeds(self.router, events_port, events_replay_port, static)
+
+    async def sync(self, endpoints: Iterable[str]) -> None:
+        """Follows the prefill endpoint set (with `events_port`); cheap when it did not
+        change, and never raises."""
+        if self.feeds is not None:
+            await self.feeds.refresh(endpoints)
 
     async def order(self, available: Sequence[str], preferred: Optional[str],
                     body: Any) -> tuple[list[str], str]:

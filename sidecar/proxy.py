@@ -94,8 +94,10 @@ class Sidecar:
         self.settings = settings.validate()
         self.metrics = SidecarMetrics()
         self.picker = LoadPicker()
-        self.prefill_ranking = PrefillRanking(self.picker, settings.prefill_kv_events,
-                                              settings.kv_block_size, settings.kv_tokenizer)
+        self.prefill_ranking = PrefillRanking(
+            self.picker, settings.prefill_kv_events, settings.kv_block_size,
+            settings.kv_tokenizer, events_port=settings.prefill_kv_events_port,
+            events_replay_port=settings.prefill_kv_events_replay_port)
         self.endpoints = EndpointSet(settings.prefill_urls, settings.prefill_service,
                                           settings.prefill_refresh_s)
         self.clients: Optional[ClientShards] = None
@@ -125,6 +127,7 @@ class Sidecar:
         self.decode_pool = Http1Pool(connect_timeout=self.settings.connect_timeout,
                                      ssl_context=tls)
         await self.endpoints.start()
+        await self.prefill_ranking.sync(self.endpoints.current)
         if self.settings.probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self._probe_forever())
         if self.settings.mode == "decode-first" and self.capability.known is None:
@@ -487,6 +490,7 @@ class Sidecar:
         # Several named (llm-d's comma-separated list): the least loaded of them goes first.
         named = [t for t in ex.targets if not self.outliers.is_ejected(t)]
         preferred = self.picker.order(named)[0] if named else None
+        await self.prefill_ranking.sync(self.endpoints.current)   # prefill pods come and go
         candidates, ranked_by = await self.prefill_ranking.order(
             self.outliers.available(self.endpoints.current), preferred, ex.body)
         self.metrics.prefill_ranking.labels(ranked_by).inc()

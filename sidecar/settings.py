@@ -46,6 +46,9 @@ class SidecarSettings:
     # Prefill engines' KV events ("HOST:PORT" -> "tcp://HOST:5557[|tcp://HOST:5558]"): the
     # one with the most of the prompt cached gets the leg (prefill_ranking.py).
     prefill_kv_events: dict[str, str] = field(default_factory=dict)
+    # The same, following prefill_service: every prefill engine publishes on these ports.
+    prefill_kv_events_port: Optional[int] = None
+    prefill_kv_events_replay_port: Optional[int] = None
     kv_block_size: int = 16
     kv_tokenizer: Optional[str] = None     # the model's tokenizer.json (string prompts)
 
@@ -95,6 +98,10 @@ class SidecarSettings:
                                                      "prefill_kv_events")
         if not isinstance(self.prefill_kv_events, dict):
             raise ValueError("prefill_kv_events must map HOST:PORT to tcp://HOST:PORT")
+        from .kv_feeds import check_event_ports
+        self.prefill_kv_events_port, self.prefill_kv_events_replay_port = check_event_ports(
+            self.prefill_kv_events_port, self.prefill_kv_events_replay_port,
+            ("prefill_kv_events_port", "prefill_kv_events_replay_port"))
         return self
 
 

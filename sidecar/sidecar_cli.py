@@ -54,6 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--kv-events-config), e.g. 10.0.0.7:8000=tcp://10.0.0.7:5557 "
                         "(repeatable): legs go to the engine with the most of the prompt "
                         "cached")
+    p.add_argument("--prefill-kv-events-port", type=int,
+                   help="the same, following --prefill-service: every prefill engine "
+                        "publishes its KV events on this port (--kv-events-config tcp://*:PORT)")
+    p.add_argument("--prefill-kv-events-replay-port", type=int,
+                   help="with --prefill-kv-events-port: the prefill engines' replay port")
     p.add_argument("--kv-block-size", type=int, help="the engines' KV block size (default 16)")
     p.add_argument("--kv-tokenizer", help="the model's tokenizer.json (string prompts)")
     p.add_argument("--log-level", default="warning")
@@ -64,7 +69,7 @@ SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refre
                  "kv_pull_threshold", "probe_interval_s", "probe_timeout_s", "outlier_failures",
                  "ejection_s", "max_body_bytes", "engine_rejects", "prefill_min_prompt_tokens",
                  "tls_ca_file", "tls_any_name", "prefill_kv_events", "kv_block_size",
-                 "kv_tokenizer")
+                 "kv_tokenizer", "prefill_kv_events_port", "prefill_kv_events_replay_port")
 
 
 def settings_from_args(args: argparse.Namespace):

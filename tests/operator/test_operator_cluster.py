@@ -120,6 +120,11 @@ def test_status_reaches_ready_when_deployments_are_ready(operator_process, pools
     ({"prefill": {"resources": {"limits": {"cpu": "lots"}}}}, "spec.prefill.resources.limits"),
     ({"router": {"mode": "prefill-first"}, "prefill": {"replicas": 0}},
      "prefill-first needs at least one prefill replica"),
+    ({"router": {"kvEvents": {"enabled": True, "port": 5558}}},
+     "kvEvents.port and kvEvents.replayPort must differ"),
+    ({"router": {"kvEvents": {"replayPort": 8080}}},
+     "kvEvents ports cannot be 8000 (engine) or 8080 (sidecar)"),
+    ({"router": {"kvEvents": {"loadCostTokens": -1}}}, "spec.router.kvEvents.loadCostTokens"),
 ])
 def test_api_server_refuses_invalid_specs_with_a_readable_message(pools, overrides, message):
     manifest = pool_manifest("bad", **overrides)

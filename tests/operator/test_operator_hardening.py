@@ -166,7 +166,11 @@ TLS = dict(HF, tls={"secretName": "demo-pool-tls"},
            gateway={"tlsSecret": "demo-gateway-tls", "apiKeysSecret": {"name": "keys"}})
 
 
-@pytest.mark.parametrize("spec", [HF, VLLM, TLS], ids=["pdpool-hf", "vllm", "tls-keys"])
+KV_EVENTS = dict(VLLM, router={"kvEvents": {"enabled": True}})
+
+
+@pytest.mark.parametrize("spec", [HF, VLLM, TLS, KV_EVENTS],
+                         ids=["pdpool-hf", "vllm", "tls-keys", "kv-events"])
 def test_restricted_namespace_admits_every_pod_and_child(admin_api, restricted_namespace, spec):
     core = client.CoreV1Api(admin_api)
     ref = PoolRef("demo", restricted_namespace, "00000000-0000-0000-0000-000000000001")

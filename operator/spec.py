@@ -108,7 +108,7 @@ class KVEventsSpec:
     enabled: bool = False
     port: int = 5557
     replay_port: int = 5558
-    load_cost_tokens: float = 256.0     # the gateway's cost of one in-flight request
+    load_cost_tokens: float = 64.0     # the gateway's cost of one in-flight request
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,7 @@ def _kv_events(r: dict[str, Any]) -> KVEventsSpec:
     enabled = k.get("enabled", False)
     if not isinstance(enabled, bool):
         raise SpecError(f"{where}.enabled must be a boolean")
-    cost = k.get("loadCostTokens", 256)
+    cost = k.get("loadCostTokens", 64)
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
         raise SpecError(f"{where}.loadCostTokens must be a number >= 0, got {cost!r}")
     return KVEventsSpec(enabled=enabled,

@@ -79,7 +79,7 @@ class GatewaySettings:
     kv_block_size: int = 16
     kv_tokenizer: Optional[str] = None   # the model's tokenizer.json (string prompts)
     kv_threshold: float = 0.0            # below this predicted hit ratio: P/D up front
-    kv_load_cost: float = 256.0          # tokens of cost per in-flight request
+    kv_load_cost: float = 64.0           # tokens of cost per in-flight request
     # The same, following discovery: every listed sidecar's engine (same pod, same IP)
     # publishes on these ports (kv_feeds.py).
     kv_events_port: Optional[int] = None
@@ -161,14 +161,13 @@ class Gateway:
         router = self.kv_router
         assert router is not None
         try:
-            ids = await asyncio.to_thread(router.prompt_token_ids, body)
+            ids = await router.prompt_token_ids_async(body)
             if ids is None:
                 self.metrics.kv_routes.labels("affinity", "none").inc()
                 return order
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            d = await asyncio.to_thread(router.decide, order, ids,
-                                        lambda b: self.in_flight.get(b, 0), salt,
-                                        lambda b: b not in self.unhealthy)
+            d = await router.decide_async(order, ids, lambda b: self.in_flight.get(b, 0), salt,
+                                          lambda b: b not in self.unhealthy)
         except Exception:   # routing must not fail a request: affinity order stands
             log.exception("kv routing failed")
             return order

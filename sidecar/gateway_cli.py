@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-threshold", type=float, default=0.0,
                    help="predicted hit ratio below which requests go P/D up front "
                         "(the pool's cache-hit threshold)")
-    p.add_argument("--kv-load-cost", type=float, default=256.0,
+    p.add_argument("--kv-load-cost", type=float, default=64.0,
                    help="cost of one in-flight request on a sidecar, in prompt tokens")
     p.add_argument("--log-level", default="warning")
 

@@ -20,6 +20,7 @@ hash affinity.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ from .kv_index import KVIndex, request_block_keys
 log = logging.getLogger(__name__)
 
 PD_HEADER = "x-pdpool-kv-path"   # "pd": skip decode-first; "decode": decode-first
+# Up to these sizes a prompt is tokenized and hashed on the event loop: well under a
+# millisecond, less than handing it to a thread and back.
+INLINE_PROMPT_CHARS = 8192
+INLINE_PROMPT_TOKENS = 4096
 
 
 @dataclass
@@ -56,12 +61,12 @@ class _Feed:
 
 class KVRouter:
     def __init__(self, block_size: int, threshold: float = 0.0,
-                 load_cost_tokens: float = 256.0, tokenizer_file: Optional[str] = None,
-                 max_blocks_per_engine: int = 1_000_000):
+                 load_cost_tokens: float = 64.0, tokenizer_file: Optional[str] = None,
+                 max_blocks_per_engine: int = 1_000_000, expect_s: float = 5.0):
         self.block_size = block_size
         self.threshold = threshold
         self.load_cost_tokens = load_cost_tokens
-        self.index = KVIndex(max_blocks_per_engine)
+        self.index = KVIndex(max_blocks_per_engine, expect_s)
         self._tokenizer = None
         if tokenizer_file:
             from tokenizers import Tokenizer
@@ -115,6 +120,21 @@ class KVRouter:
             feed.thread.join(timeout=2)
 
     # --- deciding ------------------------------------------------------------------------
+    async def prompt_token_ids_async(self, body: Any) -> Optional[list[int]]:
+        """`prompt_token_ids` off the event loop when the prompt is a long string (a short
+        one tokenizes faster than a thread hop)."""
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if isinstance(prompt, str) and len(prompt) > INLINE_PROMPT_CHARS:
+            return await asyncio.to_thread(self.prompt_token_ids, body)
+        return self.prompt_token_ids(body)
+
+    async def decide_async(self, order: Sequence[str], token_ids: Sequence[int],
+                           *args: Any) -> RouteDecision:
+        """`decide`, off the event loop for a long prompt (it hashes every block)."""
+        if len(token_ids) > INLINE_PROMPT_TOKENS:
+            return await asyncio.to_thread(self.decide, order, token_ids, *args)
+        return self.decide(order, token_ids, *args)
+
     def prompt_token_ids(self, body: Any) -> Optional[list[int]]:
         """A completion's prompt as token ids; None when this router cannot tell."""
         if not isinstance(body, dict) or "messages" in body:
@@ -146,4 +166,5 @@ class KVRouter:
             [b for b in order if not healthy(b)]
         best = cached[ranked[0]]
         path = "pd" if n and best / n < self.threshold else "decode"
+        self.index.expect(ranked[0], keys)
         return RouteDecision(ranked, best, n, path, True)

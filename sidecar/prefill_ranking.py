@@ -12,7 +12,6 @@ subscription per engine the set lists (kv_feeds.py).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Iterable, Optional, Sequence
 
@@ -23,7 +22,7 @@ log = logging.getLogger(__name__)
 
 class PrefillRanking:
     def __init__(self, picker: LoadPicker, events: dict[str, str], block_size: int,
-                 tokenizer_file: Optional[str] = None, load_cost_tokens: float = 256.0,
+                 tokenizer_file: Optional[str] = None, load_cost_tokens: float = 64.0,
                  events_port: Optional[int] = None, events_replay_port: Optional[int] = None):
         self.picker = picker
         self.router = None
@@ -53,11 +52,11 @@ class PrefillRanking:
         if preferred or self.router is None or len(by_load) < 2:
             return by_load, "named" if preferred else "load"
         try:
-            ids = await asyncio.to_thread(self.router.prompt_token_ids, body)
+            ids = await self.router.prompt_token_ids_async(body)
             if ids is None:
                 return by_load, "load"
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            decision = self.router.decide(by_load, ids, self.picker.in_flight, salt)
+            decision = await self.router.decide_async(by_load, ids, self.picker.in_flight, salt)
         except Exception:   # ranking must never fail a request: load order stands
             log.exception("ranking prefill engines by KV events failed")
             return by_load, "load"

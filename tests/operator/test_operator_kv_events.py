@@ -53,7 +53,7 @@ def parse(argv, env=None):
 def test_defaults_are_off_with_vllms_usual_ports():
     events = parse_pool_spec("demo", BASE).router.kv_events
     assert (events.enabled, events.port, events.replay_port, events.load_cost_tokens) == (
-        False, 5557, 5558, 256.0)
+        False, 5557, 5558, 64.0)
     on = parse_pool_spec("demo", spec_with({"enabled": True, "port": 6000,
                                             "replayPort": 6001, "loadCostTokens": 64}))
     assert on.router.kv_events.port == 6000 and on.router.kv_events.load_cost_tokens == 64.0

@@ -101,8 +101,11 @@ def test_engine_events_keep_the_index_equal_to_the_cache(tiny_qwen3):
 
         # Evictions: 24 blocks, many new prompts -> BlockRemoved; a message is dropped and
         # recovered through the replay socket.
-        _run(engine, [[rng.randrange(3, 500) for _ in range(70)] for _ in range(6)], "b")
-        msgs = _drain(sub)
+        # Two rounds, drained apart: at least two messages whatever the publisher batches.
+        msgs = []
+        for r in range(2):
+            _run(engine, [[rng.randrange(3, 500) for _ in range(70)] for _ in range(3)], f"b{r}")
+            msgs += _drain(sub)
         assert any(isinstance(e, BlockRemoved) for _, b in msgs for e in b.events)
         assert len(msgs) >= 2
         dropped = msgs[0][0]

@@ -75,7 +75,7 @@ def test_routes_to_the_longest_prefix_and_predicts_the_engines_threshold(tiny_qw
         for n in engines:
             d = router.decide(order, docs[n] + [7, 8, 9], idle)
             assert d.precise and d.order[0] == n and d.hit_tokens == 80
-        # Load moves a short hit elsewhere: cost = uncached + 256 per in-flight request.
+        # Load moves a short hit elsewhere: cost = uncached + 64 per in-flight request.
         d = router.decide(order, docs["a"][:20] + [1] * 40, lambda b: 1 if b == "a" else 0)
         assert d.order[0] == "b"
 

@@ -26,9 +26,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import print_table, write_json  # noqa: E402
-from engine_procs import EngineProcess  # noqa: E402
+from devtools.engine_procs import EngineProcess  # noqa: E402
 
 
 def connector_stat(eng, stat: str) -> float:

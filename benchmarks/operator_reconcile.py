@@ -22,12 +22,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "operator"))
+sys.path.insert(0, str(REPO))
 
 from kubernetes import client  # noqa: E402
 
-from operator_kube import OperatorProcess, Pools, api_client, install_crd, pool_manifest  # noqa: E402
-from pdpool.operator.devcluster import LocalCluster, build_binaries  # noqa: E402
+from devtools.devcluster import LocalCluster, build_binaries  # noqa: E402
+from devtools.operator_kube import (OperatorProcess, Pools, api_client,  # noqa: E402
+                                   install_crd, pool_manifest)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")

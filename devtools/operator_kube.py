@@ -1,4 +1,5 @@
-"""Helpers for the operator tests that talk to the local API server."""
+"""The operator as a process, and PDInferencePool calls against a local API server
+(devcluster), for the operator tests and benchmarks/operator_reconcile.py."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from typing import Any, Callable
 import yaml
 from kubernetes import client
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CRD_FILE = REPO / "crds" / "pdinferencepools.pdpool.io.yaml"
 CHART = REPO / "charts" / "pdpool-operator"
 GROUP, VERSION, PLURAL = "pdpool.io", "v1alpha1", "pdinferencepools"

@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 try:  # Tiny CPU models: one thread avoids oversubscribing 2 cores shared with engine processes.
     import torch

@@ -42,7 +42,13 @@ CONTRACTS = {
     "pdpool": ("pdpool.engine", "pdpool.kernels", "torch", "transformers", "triton"),
     # The KV manager is the one owner of blocks: its modules never reach for the model side.
     "engine/kv": ("pdpool.engine.runner", "pdpool.engine.models", "pdpool.kernels", "torch"),
+    # Never installed: the benchmarks share devtools/ with the tests, never the tests themselves.
+    "benchmarks": ("tests",),
+    "devtools": ("tests", "benchmarks"),
 }
+# The folders setup.py installs as pdpool.*, and the development ones they may never import.
+SHIPPED = ("pdpool", "engine", "kernels", "sidecar", "operator")
+DEVELOPMENT_ONLY = ("devtools", "tests", "benchmarks")
 
 
 def imported_modules(path: Path, package: str) -> set[str]:
@@ -64,12 +70,12 @@ def imported_modules(path: Path, package: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("folder", sorted(CONTRACTS))
-def test_import_contracts(folder):
-    forbidden = CONTRACTS[folder]
-    base = "pdpool" if folder == "pdpool" else "pdpool." + folder.replace("/", ".")
-    if folder == "engine/kv":
-        base = "pdpool.engine.kv"
+def contract_violations(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    """`PATH imports NAME` for each module under `folder` that imports a forbidden name."""
+    if folder in DEVELOPMENT_ONLY:
+        base = folder
+    else:
+        base = "pdpool" if folder == "pdpool" else "pdpool." + folder.replace("/", ".")
     violations = []
     for path in sorted((ROOT / folder).rglob("*.py")):
         rel = path.relative_to(ROOT / folder).with_suffix("")
@@ -78,4 +84,16 @@ def test_import_contracts(folder):
         for name in imported_modules(path, package):
             if any(name == f or name.startswith(f + ".") for f in forbidden):
                 violations.append(f"{path.relative_to(ROOT)} imports {name}")
+    return violations
+
+
+@pytest.mark.parametrize("folder", sorted(CONTRACTS))
+def test_import_contracts(folder):
+    violations = contract_violations(folder, CONTRACTS[folder])
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize("folder", SHIPPED)
+def test_shipped_code_never_imports_development_folders(folder):
+    violations = contract_violations(folder, DEVELOPMENT_ONLY)
     assert not violations, "\n".join(violations)

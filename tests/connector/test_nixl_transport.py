@@ -20,8 +20,8 @@ from pdpool.engine.connector.nixl_transport import (NixlTransport, TransferState
 from pdpool.engine.connector.peering import connect_peer  # noqa: E402
 from pdpool.engine.connector.regions import RegionError  # noqa: E402
 
-from .peer_process import (BLOCK_SHAPE, NUM_BLOCKS, NUM_SLOTS, STATE_SHAPE,  # noqa: E402
-                           PeerProcess, layout, pattern)
+from tests.support.peer_process import (BLOCK_SHAPE, NUM_BLOCKS, NUM_SLOTS,  # noqa: E402
+                                        STATE_SHAPE, PeerProcess, layout, pattern)
 
 pytestmark = pytest.mark.timeout(180)
 LOOPBACK = parse_allowlist("")

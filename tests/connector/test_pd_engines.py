@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
-from engine_procs import EngineProcess  # noqa: E402
-from .pd_router import decode_leg, engine_set, post, prefill_leg, text_of, unsigned_lease  # noqa: E402
+from devtools.engine_procs import EngineProcess  # noqa: E402
+from tests.support.pd_router import (decode_leg, engine_set, post, prefill_leg,  # noqa: E402
+                                     text_of, unsigned_lease)
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 BLOCK = 16

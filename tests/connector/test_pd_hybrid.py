@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
-from .pd_router import decode_leg, engine_set, post, prefill_leg, text_of  # noqa: E402
+from tests.support.pd_router import (decode_leg, engine_set, post, prefill_leg,  # noqa: E402
+                                     text_of)
 from .test_pd_engines import _stat, wait_no_blocks  # noqa: E402
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")

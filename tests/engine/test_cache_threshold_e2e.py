@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from engine_procs import EngineProcess
+from devtools.engine_procs import EngineProcess
 
 BASE = list(range(100, 164))  # 64 tokens = 4 full blocks
 

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from engine_procs import EngineProcess
+from devtools.engine_procs import EngineProcess
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.engine_core import LLMEngine
 from pdpool.engine.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine_procs import engine_process
+from devtools.engine_procs import engine_process
 
 ATOL = 1e-4   # float32 tiny model: summation order only
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from parity import compare, random_prompts, run_engine_recording_first_logits
+from tests.support.parity import compare, random_prompts, run_engine_recording_first_logits
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.engine_core import LLMEngine
 from pdpool.engine.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ import random
 import torch
 from transformers import AutoModelForCausalLM
 
-from parity import compare, run_engine_recording_first_logits
+from tests.support.parity import compare, run_engine_recording_first_logits
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.engine_core import LLMEngine
 from pdpool.engine.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from parity import random_prompts, run_engine_recording_first_logits
+from tests.support.parity import random_prompts, run_engine_recording_first_logits
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.engine_core import LLMEngine
 from pdpool.engine.sampling_params import SamplingParams

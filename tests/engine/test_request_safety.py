@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from engine_procs import EngineProcess
+from devtools.engine_procs import EngineProcess
 
 # Each of these once raised inside the engine step (or the event loop) and failed every
 # running request; now each is a 400 at the API.

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from engine_procs import engine_process
+from devtools.engine_procs import engine_process
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """vLLM's metric names on our engine, beside pdpool_*: what vLLM dashboards and llm-d's
-endpoint picker scrape. The list (tests/vllm_metric_names.py) is vLLM 0.32's
+endpoint picker scrape. The list (tests/support/vllm_metric_names.py) is vLLM 0.32's
 (vllm/v1/metrics/loggers.py: name, type, label names); tests/vllm/ checks the same list
 against a live vLLM server."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine_procs import engine_process
-from vllm_metric_names import check_vllm_names
+from devtools.engine_procs import engine_process
+from tests.support.vllm_metric_names import check_vllm_names
 
 
 def value(fams: dict, name: str, sample: str, **labels) -> float:

@@ -8,7 +8,7 @@ from pdpool.kernels import gdn_reference as ref
 from pdpool.kernels import ops
 from pdpool.kernels.gated_delta import gated_delta_rule_decode_triton
 
-from .helpers import assert_close, gpu, requires_cuda
+from tests.support.kernel_helpers import assert_close, gpu, requires_cuda
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

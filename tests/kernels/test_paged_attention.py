@@ -8,7 +8,7 @@ from pdpool.kernels import ops
 from pdpool.kernels.paged_attention_kernel import paged_attention_triton
 from pdpool.kernels.reference import paged_attention_reference
 
-from .helpers import assert_close, batch_tables, gpu, paged_cache, requires_cuda
+from tests.support.kernel_helpers import assert_close, batch_tables, gpu, paged_cache, requires_cuda
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

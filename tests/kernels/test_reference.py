@@ -4,7 +4,7 @@ import torch
 
 from pdpool.kernels.reference import paged_attention_reference, write_kv_reference
 
-from .helpers import batch_tables, paged_cache
+from tests.support.kernel_helpers import batch_tables, paged_cache
 
 
 def naive_attention(q, keys, values, q_positions, scale, window):

@@ -8,7 +8,7 @@ from pdpool.engine.models.layers import GatedMLP, RMSNorm
 from pdpool.kernels import reference
 from pdpool.kernels.reference import paged_attention_reference, write_kv_reference
 
-from .helpers import batch_tables, paged_cache
+from tests.support.kernel_helpers import batch_tables, paged_cache
 from .test_reference import naive_attention
 
 

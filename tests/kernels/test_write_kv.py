@@ -6,7 +6,7 @@ from pdpool.kernels import ops
 from pdpool.kernels.kv_write import write_kv_triton
 from pdpool.kernels.reference import write_kv_reference
 
-from .helpers import gpu, paged_cache, requires_cuda
+from tests.support.kernel_helpers import gpu, paged_cache, requires_cuda
 
 
 def _write_both(device, dtype, block_size, num_kv_heads, head_dim, num_tokens, cache_dtype=None):

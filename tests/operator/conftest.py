@@ -13,9 +13,8 @@ import uuid
 import pytest
 from kubernetes import client
 
-from pdpool.operator.devcluster import DEFAULT_BIN, LocalCluster, build_binaries
-
-from operator_kube import OperatorProcess, Pools, api_client, install_crd
+from devtools.devcluster import DEFAULT_BIN, LocalCluster, build_binaries
+from devtools.operator_kube import OperatorProcess, Pools, api_client, install_crd
 
 TOOLS = ["etcd", "kube-apiserver", "kube-controller-manager", "helm"]
 

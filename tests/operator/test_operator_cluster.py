@@ -9,8 +9,8 @@ import signal
 import pytest
 from kubernetes import client
 
-from operator_kube import (CHILD_DEPLOYMENTS, OperatorProcess, children_exist, pool_manifest,
-                           wait_for)
+from devtools.operator_kube import (CHILD_DEPLOYMENTS, OperatorProcess, children_exist,
+                                   pool_manifest, wait_for)
 from pdpool.operator.kube import request
 
 # The first test to use the cluster may have to build it (cold: ~20 min on 2 cores).

@@ -13,8 +13,8 @@ from kubernetes import client
 
 from pdpool.operator.kube import request
 
-from operator_kube import (CHART, CRD_FILE, OperatorProcess, Pools, children_exist,
-                           pool_manifest, wait_for)
+from devtools.operator_kube import (CHART, CRD_FILE, OperatorProcess, Pools, children_exist,
+                                   pool_manifest, wait_for)
 
 # The first test to use the cluster may have to build it (cold: ~20 min on 2 cores).
 pytestmark = pytest.mark.timeout(3000)

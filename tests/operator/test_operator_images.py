@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from operator_kube import PDPOOL, REPO
+from devtools.operator_kube import PDPOOL, REPO
 
 IMAGES = REPO / "images"
 

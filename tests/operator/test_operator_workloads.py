@@ -18,9 +18,9 @@ import pytest
 import yaml
 from kubernetes import client
 
-from pdpool.operator.devcluster import DEFAULT_BIN, LocalCluster, build_binaries
-
-from operator_kube import (CHART, OperatorProcess, Pools, api_client, install_crd, wait_for)
+from devtools.devcluster import DEFAULT_BIN, LocalCluster, build_binaries
+from devtools.operator_kube import (CHART, OperatorProcess, Pools, api_client, install_crd,
+                                   wait_for)
 
 pytestmark = pytest.mark.timeout(3000)
 TOOLS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm"]

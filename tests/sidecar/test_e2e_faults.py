@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .e2e_helpers import cleanup, metric, model_name, start_topology
+from tests.support.e2e_helpers import cleanup, metric, model_name, start_topology
 
 pytestmark = pytest.mark.slow
 

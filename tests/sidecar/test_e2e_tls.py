@@ -8,7 +8,7 @@ import ssl
 import httpx
 import pytest
 
-from .e2e_helpers import cleanup, start_topology
+from tests.support.e2e_helpers import cleanup, start_topology
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from .e2e_helpers import cleanup, metric, model_name, start_topology
+from tests.support.e2e_helpers import cleanup, metric, model_name, start_topology
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pdpool.sidecar.capability import estimate_prompt_tokens
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
 
-from .vllm_standin import VllmStandIn
+from tests.support.vllm_standin import VllmStandIn
 
 LONG = " ".join(f"w{i}" for i in range(200))      # ~200 words: > 128 estimated tokens
 SHORT = "w1 w2 w3"

@@ -13,7 +13,7 @@ from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
 
-from .vllm_standin import VllmStandIn
+from tests.support.vllm_standin import VllmStandIn
 
 KEY_A, KEY_B = "a" * 8 + "-team-a-0123456789", "b" * 8 + "-team-b-0123456789"
 

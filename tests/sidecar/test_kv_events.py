@@ -13,7 +13,7 @@ import pytest
 from pdpool.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
                               KVEventSubscriber, decode_batch, encode_batch, hash_key)
 from pdpool.sidecar.kv_index import KVIndex, request_block_keys
-from tests.engine_procs import free_port
+from devtools.engine_procs import free_port
 
 torch = pytest.importorskip("torch")
 

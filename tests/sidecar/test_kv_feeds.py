@@ -23,9 +23,8 @@ from pdpool.sidecar.prefill_ranking import PrefillRanking
 from pdpool.sidecar.picker import LoadPicker
 from pdpool.sidecar.settings import SidecarSettings
 from pdpool.sidecar.topology import pdpool_command
-from tests.engine_procs import free_port
-
-from .e2e_helpers import metric
+from devtools.engine_procs import free_port
+from tests.support.e2e_helpers import metric
 
 BS = 4
 PROMPT = list(range(100, 132))   # 8 blocks of 4

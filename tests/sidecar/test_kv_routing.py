@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdpool.sidecar.kv_router import KVRouter
-from tests.engine_procs import free_port
+from devtools.engine_procs import free_port
 
 pytest.importorskip("torch")
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.sidecar.e2e_helpers import cleanup, metric, model_name, start_topology
+from tests.support.e2e_helpers import cleanup, metric, model_name, start_topology
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
 
-from .vllm_standin import VllmStandIn, greedy_output
+from tests.support.vllm_standin import VllmStandIn, greedy_output
 
 HISTORY = " ".join(f"h{i}" for i in range(40))
 

@@ -16,7 +16,7 @@ from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
 
-from .vllm_standin import VllmStandIn, greedy_output, prompt_words
+from tests.support.vllm_standin import VllmStandIn, greedy_output, prompt_words
 
 HISTORY = " ".join(f"h{i}" for i in range(40))
 

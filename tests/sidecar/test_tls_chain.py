@@ -15,7 +15,7 @@ from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
 
-from .vllm_standin import VllmStandIn
+from tests.support.vllm_standin import VllmStandIn
 
 PROMPT = "the history of the pool " * 20
 

@@ -14,7 +14,7 @@ import pytest
 
 from pdpool.sidecar.topology import pdpool_command
 
-from .e2e_helpers import engine_available
+from tests.support.e2e_helpers import engine_available
 
 pytestmark = pytest.mark.slow
 

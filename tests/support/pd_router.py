@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from engine_procs import EngineProcess
+from devtools.engine_procs import EngineProcess
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> dict:

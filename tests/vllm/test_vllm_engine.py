@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from engine_procs import EngineProcess, wait_healthy
-from vllm_metric_names import check_vllm_names
+from devtools.engine_procs import EngineProcess, wait_healthy
+from tests.support.vllm_metric_names import check_vllm_names
 from pdpool.sidecar.topology import (Topology, TopologySpec, free_port, pdpool_command,
                                      served_model_name)
 

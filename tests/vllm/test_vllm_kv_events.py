@@ -17,7 +17,7 @@ import pytest
 from pdpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
 from pdpool.sidecar.kv_index import KVIndex, request_block_keys
 from pdpool.sidecar.topology import VLLM_ARGS, VLLM_ENV, served_model_name
-from tests.engine_procs import free_port, wait_healthy
+from devtools.engine_procs import free_port, wait_healthy
 
 PUBLISHER = textwrap.dedent("""
     import sys, time

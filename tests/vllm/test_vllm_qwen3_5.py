@@ -12,7 +12,7 @@ import subprocess
 import httpx
 import pytest
 
-from engine_procs import EngineProcess, wait_healthy
+from devtools.engine_procs import EngineProcess, wait_healthy
 from pdpool.sidecar.topology import VLLM_ARGS, VLLM_ENV, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

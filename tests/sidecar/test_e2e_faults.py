@@ -112,10 +112,18 @@ def test_prefill_engine_hanging_or_down_still_serves(gw, topo, model):
         r = gw.post("/v1/completions", json={"model": model, "prompt": cold_prompt("down"),
                                              "max_tokens": 3})
         assert r.status_code == 200 and r.headers["x-pdpool-path"] == "fallback"
+        # The hung engine was given up on: a leg to it timed out, or a health probe ejected
+        # it (before or while a leg waited on it; which comes first is a race).
+        given_up = sum(metric(sidecar.url, "pdpool_sidecar_prefill_attempts_total",
+                              f'outcome="{o}"') for o in ("timeout", "ejected")) + \
+            metric(sidecar.url, "pdpool_sidecar_prefill_ejections_total",
+                   f'endpoint="127.0.0.1:{p0.port}"')
+        assert given_up >= 1
+        # And the dead one: a leg was refused, or a probe found it gone first.
         assert metric(sidecar.url, "pdpool_sidecar_prefill_attempts_total",
-                      'outcome="timeout"') >= 1
-        assert metric(sidecar.url, "pdpool_sidecar_prefill_attempts_total",
-                      'outcome="connect_error"') >= 1
+                      'outcome="connect_error"') + \
+            metric(sidecar.url, "pdpool_sidecar_prefill_ejections_total",
+                   f'endpoint="127.0.0.1:{p1.port}"') >= 1
     finally:
         os.kill(p0.pid, signal.SIGCONT)
         if p1.proc.poll() is not None:

@@ -1,0 +1,52 @@
+"""One client request as it moves through the legs, and what the legs hand back."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .asgi import Send
+
+PATH_HEADER = "x-pdpool-path"
+
+
+@dataclass
+class Exchange:
+    """One client request as it moves through the legs."""
+
+    route: str
+    body: dict
+    headers: dict[str, str]
+    request_id: str
+    send: Send
+    targets: list[str] = field(default_factory=list)  # trusted x-prefiller-host-port
+    stream: bool = False
+    path_taken: str = "decode"
+    prefill_usage: Optional[dict] = None
+    reply_headers: dict[str, str] = field(default_factory=dict)
+
+    def out_headers(self, content_type: str) -> dict[str, str]:
+        return {"content-type": content_type, "x-request-id": self.request_id,
+                PATH_HEADER: self.path_taken, **self.reply_headers}
+
+
+@dataclass
+class Buffered:
+    """A fully read upstream answer."""
+    status_code: int
+    headers: dict
+    content: bytes
+
+
+@dataclass
+class PrefillResult:
+    kv: Optional[dict] = None                  # usable params for the decode leg
+    usage: Optional[dict] = None
+    client_error: Optional[tuple[int, bytes]] = None
+
+
+def json_or_none(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None

@@ -1,0 +1,113 @@
+"""The P/D flows: which legs one generation request runs, in which order.
+
+    decode-first   try decode with the cache-hit threshold; on `cache_threshold` run the
+                   prefill leg remotely (pulling decode's cached prefix), then decode.
+                   For an engine that cannot reject: decided by prompt length.
+    prefill-first  always prefill remotely first, then decode.
+    aggregated     pass through to the decode engine.
+
+Whatever the path, a request that some path can still serve is served: when no prefill
+engine answers, the decode engine prefills itself (threshold 0). The legs' bodies are
+built in legs.py; prefill legs run in prefill_legs.py, decode legs in relay.py.
+"""
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Optional
+
+import httpx
+
+from . import legs
+from .capability import EngineCapability, estimate_prompt_tokens
+from .exchange import Exchange
+from .kv_router import PD_HEADER as KV_PATH_HEADER
+from .metrics import SidecarMetrics
+from .prefill_legs import PrefillLegs
+from .relay import DecodeRelay, relay_buffered
+from .settings import SidecarSettings
+from .usage import count_computed
+
+Flow = Callable[[Exchange], Awaitable[None]]
+
+
+class Flows:
+    def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, *,
+                 capability: EngineCapability, next_client: Callable[[], httpx.AsyncClient],
+                 decode: DecodeRelay, prefill: PrefillLegs) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.capability = capability
+        self.next_client = next_client
+        self.decode = decode
+        self.prefill = prefill
+
+    def for_mode(self, mode: str) -> Flow:
+        return {"decode-first": self.decode_first, "prefill-first": self.prefill_first,
+                "aggregated": self.aggregated}[mode]
+
+    async def aggregated(self, ex: Exchange) -> None:
+        ex.path_taken = "aggregated"
+        self.metrics.legs.labels("aggregated").inc()
+        await self.decode.final(ex, legs.aggregated_leg(ex.body))
+
+    async def prefill_first(self, ex: Exchange) -> None:
+        await self._remote_prefill_then_decode(ex, pull=None)
+
+    async def decode_first(self, ex: Exchange) -> None:
+        # The gateway's precise router (kv_router.py) may have decided the path already
+        # from the engines' KV events: "pd" skips the decode-first attempt.
+        hint = ex.headers.pop(KV_PATH_HEADER, None)
+        if hint == "pd":
+            self.metrics.kv_path_hints.labels("pd", "honoured").inc()
+            return await self._remote_prefill_then_decode(ex, pull=None)
+        if await self.capability.rejects(self.next_client(), self.settings.decode_url) is False:
+            return await self._decided_by_length(ex)
+        self.metrics.legs.labels("decode_first").inc()
+        rejection = await self.decode.first(
+            ex, legs.decode_first_leg(ex.body, self.settings.cache_hit_threshold))
+        if hint == "decode":   # a rejection is a misprediction of the gateway's index
+            self.metrics.kv_path_hints.labels(
+                "decode", "correct" if rejection is None else "mispredicted").inc()
+        if rejection is None:
+            return
+        self.metrics.rejections.inc()
+        await self._remote_prefill_then_decode(ex, self._pull_params(rejection))
+
+    def _pull_params(self, rejection: dict) -> Optional[dict]:
+        """What the prefill leg may pull of decode's cached prefix; when nothing, decode's
+        lease on that prefix is ended now."""
+        pull = legs.pull_params_from_rejection(rejection, self.settings.kv_pull_threshold) \
+            if self.settings.pull_from_decode else None
+        if pull is None and isinstance(rejection, dict) and rejection.get("pdpool_lease"):
+            self.prefill.release_decode_lease(rejection)   # decode's prefix will not be pulled
+        return pull
+
+    async def _decided_by_length(self, ex: Exchange) -> None:
+        """Decode-first for an engine that cannot reject (stock vLLM): long prompts are
+        prefilled remotely, short ones decoded here (capability.py)."""
+        if estimate_prompt_tokens(ex.body) >= self.settings.prefill_min_prompt_tokens:
+            self.metrics.length_decisions.labels("pd").inc()
+            return await self._remote_prefill_then_decode(ex, pull=None)
+        self.metrics.length_decisions.labels("decode").inc()
+        ex.path_taken = "decode"
+        await self.decode.final(ex, legs.aggregated_leg(ex.body))
+
+    async def _remote_prefill_then_decode(self, ex: Exchange, pull: Optional[dict]) -> None:
+        if pull:
+            self.metrics.pull_offered_tokens.inc(int(pull.get("remote_num_tokens") or 0))
+        result = await self.prefill.run(ex, legs.prefill_leg(ex.body, pull))
+        if pull:
+            # Whatever the prefill leg did, it no longer reads decode's prefix: end the
+            # lease now instead of holding those blocks until it expires.
+            self.prefill.release_decode_lease(pull)
+        if result.client_error:
+            ex.path_taken = "client_error"
+            status, content = result.client_error
+            return await relay_buffered(ex, status, content, "application/json")
+        if result.kv is None:
+            ex.path_taken = "fallback"
+            ex.prefill_usage = None
+        else:
+            ex.path_taken = "pd"
+            ex.prefill_usage = result.usage
+            count_computed(self.metrics, "prefill", result.usage)
+        await self.decode.final(ex, legs.decode_leg(ex.body, result.kv))

@@ -1,0 +1,184 @@
+"""Prefill legs: which prefill engine runs one, running it, and ending decode's lease on the
+prefix it offered.
+
+The order engines are tried in is `prefill_ranking.py`'s (KV events, else load); sick
+engines are ejected by `outlier.py`, fed by the legs' outcomes and by the health probes
+here. Prefill legs go through httpx (the upstream client shards).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Callable, Optional, Union
+
+import httpx
+
+from . import legs
+from .discovery import EndpointSet
+from .exchange import Exchange, PrefillResult, json_or_none
+from .metrics import SidecarMetrics
+from .outlier import OutlierDetector
+from .picker import LoadPicker
+from .prefill_ranking import PrefillRanking
+from .settings import SidecarSettings
+from .usage import json_usage
+
+log = logging.getLogger("pdpool.sidecar")
+
+# Outcomes of a prefill attempt that count against its engine (outlier detection).
+ENGINE_FAILURES = ("timeout", "connect_error", "server_error")
+
+
+def prefill_outliers(settings: SidecarSettings, metrics: SidecarMetrics) -> OutlierDetector:
+    """Outlier detection of the prefill engines, ejections logged and counted."""
+    def on_eject(endpoint: str, reason: str) -> None:
+        log.warning("prefill engine %s ejected (%s)", endpoint, reason)
+        metrics.prefill_ejections.labels(endpoint, reason).inc()
+        metrics.prefill_ejected.labels(endpoint).set(1)
+
+    def on_readmit(endpoint: str) -> None:
+        log.warning("prefill engine %s readmitted", endpoint)
+        metrics.prefill_ejected.labels(endpoint).set(0)
+
+    return OutlierDetector(
+        consecutive_failures=settings.outlier_failures, base_ejection_s=settings.ejection_s,
+        on_eject=on_eject, on_readmit=on_readmit)
+
+
+class PrefillLegs:
+    def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, *,
+                 picker: LoadPicker, ranking: PrefillRanking, endpoints: EndpointSet,
+                 outliers: OutlierDetector,
+                 next_client: Callable[[], httpx.AsyncClient]) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.picker = picker
+        self.ranking = ranking
+        self.endpoints = endpoints
+        self.outliers = outliers
+        self.next_client = next_client   # the upstream clients exist from startup on
+        self._background: set[asyncio.Future] = set()   # fire-and-forget lease releases
+
+    async def run(self, ex: Exchange, leg: dict) -> PrefillResult:
+        """Tries prefill engines in ranking order; an empty result means fallback."""
+        candidates = await self._candidates(ex)
+        for endpoint in candidates:
+            self.metrics.legs.labels("prefill").inc()
+            started = time.perf_counter()
+            outcome, result = await self._attempt(ex, endpoint, leg)
+            self.metrics.prefill_attempts.labels(outcome).inc()
+            if outcome in ENGINE_FAILURES:
+                self.outliers.failure(endpoint, outcome)
+            elif outcome != "ejected":
+                self.outliers.success(endpoint)
+            if outcome == "ok":
+                self.metrics.prefill_seconds.observe(time.perf_counter() - started)
+                ex.reply_headers["x-pdpool-prefill-endpoint"] = endpoint
+            if result is not None:   # "ok" or "client_error": the answer goes on
+                return result
+            log.warning("prefill on %s failed (%s) for %s", endpoint, outcome, ex.request_id)
+        if not candidates:
+            self.metrics.prefill_attempts.labels("no_endpoint").inc()
+        return PrefillResult()
+
+    async def _candidates(self, ex: Exchange) -> list[str]:
+        # Ejected engines are skipped (also a trusted x-prefiller-host-port naming them);
+        # when all are ejected, decode prefills itself (fallback).
+        # Several named (llm-d's comma-separated list): the least loaded of them goes first.
+        named = [t for t in ex.targets if not self.outliers.is_ejected(t)]
+        preferred = self.picker.order(named)[0] if named else None
+        await self.ranking.sync(self.endpoints.current)   # prefill pods come and go
+        candidates, ranked_by = await self.ranking.order(
+            self.outliers.available(self.endpoints.current), preferred, ex.body)
+        self.metrics.prefill_ranking.labels(ranked_by).inc()
+        return candidates
+
+    async def _attempt(self, ex: Exchange, endpoint: str,
+                       leg: dict) -> tuple[str, Optional[PrefillResult]]:
+        """(outcome, the result when the answer goes on: "ok" or "client_error")."""
+        with self.picker.track(endpoint):
+            answer = await self._post_unless_ejected(ex, endpoint, leg)
+        if isinstance(answer, str):
+            return answer, None
+        if answer.status_code == 429 or answer.status_code >= 500:
+            return "server_error", None
+        if answer.status_code >= 400:
+            return "client_error", PrefillResult(client_error=(answer.status_code,
+                                                               answer.content))
+        data = json_or_none(answer.content)
+        kv = legs.kv_params_of(data)
+        if not legs.prefill_answer_is_usable(kv):
+            # An engine without a KV connector: its prefill is useless to decode.
+            return "no_kv", None
+        return "ok", PrefillResult(kv=kv, usage=json_usage(data))
+
+    async def _post_unless_ejected(self, ex: Exchange, endpoint: str,
+                                   leg: dict) -> Union[httpx.Response, str]:
+        """The engine's answer, or why there is none ("ejected", "timeout", "connect_error").
+
+        Given up as soon as the engine is ejected (a probe found it wedged): the request
+        moves on to the next engine instead of waiting out its timeout."""
+        url = f"{self.settings.upstream_scheme}://{endpoint}{ex.route}"
+        call = asyncio.ensure_future(self.next_client().post(url, json=leg,
+                                                             headers=ex.headers))
+        ejected = asyncio.ensure_future(self.outliers.ejected_event(endpoint).wait())
+        try:
+            done, _ = await asyncio.wait({call, ejected},
+                                         timeout=self.settings.prefill_timeout or None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ejected.cancel()
+            if not call.done():
+                call.cancel()  # closes the connection: the engine aborts the request
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await call
+        if call not in done:
+            return "ejected" if ejected in done else "timeout"
+        try:
+            return call.result()
+        except asyncio.CancelledError:
+            return "timeout"
+        except httpx.HTTPError:
+            return "connect_error"
+
+    def release_decode_lease(self, params: dict) -> None:
+        """Ends decode's lease on its cached prefix in the background (it would expire on its
+        own; ending it now frees those blocks sooner)."""
+        async def release() -> None:
+            try:
+                await self.next_client().post(self.settings.decode_url + legs.RELEASE_PATH,
+                                              json={"kv_transfer_params": params}, timeout=5.0)
+            except httpx.HTTPError as exc:   # it expires on its own soon
+                log.info("releasing decode's KV lease failed: %s", exc)
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def probe_forever(self) -> None:
+        """Health probes of every prefill engine with a short timeout: a wedged engine
+        (accepts connections, answers nothing) is ejected within a few seconds, and an
+        ejected one comes back once it answers again."""
+        while True:
+            await asyncio.sleep(self.settings.probe_interval_s)
+            current = self.endpoints.current
+            self.outliers.forget(current)
+            try:
+                await asyncio.gather(*(self._probe(e) for e in current))
+            except Exception:  # noqa: BLE001 - a probe bug must not end the loop
+                log.exception("prefill probe failed")
+
+    async def _probe(self, endpoint: str) -> None:
+        # Readiness (an engine whose loop is stuck is not ready); /health where an
+        # engine has no /ready (vLLM: any answer but 200 or 503).
+        timeout = self.settings.probe_timeout_s or None
+        base = f"{self.settings.upstream_scheme}://{endpoint}"
+        try:
+            r = await self.next_client().get(base + "/ready", timeout=timeout)
+            if r.status_code not in (200, 503):
+                r = await self.next_client().get(base + "/health", timeout=timeout)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        self.outliers.probe(endpoint, ok)

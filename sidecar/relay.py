@@ -144,7 +144,7 @@ async def _stream_unless_rejected(ex: Exchange, resp: Response) -> Optional[dict
     chunks = resp.aiter_raw()
     decided = await _until_decided(chunks, splitter, held)
     if legs.is_rejection(decided):
-        return await _drain_rejection(chunks, splitter, decided)
+        return await _drain_rejection(chunks, splitter, decided, held)
     # Accepted, or the stream ended without a deciding event: pass on what there is.
     await _pipe_stream(ex, chunks, resp.headers.get("content-type"),
                        first=b"".join(held) + splitter.rest())
@@ -154,25 +154,38 @@ async def _stream_unless_rejected(ex: Exchange, resp: Response) -> Optional[dict
 async def _until_decided(chunks: AsyncIterator[bytes], splitter: EventSplitter,
                          held: list[bytes]) -> Any:
     """Holds back events until one shows whether decode accepted the request (text or a
-    finish reason); returns its JSON, None when the stream ended first."""
+    finish reason); returns its JSON, None when the stream ended first. Every event of the
+    deciding chunk is held: the rest of the stream may have come in the same read."""
     async for chunk in chunks:
+        decided: Any = None
         for event in splitter.feed(chunk):
             held.append(event)
-            data = event_json(event)
-            if data is DONE or legs.chunk_decides(data):
-                return data
+            if decided is None:
+                data = event_json(event)
+                if data is DONE or legs.chunk_decides(data):
+                    decided = data
+        if decided is not None:
+            return decided
     return None
 
 
 async def _drain_rejection(chunks: AsyncIterator[bytes], splitter: EventSplitter,
-                           first: dict) -> dict:
-    """Reads the rest of a rejected stream for its kv params (final chunk)."""
+                           first: dict, held: list[bytes]) -> dict:
+    """Reads the rest of a rejected stream (what was held, then what follows) for its kv
+    params (final chunk)."""
     kv = legs.kv_params_of(first)
+
+    def look(event: bytes) -> None:
+        nonlocal kv
+        data = event_json(event)
+        if isinstance(data, dict) and legs.kv_params_of(data):
+            kv = legs.kv_params_of(data)
+
+    for event in held:
+        look(event)
     async for chunk in chunks:
         for event in splitter.feed(chunk):
-            data = event_json(event)
-            if isinstance(data, dict) and legs.kv_params_of(data):
-                kv = legs.kv_params_of(data)
+            look(event)
     return kv or {}
 
 

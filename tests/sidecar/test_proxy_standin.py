@@ -371,3 +371,24 @@ async def test_decode_dying_for_good_is_an_openai_503(servers):
         r = await c.post(side.url + "/v1/completions",
                          json={"prompt": HISTORY, "max_tokens": 3, "stream": True})
     assert r.status_code == 503 and r.json()["error"]["code"] == "decode_unavailable"
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["accepted", "rejected"])
+async def test_a_stream_that_arrives_in_one_read_reaches_the_client_whole(servers, warm):
+    """Decode's whole answer in one network read: the events after the one that decides
+    decode-first are relayed too (an accepted stream), or searched for kv params (a
+    rejected one)."""
+    decode, (prefill,), sidecar, side = await topology(servers)
+    decode.state.coalesce = True
+    words = HISTORY.split()
+    if warm:
+        decode.state.store(words)
+    async with httpx.AsyncClient() as c:
+        r = await c.post(side.url + "/v1/completions",
+                         json={"prompt": HISTORY, "max_tokens": 6, "stream": True})
+    assert r.status_code == 200 and r.headers["x-pdpool-path"] == ("decode" if warm else "pd")
+    events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == \
+        expected_text(words, 6)
+    assert r.text.rstrip().endswith("data: [DONE]")
+    assert len(prefill.state.received) == (0 if warm else 1)

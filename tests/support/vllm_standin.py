@@ -65,6 +65,7 @@ class StandInState:
     token_delay_s: float = 0.0
     drop_streams: int = 0       # next N streams: send the head, then die (an engine crash)
     die_after_tokens: Optional[int] = None  # next stream: die after this many tokens
+    coalesce: bool = False      # a stream's events in one write (as a busy network delivers)
     cancelled: int = 0
     pulled_tokens: int = 0      # tokens this engine pulled from a peer
     computed_tokens: int = 0
@@ -196,6 +197,15 @@ class VllmStandIn:
         obj += ".chunk" if chat else ""
         ids = bool(req.get("return_token_ids"))
         prompt_ids = [token_id(w) for w in words]
+        pending: list[bytes] = []
+
+        async def write(body: bytes, more: bool = True) -> None:
+            if self.state.coalesce and more:
+                pending.append(body)
+                return
+            await send({"type": "http.response.body", "more_body": more,
+                        "body": b"".join(pending) + body})
+            pending.clear()
 
         async def event(choice_part, finish_reason=None, extra=None, token_ids=None):
             choice = {"index": 0, **choice_part, "finish_reason": finish_reason}
@@ -205,8 +215,7 @@ class VllmStandIn:
                     choice["prompt_token_ids"] = prompt_ids
             data = {"id": rid, "object": obj, "model": "standin", "choices": [choice],
                     **(extra or {})}
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + json.dumps(data).encode() + b"\n\n"})
+            await write(b"data: " + json.dumps(data).encode() + b"\n\n")
 
         if chat:
             await event({"delta": {"role": "assistant", "content": ""}},
@@ -229,10 +238,8 @@ class VllmStandIn:
                         {"kv_transfer_params": kv_out})
         if (req.get("stream_options") or {}).get("include_usage"):
             data = {"id": rid, "object": obj, "model": "standin", "choices": [], "usage": usage}
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + json.dumps(data).encode() + b"\n\n"})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
-                    "more_body": False})
+            await write(b"data: " + json.dumps(data).encode() + b"\n\n")
+        await write(b"data: [DONE]\n\n", more=False)
 
 
 async def _send_json(send, status: int, obj: Any) -> None:

@@ -188,3 +188,7 @@ class EngineMetrics:
                                      **self.vllm_labels).inc()
             if e2e is not None:
                 self.vllm_e2e.observe(e2e)
+
+    def client_disconnected(self, phase: str) -> None:
+        """Counts a client that went away: phase is body, waiting or running."""
+        self.client_disconnects.labels(phase=phase, **self.labels).inc()

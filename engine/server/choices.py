@@ -1,0 +1,180 @@
+"""The engine side of one answer: its choices' engine requests, started together so that they
+share steps, then collected (a whole response) or pumped (a stream), and always closed; and
+the race of the work before the first token against a client that goes away."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+
+from fastapi import Request
+
+from pdpool.engine.async_engine import AsyncEngine
+from pdpool.engine.engine_core import KVTransferRefused, RequestOutput, RequestRejected
+from pdpool.engine.sampling import TokenLogprob
+from pdpool.engine.server.errors import ApiError, client_closed, output_error
+from pdpool.engine.server.metrics import EngineMetrics
+from pdpool.engine.server.translator import ChoiceRequest
+
+T = TypeVar("T")
+LogprobsFormatter = Callable[[list[TokenLogprob]], dict]
+Outputs = AsyncIterator[RequestOutput]
+
+
+async def until_disconnect(http_req: Request, work: Awaitable[T], metrics: EngineMetrics) -> T:
+    """Awaits `work` (preparation, or the first outputs: a request that waits in the
+    queue or prefills) unless the client goes away first: then `work` is cancelled,
+    which aborts its engine requests (a queued one is never computed), and the
+    disconnect is counted. Call only once the body has been read."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await http_req.receive())["type"] != "http.disconnect":
+            pass
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if watcher.done() and not watcher.cancelled():
+                metrics.client_disconnected("waiting")
+                raise client_closed()
+    return task.result()
+
+
+async def first_output(stream: Outputs) -> RequestOutput:
+    """Pulls the first output so that validation errors become a 400 (or the error's
+    own status) before any bytes."""
+    try:
+        first = await stream.__anext__()
+    except (RequestRejected, ValueError) as exc:
+        raise ApiError(str(exc))
+    except KVTransferRefused as exc:
+        raise ApiError(str(exc), 503, "KVTransferError", param="kv_transfer_params")
+    except RuntimeError as exc:
+        raise ApiError(str(exc), 500, "InternalServerError")
+    if first.finish_reason == "error":
+        raise output_error(first)
+    return first
+
+
+class Choice:
+    """One engine request behind one choice of the answer, and what it produced so far."""
+
+    def __init__(self, spec: ChoiceRequest, first: RequestOutput, stream: Outputs,
+                 format_logprobs: LogprobsFormatter, t_arrival: float):
+        self.index, self.first_of_prompt = spec.index, spec.first_of_prompt
+        self.request_id = spec.request_id
+        self.first, self.stream, self.format_logprobs = first, stream, format_logprobs
+        self.t_arrival = t_arrival
+        self.text: list[str] = []
+        self.logprobs: list[dict] = []
+        self.last: RequestOutput = first
+
+    def absorb(self, out: RequestOutput) -> Optional[dict]:
+        """Records one output; returns the logprobs of its tokens, if asked."""
+        self.last = out
+        self.text.append(out.new_text)
+        if not out.logprobs:
+            return None
+        lp = self.format_logprobs(out.logprobs)
+        self.logprobs.append(lp)
+        return lp
+
+
+class ChoiceRunner:
+    """Runs the engine requests of an answer's choices and observes their latencies."""
+
+    def __init__(self, aengine: AsyncEngine, metrics: EngineMetrics):
+        self.aengine, self.metrics = aengine, metrics
+
+    def _submit(self, spec: ChoiceRequest) -> Outputs:
+        """The output iterator of one engine request (added when first awaited)."""
+        engine = self.aengine.engine
+
+        def add():
+            engine.add_request(spec.request_id, spec.prompt_ids, spec.params,
+                               cache_salt=spec.cache_salt,
+                               cache_hit_threshold=spec.cache_hit_threshold,
+                               kv_transfer_params=spec.kv_transfer_params)
+        return self.aengine.generate(spec.request_id, add)
+
+    async def start(self, specs: list[ChoiceRequest],
+                    new_logprobs_formatter: Callable[[], LogprobsFormatter]) -> list[Choice]:
+        """Submits every choice and waits for all their first outputs: an error in any
+        becomes the answer's HTTP error, and closes the others."""
+        t_arrival = time.monotonic()
+        streams = [self._submit(spec) for spec in specs]
+        try:   # all at once, so that they share steps
+            firsts = await asyncio.gather(*(first_output(s) for s in streams),
+                                          return_exceptions=True)
+            failed = [f for f in firsts if isinstance(f, BaseException)]
+            if failed:
+                raise failed[0]
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return [Choice(spec, first, stream, new_logprobs_formatter(), t_arrival)
+                for spec, first, stream in zip(specs, firsts, streams)]
+
+    async def outputs(self, c: Choice) -> Outputs:
+        """A choice's outputs from its first on, each observed in the latency metrics."""
+        t_last, n = c.t_arrival, 0
+        out = c.first
+        while True:
+            now = time.monotonic()
+            self.metrics.observe_output(out, n == 0, now - t_last, now - c.t_arrival)
+            t_last, n = now, n + 1
+            yield out
+            if out.finished:
+                return
+            out = await c.stream.__anext__()
+
+    async def run_to_end(self, http_req: Request, choices: list[Choice]) -> None:
+        """Collects a non-streaming answer; a client that goes away aborts it."""
+        async def collect(c: Choice):
+            async for out in self.outputs(c):
+                c.absorb(out)
+                if out.finish_reason == "error":
+                    raise output_error(out)
+
+        tasks = [asyncio.ensure_future(collect(c)) for c in choices]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=0.5,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
+                if not pending:
+                    return
+                if await http_req.is_disconnected():
+                    self.metrics.client_disconnected("running")
+                    raise client_closed()
+        finally:
+            await self.close(choices, tasks)
+
+    def pump(self, choices: list[Choice]) -> tuple[asyncio.Queue, list[asyncio.Future]]:
+        """Streams every choice's outputs into one queue as (choice, output), in the order
+        they come; a choice that fails puts (choice, exception) and stops."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump_one(c: Choice):
+            try:
+                async for out in self.outputs(c):
+                    queue.put_nowait((c, out))
+            except Exception as exc:
+                queue.put_nowait((c, exc))
+        return queue, [asyncio.ensure_future(pump_one(c)) for c in choices]
+
+    async def close(self, choices: list[Choice], tasks: list[asyncio.Future]) -> None:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in choices:
+            await c.stream.aclose()   # aborts the ones still running

@@ -1,0 +1,72 @@
+"""OpenAI-shaped errors of the HTTP layer: the exception routes raise, and the app's handlers
+that write every failure (ours, FastAPI's, Starlette's, unexpected ones) as one JSON body."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdpool.engine.engine_core import RequestOutput
+from pdpool.engine.server.protocol import error_body
+
+log = logging.getLogger("pdpool.server")
+
+
+class ApiError(Exception):
+    """An OpenAI error answer, raised from anywhere below a route."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError",
+                 param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.err_type, self.param = status, err_type, param
+
+
+def error_response(message: str, status: int = 400, err_type: str = "BadRequestError",
+                   param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, status, param), status_code=status)
+
+
+def client_closed() -> ApiError:
+    """The answer to a client that went away (nobody reads it; logs and metrics do)."""
+    return ApiError("client disconnected", 499, "ClientClosedRequest")
+
+
+def output_error(out: RequestOutput) -> ApiError:
+    """A request that ended with an error: 400 for its own bad parameters, 500 for an
+    engine fault, 503 (retryable) for a failed KV transfer."""
+    status = out.error_status or 503   # no status: a failed KV load (fail policy)
+    err_type = {400: "BadRequestError", 500: "InternalServerError"}.get(
+        status, "KVTransferError")
+    return ApiError(out.error or "the request failed", status, err_type)
+
+
+def validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_req, exc: RequestValidationError):
+        return error_response(validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_req, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code,
+                              "NotFoundError" if exc.status_code == 404 else "BadRequestError")
+
+    @app.exception_handler(ApiError)
+    async def _on_api(_req, exc: ApiError):
+        return error_response(str(exc), exc.status, exc.err_type, exc.param)
+
+    @app.exception_handler(Exception)
+    async def _on_any(_req, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(f"internal error: {exc}", 500, "InternalServerError")

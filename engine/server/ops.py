@@ -1,0 +1,66 @@
+"""The routes that orchestrators and routers use besides generation: liveness, readiness, the
+model list, Prometheus metrics, and the release of a KV lease this engine granted."""
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdpool.engine.async_engine import AsyncEngine
+from pdpool.engine.server.errors import error_response
+from pdpool.engine.server.metrics import EngineMetrics
+from pdpool.engine.server.translator import RequestTranslator
+from pdpool.protocol import RequestError, parse_json_body
+
+
+class OpsRoutes:
+    """One engine's operational routes (the paths are bound in api.build_app)."""
+    # The endpoints have no return annotations: FastAPI would take them as response models.
+
+    def __init__(self, aengine: AsyncEngine, metrics: EngineMetrics,
+                 translator: RequestTranslator):
+        self.aengine, self.engine = aengine, aengine.engine
+        self.metrics, self.translator = metrics, translator
+
+    async def health(self):
+        """Liveness: the process and its engine thread are alive."""
+        if not self.aengine.alive:
+            return error_response("the engine loop has stopped", 503, "ServiceUnavailable")
+        if self.engine.fault is not None:   # every request failed in the model: not hidden
+            return error_response(f"engine failure: {self.engine.fault}", 503,
+                                  "ServiceUnavailable")
+        return {"status": "ok"}
+
+    async def ready(self):
+        """Readiness: as /health, and the engine loop has ticked within
+        --ready-max-stall-s while it has work (a wedged step is not ready)."""
+        problem = self.aengine.readiness(self.engine.config.ready_max_stall_s)
+        if problem is None and self.engine.fault is not None:
+            problem = f"engine failure: {self.engine.fault}"
+        if problem is not None:
+            return error_response(problem, 503, "ServiceUnavailable")
+        return {"status": "ready"}
+
+    async def release_kv(self, request: Request):
+        """Ends a KV lease this engine granted, named by the kv_transfer_params it issued
+        (a router whose prefill leg did not pull decode's prefix gives it back at once)."""
+        try:
+            body = parse_json_body(await self.translator.read_body(request))
+        except RequestError:
+            body = None
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict):
+            return error_response("kv_transfer_params (an object) is required", 400,
+                                  param="kv_transfer_params")
+        # Thread-safe: it only marks the lease; the engine thread gives the blocks back.
+        return {"released": self.engine.connector.release_lease(params)}
+
+    async def models(self):
+        return {"object": "list", "data": [{
+            "id": self.engine.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "pdpool", "max_model_len": self.engine.max_model_len}]}
+
+    async def prometheus(self):
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,168 @@
+"""The writer shared by /v1/completions and /v1/chat/completions: an answer in OpenAI's shape,
+whole or as an SSE stream, with usage and logprobs. What differs between the two endpoints is
+a ChoiceFormat; everything here but the writer's two loops is pure."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import AsyncIterator, Callable, Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pdpool.engine.engine_core import RequestOutput
+from pdpool.engine.server.choices import Choice, ChoiceRunner, LogprobsFormatter
+from pdpool.engine.server.errors import ApiError, output_error
+from pdpool.engine.server.logprobs import TokenText
+from pdpool.engine.server.metrics import EngineMetrics
+from pdpool.engine.server.protocol import error_body, usage_dict
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+class ChoiceFormat:
+    """The JSON of one endpoint's choices, one instance per HTTP request (its token texts
+    are cached across the request's choices)."""
+    id_prefix: str
+    response_object: str
+    chunk_object: str
+    # From logprobs.py: a formatter for one choice over the request's token texts (it may
+    # carry state from chunk to chunk), and the merge of a choice's chunks for a whole answer.
+    new_logprobs_formatter: Callable[[TokenText], LogprobsFormatter]
+    merge_logprobs: Callable[[list[dict]], Optional[dict]]
+
+    def __init__(self, text_of: TokenText):
+        self.text_of = text_of
+
+    def logprobs_formatter(self) -> LogprobsFormatter:
+        return self.new_logprobs_formatter(self.text_of)
+
+    def full_choice(self, index: int, text: str, finish_reason: Optional[str],
+                    logprobs: Optional[dict]) -> dict:
+        raise NotImplementedError
+
+    def chunk_choice(self, index: int, out: RequestOutput, logprobs: Optional[dict]) -> dict:
+        raise NotImplementedError
+
+    def opening_choice(self, index: int) -> Optional[dict]:
+        """The chunk that opens a streamed choice before its tokens, if the endpoint has one."""
+        return None
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def usage_of(choices: list[Choice]) -> dict:
+    # As vLLM: each prompt's tokens count once, every choice's completion tokens count.
+    firsts = [c.last for c in choices if c.first_of_prompt]
+    return usage_dict(sum(o.num_prompt_tokens for o in firsts),
+                      sum(c.last.num_output_tokens for c in choices),
+                      sum(o.num_cached_tokens for o in firsts),
+                      sum(o.num_pulled_tokens for o in firsts))
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseHead:
+    """The fields every response object and chunk of one answer starts with."""
+    id: str
+    created: int
+    model: str
+
+    def of(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) -> dict:
+    return {**head.of(fmt.response_object),
+            "choices": [fmt.full_choice(c.index, "".join(c.text), c.last.finish_reason,
+                                        fmt.merge_logprobs(c.logprobs))
+                        for c in choices],
+            "usage": usage_of(choices),
+            "kv_transfer_params": choices[0].last.kv_transfer_params if len(choices) == 1
+            else None}
+
+
+def error_event(failure: RequestOutput | Exception) -> str:
+    """The stream's last event before [DONE] when a choice fails after its first token."""
+    err = output_error(failure) if isinstance(failure, RequestOutput) else \
+        ApiError(str(failure), 500, "InternalServerError")
+    return sse(error_body(str(err), err.err_type, err.status))
+
+
+class StreamTokenIds:
+    """vLLM's return_token_ids in a stream: a choice's prompt ids once (chat: at the top of its
+    opening chunk), then its new token ids in each chunk. The gateway uses them to continue a
+    broken stream exactly (request migration)."""
+
+    def __init__(self, enabled: bool, prompts: list[list[int]], choices_per_prompt: int):
+        self.enabled, self.prompts, self.per_prompt = enabled, prompts, choices_per_prompt
+        self.sent: set[int] = set()
+
+    def add(self, chunk: dict, index: int, out: Optional[RequestOutput]) -> dict:
+        if not self.enabled:
+            return chunk
+        holder = chunk if out is None else chunk["choices"][0]
+        if out is not None:
+            holder["token_ids"] = out.new_token_ids
+        if index not in self.sent:
+            self.sent.add(index)
+            holder["prompt_token_ids"] = self.prompts[index // self.per_prompt]
+        return chunk
+
+
+class ResponseWriter:
+    """Writes started choices as one answer: a whole response, or an SSE stream whose final
+    chunk carries kv_transfer_params (and a usage chunk when asked for). An error that ends
+    a choice is the answer's HTTP error, or an error event in the stream."""
+
+    def __init__(self, runner: ChoiceRunner, metrics: EngineMetrics, model_name: str):
+        self.runner, self.metrics, self.model_name = runner, metrics, model_name
+
+    async def write(self, http_req: Request, req, fmt: ChoiceFormat,
+                    prompts: list[list[int]], choices: list[Choice]):
+        head = ResponseHead(f"{fmt.id_prefix}-{choices[0].request_id}", int(time.time()),
+                            self.model_name)
+        if not req.stream:
+            await self.runner.run_to_end(http_req, choices)
+            return full_response(head, fmt, choices)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        token_ids = StreamTokenIds(bool(req.return_token_ids), prompts,
+                                   max(len(choices) // max(len(prompts), 1), 1))
+        return StreamingResponse(self._events(head, fmt, choices, token_ids, include_usage),
+                                 media_type="text/event-stream")
+
+    async def _events(self, head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice],
+                      token_ids: StreamTokenIds, include_usage: bool) -> AsyncIterator[str]:
+        queue, tasks = self.runner.pump(choices)
+        ended = False
+        try:
+            for c in choices:
+                opening = fmt.opening_choice(c.index)
+                if opening is not None:
+                    yield sse(token_ids.add({**head.of(fmt.chunk_object), "choices": [opening]},
+                                            c.index, None))
+            remaining = len(choices)
+            while remaining:
+                c, out = await queue.get()
+                if isinstance(out, Exception) or out.finish_reason == "error":
+                    yield error_event(out)
+                    break
+                lp = c.absorb(out)
+                chunk = token_ids.add({**head.of(fmt.chunk_object),
+                                       "choices": [fmt.chunk_choice(c.index, out, lp)]},
+                                      c.index, out)
+                if out.finished:
+                    remaining -= 1
+                    if len(choices) == 1:
+                        chunk["kv_transfer_params"] = out.kv_transfer_params
+                yield sse(chunk)
+            if not remaining and include_usage:
+                yield sse({**head.of(fmt.chunk_object), "choices": [], "usage": usage_of(choices)})
+            yield DONE_EVENT
+            ended = True
+        finally:
+            if not ended:   # the client went away mid-stream
+                self.metrics.client_disconnected("running")
+            await self.runner.close(choices, tasks)

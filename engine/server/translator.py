@@ -1,0 +1,143 @@
+"""The request-to-engine translator: an HTTP body becomes a validated request, its prompts
+token ids, and its choices engine requests (SamplingParams and the KV extras)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Union
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+
+from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.server.errors import ApiError, client_closed
+from pdpool.engine.server.logprobs import TokenText
+from pdpool.engine.server.metrics import EngineMetrics
+from pdpool.engine.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                           message_text)
+from pdpool.protocol import RequestError, parse_json_body, validate_request
+
+# At most this many choices (prompts x n) in one request: each is an engine request.
+MAX_CHOICES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ChoiceRequest:
+    """One choice of an answer in engine terms: the arguments of one `add_request`."""
+    index: int               # prompt_index * n + i
+    first_of_prompt: bool    # usage counts each prompt once: on this choice
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: Optional[str]
+    cache_hit_threshold: Optional[float]
+    kv_transfer_params: Optional[dict]
+
+
+class RequestTranslator:
+    """Body -> request -> engine inputs. The CPU-heavy steps (JSON, validation, chat template,
+    tokenization) run on `prep_pool`, never on the event loop: /health and streams stay
+    responsive meanwhile."""
+
+    def __init__(self, engine, metrics: EngineMetrics, prep_pool: ThreadPoolExecutor):
+        self.engine, self.metrics, self.prep_pool = engine, metrics, prep_pool
+        self.max_body = engine.config.max_body_bytes
+
+    async def off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.prep_pool, fn, *args)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes --max-body-bytes (announced or
+        while it arrives: a huge body is never buffered)."""
+        too_large = ApiError(
+            f"the request body exceeds {self.max_body} bytes (--max-body-bytes)", 413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_large
+        parts, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body:
+                    raise too_large
+                parts.append(chunk)
+        except ClientDisconnect:
+            self.metrics.client_disconnected("body")
+            raise client_closed()
+        return b"".join(parts)
+
+    async def parse(self, request: Request, request_type: type):
+        """The body as `request_type`, validated (pdpool.protocol) and naming this model."""
+        raw = await self.read_body(request)
+        try:
+            req = await self.off_loop(self._decode, raw, request_type)
+        except RequestError as exc:
+            raise ApiError(str(exc), exc.status, param=exc.param)
+        model_name = self.engine.model_name
+        if req.model is not None and req.model != model_name:
+            raise ApiError(f"the model `{req.model}` does not exist", 404, "NotFoundError",
+                           "model")
+        return req
+
+    def _decode(self, raw: bytes, request_type: type):
+        req = validate_request(parse_json_body(raw), request_type)
+        vocab = self.engine.info.config["vocab_size"]
+        for t in req.stop_token_ids or ():
+            if t >= vocab:
+                raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {t}",
+                                   "stop_token_ids")
+        return req
+
+    def token_text(self, req) -> TokenText:
+        """How logprobs name tokens for this request (shared by its choices: one cache)."""
+        return TokenText(self.engine.tokenizer, req.return_tokens_as_token_ids)
+
+    async def completion_prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
+        try:
+            prompts = req.prompt_inputs()
+        except ValueError as exc:
+            raise ApiError(str(exc), param="prompt")
+        return await self.off_loop(lambda: [self._tokenize_prompt(p) for p in prompts])
+
+    async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[list[int]]:
+        return [await self.off_loop(self._tokenize_chat, req)]
+
+    def _tokenize_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(prompt)
+
+    def _tokenize_chat(self, req: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def choice_requests(self, req, prompts: list[list[int]],
+                        client_request_id: Optional[str]) -> list[ChoiceRequest]:
+        """n choices per prompt, index = prompt_index * n + i, each its own engine request.
+        With a seed, choice i of every prompt samples with seed + i (as vLLM v1), so a
+        choice equals a single request sent with that seed."""
+        try:
+            params = req.sampling_params(default_max_tokens=16)
+        except ValueError as exc:
+            raise ApiError(str(exc))
+        n = params.n
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(f"n x the number of prompts must be at most {MAX_CHOICES}, got "
+                           f"{len(prompts) * n}", param="n")
+        if len(prompts) * n > 1 and req.kv_transfer_params is not None:
+            raise ApiError("kv_transfer_params: only with one prompt and n=1",
+                           param="kv_transfer_params")
+        return [ChoiceRequest(
+            index=p * n + i, first_of_prompt=i == 0,
+            # the client's id, if it sent one, stays readable in the engine's logs
+            request_id=f"{client_request_id or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}",
+            prompt_ids=prompt_ids,
+            params=dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i),
+            cache_salt=req.cache_salt, cache_hit_threshold=req.cache_hit_threshold,
+            kv_transfer_params=req.kv_params_dict())
+            for p, prompt_ids in enumerate(prompts) for i in range(n)]

@@ -426,7 +426,7 @@ class LLMEngine:
         if status is None:
             return RequestOutput(req.request_id, delta, [token], False, None,
                                  req.num_prompt_tokens, len(req.output_token_ids),
-                                 max(req.num_cached_tokens, 0), logprobs=lps)
+                                 (req.num_cached_tokens or 0), logprobs=lps)
         req.kv_params_out = self.connector.request_finished(req, status)
         self.scheduler.finish_request(req, status)
         output = self._final_output(req, delta, [token])
@@ -435,7 +435,7 @@ class LLMEngine:
         return output
 
     def _count_prompt_sources(self, req: Request) -> None:
-        cached = max(req.num_cached_tokens, 0)
+        cached = req.num_cached_tokens or 0
         self.stats["prompt_tokens"] += req.num_prompt_tokens
         self.stats["prompt_tokens_local"] += cached - req.num_pulled_tokens
         self.stats["prompt_tokens_pulled"] += req.num_pulled_tokens
@@ -444,7 +444,7 @@ class LLMEngine:
     def _final_output(self, req: Request, delta: str, tokens: list[int]) -> RequestOutput:
         out = RequestOutput(req.request_id, delta, tokens, True, req.status.value,
                             req.num_prompt_tokens, len(req.output_token_ids),
-                            max(req.num_cached_tokens, 0), req.kv_params_out, req.error,
+                            (req.num_cached_tokens or 0), req.kv_params_out, req.error,
                             req.error_status)
         out.num_pulled_tokens = req.num_pulled_tokens
         return out

@@ -48,8 +48,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Tokens found in the prefix cache (local, plus remote once a connector loads them)
-        # at first admission: what usage.prompt_tokens_details.cached_tokens reports.
-        self.num_cached_tokens = -1
+        # at first admission: what usage.prompt_tokens_details.cached_tokens reports. None
+        # until it is first admitted.
+        self.num_cached_tokens: Optional[int] = None
         self.num_preemptions = 0
         self.error: Optional[str] = None
         self.error_status: Optional[int] = None  # the HTTP status its error maps to

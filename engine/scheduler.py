@@ -108,7 +108,7 @@ class Scheduler:
         request.num_computed_tokens += num_loaded_tokens
         # Usage counts only what really arrived.
         request.num_pulled_tokens += num_loaded_tokens
-        request.num_cached_tokens = max(request.num_cached_tokens, 0) + num_loaded_tokens
+        request.num_cached_tokens = (request.num_cached_tokens or 0) + num_loaded_tokens
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -195,7 +195,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         req.num_computed_tokens = num_local
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens is None:
             req.num_cached_tokens = num_local   # loaded tokens are added when they arrive
         self.connector.update_state_after_alloc(
             req, self.kv.block_tables(req.request_id), num_local, num_external)
@@ -224,7 +224,7 @@ class Scheduler:
         if not self.kv.allocate_slots(req, num_new, hits):
             return None
         self.waiting.popleft()
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens is None:
             req.num_cached_tokens = num_cached
         if hits is not None:
             self.kv.restore_state(req, num_cached)
@@ -281,7 +281,7 @@ class Scheduler:
 
     def _reject(self, req: Request, d: ThresholdDecision, num_cached: int) -> None:
         req.status = RequestStatus.FINISHED_CACHE_THRESHOLD
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens is None:
             req.num_cached_tokens = num_cached
         self.num_threshold_rejections[d.source] += 1
         log.info("request %s rejected: cache hit ratio %.3f < %s threshold %.3f "

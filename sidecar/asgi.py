@@ -67,6 +67,25 @@ async def off_loop_if_large(fn: Callable[..., Any], raw: bytes, *args: Any) -> A
     return await asyncio.to_thread(fn, raw, *args)
 
 
+async def serve_lifespan(receive: Receive, send: Send, startup: Callable[[], Awaitable[None]],
+                         shutdown: Callable[[], Awaitable[None]]) -> None:
+    """ASGI lifespan: `startup` before the first request (a failure is reported to the
+    server, which then exits with it), `shutdown` at the end."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                await startup()
+            except Exception as exc:  # noqa: BLE001 - reported to the server
+                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                return
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 def header_dict(scope: dict) -> dict[str, str]:
     """Request headers, lower-cased names (the last value wins)."""
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

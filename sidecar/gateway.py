@@ -27,7 +27,7 @@ from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
 from .apikeys import OPEN_PATHS, ApiKeys, presented_key
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
                    off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error,
-                   send_start, sse_error_event)
+                   send_start, serve_lifespan, sse_error_event)
 from .discovery import EndpointSet
 from .legs import parse_client_body
 from .http1 import Http1Pool, Response, UpstreamError
@@ -264,15 +264,7 @@ class Gateway:
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await self.startup()
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await self.shutdown()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await serve_lifespan(receive, send, self.startup, self.shutdown)
         if scope["type"] != "http":
             return
         route = scope["path"]

@@ -24,7 +24,8 @@ import httpx
 
 from . import legs
 from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
-                   off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error)
+                   off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error,
+                   serve_lifespan)
 from .capability import EngineCapability
 from .discovery import EndpointSet
 from .exchange import Exchange
@@ -104,7 +105,7 @@ class Sidecar:
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await serve_lifespan(receive, send, self.startup, self.shutdown)
             return
         if scope["type"] != "http":
             return
@@ -121,21 +122,6 @@ class Sidecar:
             await self._health(send, "/ready")
         else:
             await self._pass_through(scope, receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as exc:  # noqa: BLE001 - reported to the server
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     @property
     def client(self) -> httpx.AsyncClient:

@@ -47,6 +47,11 @@ class OutlierDetector:
     def available(self, endpoints: Iterable[str]) -> list[str]:
         return [e for e in endpoints if e not in self._ejected_until]
 
+    def due(self, endpoints: Iterable[str]) -> list[str]:
+        """Ejected endpoints whose ejection time has passed: one good probe readmits them."""
+        now = self._clock()
+        return [e for e in endpoints if self._ejected_until.get(e, now + 1) <= now]
+
     @property
     def ejected(self) -> list[str]:
         return sorted(self._ejected_until)

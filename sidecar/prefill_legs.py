@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import httpx
 
@@ -59,9 +59,9 @@ class PrefillLegs:
         self.endpoints = endpoints
         self.outliers = outliers
         self.next_client = next_client   # the upstream clients exist from startup on
-        self._background: set[asyncio.Future] = set()   # fire-and-forget lease releases
+        self._background: set[asyncio.Future[None]] = set()   # fire-and-forget releases
 
-    async def run(self, ex: Exchange, leg: dict) -> PrefillResult:
+    async def run(self, ex: Exchange, leg: dict[str, Any]) -> PrefillResult:
         """Tries prefill engines in ranking order; an empty result means fallback."""
         candidates = await self._candidates(ex)
         for endpoint in candidates:
@@ -87,6 +87,11 @@ class PrefillLegs:
         # Ejected engines are skipped (also a trusted x-prefiller-host-port naming them);
         # when all are ejected, decode prefills itself (fallback).
         # Several named (llm-d's comma-separated list): the least loaded of them goes first.
+        due = self.outliers.due(self.endpoints.current)
+        if due:
+            # Probe them now rather than at the next round: an engine that has just come up
+            # (or back) serves this leg instead of leaving it to decode.
+            await asyncio.gather(*(self._probe(e) for e in due))
         named = [t for t in ex.targets if not self.outliers.is_ejected(t)]
         preferred = self.picker.order(named)[0] if named else None
         await self.ranking.sync(self.endpoints.current)   # prefill pods come and go
@@ -96,7 +101,7 @@ class PrefillLegs:
         return candidates
 
     async def _attempt(self, ex: Exchange, endpoint: str,
-                       leg: dict) -> tuple[str, Optional[PrefillResult]]:
+                       leg: dict[str, Any]) -> tuple[str, Optional[PrefillResult]]:
         """(outcome, the result when the answer goes on: "ok" or "client_error")."""
         with self.picker.track(endpoint):
             answer = await self._post_unless_ejected(ex, endpoint, leg)
@@ -115,7 +120,7 @@ class PrefillLegs:
         return "ok", PrefillResult(kv=kv, usage=json_usage(data))
 
     async def _post_unless_ejected(self, ex: Exchange, endpoint: str,
-                                   leg: dict) -> Union[httpx.Response, str]:
+                                   leg: dict[str, Any]) -> Union[httpx.Response, str]:
         """The engine's answer, or why there is none ("ejected", "timeout", "connect_error").
 
         Given up as soon as the engine is ejected (a probe found it wedged): the request
@@ -143,7 +148,7 @@ class PrefillLegs:
         except httpx.HTTPError:
             return "connect_error"
 
-    def release_decode_lease(self, params: dict) -> None:
+    def release_decode_lease(self, params: dict[str, Any]) -> None:
         """Ends decode's lease on its cached prefix in the background (it would expire on its
         own; ending it now frees those blocks sooner)."""
         async def release() -> None:
@@ -179,6 +184,10 @@ class PrefillLegs:
             if r.status_code not in (200, 503):
                 r = await self.next_client().get(base + "/health", timeout=timeout)
             ok = r.status_code == 200
-        except httpx.HTTPError:
+            if not ok:
+                log.warning("probe of prefill engine %s: %s %s", endpoint, r.status_code,
+                            r.text[:200])
+        except httpx.HTTPError as exc:
             ok = False
+            log.warning("probe of prefill engine %s failed: %r", endpoint, exc)
         self.outliers.probe(endpoint, ok)

@@ -240,16 +240,16 @@ def test_client_disconnect_while_the_prefill_leg_waits_aborts_it(tmp_path_factor
     log_dir = str(tmp_path_factory.mktemp("up-cancel"))
     topo = Topology(TopologySpec(
         model=ensure_tiny_model("qwen3"), prefill=1, decode=1, cache_hit_threshold=0.5,
-        log_dir=log_dir, engine_args=["--max-model-len", "2048", "--num-kv-blocks", "512",
+        log_dir=log_dir, engine_args=["--max-model-len", "4096", "--num-kv-blocks", "512",
                                       "--max-num-seqs", "1"]))
     topo.start(timeout_s=240)
     try:
         prefill, decode = topo.by_role("prefill")[0], topo.by_role("decode")[0]
         model = model_name(topo.gateway.url)
-        def keep_busy():
+        def keep_busy():   # as long as the model allows: seconds, even on a quiet machine
             with contextlib.suppress(httpx.HTTPError):
                 httpx.post(prefill.url + "/v1/completions", timeout=120,
-                           json={"model": model, "prompt": "keep busy", "max_tokens": 1500,
+                           json={"model": model, "prompt": "keep busy", "max_tokens": 4000,
                                  "ignore_eos": True})
         busy = threading.Thread(target=keep_busy, daemon=True)
         busy.start()

@@ -74,3 +74,14 @@ def test_chat_stream_state_builds_an_exact_continuation_and_client_shaped_chunks
     usage = st.observe({"id": "cmpl-x", "choices": [], "usage": {
         "prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}}, True)
     assert usage["usage"]["prompt_tokens"] == 3 and usage["usage"]["completion_tokens"] == 10
+
+
+def test_ejected_endpoints_become_due_when_their_time_has_passed():
+    clock = Clock()
+    d = OutlierDetector(probe_failures=1, base_ejection_s=2.0, clock=clock)
+    d.probe("a", False)
+    assert d.is_ejected("a") and d.due(["a", "b"]) == []
+    clock.t += 2.0
+    assert d.due(["a", "b"]) == ["a"]      # not "b": it was never ejected
+    d.probe("a", True)
+    assert d.due(["a"]) == [] and not d.is_ejected("a")

@@ -55,7 +55,7 @@ CACHE_ENV = {
 
 
 def _merged(defaults: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = json.loads(json.dumps(defaults))  # deep copy
+    out: dict[str, Any] = json.loads(json.dumps(defaults))  # deep copy
     out.update(json.loads(json.dumps(override)))
     return out
 
@@ -72,7 +72,8 @@ def _cache_env() -> list[dict[str, Any]]:
     return [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
 
 
-def _empty_dir(name: str, size_limit: str | None = None, memory: bool = False) -> dict:
+def _empty_dir(name: str, size_limit: str | None = None,
+               memory: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if memory:
         spec["medium"] = "Memory"
@@ -182,7 +183,7 @@ def _port(name: str, port: int, target: int | None = None) -> dict[str, Any]:
     return {"name": name, "port": port, "targetPort": target or port, "protocol": "TCP"}
 
 
-def _service(ref: PoolRef, role: str, ports: list[dict], headless: bool,
+def _service(ref: PoolRef, role: str, ports: list[dict[str, Any]], headless: bool,
              service_type: str = "ClusterIP") -> Manifest:
     spec: dict[str, Any] = {"selector": selector_labels(ref.name, role), "ports": ports}
     if headless:
@@ -265,7 +266,7 @@ def _downward_env() -> list[dict[str, Any]]:
 
 def engine_resources(role: RoleSpec) -> dict[str, Any]:
     """The role's resources with `gpus` turned into an nvidia.com/gpu limit (and request)."""
-    resources = json.loads(json.dumps(role.resources))  # deep copy, stays JSON-shaped
+    resources: dict[str, Any] = json.loads(json.dumps(role.resources))  # deep copy (JSON)
     if role.gpus:
         for section in ("limits", "requests"):
             resources.setdefault(section, {})[GPU_RESOURCE] = role.gpus
@@ -283,7 +284,7 @@ def _needs_model_volume(pool: PoolSpec) -> bool:
 
 
 def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
-    env = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    env: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
     if pool.model.hf_token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": pool.model.hf_token_secret, "key": "token"}}})
@@ -317,9 +318,9 @@ def _ucx_env(pool: PoolSpec) -> list[dict[str, Any]]:
 
 def _engine_container(ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSpec,
                       secret_ref: SecretKeyRef | None) -> dict[str, Any]:
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"},
-              {"name": "tmp", "mountPath": TMP_MOUNT},
-              {"name": "cache", "mountPath": CACHE_MOUNT}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"},
+                                    {"name": "tmp", "mountPath": TMP_MOUNT},
+                                    {"name": "cache", "mountPath": CACHE_MOUNT}]
     if _needs_model_volume(pool):
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if secret_ref is not None:
@@ -431,7 +432,8 @@ def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
     }
 
 
-def topology_spread(ref: PoolRef, role_name: str, role: RoleSpec | None) -> list[dict]:
+def topology_spread(ref: PoolRef, role_name: str,
+                    role: RoleSpec | None) -> list[dict[str, Any]]:
     """Spread a role's pods over hosts, then zones (best effort: never blocks scheduling).
     The spec's own list replaces these; its entries without a labelSelector get the role's."""
     selector = {"matchLabels": selector_labels(ref.name, role_name)}
@@ -509,7 +511,7 @@ def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
 def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manifest:
     decode = f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}"
     keys, tls = pool.gateway.api_keys_secret, pool.gateway.tls_secret
-    container = {
+    container: dict[str, Any] = {
         "name": "gateway", "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
         "command": commands.gateway_args(decode, API_KEYS_FILE if keys else None,

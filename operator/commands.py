@@ -35,6 +35,8 @@ def model_dir(model: ModelSpec) -> str:
     """Where the engine finds the checkpoint inside its pod."""
     if model.hugging_face_id:
         return f"{MODELS_MOUNT}/{model.hugging_face_id}"
+    if model.path is None:   # parse_pool_spec sets exactly one of the two
+        raise ValueError("the model has neither a path nor a Hugging Face id")
     if model.path.startswith("/"):
         return model.path
     return f"{MODELS_MOUNT}/{model.path.strip('/')}"
@@ -109,7 +111,7 @@ def _vllm_args(pool: PoolSpec, tensor_parallel_size: int) -> list[str]:
     ]
 
 
-def engine_env(pool: PoolSpec) -> list[dict]:
+def engine_env(pool: PoolSpec) -> list[dict[str, str]]:
     """Extra environment of the engine container (after POD_IP, which it may reference)."""
     if pool.engine.kind == "vllm":
         return [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
@@ -165,6 +167,8 @@ def gateway_args(decode_service: str, api_keys_file: str | None = None,
 
 def hf_download_args(model: ModelSpec) -> list[str]:
     """Init step: fetch a Hugging Face checkpoint into the model volume (idempotent)."""
+    if not model.hugging_face_id:
+        raise ValueError("only a Hugging Face model is downloaded")
     script = ("import sys; from huggingface_hub import snapshot_download; "
               "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], "
               "revision=sys.argv[3] or None)")

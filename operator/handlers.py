@@ -27,15 +27,24 @@ from .spec import PoolSpec, SpecError, parse_pool_spec
 from .status import RoleState, carried_spec_error, compute_status, now_iso, status_changed
 
 log = logging.getLogger("pdpool.operator")
-_state: dict[str, Any] = {"cluster": None}
+_state: dict[str, Cluster | None] = {"cluster": None}
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
 def cluster() -> Cluster:
-    if _state["cluster"] is None:
-        _state["cluster"] = Cluster.from_environment()
-    return _state["cluster"]
+    current = _state["cluster"]
+    if current is None:
+        current = _state["cluster"] = Cluster.from_environment()
+    return current
+
+
+def _namespaced(namespace: str | None) -> str:
+    """kopf types `namespace` optional (cluster-scoped kinds have none); pools and their
+    Deployments are namespaced."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced object came without a namespace")
+    return namespace
 
 
 def _pool_lock(namespace: str, name: str) -> threading.Lock:
@@ -62,8 +71,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(name: str, namespace: str, uid: str, spec: Any, meta: Any, body: Any,
-              **_: Any) -> None:
+def reconcile(name: str, namespace: str | None, uid: str, spec: kopf.Spec, meta: kopf.Meta,
+              body: kopf.Body, **_: Any) -> None:
+    namespace = _namespaced(namespace)
     generation = meta.get("generation", 0)
     try:
         pool = parse_pool_spec(name, dict(spec))
@@ -94,9 +104,11 @@ def ensure_kv_secret(ref: PoolRef, pool: PoolSpec) -> None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_POOL: kopf.PRESENT})
-def child_changed(namespace: str, labels: Any, type: str | None, **_: Any) -> None:
+def child_changed(namespace: str | None, labels: kopf.Labels, type: str | None,
+                  **_: Any) -> None:
     if type is None:  # the initial listing: resume handlers publish status anyway
         return
+    namespace = _namespaced(namespace)
     try:
         refresh_status(namespace, labels[LABEL_POOL])
     except ApiException as exc:
@@ -132,7 +144,7 @@ def refresh_status(namespace: str, name: str, observed_generation: int | None = 
             cluster().patch_pool_status(namespace, name, status)
 
 
-def _fail(body: Any, namespace: str, name: str, generation: int, reason: str,
+def _fail(body: kopf.Body, namespace: str, name: str, generation: int, reason: str,
           message: str) -> None:
     log.warning("pool %s/%s: %s: %s", namespace, name, reason, message)
     kopf.warn(body, reason=reason, message=message)
@@ -150,6 +162,6 @@ def refused_by_api_server(status: int, message: str) -> bool:
 
 def _api_message(exc: ApiException) -> str:
     try:
-        return json.loads(exc.body).get("message") or str(exc.reason)
+        return str(json.loads(exc.body or "").get("message") or exc.reason)
     except (TypeError, ValueError, AttributeError):
         return f"{exc.status} {exc.reason}"

@@ -41,13 +41,14 @@ def pool_path(namespace: str, name: str, subresource: str = "") -> str:
     return f"{path}/{subresource}" if subresource else path
 
 
-def request(api, method: str, path: str, body: Any = None, content_type: str | None = None,
+def request(api: Any, method: str, path: str, body: Any = None, content_type: str | None = None,
             query: list[tuple[str, str]] | None = None,
             accept: str = "application/json") -> dict[str, Any]:
     """One API call through `api` (a kubernetes ApiClient: its auth, TLS, proxies).
 
     Bodies are dicts; apply patches are sent pre-serialized because not every client
-    version serializes them. Raises ApiException on any non-2xx answer.
+    version serializes them. Raises ApiException on any non-2xx answer. (`api` is typed
+    Any: the two client generations' call_api signatures fit no one annotation.)
     """
     from kubernetes.client.exceptions import ApiException
 
@@ -68,21 +69,23 @@ def request(api, method: str, path: str, body: Any = None, content_type: str | N
         response = api.call_api(path, method, query_params=query or [], header_params=headers,
                                 body=body, auth_settings=["BearerToken"],
                                 _preload_content=False, _return_http_data_only=True)
-    return json.loads(response.data or b"{}")
+    answer: dict[str, Any] = json.loads(response.data or b"{}")
+    return answer
 
 
 class Cluster:
-    def __init__(self, api_client):
+    def __init__(self, api_client: Any) -> None:   # a kubernetes.client.ApiClient
         self.api = api_client
 
     @classmethod
     def from_environment(cls) -> "Cluster":
         """In-cluster service account, or the kubeconfig ($KUBECONFIG) outside a cluster."""
         from kubernetes import client, config
+        # kubernetes.config's functions carry no annotations.
         try:
-            config.load_incluster_config()
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
-            config.load_kube_config()
+            config.load_kube_config()  # type: ignore[no-untyped-call]
         return cls(client.ApiClient())
 
     def _call(self, method: str, path: str, body: Any = None, content_type: str | None = None,
@@ -124,4 +127,5 @@ class Cluster:
     def list_deployments(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         found = self._call("GET", f"/apis/apps/v1/namespaces/{namespace}/deployments",
                            query=[("labelSelector", label_selector)])
-        return found.get("items", [])
+        items: list[dict[str, Any]] = found.get("items", [])
+        return items

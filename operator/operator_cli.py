@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdpool.cli import CliError
+    from pdpool.errors import CliError
 
     if getattr(args, "action", None) == "render":
         return _render(args)
@@ -59,7 +59,7 @@ def _render(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from pdpool.cli import CliError
+    from pdpool.errors import CliError
 
     from .render import render_pools
     from .spec import SpecError

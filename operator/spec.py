@@ -220,7 +220,7 @@ def _model(m: dict[str, Any]) -> ModelSpec:
     if path and not path.startswith("/") and not m.get("pvc"):
         raise SpecError(f"spec.model.path {path!r} is relative: set spec.model.pvc to the claim "
                         "that holds it, or give an absolute path inside the image")
-    served = m.get("servedName") or (hf_id or path.rstrip("/").rsplit("/", 1)[-1])
+    served = m.get("servedName") or hf_id or (path or "").rstrip("/").rsplit("/", 1)[-1]
     return ModelSpec(path=path, hugging_face_id=hf_id, served_name=served,
                      pvc=m.get("pvc"), hf_token_secret=m.get("hfTokenSecret"),
                      revision=m.get("revision"),
@@ -243,7 +243,8 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
         peer_allowlist=tuple(_str_list(e, "kvPeerAllowlist")),
         extra_args=tuple(_str_list(e, "extraArgs")), env=tuple(_env(e, "spec.engine")),
         kv_secret_ref=_secret_ref(e, "kvSecretRef", "spec.engine", KV_SECRET_KEY),
-        shm_size=_quantity(e, "shmSize", DEFAULT_SHM_SIZE, "spec.engine"),
+        # Absent or null: the default (a null must not leave /dev/shm unbounded).
+        shm_size=_quantity(e, "shmSize", None, "spec.engine") or DEFAULT_SHM_SIZE,
         ucx_port_count=_int(e, "ucxPortCount", DEFAULT_UCX_PORT_COUNT, "spec.engine",
                             minimum=0, maximum=4096),
         startup_timeout_s=_int(e, "startupTimeoutSeconds", 1800, "spec.engine", minimum=10,

@@ -93,7 +93,8 @@ def compute_status(*, pool: str, namespace: str, generation: int, gateway_port: 
     return status
 
 
-def _condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> dict:
+def _condition(kind: str, ok: bool, reason: str, message: str,
+               generation: int) -> dict[str, Any]:
     return {"type": kind, "status": "True" if ok else "False", "reason": reason,
             "message": message, "observedGeneration": generation}
 
@@ -105,9 +106,10 @@ def merge_conditions(old: list[dict[str, Any]], fresh: list[dict[str, Any]],
     merged = []
     for condition in fresh:
         before = previous.get(condition["type"])
-        same = before is not None and before.get("status") == condition["status"]
-        merged.append({**condition, "lastTransitionTime":
-                       before.get("lastTransitionTime", now) if same else now})
+        since = now
+        if before is not None and before.get("status") == condition["status"]:
+            since = before.get("lastTransitionTime", now)
+        merged.append({**condition, "lastTransitionTime": since})
     return merged
 
 

@@ -12,8 +12,11 @@ from typing import Any, Awaitable, Callable, Iterable, Optional
 
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
+# ASGI messages and scopes are plain dicts of str keys (the ASGI spec's JSON-like shape).
+Message = dict[str, Any]
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 # Hop-by-hop headers and those a proxy must recompute never travel between legs.
@@ -33,7 +36,7 @@ class ClientGone(Exception):
 
 
 async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES,
-                    scope: Optional[dict] = None) -> bytes:
+                    scope: Optional[Scope] = None) -> bytes:
     """The request body; BodyTooLarge as soon as it passes `limit` (an announced
     content-length already, so a huge body is never read)."""
     if scope is not None:
@@ -86,7 +89,7 @@ async def serve_lifespan(receive: Receive, send: Send, startup: Callable[[], Awa
             return
 
 
-def header_dict(scope: dict) -> dict[str, str]:
+def header_dict(scope: Scope) -> dict[str, str]:
     """Request headers, lower-cased names (the last value wins)."""
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 

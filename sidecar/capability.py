@@ -19,7 +19,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import httpx
 
@@ -31,7 +31,7 @@ CHARS_PER_TOKEN = 4
 PROBE_RETRY_S = 5.0
 
 
-def estimate_prompt_tokens(body: dict) -> int:
+def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     """Prompt tokens of a completions or chat body, estimated without a tokenizer: token-id
     prompts exactly, text as ceil(characters / 4) (the longest prompt of a batch)."""
     if "messages" in body:
@@ -86,8 +86,8 @@ class EngineCapability:
                                 "vLLM): decode-first decides P/D by prompt length")
         return self.known
 
-    async def probe_until_known(self, client_fn, decode_url: str,
-                                interval_s: float = 1.0) -> None:
+    async def probe_until_known(self, client_fn: Callable[[], httpx.AsyncClient],
+                                decode_url: str, interval_s: float = 1.0) -> None:
         while self.known is None:
             self._next_probe = 0.0
             await self.rejects(client_fn(), decode_url)
@@ -117,4 +117,4 @@ async def probe_rejects(client: httpx.AsyncClient, decode_url: str,
         reason = resp.json()["choices"][0].get("finish_reason")
     except (ValueError, KeyError, IndexError, TypeError):
         return None
-    return reason == "cache_threshold"
+    return bool(reason == "cache_threshold")

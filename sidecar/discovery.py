@@ -33,7 +33,7 @@ class EndpointSet:
         self._service = parse_service(service) if service else None
         self._refresh_s = refresh_s
         self._resolved: list[str] = []
-        self._task: Optional[asyncio.Task] = None
+        self._task: Optional[asyncio.Task[None]] = None
 
     @property
     def current(self) -> list[str]:

@@ -15,14 +15,14 @@ class Exchange:
     """One client request as it moves through the legs."""
 
     route: str
-    body: dict
+    body: dict[str, Any]
     headers: dict[str, str]
     request_id: str
     send: Send
     targets: list[str] = field(default_factory=list)  # trusted x-prefiller-host-port
     stream: bool = False
     path_taken: str = "decode"
-    prefill_usage: Optional[dict] = None
+    prefill_usage: Any = None          # the prefill leg's usage (JSON), after a P/D run
     reply_headers: dict[str, str] = field(default_factory=dict)
 
     def out_headers(self, content_type: str) -> dict[str, str]:
@@ -34,14 +34,14 @@ class Exchange:
 class Buffered:
     """A fully read upstream answer."""
     status_code: int
-    headers: dict
+    headers: dict[str, str]
     content: bytes
 
 
 @dataclass
 class PrefillResult:
-    kv: Optional[dict] = None                  # usable params for the decode leg
-    usage: Optional[dict] = None
+    kv: Optional[dict[str, Any]] = None        # usable params for the decode leg
+    usage: Any = None                          # the prefill answer's usage (JSON)
     client_error: Optional[tuple[int, bytes]] = None
 
 

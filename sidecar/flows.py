@@ -12,7 +12,7 @@ built in legs.py; prefill legs run in prefill_legs.py, decode legs in relay.py.
 """
 from __future__ import annotations
 
-from typing import Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import httpx
 
@@ -72,7 +72,7 @@ class Flows:
         self.metrics.rejections.inc()
         await self._remote_prefill_then_decode(ex, self._pull_params(rejection))
 
-    def _pull_params(self, rejection: dict) -> Optional[dict]:
+    def _pull_params(self, rejection: dict[str, Any]) -> Optional[dict[str, Any]]:
         """What the prefill leg may pull of decode's cached prefix; when nothing, decode's
         lease on that prefix is ended now."""
         pull = legs.pull_params_from_rejection(rejection, self.settings.kv_pull_threshold) \
@@ -91,7 +91,8 @@ class Flows:
         ex.path_taken = "decode"
         await self.decode.final(ex, legs.aggregated_leg(ex.body))
 
-    async def _remote_prefill_then_decode(self, ex: Exchange, pull: Optional[dict]) -> None:
+    async def _remote_prefill_then_decode(self, ex: Exchange,
+                                          pull: Optional[dict[str, Any]]) -> None:
         if pull:
             self.metrics.pull_offered_tokens.inc(int(pull.get("remote_num_tokens") or 0))
         result = await self.prefill.run(ex, legs.prefill_leg(ex.body, pull))

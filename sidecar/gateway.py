@@ -15,7 +15,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Iterator, Optional, Union
 
 import httpx
 
@@ -25,7 +25,7 @@ from pdpool.tlsutil import client_context
 from . import migration
 from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
 from .apikeys import OPEN_PATHS, ApiKeys, presented_key
-from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
+from .asgi import (BodyTooLarge, ClientGone, Receive, Scope, Send, forwardable, header_dict,
                    off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error,
                    send_start, serve_lifespan, sse_error_event)
 from .discovery import EndpointSet
@@ -34,6 +34,10 @@ from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .outlier import OutlierDetector
 from .sse import DONE, EventSplitter, event_json, json_event
+
+if TYPE_CHECKING:
+    from .kv_feeds import KVFeeds
+    from .kv_router import KVRouter
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -45,6 +49,8 @@ RETRY_STATUSES = (502, 503)
 BACKEND_HEADER = "x-pdpool-backend"
 # Headers the gateway's own server sets again (or that describe the upstream connection).
 RELAY_DROP = frozenset({"content-length", "transfer-encoding", "connection", "date", "server"})
+# How one upstream attempt ended: None when the client was answered, else (reason, message).
+Attempt = Optional[tuple[str, str]]
 
 
 @dataclass
@@ -123,7 +129,7 @@ class Gateway:
                     if settings.tls_ca_file else None)
         self.pool = Http1Pool(connect_timeout=settings.connect_timeout,  # proxied traffic
                               ssl_context=self.tls)
-        self._health_task: Optional[asyncio.Task] = None
+        self._health_task: Optional[asyncio.Task[None]] = None
         self.kv_router = self._build_kv_router() \
             if settings.kv_events or settings.kv_events_port else None
         self.kv_feeds = self._build_kv_feeds()
@@ -131,7 +137,7 @@ class Gateway:
                                         probe_failures=1, base_ejection_s=settings.ejection_s,
                                         on_eject=self._on_eject, on_readmit=self._on_readmit)
 
-    def _build_kv_router(self):
+    def _build_kv_router(self) -> KVRouter:
         from .kv_events_spec import split_spec
         from .kv_router import KVRouter
         from .security import normalize_host_port
@@ -142,7 +148,7 @@ class Gateway:
             router.subscribe(normalize_host_port(backend), *split_spec(spec))
         return router
 
-    def _build_kv_feeds(self):
+    def _build_kv_feeds(self) -> Optional[KVFeeds]:
         """Subscriptions that follow the decode Service (None without --kv-events-port)."""
         s = self.settings
         if self.kv_router is None or s.kv_events_port is None:
@@ -156,7 +162,8 @@ class Gateway:
         if self.kv_feeds is not None:
             await self.kv_feeds.refresh(self.backends.current)
 
-    async def _kv_route(self, body: Any, order: list[str], headers: dict) -> list[str]:
+    async def _kv_route(self, body: Any, order: list[str],
+                        headers: dict[str, str]) -> list[str]:
         """Reorders by cost from the engines' KV events and tells the sidecar the path."""
         router = self.kv_router
         assert router is not None
@@ -223,12 +230,14 @@ class Gateway:
 
     async def check_health(self) -> None:
         async def probe(backend: str) -> None:
+            client = self.client
+            assert client is not None, "startup() makes the client"
             try:   # readiness (a wedged engine is not ready); /health for older sidecars
-                r = await self.client.get(f"{self.scheme}://{backend}/ready",
-                                          timeout=self.settings.probe_timeout_s)
+                r = await client.get(f"{self.scheme}://{backend}/ready",
+                                     timeout=self.settings.probe_timeout_s)
                 if r.status_code == 404:
-                    r = await self.client.get(f"{self.scheme}://{backend}/health",
-                                              timeout=self.settings.probe_timeout_s)
+                    r = await client.get(f"{self.scheme}://{backend}/health",
+                                         timeout=self.settings.probe_timeout_s)
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
@@ -262,7 +271,7 @@ class Gateway:
             await self._follow_kv_events()   # the decode set may have changed
 
     # ------------------------------------------------------------------ ASGI
-    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             return await serve_lifespan(receive, send, self.startup, self.shutdown)
         if scope["type"] != "http":
@@ -283,7 +292,7 @@ class Gateway:
             return await send_error(send, 503, "no healthy decode sidecar")
         await self._proxy(scope, receive, send)
 
-    async def _proxy(self, scope: dict, receive: Receive, send: Send) -> None:
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             raw = await read_body(receive, self.settings.max_body_bytes, scope)
         except ClientGone:
@@ -314,7 +323,7 @@ class Gateway:
         if self.kv_router is not None and body is not None:
             order = await self._kv_route(body, order, headers)
         self.metrics.affinity.labels("preferred" if preferred else "spilled").inc()
-        if self.settings.migrate and scope["method"] == "POST" and \
+        if self.settings.migrate and scope["method"] == "POST" and isinstance(body, dict) and \
                 migration.can_migrate(scope["path"], body):
             flow = self._migrating_stream(scope, body, headers, order, send)
         else:
@@ -325,7 +334,7 @@ class Gateway:
         await run_until_disconnect(flow, receive)
 
     @contextlib.contextmanager
-    def _tracked(self, backend: str):
+    def _tracked(self, backend: str) -> Iterator[None]:
         self.in_flight[backend] = self.in_flight.get(backend, 0) + 1
         self.metrics.in_flight.labels(backend).inc()
         try:
@@ -334,7 +343,8 @@ class Gateway:
             self.in_flight[backend] -= 1
             self.metrics.in_flight.labels(backend).dec()
 
-    async def _supervised(self, backend: str, leg: _Leg, work) -> Any:
+    async def _supervised(self, backend: str, leg: _Leg,
+                          work: Awaitable[Attempt]) -> Union[Attempt, str]:
         """Runs one attempt on `backend`; gives up on it (returns "ejected" or "stalled")
         when the backend is ejected meanwhile (a probe found it sick) while another one is
         healthy, or a started stream goes silent for `stall_timeout_s`. (With no other
@@ -367,8 +377,8 @@ class Gateway:
                     await task
 
     # ------------------------------------------------------------------ plain requests
-    async def _try_backends(self, scope, raw: bytes, headers: dict, order: list[str],
-                            send: Send, buffered: bool = False) -> None:
+    async def _try_backends(self, scope: Scope, raw: bytes, headers: dict[str, str],
+                            order: list[str], send: Send, buffered: bool = False) -> None:
         path = scope["path"]
         if scope.get("query_string"):
             path += "?" + scope["query_string"].decode("latin-1")
@@ -393,8 +403,9 @@ class Gateway:
             self._failed(backend, reason)
         await send_error(send, 503, last_error, code="no_backend")
 
-    async def _attempt(self, method: str, backend: str, path: str, raw: bytes, fwd: dict,
-                       send: Send, buffered: bool, leg: _Leg, last: bool):
+    async def _attempt(self, method: str, backend: str, path: str, raw: bytes,
+                       fwd: dict[str, str], send: Send, buffered: bool, leg: _Leg,
+                       last: bool) -> Attempt:
         """None when the client was answered, else (failure reason, message)."""
         try:
             resp = await self.pool.send(method, f"{self.scheme}://{backend}{path}", raw, fwd)
@@ -413,12 +424,13 @@ class Gateway:
                     self.outliers.success(backend)
                 headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
                 headers[BACKEND_HEADER] = backend
-                return await send_bytes(send, resp.status_code, content, headers,
-                                        content_type=headers.pop("content-type",
-                                                                 "application/json"))
+                await send_bytes(send, resp.status_code, content, headers,
+                                 content_type=headers.pop("content-type", "application/json"))
+                return None
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
             leg.started = True
-            return await self._relay(resp, send, backend)
+            await self._relay(resp, send, backend)
+            return None
         finally:
             await resp.aclose()
 
@@ -441,8 +453,8 @@ class Gateway:
         ranked = sorted(order, key=lambda b: (b in self.unhealthy, failed.count(b)))
         return ranked[0]
 
-    async def _migrating_stream(self, scope, body: dict, headers: dict, order: list[str],
-                                send: Send) -> None:
+    async def _migrating_stream(self, scope: Scope, body: dict[str, Any],
+                                headers: dict[str, str], order: list[str], send: Send) -> None:
         """A streamed generation that survives the death of its decode path: when a leg
         breaks, the rest is asked of another backend as a token-id continuation."""
         state = migration.StreamState(scope["path"], body, self.settings.default_max_tokens)
@@ -493,9 +505,9 @@ class Gateway:
                     "body": sse_error_event(502, f"the stream could not be continued: "
                                                  f"{last_error}")})
 
-    async def _stream_leg(self, backend: str, route: str, payload: bytes, fwd: dict,
-                          state: "migration.StreamState", send: Send, client: dict,
-                          continuation: bool, leg: _Leg, last: bool):
+    async def _stream_leg(self, backend: str, route: str, payload: bytes, fwd: dict[str, str],
+                          state: "migration.StreamState", send: Send, client: dict[str, bool],
+                          continuation: bool, leg: _Leg, last: bool) -> Attempt:
         """One upstream leg of a migrating stream. None when the client's stream is
         complete (or answered with an error it must see); else (reason, message)."""
         loop = asyncio.get_running_loop()
@@ -520,9 +532,9 @@ class Gateway:
                     return None
                 headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
                 headers[BACKEND_HEADER] = backend
-                return await send_bytes(send, resp.status_code, content, headers,
-                                        content_type=headers.pop("content-type",
-                                                                 "application/json"))
+                await send_bytes(send, resp.status_code, content, headers,
+                                 content_type=headers.pop("content-type", "application/json"))
+                return None
             splitter = EventSplitter()
             try:
                 async for chunk in resp.aiter_raw():

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from pdpool.cli import CliError
+    from pdpool.errors import CliError
     from pdpool.units import parse_size
 
     from .gateway import Gateway, GatewaySettings

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 from urllib.parse import urlsplit
 
 
@@ -31,6 +31,8 @@ class UpstreamProtocolError(UpstreamError):
 
 
 MAX_HEAD = 64 * 1024
+# A pool key: (host, port, tls).
+_Key = tuple[str, int, bool]
 
 
 class _Conn:
@@ -46,9 +48,10 @@ class _Conn:
 class Response:
     """Status and headers are read; the body is read through aiter_raw() or aread()."""
 
-    def __init__(self, pool: "Http1Pool", key: tuple, conn: _Conn, status: int,
+    def __init__(self, pool: "Http1Pool", key: _Key, conn: _Conn, status: int,
                  headers: dict[str, str]) -> None:
-        self._pool, self._key, self._conn = pool, key, conn
+        self._pool, self._key = pool, key
+        self._conn: Optional[_Conn] = conn   # None once closed or back in the pool
         self.status_code = status
         self.headers = headers
         self._done = False
@@ -57,6 +60,8 @@ class Response:
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         if self._done:
             return
+        if self._conn is None:
+            raise RuntimeError("the response was closed before its body was read")
         reader = self._conn.reader
         try:
             if "chunked" in self.headers.get("transfer-encoding", "").lower():
@@ -109,9 +114,9 @@ class Http1Pool:
         self.connect_timeout = connect_timeout
         self.ssl_context = ssl_context   # for https:// (None: the system's trust store)
         self.max_idle_per_host = max_idle_per_host
-        self._idle: dict[tuple, list[_Conn]] = {}
+        self._idle: dict[_Key, list[_Conn]] = {}
 
-    async def _connect(self, key: tuple) -> _Conn:
+    async def _connect(self, key: _Key) -> _Conn:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
@@ -128,13 +133,13 @@ class Http1Pool:
                 from None
         return _Conn(reader, writer)
 
-    def _tls(self, key: tuple) -> dict:
+    def _tls(self, key: _Key) -> dict[str, Any]:
         if not key[2]:
             return {}
         return {"ssl": self.ssl_context or ssl.create_default_context(),
                 "server_hostname": key[0]}
 
-    def _release(self, key: tuple, conn: _Conn) -> None:
+    def _release(self, key: _Key, conn: _Conn) -> None:
         idle = self._idle.setdefault(key, [])
         if len(idle) < self.max_idle_per_host:
             idle.append(conn)
@@ -149,7 +154,7 @@ class Http1Pool:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UpstreamProtocolError(f"unsupported url {url!r}")
         tls = parts.scheme == "https"
-        key = (parts.hostname, parts.port or (443 if tls else 80), tls)
+        key: _Key = (parts.hostname, parts.port or (443 if tls else 80), tls)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         head = [f"{method} {target} HTTP/1.1", f"host: {parts.netloc}",
                 f"content-length: {len(body)}"]

@@ -11,9 +11,12 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from .kv_events_spec import split_spec
+
+if TYPE_CHECKING:
+    from .kv_router import KVRouter
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +60,8 @@ class KVFeeds:
     that appear are subscribed, those that vanish unsubscribed (and their blocks forgotten).
     Endpoints with a static subscription (--kv-events) are left to it."""
 
-    def __init__(self, router, port: int, replay_port: Optional[int] = None,
-                 static: Iterable[str] = (), retry_s: float = 5.0):
+    def __init__(self, router: KVRouter, port: int, replay_port: Optional[int] = None,
+                 static: Iterable[str] = (), retry_s: float = 5.0) -> None:
         self.router = router
         self.port, self.replay_port = port, replay_port
         self._static = frozenset(static)

@@ -40,7 +40,7 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def validate_client_body(body: Any, route: Optional[str] = None) -> dict:
+def validate_client_body(body: Any, route: Optional[str] = None) -> dict[str, Any]:
     """Checks the types and ranges of every field the engines' OpenAI API defines, with the
     same definition the engine uses (pdpool.protocol): what a router reads (stream, token
     limits, threshold, prompt) is what the engine will see. Fields the engine does not
@@ -50,13 +50,17 @@ def validate_client_body(body: Any, route: Optional[str] = None) -> dict:
         route = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body \
             else "/v1/completions"
     try:
-        validate_request(body, ROUTE_MODELS[route], refuse_unsupported=False)
+        # ROUTE_MODELS is unannotated in pdpool.protocol: mypy infers its values as
+        # ModelMetaclass, not the type[_GenerationFields] they are.
+        validate_request(body, ROUTE_MODELS[route],  # type: ignore[arg-type]
+                         refuse_unsupported=False)
     except RequestError as exc:
         raise BadRequest(str(exc), exc.param) from None
+    assert isinstance(body, dict)   # validate_request refuses anything but an object
     return body
 
 
-def parse_client_body(raw: bytes, route: Optional[str] = None) -> dict:
+def parse_client_body(raw: bytes, route: Optional[str] = None) -> dict[str, Any]:
     """The body of a generation request: strict JSON (pdpool.protocol.parse_json_body),
     then validate_client_body. Raises BadRequest."""
     try:
@@ -66,7 +70,7 @@ def parse_client_body(raw: bytes, route: Optional[str] = None) -> dict:
     return validate_client_body(body, route)
 
 
-def strip_client_kv_params(body: dict) -> tuple[dict, bool]:
+def strip_client_kv_params(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Removes client-supplied `kv_transfer_params`: a client must never steer KV
     transfers (which engine to read from, which blocks). Returns (body, dropped)."""
     if KV_PARAMS not in body:
@@ -76,21 +80,21 @@ def strip_client_kv_params(body: dict) -> tuple[dict, bool]:
     return clean, True
 
 
-def effective_threshold(body: dict, pool_threshold: float) -> float:
+def effective_threshold(body: dict[str, Any], pool_threshold: float) -> float:
     """The request's own threshold wins over the pool's."""
     own = body.get(THRESHOLD)
     return float(own) if own is not None else float(pool_threshold)
 
 
-def decode_first_leg(body: dict, pool_threshold: float) -> dict:
+def decode_first_leg(body: dict[str, Any], pool_threshold: float) -> dict[str, Any]:
     leg = dict(body)
     leg[THRESHOLD] = effective_threshold(body, pool_threshold)
     leg.pop(KV_PARAMS, None)
     return leg
 
 
-def pull_params_from_rejection(rejection_kv: Optional[dict],
-                               min_tokens: int = 0) -> Optional[dict]:
+def pull_params_from_rejection(rejection_kv: Optional[dict[str, Any]],
+                               min_tokens: int = 0) -> Optional[dict[str, Any]]:
     """The part of a rejection's `kv_transfer_params` a prefill engine needs to pull the
     decode engine's cached prefix; None when decode holds nothing worth pulling (fewer
     than `min_tokens` cached tokens: recomputing a short prefix beats a transfer)."""
@@ -105,7 +109,8 @@ def pull_params_from_rejection(rejection_kv: Optional[dict],
     return {k: rejection_kv[k] for k in PULL_FIELDS if rejection_kv.get(k) is not None}
 
 
-def prefill_leg(body: dict, pull: Optional[dict] = None) -> dict:
+def prefill_leg(body: dict[str, Any],
+                pull: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     leg = copy.deepcopy(body)
     leg["stream"] = False
     leg.pop("stream_options", None)
@@ -123,7 +128,8 @@ def prefill_leg(body: dict, pull: Optional[dict] = None) -> dict:
     return leg
 
 
-def decode_leg(body: dict, prefill_kv: Optional[dict]) -> dict:
+def decode_leg(body: dict[str, Any],
+               prefill_kv: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The client's request again, with the prefill's params verbatim and threshold 0.
 
     With `prefill_kv` None this is the fallback: decode prefills locally."""
@@ -136,7 +142,7 @@ def decode_leg(body: dict, prefill_kv: Optional[dict]) -> dict:
     return leg
 
 
-def aggregated_leg(body: dict) -> dict:
+def aggregated_leg(body: dict[str, Any]) -> dict[str, Any]:
     """Pass-through: never rejected, so the client never sees `cache_threshold`."""
     leg = dict(body)
     leg[THRESHOLD] = 0.0
@@ -146,7 +152,7 @@ def aggregated_leg(body: dict) -> dict:
 
 # ---------------------------------------------------------------- reading answers
 
-def finish_reasons(response: Any) -> list:
+def finish_reasons(response: Any) -> list[Any]:
     if not isinstance(response, dict):
         return []
     choices = response.get("choices")
@@ -181,9 +187,11 @@ def chunk_decides(chunk: Any) -> bool:
     return False
 
 
-def kv_params_of(response: Any) -> Optional[dict]:
-    if isinstance(response, dict) and isinstance(response.get(KV_PARAMS), dict):
-        return response[KV_PARAMS]
+def kv_params_of(response: Any) -> Optional[dict[str, Any]]:
+    if isinstance(response, dict):
+        kv = response.get(KV_PARAMS)
+        if isinstance(kv, dict):
+            return kv
     return None
 
 
@@ -191,9 +199,10 @@ def kv_params_of(response: Any) -> Optional[dict]:
 RELEASE_PATH = "/pdpool/v1/kv/release"
 
 
-def prefill_answer_is_usable(kv: Optional[dict]) -> bool:
+def prefill_answer_is_usable(kv: Optional[dict[str, Any]]) -> bool:
     """A prefill answer the decode engine can pull from."""
-    return bool(kv) and bool(kv.get("do_remote_prefill")) and bool(kv.get("remote_engine_id"))
+    return kv is not None and bool(kv.get("do_remote_prefill")) \
+        and bool(kv.get("remote_engine_id"))
 
 
 def _usage_numbers(usage: Any) -> tuple[int, int]:

@@ -39,7 +39,7 @@ def can_migrate(route: str, body: Any) -> bool:
     return route in ("/v1/completions", "/v1/chat/completions")
 
 
-def max_tokens_of(body: dict, default: int) -> int:
+def max_tokens_of(body: dict[str, Any], default: int) -> int:
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -50,7 +50,7 @@ def max_tokens_of(body: dict, default: int) -> int:
 class StreamState:
     """What the client has been sent of one streamed request, across legs."""
 
-    def __init__(self, route: str, body: dict, default_max_tokens: int = 16) -> None:
+    def __init__(self, route: str, body: dict[str, Any], default_max_tokens: int = 16) -> None:
         self.chat = route.endswith("/chat/completions")
         self.body = body
         self.client_wants_ids = bool(body.get(TOKEN_IDS))
@@ -64,11 +64,12 @@ class StreamState:
         self.finished = False                   # a finish_reason reached the client
         self.done = False                       # [DONE] reached the client
         self.usage_sent = False
-        self.identity: dict = {}                # id, created, model of the client stream
+        self.identity: dict[str, Any] = {}      # id, created, model of the client stream
         self.legs = 0                           # continuations sent
 
     # ------------------------------------------------------------------ reading
-    def observe(self, chunk: dict, continuation: bool) -> Optional[dict]:
+    def observe(self, chunk: dict[str, Any],
+                continuation: bool) -> Optional[dict[str, Any]]:
         """Records one chunk of the current leg; returns the chunk to send to the client
         (rewritten), or None to send nothing."""
         if "prompt_token_ids" in chunk and not continuation:
@@ -105,7 +106,7 @@ class StreamState:
             return self._client_chunk({"choices": [self._client_choice(choice)]}, True)
         return self._strip(chunk)
 
-    def _strip(self, chunk: dict) -> dict:
+    def _strip(self, chunk: dict[str, Any]) -> dict[str, Any]:
         if self.client_wants_ids:
             return chunk
         chunk.pop("prompt_token_ids", None)
@@ -115,7 +116,7 @@ class StreamState:
                 choice.pop("prompt_token_ids", None)
         return chunk
 
-    def _client_choice(self, choice: dict) -> dict:
+    def _client_choice(self, choice: dict[str, Any]) -> dict[str, Any]:
         """A continuation's completion choice in the client's shape."""
         text = choice.get("text") or ""
         reason = choice.get("finish_reason")
@@ -128,12 +129,12 @@ class StreamState:
             out["token_ids"] = choice.get("token_ids") or []
         return out
 
-    def _client_chunk(self, fields: dict, continuation: bool) -> dict:
+    def _client_chunk(self, fields: dict[str, Any], continuation: bool) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self.identity, "object": obj, **fields} if continuation or self.identity \
             else fields
 
-    def _usage(self, usage: dict) -> dict:
+    def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """Usage of the whole request: the original prompt, every token generated."""
         prompt = len(self.prompt_ids) if self.prompt_ids is not None else \
             int(usage.get("prompt_tokens") or 0)
@@ -152,8 +153,11 @@ class StreamState:
     def can_continue(self) -> bool:
         return self.prompt_ids is not None and not self.finished and self.remaining() > 0
 
-    def continuation(self) -> dict:
-        """The /v1/completions body that goes on from what the client has."""
+    def continuation(self) -> dict[str, Any]:
+        """The /v1/completions body that goes on from what the client has (only when
+        can_continue())."""
+        if self.prompt_ids is None:
+            raise RuntimeError("no continuation without the prompt's token ids")
         self.pending = []
         self.base_committed = len(self.committed)
         self.legs += 1
@@ -167,7 +171,7 @@ class StreamState:
         body[TOKEN_IDS] = True
         return body
 
-    def final_events(self) -> list[dict]:
+    def final_events(self) -> list[dict[str, Any]]:
         """What a client still needs when the stream can end here (a finish reason was
         sent but the tail broke): the usage chunk it asked for."""
         if self.include_usage and not self.usage_sent:

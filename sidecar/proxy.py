@@ -18,14 +18,14 @@ import contextlib
 import json
 import logging
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 
 from . import legs
-from .asgi import (BodyTooLarge, ClientGone, Receive, Send, forwardable, header_dict,
-                   off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error,
-                   serve_lifespan)
+from .asgi import (BodyTooLarge, ClientGone, Message, Receive, Scope, Send, forwardable,
+                   header_dict, off_loop_if_large, read_body, run_until_disconnect, send_bytes,
+                   send_error, serve_lifespan)
 from .capability import EngineCapability
 from .discovery import EndpointSet
 from .exchange import Exchange
@@ -60,9 +60,9 @@ class Sidecar:
                                           settings.prefill_refresh_s)
         self.clients: Optional[ClientShards] = None
         self.outliers = prefill_outliers(self.settings, self.metrics)
-        self._probe_task: Optional[asyncio.Task] = None
+        self._probe_task: Optional[asyncio.Task[None]] = None
         self.capability = EngineCapability(settings.engine_rejects)
-        self._capability_task: Optional[asyncio.Future] = None
+        self._capability_task: Optional[asyncio.Future[None]] = None
         self.metrics.engine_rejects.set_function(lambda: self.capability.gauge_value)
         # The parts share the app's settings object (tests change it on a running app).
         self.prefill = PrefillLegs(self.settings, self.metrics, picker=self.picker,
@@ -103,7 +103,7 @@ class Sidecar:
             await self.decode.aclose()
             self.clients = None
 
-    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await serve_lifespan(receive, send, self.startup, self.shutdown)
             return
@@ -126,6 +126,7 @@ class Sidecar:
     @property
     def client(self) -> httpx.AsyncClient:
         """The next upstream client (see upstream.py)."""
+        assert self.clients is not None, "startup() makes the clients"
         return self.clients.next()
 
     # ------------------------------------------------------------------ simple routes
@@ -148,7 +149,7 @@ class Sidecar:
         else:
             await send_error(send, 503, "decode engine is not healthy", code="decode_unhealthy")
 
-    async def _pass_through(self, scope: dict, receive: Receive, send: Send) -> None:
+    async def _pass_through(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Other routes (/v1/models, /tokenize, ...) go to the decode engine as they are."""
         try:
             body = await read_body(receive, self.settings.max_body_bytes, scope)
@@ -171,7 +172,7 @@ class Sidecar:
                          content_type=resp.headers.get("content-type", "application/json"))
 
     # ------------------------------------------------------------------ generation
-    async def _generation(self, scope: dict, receive: Receive, send: Send) -> None:
+    async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
         mode = self.settings.mode
         ex = await self._read_exchange(scope, receive, send)
         if ex is None:
@@ -184,7 +185,7 @@ class Sidecar:
             self.metrics.in_flight.dec()
         self.metrics.requests.labels(mode, "cancelled" if gone else ex.path_taken).inc()
 
-    async def _read_exchange(self, scope: dict, receive: Receive,
+    async def _read_exchange(self, scope: Scope, receive: Receive,
                              send: Send) -> Optional[Exchange]:
         """The request, checked; None when it was answered (or the client left) here."""
         headers = header_dict(scope)
@@ -233,7 +234,7 @@ class Sidecar:
         started = False
         client_send = ex.send
 
-        async def tracking_send(message: dict) -> None:
+        async def tracking_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
@@ -265,5 +266,5 @@ def _bad_request_message(exc: Exception) -> str:
     return str(exc)
 
 
-def build_app(settings: SidecarSettings, **kwargs) -> Sidecar:
+def build_app(settings: SidecarSettings, **kwargs: Any) -> Sidecar:
     return Sidecar(settings, **kwargs)

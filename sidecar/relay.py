@@ -51,7 +51,7 @@ class DecodeRelay:
         if self.pool is not None:
             await self.pool.aclose()
 
-    async def first(self, ex: Exchange, leg: dict) -> Optional[dict]:
+    async def first(self, ex: Exchange, leg: dict[str, Any]) -> Optional[dict[str, Any]]:
         """Decode-first: relays decode's answer unless it is a rejection, which never reaches
         the client; then returns the rejection's kv params ({} when none), else None."""
         if ex.stream:
@@ -65,7 +65,7 @@ class DecodeRelay:
         await relay_buffered(ex, resp.status_code, resp.content, _content_type(resp))
         return None
 
-    async def final(self, ex: Exchange, leg: dict) -> None:
+    async def final(self, ex: Exchange, leg: dict[str, Any]) -> None:
         """The last decode leg; after a prefill leg its usage covers both legs."""
         if ex.path_taken != "aggregated":
             self.metrics.legs.labels("decode").inc()
@@ -77,7 +77,7 @@ class DecodeRelay:
             content = decode_answer_usage(self.metrics, content, ex.prefill_usage)
         await relay_buffered(ex, resp.status_code, content, _content_type(resp))
 
-    async def _send(self, ex: Exchange, leg: dict,
+    async def _send(self, ex: Exchange, leg: dict[str, Any],
                     use: Callable[[Response], Awaitable[T]]) -> T:
         """Sends a decode leg and hands its answer to `use`; both again while they fail before
         anything reached the client (the engine broke or restarted before the first token
@@ -135,12 +135,14 @@ async def _relay_refusal(ex: Exchange, resp: Response) -> None:
     await relay_buffered(ex, resp.status_code, await resp.aread(), _content_type(resp))
 
 
-async def _stream_unless_rejected(ex: Exchange, resp: Response) -> Optional[dict]:
+async def _stream_unless_rejected(ex: Exchange, resp: Response) -> Optional[dict[str, Any]]:
     """Streams decode's answer through unless its first deciding event is a rejection; then
     drains the (short) rejected stream and returns its kv params."""
     if resp.status_code != 200:
-        return await _relay_refusal(ex, resp)
-    splitter, held = EventSplitter(), []
+        await _relay_refusal(ex, resp)
+        return None
+    splitter = EventSplitter()
+    held: list[bytes] = []
     chunks = resp.aiter_raw()
     decided = await _until_decided(chunks, splitter, held)
     if legs.is_rejection(decided):
@@ -170,7 +172,7 @@ async def _until_decided(chunks: AsyncIterator[bytes], splitter: EventSplitter,
 
 
 async def _drain_rejection(chunks: AsyncIterator[bytes], splitter: EventSplitter,
-                           first: dict, held: list[bytes]) -> dict:
+                           first: dict[str, Any], held: list[bytes]) -> dict[str, Any]:
     """Reads the rest of a rejected stream (what was held, then what follows) for its kv
     params (final chunk)."""
     kv = legs.kv_params_of(first)

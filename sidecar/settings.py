@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import ssl
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -56,7 +57,7 @@ class SidecarSettings:
     def upstream_scheme(self) -> str:
         return "https" if self.tls_ca_file else "http"
 
-    def ssl_context(self):
+    def ssl_context(self) -> Optional[ssl.SSLContext]:
         """The context upstream TLS is verified with (None: no CA given)."""
         if not self.tls_ca_file:
             return None
@@ -71,7 +72,10 @@ class SidecarSettings:
             raise ValueError("max_body_bytes must be at least 1KiB")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        self.cache_hit_threshold = validate_threshold(self.cache_hit_threshold)
+        threshold = validate_threshold(self.cache_hit_threshold)
+        if threshold is None:   # null in a config file: every request would fail on it
+            raise ValueError("cache_hit_threshold must be a number in [0, 1], got None")
+        self.cache_hit_threshold = threshold
         if not self.decode_url.startswith(("http://", "https://")):
             raise ValueError(f"decode url must start with http:// or https://: {self.decode_url}")
         self.decode_url = self.decode_url.rstrip("/")

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .settings import SidecarSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,8 +76,8 @@ SETTING_FLAGS = ("decode_url", "prefill_urls", "prefill_service", "prefill_refre
                  "kv_tokenizer", "prefill_kv_events_port", "prefill_kv_events_replay_port")
 
 
-def settings_from_args(args: argparse.Namespace):
-    from pdpool.cli import CliError
+def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
+    from pdpool.errors import CliError
     from .settings import build_settings, load_config_file
     try:
         file_values = load_config_file(args.config) if args.config else {}
@@ -85,7 +89,7 @@ def settings_from_args(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     import uvicorn
     from .proxy import build_app
-    from pdpool.cli import CliError
+    from pdpool.errors import CliError
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise CliError("--tls-cert-file and --tls-key-file go together")
     tls = {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file} \

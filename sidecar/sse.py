@@ -51,7 +51,9 @@ def json_event(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def usage_of(chunk: Any) -> Optional[dict]:
-    if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
-        return chunk["usage"]
+def usage_of(chunk: Any) -> Optional[dict[str, Any]]:
+    if isinstance(chunk, dict):
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            return usage
     return None

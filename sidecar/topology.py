@@ -21,13 +21,14 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def pdpool_command(*args: str) -> list[str]:
@@ -86,7 +87,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)   # added to the parent's environment
     pid: Optional[int] = None
     restarts: int = 0
-    proc: Optional[subprocess.Popen] = field(default=None, repr=False)
+    proc: Optional[subprocess.Popen[bytes]] = field(default=None, repr=False)
     scheme: str = "http"       # https with `pdpool up --tls`
 
     @property
@@ -198,7 +199,7 @@ class Topology:
         argv = pdpool_command("serve", self.spec.model, "--host", "127.0.0.1",
                               "--port", str(port), "--device", self.spec.device,
                               "--kv-connector", self.kv_connector)
-        if self.kv_connector != "none":
+        if self.kv_secret_file is not None:   # written whenever there is a KV connector
             # Both roles on both sides: decode reads prefill's blocks, and prefill reads
             # decode's cached prefix (the bidirectional pull of decode-first).
             argv += ["--kv-role", "both", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
@@ -352,8 +353,9 @@ class Topology:
         pending = list(self.children)
         while pending:
             for child in list(pending):
-                if child.proc.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with {child.proc.returncode}; "
+                code = _process(child).poll()
+                if code is not None:
+                    raise RuntimeError(f"{child.name} exited with {code}; "
                                        f"last log lines:\n{tail(child.log_path)}")
                 if healthy(child.url, ca_file=self.ca_file):
                     pending.remove(child)
@@ -389,7 +391,7 @@ class Topology:
     def restart(self, child: Child) -> None:
         """Kills one child and starts it again on the same port (a crash and restart)."""
         _signal(child, signal.SIGKILL)
-        child.proc.wait(10)
+        _process(child).wait(10)
         child.restarts += 1
         self._spawn(child)
 
@@ -418,7 +420,7 @@ class Topology:
                 _signal(child, signal.SIGKILL)
                 child.proc.wait(5)
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {
             "gateway_url": self.gateway.url,
             "kv_connector": self.kv_connector,
@@ -435,8 +437,14 @@ class Topology:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _process(child: Child) -> subprocess.Popen[bytes]:
+    if child.proc is None:
+        raise RuntimeError(f"{child.name} was never started")
+    return child.proc
 
 
 def _signal(child: Child, sig: int) -> None:
@@ -453,7 +461,7 @@ def healthy(url: str, timeout: float = 1.0, ca_file: Optional[str] = None) -> bo
     context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout, context=context) as r:
-            return r.status == 200
+            return bool(r.status == 200)
     except (urllib.error.URLError, OSError, ValueError):
         return False
 

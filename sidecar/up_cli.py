@@ -7,6 +7,8 @@ import argparse
 import signal
 import sys
 import time
+from types import FrameType
+from typing import NoReturn, Optional
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pdpool.cli import CliError
+    from pdpool.errors import CliError
 
     from .topology import Topology, TopologySpec, ensure_tiny_model, write_state
     if args.prefill < 0 or args.decode < 1:
@@ -77,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as exc:   # openssl missing or failing (--tls)
         raise CliError(str(exc)) from None
 
-    def stop_on_signal(signum, frame):
+    def stop_on_signal(signum: int, frame: Optional[FrameType]) -> NoReturn:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_signal)

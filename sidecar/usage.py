@@ -6,7 +6,7 @@ the usage chunk of a stream, and `pdpool_sidecar_computed_prompt_tokens_total{le
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from . import legs
 from .exchange import json_or_none
@@ -14,7 +14,8 @@ from .metrics import SidecarMetrics
 from .sse import EventSplitter, event_json, json_event, usage_of
 
 
-def json_usage(data: Any) -> Optional[dict]:
+def json_usage(data: Any) -> Any:
+    """The `usage` of a JSON answer (any JSON value; None when absent)."""
     return data.get("usage") if isinstance(data, dict) else None
 
 
@@ -24,7 +25,7 @@ def count_computed(metrics: SidecarMetrics, leg: str, usage: Any) -> None:
 
 
 def decode_answer_usage(metrics: SidecarMetrics, content: bytes,
-                        prefill_usage: Optional[dict]) -> bytes:
+                        prefill_usage: Any) -> bytes:
     """A decode leg's buffered answer (200), its computed tokens counted and, after a prefill
     leg, its usage covering both legs."""
     data = json_or_none(content)
@@ -41,7 +42,7 @@ class StreamUsageRewriter:
     """Rewrites the usage chunk of a decode stream to cover the prefill leg too (and counts
     the tokens decode computed). Bytes in, bytes out: only whole events leave `feed`."""
 
-    def __init__(self, metrics: SidecarMetrics, prefill_usage: dict) -> None:
+    def __init__(self, metrics: SidecarMetrics, prefill_usage: Any) -> None:
         self.metrics = metrics
         self.prefill_usage = prefill_usage
         self.splitter = EventSplitter()

@@ -11,7 +11,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The packages mypy checks: strict ones are marked in pyproject.toml.
 TYPED = [("-m", "pdpool"), ("-m", "pdpool.units"), ("-p", "pdpool.engine.kv"),
-         ("-m", "pdpool.engine.scheduler"), ("-p", "pdpool.engine.connector")]
+         ("-m", "pdpool.engine.scheduler"), ("-p", "pdpool.engine.connector"),
+         ("-p", "pdpool.sidecar"), ("-p", "pdpool.operator")]
 PACKAGE_FOLDERS = {"engine": "engine", "sidecar": "sidecar", "operator": "operator",
                    "kernels": "kernels"}
 

@@ -3,6 +3,7 @@
 Responder's, the writing is the ResponseWriter's."""
 from __future__ import annotations
 
+import abc
 from typing import Optional
 
 from fastapi import Request
@@ -17,7 +18,7 @@ from pdpool.engine.server.response_writer import ChoiceFormat, ResponseWriter
 from pdpool.engine.server.translator import RequestTranslator
 
 
-class Responder:
+class Responder(abc.ABC):
     """Body -> prompts -> choices -> answer. From the body read until the first outputs the
     work races the client: one that goes away cancels it (see until_disconnect)."""
     request_type: type
@@ -37,8 +38,9 @@ class Responder:
                                          self.metrics)
         return await self.writer.write(http_req, req, fmt, prompts, choices)
 
+    @abc.abstractmethod
     async def prompt_ids(self, req) -> list[list[int]]:
-        raise NotImplementedError
+        """The prompts of the request, as token ids (one list per prompt)."""
 
     async def _start(self, http_req: Request, req, prompts: list[list[int]],
                      fmt: ChoiceFormat):

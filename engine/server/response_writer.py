@@ -3,6 +3,7 @@ whole or as an SSE stream, with usage and logprobs. What differs between the two
 a ChoiceFormat; everything here but the writer's two loops is pure."""
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import time
@@ -21,7 +22,7 @@ from pdpool.engine.server.protocol import error_body, usage_dict
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-class ChoiceFormat:
+class ChoiceFormat(abc.ABC):
     """The JSON of one endpoint's choices, one instance per HTTP request (its token texts
     are cached across the request's choices)."""
     id_prefix: str
@@ -38,12 +39,14 @@ class ChoiceFormat:
     def logprobs_formatter(self) -> LogprobsFormatter:
         return self.new_logprobs_formatter(self.text_of)
 
+    @abc.abstractmethod
     def full_choice(self, index: int, text: str, finish_reason: Optional[str],
                     logprobs: Optional[dict]) -> dict:
-        raise NotImplementedError
+        """One choice of a whole (non-streamed) answer."""
 
+    @abc.abstractmethod
     def chunk_choice(self, index: int, out: RequestOutput, logprobs: Optional[dict]) -> dict:
-        raise NotImplementedError
+        """One choice of a streamed chunk."""
 
     def opening_choice(self, index: int) -> Optional[dict]:
         """The chunk that opens a streamed choice before its tokens, if the endpoint has one."""

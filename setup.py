@@ -3,6 +3,7 @@
 The folders keep the layout of the design brief (engine/, operator/, ...) while the import
 names (`pdpool.engine`, `pdpool.operator`, ...) can never shadow the standard library.
 """
+
 import os
 
 from setuptools import setup
@@ -32,5 +33,9 @@ def discover():
 
 
 packages, package_dir = discover()
-setup(packages=packages, package_dir=package_dir, include_package_data=True,
-      package_data={"pdpool": ["data/*"]})
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    include_package_data=True,
+    package_data={"pdpool": ["data/*"]},
+)

@@ -1,4 +1,5 @@
 """Helpers shared by the benchmark scripts: result tables and JSON files."""
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,12 @@ def _cell(v) -> str:
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": {"platform": platform.platform(), "processor": platform.processor()},
-               **payload}
+    payload = {
+        "benchmark": name,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        **payload,
+    }
     out.write_text(json.dumps(payload, indent=2))
     print(f"\nwrote {out}")
     return out

@@ -16,6 +16,7 @@ Shapes: small = 2 layers, hidden 64, head_dim 32; large = 4 layers, hidden 512, 
 Both engines get the machine's defaults: pdpool serve torch's threads; vLLM its CPU defaults
 (OpenMP bound to one core, one reserved for its frontend); `--vllm-bind 0-1` changes that.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,20 +33,40 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pdpool.sidecar.topology import (VLLM_ARGS, VLLM_ENV, free_port, healthy,  # noqa: E402
-                                     pdpool_command, served_model_name, vllm_command)
+from pdpool.sidecar.topology import (
+    VLLM_ARGS,
+    VLLM_ENV,
+    free_port,
+    healthy,  # noqa: E402
+    pdpool_command,
+    served_model_name,
+    vllm_command,
+)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = {
-    "small": dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
-                  num_kv_heads=2, head_dim=32),
-    "large": dict(num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=8,
-                  num_kv_heads=4, head_dim=64),
+    "small": dict(
+        num_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+    ),
+    "large": dict(
+        num_layers=4,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+    ),
 }
 
 
 def model_for(shape: str) -> str:
     from pdpool.engine.tiny_model import TinyModelSpec, write_tiny_model
+
     out = os.path.join(os.path.expanduser("~"), ".cache", "pdpool", f"bench-vllm-{shape}-h32")
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         write_tiny_model(out, TinyModelSpec(arch="qwen3", seed=7, **SHAPES[shape]))
@@ -54,16 +75,22 @@ def model_for(shape: str) -> str:
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(3, vocab - 20) for _ in range(rng.randint(16, 256))],
-             rng.randint(8, 128)) for _ in range(n)]
+    return [
+        ([rng.randrange(3, vocab - 20) for _ in range(rng.randint(16, 256))], rng.randint(8, 128))
+        for _ in range(n)
+    ]
 
 
 class Server:
     def __init__(self, name: str, argv: list[str], port: int, log: str, env=None):
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                     start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=open(log, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         self.log = log
 
     def wait(self, timeout: float = 900) -> float:
@@ -89,11 +116,19 @@ class Server:
             self.signal(signal.SIGKILL)
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-              max_tokens: int) -> tuple[float, str, int, list[int]]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}   # vLLM's extension, also ours: token ids per chunk
+async def one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float, str, int, list[int]]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }  # vLLM's extension, also ours: token ids per chunk
     t0 = time.perf_counter()
     ttft, text, tokens, ids = None, [], 0, []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -120,9 +155,15 @@ async def run_round(url: str, model: str, work) -> dict:
         wall = time.perf_counter() - t0
     ttfts = sorted(o[0] for o in outs)
     tokens = sum(o[2] for o in outs)
-    return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
-            "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * len(ttfts))],
-            "texts": [o[1] for o in outs], "ids": [o[3] for o in outs]}
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "tok_s": tokens / wall,
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p90": ttfts[int(0.9 * len(ttfts))],
+        "texts": [o[1] for o in outs],
+        "ids": [o[3] for o in outs],
+    }
 
 
 def bench_shape(shape: str, args) -> dict:
@@ -133,15 +174,33 @@ def bench_shape(shape: str, args) -> dict:
     logs = os.path.join(RESULTS, "logs")
     os.makedirs(logs, exist_ok=True)
     p1, p2 = free_port(), free_port()
-    ours = Server("pdpool", pdpool_command("serve", model, "--port", str(p1), "--device", "cpu",
-                                           "--log-level", "warning"), p1,
-                  os.path.join(logs, f"vs-vllm-{shape}-pdpool.log"))
+    ours = Server(
+        "pdpool",
+        pdpool_command(
+            "serve", model, "--port", str(p1), "--device", "cpu", "--log-level", "warning"
+        ),
+        p1,
+        os.path.join(logs, f"vs-vllm-{shape}-pdpool.log"),
+    )
     env = dict(VLLM_ENV)
     if args.vllm_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind
-    theirs = Server("vllm", [args.vllm_bin or vllm_command(), "serve", model, "--port", str(p2),
-                             "--served-model-name", name, *VLLM_ARGS], p2,
-                    os.path.join(logs, f"vs-vllm-{shape}-vllm.log"), env)
+    theirs = Server(
+        "vllm",
+        [
+            args.vllm_bin or vllm_command(),
+            "serve",
+            model,
+            "--port",
+            str(p2),
+            "--served-model-name",
+            name,
+            *VLLM_ARGS,
+        ],
+        p2,
+        os.path.join(logs, f"vs-vllm-{shape}-vllm.log"),
+        env,
+    )
     try:
         start = {"pdpool": ours.wait(), "vllm": theirs.wait()}
         servers = [ours, theirs]
@@ -151,26 +210,38 @@ def bench_shape(shape: str, args) -> dict:
                 other = theirs if s is ours else ours
                 other.signal(signal.SIGSTOP)
                 try:
-                    if r == 0:   # warm-up: one request
+                    if r == 0:  # warm-up: one request
                         asyncio.run(run_round(s.url, name, work[:1]))
                     res = asyncio.run(run_round(s.url, name, work))
                 finally:
                     other.signal(signal.SIGCONT)
                 rounds[s.name].append(res)
-                print(f"  {shape} round {r + 1} {s.name}: {res['tok_s']:.0f} tok/s, "
-                      f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms", flush=True)
+                print(
+                    f"  {shape} round {r + 1} {s.name}: {res['tok_s']:.0f} tok/s, "
+                    f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms",
+                    flush=True,
+                )
     finally:
         ours.stop()
         theirs.stop()
     best = {k: max(v, key=lambda x: x["tok_s"]) for k, v in rounds.items()}
     same = sum(a == b for a, b in zip(rounds["pdpool"][0]["texts"], rounds["vllm"][0]["texts"]))
-    same_ids = sum(a == b and len(a) > 0
-                   for a, b in zip(rounds["pdpool"][0]["ids"], rounds["vllm"][0]["ids"]))
-    return {"shape": shape, "spec": SHAPES[shape], "startup_s": start,
-            "best": {k: {kk: vv for kk, vv in v.items() if kk not in ("texts", "ids")}
-                     for k, v in best.items()},
-            "all_tok_s": {k: [round(x["tok_s"], 1) for x in v] for k, v in rounds.items()},
-            "equal_texts": same, "equal_token_ids": same_ids, "requests": len(work)}
+    same_ids = sum(
+        a == b and len(a) > 0 for a, b in zip(rounds["pdpool"][0]["ids"], rounds["vllm"][0]["ids"])
+    )
+    return {
+        "shape": shape,
+        "spec": SHAPES[shape],
+        "startup_s": start,
+        "best": {
+            k: {kk: vv for kk, vv in v.items() if kk not in ("texts", "ids")}
+            for k, v in best.items()
+        },
+        "all_tok_s": {k: [round(x["tok_s"], 1) for x in v] for k, v in rounds.items()},
+        "equal_texts": same,
+        "equal_token_ids": same_ids,
+        "requests": len(work),
+    }
 
 
 def main() -> int:
@@ -185,15 +256,19 @@ def main() -> int:
     results = []
     for shape in args.shapes.split(","):
         results.append(bench_shape(shape, args))
-    print("\n| shape | engine | output tok/s (best of %d) | TTFT p50 | TTFT p90 | equal token ids "
-          "| equal texts |" % args.rounds)
+    print(
+        "\n| shape | engine | output tok/s (best of %d) | TTFT p50 | TTFT p90 | equal token ids "
+        "| equal texts |" % args.rounds
+    )
     print("|---|---|---|---|---|---|---|")
     for res in results:
         for eng in ("pdpool", "vllm"):
             b = res["best"][eng]
-            print(f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | {b['ttft_p50'] * 1000:.0f} ms "
-                  f"| {b['ttft_p90'] * 1000:.0f} ms | {res['equal_token_ids']}/{res['requests']} "
-                  f"| {res['equal_texts']}/{res['requests']} |")
+            print(
+                f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | {b['ttft_p50'] * 1000:.0f} ms "
+                f"| {b['ttft_p90'] * 1000:.0f} ms | {res['equal_token_ids']}/{res['requests']} "
+                f"| {res['equal_texts']}/{res['requests']} |"
+            )
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "engine_vs_vllm.json"), "w") as fh:
         json.dump(results, fh, indent=2)

@@ -14,6 +14,7 @@ blocks the engines still hold once idle (a leak would show here).
     python benchmarks/fault_injection.py                # about two minutes on 2 cores
     python benchmarks/fault_injection.py --conversations 8 --gap-s 10
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,10 @@ from common import print_table, write_json  # noqa: E402
 
 from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model  # noqa: E402
 
-WORDS = ("river stone cloud lantern harbor meadow copper violet orchard signal ember "
-         "compass willow summit thunder canyon").split()
+WORDS = (
+    "river stone cloud lantern harbor meadow copper violet orchard signal ember "
+    "compass willow summit thunder canyon"
+).split()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -69,10 +72,19 @@ class Load:
         rec = {"t": t0, "ok": False, "error": None}
         text = []
         try:
-            with client.stream("POST", "/v1/chat/completions", json={
-                    "model": self.model, "messages": messages, "stream": True,
-                    "max_tokens": self.args.max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream_options": {"include_usage": True}}) as r:
+            with client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": self.model,
+                    "messages": messages,
+                    "stream": True,
+                    "max_tokens": self.args.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ) as r:
                 if r.status_code != 200:
                     rec["error"] = f"HTTP {r.status_code}: {r.read()[:200]!r}"
                 else:
@@ -101,8 +113,9 @@ class Load:
     def conversation(self, i: int) -> None:
         with httpx.Client(base_url=self.url, timeout=300) as client:
             while not self.stop.is_set():
-                messages = [{"role": "system",
-                             "content": f"Conversation {i}. " + " ".join(WORDS) * 3}]
+                messages = [
+                    {"role": "system", "content": f"Conversation {i}. " + " ".join(WORDS) * 3}
+                ]
                 for t in range(self.args.turns):
                     if self.stop.is_set():
                         return
@@ -116,10 +129,14 @@ class Load:
 def ejected_anywhere(topo: Topology, endpoint: str, role: str) -> bool:
     """Whether the routers in front of `endpoint` have it ejected."""
     if role == "prefill":
-        return any(scrape(s.url).get(f'pdpool_sidecar_prefill_ejected{{endpoint="{endpoint}"}}')
-                   == 1.0 for s in topo.by_role("sidecar"))
-    return scrape(topo.gateway.url).get(
-        f'pdpool_gateway_backend_ejected{{backend="{endpoint}"}}') == 1.0
+        return any(
+            scrape(s.url).get(f'pdpool_sidecar_prefill_ejected{{endpoint="{endpoint}"}}') == 1.0
+            for s in topo.by_role("sidecar")
+        )
+    return (
+        scrape(topo.gateway.url).get(f'pdpool_gateway_backend_ejected{{backend="{endpoint}"}}')
+        == 1.0
+    )
 
 
 def fault_schedule(topo: Topology) -> list[tuple[str, str, object, str]]:
@@ -149,7 +166,7 @@ def run_faults(topo: Topology, load: Load, args) -> list[dict]:
             if detect is None and ejected_anywhere(topo, endpoint, role):
                 detect = time.monotonic() - t0
             if action == "kill":
-                topo.supervise_once()   # what `pdpool up` does: start it again
+                topo.supervise_once()  # what `pdpool up` does: start it again
             time.sleep(0.2)
         if action == "stop":
             os.kill(child.pid, signal.SIGCONT)
@@ -167,13 +184,21 @@ def run_faults(topo: Topology, load: Load, args) -> list[dict]:
                     break
             time.sleep(0.2)
         during = [r for r in load.records if r["t"] >= t0 - 1]
-        rows.append({"fault": name, "held_s": args.fault_s if action == "stop" else 0.0,
-                     "ejected_after_s": detect, "serving_again_s": recovered,
-                     "requests_after": len(during),
-                     "failed_after": sum(not r["ok"] for r in during)})
-        print(f"  {name}: ejected after {detect}s, serving again {recovered}s after "
-              f"{'SIGCONT' if action == 'stop' else 'the kill (restart included)'}",
-              flush=True)
+        rows.append(
+            {
+                "fault": name,
+                "held_s": args.fault_s if action == "stop" else 0.0,
+                "ejected_after_s": detect,
+                "serving_again_s": recovered,
+                "requests_after": len(during),
+                "failed_after": sum(not r["ok"] for r in during),
+            }
+        )
+        print(
+            f"  {name}: ejected after {detect}s, serving again {recovered}s after "
+            f"{'SIGCONT' if action == 'stop' else 'the kill (restart included)'}",
+            flush=True,
+        )
     return rows
 
 
@@ -182,25 +207,34 @@ def main() -> int:
     ap.add_argument("--model", help="checkpoint (default: the tiny model)")
     ap.add_argument("--arch", default="qwen3")
     ap.add_argument("--conversations", type=int, default=6)
-    ap.add_argument("--turns", type=int, default=4, help="turns before a conversation "
-                                                         "starts over")
+    ap.add_argument("--turns", type=int, default=4, help="turns before a conversation starts over")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--think-s", type=float, default=0.2, help="pause between turns")
     ap.add_argument("--gap-s", type=float, default=6.0, help="quiet time before each fault")
-    ap.add_argument("--fault-s", type=float, default=6.0,
-                    help="how long a frozen engine stays frozen (kills: time watched)")
+    ap.add_argument(
+        "--fault-s",
+        type=float,
+        default=6.0,
+        help="how long a frozen engine stays frozen (kills: time watched)",
+    )
     ap.add_argument("--kv-blocks", type=int, default=512)
     args = ap.parse_args()
 
     model_dir = args.model or ensure_tiny_model(args.arch)
-    spec = TopologySpec(model=model_dir, prefill=2, decode=2, decode_retry_s=30.0,
-                        engine_args=["--max-model-len", "2048",
-                                     "--num-kv-blocks", str(args.kv_blocks)])
+    spec = TopologySpec(
+        model=model_dir,
+        prefill=2,
+        decode=2,
+        decode_retry_s=30.0,
+        engine_args=["--max-model-len", "2048", "--num-kv-blocks", str(args.kv_blocks)],
+    )
     with Topology(spec) as topo:
         model = httpx.get(topo.gateway.url + "/v1/models").json()["data"][0]["id"]
         load = Load(topo.gateway.url, model, args)
-        threads = [threading.Thread(target=load.conversation, args=(i,), daemon=True)
-                   for i in range(args.conversations)]
+        threads = [
+            threading.Thread(target=load.conversation, args=(i,), daemon=True)
+            for i in range(args.conversations)
+        ]
         started = time.monotonic()
         for t in threads:
             t.start()
@@ -220,28 +254,51 @@ def main() -> int:
     recs = load.records
     lat = [r["latency_s"] for r in recs if r["ok"]]
     summary = {
-        "conversations": args.conversations, "wall_s": wall, "sent": len(recs),
-        "served": sum(r["ok"] for r in recs), "failed": sum(not r["ok"] for r in recs),
-        "p50_s": pct(lat, .5), "p99_s": pct(lat, .99), "max_s": max(lat) if lat else None,
+        "conversations": args.conversations,
+        "wall_s": wall,
+        "sent": len(recs),
+        "served": sum(r["ok"] for r in recs),
+        "failed": sum(not r["ok"] for r in recs),
+        "p50_s": pct(lat, 0.5),
+        "p99_s": pct(lat, 0.99),
+        "max_s": max(lat) if lat else None,
         "migrations": gw.get('pdpool_gateway_migrations_total{outcome="ok"}', 0.0),
         "gw_ejections": gw.get("pdpool_gateway_ejections_total", 0.0),
-        "prefill_ejections": sum(s.get("pdpool_sidecar_prefill_ejections_total", 0.0)
-                                 for s in sidecars),
+        "prefill_ejections": sum(
+            s.get("pdpool_sidecar_prefill_ejections_total", 0.0) for s in sidecars
+        ),
         "kv_blocks_held_idle": sum(m.get("pdpool_kv_blocks_used", 0.0) for m in idle.values()),
     }
-    kv_rows = [{"engine": name, "kv_blocks_used": m.get("pdpool_kv_blocks_used"),
-                "running": m.get("pdpool_num_requests_running"),
-                "waiting": m.get("pdpool_num_requests_waiting")} for name, m in idle.items()]
-    print_table([summary], f"fault injection: {args.conversations} conversations, streamed chat, "
-                           f"{args.max_tokens} tokens per turn, prefill 2 + decode 2")
+    kv_rows = [
+        {
+            "engine": name,
+            "kv_blocks_used": m.get("pdpool_kv_blocks_used"),
+            "running": m.get("pdpool_num_requests_running"),
+            "waiting": m.get("pdpool_num_requests_waiting"),
+        }
+        for name, m in idle.items()
+    ]
+    print_table(
+        [summary],
+        f"fault injection: {args.conversations} conversations, streamed chat, "
+        f"{args.max_tokens} tokens per turn, prefill 2 + decode 2",
+    )
     print_table(faults, "faults")
     print_table(kv_rows, "engines at idle afterwards")
     errors = [r["error"] for r in recs if not r["ok"]]
     if errors:
         print("\nfailures:", *errors[:10], sep="\n  ")
-    write_json("fault_injection", {"args": vars(args), "summary": summary, "faults": faults,
-                                   "idle_engines": kv_rows, "restarts": restarts,
-                                   "errors": errors[:50]})
+    write_json(
+        "fault_injection",
+        {
+            "args": vars(args),
+            "summary": summary,
+            "faults": faults,
+            "idle_engines": kv_rows,
+            "restarts": restarts,
+            "errors": errors[:50],
+        },
+    )
     return 0 if summary["failed"] == 0 else 1
 
 

@@ -3,6 +3,7 @@
 `--smoke` runs tiny shapes under TRITON_INTERPRET=1 on a machine without a GPU: it checks
 that a script works end to end; its numbers mean nothing and are labelled so.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,39 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # Datasheet HBM bandwidth, GB/s (1e9 bytes/s), matched against torch's device name.
 HBM_PEAK_GBPS = [
-    ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
-    ("H800", 3350.0), ("GH200", 4000.0), ("B200", 8000.0), ("A100-SXM4-80GB", 2039.0),
-    ("A100 80GB PCIe", 1935.0), ("A100", 1555.0), ("L40S", 864.0), ("L4", 300.0),
-    ("A10G", 600.0), ("A10", 600.0), ("RTX 4090", 1008.0),
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),
+    ("H800", 3350.0),
+    ("GH200", 4000.0),
+    ("B200", 8000.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),
+    ("L40S", 864.0),
+    ("L4", 300.0),
+    ("A10G", 600.0),
+    ("A10", 600.0),
+    ("RTX 4090", 1008.0),
 ]
 # Datasheet dense bf16 tensor-core TFLOP/s.
-BF16_PEAK_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("H800", 989.0),
-                    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0)]
+BF16_PEAK_TFLOPS = [
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+]
 
 
 def setup(smoke: bool):
     """Returns (torch, device). Without CUDA only --smoke runs, under the Triton interpreter."""
     import torch
+
     if torch.cuda.is_available() and not smoke:
         return torch, torch.device("cuda")
     if not smoke:
@@ -53,8 +74,8 @@ def time_ms(torch, device, fn, warmup: int = 5, iters: int = 20) -> float:
     """Median milliseconds per call (CUDA events through triton's do_bench on a GPU)."""
     if device.type == "cuda":
         from triton.testing import do_bench
-        return float(do_bench(fn, warmup=warmup * 5, rep=max(iters * 5, 50),
-                              return_mode="median"))
+
+        return float(do_bench(fn, warmup=warmup * 5, rep=max(iters * 5, 50), return_mode="median"))
     fn()
     start = time.perf_counter()
     fn()

@@ -7,12 +7,20 @@ layer (16 key heads, 32 value heads, 128 x 128), states in a pool addressed by s
     python benchmarks/kernels_gdn_decode.py            # on a GPU
     python benchmarks/kernels_gdn_decode.py --smoke    # interpreter check, no GPU
 """
+
 from __future__ import annotations
 
 import argparse
 
-from kernels_common import (HBM_PEAK_GBPS, device_name, lookup, print_table, setup, time_ms,
-                            write_json)
+from kernels_common import (
+    HBM_PEAK_GBPS,
+    device_name,
+    lookup,
+    print_table,
+    setup,
+    time_ms,
+    write_json,
+)
 
 
 def main() -> int:
@@ -45,25 +53,52 @@ def main() -> int:
         pool = torch.randn(batch * 2, args.v_heads, args.k_dim, args.v_dim, device=device) * 0.1
         indices = torch.randperm(batch * 2, device=device)[:batch]
         state_bytes = batch * args.v_heads * args.k_dim * args.v_dim * 4 * 2
-        ms = time_ms(torch, device, lambda: gated_delta_rule_decode_triton(
-            q, k, v, g, beta, pool, state_indices=indices))
-        torch_ms = time_ms(torch, device, lambda: gated_delta_rule_decode_reference(
-            q, k, v, g, beta, pool, state_indices=indices))
+        ms = time_ms(
+            torch,
+            device,
+            lambda: gated_delta_rule_decode_triton(q, k, v, g, beta, pool, state_indices=indices),
+        )
+        torch_ms = time_ms(
+            torch,
+            device,
+            lambda: gated_delta_rule_decode_reference(
+                q, k, v, g, beta, pool, state_indices=indices
+            ),
+        )
         gbps = state_bytes / (ms * 1e-3) / 1e9
-        point = {"batch": batch, "state_mb": state_bytes / 1e6, "triton_us": ms * 1e3,
-                 "gbps": gbps, "pct_peak": None if peak is None else 100 * gbps / peak,
-                 "torch_us": torch_ms * 1e3, "speedup": torch_ms / ms}
+        point = {
+            "batch": batch,
+            "state_mb": state_bytes / 1e6,
+            "triton_us": ms * 1e3,
+            "gbps": gbps,
+            "pct_peak": None if peak is None else 100 * gbps / peak,
+            "torch_us": torch_ms * 1e3,
+            "speedup": torch_ms / ms,
+        }
         points.append(point)
-        rows.append([batch, f"{point['state_mb']:.1f}", f"{ms * 1e3:.1f}", f"{gbps:.0f}",
-                     "-" if peak is None else f"{point['pct_peak']:.0f}%",
-                     f"{torch_ms * 1e3:.1f}", f"{point['speedup']:.1f}x"])
-    print(f"gated delta rule decode on {name}: Hk={args.k_heads} Hv={args.v_heads} "
-          f"Dk={args.k_dim} Dv={args.v_dim} {args.dtype}, fp32 state pool; HBM peak "
-          f"{peak or '?'} GB/s (datasheet)\n")
-    print_table(["batch", "state MB (r+w)", "triton us", "GB/s", "%peak", "torch us",
-                 "speedup"], rows)
-    write_json("kernels_gdn_decode", {"device": name, "smoke": args.smoke, "peak_gbps": peak,
-                                      "points": points})
+        rows.append(
+            [
+                batch,
+                f"{point['state_mb']:.1f}",
+                f"{ms * 1e3:.1f}",
+                f"{gbps:.0f}",
+                "-" if peak is None else f"{point['pct_peak']:.0f}%",
+                f"{torch_ms * 1e3:.1f}",
+                f"{point['speedup']:.1f}x",
+            ]
+        )
+    print(
+        f"gated delta rule decode on {name}: Hk={args.k_heads} Hv={args.v_heads} "
+        f"Dk={args.k_dim} Dv={args.v_dim} {args.dtype}, fp32 state pool; HBM peak "
+        f"{peak or '?'} GB/s (datasheet)\n"
+    )
+    print_table(
+        ["batch", "state MB (r+w)", "triton us", "GB/s", "%peak", "torch us", "speedup"], rows
+    )
+    write_json(
+        "kernels_gdn_decode",
+        {"device": name, "smoke": args.smoke, "peak_gbps": peak, "points": points},
+    )
     return 0
 
 

@@ -7,12 +7,20 @@ tensors of the same shape: a ceiling for what the paged kernel pays for its indi
     python benchmarks/kernels_prefill_attention.py            # on a GPU
     python benchmarks/kernels_prefill_attention.py --smoke    # interpreter check, no GPU
 """
+
 from __future__ import annotations
 
 import argparse
 
-from kernels_common import (BF16_PEAK_TFLOPS, device_name, lookup, print_table, setup, time_ms,
-                            write_json)
+from kernels_common import (
+    BF16_PEAK_TFLOPS,
+    device_name,
+    lookup,
+    print_table,
+    setup,
+    time_ms,
+    write_json,
+)
 
 
 def causal_pairs(q_len: int, context: int) -> int:
@@ -45,14 +53,20 @@ def main() -> int:
     peak = lookup(BF16_PEAK_TFLOPS, name) if device.type == "cuda" else None
     rows, points = [], []
     for head_dim in map(int, args.head_dims.split(",")):
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
         for seq_len in map(int, args.seq_lens.split(",")):
             batch = max(1, args.tokens // seq_len)
             for prefix in map(int, args.prefix.split(",")):
                 total = prefix + seq_len
                 per_seq = -(-total // args.block_size)
-                kc = torch.randn(batch * per_seq, args.block_size, args.kv_heads, head_dim,
-                                 dtype=dtype, device=device)
+                kc = torch.randn(
+                    batch * per_seq,
+                    args.block_size,
+                    args.kv_heads,
+                    head_dim,
+                    dtype=dtype,
+                    device=device,
+                )
                 vc = torch.randn_like(kc)
                 tables = torch.randperm(batch * per_seq, device=device).view(batch, per_seq)
                 tables = tables.to(torch.int32)
@@ -62,35 +76,69 @@ def main() -> int:
                 flops = 4 * args.heads * head_dim * batch * causal_pairs(seq_len, prefix)
 
                 def run():
-                    return paged_attention_triton(q, kc, vc, tables, starts, lens, scale,
-                                                  max_query_len=seq_len, max_seq_len=total)
+                    return paged_attention_triton(
+                        q,
+                        kc,
+                        vc,
+                        tables,
+                        starts,
+                        lens,
+                        scale,
+                        max_query_len=seq_len,
+                        max_seq_len=total,
+                    )
 
                 ms = time_ms(torch, device, run)
                 tflops = flops / (ms * 1e-3) / 1e12
                 sdpa_tflops = None
                 if prefix == 0 and device.type == "cuda":
                     qs = q.view(batch, seq_len, args.heads, head_dim).transpose(1, 2)
-                    ks = torch.randn(batch, args.kv_heads, seq_len, head_dim, dtype=dtype,
-                                     device=device)
+                    ks = torch.randn(
+                        batch, args.kv_heads, seq_len, head_dim, dtype=dtype, device=device
+                    )
                     vs = torch.randn_like(ks)
-                    sdpa_ms = time_ms(torch, device, lambda: F.scaled_dot_product_attention(
-                        qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True))
+                    sdpa_ms = time_ms(
+                        torch,
+                        device,
+                        lambda: F.scaled_dot_product_attention(
+                            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+                        ),
+                    )
                     sdpa_tflops = flops / (sdpa_ms * 1e-3) / 1e12
-                point = {"head_dim": head_dim, "seq_len": seq_len, "batch": batch,
-                         "prefix": prefix, "ms": ms, "tflops": tflops,
-                         "pct_peak": None if peak is None else 100 * tflops / peak,
-                         "sdpa_tflops": sdpa_tflops}
+                point = {
+                    "head_dim": head_dim,
+                    "seq_len": seq_len,
+                    "batch": batch,
+                    "prefix": prefix,
+                    "ms": ms,
+                    "tflops": tflops,
+                    "pct_peak": None if peak is None else 100 * tflops / peak,
+                    "sdpa_tflops": sdpa_tflops,
+                }
                 points.append(point)
-                rows.append([head_dim, seq_len, batch, prefix, f"{ms:.3f}", f"{tflops:.1f}",
-                             "-" if peak is None else f"{point['pct_peak']:.0f}%",
-                             "-" if sdpa_tflops is None else f"{sdpa_tflops:.1f}"])
-                kc = vc = q = None   # free the cache before the next shape
-    print(f"prefill paged attention on {name}: H={args.heads} H_kv={args.kv_heads} "
-          f"{args.dtype} block={args.block_size}, {args.tokens} new tokens per batch; "
-          f"bf16 dense peak {peak or '?'} TFLOP/s (datasheet)\n")
+                rows.append(
+                    [
+                        head_dim,
+                        seq_len,
+                        batch,
+                        prefix,
+                        f"{ms:.3f}",
+                        f"{tflops:.1f}",
+                        "-" if peak is None else f"{point['pct_peak']:.0f}%",
+                        "-" if sdpa_tflops is None else f"{sdpa_tflops:.1f}",
+                    ]
+                )
+                kc = vc = q = None  # free the cache before the next shape
+    print(
+        f"prefill paged attention on {name}: H={args.heads} H_kv={args.kv_heads} "
+        f"{args.dtype} block={args.block_size}, {args.tokens} new tokens per batch; "
+        f"bf16 dense peak {peak or '?'} TFLOP/s (datasheet)\n"
+    )
     print_table(["D", "seq", "batch", "prefix", "ms", "TFLOP/s", "%peak", "sdpa TFLOP/s"], rows)
-    write_json("kernels_prefill_attention", {"device": name, "smoke": args.smoke,
-                                             "peak_tflops": peak, "points": points})
+    write_json(
+        "kernels_prefill_attention",
+        {"device": name, "smoke": args.smoke, "peak_tflops": peak, "points": points},
+    )
     return 0
 
 

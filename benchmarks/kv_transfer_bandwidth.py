@@ -15,6 +15,7 @@ cache, not a memory-bus, speed.
 Each figure is the median of --runs timed runs after one warm-up. Prints a table and
 writes benchmarks/results/kv_transfer_bandwidth.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,13 +37,16 @@ LAYOUT = {"model": "bandwidth-benchmark", "dtype": "uint8", "block_size": 1}
 
 
 def region_shapes(max_mb: int) -> dict[str, tuple[int, int]]:
-    return {"big": (max_mb * MiB // BIG_UNIT, BIG_UNIT),
-            "small": (2 * max_mb * MiB // SMALL_UNIT, SMALL_UNIT)}
+    return {
+        "big": (max_mb * MiB // BIG_UNIT, BIG_UNIT),
+        "small": (2 * max_mb * MiB // SMALL_UNIT, SMALL_UNIT),
+    }
 
 
 def region_content(name: str, shape: tuple[int, int]):
     """The producer's bytes, reproducible so the consumer can check what it read."""
     import torch
+
     gen = torch.Generator().manual_seed(sorted(region_shapes(1)).index(name))
     return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
 
@@ -86,8 +90,11 @@ def median_time(fn, runs: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--ucx-tls", default=None,
-                        help="set UCX_TLS for both processes (e.g. tcp; default: UCX picks)")
+    parser.add_argument(
+        "--ucx-tls",
+        default=None,
+        help="set UCX_TLS for both processes (e.g. tcp; default: UCX picks)",
+    )
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)))
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -115,8 +122,9 @@ def main() -> int:
             local[name] = torch.zeros(shape, dtype=torch.uint8)
             transport.register_region(name, local[name])
         t0 = time.perf_counter()
-        peer = connect_peer(transport, "127.0.0.1", port, allowlist=parse_allowlist(""),
-                            local_layout=LAYOUT).agent_name
+        peer = connect_peer(
+            transport, "127.0.0.1", port, allowlist=parse_allowlist(""), local_layout=LAYOUT
+        ).agent_name
         handshake_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         timed_read(transport, peer, {"big": ([0], [0])})
@@ -136,19 +144,28 @@ def main() -> int:
                 start = time.perf_counter()
                 dst.copy_(src)
                 return time.perf_counter() - start
+
             t_copy = median_time(copy, args.runs)
-            rows.append({"size_mb": mb, "nixl_contiguous_s": t_contig,
-                         "nixl_scattered_s": t_scatter, "memcpy_s": t_copy,
-                         "nixl_contiguous_gbps": nbytes / t_contig / 1e9,
-                         "nixl_scattered_gbps": nbytes / t_scatter / 1e9,
-                         "memcpy_gbps": nbytes / t_copy / 1e9,
-                         "scattered_descriptors": n_small})
+            rows.append(
+                {
+                    "size_mb": mb,
+                    "nixl_contiguous_s": t_contig,
+                    "nixl_scattered_s": t_scatter,
+                    "memcpy_s": t_copy,
+                    "nixl_contiguous_gbps": nbytes / t_contig / 1e9,
+                    "nixl_scattered_gbps": nbytes / t_scatter / 1e9,
+                    "memcpy_gbps": nbytes / t_copy / 1e9,
+                    "scattered_descriptors": n_small,
+                }
+            )
         # the bytes really arrived (the last runs read the largest size)
         big = region_content("big", region_shapes(max(sizes))["big"])
         small = region_content("small", region_shapes(max(sizes))["small"])
         n_small = max(sizes) * MiB // SMALL_UNIT
-        if not (torch.equal(local["big"], big)
-                and torch.equal(local["small"][:n_small].flip(0), small[0:2 * n_small:2])):
+        if not (
+            torch.equal(local["big"], big)
+            and torch.equal(local["small"][:n_small].flip(0), small[0 : 2 * n_small : 2])
+        ):
             raise RuntimeError("the bytes read differ from the producer's")
         transport.close()
     finally:
@@ -157,24 +174,39 @@ def main() -> int:
         if proc.is_alive():
             proc.kill()
 
-    print(f"NIXL READ over UCX on loopback (UCX_TLS={os.environ.get('UCX_TLS', 'default')}), "
-          f"median of {args.runs}; handshake {handshake_ms:.1f} ms, first read "
-          f"{first_read_ms:.1f} ms (connection set-up); load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print(f"{'size':>7} | {'NIXL contiguous':>16} | {'NIXL scattered 64K':>18} | "
-          f"{'memcpy':>10} | {'contig/memcpy':>13}")
+    print(
+        f"NIXL READ over UCX on loopback (UCX_TLS={os.environ.get('UCX_TLS', 'default')}), "
+        f"median of {args.runs}; handshake {handshake_ms:.1f} ms, first read "
+        f"{first_read_ms:.1f} ms (connection set-up); load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"{'size':>7} | {'NIXL contiguous':>16} | {'NIXL scattered 64K':>18} | "
+        f"{'memcpy':>10} | {'contig/memcpy':>13}"
+    )
     for r in rows:
-        print(f"{r['size_mb']:>4} MB | {r['nixl_contiguous_gbps']:>11.2f} GB/s | "
-              f"{r['nixl_scattered_gbps']:>13.2f} GB/s | {r['memcpy_gbps']:>5.2f} GB/s | "
-              f"{r['nixl_contiguous_gbps'] / r['memcpy_gbps']:>12.0%}")
+        print(
+            f"{r['size_mb']:>4} MB | {r['nixl_contiguous_gbps']:>11.2f} GB/s | "
+            f"{r['nixl_scattered_gbps']:>13.2f} GB/s | {r['memcpy_gbps']:>5.2f} GB/s | "
+            f"{r['nixl_contiguous_gbps'] / r['memcpy_gbps']:>12.0%}"
+        )
     os.makedirs(RESULTS, exist_ok=True)
     out = os.path.join(RESULTS, "kv_transfer_bandwidth.json")
     with open(out, "w") as f:
-        json.dump({"ucx_tls": os.environ.get("UCX_TLS", "default"), "runs": args.runs,
-                   "handshake_ms": handshake_ms, "first_read_ms": first_read_ms,
-                   "cpus": os.cpu_count(), "machine": platform.machine(),
-                   "load_average": os.getloadavg(), "rows": rows},
-                  f, indent=2)
+        json.dump(
+            {
+                "ucx_tls": os.environ.get("UCX_TLS", "default"),
+                "runs": args.runs,
+                "handshake_ms": handshake_ms,
+                "first_read_ms": first_read_ms,
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+                "load_average": os.getloadavg(),
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {out}")
     return 0
 

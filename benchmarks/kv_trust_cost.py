@@ -11,6 +11,7 @@
 
     python benchmarks/kv_trust_cost.py [--requests 30] [--prompt 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,22 @@ class Engine:
     def start(self, timeout: float = 180) -> "Engine":
         log = open(os.path.join(self.log_dir, f"engine-{self.port}.log"), "a")
         self.proc = subprocess.Popen(
-            pdpool_command("serve", self.model, "--device", "cpu", "--port", str(self.port),
-                           "--log-level", "warning", *self.flags),
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            pdpool_command(
+                "serve",
+                self.model,
+                "--device",
+                "cpu",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *self.flags,
+            ),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         deadline = time.monotonic() + timeout
         while not healthy(self.url):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -84,12 +97,16 @@ def pd_request(client: httpx.Client, prefill: str, decode: str, prompt: list[int
     """(seconds, decode answer) for one P/D request done as a router does it."""
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     t = time.perf_counter()
-    r = client.post(f"{prefill}/v1/completions", json={
-        **body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    r = client.post(
+        f"{prefill}/v1/completions",
+        json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     r.raise_for_status()
     kv = r.json()["kv_transfer_params"]
-    r = client.post(f"{decode}/v1/completions",
-                    json={**body, "kv_transfer_params": kv, "cache_hit_threshold": 0.0})
+    r = client.post(
+        f"{decode}/v1/completions",
+        json={**body, "kv_transfer_params": kv, "cache_hit_threshold": 0.0},
+    )
     r.raise_for_status()
     return time.perf_counter() - t, r.json()
 
@@ -103,31 +120,55 @@ def time_per_call(fn, n: int) -> float:
 
 def pieces(prompt_len: int, engine: Engine) -> list[dict]:
     secret = b"k" * 32
-    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
-              "remote_block_ids": list(range(prompt_len // BLOCK)), "remote_host": "10.0.0.1",
-              "remote_port": 5600}
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_block_ids": list(range(prompt_len // BLOCK)),
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+    }
     prompt = ids(prompt_len, 1)
     hashes = BlockHasher(BLOCK).hash_blocks(prompt, [], prompt_len // BLOCK)
-    token = lease_token.LeaseToken("L", "E", prompt_len, prefix_hash(prompt, hashes, prompt_len,
-                                                                     BLOCK),
-                                   int(time.time() * 1000) + 60_000)
+    token = lease_token.LeaseToken(
+        "L",
+        "E",
+        prompt_len,
+        prefix_hash(prompt, hashes, prompt_len, BLOCK),
+        int(time.time() * 1000) + 60_000,
+    )
     signed = lease_token.attach(dict(params), token, secret)
     lease = {"num_tokens": prompt_len, "hashes": [h.hex() for h in hashes], "tail_hash": None}
     n_blocks = len(hashes)
-    check_s = time_per_call(lambda: verified_positions(0, n_blocks, prompt_len - 1, lease,
-                                                       hashes, None, BLOCK), 200)
+    check_s = time_per_call(
+        lambda: verified_positions(0, n_blocks, prompt_len - 1, lease, hashes, None, BLOCK), 200
+    )
     pulled_mb = n_blocks * QWEN3_8B_BLOCK_BYTES / 2**20
-    open_s = time_per_call(lambda: lease_call("127.0.0.1", engine_kv_port(engine),
-                                              {"op": "renew", "lease_id": "x", "epoch": "y"}), 50)
+    open_s = time_per_call(
+        lambda: lease_call(
+            "127.0.0.1", engine_kv_port(engine), {"op": "renew", "lease_id": "x", "epoch": "y"}
+        ),
+        50,
+    )
     return [
-        {"piece": "sign params (producer)", "us": time_per_call(
-            lambda: lease_token.attach(dict(params), token, secret), 2000) * 1e6},
-        {"piece": "verify params (consumer)", "us": time_per_call(
-            lambda: lease_token.read(signed, secret), 2000) * 1e6},
-        {"piece": f"prefix hash of a {prompt_len}-token prompt", "us": time_per_call(
-            lambda: prefix_hash(prompt, hashes, prompt_len - 3, BLOCK), 2000) * 1e6},
-        {"piece": f"content check per pulled MB (Qwen3-8B blocks, {pulled_mb:.0f} MB)",
-         "us": check_s / pulled_mb * 1e6},
+        {
+            "piece": "sign params (producer)",
+            "us": time_per_call(lambda: lease_token.attach(dict(params), token, secret), 2000)
+            * 1e6,
+        },
+        {
+            "piece": "verify params (consumer)",
+            "us": time_per_call(lambda: lease_token.read(signed, secret), 2000) * 1e6,
+        },
+        {
+            "piece": f"prefix hash of a {prompt_len}-token prompt",
+            "us": time_per_call(lambda: prefix_hash(prompt, hashes, prompt_len - 3, BLOCK), 2000)
+            * 1e6,
+        },
+        {
+            "piece": f"content check per pulled MB (Qwen3-8B blocks, {pulled_mb:.0f} MB)",
+            "us": check_s / pulled_mb * 1e6,
+        },
         {"piece": "lease open/renew round trip (loopback TCP)", "us": open_s * 1e6},
     ]
 
@@ -141,20 +182,28 @@ def end_to_end(model: str, logs: str, n: int, prompt_len: int, secret_file: str)
     pairs = {}
     for label, extra in (("no secret", ()), ("pool secret", ("--kv-secret-file", secret_file))):
         common = ("--kv-connector", "nixl", "--num-kv-blocks", "512", *extra)
-        pairs[label] = (Engine(model, logs, *common, "--kv-role", "producer").start(),
-                        Engine(model, logs, *common, "--kv-role", "consumer").start())
+        pairs[label] = (
+            Engine(model, logs, *common, "--kv-role", "producer").start(),
+            Engine(model, logs, *common, "--kv-role", "consumer").start(),
+        )
     times: dict[str, list[float]] = {label: [] for label in pairs}
     try:
         with httpx.Client(timeout=60) as c:
-            for k in range(-3, n):   # three warm-up rounds: handshakes, first allocations
+            for k in range(-3, n):  # three warm-up rounds: handshakes, first allocations
                 for label, (P, D) in pairs.items():
                     dt = pd_request(c, P.url, D.url, ids(prompt_len, 1000 + k))[0]
                     if k >= 0:
                         times[label].append(dt)
-        return [{"params": label, "requests": n, "p50_ms": statistics.median(t) * 1e3,
-                 "mean_ms": statistics.fmean(t) * 1e3,
-                 "tokens_pulled": int(pairs[label][1].stat("tokens_pulled"))}
-                for label, t in times.items()]
+        return [
+            {
+                "params": label,
+                "requests": n,
+                "p50_ms": statistics.median(t) * 1e3,
+                "mean_ms": statistics.fmean(t) * 1e3,
+                "tokens_pulled": int(pairs[label][1].stat("tokens_pulled")),
+            }
+            for label, t in times.items()
+        ]
     finally:
         for P, D in pairs.values():
             P.kill(signal.SIGTERM)
@@ -162,8 +211,7 @@ def end_to_end(model: str, logs: str, n: int, prompt_len: int, secret_file: str)
 
 
 def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
-    common = ("--kv-connector", "nixl", "--num-kv-blocks", "512", "--kv-secret-file",
-              secret_file)
+    common = ("--kv-connector", "nixl", "--num-kv-blocks", "512", "--kv-secret-file", secret_file)
     kv_port = free_port()
     P = Engine(model, logs, *common, "--kv-role", "producer", "--kv-port", str(kv_port)).start()
     D = Engine(model, logs, *common, "--kv-role", "consumer").start()
@@ -171,7 +219,7 @@ def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
     counts = {"sent": 0, "served": 0, "failed": 0, "wrong": 0}
     first_read_after: dict = {}
     stop = threading.Event()
-    ready_mark: list[float] = []   # when the restarted engine answers /health
+    ready_mark: list[float] = []  # when the restarted engine answers /health
     t_kill = t_ready = None
 
     def traffic():
@@ -186,16 +234,22 @@ def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
                 try:
                     _, out = pd_request(c, P.url, D.url, prompt)
                 except httpx.HTTPError:
-                    counts["failed"] += 1   # the prefill engine is down (a sidecar falls back)
+                    counts["failed"] += 1  # the prefill engine is down (a sidecar falls back)
                     time.sleep(0.05)
                     continue
-                ref = c.post(f"{A.url}/v1/completions", json={
-                    "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+                ref = c.post(
+                    f"{A.url}/v1/completions",
+                    json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                )
                 counts["served"] += 1
                 if out["choices"][0]["text"] != ref.json()["choices"][0]["text"]:
                     counts["wrong"] += 1
-                if ready_mark and started >= ready_mark[0] \
-                        and "t" not in first_read_after and D.stat("tokens_pulled") > pulled0:
+                if (
+                    ready_mark
+                    and started >= ready_mark[0]
+                    and "t" not in first_read_after
+                    and D.stat("tokens_pulled") > pulled0
+                ):
                     first_read_after["t"] = time.monotonic()
 
     try:
@@ -214,17 +268,21 @@ def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
         stop.set()
         worker.join()
         idle_deadline = time.monotonic() + 15
-        while time.monotonic() < idle_deadline and (P.stat("leases_active") or
-                                                    D.stat("leases_active")):
+        while time.monotonic() < idle_deadline and (
+            P.stat("leases_active") or D.stat("leases_active")
+        ):
             time.sleep(0.2)
         t = first_read_after.get("t")
         failed = counts.pop("failed")
-        return {**counts, "failed_while_prefill_down": failed,
-                "kill_to_first_read_s": None if t is None else t - t_kill,
-                "ready_to_first_read_s": None if t is None else t - t_ready,
-                "engine_restart_s": t_ready - t_kill,
-                "peers_replaced": D.stat("peers_replaced"),
-                "leases_held_at_idle": P.stat("leases_active") + D.stat("leases_active")}
+        return {
+            **counts,
+            "failed_while_prefill_down": failed,
+            "kill_to_first_read_s": None if t is None else t - t_kill,
+            "ready_to_first_read_s": None if t is None else t - t_ready,
+            "engine_restart_s": t_ready - t_kill,
+            "peers_replaced": D.stat("peers_replaced"),
+            "leases_held_at_idle": P.stat("leases_active") + D.stat("leases_active"),
+        }
     finally:
         stop.set()
         for e in (P, D, A):
@@ -252,14 +310,24 @@ def main() -> None:
     print_table(e2e, f"P/D request, {args.prompt}-token prompt, 4 output tokens")
     added = e2e[1]["p50_ms"] - e2e[0]["p50_ms"]
     per_request_us = sum(r["us"] for r in piece_rows[:3])
-    print(f"signing + checking + hashing: {per_request_us:.0f} us of CPU per P/D request "
-          f"(pieces); measured p50 difference end to end: {added:+.2f} ms (includes whatever "
-          "else the machine is doing)")
+    print(
+        f"signing + checking + hashing: {per_request_us:.0f} us of CPU per P/D request "
+        f"(pieces); measured p50 difference end to end: {added:+.2f} ms (includes whatever "
+        "else the machine is doing)"
+    )
     rec = recovery(model, logs, args.prompt, secret_file)
     print_table([rec], "prefill engine killed and restarted under P/D traffic")
-    write_json("kv_trust_cost", {"args": vars(args), "pieces": piece_rows, "end_to_end": e2e,
-                                 "added_p50_ms": added, "added_cpu_us": per_request_us,
-                                 "recovery": rec})
+    write_json(
+        "kv_trust_cost",
+        {
+            "args": vars(args),
+            "pieces": piece_rows,
+            "end_to_end": e2e,
+            "added_p50_ms": added,
+            "added_cpu_us": per_request_us,
+            "recovery": rec,
+        },
+    )
 
 
 if __name__ == "__main__":

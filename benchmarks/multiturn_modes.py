@@ -12,6 +12,7 @@ new user message) and short ones, streamed through the gateway. Modes:
 Reported per mode: TTFT p50/p99, output tokens/s, prompt tokens computed on prefill and
 decode engines, prefill legs, and KV bytes moved (when the engines export it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,35 +53,78 @@ def scrape(url: str) -> dict[str, float]:
 
 def kv_stat(metrics: dict[str, float], stat: str) -> float:
     """A KV connector counter of one engine (bytes_read, tokens_pulled, ...)."""
-    return sum(v for k, v in metrics.items()
-               if k.startswith("pdpool_kv_connector{") and f'stat="{stat}"' in k)
+    return sum(
+        v
+        for k, v in metrics.items()
+        if k.startswith("pdpool_kv_connector{") and f'stat="{stat}"' in k
+    )
 
 
 def words(rng: random.Random, n: int, tag: str) -> str:
-    vocab = ["river", "stone", "cloud", "lantern", "harbor", "meadow", "copper", "violet",
-             "engine", "orbit", "signal", "garden", "winter", "market", "candle", "forest"]
+    vocab = [
+        "river",
+        "stone",
+        "cloud",
+        "lantern",
+        "harbor",
+        "meadow",
+        "copper",
+        "violet",
+        "engine",
+        "orbit",
+        "signal",
+        "garden",
+        "winter",
+        "market",
+        "candle",
+        "forest",
+    ]
     return f"[{tag}] " + " ".join(rng.choice(vocab) for _ in range(n))
 
 
-async def conversation(client: httpx.AsyncClient, model: str, idx: int, turns: int,
-                       long_words: int, short_words: int, max_tokens: int, ttfts: list,
-                       counts: dict) -> None:
+async def conversation(
+    client: httpx.AsyncClient,
+    model: str,
+    idx: int,
+    turns: int,
+    long_words: int,
+    short_words: int,
+    max_tokens: int,
+    ttfts: list,
+    counts: dict,
+) -> None:
     rng = random.Random(idx)
     messages = [{"role": "system", "content": words(rng, 40, f"conv {idx} system")}]
     for t in range(turns):
         long_turn = t % 3 == 0
-        messages.append({"role": "user", "content": words(
-            rng, long_words if long_turn else short_words, f"conv {idx} turn {t}")})
+        messages.append(
+            {
+                "role": "user",
+                "content": words(
+                    rng, long_words if long_turn else short_words, f"conv {idx} turn {t}"
+                ),
+            }
+        )
         started = time.perf_counter()
         first, text, completion = None, [], 0
-        async with client.stream("POST", "/v1/chat/completions", json={
-                "model": model, "messages": messages, "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}) as r:
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"turn failed: {r.status_code} {await r.aread()!r}")
-            counts[r.headers.get("x-pdpool-path", "?")] = \
+            counts[r.headers.get("x-pdpool-path", "?")] = (
                 counts.get(r.headers.get("x-pdpool-path", "?"), 0) + 1
+            )
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -92,8 +136,9 @@ async def conversation(client: httpx.AsyncClient, model: str, idx: int, turns: i
                     text.append(piece)
                 if chunk.get("usage"):
                     completion = chunk["usage"]["completion_tokens"]
-                    counts["prompt_tokens"] = counts.get("prompt_tokens", 0) + \
-                        chunk["usage"]["prompt_tokens"]
+                    counts["prompt_tokens"] = (
+                        counts.get("prompt_tokens", 0) + chunk["usage"]["prompt_tokens"]
+                    )
         ttfts.append(first if first is not None else time.perf_counter() - started)
         counts["output_tokens"] = counts.get("output_tokens", 0) + completion
         messages.append({"role": "assistant", "content": "".join(text)})
@@ -105,10 +150,15 @@ def pct(values, q):
 
 
 def run_mode(name: str, args, model_dir: str) -> dict:
-    spec = TopologySpec(model=model_dir, prefill=args.prefill, decode=args.decode,
-                        cache_hit_threshold=args.threshold, device=args.device,
-                        engine_args=["--max-model-len", "4096", "--num-kv-blocks",
-                                     str(args.kv_blocks)], **MODES[name])
+    spec = TopologySpec(
+        model=model_dir,
+        prefill=args.prefill,
+        decode=args.decode,
+        cache_hit_threshold=args.threshold,
+        device=args.device,
+        engine_args=["--max-model-len", "4096", "--num-kv-blocks", str(args.kv_blocks)],
+        **MODES[name],
+    )
     with Topology(spec) as topo:
         engines = {role: [c.url for c in topo.by_role(role)] for role in ("prefill", "decode")}
         before = {u: scrape(u) for urls in engines.values() for u in urls}
@@ -118,10 +168,22 @@ def run_mode(name: str, args, model_dir: str) -> dict:
 
         async def workload():
             async with httpx.AsyncClient(base_url=topo.gateway.url, timeout=600) as client:
-                await asyncio.gather(*(conversation(client, model, i, args.turns,
-                                                    args.long_words, args.short_words,
-                                                    args.max_tokens, ttfts, counts)
-                                       for i in range(args.conversations)))
+                await asyncio.gather(
+                    *(
+                        conversation(
+                            client,
+                            model,
+                            i,
+                            args.turns,
+                            args.long_words,
+                            args.short_words,
+                            args.max_tokens,
+                            ttfts,
+                            counts,
+                        )
+                        for i in range(args.conversations)
+                    )
+                )
 
         started = time.perf_counter()
         asyncio.run(workload())
@@ -134,31 +196,45 @@ def run_mode(name: str, args, model_dir: str) -> dict:
 
     def prompt_computed(role):
         # tokens run through the model minus one per generated token
-        return sum(delta(u, "pdpool_computed_tokens_total")
-                   - delta(u, "pdpool_generation_tokens_total") for u in engines[role])
+        return sum(
+            delta(u, "pdpool_computed_tokens_total") - delta(u, "pdpool_generation_tokens_total")
+            for u in engines[role]
+        )
 
-    prefill_legs = sum(a.get('pdpool_sidecar_legs_total{leg="prefill"}', 0)
-                       - b.get('pdpool_sidecar_legs_total{leg="prefill"}', 0)
-                       for a, b in zip(side_after, side_before))
+    prefill_legs = sum(
+        a.get('pdpool_sidecar_legs_total{leg="prefill"}', 0)
+        - b.get('pdpool_sidecar_legs_total{leg="prefill"}', 0)
+        for a, b in zip(side_after, side_before)
+    )
+
     def kv_delta(role, stat):
         return sum(kv_stat(after[u], stat) - kv_stat(before[u], stat) for u in engines[role])
 
-    has_kv_metric = any(k.startswith("pdpool_kv_connector{") for urls in engines.values()
-                        for u in urls for k in after[u])
-    return {"mode": name, "turns": len(ttfts), "wall_s": wall,
-            "ttft_p50_ms": pct(ttfts, .5) * 1e3, "ttft_p99_ms": pct(ttfts, .99) * 1e3,
-            "output_tok_s": counts.get("output_tokens", 0) / wall,
-            "prefill_engine_prompt_tokens": prompt_computed("prefill"),
-            "decode_engine_prompt_tokens": prompt_computed("decode"),
-            "prefill_legs": prefill_legs,
-            "kv_bytes_moved": (kv_delta("prefill", "bytes_read") + kv_delta("decode", "bytes_read"))
-            if has_kv_metric else None,
-            "tokens_pulled_by_decode": kv_delta("decode", "tokens_pulled"),
-            "tokens_pulled_by_prefill": kv_delta("prefill", "tokens_pulled"),
-            "prompt_tokens": counts.get("prompt_tokens", 0),
-            "paths": {k: v for k, v in counts.items()
-                      if k not in ("output_tokens", "prompt_tokens")},
-            "kv_connector": topo.kv_connector}
+    has_kv_metric = any(
+        k.startswith("pdpool_kv_connector{")
+        for urls in engines.values()
+        for u in urls
+        for k in after[u]
+    )
+    return {
+        "mode": name,
+        "turns": len(ttfts),
+        "wall_s": wall,
+        "ttft_p50_ms": pct(ttfts, 0.5) * 1e3,
+        "ttft_p99_ms": pct(ttfts, 0.99) * 1e3,
+        "output_tok_s": counts.get("output_tokens", 0) / wall,
+        "prefill_engine_prompt_tokens": prompt_computed("prefill"),
+        "decode_engine_prompt_tokens": prompt_computed("decode"),
+        "prefill_legs": prefill_legs,
+        "kv_bytes_moved": (kv_delta("prefill", "bytes_read") + kv_delta("decode", "bytes_read"))
+        if has_kv_metric
+        else None,
+        "tokens_pulled_by_decode": kv_delta("decode", "tokens_pulled"),
+        "tokens_pulled_by_prefill": kv_delta("prefill", "tokens_pulled"),
+        "prompt_tokens": counts.get("prompt_tokens", 0),
+        "paths": {k: v for k, v in counts.items() if k not in ("output_tokens", "prompt_tokens")},
+        "kv_connector": topo.kv_connector,
+    }
 
 
 def main() -> int:
@@ -182,21 +258,27 @@ def main() -> int:
     for name in args.modes.split(","):
         print(f"running {name} ...", flush=True)
         rows.append(run_mode(name, args, model_dir))
-    print(f"\nmulti-turn chat: {args.conversations} conversations x {args.turns} turns "
-          f"(long turn = {args.long_words} words every 3rd turn), {args.max_tokens} output "
-          f"tokens, device {args.device}, KV connector {rows[0]['kv_connector']}; "
-          f"{rows[0]['prompt_tokens']} prompt tokens sent in all")
-    head = (f"{'mode':<19}{'TTFT p50':>10}{'TTFT p99':>10}{'out tok/s':>10}"
-            f"{'P prompt tok':>13}{'D prompt tok':>13}{'P legs':>7}{'KV MB':>8}"
-            f"{'D<-P tok':>9}{'P<-D tok':>9}  paths")
+    print(
+        f"\nmulti-turn chat: {args.conversations} conversations x {args.turns} turns "
+        f"(long turn = {args.long_words} words every 3rd turn), {args.max_tokens} output "
+        f"tokens, device {args.device}, KV connector {rows[0]['kv_connector']}; "
+        f"{rows[0]['prompt_tokens']} prompt tokens sent in all"
+    )
+    head = (
+        f"{'mode':<19}{'TTFT p50':>10}{'TTFT p99':>10}{'out tok/s':>10}"
+        f"{'P prompt tok':>13}{'D prompt tok':>13}{'P legs':>7}{'KV MB':>8}"
+        f"{'D<-P tok':>9}{'P<-D tok':>9}  paths"
+    )
     print(head)
     for r in rows:
         kv = "n/a" if r["kv_bytes_moved"] is None else f"{r['kv_bytes_moved'] / 1e6:.1f}"
-        print(f"{r['mode']:<19}{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>8.0f}ms"
-              f"{r['output_tok_s']:>10.1f}{r['prefill_engine_prompt_tokens']:>13.0f}"
-              f"{r['decode_engine_prompt_tokens']:>13.0f}{r['prefill_legs']:>7.0f}{kv:>8}"
-              f"{r['tokens_pulled_by_decode']:>9.0f}{r['tokens_pulled_by_prefill']:>9.0f}  "
-              f"{r['paths']}")
+        print(
+            f"{r['mode']:<19}{r['ttft_p50_ms']:>8.0f}ms{r['ttft_p99_ms']:>8.0f}ms"
+            f"{r['output_tok_s']:>10.1f}{r['prefill_engine_prompt_tokens']:>13.0f}"
+            f"{r['decode_engine_prompt_tokens']:>13.0f}{r['prefill_legs']:>7.0f}{kv:>8}"
+            f"{r['tokens_pulled_by_decode']:>9.0f}{r['tokens_pulled_by_prefill']:>9.0f}  "
+            f"{r['paths']}"
+        )
     os.makedirs(RESULTS, exist_ok=True)
     out = os.path.join(RESULTS, "multiturn_modes.json")
     with open(out, "w") as fh:

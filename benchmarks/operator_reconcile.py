@@ -10,6 +10,7 @@ Measures:
 
 Needs the binaries of scripts/k8s/build-binaries.sh (built on first use).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,13 @@ sys.path.insert(0, str(REPO))
 from kubernetes import client  # noqa: E402
 
 from devtools.devcluster import LocalCluster, build_binaries  # noqa: E402
-from devtools.operator_kube import (OperatorProcess, Pools, api_client,  # noqa: E402
-                                   install_crd, pool_manifest)
+from devtools.operator_kube import (  # noqa: E402
+    OperatorProcess,
+    Pools,
+    api_client,
+    install_crd,
+    pool_manifest,
+)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -44,10 +50,11 @@ def proc_usage(pid: int) -> tuple[float, float]:
 
 def children_count(apps, core, namespace: str) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for items in (apps.list_namespaced_deployment(namespace).items,
-                  core.list_namespaced_service(namespace).items,
-                  core.list_namespaced_config_map(namespace,
-                                                  label_selector="pdpool.io/pool").items):
+    for items in (
+        apps.list_namespaced_deployment(namespace).items,
+        core.list_namespaced_service(namespace).items,
+        core.list_namespaced_config_map(namespace, label_selector="pdpool.io/pool").items,
+    ):
         for obj in items:
             pool = (obj.metadata.labels or {}).get("pdpool.io/pool")
             if pool:
@@ -122,11 +129,15 @@ def main() -> int:
         def all_done():
             counts = children_count(apps, core, "bench")
             return all(counts.get(n, 0) == 7 for n in burst)
+
         t1 = wait(all_done, 600, interval=0.5)
+
         def all_observed():
             items = pools.custom.list_namespaced_custom_object(
-                "pdpool.io", "v1alpha1", "bench", "pdinferencepools")["items"]
+                "pdpool.io", "v1alpha1", "bench", "pdinferencepools"
+            )["items"]
             return all((p.get("status") or {}).get("observedGeneration") == 1 for p in items)
+
         t2 = wait(all_observed, 300, interval=0.5)
         results["burst_pools"] = len(burst)
         results["burst_create_calls_s"] = created - t0
@@ -155,8 +166,11 @@ def main() -> int:
     width = max(map(len, results))
     print(f"{'metric':<{width}}  value")
     for key, value in results.items():
-        print(f"{key:<{width}}  {value:.1f}" if isinstance(value, float) else
-              f"{key:<{width}}  {value}")
+        print(
+            f"{key:<{width}}  {value:.1f}"
+            if isinstance(value, float)
+            else f"{key:<{width}}  {value}"
+        )
     out = REPO / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "operator_reconcile.json").write_text(json.dumps(results, indent=2))

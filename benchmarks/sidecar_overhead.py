@@ -12,6 +12,7 @@ The default upstream is a STAND-IN that imitates a vLLM SSE stream (fixed tokens
 pace), so that what is measured is the sidecar and not the engine's batching noise. The
 load generator is a minimal HTTP/1.1 client on raw asyncio streams for the same reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,17 @@ async def serve_standin(port: int, tokens: int, token_interval_s: float) -> None
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
                     await writer.drain()
                     continue
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
                 for i in range(tokens):
                     finish = '"length"' if i == tokens - 1 else "null"
-                    event = ('data: {"id":"cmpl-x","object":"text_completion","model":"m",'
-                             f'"choices":[{{"index":0,"text":" t{i}","finish_reason":{finish}}}]}}'
-                             "\n\n").encode()
+                    event = (
+                        'data: {"id":"cmpl-x","object":"text_completion","model":"m",'
+                        f'"choices":[{{"index":0,"text":" t{i}","finish_reason":{finish}}}]}}'
+                        "\n\n"
+                    ).encode()
                     writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                     await writer.drain()
                     if i < tokens - 1:
@@ -83,9 +88,10 @@ class Conn:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         start = time.perf_counter()
-        self.writer.write(b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                          b"content-length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(),
-                                                             len(body), body))
+        self.writer.write(
+            b"POST %s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body)
+        )
         head = await self.reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(head.decode(errors="replace"))
@@ -104,8 +110,9 @@ class Conn:
         return first, time.perf_counter() - start
 
 
-async def run_round(host: str, port: int, concurrency: int, per_client: int,
-                    body: bytes) -> tuple[list[float], list[float]]:
+async def run_round(
+    host: str, port: int, concurrency: int, per_client: int, body: bytes
+) -> tuple[list[float], list[float]]:
     ttfts, totals = [], []
     conns = [Conn(host, port) for _ in range(concurrency)]
 
@@ -151,11 +158,19 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--token-interval-ms", type=float, default=20.0,
-                    help="stand-in pace: a GPU decode step at batch 64 takes about 20 ms")
-    ap.add_argument("--sidecar-nice", type=int, default=0,
-                    help="niceness of the sidecar (negative: give it CPU first, as a pod "
-                         "with its own CPU request would have it; needs root)")
+    ap.add_argument(
+        "--token-interval-ms",
+        type=float,
+        default=20.0,
+        help="stand-in pace: a GPU decode step at batch 64 takes about 20 ms",
+    )
+    ap.add_argument(
+        "--sidecar-nice",
+        type=int,
+        default=0,
+        help="niceness of the sidecar (negative: give it CPU first, as a pod "
+        "with its own CPU request would have it; needs root)",
+    )
     ap.add_argument("--serve-standin", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_standin:
@@ -167,22 +182,63 @@ def main() -> int:
     try:
         if args.engine:
             model = args.model or ensure_tiny_model("qwen3")
-            procs.append(subprocess.Popen(pdpool_command(
-                "serve", model, "--port", str(up_port), "--device", args.device,
-                "--log-level", "warning", "--max-num-seqs", str(max(args.concurrency, 64))),
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            prompt = {"prompt": "benchmark prompt " * 8, "max_tokens": args.tokens,
-                      "temperature": 0, "ignore_eos": True}
+            procs.append(
+                subprocess.Popen(
+                    pdpool_command(
+                        "serve",
+                        model,
+                        "--port",
+                        str(up_port),
+                        "--device",
+                        args.device,
+                        "--log-level",
+                        "warning",
+                        "--max-num-seqs",
+                        str(max(args.concurrency, 64)),
+                    ),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            prompt = {
+                "prompt": "benchmark prompt " * 8,
+                "max_tokens": args.tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
         else:
-            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__),
-                                           "--serve-standin", str(up_port),
-                                           "--tokens", str(args.tokens),
-                                           "--token-interval-ms", str(args.token_interval_ms)]))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--serve-standin",
+                        str(up_port),
+                        "--tokens",
+                        str(args.tokens),
+                        "--token-interval-ms",
+                        str(args.token_interval_ms),
+                    ]
+                )
+            )
             prompt = {"prompt": "benchmark prompt " * 8, "max_tokens": args.tokens}
-        procs.append(subprocess.Popen(pdpool_command(
-            "sidecar", "--host", "127.0.0.1", "--port", str(side_port),
-            "--decode-url", f"http://127.0.0.1:{up_port}", "--mode", "decode-first",
-            "--cache-hit-threshold", "0")))
+        procs.append(
+            subprocess.Popen(
+                pdpool_command(
+                    "sidecar",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(side_port),
+                    "--decode-url",
+                    f"http://127.0.0.1:{up_port}",
+                    "--mode",
+                    "decode-first",
+                    "--cache-hit-threshold",
+                    "0",
+                )
+            )
+        )
         if args.sidecar_nice:
             os.setpriority(os.PRIO_PROCESS, procs[-1].pid, args.sidecar_nice)
         wait_healthy(f"http://127.0.0.1:{up_port}")
@@ -196,8 +252,9 @@ def main() -> int:
         for _ in range(args.rounds):
             for name, port in (("direct", up_port), ("sidecar", side_port)):
                 cpu_before = cpu_seconds(procs[1].pid)
-                t, e = asyncio.run(run_round("127.0.0.1", port, args.concurrency,
-                                             args.requests_per_client, body))
+                t, e = asyncio.run(
+                    run_round("127.0.0.1", port, args.concurrency, args.requests_per_client, body)
+                )
                 if name == "sidecar":
                     sidecar_cpu += cpu_seconds(procs[1].pid) - cpu_before
                 data[name][0].extend(t)
@@ -210,36 +267,63 @@ def main() -> int:
 
     rows = {}
     for name, (ttft, total) in data.items():
-        rows[name] = {"n": len(ttft), "ttft_p50_ms": pct(ttft, .5) * 1e3,
-                      "ttft_p99_ms": pct(ttft, .99) * 1e3, "e2e_p50_ms": pct(total, .5) * 1e3,
-                      "e2e_p99_ms": pct(total, .99) * 1e3,
-                      "e2e_mean_ms": statistics.mean(total) * 1e3}
-    added = {k: rows["sidecar"][k] - rows["direct"][k]
-             for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")}
-    upstream = "engine (pdpool serve, " + args.device + ")" if args.engine else \
-        f"stand-in ({args.tokens} tokens, {args.token_interval_ms} ms apart)"
-    print(f"sidecar overhead: {args.concurrency} concurrent streams, upstream = {upstream}, "
-          f"{os.cpu_count()} CPUs, sidecar nice {args.sidecar_nice}")
+        rows[name] = {
+            "n": len(ttft),
+            "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
+            "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+            "e2e_p50_ms": pct(total, 0.5) * 1e3,
+            "e2e_p99_ms": pct(total, 0.99) * 1e3,
+            "e2e_mean_ms": statistics.mean(total) * 1e3,
+        }
+    added = {
+        k: rows["sidecar"][k] - rows["direct"][k]
+        for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+    }
+    upstream = (
+        "engine (pdpool serve, " + args.device + ")"
+        if args.engine
+        else f"stand-in ({args.tokens} tokens, {args.token_interval_ms} ms apart)"
+    )
+    print(
+        f"sidecar overhead: {args.concurrency} concurrent streams, upstream = {upstream}, "
+        f"{os.cpu_count()} CPUs, sidecar nice {args.sidecar_nice}"
+    )
     print(f"{'path':<10}{'n':>6}{'TTFT p50':>11}{'TTFT p99':>11}{'E2E p50':>11}{'E2E p99':>11}")
     for name, r in rows.items():
-        print(f"{name:<10}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
-              f"{r['e2e_p50_ms']:>9.2f}ms{r['e2e_p99_ms']:>9.2f}ms")
+        print(
+            f"{name:<10}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
+            f"{r['e2e_p50_ms']:>9.2f}ms{r['e2e_p99_ms']:>9.2f}ms"
+        )
     cpu_ms = sidecar_cpu * 1e3 / max(rows["sidecar"]["n"], 1)
     try:
         load = os.getloadavg()[0]
     except OSError:
         load = float("nan")
-    print(f"{'added':<10}{'':>6}{added['ttft_p50_ms']:>9.2f}ms{added['ttft_p99_ms']:>9.2f}ms"
-          f"{added['e2e_p50_ms']:>9.2f}ms{added['e2e_p99_ms']:>9.2f}ms")
-    print(f"sidecar CPU per streamed request: {cpu_ms:.3f} ms "
-          f"({args.tokens + 1} SSE events each); machine load average {load:.1f}")
+    print(
+        f"{'added':<10}{'':>6}{added['ttft_p50_ms']:>9.2f}ms{added['ttft_p99_ms']:>9.2f}ms"
+        f"{added['e2e_p50_ms']:>9.2f}ms{added['e2e_p99_ms']:>9.2f}ms"
+    )
+    print(
+        f"sidecar CPU per streamed request: {cpu_ms:.3f} ms "
+        f"({args.tokens + 1} SSE events each); machine load average {load:.1f}"
+    )
     os.makedirs(RESULTS, exist_ok=True)
     out = os.path.join(RESULTS, "sidecar_overhead" + ("_engine" if args.engine else "") + ".json")
     with open(out, "w") as fh:
-        json.dump({"concurrency": args.concurrency, "upstream": upstream,
-                   "cpus": os.cpu_count(), "load_average": load, "sidecar_nice": args.sidecar_nice,
-                   "sidecar_cpu_ms_per_request": cpu_ms, "rows": rows, "added": added},
-                  fh, indent=2)
+        json.dump(
+            {
+                "concurrency": args.concurrency,
+                "upstream": upstream,
+                "cpus": os.cpu_count(),
+                "load_average": load,
+                "sidecar_nice": args.sidecar_nice,
+                "sidecar_cpu_ms_per_request": cpu_ms,
+                "rows": rows,
+                "added": added,
+            },
+            fh,
+            indent=2,
+        )
     print(f"wrote {out}")
     return 0
 

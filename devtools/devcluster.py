@@ -13,6 +13,7 @@ what their pods do, with no status patching.
 
 Binaries come from `scripts/k8s/build-binaries.sh` (cached outside the repository).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,23 +30,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "scripts" / "k8s" / "build-binaries.sh"
-DEFAULT_BIN = Path(os.environ.get("PDPOOL_K8S_BIN",
-                                  Path.home() / ".cache" / "pdpool" / "k8s-bin"))
+DEFAULT_BIN = Path(os.environ.get("PDPOOL_K8S_BIN", Path.home() / ".cache" / "pdpool" / "k8s-bin"))
 
 
 class ClusterError(RuntimeError):
     pass
 
 
-def build_binaries(tools: list[str], bin_dir: Path = DEFAULT_BIN,
-                   timeout: float = 3600) -> Path:
+def build_binaries(tools: list[str], bin_dir: Path = DEFAULT_BIN, timeout: float = 3600) -> Path:
     """Run the build script (a no-op when everything is cached). Raises ClusterError."""
     env = {**os.environ, "PDPOOL_K8S_BIN": str(bin_dir)}
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT), *tools], env=env, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), *tools],
+        env=env,
+        timeout=timeout,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     if proc.returncode != 0:
-        raise ClusterError(f"building {tools} failed (exit {proc.returncode}):\n"
-                           + proc.stdout[-4000:])
+        raise ClusterError(
+            f"building {tools} failed (exit {proc.returncode}):\n" + proc.stdout[-4000:]
+        )
     return bin_dir
 
 
@@ -62,16 +68,57 @@ def _openssl(*args: str, cwd: Path) -> None:
 def make_certificates(d: Path) -> None:
     """CA, an API server serving cert for 127.0.0.1/localhost, a service-account key pair."""
     d.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-             "/CN=pdpool-test-ca", "-keyout", "ca.key", "-out", "ca.crt", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=pdpool-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=d,
+    )
     (d / "san.cnf").write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n"
-        "extendedKeyUsage=serverAuth\n")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-             "-keyout", "apiserver.key", "-out", "apiserver.csr", cwd=d)
-    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", "apiserver.crt",
-             cwd=d)
+        "extendedKeyUsage=serverAuth\n"
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=kube-apiserver",
+        "-keyout",
+        "apiserver.key",
+        "-out",
+        "apiserver.csr",
+        cwd=d,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "apiserver.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "apiserver.crt",
+        cwd=d,
+    )
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
@@ -97,7 +144,7 @@ class LocalCluster:
     work: Path
     bin_dir: Path = DEFAULT_BIN
     with_controller_manager: bool = True
-    workloads: bool = False     # + scheduler, kwok fake nodes, deployment controllers
+    workloads: bool = False  # + scheduler, kwok fake nodes, deployment controllers
     nodes: int = 2
     server: str = ""
     admin_token: str = ""
@@ -118,31 +165,66 @@ class LocalCluster:
 
         etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
-        self._spawn("etcd", [
-            str(self.bin_dir / "etcd"), "--name", "pdpool-test",
-            "--data-dir", str(self.work / "etcd"),
-            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", f"pdpool-test=http://127.0.0.1:{peer_port}",
-            "--unsafe-no-fsync", "--log-level", "warn"])
+        self._spawn(
+            "etcd",
+            [
+                str(self.bin_dir / "etcd"),
+                "--name",
+                "pdpool-test",
+                "--data-dir",
+                str(self.work / "etcd"),
+                "--listen-client-urls",
+                etcd_url,
+                "--advertise-client-urls",
+                etcd_url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster",
+                f"pdpool-test=http://127.0.0.1:{peer_port}",
+                "--unsafe-no-fsync",
+                "--log-level",
+                "warn",
+            ],
+        )
         self.server = f"https://127.0.0.1:{api_port}"
-        self._spawn("kube-apiserver", [
-            str(self.bin_dir / "kube-apiserver"),
-            "--etcd-servers", etcd_url,
-            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
-            "--secure-port", str(api_port),
-            "--tls-cert-file", str(certs / "apiserver.crt"),
-            "--tls-private-key-file", str(certs / "apiserver.key"),
-            "--token-auth-file", str(tokens),
-            "--authorization-mode", "RBAC",
-            "--service-account-issuer", "https://kubernetes.default.svc",
-            "--service-account-key-file", str(certs / "sa.pub"),
-            "--service-account-signing-key-file", str(certs / "sa.key"),
-            "--service-cluster-ip-range", "10.96.0.0/16",
-            "--cert-dir", str(certs / "generated"),
-            "--enable-priority-and-fairness=false",
-            "--profiling=false", "-v", "0"])
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(self.bin_dir / "kube-apiserver"),
+                "--etcd-servers",
+                etcd_url,
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(api_port),
+                "--tls-cert-file",
+                str(certs / "apiserver.crt"),
+                "--tls-private-key-file",
+                str(certs / "apiserver.key"),
+                "--token-auth-file",
+                str(tokens),
+                "--authorization-mode",
+                "RBAC",
+                "--service-account-issuer",
+                "https://kubernetes.default.svc",
+                "--service-account-key-file",
+                str(certs / "sa.pub"),
+                "--service-account-signing-key-file",
+                str(certs / "sa.key"),
+                "--service-cluster-ip-range",
+                "10.96.0.0/16",
+                "--cert-dir",
+                str(certs / "generated"),
+                "--enable-priority-and-fairness=false",
+                "--profiling=false",
+                "-v",
+                "0",
+            ],
+        )
         self._wait_ready(timeout)
         self.kubeconfig = self.work / "admin.kubeconfig"
         self.kubeconfig.write_text(kubeconfig_text(self.server, self.ca_file, self.admin_token))
@@ -156,48 +238,91 @@ class LocalCluster:
         if self.workloads:
             controllers += ",deployment,replicaset,serviceaccount,disruption"
         if self.with_controller_manager:
-            self._spawn("kube-controller-manager", [
-                str(self.bin_dir / "kube-controller-manager"),
-                "--kubeconfig", str(self.kubeconfig),
-                "--controllers", controllers,
-                "--leader-elect=false", "--secure-port=0", "-v", "0"])
+            self._spawn(
+                "kube-controller-manager",
+                [
+                    str(self.bin_dir / "kube-controller-manager"),
+                    "--kubeconfig",
+                    str(self.kubeconfig),
+                    "--controllers",
+                    controllers,
+                    "--leader-elect=false",
+                    "--secure-port=0",
+                    "-v",
+                    "0",
+                ],
+            )
         if self.workloads:
             self._start_workloads()
         return self
 
     def _start_workloads(self) -> None:
-        self._spawn("kube-scheduler", [
-            str(self.bin_dir / "kube-scheduler"), "--kubeconfig", str(self.kubeconfig),
-            "--leader-elect=false", "--secure-port=0", "-v", "0"])
-        self._spawn("kwok", [
-            str(self.bin_dir / "kwok"), "--kubeconfig", str(self.kubeconfig),
-            "--config", str(self.bin_dir / "kwok-stages.yaml"),
-            "--manage-all-nodes=false",
-            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            "--cidr=10.244.0.1/16", "--node-ip=10.0.0.1"])
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(self.bin_dir / "kube-scheduler"),
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--leader-elect=false",
+                "--secure-port=0",
+                "-v",
+                "0",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                str(self.bin_dir / "kwok"),
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--config",
+                str(self.bin_dir / "kwok-stages.yaml"),
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                "--cidr=10.244.0.1/16",
+                "--node-ip=10.0.0.1",
+            ],
+        )
         for i in range(self.nodes):
             name = f"kwok-node-{i}"
             self.api("POST", "/api/v1/nodes", fake_node(name, zone=f"zone-{i % 2}"))
             # The API server taints new nodes not-ready; the node lifecycle controller (not
             # run: kwok sends no heartbeats it would trust) would lift it once Ready.
-            self.api("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": None}},
-                     "application/merge-patch+json")
+            self.api(
+                "PATCH",
+                f"/api/v1/nodes/{name}",
+                {"spec": {"taints": None}},
+                "application/merge-patch+json",
+            )
 
-    def api(self, method: str, path: str, body: dict | None = None,
-            content_type: str = "application/json") -> dict:
+    def api(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        content_type: str = "application/json",
+    ) -> dict:
         """One call as the admin (JSON in and out), for setting the cluster up."""
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(f"{self.server}{path}", data=data, method=method,
-                                     headers={"Authorization": f"Bearer {self.admin_token}",
-                                              "Content-Type": content_type})
+        req = urllib.request.Request(
+            f"{self.server}{path}",
+            data=data,
+            method=method,
+            headers={"Authorization": f"Bearer {self.admin_token}", "Content-Type": content_type},
+        )
         with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:
             return json.loads(resp.read() or b"{}")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.work / f"{name}.log", "wb")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self._procs.append((name, proc))
 
     def _wait_ready(self, timeout: float) -> None:
@@ -207,10 +332,12 @@ class LocalCluster:
         while time.monotonic() < deadline:
             for name, proc in self._procs:
                 if proc.poll() is not None:
-                    raise ClusterError(f"{name} exited with {proc.returncode}:\n"
-                                       + self.log_tail(name))
-            req = urllib.request.Request(f"{self.server}/readyz",
-                                         headers={"Authorization": f"Bearer {self.admin_token}"})
+                    raise ClusterError(
+                        f"{name} exited with {proc.returncode}:\n" + self.log_tail(name)
+                    )
+            req = urllib.request.Request(
+                f"{self.server}/readyz", headers={"Authorization": f"Bearer {self.admin_token}"}
+            )
             try:
                 with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
                     if resp.status == 200:
@@ -218,8 +345,10 @@ class LocalCluster:
             except OSError as exc:
                 last = str(exc)
             time.sleep(0.5)
-        raise ClusterError(f"kube-apiserver not ready after {timeout}s ({last}):\n"
-                           + self.log_tail("kube-apiserver"))
+        raise ClusterError(
+            f"kube-apiserver not ready after {timeout}s ({last}):\n"
+            + self.log_tail("kube-apiserver")
+        )
 
     def log_tail(self, name: str, chars: int = 3000) -> str:
         path = self.work / f"{name}.log"
@@ -247,11 +376,25 @@ class LocalCluster:
 
 def fake_node(name: str, zone: str, gpus: int = 8) -> dict:
     """A node kwok plays the kubelet of (its annotation), with GPUs to schedule on."""
-    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": str(gpus),
-                "ephemeral-storage": "1Ti"}
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
-                         "labels": {"kubernetes.io/hostname": name, "type": "kwok",
-                                    "topology.kubernetes.io/zone": zone,
-                                    "kubernetes.io/os": "linux"}},
-            "status": {"capacity": capacity, "allocatable": capacity}}
+    capacity = {
+        "cpu": "64",
+        "memory": "512Gi",
+        "pods": "110",
+        "nvidia.com/gpu": str(gpus),
+        "ephemeral-storage": "1Ti",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake"},
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "type": "kwok",
+                "topology.kubernetes.io/zone": zone,
+                "kubernetes.io/os": "linux",
+            },
+        },
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }

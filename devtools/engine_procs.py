@@ -1,4 +1,5 @@
 """Start real `pdpool serve` processes for tests (and benchmarks), and stop them."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: Optional[subprocess.Popen] = None,
-                 timeout: float = 120.0, log: Optional[Path] = None) -> None:
+def wait_healthy(
+    url: str,
+    proc: Optional[subprocess.Popen] = None,
+    timeout: float = 120.0,
+    log: Optional[Path] = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -46,12 +51,25 @@ class EngineProcess:
         self._start()
 
     def _start(self) -> None:
-        cmd = [sys.executable, "-m", "pdpool.cli", "serve", str(self.model), "--device", "cpu",
-               "--port", str(self.port), "--log-level", "warning", *self.flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdpool.cli",
+            "serve",
+            str(self.model),
+            "--device",
+            "cpu",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *self.flags,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self._fh = open(self.log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def wait(self, timeout: float = 120.0) -> "EngineProcess":
         for _ in range(3):

@@ -1,5 +1,6 @@
 """The operator as a process, and PDInferencePool calls against a local API server
 (devcluster), for the operator tests and benchmarks/operator_reconcile.py."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,12 @@ def api_client(server: str, ca_file: Path, token: str) -> client.ApiClient:
     return client.ApiClient(config)
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30, interval: float = 0.2,
-             what: str = "condition") -> Any:
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float = 30,
+    interval: float = 0.2,
+    what: str = "condition",
+) -> Any:
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while time.monotonic() < deadline:
@@ -43,8 +48,10 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30, interval: float 
         except client.ApiException as exc:
             last_error = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}"
-                         + (f" (last error: {last_error})" if last_error else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}"
+        + (f" (last error: {last_error})" if last_error else "")
+    )
 
 
 def install_crd(api: client.ApiClient) -> None:
@@ -58,8 +65,10 @@ def install_crd(api: client.ApiClient) -> None:
 
     def established():
         got = ext.read_custom_resource_definition(crd["metadata"]["name"])
-        return any(c.type == "Established" and c.status == "True"
-                   for c in (got.status.conditions or []))
+        return any(
+            c.type == "Established" and c.status == "True" for c in (got.status.conditions or [])
+        )
+
     wait_for(established, 30, what="CRD established")
 
 
@@ -70,8 +79,12 @@ def pool_manifest(name: str, **spec_overrides: Any) -> dict[str, Any]:
         "router": {"image": "pdpool-slim:test"},
     }
     spec.update(spec_overrides)
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PDInferencePool",
-            "metadata": {"name": name}, "spec": spec}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "PDInferencePool",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 class Pools:
@@ -85,38 +98,50 @@ class Pools:
 
     def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
         return self.custom.create_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, manifest)
+            GROUP, VERSION, self.namespace, PLURAL, manifest
+        )
 
     def get(self, name: str) -> dict[str, Any]:
-        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace,
-                                                        PLURAL, name)
+        return self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, name
+        )
 
     def patch_spec(self, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         return self.custom.patch_namespaced_custom_object(
-            GROUP, VERSION, self.namespace, PLURAL, name, {"spec": spec},
-            _content_type="application/merge-patch+json")
+            GROUP,
+            VERSION,
+            self.namespace,
+            PLURAL,
+            name,
+            {"spec": spec},
+            _content_type="application/merge-patch+json",
+        )
 
     def delete(self, name: str) -> None:
         self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
 
     def deployments(self, pool: str) -> dict[str, Any]:
         items = self.apps.list_namespaced_deployment(
-            self.namespace, label_selector=f"pdpool.io/pool={pool}").items
+            self.namespace, label_selector=f"pdpool.io/pool={pool}"
+        ).items
         return {d.metadata.labels["pdpool.io/role"]: d for d in items}
 
     def services(self, pool: str) -> dict[str, Any]:
         items = self.core.list_namespaced_service(
-            self.namespace, label_selector=f"pdpool.io/pool={pool}").items
+            self.namespace, label_selector=f"pdpool.io/pool={pool}"
+        ).items
         return {s.metadata.name: s for s in items}
 
     def config_maps(self, pool: str) -> dict[str, Any]:
         items = self.core.list_namespaced_config_map(
-            self.namespace, label_selector=f"pdpool.io/pool={pool}").items
+            self.namespace, label_selector=f"pdpool.io/pool={pool}"
+        ).items
         return {c.metadata.name: c for c in items}
 
     def secrets(self, pool: str) -> dict[str, Any]:
         items = self.core.list_namespaced_secret(
-            self.namespace, label_selector=f"pdpool.io/pool={pool}").items
+            self.namespace, label_selector=f"pdpool.io/pool={pool}"
+        ).items
         return {s.metadata.name: s for s in items}
 
     def condition(self, name: str, kind: str) -> dict[str, Any] | None:
@@ -128,23 +153,36 @@ class Pools:
         dep = self.apps.read_namespaced_deployment(f"{pool}-{role}", self.namespace)
         n = dep.spec.replicas if ready is None else ready
         self.apps.patch_namespaced_deployment_status(
-            dep.metadata.name, self.namespace,
-            {"status": {"observedGeneration": dep.metadata.generation,
-                        "replicas": dep.spec.replicas, "readyReplicas": n,
-                        "updatedReplicas": dep.spec.replicas, "availableReplicas": n}})
+            dep.metadata.name,
+            self.namespace,
+            {
+                "status": {
+                    "observedGeneration": dep.metadata.generation,
+                    "replicas": dep.spec.replicas,
+                    "readyReplicas": n,
+                    "updatedReplicas": dep.spec.replicas,
+                    "availableReplicas": n,
+                }
+            },
+        )
 
     def events(self, name: str) -> list[Any]:
-        return [e for e in self.core.list_namespaced_event(self.namespace).items
-                if e.involved_object.name == name and e.involved_object.kind == "PDInferencePool"]
+        return [
+            e
+            for e in self.core.list_namespaced_event(self.namespace).items
+            if e.involved_object.name == name and e.involved_object.kind == "PDInferencePool"
+        ]
 
 
 CHILD_DEPLOYMENTS = {"prefill", "decode", "gateway"}
 
 
 def children_exist(pools: Pools, name: str) -> bool:
-    return (set(pools.deployments(name)) == CHILD_DEPLOYMENTS
-            and set(pools.services(name)) == {f"{name}-{r}" for r in CHILD_DEPLOYMENTS}
-            and set(pools.config_maps(name)) == {f"{name}-router"})
+    return (
+        set(pools.deployments(name)) == CHILD_DEPLOYMENTS
+        and set(pools.services(name)) == {f"{name}-{r}" for r in CHILD_DEPLOYMENTS}
+        and set(pools.config_maps(name)) == {f"{name}-router"}
+    )
 
 
 class OperatorProcess:
@@ -158,9 +196,18 @@ class OperatorProcess:
         log = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [*PDPOOL, "operator", "--kubeconfig", str(self.kubeconfig),
-             *(self.extra or ("--all-namespaces",))],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                *PDPOOL,
+                "operator",
+                "--kubeconfig",
+                str(self.kubeconfig),
+                *(self.extra or ("--all-namespaces",)),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

@@ -4,6 +4,7 @@ The HTTP server lives on the event loop; the model runs on one engine thread. Ne
 and aborts are handed over through a lock-protected inbox, outputs come back through
 `loop.call_soon_threadsafe` into one asyncio queue per request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,13 +26,14 @@ class AsyncEngine:
         self._inbox: list[Callable[[], None]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
-        self.last_tick = time.monotonic()   # the engine loop's last sign of life
+        self.last_tick = time.monotonic()  # the engine loop's last sign of life
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
     # --- called from the event loop -----------------------------------------------------
-    async def generate(self, request_id: str, add: Callable[[], object]
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, add: Callable[[], object]
+    ) -> AsyncIterator[RequestOutput]:
         """Queues `add()` (which adds the request to the engine, on the engine thread) and
         yields its outputs. Leaving the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
@@ -98,8 +100,7 @@ class AsyncEngine:
         while True:
             with self._cv:
                 self.last_tick = time.monotonic()
-                while not self._inbox and not self._stopping \
-                        and not self.engine.has_unfinished():
+                while not self._inbox and not self._stopping and not self.engine.has_unfinished():
                     self._cv.wait(timeout=0.05)
                     self.last_tick = time.monotonic()
                     self.engine.idle_tick()  # connector housekeeping while idle

@@ -1,4 +1,5 @@
 """Every engine knob, validated once, in one place."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ class EngineConfig:
     prefix_aware_admission: bool = True
     global_cache_hit_threshold: float = 0.0
     seed: int = 0
-    cpu_threads: Optional[int] = None   # torch threads on CPU (None: torch's default)
+    cpu_threads: Optional[int] = None  # torch threads on CPU (None: torch's default)
     # KV connector (P/D transfer)
     kv_connector: str = "none"
     kv_role: str = "both"
@@ -66,32 +67,41 @@ class EngineConfig:
             raise ValueError("--max-num-seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2")
-        if not self.enable_chunked_prefill and self.max_model_len and \
-                self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError("without chunked prefill, --max-num-batched-tokens must be >= "
-                             "--max-model-len")
-        self.global_cache_hit_threshold = validate_threshold(
-            self.global_cache_hit_threshold, "--global-cache-hit-threshold") or 0.0
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                "without chunked prefill, --max-num-batched-tokens must be >= --max-model-len"
+            )
+        self.global_cache_hit_threshold = (
+            validate_threshold(self.global_cache_hit_threshold, "--global-cache-hit-threshold")
+            or 0.0
+        )
         if self.kv_connector not in ("none", "nixl"):
             raise ValueError(f"--kv-connector must be none or nixl, got {self.kv_connector!r}")
         if self.kv_role not in ("producer", "consumer", "both"):
             raise ValueError("--kv-role must be producer, consumer or both")
         if self.kv_host in ("0.0.0.0", "::", ""):
-            raise ValueError("--kv-host must be an address peers can reach (the pod IP), "
-                             "not a wildcard")
+            raise ValueError(
+                "--kv-host must be an address peers can reach (the pod IP), not a wildcard"
+            )
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("--kv-load-failure-policy must be recompute or fail")
         if self.kv_producer_timeout <= 0 or self.kv_load_timeout <= 0:
             raise ValueError("--kv-producer-timeout and --kv-load-timeout must be > 0")
         if self.kv_connector == "nixl":
             from pdpool.engine.connector.lease_token import load_secret
-            load_secret(self.kv_secret_file)   # a bad secret stops the start, not a request
+
+            load_secret(self.kv_secret_file)  # a bad secret stops the start, not a request
         if self.kv_pull_threshold < 0:
             raise ValueError("--kv-pull-threshold must be >= 0")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1KiB")
         if self.kv_events_config:
             from pdpool.kv_events import KVEventsConfig
-            KVEventsConfig.parse(self.kv_events_config)   # a bad config stops the start
+
+            KVEventsConfig.parse(self.kv_events_config)  # a bad config stops the start
         if self.ready_max_stall_s <= 0:
             raise ValueError("--ready-max-stall-s must be > 0")

@@ -4,6 +4,7 @@ Decoding one token at a time breaks multi-byte characters and merges; instead ea
 decodes a short window before and after the newest tokens and emits the difference, holding
 back text that ends in an incomplete UTF-8 sequence.
 """
+
 from __future__ import annotations
 
 
@@ -23,10 +24,10 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Appends one token and returns the newly readable text (may be empty)."""
         self.token_ids.append(token_id)
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
+        prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
             self.text += delta

@@ -4,6 +4,7 @@ One step = the scheduler decides, the runner computes, and this file applies the
 advance each request, publish its full blocks to the prefix cache, detokenize, check stop
 conditions and free the finished.
 """
+
 from __future__ import annotations
 
 import logging
@@ -78,6 +79,7 @@ class LLMEngine:
         self.model = load_model(self.info, self.dtype, self.device)
         if tokenizer is None:
             from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
         self.tokenizer = tokenizer
         self.eos_token_ids = self._eos_ids()
@@ -90,17 +92,27 @@ class LLMEngine:
         self.head_dim = head_dim_of(mc)
         bs = config.block_size
         num_blocks = self._num_kv_blocks()
-        self.kv_cache = torch.zeros(num_blocks, self.num_layers, 2, bs, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(
+            num_blocks,
+            self.num_layers,
+            2,
+            bs,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         # Recurrent-state models (Qwen3.5): a running-state slot per schedulable request,
         # plus as many slots again for prefix-cache snapshots.
         has_state = hasattr(self.model, "allocate_state")
         num_slots = config.max_num_seqs if has_state else 0
         num_snapshots = config.max_num_seqs if has_state and config.enable_prefix_caching else 0
-        self.state = self.model.allocate_state(num_slots + num_snapshots, self.device) \
-            if has_state else None
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, num_slots,
-                                 self.groups, num_snapshots)
+        self.state = (
+            self.model.allocate_state(num_slots + num_snapshots, self.device) if has_state else None
+        )
+        self.kv = KVCacheManager(
+            num_blocks, bs, config.enable_prefix_caching, num_slots, self.groups, num_snapshots
+        )
         self.kv_events = self._start_kv_events()
         # Every group needs its own blocks for the same tokens.
         self.kv_capacity_tokens = self.kv.pool.num_usable_blocks // len(self.groups) * bs
@@ -109,30 +121,51 @@ class LLMEngine:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
         self.connector = self._build_connector()
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            prefix_aware_admission=config.prefix_aware_admission,
-            global_cache_hit_threshold=config.global_cache_hit_threshold), self.kv,
-            self.connector)
-        self.runner = ModelRunner(self.model, self.kv, self.kv_cache, self.device, keep_logits,
-                                  self.state)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                prefix_aware_admission=config.prefix_aware_admission,
+                global_cache_hit_threshold=config.global_cache_hit_threshold,
+            ),
+            self.kv,
+            self.connector,
+        )
+        self.runner = ModelRunner(
+            self.model, self.kv, self.kv_cache, self.device, keep_logits, self.state
+        )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = True
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
-                      "steps": 0, "aborted": 0, "failed": 0, "forward_failures": 0,
-                      # Where prompt tokens' KV came from: this engine's prefix cache, a
-                      # peer (loaded and verified), or the model here.
-                      "prompt_tokens_local": 0, "prompt_tokens_pulled": 0,
-                      "prompt_tokens_computed": 0}
+        self.stats = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "computed_tokens": 0,
+            "steps": 0,
+            "aborted": 0,
+            "failed": 0,
+            "forward_failures": 0,
+            # Where prompt tokens' KV came from: this engine's prefix cache, a
+            # peer (loaded and verified), or the model here.
+            "prompt_tokens_local": 0,
+            "prompt_tokens_pulled": 0,
+            "prompt_tokens_computed": 0,
+        }
         # An engine-wide failure nobody could be blamed for (the model forward failed for
         # every request tried); /health reports it until a forward succeeds again.
         self.fault: Optional[str] = None
-        self._failed_forward_streak = 0   # requests failed in the forward since a success
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-                 self.model_name, self.device, self.dtype, num_blocks, bs, max_len)
+        self._failed_forward_streak = 0  # requests failed in the forward since a success
+        log.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            self.model_name,
+            self.device,
+            self.dtype,
+            num_blocks,
+            bs,
+            max_len,
+        )
 
     # --- setup --------------------------------------------------------------------------
     def _assign_kv_groups(self):
@@ -152,6 +185,7 @@ class LLMEngine:
         gen_file = self.info.path / "generation_config.json"
         if gen_file.is_file():
             import json
+
             eos = json.loads(gen_file.read_text()).get("eos_token_id")
             ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer.eos_token_id is not None:
@@ -160,8 +194,15 @@ class LLMEngine:
 
     @property
     def block_bytes(self) -> int:
-        return (self.num_layers * 2 * self.config.block_size * self.num_kv_heads
-                * self.head_dim * torch.finfo(self.dtype).bits // 8)
+        return (
+            self.num_layers
+            * 2
+            * self.config.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * torch.finfo(self.dtype).bits
+            // 8
+        )
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks:
@@ -175,32 +216,55 @@ class LLMEngine:
                 memory = DEFAULT_KV_MEMORY_CPU
         n = memory // self.block_bytes
         if n < 1:
-            raise ValueError(f"--kv-cache-memory {memory} bytes holds no block "
-                             f"(one block is {self.block_bytes} bytes)")
+            raise ValueError(
+                f"--kv-cache-memory {memory} bytes holds no block "
+                f"(one block is {self.block_bytes} bytes)"
+            )
         return int(n)
 
     def kv_layout(self) -> dict:
         """What must match for a KV block to mean the same thing in two engines."""
         import hashlib
         import json
-        keys = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "layer_types")
+
+        keys = (
+            "architectures",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "layer_types",
+        )
         model = json.dumps({k: self.info.config.get(k) for k in keys}, sort_keys=True)
-        return {"model": hashlib.sha256(model.encode()).hexdigest()[:16],
-                "dtype": str(self.dtype).replace("torch.", ""),
-                "block_size": self.config.block_size,
-                "kv_layout": "block-major[num_blocks,num_layers,2,block_size,kv_heads,head_dim]",
-                "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "kv_groups": [g.name for g in self.groups]}
+        return {
+            "model": hashlib.sha256(model.encode()).hexdigest()[:16],
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "block_size": self.config.block_size,
+            "kv_layout": "block-major[num_blocks,num_layers,2,block_size,kv_heads,head_dim]",
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "kv_groups": [g.name for g in self.groups],
+        }
 
     def _build_connector(self):
         if self.config.kv_connector == "none":
             from pdpool.engine.connector.base import KVConnector
+
             return KVConnector()
         from pdpool.engine.connector.nixl_connector import NixlConnector
         from pdpool.engine.connector.lease_token import load_secret
-        return NixlConnector(self.config, self.kv, self.kv_cache, self.kv_layout(), self.state,
-                             secret=load_secret(self.config.kv_secret_file))
+
+        return NixlConnector(
+            self.config,
+            self.kv,
+            self.kv_cache,
+            self.kv_layout(),
+            self.state,
+            secret=load_secret(self.config.kv_secret_file),
+        )
 
     def _start_kv_events(self):
         """vLLM's --kv-events-config: a ZeroMQ publisher of this engine's cache changes."""
@@ -210,7 +274,7 @@ class LLMEngine:
         if cfg is None or not cfg.active:
             return None
         publisher = KVEventPublisher(cfg)
-        publisher.record(AllBlocksCleared())   # a (re)started engine holds nothing
+        publisher.record(AllBlocksCleared())  # a (re)started engine holds nothing
         self.kv.attach_events(publisher)
         return publisher
 
@@ -225,10 +289,15 @@ class LLMEngine:
             self._apply_load_result(result)
 
     # --- requests -----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, cache_salt: Optional[str] = None,
-                    cache_hit_threshold: Optional[float] = None,
-                    kv_transfer_params: Optional[dict] = None) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: Optional[str] = None,
+        cache_hit_threshold: Optional[float] = None,
+        kv_transfer_params: Optional[dict] = None,
+    ) -> Request:
         params.validate(self.info.config["vocab_size"])
         if request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request_id!r}")
@@ -236,26 +305,38 @@ class LLMEngine:
         if n == 0:
             raise RequestRejected("the prompt is empty")
         vocab = self.info.config["vocab_size"]
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
-               for t in prompt_token_ids):
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+            for t in prompt_token_ids
+        ):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestRejected(f"stop_token_ids must be in [0, {vocab})")
         if params.n != 1:
-            raise RequestRejected("n: the engine runs one sequence per request "
-                                  "(the server fans n out)")
+            raise RequestRejected(
+                "n: the engine runs one sequence per request (the server fans n out)"
+            )
         capacity = self.kv_capacity_tokens
         if n + params.max_tokens > capacity:
             raise RequestRejected(
                 f"the request ({n} prompt + {params.max_tokens} output tokens) cannot fit in "
-                f"the KV cache even alone: it holds {capacity} tokens")
+                f"the KV cache even alone: it holds {capacity} tokens"
+            )
         if n + params.max_tokens > self.max_model_len:
             raise RequestRejected(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request asks for {n} prompt + {params.max_tokens} output tokens")
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids,
-                      cache_salt=cache_salt, cache_hit_threshold=cache_hit_threshold,
-                      kv_transfer_params=kv_transfer_params, block_size=self.config.block_size)
+                f"request asks for {n} prompt + {params.max_tokens} output tokens"
+            )
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.eos_token_ids,
+            cache_salt=cache_salt,
+            cache_hit_threshold=cache_hit_threshold,
+            kv_transfer_params=kv_transfer_params,
+            block_size=self.config.block_size,
+        )
         refusal = self.connector.check_request(req)
         if refusal is not None and self.config.kv_load_failure_policy == "fail":
             raise KVTransferRefused(f"KV transfer refused: {refusal}")
@@ -335,8 +416,13 @@ class LLMEngine:
             req.error, req.error_status = str(exc), 400
         else:
             req.error, req.error_status = f"internal error in {where}: {exc}", 500
-        log.error("request %s failed in %s: %s", req.request_id, where, exc,
-                  exc_info=None if isinstance(exc, RequestError) else exc)
+        log.error(
+            "request %s failed in %s: %s",
+            req.request_id,
+            where,
+            exc,
+            exc_info=None if isinstance(exc, RequestError) else exc,
+        )
         self.stats["failed"] += 1
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
         output = self._final_output(req, "", [])
@@ -349,16 +435,21 @@ class LLMEngine:
             log.warning("engine recovered: a model forward succeeded again")
             self.fault = None
 
-    def _execute_isolating(self, out: SchedulerOutput, exc: Exception
-                           ) -> tuple[StepResult, list[RequestOutput]]:
+    def _execute_isolating(
+        self, out: SchedulerOutput, exc: Exception
+    ) -> tuple[StepResult, list[RequestOutput]]:
         """The batch's forward failed: runs each request alone to find the offenders, which
         end with an error while the others go on. Models with recurrent state are not
         re-run (a failed forward may have advanced their state in place), and neither is a
         batch of one: their requests fail. Failures that hit two or more requests with no
         success in between are an engine-wide fault (see `fault`)."""
         self.stats["forward_failures"] += 1
-        log.error("model forward failed for a batch of %d requests: %s", len(out.scheduled),
-                  exc, exc_info=True)
+        log.error(
+            "model forward failed for a batch of %d requests: %s",
+            len(out.scheduled),
+            exc,
+            exc_info=True,
+        )
         merged = StepResult({}, 0)
         failed: list[tuple[Request, Exception]] = []
         if self.state is not None or len(out.scheduled) == 1:
@@ -399,34 +490,48 @@ class LLMEngine:
         self.scheduler.finish_loading(req, result.num_loaded_tokens, result.restart)
         return None
 
-    def _advance(self, req: Request, token: int, lp: Optional[TokenLogprob] = None
-                 ) -> RequestOutput:
+    def _advance(
+        self, req: Request, token: int, lp: Optional[TokenLogprob] = None
+    ) -> RequestOutput:
         params = req.sampling_params
         detok = self._detok[req.request_id]
         status = None
-        stopped_by_token = token in params.stop_token_ids or \
-            (token in req.eos_token_ids and not params.ignore_eos)
+        stopped_by_token = token in params.stop_token_ids or (
+            token in req.eos_token_ids and not params.ignore_eos
+        )
         if stopped_by_token and len(req.output_token_ids) > params.min_tokens - 1:
             status = RequestStatus.FINISHED_STOPPED
         else:
             delta = detok.add_token(token)
-            cut = find_stop(detok.text, len(delta), params.stop) \
-                if len(req.output_token_ids) >= params.min_tokens else -1
+            cut = (
+                find_stop(detok.text, len(delta), params.stop)
+                if len(req.output_token_ids) >= params.min_tokens
+                else -1
+            )
             if cut != -1:
                 detok.text = detok.text[:cut]
                 status = RequestStatus.FINISHED_STOPPED
-        if status is None and (len(req.output_token_ids) >= params.max_tokens
-                               or req.num_tokens >= self.max_model_len):
+        if status is None and (
+            len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
+        ):
             status = RequestStatus.FINISHED_LENGTH
         # While running, hold back text that could still turn out to begin a stop string.
         hold = max((len(s) for s in params.stop), default=1) - 1 if status is None else 0
         end = max(len(detok.text) - hold, detok.emitted)
-        delta, detok.emitted = detok.text[detok.emitted:end], end
+        delta, detok.emitted = detok.text[detok.emitted : end], end
         lps = [lp] if lp is not None else None
         if status is None:
-            return RequestOutput(req.request_id, delta, [token], False, None,
-                                 req.num_prompt_tokens, len(req.output_token_ids),
-                                 (req.num_cached_tokens or 0), logprobs=lps)
+            return RequestOutput(
+                req.request_id,
+                delta,
+                [token],
+                False,
+                None,
+                req.num_prompt_tokens,
+                len(req.output_token_ids),
+                (req.num_cached_tokens or 0),
+                logprobs=lps,
+            )
         req.kv_params_out = self.connector.request_finished(req, status)
         self.scheduler.finish_request(req, status)
         output = self._final_output(req, delta, [token])
@@ -442,16 +547,26 @@ class LLMEngine:
         self.stats["prompt_tokens_computed"] += req.num_prompt_tokens - cached
 
     def _final_output(self, req: Request, delta: str, tokens: list[int]) -> RequestOutput:
-        out = RequestOutput(req.request_id, delta, tokens, True, req.status.value,
-                            req.num_prompt_tokens, len(req.output_token_ids),
-                            (req.num_cached_tokens or 0), req.kv_params_out, req.error,
-                            req.error_status)
+        out = RequestOutput(
+            req.request_id,
+            delta,
+            tokens,
+            True,
+            req.status.value,
+            req.num_prompt_tokens,
+            len(req.output_token_ids),
+            (req.num_cached_tokens or 0),
+            req.kv_params_out,
+            req.error,
+            req.error_status,
+        )
         out.num_pulled_tokens = req.num_pulled_tokens
         return out
 
     # --- convenience for tests and benchmarks ------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
-                 ) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         """Runs prompts to completion; returns the output token ids of each."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{id(self)}-{i}-{self.stats['steps']}" for i in range(len(prompts))]

@@ -1,4 +1,5 @@
 """Reads a Hugging Face checkpoint folder into one of our model classes."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
     archs = config.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED), None)
     if arch is None:
-        raise ModelLoadError(f"unsupported architecture {archs or '(none)'}; "
-                             f"supported: {', '.join(SUPPORTED)}")
+        raise ModelLoadError(
+            f"unsupported architecture {archs or '(none)'}; supported: {', '.join(SUPPORTED)}"
+        )
     return ModelInfo(path, config, arch, path.resolve().name)
 
 
@@ -89,8 +91,10 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> tor
     with torch.no_grad():
         for name, param in params.items():
             if param.shape != state[name].shape:
-                raise ModelLoadError(f"{name}: checkpoint shape {tuple(state[name].shape)} "
-                                     f"!= model shape {tuple(param.shape)}")
+                raise ModelLoadError(
+                    f"{name}: checkpoint shape {tuple(state[name].shape)} "
+                    f"!= model shape {tuple(param.shape)}"
+                )
             param.copy_(state[name].to(dtype))
     model = model.to(device=device, dtype=dtype).eval()
     # Buffers (rotary tables) were created on meta: rebuild them, in float32.
@@ -110,14 +114,18 @@ def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ignored: dict[str, int] = {}
     for name, tensor in state.items():
         if name.startswith(LANGUAGE_MODEL_PREFIX):
-            out["model." + name[len(LANGUAGE_MODEL_PREFIX):]] = tensor
+            out["model." + name[len(LANGUAGE_MODEL_PREFIX) :]] = tensor
         elif name.startswith(IGNORED_PREFIXES):
             prefix = next(p for p in IGNORED_PREFIXES if name.startswith(p))
             ignored[prefix] = ignored.get(prefix, 0) + 1
         else:
             out[name] = tensor
     if ignored:
-        log.info("text-only engine: ignoring %s", ", ".join(
-            f"{n} tensors under {p}*" + (" (vision tower)" if "visual" in p else " (MTP head)")
-            for p, n in sorted(ignored.items())))
+        log.info(
+            "text-only engine: ignoring %s",
+            ", ".join(
+                f"{n} tensors under {p}*" + (" (vision tower)" if "visual" in p else " (MTP head)")
+                for p, n in sorted(ignored.items())
+            ),
+        )
     return out

@@ -4,6 +4,7 @@ WAITING -> RUNNING -> FINISHED_*; RUNNING -> WAITING (preempted: its KV is dropp
 is recomputed, keeping its place at the head of the line); WAITING_FOR_REMOTE_KVS while a
 connector loads its KV from another engine.
 """
+
 from __future__ import annotations
 
 import enum
@@ -30,12 +31,18 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
-                 cache_salt: Optional[str] = None,
-                 cache_hit_threshold: Optional[float] = None,
-                 kv_transfer_params: Optional[dict[str, Any]] = None,
-                 block_size: int = 16, arrival_time: Optional[float] = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        cache_salt: Optional[str] = None,
+        cache_hit_threshold: Optional[float] = None,
+        kv_transfer_params: Optional[dict[str, Any]] = None,
+        block_size: int = 16,
+        arrival_time: Optional[float] = None,
+    ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -57,7 +64,7 @@ class Request:
         # Connector bookkeeping: its remote KV was pulled already (never twice), and the
         # kv_transfer_params the response carries.
         self.kv_consumed = False
-        self.kv_lease: Any = None      # the peer's lease the params name, once checked
+        self.kv_lease: Any = None  # the peer's lease the params name, once checked
         # Prompt tokens that came from a peer's KV (loaded and verified): part of
         # num_cached_tokens, reported apart in usage.
         self.num_pulled_tokens = 0
@@ -90,7 +97,8 @@ class Request:
         num_full = self.num_tokens // self.hasher.block_size
         if num_full > len(self.block_hashes):
             self.block_hashes.extend(
-                self.hasher.hash_blocks(self.all_token_ids, self.block_hashes, num_full))
+                self.hasher.hash_blocks(self.all_token_ids, self.block_hashes, num_full)
+            )
 
     # --- state --------------------------------------------------------------------------
     @property
@@ -103,5 +111,7 @@ class Request:
         return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_decode"))
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id}, {self.status.value}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

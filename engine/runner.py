@@ -1,4 +1,5 @@
 """Turns a scheduled batch into tensors, runs the model, and samples."""
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,15 @@ FAIL_FORWARD_ENV = "PDPOOL_TEST_FAIL_FORWARD_FOR"
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCacheManager, kv_cache: torch.Tensor,
-                 device: torch.device, keep_logits: bool = False, state=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv: KVCacheManager,
+        kv_cache: torch.Tensor,
+        device: torch.device,
+        keep_logits: bool = False,
+        state=None,
+    ):
         self.model = model
         self.state = state  # the model's recurrent-state pool, if it has one
         self.kv = kv
@@ -51,7 +59,7 @@ class ModelRunner:
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
             pos = range(start, start + n)
-            ids.extend(req.all_token_ids[start:start + n])
+            ids.extend(req.all_token_ids[start : start + n])
             positions.extend(pos)
             q_lens.append(n)
             seq_lens.append(start + n)
@@ -59,24 +67,35 @@ class ModelRunner:
                 slots[g].extend(table[p // bs] * bs + p % bs for p in pos)
                 tables[g].append(table)
         dev = self.device
-        group_tensors = [(torch.tensor(slots[g], dtype=torch.int64, device=dev),
-                          _pad_tables(tables[g]).to(dev)) for g in range(num_groups)]
+        group_tensors = [
+            (torch.tensor(slots[g], dtype=torch.int64, device=dev), _pad_tables(tables[g]).to(dev))
+            for g in range(num_groups)
+        ]
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
         meta = AttentionMetadata(
-            slot_mapping=group_tensors[0][0], block_tables=group_tensors[0][1],
+            slot_mapping=group_tensors[0][0],
+            block_tables=group_tensors[0][1],
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens=q_lens,
-            extra_groups=group_tensors[1:] or None)
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens=q_lens,
+            extra_groups=group_tensors[1:] or None,
+        )
         if self.state is not None:
             meta.state_slots = torch.tensor(
                 [self.kv.state_slot(s.request.request_id) for s in out.scheduled],
-                dtype=torch.int64, device=dev)
+                dtype=torch.int64,
+                device=dev,
+            )
             meta.state_has_initial = [s.request.num_computed_tokens > 0 for s in out.scheduled]
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta,
+        )
 
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copies recurrent states slot to slot: snapshot restores and snapshot saves."""
@@ -92,8 +111,9 @@ class ModelRunner:
         restores = self.kv.take_pending_restores()
         self.copy_state_slots(restores)
         input_ids, positions, meta = self.prepare(out)
-        if self.fail_forward_for and any(self.fail_forward_for in s.request.request_id
-                                         for s in out.scheduled):
+        if self.fail_forward_for and any(
+            self.fail_forward_for in s.request.request_id for s in out.scheduled
+        ):
             raise RuntimeError(f"injected forward failure ({FAIL_FORWARD_ENV})")
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.state)
         # Only requests whose scheduled tokens reach the end of what they know need a token;
@@ -109,18 +129,27 @@ class ModelRunner:
         if not rows:
             return StepResult({}, int(input_ids.shape[0]))
         logits = self.model.compute_logits(hidden[rows])
-        suppress = [list(r.eos_token_ids) + r.sampling_params.stop_token_ids
-                    if len(r.output_token_ids) < r.sampling_params.min_tokens else None
-                    for r in reqs]
-        res = self.sampler.sample(logits, [r.request_id for r in reqs],
-                                  [r.sampling_params for r in reqs], suppress)
-        kept = {r.request_id: logits[i].float().cpu() for i, r in enumerate(reqs)} \
-            if self.keep_logits else None
+        suppress = [
+            list(r.eos_token_ids) + r.sampling_params.stop_token_ids
+            if len(r.output_token_ids) < r.sampling_params.min_tokens
+            else None
+            for r in reqs
+        ]
+        res = self.sampler.sample(
+            logits, [r.request_id for r in reqs], [r.sampling_params for r in reqs], suppress
+        )
+        kept = (
+            {r.request_id: logits[i].float().cpu() for i, r in enumerate(reqs)}
+            if self.keep_logits
+            else None
+        )
         return StepResult(
             {r.request_id: t for r, t in zip(reqs, res.tokens) if t is not None},
-            int(input_ids.shape[0]), kept,
+            int(input_ids.shape[0]),
+            kept,
             {r.request_id: lp for r, lp in zip(reqs, res.logprobs) if lp is not None},
-            {reqs[b].request_id: exc for b, exc in res.errors.items()})
+            {reqs[b].request_id: exc for b, exc in res.errors.items()},
+        )
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
@@ -140,6 +169,11 @@ def state_tensors(state) -> list[torch.Tensor]:
         items = list(state)
     else:
         items = list(vars(state).values())
-    return [t for item in items if isinstance(item, (torch.Tensor, dict, list, tuple))
-            or hasattr(item, "__dict__") and not callable(item)
-            for t in state_tensors(item)]
+    return [
+        t
+        for item in items
+        if isinstance(item, (torch.Tensor, dict, list, tuple))
+        or hasattr(item, "__dict__")
+        and not callable(item)
+        for t in state_tensors(item)
+    ]

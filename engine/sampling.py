@@ -7,6 +7,7 @@ other rows of the batch are sampled as usual.
 Logprobs follow vLLM v1's default (`logprobs_mode="raw_logprobs"`): the log-softmax of the
 model's raw logits, before min_tokens masking, temperature, top-k and top-p.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,6 +41,7 @@ class RequestError(ValueError):
 @dataclass
 class TokenLogprob:
     """The sampled token's logprob and the `top` most likely (id, logprob), best first."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
@@ -47,9 +49,9 @@ class TokenLogprob:
 
 @dataclass
 class SampleResult:
-    tokens: list[Optional[int]]                 # None where the row failed
-    logprobs: list[Optional[TokenLogprob]]      # None where not asked for (or failed)
-    errors: dict[int, Exception]                # row -> what went wrong
+    tokens: list[Optional[int]]  # None where the row failed
+    logprobs: list[Optional[TokenLogprob]]  # None where not asked for (or failed)
+    errors: dict[int, Exception]  # row -> what went wrong
 
 
 class Sampler:
@@ -57,7 +59,7 @@ class Sampler:
         # Per-request generators keep a seeded request reproducible whatever its batch.
         self._generators: dict[str, torch.Generator] = {}
         self.fail_for = _fault_specs(os.environ.get(FAIL_SAMPLING_ENV))
-        self._sampled: dict[str, int] = {}   # tokens sampled per request, while armed
+        self._sampled: dict[str, int] = {}  # tokens sampled per request, while armed
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -80,9 +82,13 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams], suppress: list[Optional[list[int]]]
-               ) -> SampleResult:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        suppress: list[Optional[list[int]]],
+    ) -> SampleResult:
         """logits `[B, V]`; `suppress[b]` lists token ids banned for row b (min_tokens)."""
         logits = logits.float()
         vocab = logits.shape[-1]
@@ -105,9 +111,10 @@ class Sampler:
             try:
                 if self.fail_for:
                     self._injected_fault(request_ids[b])
-                tokens[b] = greedy[b] if p.greedy else self._sample_row(
-                    logits[b], p, request_ids[b])
-            except Exception as exc:   # this row only
+                tokens[b] = (
+                    greedy[b] if p.greedy else self._sample_row(logits[b], p, request_ids[b])
+                )
+            except Exception as exc:  # this row only
                 tokens[b] = None
                 errors[b] = exc
         if want:

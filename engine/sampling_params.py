@@ -1,4 +1,5 @@
 """Sampling parameters of one request, validated once."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,27 +42,39 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 raise ValueError(f"{name} must be a number, got {value!r}")
-        if self.seed is not None and (isinstance(self.seed, bool)
-                                      or not isinstance(self.seed, int)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], "
-                             f"got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
+            )
         if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
-                             f"{MAX_TEMPERATURE}], got {self.temperature}")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+                f"{MAX_TEMPERATURE}], got {self.temperature}"
+            )
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0 \
-                    or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"stop_token_ids must be token ids in [0, "
-                                 f"{vocab_size or 'vocab size'}), got {t!r}")
+            if (
+                isinstance(t, bool)
+                or not isinstance(t, int)
+                or t < 0
+                or (vocab_size is not None and t >= vocab_size)
+            ):
+                raise ValueError(
+                    f"stop_token_ids must be token ids in [0, "
+                    f"{vocab_size or 'vocab size'}), got {t!r}"
+                )
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (the maximum allowed "
-                             f"is {MAX_LOGPROBS}), got {self.logprobs}")
+            raise ValueError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] (the maximum allowed "
+                f"is {MAX_LOGPROBS}), got {self.logprobs}"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:

@@ -7,6 +7,7 @@ prefills) their tokens first, then admits waiting ones, all under one token budg
 blocks run out, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the head of the waiting line to be recomputed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,9 +62,11 @@ class ThresholdDecision:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 connector: Optional["KVConnector"] = None):
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, connector: Optional["KVConnector"] = None
+    ):
         from pdpool.engine.connector.base import KVConnector
+
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
@@ -95,8 +98,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
-    def finish_loading(self, request: Request, num_loaded_tokens: int,
-                       restart: bool = False) -> None:
+    def finish_loading(
+        self, request: Request, num_loaded_tokens: int, restart: bool = False
+    ) -> None:
         """The connector's READ ended: what arrived counts as computed; the rest (from the
         first missing block, or from zero when a recurrent state is missing) is computed
         here. The request keeps its place in line."""
@@ -119,7 +123,7 @@ class Scheduler:
         copies = []
         for item in out.scheduled:
             req = item.request
-            if req.is_finished:   # failed in the forward
+            if req.is_finished:  # failed in the forward
                 continue
             req.num_computed_tokens += item.num_new_tokens
             copies += self.kv.commit_computed(req)
@@ -131,11 +135,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         # Waiting requests, in arrival order; none after a preemption this step.
-        while self.waiting and budget > 0 and not out.preempted \
-                and len(self.running) < self.config.max_num_seqs:
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             charged = self._admit(self.waiting[0], out, budget)
             if charged is None:
-                break   # the head of the line does not fit: nobody behind it jumps ahead
+                break  # the head of the line does not fit: nobody behind it jumps ahead
             budget -= charged
         return out
 
@@ -188,23 +196,31 @@ class Scheduler:
             return 0 if self._start_loading(req, hits, num_local, num_external) else None
         return self._start_running(req, hits, num_local, out, budget)
 
-    def _start_loading(self, req: Request, hits: list[list[Block]], num_local: int,
-                       num_external: int) -> bool:
+    def _start_loading(
+        self, req: Request, hits: list[list[Block]], num_local: int, num_external: int
+    ) -> bool:
         """Blocks for the remote tokens now; the READ runs while others compute."""
         if not self.kv.allocate_slots(req, num_external, hits):
             return False
         self.waiting.popleft()
         req.num_computed_tokens = num_local
         if req.num_cached_tokens is None:
-            req.num_cached_tokens = num_local   # loaded tokens are added when they arrive
+            req.num_cached_tokens = num_local  # loaded tokens are added when they arrive
         self.connector.update_state_after_alloc(
-            req, self.kv.block_tables(req.request_id), num_local, num_external)
+            req, self.kv.block_tables(req.request_id), num_local, num_external
+        )
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[req.request_id] = req
         return True
 
-    def _start_running(self, req: Request, hits: Optional[list[list[Block]]], num_cached: int,
-                       out: SchedulerOutput, budget: int) -> Optional[int]:
+    def _start_running(
+        self,
+        req: Request,
+        hits: Optional[list[list[Block]]],
+        num_cached: int,
+        out: SchedulerOutput,
+        budget: int,
+    ) -> Optional[int]:
         num_new = req.num_tokens - num_cached
         # Without awareness (the comparison baseline), cached tokens are charged to the
         # budget and cached blocks are allocated as if they were new.
@@ -212,14 +228,15 @@ class Scheduler:
         if charged > budget:
             if not self.config.enable_chunked_prefill:
                 return None
-            num_new = budget if self.config.prefix_aware_admission \
-                else max(budget - num_cached, 0)
+            num_new = budget if self.config.prefix_aware_admission else max(budget - num_cached, 0)
             charged = budget
         num_new = self._align_chunk(req, num_cached, num_new)
         if num_new <= 0:
             return None
-        if not self.config.prefix_aware_admission and \
-                cdiv(req.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
+        if (
+            not self.config.prefix_aware_admission
+            and cdiv(req.num_tokens, self.kv.block_size) > self.kv.num_free_blocks
+        ):
             return None
         if not self.kv.allocate_slots(req, num_new, hits):
             return None
@@ -284,6 +301,13 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_cached
         self.num_threshold_rejections[d.source] += 1
-        log.info("request %s rejected: cache hit ratio %.3f < %s threshold %.3f "
-                 "(%d of %d tokens cached)", req.request_id, d.ratio, d.source,
-                 d.threshold, num_cached, req.num_tokens)
+        log.info(
+            "request %s rejected: cache hit ratio %.3f < %s threshold %.3f "
+            "(%d of %d tokens cached)",
+            req.request_id,
+            d.ratio,
+            d.source,
+            d.threshold,
+            num_cached,
+            req.num_tokens,
+        )

@@ -1,4 +1,5 @@
 """`pdpool serve MODEL_DIR`: one engine with its OpenAI-compatible server."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,51 +21,89 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                   action="store_false")
-    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_true", default=True)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false")
-    p.add_argument("--no-prefix-aware-admission", dest="prefix_aware_admission",
-                   action="store_false",
-                   help="admit as if nothing were cached (only to measure what awareness brings)")
+    p.add_argument(
+        "--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
+    )
+    p.add_argument(
+        "--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True
+    )
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--no-prefix-aware-admission",
+        dest="prefix_aware_admission",
+        action="store_false",
+        help="admit as if nothing were cached (only to measure what awareness brings)",
+    )
     p.add_argument("--global-cache-hit-threshold", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads on CPU; 1 is best when other processes share the cores")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads on CPU; 1 is best when other processes share the cores",
+    )
     p.add_argument("--kv-connector", default="none", choices=["none", "nixl"])
     p.add_argument("--kv-role", default="both", choices=["producer", "consumer", "both"])
-    p.add_argument("--kv-host", default="127.0.0.1",
-                   help="address advertised to peers for KV transfer (the pod IP)")
+    p.add_argument(
+        "--kv-host",
+        default="127.0.0.1",
+        help="address advertised to peers for KV transfer (the pod IP)",
+    )
     p.add_argument("--kv-port", type=int, default=0, help="KV handshake port (0: pick one)")
-    p.add_argument("--kv-peer-allowlist", default="",
-                   help="comma-separated hosts or CIDRs this engine may pull KV from")
-    p.add_argument("--kv-pull-threshold", type=int, default=0,
-                   help="pull a remote prefix only when it saves at least this many tokens")
-    p.add_argument("--kv-load-failure-policy", default="recompute",
-                   choices=["recompute", "fail"])
-    p.add_argument("--kv-producer-timeout", type=float, default=10.0,
-                   help="seconds a lease holds KV for a peer unless the peer renews it "
-                        "(its request is queued) or releases it (read done, or no pull)")
-    p.add_argument("--kv-secret-file", default=None,
-                   help="the pool's secret for signing and checking kv_transfer_params "
-                        "(else $PDPOOL_KV_SECRET_FILE or $PDPOOL_KV_SECRET; without one, "
-                        "loads are checked by content alone)")
-    p.add_argument("--kv-load-timeout", type=float, default=30.0,
-                   help="seconds a consumer waits for a READ before computing locally")
-    p.add_argument("--max-body-bytes", default="32MiB",
-                   help="request bodies above this size get 413, checked while they arrive "
-                        "(default 32MiB: a 10 MB prompt fits)")
-    p.add_argument("--ready-max-stall-s", type=float, default=30.0,
-                   help="/ready answers 503 when the engine loop has work and has not "
-                        "ticked for this long (/health is liveness only)")
+    p.add_argument(
+        "--kv-peer-allowlist",
+        default="",
+        help="comma-separated hosts or CIDRs this engine may pull KV from",
+    )
+    p.add_argument(
+        "--kv-pull-threshold",
+        type=int,
+        default=0,
+        help="pull a remote prefix only when it saves at least this many tokens",
+    )
+    p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
+    p.add_argument(
+        "--kv-producer-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a lease holds KV for a peer unless the peer renews it "
+        "(its request is queued) or releases it (read done, or no pull)",
+    )
+    p.add_argument(
+        "--kv-secret-file",
+        default=None,
+        help="the pool's secret for signing and checking kv_transfer_params "
+        "(else $PDPOOL_KV_SECRET_FILE or $PDPOOL_KV_SECRET; without one, "
+        "loads are checked by content alone)",
+    )
+    p.add_argument(
+        "--kv-load-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a consumer waits for a READ before computing locally",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        default="32MiB",
+        help="request bodies above this size get 413, checked while they arrive "
+        "(default 32MiB: a 10 MB prompt fits)",
+    )
+    p.add_argument(
+        "--ready-max-stall-s",
+        type=float,
+        default=30.0,
+        help="/ready answers 503 when the engine loop has work and has not "
+        "ticked for this long (/health is liveness only)",
+    )
     p.add_argument("--tls-cert-file", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
-    p.add_argument("--kv-events-config", default=None,
-                   help='vLLM\'s KV cache events config (JSON), e.g. \'{"enable_kv_cache_events":'
-                        ' true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-                        '"replay_endpoint": "tcp://*:5558"}\'')
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV cache events config (JSON), e.g. '{\"enable_kv_cache_events\":"
+        ' true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -77,29 +116,42 @@ def config_from_args(args: argparse.Namespace):
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return EngineConfig(
-        model=args.model, served_model_name=args.served_model_name, device=args.device,
-        dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=memory, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=memory,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_aware_admission=args.prefix_aware_admission,
-        global_cache_hit_threshold=args.global_cache_hit_threshold, seed=args.seed,
+        global_cache_hit_threshold=args.global_cache_hit_threshold,
+        seed=args.seed,
         cpu_threads=args.cpu_threads,
-        kv_connector=args.kv_connector, kv_role=args.kv_role, kv_host=args.kv_host,
+        kv_connector=args.kv_connector,
+        kv_role=args.kv_role,
+        kv_host=args.kv_host,
         kv_port=args.kv_port,
         kv_peer_allowlist=[h.strip() for h in args.kv_peer_allowlist.split(",") if h.strip()],
         kv_pull_threshold=args.kv_pull_threshold,
         kv_load_failure_policy=args.kv_load_failure_policy,
-        kv_producer_timeout=args.kv_producer_timeout, kv_load_timeout=args.kv_load_timeout,
-        kv_secret_file=args.kv_secret_file, max_body_bytes=max_body,
+        kv_producer_timeout=args.kv_producer_timeout,
+        kv_load_timeout=args.kv_load_timeout,
+        kv_secret_file=args.kv_secret_file,
+        max_body_bytes=max_body,
         ready_max_stall_s=args.ready_max_stall_s,
-        kv_events_config=getattr(args, "kv_events_config", None))
+        kv_events_config=getattr(args, "kv_events_config", None),
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     config = config_from_args(args)
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise CliError("--tls-cert-file and --tls-key-file go together")
@@ -117,10 +169,19 @@ def main(args: argparse.Namespace) -> int:
     aengine = AsyncEngine(engine)
     app = build_app(aengine)
     try:
-        tls = {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file} \
-            if args.tls_cert_file else {}
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_graceful_shutdown=5, **tls)
+        tls = (
+            {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file}
+            if args.tls_cert_file
+            else {}
+        )
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=5,
+            **tls,
+        )
     finally:
         aengine.shutdown()
     return 0

@@ -3,6 +3,7 @@
 Nothing is downloaded: the weights come from a seeded transformers model and the tokenizer
 is a byte-level BPE trained here on text generated from a fixed word list.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,12 +56,18 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(training_corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"])
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -84,8 +91,15 @@ class TinyModelSpec:
     def validate(self) -> None:
         if self.arch not in ("qwen3", "qwen3_5"):
             raise ValueError(f"unknown --arch {self.arch!r} (choose qwen3 or qwen3_5)")
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
-                     "num_kv_heads", "head_dim", "linear_head_dim"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "linear_head_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.num_heads % self.num_kv_heads:
@@ -94,6 +108,7 @@ class TinyModelSpec:
             raise ValueError("--vocab-size must be >= 300 (256 byte symbols + specials + merges)")
         if self.arch == "qwen3_5":
             from pdpool.engine.tiny_model_qwen3_5 import validate_qwen3_5_spec
+
             validate_qwen3_5_spec(self)
 
 
@@ -102,18 +117,30 @@ def _qwen3_config(spec: TinyModelSpec, tokenizer):
 
     layer_types = None
     if spec.sliding_window:
-        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                       for i in range(spec.num_layers)]
+        layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
+        ]
     return Qwen3Config(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        use_sliding_window=bool(spec.sliding_window), sliding_window=spec.sliding_window,
-        max_window_layers=0, layer_types=layer_types,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype=spec.dtype)
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=bool(spec.sliding_window),
+        sliding_window=spec.sliding_window,
+        max_window_layers=0,
+        layer_types=layer_types,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=spec.dtype,
+    )
 
 
 def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
@@ -129,6 +156,7 @@ def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
         config = _qwen3_config(spec, tokenizer)
     else:
         from pdpool.engine.tiny_model_qwen3_5 import qwen3_5_config
+
         config = qwen3_5_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
@@ -140,11 +168,13 @@ def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
                 param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 * 4)
     if spec.arch == "qwen3_5":
         from pdpool.engine.tiny_model_qwen3_5 import randomize_qwen3_5_vectors
+
         randomize_qwen3_5_vectors(model, spec.seed)
     model.save_pretrained(out, safe_serialization=True)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-                     do_sample=False).save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    ).save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "pdpool_tiny_model.json").write_text(json.dumps(spec.__dict__, indent=2))
     return out

@@ -9,6 +9,7 @@ real checkpoints: vLLM's CPU Gated DeltaNet kernel needs that, rejects 32 ("Unex
 dim size") and runs in bfloat16 only, so the same tiny checkpoint (with --dtype bfloat16)
 runs on both engines.
 """
+
 from __future__ import annotations
 
 FULL_ATTENTION_INTERVAL = 4
@@ -18,8 +19,12 @@ PARTIAL_ROTARY_FACTOR = 0.25
 
 def hybrid_layer_types(num_layers: int) -> list[str]:
     """`linear_attention` x3 then `full_attention`, repeated; the last layer is full."""
-    return ["full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 or i == num_layers - 1
-            else "linear_attention" for i in range(num_layers)]
+    return [
+        "full_attention"
+        if (i + 1) % FULL_ATTENTION_INTERVAL == 0 or i == num_layers - 1
+        else "linear_attention"
+        for i in range(num_layers)
+    ]
 
 
 def validate_qwen3_5_spec(spec) -> None:
@@ -30,8 +35,10 @@ def validate_qwen3_5_spec(spec) -> None:
         raise ValueError("--arch qwen3_5 needs --layers >= 2 (Gated DeltaNet and full attention)")
     rotary_dim = int(spec.head_dim * PARTIAL_ROTARY_FACTOR)
     if rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(f"--head-dim {spec.head_dim} leaves an odd or empty rotary part "
-                         f"({PARTIAL_ROTARY_FACTOR} of it); use a multiple of 8")
+        raise ValueError(
+            f"--head-dim {spec.head_dim} leaves an odd or empty rotary part "
+            f"({PARTIAL_ROTARY_FACTOR} of it); use a multiple of 8"
+        )
 
 
 def qwen3_5_config(spec, tokenizer):
@@ -40,19 +47,32 @@ def qwen3_5_config(spec, tokenizer):
 
     validate_qwen3_5_spec(spec)
     config = Qwen3_5TextConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": PARTIAL_ROTARY_FACTOR},
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": PARTIAL_ROTARY_FACTOR,
+        },
         layer_types=hybrid_layer_types(spec.num_layers),
-        linear_num_key_heads=spec.num_kv_heads, linear_num_value_heads=spec.num_heads,
-        linear_key_head_dim=spec.linear_head_dim, linear_value_head_dim=spec.linear_head_dim,
+        linear_num_key_heads=spec.num_kv_heads,
+        linear_num_value_heads=spec.num_heads,
+        linear_key_head_dim=spec.linear_head_dim,
+        linear_value_head_dim=spec.linear_head_dim,
         linear_conv_kernel_dim=CONV_KERNEL,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype=spec.dtype)
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype=spec.dtype,
+    )
     config.architectures = ["Qwen3_5ForCausalLM"]
     return config
 

@@ -3,8 +3,23 @@
 The engine uses the API of `ops` (re-exported here); it picks Triton on CUDA and the torch
 references elsewhere, and `PDPOOL_FORCE_TORCH=1` forces the torch path on CUDA.
 """
-from .ops import (causal_conv1d_prefill, causal_conv1d_update, gated_delta_rule_decode,
-                  gated_delta_rule_prefill, paged_attention, use_triton, write_kv)
 
-__all__ = ["write_kv", "paged_attention", "causal_conv1d_update", "causal_conv1d_prefill",
-           "gated_delta_rule_decode", "gated_delta_rule_prefill", "use_triton"]
+from .ops import (
+    causal_conv1d_prefill,
+    causal_conv1d_update,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
+    paged_attention,
+    use_triton,
+    write_kv,
+)
+
+__all__ = [
+    "write_kv",
+    "paged_attention",
+    "causal_conv1d_update",
+    "causal_conv1d_prefill",
+    "gated_delta_rule_decode",
+    "gated_delta_rule_prefill",
+    "use_triton",
+]

@@ -15,6 +15,7 @@ Conv state: `conv_state[N, C, S]` holds the last S inputs of a sequence (S >= ke
 keeps S = kernel). `state_indices` (optional, int `[B]`) lets a decode step read and write rows
 of a state pool in place; an index of -1 marks a padding row that is skipped (output zeros).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -40,10 +41,15 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- causal conv1d
 
-def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor,
-                                   weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                   activation: Optional[str] = "silu",
-                                   state_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+
+def causal_conv1d_update_reference(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    activation: Optional[str] = "silu",
+    state_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """One or a few decode tokens of a depthwise causal conv; updates `conv_state` in place.
 
     x: `[B, C]` or `[B, C, T]`; conv_state: `[B, C, S]` (or a pool `[N, C, S]` with
@@ -58,17 +64,27 @@ def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor,
     else:
         rows = state_indices.long()
         live = rows >= 0
-        state = torch.zeros(xs.shape[0], conv_state.shape[1], conv_state.shape[2],
-                            dtype=conv_state.dtype, device=conv_state.device)
+        state = torch.zeros(
+            xs.shape[0],
+            conv_state.shape[1],
+            conv_state.shape[2],
+            dtype=conv_state.dtype,
+            device=conv_state.device,
+        )
         state[live] = conv_state[rows[live]]
     state_len = state.shape[-1]
     if state_len < width - 1:
-        raise ValueError(f"conv_state keeps {state_len} inputs; kernel width {width} "
-                         f"needs >= {width - 1}")
+        raise ValueError(
+            f"conv_state keeps {state_len} inputs; kernel width {width} needs >= {width - 1}"
+        )
     full = torch.cat([state.float(), xs.float()], dim=-1)  # [B, C, S + T]
-    window = full[..., state_len + 1 - width:]              # the inputs the T outputs need
-    out = F.conv1d(window, weight.float().unsqueeze(1), None if bias is None else bias.float(),
-                   groups=xs.shape[1])
+    window = full[..., state_len + 1 - width :]  # the inputs the T outputs need
+    out = F.conv1d(
+        window,
+        weight.float().unsqueeze(1),
+        None if bias is None else bias.float(),
+        groups=xs.shape[1],
+    )
     out = _activate(out, activation)
     new_state = full[..., -state_len:].to(conv_state.dtype)
     if rows is None:
@@ -80,12 +96,15 @@ def causal_conv1d_update_reference(x: torch.Tensor, conv_state: torch.Tensor,
     return out.squeeze(-1) if squeeze else out
 
 
-def causal_conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor,
-                                    bias: Optional[torch.Tensor],
-                                    initial_state: Optional[torch.Tensor],
-                                    activation: Optional[str] = "silu",
-                                    cu_seqlens: Optional[torch.Tensor] = None,
-                                    state_len: Optional[int] = None):
+def causal_conv1d_prefill_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor],
+    activation: Optional[str] = "silu",
+    cu_seqlens: Optional[torch.Tensor] = None,
+    state_len: Optional[int] = None,
+):
     """Causal depthwise conv over whole prompt chunks.
 
     x: `[B, C, T]`, or `[1, C, total]` holding N sequences back to back with `cu_seqlens[N+1]`.
@@ -114,26 +133,31 @@ def causal_conv1d_prefill_reference(x: torch.Tensor, weight: torch.Tensor,
     w = weight.float().unsqueeze(1)
     b = None if bias is None else bias.float()
     for n in range(num):
-        seq = x[n] if bounds is None else x[0, :, bounds[n]:bounds[n + 1]]
-        prev = (torch.zeros(channels, state_len, device=x.device) if initial_state is None
-                else initial_state[n].float())
-        full = torch.cat([prev, seq.float()], dim=-1)       # [C, S + T]
-        if state_len < width - 1:                          # too short a state: zero history
+        seq = x[n] if bounds is None else x[0, :, bounds[n] : bounds[n + 1]]
+        prev = (
+            torch.zeros(channels, state_len, device=x.device)
+            if initial_state is None
+            else initial_state[n].float()
+        )
+        full = torch.cat([prev, seq.float()], dim=-1)  # [C, S + T]
+        if state_len < width - 1:  # too short a state: zero history
             full = F.pad(full, (width - 1 - state_len, 0))
-        window = full[:, full.shape[-1] - seq.shape[-1] - (width - 1):]
+        window = full[:, full.shape[-1] - seq.shape[-1] - (width - 1) :]
         out = _activate(F.conv1d(window.unsqueeze(0), w, b, groups=channels)[0], activation)
         if bounds is None:
             y[n] = out.to(x.dtype)
         else:
-            y[0, :, bounds[n]:bounds[n + 1]] = out.to(x.dtype)
+            y[0, :, bounds[n] : bounds[n + 1]] = out.to(x.dtype)
         final[n] = full[:, -state_len:].to(state_dtype) if state_len else full[:, :0]
     return y, final
 
 
 # ----------------------------------------------------------------------------- gated delta rule
 
-def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool,
-                scale: Optional[float]):
+
+def _prepare_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool, scale: Optional[float]
+):
     """fp32 q/k expanded to the value heads, normalised and scaled like HF."""
     ratio = num_v_heads // q.shape[-2]
     q, k = q.float(), k.float()
@@ -159,9 +183,9 @@ def check_gdn_shapes(q, k, v, g, beta) -> None:
             raise ValueError(f"{name} {tuple(t.shape)} must be {tuple(v.shape[:-1])}")
 
 
-def gated_delta_rule_recurrent_reference(q, k, v, g, beta, initial_state=None,
-                                         use_qk_l2norm: bool = True,
-                                         scale: Optional[float] = None):
+def gated_delta_rule_recurrent_reference(
+    q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool = True, scale: Optional[float] = None
+):
     """Token-by-token gated delta rule; the ground truth.
 
     q, k: `[B, T, Hk, Dk]`; v: `[B, T, Hv, Dv]`; g, beta: `[B, T, Hv]`;
@@ -172,8 +196,11 @@ def gated_delta_rule_recurrent_reference(q, k, v, g, beta, initial_state=None,
     batch, seq_len, num_v_heads, dv = v.shape
     qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm, scale)
     vf, gf, bf = v.float(), g.float(), beta.float()
-    state = (torch.zeros(batch, num_v_heads, qf.shape[-1], dv, device=v.device)
-             if initial_state is None else initial_state.float().clone())
+    state = (
+        torch.zeros(batch, num_v_heads, qf.shape[-1], dv, device=v.device)
+        if initial_state is None
+        else initial_state.float().clone()
+    )
     out = torch.empty(batch, seq_len, num_v_heads, dv, device=v.device)
     for t in range(seq_len):
         state = state * gf[:, t].exp()[..., None, None]
@@ -184,9 +211,17 @@ def gated_delta_rule_recurrent_reference(q, k, v, g, beta, initial_state=None,
     return out.to(q.dtype), state
 
 
-def gated_delta_rule_decode_reference(q, k, v, g, beta, state, use_qk_l2norm: bool = True,
-                                      scale: Optional[float] = None,
-                                      state_indices: Optional[torch.Tensor] = None):
+def gated_delta_rule_decode_reference(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    use_qk_l2norm: bool = True,
+    scale: Optional[float] = None,
+    state_indices: Optional[torch.Tensor] = None,
+):
     """One decode token per request; updates `state` in place and returns `(o, state)`.
 
     q, k: `[B, Hk, Dk]`; v: `[B, Hv, Dv]`; g, beta: `[B, Hv]`; state `[B, Hv, Dk, Dv]`, or a
@@ -202,8 +237,8 @@ def gated_delta_rule_decode_reference(q, k, v, g, beta, state, use_qk_l2norm: bo
         current = torch.zeros(v.shape[0], *state.shape[1:], device=state.device)
         current[live] = state[rows[live]].float()
     o, new_state = gated_delta_rule_recurrent_reference(
-        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], current,
-        use_qk_l2norm, scale)
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], current, use_qk_l2norm, scale
+    )
     o = o[:, 0]
     if rows is None:
         state.copy_(new_state.to(state.dtype))
@@ -225,7 +260,7 @@ def _chunked_one(q, k, v, g, beta, state, chunk_size: int):
     for lo in range(0, seq_len, chunk_size):
         hi = min(lo + chunk_size, seq_len)
         qc, kc, vc, bc = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi]
-        cum = g[:, lo:hi].cumsum(-1)                                   # log decay from chunk start
+        cum = g[:, lo:hi].cumsum(-1)  # log decay from chunk start
         n = hi - lo
         causal = torch.ones(n, n, dtype=torch.bool, device=v.device).tril()
         # decay[i, j] = exp(cum_i - cum_j) for j <= i
@@ -234,24 +269,35 @@ def _chunked_one(q, k, v, g, beta, state, chunk_size: int):
         kk = (kc @ kc.transpose(-1, -2)) * decay * bc[:, :, None]
         system = torch.eye(n, device=v.device) + kk.masked_fill(~strict, 0.0)
         # u = T^-1 (beta v), w = T^-1 (beta exp(cum) k): corrected values, decayed keys
-        u = torch.linalg.solve_triangular(system, vc * bc[..., None], upper=False,
-                                          unitriangular=True)
-        w = torch.linalg.solve_triangular(system, kc * (bc * cum.exp())[..., None],
-                                          upper=False, unitriangular=True)
-        v_new = u - w @ state                                          # [H, n, Dv]
-        attn = (qc @ kc.transpose(-1, -2)) * decay                     # intra-chunk, causal
+        u = torch.linalg.solve_triangular(
+            system, vc * bc[..., None], upper=False, unitriangular=True
+        )
+        w = torch.linalg.solve_triangular(
+            system, kc * (bc * cum.exp())[..., None], upper=False, unitriangular=True
+        )
+        v_new = u - w @ state  # [H, n, Dv]
+        attn = (qc @ kc.transpose(-1, -2)) * decay  # intra-chunk, causal
         out[:, lo:hi] = (qc * cum.exp()[..., None]) @ state + attn @ v_new
         last = cum[:, -1:]
-        state = (state * last.exp()[..., None]
-                 + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ v_new)
+        state = (
+            state * last.exp()[..., None]
+            + (kc * (last - cum).exp()[..., None]).transpose(-1, -2) @ v_new
+        )
     return out, state
 
 
-def gated_delta_rule_chunked_reference(q, k, v, g, beta, initial_state=None,
-                                       use_qk_l2norm: bool = True,
-                                       scale: Optional[float] = None,
-                                       cu_seqlens: Optional[torch.Tensor] = None,
-                                       chunk_size: int = 64):
+def gated_delta_rule_chunked_reference(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state=None,
+    use_qk_l2norm: bool = True,
+    scale: Optional[float] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    chunk_size: int = 64,
+):
     """Prefill with the chunked algorithm (same result as the recurrent one, much faster).
 
     q, k: `[B, T, Hk, Dk]`; v: `[B, T, Hv, Dv]`; g, beta: `[B, T, Hv]`. With `cu_seqlens[N+1]`,
@@ -268,19 +314,28 @@ def gated_delta_rule_chunked_reference(q, k, v, g, beta, initial_state=None,
         bounds = cu_seqlens.tolist()
         spans = [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
     if initial_state is not None and initial_state.shape[0] != len(spans):
-        raise ValueError(f"initial_state has {initial_state.shape[0]} rows for {len(spans)} "
-                         "sequences")
+        raise ValueError(
+            f"initial_state has {initial_state.shape[0]} rows for {len(spans)} sequences"
+        )
     qf, kf = _prepare_qk(q, k, num_v_heads, use_qk_l2norm, scale)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     final = torch.empty(len(spans), num_v_heads, dk, dv, device=v.device)
     for n, (b, lo, hi) in enumerate(spans):
-        state = (torch.zeros(num_v_heads, dk, dv, device=v.device) if initial_state is None
-                 else initial_state[n].float())
+        state = (
+            torch.zeros(num_v_heads, dk, dv, device=v.device)
+            if initial_state is None
+            else initial_state[n].float()
+        )
         if hi > lo:
-            o, state = _chunked_one(qf[b, lo:hi].transpose(0, 1), kf[b, lo:hi].transpose(0, 1),
-                                    v[b, lo:hi].float().transpose(0, 1),
-                                    g[b, lo:hi].float().transpose(0, 1),
-                                    beta[b, lo:hi].float().transpose(0, 1), state, chunk_size)
+            o, state = _chunked_one(
+                qf[b, lo:hi].transpose(0, 1),
+                kf[b, lo:hi].transpose(0, 1),
+                v[b, lo:hi].float().transpose(0, 1),
+                g[b, lo:hi].float().transpose(0, 1),
+                beta[b, lo:hi].float().transpose(0, 1),
+                state,
+                chunk_size,
+            )
             out[b, lo:hi] = o.transpose(0, 1)
         final[n] = state
     return out.to(q.dtype), final

@@ -7,6 +7,7 @@ path (and anything that imports this module) never needs a working Triton backen
 Every op checks its inputs once here and raises `ValueError` with the reason; the kernel
 modules assume validated inputs.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,14 +47,22 @@ def _check_index(name: str, t: torch.Tensor, dims: int) -> None:
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        _fail("k_cache and v_cache must both be [num_blocks, block_size, H_kv, D], got "
-              f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        _fail(
+            "k_cache and v_cache must both be [num_blocks, block_size, H_kv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
 
 
 # ----------------------------------------------------------------------------- attention
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Scatters k, v `[T, H_kv, D]` into the paged caches at `slot_mapping[T]`, in place.
 
     Caches are `[num_blocks, block_size, H_kv, D]` (strided views are fine); slot
@@ -62,23 +71,33 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _check_cache(k_cache, v_cache)
     _check_index("slot_mapping", slot_mapping, 1)
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != k_cache.shape[2:]:
-        _fail(f"k/v must be [T, H_kv, D] = [T, {k_cache.shape[2]}, {k_cache.shape[3]}], got "
-              f"{tuple(k.shape)} and {tuple(v.shape)}")
+        _fail(
+            f"k/v must be [T, H_kv, D] = [T, {k_cache.shape[2]}, {k_cache.shape[3]}], got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if slot_mapping.shape[0] != k.shape[0]:
         _fail(f"slot_mapping has {slot_mapping.shape[0]} slots for {k.shape[0]} tokens")
     _check_same_device(k, v, k_cache, v_cache, slot_mapping)
     if use_triton(k.device):
         from .kv_write import write_kv_triton
+
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     else:
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, sliding_window: Optional[int] = None,
-                    max_query_len: Optional[int] = None,
-                    max_seq_len: Optional[int] = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    max_query_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+) -> torch.Tensor:
     """Causal attention of a batch mixing prefills and decodes over the paged cache.
 
     q `[T, H, D]` (sequence b owns rows `query_start_loc[b]:query_start_loc[b+1]`);
@@ -96,23 +115,39 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _fail(f"q must be [T, H, {k_cache.shape[3]}], got {tuple(q.shape)}")
     if q.shape[1] % k_cache.shape[2]:
         _fail(f"query heads {q.shape[1]} must be a multiple of KV heads {k_cache.shape[2]}")
-    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 \
-            or block_tables.shape[0] != seq_lens.shape[0]:
-        _fail(f"query_start_loc needs B+1 = {seq_lens.shape[0] + 1} entries and block_tables "
-              f"B rows, got {query_start_loc.shape[0]} and {block_tables.shape[0]}")
+    if (
+        query_start_loc.shape[0] != seq_lens.shape[0] + 1
+        or block_tables.shape[0] != seq_lens.shape[0]
+    ):
+        _fail(
+            f"query_start_loc needs B+1 = {seq_lens.shape[0] + 1} entries and block_tables "
+            f"B rows, got {query_start_loc.shape[0]} and {block_tables.shape[0]}"
+        )
     if sliding_window is not None and sliding_window <= 0:
         _fail(f"sliding_window must be positive, got {sliding_window}")
     _check_same_device(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
     if use_triton(q.device):
         from .paged_attention_kernel import paged_attention_triton
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc,
-                                      seq_lens, scale, sliding_window, max_query_len,
-                                      max_seq_len)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc,
-                                     seq_lens, scale, sliding_window)
+
+        return paged_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            sliding_window,
+            max_query_len,
+            max_seq_len,
+        )
+    return paged_attention_reference(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+    )
 
 
 # ----------------------------------------------------------------------------- Gated DeltaNet
+
 
 def _check_activation(activation: Optional[str]) -> None:
     if activation not in (None, "silu", "swish"):
@@ -128,8 +163,9 @@ def _check_conv_weight(channels: int, weight: torch.Tensor, bias: Optional[torch
         _fail(f"bias must be [{channels}], got {tuple(bias.shape)}")
 
 
-def _check_state_rows(name: str, state: torch.Tensor, batch: int,
-                      state_indices: Optional[torch.Tensor]) -> None:
+def _check_state_rows(
+    name: str, state: torch.Tensor, batch: int, state_indices: Optional[torch.Tensor]
+) -> None:
     if state_indices is None:
         if state.shape[0] != batch:
             _fail(f"{name} has {state.shape[0]} rows for a batch of {batch}")
@@ -139,9 +175,14 @@ def _check_state_rows(name: str, state: torch.Tensor, batch: int,
             _fail(f"state_indices has {state_indices.shape[0]} entries for a batch of {batch}")
 
 
-def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                         bias: Optional[torch.Tensor] = None, activation: Optional[str] = "silu",
-                         state_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    activation: Optional[str] = "silu",
+    state_indices: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Decode step of the depthwise causal conv; shifts `conv_state` in place.
 
     x `[B, C]` (one token) or `[B, C, T]`; conv_state `[B, C, S]` with S >= K-1 (or a pool
@@ -155,22 +196,30 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     if conv_state.dim() != 3 or conv_state.shape[1] != x.shape[1]:
         _fail(f"conv_state must be [B, C={x.shape[1]}, S], got {tuple(conv_state.shape)}")
     if conv_state.shape[2] < weight.shape[1] - 1:
-        _fail(f"conv_state keeps {conv_state.shape[2]} inputs; kernel width {weight.shape[1]} "
-              f"needs >= {weight.shape[1] - 1}")
+        _fail(
+            f"conv_state keeps {conv_state.shape[2]} inputs; kernel width {weight.shape[1]} "
+            f"needs >= {weight.shape[1] - 1}"
+        )
     _check_state_rows("conv_state", conv_state, x.shape[0], state_indices)
     _check_same_device(x, conv_state, weight, bias, state_indices)
     if use_triton(x.device):
         from .gated_delta import causal_conv1d_update_triton
+
         return causal_conv1d_update_triton(x, conv_state, weight, bias, activation, state_indices)
-    return gdn.causal_conv1d_update_reference(x, conv_state, weight, bias, activation,
-                                              state_indices)
+    return gdn.causal_conv1d_update_reference(
+        x, conv_state, weight, bias, activation, state_indices
+    )
 
 
-def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          initial_state: Optional[torch.Tensor],
-                          activation: Optional[str] = "silu",
-                          cu_seqlens: Optional[torch.Tensor] = None,
-                          state_len: Optional[int] = None):
+def causal_conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor],
+    activation: Optional[str] = "silu",
+    cu_seqlens: Optional[torch.Tensor] = None,
+    state_len: Optional[int] = None,
+):
     """Causal depthwise conv over prompt chunks; returns `(y, final_state)`.
 
     x `[B, C, T]`, or `[1, C, total]` with `cu_seqlens[N+1]`; initial_state `[N, C, S]` (the
@@ -186,13 +235,16 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     if cu_seqlens is not None:
         _check_index("cu_seqlens", cu_seqlens, 1)
         num = cu_seqlens.shape[0] - 1
-    if initial_state is not None and (initial_state.dim() != 3
-                                      or initial_state.shape[:2] != (num, x.shape[1])):
-        _fail(f"initial_state must be [N={num}, C={x.shape[1]}, S], "
-              f"got {tuple(initial_state.shape)}")
+    if initial_state is not None and (
+        initial_state.dim() != 3 or initial_state.shape[:2] != (num, x.shape[1])
+    ):
+        _fail(
+            f"initial_state must be [N={num}, C={x.shape[1]}, S], got {tuple(initial_state.shape)}"
+        )
     _check_same_device(x, weight, bias, initial_state, cu_seqlens)
-    return gdn.causal_conv1d_prefill_reference(x, weight, bias, initial_state, activation,
-                                               cu_seqlens, state_len)
+    return gdn.causal_conv1d_prefill_reference(
+        x, weight, bias, initial_state, activation, cu_seqlens, state_len
+    )
 
 
 def _check_gdn(q, k, v, g, beta, leading: int) -> None:
@@ -202,9 +254,17 @@ def _check_gdn(q, k, v, g, beta, leading: int) -> None:
     gdn.check_gdn_shapes(q, k, v, g, beta)
 
 
-def gated_delta_rule_decode(q, k, v, g, beta, state, use_qk_l2norm: bool = True,
-                            scale: Optional[float] = None,
-                            state_indices: Optional[torch.Tensor] = None):
+def gated_delta_rule_decode(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    use_qk_l2norm: bool = True,
+    scale: Optional[float] = None,
+    state_indices: Optional[torch.Tensor] = None,
+):
     """One recurrent Gated DeltaNet step per request; returns `(o, new_state)`.
 
     q, k `[B, Hk, Dk]`; v `[B, Hv, Dv]`; g (log decay), beta `[B, Hv]`; state
@@ -219,17 +279,22 @@ def gated_delta_rule_decode(q, k, v, g, beta, state, use_qk_l2norm: bool = True,
         q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
     _check_gdn(q, k, v, g, beta, leading=1)
     if state.dim() != 4 or state.shape[1:] != (v.shape[1], q.shape[2], v.shape[2]):
-        _fail(f"state must be [B, Hv={v.shape[1]}, Dk={q.shape[2]}, Dv={v.shape[2]}], got "
-              f"{tuple(state.shape)}")
+        _fail(
+            f"state must be [B, Hv={v.shape[1]}, Dk={q.shape[2]}, Dv={v.shape[2]}], got "
+            f"{tuple(state.shape)}"
+        )
     _check_state_rows("state", state, q.shape[0], state_indices)
     _check_same_device(q, k, v, g, beta, state, state_indices)
     if use_triton(q.device):
         from .gated_delta import gated_delta_rule_decode_triton
-        o, state = gated_delta_rule_decode_triton(q, k, v, g, beta, state, use_qk_l2norm, scale,
-                                                  state_indices)
+
+        o, state = gated_delta_rule_decode_triton(
+            q, k, v, g, beta, state, use_qk_l2norm, scale, state_indices
+        )
     else:
-        o, state = gdn.gated_delta_rule_decode_reference(q, k, v, g, beta, state, use_qk_l2norm,
-                                                         scale, state_indices)
+        o, state = gdn.gated_delta_rule_decode_reference(
+            q, k, v, g, beta, state, use_qk_l2norm, scale, state_indices
+        )
     return (o[:, None] if with_time else o), state
 
 
@@ -242,9 +307,17 @@ def _fla_chunk_gated_delta_rule():
     return chunk_gated_delta_rule
 
 
-def gated_delta_rule_prefill(q, k, v, g, beta, initial_state: Optional[torch.Tensor] = None,
-                             use_qk_l2norm: bool = True, scale: Optional[float] = None,
-                             cu_seqlens: Optional[torch.Tensor] = None):
+def gated_delta_rule_prefill(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state: Optional[torch.Tensor] = None,
+    use_qk_l2norm: bool = True,
+    scale: Optional[float] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+):
     """Gated DeltaNet over prompt chunks; returns `(o, final_state)`.
 
     q, k `[B, T, Hk, Dk]`; v `[B, T, Hv, Dv]`; g, beta `[B, T, Hv]`; with `cu_seqlens[N+1]`
@@ -266,10 +339,19 @@ def gated_delta_rule_prefill(q, k, v, g, beta, initial_state: Optional[torch.Ten
     if use_triton(q.device):
         chunk = _fla_chunk_gated_delta_rule()
         if chunk is not None:
-            o, final = chunk(q, k, v, g.float(), beta, scale=scale,
-                             initial_state=None if initial_state is None else initial_state.float(),
-                             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                             cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+            o, final = chunk(
+                q,
+                k,
+                v,
+                g.float(),
+                beta,
+                scale=scale,
+                initial_state=None if initial_state is None else initial_state.float(),
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm,
+                cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
+            )
             return o, final.float()
-    return gdn.gated_delta_rule_chunked_reference(q, k, v, g, beta, initial_state, use_qk_l2norm,
-                                                  scale, cu_seqlens)
+    return gdn.gated_delta_rule_chunked_reference(
+        q, k, v, g, beta, initial_state, use_qk_l2norm, scale, cu_seqlens
+    )

@@ -16,6 +16,7 @@ One kernel family, the semantics of `reference.paged_attention_reference`:
   program writes an unnormalised partial output and its (max, sum); a merge kernel combines
   them, so that small batches with long contexts still fill the GPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,21 +45,47 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_out_ptr, part_max_ptr, part_sum_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale_log2, num_seqs, window,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    num_seqs,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
     stride_bt_seq,
     num_heads,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile_id = tl.program_id(0)
@@ -87,8 +114,11 @@ def _paged_attention_kernel(
     dims = tl.arange(0, D_PAD)
     dim_valid = dims < HEAD_DIM
 
-    q_offsets = ((q_start + token).to(tl.int64)[:, None] * stride_qt
-                 + head[:, None] * stride_qh + dims[None, :] * stride_qd)
+    q_offsets = (
+        (q_start + token).to(tl.int64)[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + dims[None, :] * stride_qd
+    )
     q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
     if UPCAST:  # the interpreter's tl.dot is wrong for bf16: compute in fp32 there
         q = q.to(tl.float32)
@@ -118,10 +148,15 @@ def _paged_attention_kernel(
         key_valid = key_pos < split_end
         block = tl.load(table_row + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         offset = key_pos % BLOCK_SIZE
-        k_offsets = (block[None, :] * stride_kb + offset[None, :] * stride_ks
-                     + kv_head * stride_kh + dims[:, None] * stride_kd)
-        k = tl.load(k_cache_ptr + k_offsets, mask=key_valid[None, :] & dim_valid[:, None],
-                    other=0.0)
+        k_offsets = (
+            block[None, :] * stride_kb
+            + offset[None, :] * stride_ks
+            + kv_head * stride_kh
+            + dims[:, None] * stride_kd
+        )
+        k = tl.load(
+            k_cache_ptr + k_offsets, mask=key_valid[None, :] & dim_valid[:, None], other=0.0
+        )
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
         visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         if USE_WINDOW:
@@ -132,34 +167,56 @@ def _paged_attention_kernel(
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_offsets = (block[:, None] * stride_vb + offset[:, None] * stride_vs
-                     + kv_head * stride_vh + dims[None, :] * stride_vd)
-        v = tl.load(v_cache_ptr + v_offsets, mask=key_valid[:, None] & dim_valid[None, :],
-                    other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=DOT_PRECISION)
+        v_offsets = (
+            block[:, None] * stride_vb
+            + offset[:, None] * stride_vs
+            + kv_head * stride_vh
+            + dims[None, :] * stride_vd
+        )
+        v = tl.load(
+            v_cache_ptr + v_offsets, mask=key_valid[:, None] & dim_valid[None, :], other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+        )
         m_i = m_new
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_offsets = ((q_start + token).to(tl.int64)[:, None] * stride_ot
-                     + head[:, None] * stride_oh + dims[None, :] * stride_od)
-        tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None] & dim_valid[None, :])
+        o_offsets = (
+            (q_start + token).to(tl.int64)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + dims[None, :] * stride_od
+        )
+        tl.store(
+            out_ptr + o_offsets,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
     else:
         # partials are [T, H, NUM_SPLITS, (D_PAD)] contiguous fp32
         part_row = ((q_start + token).to(tl.int64) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
-        tl.store(part_out_ptr + part_row[:, None] * D_PAD + dims[None, :], acc,
-                 mask=row_valid[:, None])
+        tl.store(
+            part_out_ptr + part_row[:, None] * D_PAD + dims[None, :], acc, mask=row_valid[:, None]
+        )
 
 
 @triton.jit
-def _merge_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-                         stride_ot, stride_oh, stride_od, num_heads,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr):
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = (token * num_heads + head) * NUM_SPLITS
@@ -172,8 +229,11 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     total = tl.sum(weights * sums, 0)
     parts = tl.load(part_out_ptr + (row + splits)[:, None] * D_PAD + dims[None, :])
     out = tl.sum(parts * weights[:, None], 0) / total
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 def _interpreting() -> bool:
@@ -185,8 +245,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _num_splits(sms: int, num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                tile_n: int) -> int:
+def _num_splits(sms: int, num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int) -> int:
     """Enough KV splits that decode programs cover the GPU about twice; each split >= 4 tiles."""
     programs = max(1, num_seqs * num_kv_heads)
     wanted = -(-2 * sms // programs)
@@ -197,6 +256,7 @@ def _num_splits(sms: int, num_seqs: int, num_kv_heads: int, max_seq_len: int,
 @dataclass(frozen=True)
 class AttentionPlan:
     """How one batch is launched: grid, compile-time constants, warps. Pure, host-side."""
+
     num_q_tiles: int
     num_splits: int
     constexprs: dict
@@ -204,10 +264,22 @@ class AttentionPlan:
     num_stages: int
 
 
-def plan_attention(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, block_size: int, dtype: torch.dtype, max_query_len: int,
-                   max_seq_len: int, sliding_window: Optional[int], sms: int,
-                   num_splits: Optional[int] = None, interpreting: bool = False) -> AttentionPlan:
+def plan_attention(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    max_seq_len: int,
+    sliding_window: Optional[int],
+    sms: int,
+    num_splits: Optional[int] = None,
+    interpreting: bool = False,
+) -> AttentionPlan:
     group = num_heads // num_kv_heads
     group_pad = _next_pow2(group)
     d_pad = _next_pow2(head_dim)
@@ -229,13 +301,22 @@ def plan_attention(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_hea
     upcast = dtype == torch.bfloat16 and interpreting  # the interpreter's bf16 tl.dot is wrong
     window = 0 if sliding_window is None else int(sliding_window)
     constexprs = dict(
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size, TILE_N=tile_n,
-        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, USE_WINDOW=window > 0,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        DECODE_ONLY=decode_only,
+        USE_WINDOW=window > 0,
         DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32",
-        UPCAST=upcast)
-    return AttentionPlan(num_q_tiles, num_splits, constexprs,
-                         num_warps=4 if d_pad <= 128 else 8, num_stages=2)
+        UPCAST=upcast,
+    )
+    return AttentionPlan(
+        num_q_tiles, num_splits, constexprs, num_warps=4 if d_pad <= 128 else 8, num_stages=2
+    )
 
 
 def _sm_count(device: torch.device) -> int:
@@ -244,14 +325,20 @@ def _sm_count(device: torch.device) -> int:
     return 8  # interpreter: still exercise the split path on long contexts
 
 
-def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float,
-                           sliding_window: Optional[int] = None,
-                           max_query_len: Optional[int] = None,
-                           max_seq_len: Optional[int] = None,
-                           num_splits: Optional[int] = None,
-                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    max_query_len: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    num_splits: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Triton version of `paged_attention_reference` (same arguments and result).
 
     `max_query_len` / `max_seq_len` are host-side hints that avoid a device sync; when the batch
@@ -268,39 +355,80 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len <= 1 and num_splits is None and max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    plan = plan_attention(num_tokens=num_tokens, num_seqs=num_seqs, num_heads=num_heads,
-                          num_kv_heads=k_cache.shape[2], head_dim=head_dim,
-                          block_size=k_cache.shape[1], dtype=q.dtype,
-                          max_query_len=max_query_len, max_seq_len=max_seq_len or 0,
-                          sliding_window=sliding_window, sms=_sm_count(q.device),
-                          num_splits=num_splits, interpreting=_interpreting())
+    plan = plan_attention(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_heads=num_heads,
+        num_kv_heads=k_cache.shape[2],
+        head_dim=head_dim,
+        block_size=k_cache.shape[1],
+        dtype=q.dtype,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len or 0,
+        sliding_window=sliding_window,
+        sms=_sm_count(q.device),
+        num_splits=num_splits,
+        interpreting=_interpreting(),
+    )
     num_splits, d_pad = plan.num_splits, plan.constexprs["D_PAD"]
     if num_splits > 1:
-        part_out = torch.empty(num_tokens, num_heads, num_splits, d_pad, dtype=torch.float32,
-                               device=q.device)
-        part_max = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
+        part_out = torch.empty(
+            num_tokens, num_heads, num_splits, d_pad, dtype=torch.float32, device=q.device
+        )
+        part_max = torch.empty(
+            num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused
     window = 0 if sliding_window is None else int(sliding_window)
     grid = (plan.num_q_tiles, k_cache.shape[2], num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_out, part_max, part_sum,
-        block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e), num_seqs, window,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * math.log2(math.e),
+        num_seqs,
+        window,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.stride(3),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        v_cache.stride(3),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         block_tables.stride(0),
         num_heads,
-        **plan.constexprs, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **plan.constexprs,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_max, part_sum,
-            out.stride(0), out.stride(1), out.stride(2), num_heads,
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            num_heads,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=num_splits,
         )
     return out

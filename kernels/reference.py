@@ -12,6 +12,7 @@ per layer costs more in page faults than the copy itself), and attention runs in
 `scaled_dot_product_attention`. GQA folds each KV head's query group into SDPA's query
 axis, so K/V are never repeated per query head.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,8 +22,13 @@ import torch
 import torch.nn.functional as F
 
 
-def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Scatters k, v `[T, H_kv, D]` into the caches at `slot_mapping[T]`; slot -1 is skipped."""
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
@@ -34,10 +40,16 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache.index_put_(index, v.to(v_cache.dtype))
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                              seq_lens: torch.Tensor, scale: float,
-                              sliding_window: Optional[int] = None) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged cache.
 
     q: `[T, H, D]`, the new tokens of all sequences back to back; sequence b owns rows
@@ -58,9 +70,19 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     for group in groups:
         rows = torch.tensor([starts[b] for b in group], device=q.device)
         index = torch.tensor(group, device=q.device)
-        out.index_copy_(0, rows, _decode_batch(
-            q.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, index),
-            [lens[b] for b in group], scale, sliding_window))
+        out.index_copy_(
+            0,
+            rows,
+            _decode_batch(
+                q.index_select(0, rows),
+                k_cache,
+                v_cache,
+                block_tables.index_select(0, index),
+                [lens[b] for b in group],
+                scale,
+                sliding_window,
+            ),
+        )
     for b, (seq_len, q_len) in enumerate(zip(lens, q_lens)):
         if q_len <= 1:
             continue
@@ -68,8 +90,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         for lo in range(0, q_len, _QUERY_CHUNK):  # bounds the mask on long prompts
             hi = min(lo + _QUERY_CHUNK, q_len)
             first = seq_len - q_len + lo
-            out[starts[b] + lo:starts[b] + hi] = _attend(
-                q[starts[b] + lo:starts[b] + hi], k, v, first, scale, sliding_window)
+            out[starts[b] + lo : starts[b] + hi] = _attend(
+                q[starts[b] + lo : starts[b] + hi], k, v, first, scale, sliding_window
+            )
     return out
 
 
@@ -107,6 +130,7 @@ _QUERY_CHUNK = 1024
 
 # --------------------------------------------------------------------------- gathering
 
+
 class _Workspace(threading.local):
     """Per-thread gather buffers, grown on demand and reused from layer to layer."""
 
@@ -134,8 +158,11 @@ def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, name: str) -> torch
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     row = block_size * num_kv_heads * head_dim
-    if cache.stride(3) != 1 or cache.stride(2) != head_dim or \
-            cache.stride(1) != num_kv_heads * head_dim:
+    if (
+        cache.stride(3) != 1
+        or cache.stride(2) != head_dim
+        or cache.stride(1) != num_kv_heads * head_dim
+    ):
         return cache.index_select(0, table)  # an unusual layout: a plain (allocating) gather
     rows = cache.as_strided((num_blocks, row), (cache.stride(0), 1))
     buf = _workspace.get(name, table.shape[0] * row, cache.dtype, cache.device)
@@ -144,20 +171,30 @@ def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, name: str) -> torch
     return out.view(table.shape[0], block_size, num_kv_heads, head_dim)
 
 
-def _gather_sequence(k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor,
-                     seq_len: int):
+def _gather_sequence(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, table_row: torch.Tensor, seq_len: int
+):
     """One sequence's first seq_len keys and values as fp32 `[H_kv, L, D]` views."""
     block_size = k_cache.shape[1]
-    table = table_row[:(seq_len + block_size - 1) // block_size].long()
-    k, v = (_gather_blocks(c, table, n).flatten(0, 1)[:seq_len].transpose(0, 1).float()
-            for c, n in ((k_cache, "k"), (v_cache, "v")))
+    table = table_row[: (seq_len + block_size - 1) // block_size].long()
+    k, v = (
+        _gather_blocks(c, table, n).flatten(0, 1)[:seq_len].transpose(0, 1).float()
+        for c, n in ((k_cache, "k"), (v_cache, "v"))
+    )
     return k, v
 
 
 # --------------------------------------------------------------------------- attention
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float,
-            sliding_window: Optional[int]) -> torch.Tensor:
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    first_pos: int,
+    scale: float,
+    sliding_window: Optional[int],
+) -> torch.Tensor:
     """q `[n, H, D]` at positions first_pos.. over fp32 k, v `[H_kv, L, D]`."""
     n, num_heads, head_dim = q.shape
     num_kv_heads, length = k.shape[0], k.shape[1]
@@ -170,15 +207,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, s
     visible = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-    mask = visible.repeat(group, 1)                                          # [G*n, L]
+    mask = visible.repeat(group, 1)  # [G*n, L]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     out = out.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
     return out.reshape(n, num_heads, head_dim).to(q.dtype)
 
 
-def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: list[int], scale: float,
-                  sliding_window: Optional[int]) -> torch.Tensor:
+def _decode_batch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+    sliding_window: Optional[int],
+) -> torch.Tensor:
     """One query per sequence, q `[B, H, D]`; keys gathered up to the longest sequence and
     padding masked out. Returns `[B, H, D]` in q's dtype."""
     batch, num_heads, head_dim = q.shape
@@ -197,6 +240,5 @@ def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if sliding_window is not None:
         visible &= k_pos > lens - 1 - sliding_window
     qg = q.float().view(batch, num_kv_heads, group, head_dim)  # the group is the query axis
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :],
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -7,6 +7,7 @@ the garbage collector remove them all.
 The pool's KV-signing Secret is not among `build_children`: its value is random, so it is
 created once when absent (`kv_secret`, value passed in) and never re-applied.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,13 +16,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import commands
-from .names import (API_KEYS_DIR, API_KEYS_FILE, API_KEYS_KEY, ANNOTATION_ROUTER_HASH, TLS_DIR,
-                    POOL_TLS_DIR,
-                    API_VERSION, DECODE, ENGINE_PORT, GATEWAY, KIND,
-                    KV_SECRET_DIR, KV_SECRET_KEY, LABEL_METRICS, LABEL_POOL, LABEL_ROLE,
-                    MODELS_MOUNT, PREFILL,
-                    SIDECAR_PORT, child_name, kv_secret_name, labels, router_config_name,
-                    selector_labels, service_host)
+from .names import (
+    API_KEYS_DIR,
+    API_KEYS_FILE,
+    API_KEYS_KEY,
+    ANNOTATION_ROUTER_HASH,
+    TLS_DIR,
+    POOL_TLS_DIR,
+    API_VERSION,
+    DECODE,
+    ENGINE_PORT,
+    GATEWAY,
+    KIND,
+    KV_SECRET_DIR,
+    KV_SECRET_KEY,
+    LABEL_METRICS,
+    LABEL_POOL,
+    LABEL_ROLE,
+    MODELS_MOUNT,
+    PREFILL,
+    SIDECAR_PORT,
+    child_name,
+    kv_secret_name,
+    labels,
+    router_config_name,
+    selector_labels,
+    service_host,
+)
 from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
 
 # --- Pod security ------------------------------------------------------------------------
@@ -31,16 +52,23 @@ from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
 # key by key (an override that breaks the profile is the user's choice; a namespace that
 # enforces `restricted` then refuses the pods).
 POD_SECURITY_CONTEXT: dict[str, Any] = {
-    "runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
-    "seccompProfile": {"type": "RuntimeDefault"}}
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "runAsGroup": 65532,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
-    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 # The writable places of a read-only root filesystem: /tmp, and one cache folder that
 # every library the engines load is pointed at (Hugging Face, torch, Triton, vLLM, ...).
 TMP_MOUNT, CACHE_MOUNT = "/tmp", "/cache"
 CACHE_ENV = {
-    "HOME": "/tmp",   # libraries that write under ~ (~/.config, ~/.nv, ...)
+    "HOME": "/tmp",  # libraries that write under ~ (~/.config, ~/.nv, ...)
     "XDG_CACHE_HOME": CACHE_MOUNT,
     "HF_HOME": f"{CACHE_MOUNT}/huggingface",
     "TORCH_HOME": f"{CACHE_MOUNT}/torch",
@@ -72,8 +100,7 @@ def _cache_env() -> list[dict[str, Any]]:
     return [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
 
 
-def _empty_dir(name: str, size_limit: str | None = None,
-               memory: bool = False) -> dict[str, Any]:
+def _empty_dir(name: str, size_limit: str | None = None, memory: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if memory:
         spec["medium"] = "Memory"
@@ -81,12 +108,14 @@ def _empty_dir(name: str, size_limit: str | None = None,
         spec["sizeLimit"] = size_limit
     return {"name": name, "emptyDir": spec}
 
+
 Manifest = dict[str, Any]
 
 
 @dataclass(frozen=True)
 class PoolRef:
     """The identity of the pool that owns the children."""
+
     name: str
     namespace: str
     uid: str
@@ -112,14 +141,23 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
 
 
 def owner_reference(ref: PoolRef) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": ref.name, "uid": ref.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": ref.name,
+        "uid": ref.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def _metadata(ref: PoolRef, name: str, role: str, **extra_labels: str) -> dict[str, Any]:
-    return {"name": name, "namespace": ref.namespace,
-            "labels": {**labels(ref.name, role), **extra_labels},
-            "ownerReferences": [owner_reference(ref)]}
+    return {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": {**labels(ref.name, role), **extra_labels},
+        "ownerReferences": [owner_reference(ref)],
+    }
 
 
 def data_hash(data: dict[str, str]) -> str:
@@ -149,18 +187,28 @@ def kv_secret(ref: PoolRef, pool: PoolSpec, value: str) -> Manifest | None:
     None when the engines need none or the spec names the user's own."""
     if pool.engine.kind != "pdpool" or pool.engine.kv_secret_ref is not None:
         return None
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _metadata(ref, kv_secret_name(ref.name), "engine"),
-            "stringData": {KV_SECRET_KEY: value}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(ref, kv_secret_name(ref.name), "engine"),
+        "stringData": {KV_SECRET_KEY: value},
+    }
 
 
 def _kv_secret_volume(secret: SecretKeyRef) -> dict[str, Any]:
-    return {"name": "kv-secret", "secret": {
-        "secretName": secret.name, "defaultMode": KV_SECRET_MODE,
-        "items": [{"key": secret.key, "path": KV_SECRET_KEY}]}}
+    return {
+        "name": "kv-secret",
+        "secret": {
+            "secretName": secret.name,
+            "defaultMode": KV_SECRET_MODE,
+            "items": [{"key": secret.key, "path": KV_SECRET_KEY}],
+        },
+    }
 
 
 # --- ConfigMap ---------------------------------------------------------------------------
+
 
 def router_config_map(ref: PoolRef, pool: PoolSpec) -> Manifest:
     router = pool.router
@@ -173,33 +221,49 @@ def router_config_map(ref: PoolRef, pool: PoolSpec) -> Manifest:
         "decodeService": f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}",
         "engineRejects": commands.engine_rejects(pool),
     }
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _metadata(ref, router_config_name(ref.name), "router"), "data": data}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(ref, router_config_name(ref.name), "router"),
+        "data": data,
+    }
 
 
 # --- Services ----------------------------------------------------------------------------
+
 
 def _port(name: str, port: int, target: int | None = None) -> dict[str, Any]:
     return {"name": name, "port": port, "targetPort": target or port, "protocol": "TCP"}
 
 
-def _service(ref: PoolRef, role: str, ports: list[dict[str, Any]], headless: bool,
-             service_type: str = "ClusterIP") -> Manifest:
+def _service(
+    ref: PoolRef,
+    role: str,
+    ports: list[dict[str, Any]],
+    headless: bool,
+    service_type: str = "ClusterIP",
+) -> Manifest:
     spec: dict[str, Any] = {"selector": selector_labels(ref.name, role), "ports": ports}
     if headless:
         # Headless: DNS returns every ready pod, so routers can pick pods themselves.
         spec["clusterIP"] = "None"
     else:
         spec["type"] = service_type
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _metadata(ref, child_name(ref.name, role), role,
-                                  **{LABEL_METRICS: "true"}),
-            "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(ref, child_name(ref.name, role), role, **{LABEL_METRICS: "true"}),
+        "spec": spec,
+    }
 
 
 def prefill_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
-    return _service(ref, PREFILL, [_port("http", ENGINE_PORT),
-                                   _port("nixl", pool.engine.kv_port)], headless=True)
+    return _service(
+        ref,
+        PREFILL,
+        [_port("http", ENGINE_PORT), _port("nixl", pool.engine.kv_port)],
+        headless=True,
+    )
 
 
 def decode_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
@@ -209,8 +273,13 @@ def decode_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
 
 
 def gateway_service(ref: PoolRef, pool: PoolSpec) -> Manifest:
-    return _service(ref, GATEWAY, [_port("http", pool.gateway.port, SIDECAR_PORT)],
-                    headless=False, service_type=pool.gateway.service_type)
+    return _service(
+        ref,
+        GATEWAY,
+        [_port("http", pool.gateway.port, SIDECAR_PORT)],
+        headless=False,
+        service_type=pool.gateway.service_type,
+    )
 
 
 # --- Deployments -------------------------------------------------------------------------
@@ -229,28 +298,47 @@ LIVENESS_TIMEOUT_S = 10
 STARTUP_PERIOD_S = 10
 
 
-def _probe(path: str, port: str, period: int, failures: int,
-           timeout: int = PROBE_TIMEOUT_S, scheme: str | None = None) -> dict[str, Any]:
+def _probe(
+    path: str,
+    port: str,
+    period: int,
+    failures: int,
+    timeout: int = PROBE_TIMEOUT_S,
+    scheme: str | None = None,
+) -> dict[str, Any]:
     get: dict[str, Any] = {"path": path, "port": port}
     if scheme:
-        get["scheme"] = scheme   # the kubelet does not verify the certificate
-    return {"httpGet": get, "periodSeconds": period,
-            "timeoutSeconds": timeout, "failureThreshold": failures}
+        get["scheme"] = scheme  # the kubelet does not verify the certificate
+    return {
+        "httpGet": get,
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
 
 
 def _tcp_probe(port: str, period: int, failures: int) -> dict[str, Any]:
-    return {"tcpSocket": {"port": port}, "periodSeconds": period,
-            "timeoutSeconds": PROBE_TIMEOUT_S, "failureThreshold": failures}
+    return {
+        "tcpSocket": {"port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": PROBE_TIMEOUT_S,
+        "failureThreshold": failures,
+    }
 
 
-def _http_probes(port: str, ready_path: str = "/ready", startup_timeout_s: int = 1800,
-                 scheme: str | None = None) -> dict[str, Any]:
+def _http_probes(
+    port: str, ready_path: str = "/ready", startup_timeout_s: int = 1800, scheme: str | None = None
+) -> dict[str, Any]:
     return {
         # Loading a model can take many minutes: the startup probe holds liveness back
         # (engine.startupTimeoutSeconds), then readiness and liveness take over.
-        "startupProbe": _probe("/health", port, STARTUP_PERIOD_S,
-                               max(1, -(-startup_timeout_s // STARTUP_PERIOD_S)),
-                               scheme=scheme),
+        "startupProbe": _probe(
+            "/health",
+            port,
+            STARTUP_PERIOD_S,
+            max(1, -(-startup_timeout_s // STARTUP_PERIOD_S)),
+            scheme=scheme,
+        ),
         # /ready also fails while the engine loop is wedged with work (/health: liveness).
         "readinessProbe": _probe(ready_path, port, 5, 3, scheme=scheme),
         "livenessProbe": _probe("/health", port, 10, 6, LIVENESS_TIMEOUT_S, scheme=scheme),
@@ -286,23 +374,35 @@ def _needs_model_volume(pool: PoolSpec) -> bool:
 def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
     env: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
     if pool.model.hf_token_secret:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": pool.model.hf_token_secret, "key": "token"}}})
-    return {"name": "fetch-model", "image": pool.engine.image,
-            "imagePullPolicy": pool.engine.image_pull_policy,
-            "command": commands.hf_download_args(pool.model), "env": _cache_env() + env,
-            "resources": dict(pool.model.download_resources),
-            "securityContext": container_security_context(pool),
-            "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
-                             {"name": "tmp", "mountPath": TMP_MOUNT},
-                             {"name": "cache", "mountPath": CACHE_MOUNT}]}
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": pool.model.hf_token_secret, "key": "token"}},
+            }
+        )
+    return {
+        "name": "fetch-model",
+        "image": pool.engine.image,
+        "imagePullPolicy": pool.engine.image_pull_policy,
+        "command": commands.hf_download_args(pool.model),
+        "env": _cache_env() + env,
+        "resources": dict(pool.model.download_resources),
+        "securityContext": container_security_context(pool),
+        "volumeMounts": [
+            {"name": "models", "mountPath": MODELS_MOUNT},
+            {"name": "tmp", "mountPath": TMP_MOUNT},
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+        ],
+    }
 
 
 def pool_peers(ref: PoolRef) -> tuple[str, ...]:
     """The default KV peer allowlist: the pool's headless Services, whose names resolve to
     the pool's own ready engine pods (and to nothing else)."""
-    return (service_host(ref.name, PREFILL, ref.namespace),
-            service_host(ref.name, DECODE, ref.namespace))
+    return (
+        service_host(ref.name, PREFILL, ref.namespace),
+        service_host(ref.name, DECODE, ref.namespace),
+    )
 
 
 def ucx_port_range(pool: PoolSpec) -> tuple[int, int] | None:
@@ -312,37 +412,50 @@ def ucx_port_range(pool: PoolSpec) -> tuple[int, int] | None:
 
 def _ucx_env(pool: PoolSpec) -> list[dict[str, Any]]:
     ports = ucx_port_range(pool)
-    return [] if ports is None else [{"name": "UCX_TCP_PORT_RANGE",
-                                      "value": f"{ports[0]}-{ports[1]}"}]
+    return (
+        [] if ports is None else [{"name": "UCX_TCP_PORT_RANGE", "value": f"{ports[0]}-{ports[1]}"}]
+    )
 
 
-def _engine_container(ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSpec,
-                      secret_ref: SecretKeyRef | None) -> dict[str, Any]:
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"},
-                                    {"name": "tmp", "mountPath": TMP_MOUNT},
-                                    {"name": "cache", "mountPath": CACHE_MOUNT}]
+def _engine_container(
+    ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSpec, secret_ref: SecretKeyRef | None
+) -> dict[str, Any]:
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": TMP_MOUNT},
+        {"name": "cache", "mountPath": CACHE_MOUNT},
+    ]
     if _needs_model_volume(pool):
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if secret_ref is not None:
         mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
     return {
-        "name": "engine", "image": pool.engine.image,
+        "name": "engine",
+        "image": pool.engine.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.engine_args(pool, role_name, pool_peers(ref))
-        + _engine_tls_args(pool),
-        "env": _downward_env() + commands.engine_env(pool) + _cache_env() + _ucx_env(pool)
-        + list(pool.engine.env) + list(role.env),
+        "command": commands.engine_args(pool, role_name, pool_peers(ref)) + _engine_tls_args(pool),
+        "env": _downward_env()
+        + commands.engine_env(pool)
+        + _cache_env()
+        + _ucx_env(pool)
+        + list(pool.engine.env)
+        + list(role.env),
         # Named https under pool TLS, so a PodMonitor scrapes it with the right scheme.
-        "ports": [{"name": _http_name(pool), "containerPort": ENGINE_PORT, "protocol": "TCP"},
-                  {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"}]
+        "ports": [
+            {"name": _http_name(pool), "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"},
+        ]
         + _kv_events_ports(pool),
         "resources": engine_resources(role),
         "securityContext": container_security_context(pool),
         "volumeMounts": mounts + _pool_tls_mounts(pool),
         # Stock vLLM has no /ready.
-        **_http_probes(_http_name(pool),
-                       "/health" if pool.engine.kind == "vllm" else "/ready",
-                       pool.engine.startup_timeout_s, _probe_scheme(pool)),
+        **_http_probes(
+            _http_name(pool),
+            "/health" if pool.engine.kind == "vllm" else "/ready",
+            pool.engine.startup_timeout_s,
+            _probe_scheme(pool),
+        ),
     }
 
 
@@ -353,8 +466,10 @@ def kv_event_ports(pool: PoolSpec) -> list[int]:
 
 
 def _kv_events_ports(pool: PoolSpec) -> list[dict[str, Any]]:
-    return [{"name": name, "containerPort": port, "protocol": "TCP"}
-            for name, port in zip(("kv-events", "kv-replay"), kv_event_ports(pool))]
+    return [
+        {"name": name, "containerPort": port, "protocol": "TCP"}
+        for name, port in zip(("kv-events", "kv-replay"), kv_event_ports(pool))
+    ]
 
 
 # --- TLS inside the pool (spec.tls) -----------------------------------------------------------
@@ -362,6 +477,7 @@ def _kv_events_ports(pool: PoolSpec) -> list[dict[str, Any]]:
 # verify their upstreams against the pool's CA. Peers are reached at pod IPs, which no
 # certificate names in advance, so the chain is what is checked (--tls-any-name): the CA
 # must be dedicated to the pool (a cert-manager Issuer of its own).
+
 
 def _http_name(pool: PoolSpec) -> str:
     return "https" if pool.tls_secret else "http"
@@ -380,15 +496,22 @@ def _pool_tls_mounts(pool: PoolSpec) -> list[dict[str, Any]]:
 def _pool_tls_volumes(pool: PoolSpec) -> list[dict[str, Any]]:
     if not pool.tls_secret:
         return []
-    return [{"name": "pool-tls", "secret": {"secretName": pool.tls_secret,
-                                            "defaultMode": KV_SECRET_MODE}}]
+    return [
+        {
+            "name": "pool-tls",
+            "secret": {"secretName": pool.tls_secret, "defaultMode": KV_SECRET_MODE},
+        }
+    ]
 
 
 def _engine_tls_args(pool: PoolSpec) -> list[str]:
     if not pool.tls_secret:
         return []
-    cert, key = ("--ssl-certfile", "--ssl-keyfile") if pool.engine.kind == "vllm" else (
-        "--tls-cert-file", "--tls-key-file")
+    cert, key = (
+        ("--ssl-certfile", "--ssl-keyfile")
+        if pool.engine.kind == "vllm"
+        else ("--tls-cert-file", "--tls-key-file")
+    )
     return [cert, f"{POOL_TLS_DIR}/tls.crt", key, f"{POOL_TLS_DIR}/tls.key"]
 
 
@@ -404,51 +527,70 @@ def _sidecar_args(pool: PoolSpec) -> list[str]:
         return argv
     local = f"http://127.0.0.1:{ENGINE_PORT}"
     argv = [f"https://127.0.0.1:{ENGINE_PORT}" if a == local else a for a in argv]
-    return argv + ["--tls-cert-file", f"{POOL_TLS_DIR}/tls.crt",
-                   "--tls-key-file", f"{POOL_TLS_DIR}/tls.key", *_pool_tls_client_args(pool)]
+    return argv + [
+        "--tls-cert-file",
+        f"{POOL_TLS_DIR}/tls.crt",
+        "--tls-key-file",
+        f"{POOL_TLS_DIR}/tls.key",
+        *_pool_tls_client_args(pool),
+    ]
 
 
 def _router_env(ref: PoolRef) -> list[dict[str, Any]]:
     name = router_config_name(ref.name)
-    return [{"name": var, "valueFrom": {"configMapKeyRef": {"name": name, "key": key}}}
-            for key, var in commands.ROUTER_ENV.items()]
+    return [
+        {"name": var, "valueFrom": {"configMapKeyRef": {"name": name, "key": key}}}
+        for key, var in commands.ROUTER_ENV.items()
+    ]
 
 
 def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
     port = "router-tls" if pool.tls_secret else "router"
     return {
-        "name": "sidecar", "image": pool.router.image,
+        "name": "sidecar",
+        "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": _sidecar_args(pool), "env": _router_env(ref),
+        "command": _sidecar_args(pool),
+        "env": _router_env(ref),
         "ports": [{"name": port, "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
         "resources": dict(pool.router.resources),
         "securityContext": container_security_context(pool),
         # The engine's /tmp is not shared: the sidecar gets its own.
-        "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}]
-        + _pool_tls_mounts(pool),
-        "readinessProbe": _probe("/ready", port, 5, 3,     # its engine's readiness
-                                 scheme=_probe_scheme(pool)),
-        "livenessProbe": _tcp_probe(port, 10, 6),          # the process alone
+        "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}] + _pool_tls_mounts(pool),
+        "readinessProbe": _probe(
+            "/ready",
+            port,
+            5,
+            3,  # its engine's readiness
+            scheme=_probe_scheme(pool),
+        ),
+        "livenessProbe": _tcp_probe(port, 10, 6),  # the process alone
     }
 
 
-def topology_spread(ref: PoolRef, role_name: str,
-                    role: RoleSpec | None) -> list[dict[str, Any]]:
+def topology_spread(ref: PoolRef, role_name: str, role: RoleSpec | None) -> list[dict[str, Any]]:
     """Spread a role's pods over hosts, then zones (best effort: never blocks scheduling).
     The spec's own list replaces these; its entries without a labelSelector get the role's."""
     selector = {"matchLabels": selector_labels(ref.name, role_name)}
     if role is not None and role.topology_spread is not None:
         return [{"labelSelector": selector, **c} for c in role.topology_spread]
-    return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
-             "labelSelector": selector}
-            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")]
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": selector,
+        }
+        for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+    ]
 
 
 def _pod_security(pool: PoolSpec) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "securityContext": pod_security_context(pool),
         # No pool process talks to the Kubernetes API: no token in the pods.
-        "automountServiceAccountToken": pool.security.automount_service_account_token}
+        "automountServiceAccountToken": pool.security.automount_service_account_token,
+    }
     if pool.security.service_account_name:
         spec["serviceAccountName"] = pool.security.service_account_name
     return spec
@@ -465,22 +607,31 @@ def _pod_scheduling(pool: PoolSpec, role: RoleSpec | None) -> dict[str, Any]:
     return spec
 
 
-def _deployment(ref: PoolRef, role_name: str, replicas: int, pod_spec: dict[str, Any],
-                annotations: dict[str, str]) -> Manifest:
+def _deployment(
+    ref: PoolRef,
+    role_name: str,
+    replicas: int,
+    pod_spec: dict[str, Any],
+    annotations: dict[str, str],
+) -> Manifest:
     template_meta: dict[str, Any] = {"labels": labels(ref.name, role_name)}
     if annotations:
         template_meta["annotations"] = annotations
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
         "metadata": _metadata(ref, child_name(ref.name, role_name), role_name),
-        "spec": {"replicas": replicas,
-                 "selector": {"matchLabels": selector_labels(ref.name, role_name)},
-                 "template": {"metadata": template_meta, "spec": pod_spec}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(ref.name, role_name)},
+            "template": {"metadata": template_meta, "spec": pod_spec},
+        },
     }
 
 
-def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
-                      router_hash: str | None = None) -> Manifest:
+def engine_deployment(
+    ref: PoolRef, pool: PoolSpec, role_name: str, router_hash: str | None = None
+) -> Manifest:
     role = pool.prefill if role_name == PREFILL else pool.decode
     secret_ref = kv_secret_ref(ref, pool)
     containers = [_engine_container(ref, pool, role_name, role, secret_ref)]
@@ -488,15 +639,21 @@ def engine_deployment(ref: PoolRef, pool: PoolSpec, role_name: str,
         containers.append(_sidecar_container(ref, pool))
     # /dev/shm: memory-backed and sized (NCCL, UCX and torch workers use it); it counts
     # against the pod's memory.
-    volumes = [_empty_dir("dshm", pool.engine.shm_size, memory=True), _empty_dir("tmp"),
-               _empty_dir("cache", pool.engine.cache_size_limit)]
+    volumes = [
+        _empty_dir("dshm", pool.engine.shm_size, memory=True),
+        _empty_dir("tmp"),
+        _empty_dir("cache", pool.engine.cache_size_limit),
+    ]
     if role_name == DECODE:
         volumes.append(_empty_dir("sidecar-tmp"))
-    pod_spec: dict[str, Any] = {"containers": containers, "volumes": volumes,
-                                "terminationGracePeriodSeconds": 60,
-                                **_pod_security(pool), **_pod_scheduling(pool, role),
-                                "topologySpreadConstraints": topology_spread(ref, role_name,
-                                                                             role)}
+    pod_spec: dict[str, Any] = {
+        "containers": containers,
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 60,
+        **_pod_security(pool),
+        **_pod_scheduling(pool, role),
+        "topologySpreadConstraints": topology_spread(ref, role_name, role),
+    }
     if _needs_model_volume(pool):
         volumes.append(_model_volume(pool))
     if secret_ref is not None:
@@ -512,45 +669,64 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
     decode = f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}"
     keys, tls = pool.gateway.api_keys_secret, pool.gateway.tls_secret
     container: dict[str, Any] = {
-        "name": "gateway", "image": pool.router.image,
+        "name": "gateway",
+        "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.gateway_args(decode, API_KEYS_FILE if keys else None,
-                                         TLS_DIR if tls else None)
-        + _pool_tls_client_args(pool) + commands.gateway_kv_events_args(pool),
+        "command": commands.gateway_args(
+            decode, API_KEYS_FILE if keys else None, TLS_DIR if tls else None
+        )
+        + _pool_tls_client_args(pool)
+        + commands.gateway_kv_events_args(pool),
         # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
-        "ports": [{"name": "https" if tls else "http", "containerPort": SIDECAR_PORT,
-                   "protocol": "TCP"}],
+        "ports": [
+            {"name": "https" if tls else "http", "containerPort": SIDECAR_PORT, "protocol": "TCP"}
+        ],
         "resources": dict(pool.gateway.resources),
         "securityContext": container_security_context(pool),
         "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}],
-        "readinessProbe": _probe("/ready", "https" if tls else "http", 5, 3,
-                                 scheme="HTTPS" if tls else None),  # any sidecar ready
+        "readinessProbe": _probe(
+            "/ready", "https" if tls else "http", 5, 3, scheme="HTTPS" if tls else None
+        ),  # any sidecar ready
         "livenessProbe": _tcp_probe("https" if tls else "http", 10, 6),  # the process
     }
     volumes = [_empty_dir("tmp")]
     if keys is not None:
         # Mounted whole (no subPath), so a rotated Secret reaches the file and the gateway
         # re-reads it without a restart.
-        container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR,
-                                          "readOnly": True})
-        volumes.append({"name": "api-keys", "secret": {
-            "secretName": keys.name, "defaultMode": KV_SECRET_MODE,
-            "items": [{"key": keys.key, "path": API_KEYS_KEY}]}})
+        container["volumeMounts"].append(
+            {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}
+        )
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": keys.name,
+                    "defaultMode": KV_SECRET_MODE,
+                    "items": [{"key": keys.key, "path": API_KEYS_KEY}],
+                },
+            }
+        )
     container["volumeMounts"] += _pool_tls_mounts(pool)
     volumes += _pool_tls_volumes(pool)
     if tls is not None:
-        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR,
-                                          "readOnly": True})
-        volumes.append({"name": "tls", "secret": {"secretName": tls,
-                                                  "defaultMode": KV_SECRET_MODE}})
-    pod_spec = {"containers": [container], "volumes": volumes,
-                **_pod_security(pool), **_pod_scheduling(pool, None),
-                "topologySpreadConstraints": topology_spread(ref, GATEWAY, None)}
-    return _deployment(ref, GATEWAY, pool.gateway.replicas, pod_spec,
-                       {ANNOTATION_ROUTER_HASH: router_hash})
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append(
+            {"name": "tls", "secret": {"secretName": tls, "defaultMode": KV_SECRET_MODE}}
+        )
+    pod_spec = {
+        "containers": [container],
+        "volumes": volumes,
+        **_pod_security(pool),
+        **_pod_scheduling(pool, None),
+        "topologySpreadConstraints": topology_spread(ref, GATEWAY, None),
+    }
+    return _deployment(
+        ref, GATEWAY, pool.gateway.replicas, pod_spec, {ANNOTATION_ROUTER_HASH: router_hash}
+    )
 
 
 # --- PodDisruptionBudgets ----------------------------------------------------------------
+
 
 def disruption_budget(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
     """One per role: voluntary evictions (node drains) take at most `maxUnavailable` pods
@@ -559,14 +735,20 @@ def disruption_budget(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
     applies children and never deletes them. Pods that are not ready may always be evicted
     (a wedged pod must not block a drain)."""
     budget = pool.disruption_budget
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _metadata(ref, child_name(ref.name, role_name), role_name),
-            "spec": {"maxUnavailable": budget.max_unavailable if budget.enabled else "100%",
-                     "selector": {"matchLabels": selector_labels(ref.name, role_name)},
-                     "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(ref, child_name(ref.name, role_name), role_name),
+        "spec": {
+            "maxUnavailable": budget.max_unavailable if budget.enabled else "100%",
+            "selector": {"matchLabels": selector_labels(ref.name, role_name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
 
 
 # --- NetworkPolicies -----------------------------------------------------------------------
+
 
 def _np_port(port: int, end: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"protocol": "TCP", "port": port}
@@ -575,11 +757,15 @@ def _np_port(port: int, end: int | None = None) -> dict[str, Any]:
     return out
 
 
-def _network_policy(ref: PoolRef, name: str, role: str, selector: dict[str, Any],
-                    rules: list[dict[str, Any]]) -> Manifest:
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": _metadata(ref, f"{ref.name}-{name}", role),
-            "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": rules}}
+def _network_policy(
+    ref: PoolRef, name: str, role: str, selector: dict[str, Any], rules: list[dict[str, Any]]
+) -> Manifest:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(ref, f"{ref.name}-{name}", role),
+        "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": rules},
+    }
 
 
 def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
@@ -600,11 +786,13 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
     ucx = ucx_port_range(pool)
     if ucx is not None:
         kv_ports.append(_np_port(*ucx))
-    engines = {"matchLabels": {LABEL_POOL: ref.name},
-               "matchExpressions": [{"key": LABEL_ROLE, "operator": "In",
-                                     "values": [PREFILL, DECODE]}]}
-    engine_rules = [{"from": [{"podSelector": engines}],
-                     "ports": [_np_port(ENGINE_PORT), *kv_ports]}]
+    engines = {
+        "matchLabels": {LABEL_POOL: ref.name},
+        "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": [PREFILL, DECODE]}],
+    }
+    engine_rules = [
+        {"from": [{"podSelector": engines}], "ports": [_np_port(ENGINE_PORT), *kv_ports]}
+    ]
     if metrics:
         engine_rules.append({"from": metrics, "ports": [_np_port(ENGINE_PORT)]})
     gateway_pods = {"podSelector": {"matchLabels": selector_labels(ref.name, GATEWAY)}}
@@ -618,10 +806,20 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         decode_rules.append({"from": [gateway_pods], "ports": events})
     return [
         _network_policy(ref, "engines", "engine", engines, engine_rules),
-        _network_policy(ref, "decode-sidecar", DECODE,
-                        {"matchLabels": selector_labels(ref.name, DECODE)}, decode_rules),
-        _network_policy(ref, "gateway", GATEWAY,
-                        {"matchLabels": selector_labels(ref.name, GATEWAY)}, [gateway_rule]),
+        _network_policy(
+            ref,
+            "decode-sidecar",
+            DECODE,
+            {"matchLabels": selector_labels(ref.name, DECODE)},
+            decode_rules,
+        ),
+        _network_policy(
+            ref,
+            "gateway",
+            GATEWAY,
+            {"matchLabels": selector_labels(ref.name, GATEWAY)},
+            [gateway_rule],
+        ),
         *([_prefill_events_policy(ref, events)] if events else []),
     ]
 
@@ -629,6 +827,10 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
 def _prefill_events_policy(ref: PoolRef, ports: list[dict[str, Any]]) -> Manifest:
     """Prefill engines' KV events, to the sidecars (in the decode pods) that subscribe."""
     decode_pods = {"podSelector": {"matchLabels": selector_labels(ref.name, DECODE)}}
-    return _network_policy(ref, "prefill-kv-events", PREFILL,
-                           {"matchLabels": selector_labels(ref.name, PREFILL)},
-                           [{"from": [decode_pods], "ports": ports}])
+    return _network_policy(
+        ref,
+        "prefill-kv-events",
+        PREFILL,
+        {"matchLabels": selector_labels(ref.name, PREFILL)},
+        [{"from": [decode_pods], "ports": ports}],
+    )

@@ -5,6 +5,7 @@ so the same pool shape runs either. Settings that the router ConfigMap owns reac
 sidecar through environment variables (`$(VAR)` is expanded by the kubelet), so the
 ConfigMap is the single place they live.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def model_dir(model: ModelSpec) -> str:
     """Where the engine finds the checkpoint inside its pod."""
     if model.hugging_face_id:
         return f"{MODELS_MOUNT}/{model.hugging_face_id}"
-    if model.path is None:   # parse_pool_spec sets exactly one of the two
+    if model.path is None:  # parse_pool_spec sets exactly one of the two
         raise ValueError("the model has neither a path nor a Hugging Face id")
     if model.path.startswith("/"):
         return model.path
@@ -58,9 +59,12 @@ def _kv_events_config(pool: PoolSpec) -> list[str]:
     events = pool.router.kv_events
     if not events.enabled:
         return []
-    config = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{events.port}",
-              "replay_endpoint": f"tcp://*:{events.replay_port}"}
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events.port}",
+        "replay_endpoint": f"tcp://*:{events.replay_port}",
+    }
     return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
 
 
@@ -70,8 +74,11 @@ def engine_block_size(pool: PoolSpec, role: str) -> int:
     argv = engine_args(pool, role)
     size = pool.engine.block_size
     for i, arg in enumerate(argv):
-        value = arg.partition("=")[2] if arg.startswith("--block-size=") else (
-            argv[i + 1] if arg == "--block-size" and i + 1 < len(argv) else "")
+        value = (
+            arg.partition("=")[2]
+            if arg.startswith("--block-size=")
+            else (argv[i + 1] if arg == "--block-size" and i + 1 < len(argv) else "")
+        )
         if value.isdigit():
             size = int(value)
     return size
@@ -80,56 +87,98 @@ def engine_block_size(pool: PoolSpec, role: str) -> int:
 def _pdpool_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) -> list[str]:
     engine = pool.engine
     # Decode engines reject cache-poor requests themselves in decode-first mode.
-    threshold = pool.router.cache_hit_threshold if (
-        role == DECODE and pool.router.mode == "decode-first") else 0.0
+    threshold = (
+        pool.router.cache_hit_threshold
+        if (role == DECODE and pool.router.mode == "decode-first")
+        else 0.0
+    )
     return [
-        "pdpool", "serve", model_dir(pool.model),
-        "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-        "--served-model-name", pool.model.served_name,
-        "--kv-connector", "nixl",
-        "--kv-role", "producer" if role == PREFILL else "consumer",
+        "pdpool",
+        "serve",
+        model_dir(pool.model),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        pool.model.served_name,
+        "--kv-connector",
+        "nixl",
+        "--kv-role",
+        "producer" if role == PREFILL else "consumer",
         # Peers must reach this pod at its own IP: never advertise 0.0.0.0.
-        "--kv-host", "$(POD_IP)", "--kv-port", str(engine.kv_port),
-        "--kv-peer-allowlist", ",".join(engine.peer_allowlist or default_peers),
+        "--kv-host",
+        "$(POD_IP)",
+        "--kv-port",
+        str(engine.kv_port),
+        "--kv-peer-allowlist",
+        ",".join(engine.peer_allowlist or default_peers),
         # The pool's shared key: kv_transfer_params are signed, and forged ones refused.
-        "--kv-secret-file", KV_SECRET_FILE,
-        "--global-cache-hit-threshold", _num(threshold),
-        "--block-size", str(engine.block_size),
+        "--kv-secret-file",
+        KV_SECRET_FILE,
+        "--global-cache-hit-threshold",
+        _num(threshold),
+        "--block-size",
+        str(engine.block_size),
     ]
 
 
 def _vllm_args(pool: PoolSpec, tensor_parallel_size: int) -> list[str]:
-    kv_config = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"},
-                           separators=(",", ":"))
+    kv_config = json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both"}, separators=(",", ":")
+    )
     return [
-        "vllm", "serve", model_dir(pool.model),
-        "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-        "--served-model-name", pool.model.served_name,
-        "--tensor-parallel-size", str(tensor_parallel_size),
-        "--block-size", str(pool.engine.block_size),
-        "--kv-transfer-config", kv_config,
+        "vllm",
+        "serve",
+        model_dir(pool.model),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        pool.model.served_name,
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--block-size",
+        str(pool.engine.block_size),
+        "--kv-transfer-config",
+        kv_config,
     ]
 
 
 def engine_env(pool: PoolSpec) -> list[dict[str, str]]:
     """Extra environment of the engine container (after POD_IP, which it may reference)."""
     if pool.engine.kind == "vllm":
-        return [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
-                {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(pool.engine.kv_port)}]
+        return [
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(pool.engine.kv_port)},
+        ]
     return []
 
 
 def sidecar_args() -> list[str]:
     env = {key: f"$({var})" for key, var in ROUTER_ENV.items()}
     return [
-        "pdpool", "sidecar", "--host", "0.0.0.0", "--port", str(SIDECAR_PORT),
-        "--decode-url", f"http://127.0.0.1:{ENGINE_PORT}",
-        "--prefill-service", env["prefillService"],
-        "--mode", env["mode"],
-        "--cache-hit-threshold", env["cacheHitThreshold"],
-        "--kv-pull-threshold", env["kvPullThreshold"],
-        "--prefill-timeout", env["prefillTimeoutSeconds"],
-        "--engine-rejects", env["engineRejects"],
+        "pdpool",
+        "sidecar",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(SIDECAR_PORT),
+        "--decode-url",
+        f"http://127.0.0.1:{ENGINE_PORT}",
+        "--prefill-service",
+        env["prefillService"],
+        "--mode",
+        env["mode"],
+        "--cache-hit-threshold",
+        env["cacheHitThreshold"],
+        "--kv-pull-threshold",
+        env["kvPullThreshold"],
+        "--prefill-timeout",
+        env["prefillTimeoutSeconds"],
+        "--engine-rejects",
+        env["engineRejects"],
     ]
 
 
@@ -138,9 +187,14 @@ def sidecar_kv_events_args(pool: PoolSpec) -> list[str]:
     events = pool.router.kv_events
     if not events.enabled:
         return []
-    return ["--prefill-kv-events-port", str(events.port),
-            "--prefill-kv-events-replay-port", str(events.replay_port),
-            "--kv-block-size", str(engine_block_size(pool, PREFILL))]
+    return [
+        "--prefill-kv-events-port",
+        str(events.port),
+        "--prefill-kv-events-replay-port",
+        str(events.replay_port),
+        "--kv-block-size",
+        str(engine_block_size(pool, PREFILL)),
+    ]
 
 
 def gateway_kv_events_args(pool: PoolSpec) -> list[str]:
@@ -149,17 +203,33 @@ def gateway_kv_events_args(pool: PoolSpec) -> list[str]:
     events = pool.router.kv_events
     if not events.enabled:
         return []
-    return ["--kv-events-port", str(events.port),
-            "--kv-events-replay-port", str(events.replay_port),
-            "--kv-block-size", str(engine_block_size(pool, DECODE)),
-            "--kv-threshold", _num(pool.router.cache_hit_threshold),
-            "--kv-load-cost", _num(events.load_cost_tokens)]
+    return [
+        "--kv-events-port",
+        str(events.port),
+        "--kv-events-replay-port",
+        str(events.replay_port),
+        "--kv-block-size",
+        str(engine_block_size(pool, DECODE)),
+        "--kv-threshold",
+        _num(pool.router.cache_hit_threshold),
+        "--kv-load-cost",
+        _num(events.load_cost_tokens),
+    ]
 
 
-def gateway_args(decode_service: str, api_keys_file: str | None = None,
-                 tls_dir: str | None = None) -> list[str]:
-    argv = ["pdpool", "gateway", "--host", "0.0.0.0", "--port", str(SIDECAR_PORT),
-            "--decode-service", decode_service]
+def gateway_args(
+    decode_service: str, api_keys_file: str | None = None, tls_dir: str | None = None
+) -> list[str]:
+    argv = [
+        "pdpool",
+        "gateway",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(SIDECAR_PORT),
+        "--decode-service",
+        decode_service,
+    ]
     if tls_dir:
         argv += ["--tls-cert-file", f"{tls_dir}/tls.crt", "--tls-key-file", f"{tls_dir}/tls.key"]
     return argv + (["--api-keys-file", api_keys_file] if api_keys_file else [])
@@ -169,9 +239,11 @@ def hf_download_args(model: ModelSpec) -> list[str]:
     """Init step: fetch a Hugging Face checkpoint into the model volume (idempotent)."""
     if not model.hugging_face_id:
         raise ValueError("only a Hugging Face model is downloaded")
-    script = ("import sys; from huggingface_hub import snapshot_download; "
-              "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], "
-              "revision=sys.argv[3] or None)")
+    script = (
+        "import sys; from huggingface_hub import snapshot_download; "
+        "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], "
+        "revision=sys.argv[3] or None)"
+    )
     return ["python3", "-c", script, model.hugging_face_id, model_dir(model), model.revision or ""]
 
 

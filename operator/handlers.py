@@ -9,6 +9,7 @@
 Deletion needs no handler: children carry owner references and the garbage collector
 removes them (so no finalizer can block a delete while the operator is down).
 """
+
 from __future__ import annotations
 
 import json
@@ -58,7 +59,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Handler progress lives in annotations so `.status` keeps the schema of the CRD.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+        prefix=GROUP, key="last-handled-configuration"
+    )
     settings.posting.level = logging.WARNING  # only warnings become Events, not every success
     # The CRD is installed before the operator (Helm crds/): no need to watch CRDs, which
     # keeps apiextensions out of the RBAC rules.
@@ -71,8 +73,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(name: str, namespace: str | None, uid: str, spec: kopf.Spec, meta: kopf.Meta,
-              body: kopf.Body, **_: Any) -> None:
+def reconcile(
+    name: str,
+    namespace: str | None,
+    uid: str,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    body: kopf.Body,
+    **_: Any,
+) -> None:
     namespace = _namespaced(namespace)
     generation = meta.get("generation", 0)
     try:
@@ -99,25 +108,30 @@ def ensure_kv_secret(ref: PoolRef, pool: PoolSpec) -> None:
     new value would make every handoff between old and new pods fail."""
     manifest = kv_secret(ref, pool, secrets.token_hex(32))
     if manifest is not None and cluster().create_if_absent(manifest):
-        log.info("pool %s/%s: created Secret %s", ref.namespace, ref.name,
-                 manifest["metadata"]["name"])
+        log.info(
+            "pool %s/%s: created Secret %s", ref.namespace, ref.name, manifest["metadata"]["name"]
+        )
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_POOL: kopf.PRESENT})
-def child_changed(namespace: str | None, labels: kopf.Labels, type: str | None,
-                  **_: Any) -> None:
+def child_changed(namespace: str | None, labels: kopf.Labels, type: str | None, **_: Any) -> None:
     if type is None:  # the initial listing: resume handlers publish status anyway
         return
     namespace = _namespaced(namespace)
     try:
         refresh_status(namespace, labels[LABEL_POOL])
     except ApiException as exc:
-        log.warning("status refresh of %s/%s failed: %s", namespace, labels[LABEL_POOL],
-                    _api_message(exc))
+        log.warning(
+            "status refresh of %s/%s failed: %s", namespace, labels[LABEL_POOL], _api_message(exc)
+        )
 
 
-def refresh_status(namespace: str, name: str, observed_generation: int | None = None,
-                   spec_error: tuple[str, str] | None = None) -> None:
+def refresh_status(
+    namespace: str,
+    name: str,
+    observed_generation: int | None = None,
+    spec_error: tuple[str, str] | None = None,
+) -> None:
     """Recompute the pool's status from its children and patch it if anything changed."""
     with _pool_lock(namespace, name):
         body = cluster().get_pool(namespace, name)
@@ -134,9 +148,16 @@ def refresh_status(namespace: str, name: str, observed_generation: int | None = 
             if role in roles and any(o.get("uid") == meta["uid"] for o in owners):
                 roles[role] = RoleState.from_deployment(deployment)
         port = ((body.get("spec") or {}).get("gateway") or {}).get("port", 8080)
-        status = compute_status(pool=name, namespace=namespace, generation=generation,
-                                gateway_port=port, roles=roles, spec_error=spec_error,
-                                old_conditions=current.get("conditions"), now=now_iso())
+        status = compute_status(
+            pool=name,
+            namespace=namespace,
+            generation=generation,
+            gateway_port=port,
+            roles=roles,
+            spec_error=spec_error,
+            old_conditions=current.get("conditions"),
+            now=now_iso(),
+        )
         if observed_generation is not None:
             status["observedGeneration"] = observed_generation
         # merge_conditions kept the old transition times, so an unchanged state compares equal.
@@ -144,12 +165,12 @@ def refresh_status(namespace: str, name: str, observed_generation: int | None = 
             cluster().patch_pool_status(namespace, name, status)
 
 
-def _fail(body: kopf.Body, namespace: str, name: str, generation: int, reason: str,
-          message: str) -> None:
+def _fail(
+    body: kopf.Body, namespace: str, name: str, generation: int, reason: str, message: str
+) -> None:
     log.warning("pool %s/%s: %s: %s", namespace, name, reason, message)
     kopf.warn(body, reason=reason, message=message)
-    refresh_status(namespace, name, observed_generation=generation,
-                   spec_error=(reason, message))
+    refresh_status(namespace, name, observed_generation=generation, spec_error=(reason, message))
 
 
 def refused_by_api_server(status: int, message: str) -> bool:

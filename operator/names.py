@@ -3,6 +3,7 @@
 Children are named after the pool and their role, so re-applying them (after an operator
 restart, or twice in a row) always lands on the same objects: no duplicates.
 """
+
 from __future__ import annotations
 
 GROUP = "pdpool.io"

@@ -4,6 +4,7 @@ Credentials: the pod's service account inside a cluster, else $KUBECONFIG / ~/.k
 (or --kubeconfig). `pdpool operator render -f POOL.yaml` prints the objects it would create
 for a pool, without a cluster.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,21 +13,39 @@ import os
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", "-n", action="append", metavar="NS",
-                       help="watch only this namespace (repeatable)")
-    scope.add_argument("--all-namespaces", "-A", action="store_true",
-                       help="watch every namespace (the default)")
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        metavar="NS",
+        help="watch only this namespace (repeatable)",
+    )
+    scope.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)"
+    )
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster or $KUBECONFIG)")
-    parser.add_argument("--health-port", type=int, default=0,
-                        help="serve a liveness endpoint at :PORT/healthz (0: off)")
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=0,
+        help="serve a liveness endpoint at :PORT/healthz (0: off)",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
-    render = actions.add_parser("render", help="print the objects made for a pool (no cluster)",
-                                description="print, as YAML, every object the operator makes "
-                                            "for the PDInferencePool(s) in a file")
+    render = actions.add_parser(
+        "render",
+        help="print the objects made for a pool (no cluster)",
+        description="print, as YAML, every object the operator makes "
+        "for the PDInferencePool(s) in a file",
+    )
     render.add_argument("-f", "--filename", required=True, help="pool manifest(s); - for stdin")
-    render.add_argument("--namespace", "-n", dest="render_namespace", default="default",
-                        help="namespace of pools whose metadata names none (default: default)")
+    render.add_argument(
+        "--namespace",
+        "-n",
+        dest="render_namespace",
+        default="default",
+        help="namespace of pools whose metadata names none (default: default)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,8 +68,12 @@ def main(args: argparse.Namespace) -> int:
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     namespaces = args.namespace or []
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
-    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=True,
-             liveness_endpoint=liveness)
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=True,
+        liveness_endpoint=liveness,
+    )
     return 0
 
 

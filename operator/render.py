@@ -5,6 +5,7 @@ two versions. The KV-signing Secret shows a placeholder value (the operator gene
 real one in the cluster, once); the placeholder is too short for an engine to accept, so a
 rendered Secret applied by hand can never become a known pool key.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,10 +24,14 @@ def render_pools(docs: list[Any], namespace: str = "default") -> list[Manifest]:
     for doc in docs:
         if not doc:
             continue
-        if not isinstance(doc, dict) or doc.get("kind") != KIND or \
-                doc.get("apiVersion") != API_VERSION:
-            raise SpecError(f"not a {API_VERSION} {KIND}: "
-                            f"{doc.get('kind') if isinstance(doc, dict) else doc!r}")
+        if (
+            not isinstance(doc, dict)
+            or doc.get("kind") != KIND
+            or doc.get("apiVersion") != API_VERSION
+        ):
+            raise SpecError(
+                f"not a {API_VERSION} {KIND}: {doc.get('kind') if isinstance(doc, dict) else doc!r}"
+            )
         meta = doc.get("metadata") or {}
         name = meta.get("name")
         if not name:

@@ -5,6 +5,7 @@ here is what a schema cannot say, or what an older/looser CRD might let through:
 operator then reports a `Ready=False` condition instead of rendering broken pods.
 Pure: no Kubernetes client, no I/O.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,24 +20,33 @@ ROUTER_MODES = ("decode-first", "prefill-first", "aggregated")
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/pdpool/pdpool-slim:0.1.0"
 # Requests/limits of the containers that are not engines, when the spec names none: the
 # sidecar and the gateway are small async proxies; the model download streams to disk.
-DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"},
-                             "limits": {"memory": "1Gi"}}
-DEFAULT_GATEWAY_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"},
-                             "limits": {"memory": "1Gi"}}
-DEFAULT_DOWNLOAD_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"},
-                              "limits": {"memory": "2Gi"}}
+DEFAULT_SIDECAR_RESOURCES = {
+    "requests": {"cpu": "250m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
+DEFAULT_GATEWAY_RESOURCES = {
+    "requests": {"cpu": "250m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
+DEFAULT_DOWNLOAD_RESOURCES = {
+    "requests": {"cpu": "500m", "memory": "512Mi"},
+    "limits": {"memory": "2Gi"},
+}
 DEFAULT_SHM_SIZE = "2Gi"
 # UCX's TCP transport (NIXL's bytes when there is no RDMA) listens on random ports unless
 # told a range: the engines get UCX_TCP_PORT_RANGE so a NetworkPolicy can name it.
 DEFAULT_UCX_PORT_COUNT = 64
 # Who may scrape /metrics when the spec names nobody: pods in namespaces a cluster admin
 # labelled so (the Prometheus namespace, typically).
-DEFAULT_METRICS_FROM = ({"namespaceSelector": {"matchLabels": {
-    "pdpool.io/metrics-scraper": "true"}}},)
+DEFAULT_METRICS_FROM = (
+    {"namespaceSelector": {"matchLabels": {"pdpool.io/metrics-scraper": "true"}}},
+)
 MAX_POOL_NAME = 52  # "<name>-gateway" must stay a valid DNS label (63)
 # Kubernetes resource.Quantity syntax (the CRD carries the same pattern).
-QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-                      r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+QUANTITY = re.compile(
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 
 
 class SpecError(ValueError):
@@ -45,14 +55,15 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    path: str | None           # a directory inside the model volume (or an absolute path)
+    path: str | None  # a directory inside the model volume (or an absolute path)
     hugging_face_id: str | None
     served_name: str
-    pvc: str | None            # claim mounted at /models; None: an emptyDir
+    pvc: str | None  # claim mounted at /models; None: an emptyDir
     hf_token_secret: str | None
     revision: str | None
-    download_resources: dict[str, Any] = field(default_factory=lambda: dict(
-        DEFAULT_DOWNLOAD_RESOURCES))
+    download_resources: dict[str, Any] = field(
+        default_factory=lambda: dict(DEFAULT_DOWNLOAD_RESOURCES)
+    )
 
 
 @dataclass(frozen=True)
@@ -88,10 +99,10 @@ class EngineSpec:
     # A Secret the user manages, holding the key that signs kv_transfer_params; None: the
     # operator creates `<pool>-kv-secret` (pdpool engines only).
     kv_secret_ref: SecretKeyRef | None = None
-    shm_size: str = DEFAULT_SHM_SIZE          # the memory-backed /dev/shm of engine pods
+    shm_size: str = DEFAULT_SHM_SIZE  # the memory-backed /dev/shm of engine pods
     ucx_port_count: int = DEFAULT_UCX_PORT_COUNT  # UCX TCP ports: kvPort+1 .. kvPort+count
-    startup_timeout_s: int = 1800              # model load allowed before liveness applies
-    cache_size_limit: str | None = None       # the writable cache emptyDir (None: unbounded)
+    startup_timeout_s: int = 1800  # model load allowed before liveness applies
+    cache_size_limit: str | None = None  # the writable cache emptyDir (None: unbounded)
 
     def ucx_port_range(self) -> tuple[int, int] | None:
         """The TCP ports UCX (under NIXL) listens on: right above the handshake port."""
@@ -105,10 +116,11 @@ class KVEventsSpec:
     """Precise KV-aware routing: every engine publishes its KV cache events on these ports
     (vLLM's --kv-events-config); the gateway follows the decode engines', each sidecar the
     prefill engines'."""
+
     enabled: bool = False
     port: int = 5557
     replay_port: int = 5558
-    load_cost_tokens: float = 64.0     # the gateway's cost of one in-flight request
+    load_cost_tokens: float = 64.0  # the gateway's cost of one in-flight request
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,7 @@ class GatewaySpec:
 @dataclass(frozen=True)
 class SecuritySpec:
     """Merged (key by key) over the restricted-profile defaults in builders.py."""
+
     pod_security_context: dict[str, Any] = field(default_factory=dict)
     container_security_context: dict[str, Any] = field(default_factory=dict)
     automount_service_account_token: bool = False
@@ -218,14 +231,21 @@ def _model(m: dict[str, Any]) -> ModelSpec:
     if bool(path) == bool(hf_id):
         raise SpecError("spec.model needs exactly one of path or huggingFaceId")
     if path and not path.startswith("/") and not m.get("pvc"):
-        raise SpecError(f"spec.model.path {path!r} is relative: set spec.model.pvc to the claim "
-                        "that holds it, or give an absolute path inside the image")
+        raise SpecError(
+            f"spec.model.path {path!r} is relative: set spec.model.pvc to the claim "
+            "that holds it, or give an absolute path inside the image"
+        )
     served = m.get("servedName") or hf_id or (path or "").rstrip("/").rsplit("/", 1)[-1]
-    return ModelSpec(path=path, hugging_face_id=hf_id, served_name=served,
-                     pvc=m.get("pvc"), hf_token_secret=m.get("hfTokenSecret"),
-                     revision=m.get("revision"),
-                     download_resources=_resources(m, "spec.model", "downloadResources")
-                     or dict(DEFAULT_DOWNLOAD_RESOURCES))
+    return ModelSpec(
+        path=path,
+        hugging_face_id=hf_id,
+        served_name=served,
+        pvc=m.get("pvc"),
+        hf_token_secret=m.get("hfTokenSecret"),
+        revision=m.get("revision"),
+        download_resources=_resources(m, "spec.model", "downloadResources")
+        or dict(DEFAULT_DOWNLOAD_RESOURCES),
+    )
 
 
 def _engine(e: dict[str, Any]) -> EngineSpec:
@@ -236,20 +256,26 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
     if not image:
         raise SpecError("spec.engine.image is required")
     return EngineSpec(
-        kind=kind, image=image, image_pull_policy=e.get("imagePullPolicy", "IfNotPresent"),
+        kind=kind,
+        image=image,
+        image_pull_policy=e.get("imagePullPolicy", "IfNotPresent"),
         block_size=_int(e, "blockSize", 16, "spec.engine", minimum=1),
         kv_port=_int(e, "kvPort", 5600, "spec.engine", minimum=1, maximum=65535),
         # Empty: the pool's own pods (its headless Services' names; see builders.py).
         peer_allowlist=tuple(_str_list(e, "kvPeerAllowlist")),
-        extra_args=tuple(_str_list(e, "extraArgs")), env=tuple(_env(e, "spec.engine")),
+        extra_args=tuple(_str_list(e, "extraArgs")),
+        env=tuple(_env(e, "spec.engine")),
         kv_secret_ref=_secret_ref(e, "kvSecretRef", "spec.engine", KV_SECRET_KEY),
         # Absent or null: the default (a null must not leave /dev/shm unbounded).
         shm_size=_quantity(e, "shmSize", None, "spec.engine") or DEFAULT_SHM_SIZE,
-        ucx_port_count=_int(e, "ucxPortCount", DEFAULT_UCX_PORT_COUNT, "spec.engine",
-                            minimum=0, maximum=4096),
-        startup_timeout_s=_int(e, "startupTimeoutSeconds", 1800, "spec.engine", minimum=10,
-                               maximum=86400),
-        cache_size_limit=_quantity(e, "cacheSizeLimit", None, "spec.engine"))
+        ucx_port_count=_int(
+            e, "ucxPortCount", DEFAULT_UCX_PORT_COUNT, "spec.engine", minimum=0, maximum=4096
+        ),
+        startup_timeout_s=_int(
+            e, "startupTimeoutSeconds", 1800, "spec.engine", minimum=10, maximum=86400
+        ),
+        cache_size_limit=_quantity(e, "cacheSizeLimit", None, "spec.engine"),
+    )
 
 
 def _secret_ref(d: dict[str, Any], key: str, where: str, default_key: str) -> SecretKeyRef | None:
@@ -274,12 +300,20 @@ def _role(role: str, r: dict[str, Any]) -> RoleSpec:
     if tp > 1 and not gpus:
         raise SpecError(f"{where}: tensorParallelSize {tp} needs gpus: {tp}")
     return RoleSpec(
-        replicas=_int(r, "replicas", 1, where, minimum=0), tensor_parallel_size=tp, gpus=gpus,
-        resources=_resources(r, where), extra_args=tuple(_str_list(r, "extraArgs")),
-        env=tuple(_env(r, where)), node_selector=dict(r.get("nodeSelector") or {}),
+        replicas=_int(r, "replicas", 1, where, minimum=0),
+        tensor_parallel_size=tp,
+        gpus=gpus,
+        resources=_resources(r, where),
+        extra_args=tuple(_str_list(r, "extraArgs")),
+        env=tuple(_env(r, where)),
+        node_selector=dict(r.get("nodeSelector") or {}),
         tolerations=tuple(r.get("tolerations") or ()),
-        topology_spread=(None if r.get("topologySpreadConstraints") is None
-                         else tuple(r["topologySpreadConstraints"])))
+        topology_spread=(
+            None
+            if r.get("topologySpreadConstraints") is None
+            else tuple(r["topologySpreadConstraints"])
+        ),
+    )
 
 
 def _router(r: dict[str, Any]) -> RouterSpec:
@@ -292,12 +326,15 @@ def _router(r: dict[str, Any]) -> RouterSpec:
     timeout = float(r.get("prefillTimeoutSeconds", 60))
     if timeout <= 0:
         raise SpecError("spec.router.prefillTimeoutSeconds must be > 0")
-    return RouterSpec(mode=mode, cache_hit_threshold=threshold,
-                      kv_pull_threshold=_int(r, "kvPullThreshold", 0, "spec.router", minimum=0),
-                      prefill_timeout_seconds=timeout,
-                      image=r.get("image") or DEFAULT_SIDECAR_IMAGE,
-                      resources=_resources(r, "spec.router") or dict(DEFAULT_SIDECAR_RESOURCES),
-                      kv_events=_kv_events(r))
+    return RouterSpec(
+        mode=mode,
+        cache_hit_threshold=threshold,
+        kv_pull_threshold=_int(r, "kvPullThreshold", 0, "spec.router", minimum=0),
+        prefill_timeout_seconds=timeout,
+        image=r.get("image") or DEFAULT_SIDECAR_IMAGE,
+        resources=_resources(r, "spec.router") or dict(DEFAULT_SIDECAR_RESOURCES),
+        kv_events=_kv_events(r),
+    )
 
 
 def _kv_events(r: dict[str, Any]) -> KVEventsSpec:
@@ -311,41 +348,49 @@ def _kv_events(r: dict[str, Any]) -> KVEventsSpec:
     cost = k.get("loadCostTokens", 64)
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
         raise SpecError(f"{where}.loadCostTokens must be a number >= 0, got {cost!r}")
-    return KVEventsSpec(enabled=enabled,
-                        port=_int(k, "port", 5557, where, minimum=1, maximum=65535),
-                        replay_port=_int(k, "replayPort", 5558, where, minimum=1,
-                                         maximum=65535),
-                        load_cost_tokens=float(cost))
+    return KVEventsSpec(
+        enabled=enabled,
+        port=_int(k, "port", 5557, where, minimum=1, maximum=65535),
+        replay_port=_int(k, "replayPort", 5558, where, minimum=1, maximum=65535),
+        load_cost_tokens=float(cost),
+    )
 
 
 def _check_kv_event_ports(events: KVEventsSpec, engine: EngineSpec) -> None:
     """The event ports share the engine pod with these: a clash would stop the engine."""
-    taken = {ENGINE_PORT: "the engine's HTTP port", SIDECAR_PORT: "the sidecar's port",
-             engine.kv_port: "spec.engine.kvPort (NIXL)"}
+    taken = {
+        ENGINE_PORT: "the engine's HTTP port",
+        SIDECAR_PORT: "the sidecar's port",
+        engine.kv_port: "spec.engine.kvPort (NIXL)",
+    }
     ucx = engine.ucx_port_range()
     for name, port in (("port", events.port), ("replayPort", events.replay_port)):
         where = f"spec.router.kvEvents.{name} {port}"
         if port in taken:
             raise SpecError(f"{where} is already {taken[port]}")
         if ucx is not None and ucx[0] <= port <= ucx[1]:
-            raise SpecError(f"{where} is in UCX's port range {ucx[0]}-{ucx[1]} "
-                            "(spec.engine.kvPort+1 .. +ucxPortCount)")
+            raise SpecError(
+                f"{where} is in UCX's port range {ucx[0]}-{ucx[1]} "
+                "(spec.engine.kvPort+1 .. +ucxPortCount)"
+            )
     if events.port == events.replay_port:
-        raise SpecError(f"spec.router.kvEvents.port and replayPort must differ, both are "
-                        f"{events.port}")
+        raise SpecError(
+            f"spec.router.kvEvents.port and replayPort must differ, both are {events.port}"
+        )
 
 
 def _gateway(g: dict[str, Any]) -> GatewaySpec:
     service_type = g.get("serviceType", "ClusterIP")
     if service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
         raise SpecError(f"spec.gateway.serviceType {service_type!r} is not supported")
-    return GatewaySpec(replicas=_int(g, "replicas", 1, "spec.gateway", minimum=0),
-                       port=_int(g, "port", 8080, "spec.gateway", minimum=1, maximum=65535),
-                       service_type=service_type,
-                       resources=_resources(g, "spec.gateway") or dict(DEFAULT_GATEWAY_RESOURCES),
-                       api_keys_secret=_secret_ref(g, "apiKeysSecret", "spec.gateway",
-                                                   API_KEYS_KEY),
-                       tls_secret=g.get("tlsSecret") or None)
+    return GatewaySpec(
+        replicas=_int(g, "replicas", 1, "spec.gateway", minimum=0),
+        port=_int(g, "port", 8080, "spec.gateway", minimum=1, maximum=65535),
+        service_type=service_type,
+        resources=_resources(g, "spec.gateway") or dict(DEFAULT_GATEWAY_RESOURCES),
+        api_keys_secret=_secret_ref(g, "apiKeysSecret", "spec.gateway", API_KEYS_KEY),
+        tls_secret=g.get("tlsSecret") or None,
+    )
 
 
 def _security(s: dict[str, Any]) -> SecuritySpec:
@@ -355,10 +400,12 @@ def _security(s: dict[str, Any]) -> SecuritySpec:
     automount = s.get("automountServiceAccountToken", False)
     if not isinstance(automount, bool):
         raise SpecError("spec.security.automountServiceAccountToken must be a boolean")
-    return SecuritySpec(pod_security_context=dict(s.get("podSecurityContext") or {}),
-                        container_security_context=dict(s.get("containerSecurityContext") or {}),
-                        automount_service_account_token=automount,
-                        service_account_name=s.get("serviceAccountName") or None)
+    return SecuritySpec(
+        pod_security_context=dict(s.get("podSecurityContext") or {}),
+        container_security_context=dict(s.get("containerSecurityContext") or {}),
+        automount_service_account_token=automount,
+        service_account_name=s.get("serviceAccountName") or None,
+    )
 
 
 def _peers(d: dict[str, Any], key: str) -> tuple[dict[str, Any], ...] | None:
@@ -375,8 +422,11 @@ def _network_policy(n: dict[str, Any]) -> NetworkPolicySpec:
     if not isinstance(enabled, bool):
         raise SpecError("spec.networkPolicy.enabled must be a boolean")
     metrics = _peers(n, "metricsFrom")
-    return NetworkPolicySpec(enabled=enabled, clients_from=_peers(n, "clientsFrom"),
-                             metrics_from=DEFAULT_METRICS_FROM if metrics is None else metrics)
+    return NetworkPolicySpec(
+        enabled=enabled,
+        clients_from=_peers(n, "clientsFrom"),
+        metrics_from=DEFAULT_METRICS_FROM if metrics is None else metrics,
+    )
 
 
 def _disruption_budget(d: dict[str, Any]) -> DisruptionBudgetSpec:
@@ -385,10 +435,13 @@ def _disruption_budget(d: dict[str, Any]) -> DisruptionBudgetSpec:
     if not isinstance(enabled, bool):
         raise SpecError("spec.disruptionBudget.enabled must be a boolean")
     if isinstance(value, bool) or not (
-            (isinstance(value, int) and value >= 0)
-            or (isinstance(value, str) and re.fullmatch(r"[0-9]+%", value))):
-        raise SpecError("spec.disruptionBudget.maxUnavailable must be a count >= 0 or a "
-                        f"percentage, got {value!r}")
+        (isinstance(value, int) and value >= 0)
+        or (isinstance(value, str) and re.fullmatch(r"[0-9]+%", value))
+    ):
+        raise SpecError(
+            "spec.disruptionBudget.maxUnavailable must be a count >= 0 or a "
+            f"percentage, got {value!r}"
+        )
     return DisruptionBudgetSpec(enabled=enabled, max_unavailable=value)
 
 
@@ -410,8 +463,14 @@ def _resources(d: dict[str, Any], where: str, key: str = "resources") -> dict[st
     return dict(resources)
 
 
-def _int(d: dict[str, Any], key: str, default: int, where: str,
-         minimum: int | None = None, maximum: int | None = None) -> int:
+def _int(
+    d: dict[str, Any],
+    key: str,
+    default: int,
+    where: str,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int:
     value = d.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(f"{where}.{key} must be an integer")

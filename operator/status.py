@@ -4,6 +4,7 @@ Conditions follow the Kubernetes convention (type, status, reason, message,
 lastTransitionTime, observedGeneration); `lastTransitionTime` only moves when a
 condition's status flips, so watchers see real transitions, not every refresh.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,19 +22,22 @@ SPEC_FAILURE_REASONS = ("InvalidSpec", "ApplyFailed")
 @dataclass(frozen=True)
 class RoleState:
     """What one child Deployment reports."""
+
     desired: int
     ready: int
     updated: int
-    rolled_out: bool   # the deployment controller has seen its latest spec
+    rolled_out: bool  # the deployment controller has seen its latest spec
 
     @classmethod
     def from_deployment(cls, deployment: dict[str, Any]) -> "RoleState":
         spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
         generation = (deployment.get("metadata") or {}).get("generation", 0)
-        return cls(desired=int(spec.get("replicas", 1)),
-                   ready=int(status.get("readyReplicas") or 0),
-                   updated=int(status.get("updatedReplicas") or 0),
-                   rolled_out=int(status.get("observedGeneration") or 0) >= generation)
+        return cls(
+            desired=int(spec.get("replicas", 1)),
+            ready=int(status.get("readyReplicas") or 0),
+            updated=int(status.get("updatedReplicas") or 0),
+            rolled_out=int(status.get("observedGeneration") or 0) >= generation,
+        )
 
 
 def now_iso() -> str:
@@ -55,9 +59,17 @@ def role_condition(pool: str, role: str, state: RoleState | None) -> tuple[bool,
     return False, "ReplicasNotReady", f"Deployment {deployment}: {progress}"
 
 
-def compute_status(*, pool: str, namespace: str, generation: int, gateway_port: int,
-                   roles: dict[str, RoleState | None], spec_error: tuple[str, str] | None,
-                   old_conditions: list[dict[str, Any]] | None, now: str) -> dict[str, Any]:
+def compute_status(
+    *,
+    pool: str,
+    namespace: str,
+    generation: int,
+    gateway_port: int,
+    roles: dict[str, RoleState | None],
+    spec_error: tuple[str, str] | None,
+    old_conditions: list[dict[str, Any]] | None,
+    now: str,
+) -> dict[str, Any]:
     """The full `.status` (without observedGeneration, which only the reconciler sets).
 
     `spec_error` is (reason, message) when the spec cannot be honoured.
@@ -77,13 +89,16 @@ def compute_status(*, pool: str, namespace: str, generation: int, gateway_port: 
         ready = _condition("Ready", True, "PoolReady", "all roles are ready", generation)
         phase = "Ready"
     else:
-        ready = _condition("Ready", False, "RolesNotReady",
-                           "waiting for " + ", ".join(not_ready), generation)
+        ready = _condition(
+            "Ready", False, "RolesNotReady", "waiting for " + ", ".join(not_ready), generation
+        )
         phase = "Progressing" if any(roles.get(r) for r in ROLE_CONDITIONS) else "Pending"
     fresh.append(ready)
 
-    status: dict[str, Any] = {"phase": phase,
-                              "conditions": merge_conditions(old_conditions or [], fresh, now)}
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": merge_conditions(old_conditions or [], fresh, now),
+    }
     for role in (PREFILL, DECODE, GATEWAY):
         state = roles.get(role)
         desired, ready_n = (state.desired, state.ready) if state else (0, 0)
@@ -93,14 +108,19 @@ def compute_status(*, pool: str, namespace: str, generation: int, gateway_port: 
     return status
 
 
-def _condition(kind: str, ok: bool, reason: str, message: str,
-               generation: int) -> dict[str, Any]:
-    return {"type": kind, "status": "True" if ok else "False", "reason": reason,
-            "message": message, "observedGeneration": generation}
+def _condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
 
 
-def merge_conditions(old: list[dict[str, Any]], fresh: list[dict[str, Any]],
-                     now: str) -> list[dict[str, Any]]:
+def merge_conditions(
+    old: list[dict[str, Any]], fresh: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
     """Fresh conditions, keeping the old transition time where the status did not flip."""
     previous = {c.get("type"): c for c in old}
     merged = []
@@ -113,13 +133,15 @@ def merge_conditions(old: list[dict[str, Any]], fresh: list[dict[str, Any]],
     return merged
 
 
-def carried_spec_error(status: dict[str, Any] | None,
-                       generation: int) -> tuple[str, str] | None:
+def carried_spec_error(status: dict[str, Any] | None, generation: int) -> tuple[str, str] | None:
     """A spec failure reported for the current generation still holds (spec unchanged)."""
     for condition in (status or {}).get("conditions") or []:
-        if (condition.get("type") == "Ready" and condition.get("status") == "False"
-                and condition.get("reason") in SPEC_FAILURE_REASONS
-                and condition.get("observedGeneration") == generation):
+        if (
+            condition.get("type") == "Ready"
+            and condition.get("status") == "False"
+            and condition.get("reason") in SPEC_FAILURE_REASONS
+            and condition.get("observedGeneration") == generation
+        ):
             return condition["reason"], condition.get("message", "")
     return None
 

@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+
 # operator/ has no __init__.py, so that it cannot shadow the standard library's `operator`
 # for programs started from the repository root. An installed wheel carries it as
 # pdpool/operator/; an editable install's finder cannot resolve a folder without

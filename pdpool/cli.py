@@ -4,6 +4,7 @@ Each subcommand lives in its own module that exposes `add_arguments(parser)` and
 `main(args) -> int`. Those modules import heavy dependencies (torch, kopf) only inside
 `main`, so `pdpool --help` and the sidecar/operator commands never load torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args._module is None:
-        print(f"pdpool {args.command}: not available ({args._missing} is not installed)",
-              file=sys.stderr)
+        print(
+            f"pdpool {args.command}: not available ({args._missing} is not installed)",
+            file=sys.stderr,
+        )
         return 2
     try:
         return int(args._module.main(args) or 0)

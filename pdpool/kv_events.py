@@ -19,6 +19,7 @@ bytes too, or, with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, the low 64 bits as an i
 `hash_key` folds both into the same int (the digest's last 8 bytes, big-endian), so an index
 keyed by it treats pdpool and vLLM engines alike.
 """
+
 from __future__ import annotations
 
 import json
@@ -85,10 +86,15 @@ class KVEventBatch:
 
 def _event_to_wire(ev: KVCacheEvent) -> dict:
     if isinstance(ev, BlockStored):
-        d: dict[str, Any] = {"type": "BlockStored", "block_hashes": ev.block_hashes,
-                             "parent_block_hash": ev.parent_block_hash,
-                             "token_ids": ev.token_ids, "block_size": ev.block_size,
-                             "lora_id": ev.lora_id, "medium": ev.medium}
+        d: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": ev.block_hashes,
+            "parent_block_hash": ev.parent_block_hash,
+            "token_ids": ev.token_ids,
+            "block_size": ev.block_size,
+            "lora_id": ev.lora_id,
+            "medium": ev.medium,
+        }
         if ev.group_idx is not None:
             d["group_idx"] = ev.group_idx
         if ev.kv_cache_spec_kind is not None:
@@ -106,12 +112,21 @@ def _event_to_wire(ev: KVCacheEvent) -> dict:
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     import msgpack
-    return msgpack.packb([batch.ts, [_event_to_wire(e) for e in batch.events],
-                          batch.data_parallel_rank], use_bin_type=True)
+
+    return msgpack.packb(
+        [batch.ts, [_event_to_wire(e) for e in batch.events], batch.data_parallel_rank],
+        use_bin_type=True,
+    )
 
 
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size",
-                  "lora_id", "medium")
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+)
 
 
 def _event_from_wire(raw: Any) -> Optional[KVCacheEvent]:
@@ -120,22 +135,30 @@ def _event_from_wire(raw: Any) -> Optional[KVCacheEvent]:
     elif isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], str):
         # Array-encoded (older vLLM: tag first, then the fields in declaration order).
         kind = raw[0]
-        names = {"BlockStored": _STORED_FIELDS,
-                 "BlockRemoved": ("block_hashes", "medium")}.get(kind, ())
+        names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": ("block_hashes", "medium")}.get(
+            kind, ()
+        )
         as_map = dict(zip(names, raw[1:]))
         get = as_map.get
     else:
         return None
     if kind == "BlockStored":
-        return BlockStored(list(get("block_hashes") or []), get("parent_block_hash"),
-                           list(get("token_ids") or []), int(get("block_size") or 0),
-                           get("lora_id"), get("medium"), get("group_idx"),
-                           get("kv_cache_spec_kind"), _extra_keys(get("extra_keys")))
+        return BlockStored(
+            list(get("block_hashes") or []),
+            get("parent_block_hash"),
+            list(get("token_ids") or []),
+            int(get("block_size") or 0),
+            get("lora_id"),
+            get("medium"),
+            get("group_idx"),
+            get("kv_cache_spec_kind"),
+            _extra_keys(get("extra_keys")),
+        )
     if kind == "BlockRemoved":
         return BlockRemoved(list(get("block_hashes") or []), get("medium"), get("group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
-    return None   # an event kind this reader does not know: skipped
+    return None  # an event kind this reader does not know: skipped
 
 
 def _extra_keys(raw: Any) -> Optional[list]:
@@ -146,8 +169,9 @@ def _extra_keys(raw: Any) -> Optional[list]:
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     import msgpack
+
     raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    if isinstance(raw, dict):   # a map-encoded batch, to be lenient
+    if isinstance(raw, dict):  # a map-encoded batch, to be lenient
         raw = [raw.get("ts", 0.0), raw.get("events", []), raw.get("data_parallel_rank")]
     ts, events = raw[0], raw[1]
     rank = raw[2] if len(raw) > 2 else None
@@ -159,6 +183,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 @dataclass
 class KVEventsConfig:
     """vLLM's --kv-events-config (the fields pdpool reads)."""
+
     enable_kv_cache_events: bool = False
     publisher: str = "null"
     endpoint: str = "tcp://*:5557"
@@ -176,12 +201,14 @@ class KVEventsConfig:
         data = json.loads(value) if isinstance(value, str) else dict(value)
         if not isinstance(data, dict):
             raise ValueError("--kv-events-config must be a JSON object")
-        known = {k: data.pop(k) for k in list(data) if k in cls.__dataclass_fields__
-                 and k != "extra"}
+        known = {
+            k: data.pop(k) for k in list(data) if k in cls.__dataclass_fields__ and k != "extra"
+        }
         cfg = cls(**known, extra=data)
         if cfg.publisher not in ("zmq", "null"):
-            raise ValueError(f"--kv-events-config publisher must be zmq or null, "
-                             f"got {cfg.publisher!r}")
+            raise ValueError(
+                f"--kv-events-config publisher must be zmq or null, got {cfg.publisher!r}"
+            )
         if cfg.buffer_steps < 1 or cfg.hwm < 0:
             raise ValueError("--kv-events-config buffer_steps must be >= 1, hwm >= 0")
         return cfg
@@ -205,9 +232,11 @@ class KVEventPublisher:
     encodes, sends on PUB, keeps the last `buffer_steps` messages for replay, and answers
     replay requests on the ROUTER socket."""
 
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0,
-                 flush_interval_s: float = 0.005):
+    def __init__(
+        self, config: KVEventsConfig, data_parallel_rank: int = 0, flush_interval_s: float = 0.005
+    ):
         import zmq
+
         self.config = config
         self.rank = data_parallel_rank
         self.flush_interval_s = flush_interval_s
@@ -252,6 +281,7 @@ class KVEventPublisher:
 
     def _loop(self) -> None:
         import zmq
+
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
@@ -268,7 +298,7 @@ class KVEventPublisher:
                     self._seq += 1
                     self.published_events += len(batch.events)
                     continue
-            except Exception:   # publishing must never take the engine down
+            except Exception:  # publishing must never take the engine down
                 log.exception("kv events: publishing failed")
                 time.sleep(0.1)
             self._wake.wait(self.flush_interval_s)
@@ -283,8 +313,9 @@ class KVEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"),
-                                             payload))
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                )
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
@@ -304,13 +335,19 @@ class KVEventSubscriber:
     socket for everything from `start` on and returns the messages it got before the end
     marker (empty when the engine no longer buffers that far back or does not answer)."""
 
-    def __init__(self, endpoint: str, replay_endpoint: Optional[str] = None, topic: str = "",
-                 bind: bool = False):
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        bind: bool = False,
+    ):
         """Connects to a publisher that binds (the usual `tcp://*:5557`: pass the engine's
         address); `bind=True` for publishers configured to connect to the subscriber."""
         import zmq
+
         self._zmq = zmq
-        self._ctx = zmq.Context.instance()   # see KVEventPublisher
+        self._ctx = zmq.Context.instance()  # see KVEventPublisher
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         if bind:
@@ -350,4 +387,3 @@ class KVEventSubscriber:
 
     def close(self) -> None:
         self.sub.close(linger=0)
-

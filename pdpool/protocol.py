@@ -4,14 +4,23 @@ No heavy imports here: the sidecar and gateway images do not carry torch.
 Field names follow vLLM's NixlConnector so that vLLM-based routers work against our engine
 and our sidecar works against vLLM.
 """
+
 from __future__ import annotations
 
 import json
 import re
 from typing import Annotated, Any, Callable, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
-                      StrictStr, ValidationError)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 # finish_reason of a request rejected because too little of its prompt was cached.
 FINISH_CACHE_THRESHOLD = "cache_threshold"
@@ -91,8 +100,11 @@ def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     except RecursionError:
         raise RequestError(f"the request body nests deeper than {max_depth} levels") from None
     except ValueError as exc:  # JSONDecodeError, huge integers, NaN/Infinity
-        msg = f"{exc.msg} (line {exc.lineno} column {exc.colno})" \
-            if isinstance(exc, json.JSONDecodeError) else str(exc)
+        msg = (
+            f"{exc.msg} (line {exc.lineno} column {exc.colno})"
+            if isinstance(exc, json.JSONDecodeError)
+            else str(exc)
+        )
         raise RequestError(f"the request body is not valid JSON: {msg}") from None
     if isinstance(value, (dict, list)) and _nesting_exceeds(raw, max_depth):
         raise RequestError(f"the request body nests deeper than {max_depth} levels")
@@ -170,8 +182,12 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "min_p": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 0,
     "use_beam_search": _empty,
     "length_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 1,
-    "guided_json": _empty, "guided_regex": _empty, "guided_choice": _empty,
-    "guided_grammar": _empty, "structural_tag": _empty, "structured_outputs": _empty,
+    "guided_json": _empty,
+    "guided_regex": _empty,
+    "guided_choice": _empty,
+    "guided_grammar": _empty,
+    "structural_tag": _empty,
+    "structured_outputs": _empty,
     "allowed_token_ids": lambda v: v is None,
     "bad_words": _empty,
     "prompt_embeds": _empty,
@@ -192,7 +208,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
 Int = StrictInt
 Bool = StrictBool
 Str = StrictStr
-Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]   # an int is accepted too
+Number = Annotated[StrictFloat, Field(allow_inf_nan=False)]  # an int is accepted too
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
@@ -211,7 +227,7 @@ class _GenerationFields(BaseModel):
     max_tokens: Optional[Annotated[Int, Field(ge=1)]] = None
     temperature: Optional[Number] = None
     top_p: Optional[Annotated[Number, Field(gt=0.0, le=1.0)]] = None
-    top_k: Optional[Annotated[Int, Field(ge=-1)]] = None      # -1 or 0: disabled
+    top_k: Optional[Annotated[Int, Field(ge=-1)]] = None  # -1 or 0: disabled
     seed: Optional[Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)]] = None
     stop: Optional[Union[Str, list[Str]]] = None
     stop_token_ids: Optional[list[TokenId]] = None
@@ -256,8 +272,11 @@ class ChatFields(_GenerationFields):
     top_logprobs: Optional[Annotated[Int, Field(ge=0)]] = None
 
     def _limit(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
 
 ROUTE_MODELS = {"/v1/completions": CompletionFields, "/v1/chat/completions": ChatFields}
@@ -269,8 +288,7 @@ def check_unsupported(body: dict) -> None:
             raise RequestError(f"'{name}' is not supported by this server", name)
 
 
-def validate_request(body: Any, model: type[_GenerationFields],
-                     refuse_unsupported: bool = True):
+def validate_request(body: Any, model: type[_GenerationFields], refuse_unsupported: bool = True):
     """The body as `model` (a subclass of CompletionFields or ChatFields), checked as above;
     raises RequestError naming the first offending field."""
     if not isinstance(body, dict):
@@ -289,8 +307,10 @@ def check_ranges(req: _GenerationFields) -> None:
     """The rules pydantic field types cannot say."""
     t = req.temperature
     if t is not None and t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
-        raise RequestError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
-                           f"{MAX_TEMPERATURE}], got {t}", "temperature")
+        raise RequestError(
+            f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {t}",
+            "temperature",
+        )
     if req.cache_hit_threshold is not None:
         try:
             validate_threshold(req.cache_hit_threshold)
@@ -298,11 +318,13 @@ def check_ranges(req: _GenerationFields) -> None:
             raise RequestError(str(exc), "cache_hit_threshold") from None
     limit = req._limit()
     if limit is not None and req.min_tokens > limit:
-        raise RequestError(f"min_tokens ({req.min_tokens}) must not exceed the token limit "
-                           f"({limit})", "min_tokens")
+        raise RequestError(
+            f"min_tokens ({req.min_tokens}) must not exceed the token limit ({limit})", "min_tokens"
+        )
     if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:
-        raise RequestError(f"seed + n - 1 must be at most {SEED_MAX} (choice i samples with "
-                           f"seed + i)", "seed")
+        raise RequestError(
+            f"seed + n - 1 must be at most {SEED_MAX} (choice i samples with seed + i)", "seed"
+        )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise RequestError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings", "stop")
@@ -321,6 +343,19 @@ def _first_error(exc: ValidationError) -> tuple[str, Optional[str]]:
 
 def _is_union_tag(x: Any) -> bool:
     # pydantic names the union member it tried, e.g. "str", "list[int]", "constrained-int".
-    return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "dict",
-                                                     "list", "function-after", "constrained-int",
-                                                     "constrained-float", "constrained-str"))
+    return isinstance(x, str) and (
+        "[" in x
+        or x
+        in (
+            "str",
+            "int",
+            "float",
+            "bool",
+            "dict",
+            "list",
+            "function-after",
+            "constrained-int",
+            "constrained-float",
+            "constrained-str",
+        )
+    )

@@ -1,4 +1,5 @@
 """Sizes as people write them on command lines ('512MiB', '2G'), for every part (no torch)."""
+
 from __future__ import annotations
 
 import re

@@ -6,6 +6,7 @@ lands where its KV cache lives. A consistent-hash ring keeps most keys in place 
 sidecars come and go; a load bound (consistent hashing with bounded loads) spills a key to
 the next sidecar on the ring when its owner is much busier than the average.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -38,7 +39,7 @@ def affinity_key(body: Any, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
     if isinstance(prompt, str):
         return prompt[:prefix_chars]
     if isinstance(prompt, list):  # token ids: about 4 characters per token
-        return repr(prompt[:max(prefix_chars // 4, 1)])
+        return repr(prompt[: max(prefix_chars // 4, 1)])
     return ""
 
 
@@ -70,8 +71,13 @@ class HashRing:
         return seen
 
 
-def route_order(ring: HashRing, key: str, load: Callable[[str], int],
-                healthy: Callable[[str], bool], balance: float = 1.25) -> tuple[list[str], bool]:
+def route_order(
+    ring: HashRing,
+    key: str,
+    load: Callable[[str], int],
+    healthy: Callable[[str], bool],
+    balance: float = 1.25,
+) -> tuple[list[str], bool]:
     """Backends to try in order, and whether the first is the key's preferred owner.
 
     The first is the first healthy backend on the key's walk whose load is under

@@ -9,6 +9,7 @@
   a rotated Kubernetes Secret takes effect without a restart. A file that became unreadable
   or empty keeps the last good keys (and logs), rather than opening or closing the door.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,7 +62,7 @@ class ApiKeys:
         self.path, self.recheck_s = path, recheck_s
         self._mtime: Optional[float] = None
         self._checked = 0.0
-        self._keys = self._load()   # raises at startup: a bad file is a configuration error
+        self._keys = self._load()  # raises at startup: a bad file is a configuration error
 
     def _load(self) -> list[bytes]:
         with open(self.path, encoding="utf-8") as f:
@@ -88,6 +89,6 @@ class ApiKeys:
             return False
         digest = _digest(key)
         ok = False
-        for known in self._keys:   # no early exit: every key is compared
+        for known in self._keys:  # no early exit: every key is compared
             ok |= hmac.compare_digest(digest, known)
         return ok

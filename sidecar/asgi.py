@@ -4,6 +4,7 @@ Both are plain ASGI apps rather than framework routes: a proxy needs to own the 
 response starts (decode-first decides only after the first chunk) and to notice a client
 that goes away while nothing is being sent, and the hot path stays a few function calls.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,11 +21,22 @@ Send = Callable[[Message], Awaitable[None]]
 
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 # Hop-by-hop headers and those a proxy must recompute never travel between legs.
-HOP_HEADERS = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-    "trailer", "transfer-encoding", "upgrade", "host", "content-length",
-    "accept-encoding", "content-encoding",
-})
+HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "accept-encoding",
+        "content-encoding",
+    }
+)
 
 
 class BodyTooLarge(Exception):
@@ -35,8 +47,9 @@ class ClientGone(Exception):
     """The client disconnected while its request body was still arriving."""
 
 
-async def read_body(receive: Receive, limit: int = MAX_BODY_BYTES,
-                    scope: Optional[Scope] = None) -> bytes:
+async def read_body(
+    receive: Receive, limit: int = MAX_BODY_BYTES, scope: Optional[Scope] = None
+) -> bytes:
     """The request body; BodyTooLarge as soon as it passes `limit` (an announced
     content-length already, so a huge body is never read)."""
     if scope is not None:
@@ -70,8 +83,12 @@ async def off_loop_if_large(fn: Callable[..., Any], raw: bytes, *args: Any) -> A
     return await asyncio.to_thread(fn, raw, *args)
 
 
-async def serve_lifespan(receive: Receive, send: Send, startup: Callable[[], Awaitable[None]],
-                         shutdown: Callable[[], Awaitable[None]]) -> None:
+async def serve_lifespan(
+    receive: Receive,
+    send: Send,
+    startup: Callable[[], Awaitable[None]],
+    shutdown: Callable[[], Awaitable[None]],
+) -> None:
     """ASGI lifespan: `startup` before the first request (a failure is reported to the
     server, which then exits with it), `shutdown` at the end."""
     while True:
@@ -107,35 +124,53 @@ def raw_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
 
 
 async def send_start(send: Send, status: int, headers: dict[str, str]) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": raw_headers(headers)})
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers(headers)})
 
 
-async def send_bytes(send: Send, status: int, body: bytes,
-                     headers: Optional[dict[str, str]] = None,
-                     content_type: str = "application/json") -> None:
+async def send_bytes(
+    send: Send,
+    status: int,
+    body: bytes,
+    headers: Optional[dict[str, str]] = None,
+    content_type: str = "application/json",
+) -> None:
     all_headers = {"content-type": content_type, **(headers or {})}
     all_headers["content-length"] = str(len(body))
     await send_start(send, status, all_headers)
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def error_body(status: int, message: str, param: Optional[str] = None,
-               code: Optional[str] = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, param: Optional[str] = None, code: Optional[str] = None
+) -> dict[str, Any]:
     """OpenAI's error shape."""
     if status < 500:
-        kind = {401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 429: "rate_limit_error"}.get(status,
-                                                                     "invalid_request_error")
+        kind = {
+            401: "authentication_error",
+            403: "permission_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+        }.get(status, "invalid_request_error")
     else:
         kind = "service_unavailable_error" if status in (502, 503, 504) else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param,
-                      "code": code if code is not None else status}}
+    return {
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
 
 
-async def send_error(send: Send, status: int, message: str, param: Optional[str] = None,
-                     code: Optional[str] = None,
-                     headers: Optional[dict[str, str]] = None) -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    param: Optional[str] = None,
+    code: Optional[str] = None,
+    headers: Optional[dict[str, str]] = None,
+) -> None:
     body = json.dumps(error_body(status, message, param, code)).encode()
     await send_bytes(send, status, body, headers)
 

@@ -12,6 +12,7 @@ an engine that honours the field answers `cache_threshold`, one that ignores it 
 The probe runs from start-up until the engine answers (a request that finds the answer
 still unknown waits for one probe, at most 2 s); while it is unknown, plain decode-first.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,9 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
             if isinstance(content, str):
                 chars += len(content)
             elif isinstance(content, list):
-                chars += sum(len(part.get("text") or "") for part in content
-                             if isinstance(part, dict))
+                chars += sum(
+                    len(part.get("text") or "") for part in content if isinstance(part, dict)
+                )
         return math.ceil(chars / CHARS_PER_TOKEN)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -74,7 +76,7 @@ class EngineCapability:
         keeps plain decode-first: an engine that rejects is served as before)."""
         if self.known is not None:
             return self.known
-        async with self._lock:   # one probe at a time; the others wait for its answer
+        async with self._lock:  # one probe at a time; the others wait for its answer
             if self.known is None and time.monotonic() >= self._next_probe:
                 self.known = await probe_rejects(client, decode_url, self.probe_timeout_s)
                 if self.known is None:
@@ -82,12 +84,15 @@ class EngineCapability:
                 elif self.known:
                     log.info("the decode engine honours cache_hit_threshold")
                 else:
-                    log.warning("the decode engine ignores cache_hit_threshold (e.g. stock "
-                                "vLLM): decode-first decides P/D by prompt length")
+                    log.warning(
+                        "the decode engine ignores cache_hit_threshold (e.g. stock "
+                        "vLLM): decode-first decides P/D by prompt length"
+                    )
         return self.known
 
-    async def probe_until_known(self, client_fn: Callable[[], httpx.AsyncClient],
-                                decode_url: str, interval_s: float = 1.0) -> None:
+    async def probe_until_known(
+        self, client_fn: Callable[[], httpx.AsyncClient], decode_url: str, interval_s: float = 1.0
+    ) -> None:
         while self.known is None:
             self._next_probe = 0.0
             await self.rejects(client_fn(), decode_url)
@@ -95,21 +100,30 @@ class EngineCapability:
                 await asyncio.sleep(interval_s)
 
 
-async def probe_rejects(client: httpx.AsyncClient, decode_url: str,
-                        timeout: float = 2.0) -> Optional[bool]:
+async def probe_rejects(
+    client: httpx.AsyncClient, decode_url: str, timeout: float = 2.0
+) -> Optional[bool]:
     """True/False as the engine honours `cache_hit_threshold`; None when it cannot tell."""
     try:
         models = (await client.get(decode_url + "/v1/models", timeout=timeout)).json()
         model = models["data"][0]["id"]
         body: dict[str, Any] = {
-            "model": model, "prompt": f"pdpool capability probe {uuid.uuid4().hex}",
-            "max_tokens": 1, "temperature": 0, "cache_hit_threshold": 1.0}
-        resp = await client.post(decode_url + "/v1/completions", json=body, timeout=timeout,
-                                 headers={"x-request-id": f"pdpool-probe-{uuid.uuid4().hex}"})
+            "model": model,
+            "prompt": f"pdpool capability probe {uuid.uuid4().hex}",
+            "max_tokens": 1,
+            "temperature": 0,
+            "cache_hit_threshold": 1.0,
+        }
+        resp = await client.post(
+            decode_url + "/v1/completions",
+            json=body,
+            timeout=timeout,
+            headers={"x-request-id": f"pdpool-probe-{uuid.uuid4().hex}"},
+        )
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
         log.info("engine capability probe failed: %r", exc)
         return None
-    if 400 <= resp.status_code < 500:   # an engine that refuses the field cannot reject
+    if 400 <= resp.status_code < 500:  # an engine that refuses the field cannot reject
         return False
     if resp.status_code != 200:
         return None

@@ -2,6 +2,7 @@
 
 A headless Service resolves to one A record per ready pod, so resolving it again every
 few seconds follows scale-ups, scale-downs and restarts without a Kubernetes client."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,9 @@ class EndpointSet:
     """The current set of endpoints (prefill engines, or sidecars for the gateway) as
     normalized 'HOST:PORT' strings."""
 
-    def __init__(self, static: Iterable[str] = (), service: Optional[str] = None,
-                 refresh_s: float = 5.0) -> None:
+    def __init__(
+        self, static: Iterable[str] = (), service: Optional[str] = None, refresh_s: float = 5.0
+    ) -> None:
         self._static = [normalize_host_port(s) for s in static]
         self._service = parse_service(service) if service else None
         self._refresh_s = refresh_s
@@ -72,4 +74,3 @@ class EndpointSet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-

@@ -1,4 +1,5 @@
 """One client request as it moves through the legs, and what the legs hand back."""
+
 from __future__ import annotations
 
 import json
@@ -22,17 +23,22 @@ class Exchange:
     targets: list[str] = field(default_factory=list)  # trusted x-prefiller-host-port
     stream: bool = False
     path_taken: str = "decode"
-    prefill_usage: Any = None          # the prefill leg's usage (JSON), after a P/D run
+    prefill_usage: Any = None  # the prefill leg's usage (JSON), after a P/D run
     reply_headers: dict[str, str] = field(default_factory=dict)
 
     def out_headers(self, content_type: str) -> dict[str, str]:
-        return {"content-type": content_type, "x-request-id": self.request_id,
-                PATH_HEADER: self.path_taken, **self.reply_headers}
+        return {
+            "content-type": content_type,
+            "x-request-id": self.request_id,
+            PATH_HEADER: self.path_taken,
+            **self.reply_headers,
+        }
 
 
 @dataclass
 class Buffered:
     """A fully read upstream answer."""
+
     status_code: int
     headers: dict[str, str]
     content: bytes
@@ -40,8 +46,8 @@ class Buffered:
 
 @dataclass
 class PrefillResult:
-    kv: Optional[dict[str, Any]] = None        # usable params for the decode leg
-    usage: Any = None                          # the prefill answer's usage (JSON)
+    kv: Optional[dict[str, Any]] = None  # usable params for the decode leg
+    usage: Any = None  # the prefill answer's usage (JSON)
     client_error: Optional[tuple[int, bytes]] = None
 
 

@@ -10,6 +10,7 @@ Whatever the path, a request that some path can still serve is served: when no p
 engine answers, the decode engine prefills itself (threshold 0). The legs' bodies are
 built in legs.py; prefill legs run in prefill_legs.py, decode legs in relay.py.
 """
+
 from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Optional
@@ -30,9 +31,16 @@ Flow = Callable[[Exchange], Awaitable[None]]
 
 
 class Flows:
-    def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, *,
-                 capability: EngineCapability, next_client: Callable[[], httpx.AsyncClient],
-                 decode: DecodeRelay, prefill: PrefillLegs) -> None:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        metrics: SidecarMetrics,
+        *,
+        capability: EngineCapability,
+        next_client: Callable[[], httpx.AsyncClient],
+        decode: DecodeRelay,
+        prefill: PrefillLegs,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.capability = capability
@@ -41,8 +49,11 @@ class Flows:
         self.prefill = prefill
 
     def for_mode(self, mode: str) -> Flow:
-        return {"decode-first": self.decode_first, "prefill-first": self.prefill_first,
-                "aggregated": self.aggregated}[mode]
+        return {
+            "decode-first": self.decode_first,
+            "prefill-first": self.prefill_first,
+            "aggregated": self.aggregated,
+        }[mode]
 
     async def aggregated(self, ex: Exchange) -> None:
         ex.path_taken = "aggregated"
@@ -63,10 +74,12 @@ class Flows:
             return await self._decided_by_length(ex)
         self.metrics.legs.labels("decode_first").inc()
         rejection = await self.decode.first(
-            ex, legs.decode_first_leg(ex.body, self.settings.cache_hit_threshold))
-        if hint == "decode":   # a rejection is a misprediction of the gateway's index
+            ex, legs.decode_first_leg(ex.body, self.settings.cache_hit_threshold)
+        )
+        if hint == "decode":  # a rejection is a misprediction of the gateway's index
             self.metrics.kv_path_hints.labels(
-                "decode", "correct" if rejection is None else "mispredicted").inc()
+                "decode", "correct" if rejection is None else "mispredicted"
+            ).inc()
         if rejection is None:
             return
         self.metrics.rejections.inc()
@@ -75,10 +88,13 @@ class Flows:
     def _pull_params(self, rejection: dict[str, Any]) -> Optional[dict[str, Any]]:
         """What the prefill leg may pull of decode's cached prefix; when nothing, decode's
         lease on that prefix is ended now."""
-        pull = legs.pull_params_from_rejection(rejection, self.settings.kv_pull_threshold) \
-            if self.settings.pull_from_decode else None
+        pull = (
+            legs.pull_params_from_rejection(rejection, self.settings.kv_pull_threshold)
+            if self.settings.pull_from_decode
+            else None
+        )
         if pull is None and isinstance(rejection, dict) and rejection.get("pdpool_lease"):
-            self.prefill.release_decode_lease(rejection)   # decode's prefix will not be pulled
+            self.prefill.release_decode_lease(rejection)  # decode's prefix will not be pulled
         return pull
 
     async def _decided_by_length(self, ex: Exchange) -> None:
@@ -91,8 +107,9 @@ class Flows:
         ex.path_taken = "decode"
         await self.decode.final(ex, legs.aggregated_leg(ex.body))
 
-    async def _remote_prefill_then_decode(self, ex: Exchange,
-                                          pull: Optional[dict[str, Any]]) -> None:
+    async def _remote_prefill_then_decode(
+        self, ex: Exchange, pull: Optional[dict[str, Any]]
+    ) -> None:
         if pull:
             self.metrics.pull_offered_tokens.inc(int(pull.get("remote_num_tokens") or 0))
         result = await self.prefill.run(ex, legs.prefill_leg(ex.body, pull))

@@ -7,6 +7,7 @@ keep failing requests (outlier.py); retries another sidecar when one cannot be r
 died, stalled, or was ejected) goes on elsewhere as a continuation (migration.py), so
 the client sees one uninterrupted stream.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,9 +26,23 @@ from pdpool.tlsutil import client_context
 from . import migration
 from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
 from .apikeys import OPEN_PATHS, ApiKeys, presented_key
-from .asgi import (BodyTooLarge, ClientGone, Receive, Scope, Send, forwardable, header_dict,
-                   off_loop_if_large, read_body, run_until_disconnect, send_bytes, send_error,
-                   send_start, serve_lifespan, sse_error_event)
+from .asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    forwardable,
+    header_dict,
+    off_loop_if_large,
+    read_body,
+    run_until_disconnect,
+    send_bytes,
+    send_error,
+    send_start,
+    serve_lifespan,
+    sse_error_event,
+)
 from .discovery import EndpointSet
 from .legs import parse_client_body
 from .http1 import Http1Pool, Response, UpstreamError
@@ -62,7 +77,7 @@ class GatewaySettings:
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     balance: float = 1.25
     connect_timeout: float = 2.0
-    probe_timeout_s: float = 3.0       # more than the sidecar's own check of its engine
+    probe_timeout_s: float = 3.0  # more than the sidecar's own check of its engine
     # Outlier detection: this many failed requests in a row eject a sidecar (a failed
     # health probe or a refused connection ejects it at once) for ejection_s x recent
     # ejections; it comes back when a probe succeeds after that.
@@ -71,21 +86,21 @@ class GatewaySettings:
     # Migration of broken streams (see migration.py).
     migrate: bool = True
     max_migrations: int = 3
-    stall_timeout_s: float = 20.0      # no byte for this long mid-stream: broken
-    default_max_tokens: int = 16       # the engine's default when a request has none
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
+    stall_timeout_s: float = 20.0  # no byte for this long mid-stream: broken
+    default_max_tokens: int = 16  # the engine's default when a request has none
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     # A file of API keys (apikeys.py): requests without one get 401. None: no keys asked.
     api_keys_file: Optional[str] = None
     # Sidecars over TLS: reached at https:// and verified against this CA bundle.
     tls_ca_file: Optional[str] = None
-    tls_any_name: bool = False        # see SidecarSettings.tls_any_name
+    tls_any_name: bool = False  # see SidecarSettings.tls_any_name
     # Precise KV-aware routing (kv_router.py): sidecar URL -> its engine's KV events
     # endpoint ("tcp://host:5557" or "tcp://host:5557|tcp://host:5558" with replay).
     kv_events: dict[str, str] = field(default_factory=dict)
     kv_block_size: int = 16
-    kv_tokenizer: Optional[str] = None   # the model's tokenizer.json (string prompts)
-    kv_threshold: float = 0.0            # below this predicted hit ratio: P/D up front
-    kv_load_cost: float = 64.0           # tokens of cost per in-flight request
+    kv_tokenizer: Optional[str] = None  # the model's tokenizer.json (string prompts)
+    kv_threshold: float = 0.0  # below this predicted hit ratio: P/D up front
+    kv_load_cost: float = 64.0  # tokens of cost per in-flight request
     # The same, following discovery: every listed sidecar's engine (same pod, same IP)
     # publishes on these ports (kv_feeds.py).
     kv_events_port: Optional[int] = None
@@ -99,9 +114,12 @@ class GatewaySettings:
         if self.outlier_failures < 1 or self.max_migrations < 0:
             raise ValueError("outlier failures must be >= 1 and max migrations >= 0")
         from .kv_feeds import check_event_ports
+
         self.kv_events_port, self.kv_events_replay_port = check_event_ports(
-            self.kv_events_port, self.kv_events_replay_port,
-            ("--kv-events-port", "--kv-events-replay-port"))
+            self.kv_events_port,
+            self.kv_events_replay_port,
+            ("--kv-events-port", "--kv-events-replay-port"),
+        )
         return self
 
 
@@ -110,7 +128,7 @@ class _Leg:
 
     def __init__(self) -> None:
         self.last_byte: Optional[float] = None
-        self.started = False   # the client's response has started (no retry then)
+        self.started = False  # the client's response has started (no retry then)
 
 
 class Gateway:
@@ -118,24 +136,35 @@ class Gateway:
         self.settings = settings.validate()
         self.api_keys = ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
         self.metrics = GatewayMetrics()
-        self.backends = EndpointSet(settings.decode_urls, settings.decode_service,
-                                    settings.refresh_s)
+        self.backends = EndpointSet(
+            settings.decode_urls, settings.decode_service, settings.refresh_s
+        )
         self.in_flight: dict[str, int] = {}
         self.unhealthy: set[str] = set()
         self._ring = HashRing([])
-        self.client: Optional[httpx.AsyncClient] = None   # health checks
-        self.scheme = "https" if settings.tls_ca_file else "http"   # to the sidecars
-        self.tls = (client_context(settings.tls_ca_file, settings.tls_any_name)
-                    if settings.tls_ca_file else None)
-        self.pool = Http1Pool(connect_timeout=settings.connect_timeout,  # proxied traffic
-                              ssl_context=self.tls)
+        self.client: Optional[httpx.AsyncClient] = None  # health checks
+        self.scheme = "https" if settings.tls_ca_file else "http"  # to the sidecars
+        self.tls = (
+            client_context(settings.tls_ca_file, settings.tls_any_name)
+            if settings.tls_ca_file
+            else None
+        )
+        self.pool = Http1Pool(
+            connect_timeout=settings.connect_timeout,  # proxied traffic
+            ssl_context=self.tls,
+        )
         self._health_task: Optional[asyncio.Task[None]] = None
-        self.kv_router = self._build_kv_router() \
-            if settings.kv_events or settings.kv_events_port else None
+        self.kv_router = (
+            self._build_kv_router() if settings.kv_events or settings.kv_events_port else None
+        )
         self.kv_feeds = self._build_kv_feeds()
-        self.outliers = OutlierDetector(consecutive_failures=settings.outlier_failures,
-                                        probe_failures=1, base_ejection_s=settings.ejection_s,
-                                        on_eject=self._on_eject, on_readmit=self._on_readmit)
+        self.outliers = OutlierDetector(
+            consecutive_failures=settings.outlier_failures,
+            probe_failures=1,
+            base_ejection_s=settings.ejection_s,
+            on_eject=self._on_eject,
+            on_readmit=self._on_readmit,
+        )
 
     def _build_kv_router(self) -> KVRouter:
         from .kv_events_spec import split_spec
@@ -155,15 +184,19 @@ class Gateway:
             return None
         from .kv_feeds import KVFeeds
         from .security import normalize_host_port
-        return KVFeeds(self.kv_router, s.kv_events_port, s.kv_events_replay_port,
-                       static=[normalize_host_port(b) for b in s.kv_events])
+
+        return KVFeeds(
+            self.kv_router,
+            s.kv_events_port,
+            s.kv_events_replay_port,
+            static=[normalize_host_port(b) for b in s.kv_events],
+        )
 
     async def _follow_kv_events(self) -> None:
         if self.kv_feeds is not None:
             await self.kv_feeds.refresh(self.backends.current)
 
-    async def _kv_route(self, body: Any, order: list[str],
-                        headers: dict[str, str]) -> list[str]:
+    async def _kv_route(self, body: Any, order: list[str], headers: dict[str, str]) -> list[str]:
         """Reorders by cost from the engines' KV events and tells the sidecar the path."""
         router = self.kv_router
         assert router is not None
@@ -173,9 +206,14 @@ class Gateway:
                 self.metrics.kv_routes.labels("affinity", "none").inc()
                 return order
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            d = await router.decide_async(order, ids, lambda b: self.in_flight.get(b, 0), salt,
-                                          lambda b: b not in self.unhealthy)
-        except Exception:   # routing must not fail a request: affinity order stands
+            d = await router.decide_async(
+                order,
+                ids,
+                lambda b: self.in_flight.get(b, 0),
+                salt,
+                lambda b: b not in self.unhealthy,
+            )
+        except Exception:  # routing must not fail a request: affinity order stands
             log.exception("kv routing failed")
             return order
         if not d.precise:
@@ -184,6 +222,7 @@ class Gateway:
         self.metrics.kv_routes.labels("precise", d.path).inc()
         self.metrics.kv_predicted_hit_ratio.observe(d.hit_ratio)
         from .kv_router import PD_HEADER
+
         headers[PD_HEADER] = d.path
         return d.order
 
@@ -203,7 +242,8 @@ class Gateway:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=self.settings.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
-            verify=self.tls if self.tls is not None else True)
+            verify=self.tls if self.tls is not None else True,
+        )
         await self.backends.start()
         await self.check_health()
         await self._follow_kv_events()
@@ -232,16 +272,19 @@ class Gateway:
         async def probe(backend: str) -> None:
             client = self.client
             assert client is not None, "startup() makes the client"
-            try:   # readiness (a wedged engine is not ready); /health for older sidecars
-                r = await client.get(f"{self.scheme}://{backend}/ready",
-                                     timeout=self.settings.probe_timeout_s)
+            try:  # readiness (a wedged engine is not ready); /health for older sidecars
+                r = await client.get(
+                    f"{self.scheme}://{backend}/ready", timeout=self.settings.probe_timeout_s
+                )
                 if r.status_code == 404:
-                    r = await client.get(f"{self.scheme}://{backend}/health",
-                                         timeout=self.settings.probe_timeout_s)
+                    r = await client.get(
+                        f"{self.scheme}://{backend}/health", timeout=self.settings.probe_timeout_s
+                    )
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
             self._mark(backend, ok)
+
         await asyncio.gather(*(probe(b) for b in self.backends.current))
 
     def _mark(self, backend: str, ok: bool) -> None:
@@ -268,7 +311,7 @@ class Gateway:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             await self.check_health()
-            await self._follow_kv_events()   # the decode set may have changed
+            await self._follow_kv_events()  # the decode set may have changed
 
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -277,14 +320,22 @@ class Gateway:
         if scope["type"] != "http":
             return
         route = scope["path"]
-        if self.api_keys is not None and route not in OPEN_PATHS and \
-                not self.api_keys.allows(presented_key(header_dict(scope))):
-            return await send_error(send, 401, "a valid API key is required (Authorization: "
-                                    "Bearer <key>)", code="invalid_api_key",
-                                    headers={"www-authenticate": "Bearer"})
+        if (
+            self.api_keys is not None
+            and route not in OPEN_PATHS
+            and not self.api_keys.allows(presented_key(header_dict(scope)))
+        ):
+            return await send_error(
+                send,
+                401,
+                "a valid API key is required (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+                headers={"www-authenticate": "Bearer"},
+            )
         if route == "/metrics" and scope["method"] == "GET":
-            return await send_bytes(send, 200, self.metrics.render(),
-                                    content_type=CONTENT_TYPE_LATEST)
+            return await send_bytes(
+                send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST
+            )
         if route in ("/health", "/ready") and scope["method"] == "GET":
             healthy = [b for b in self.backends.current if b not in self.unhealthy]
             if healthy:
@@ -298,10 +349,11 @@ class Gateway:
         except ClientGone:
             return
         except BodyTooLarge:
-            return await send_error(send, 413, f"request body exceeds "
-                                    f"{self.settings.max_body_bytes} bytes")
+            return await send_error(
+                send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes"
+            )
         headers = header_dict(scope)
-        if self.api_keys is not None:   # the client's key goes no further than the gateway
+        if self.api_keys is not None:  # the client's key goes no further than the gateway
             headers.pop("authorization", None)
             headers.pop("x-api-key", None)
         headers.setdefault("x-request-id", uuid.uuid4().hex)
@@ -312,19 +364,33 @@ class Gateway:
             try:
                 body = await off_loop_if_large(parse_client_body, raw, scope["path"])
             except ValueError as exc:
-                return await send_error(send, 400, str(exc), param=getattr(exc, "param", None),
-                                        headers={"x-request-id": headers["x-request-id"]})
+                return await send_error(
+                    send,
+                    400,
+                    str(exc),
+                    param=getattr(exc, "param", None),
+                    headers={"x-request-id": headers["x-request-id"]},
+                )
             key = affinity_key(body, self.settings.prefix_chars)
-        order, preferred = route_order(self.ring(), key, lambda b: self.in_flight.get(b, 0),
-                                       lambda b: b not in self.unhealthy, self.settings.balance)
+        order, preferred = route_order(
+            self.ring(),
+            key,
+            lambda b: self.in_flight.get(b, 0),
+            lambda b: b not in self.unhealthy,
+            self.settings.balance,
+        )
         if not order:
             return await send_error(send, 503, "no decode sidecar configured")
-        headers.pop("x-pdpool-kv-path", None)   # only the gateway sets it
+        headers.pop("x-pdpool-kv-path", None)  # only the gateway sets it
         if self.kv_router is not None and body is not None:
             order = await self._kv_route(body, order, headers)
         self.metrics.affinity.labels("preferred" if preferred else "spilled").inc()
-        if self.settings.migrate and scope["method"] == "POST" and isinstance(body, dict) and \
-                migration.can_migrate(scope["path"], body):
+        if (
+            self.settings.migrate
+            and scope["method"] == "POST"
+            and isinstance(body, dict)
+            and migration.can_migrate(scope["path"], body)
+        ):
             flow = self._migrating_stream(scope, body, headers, order, send)
         else:
             # A non-streamed generation is read whole before the client sees it, so one
@@ -343,8 +409,9 @@ class Gateway:
             self.in_flight[backend] -= 1
             self.metrics.in_flight.labels(backend).dec()
 
-    async def _supervised(self, backend: str, leg: _Leg,
-                          work: Awaitable[Attempt]) -> Union[Attempt, str]:
+    async def _supervised(
+        self, backend: str, leg: _Leg, work: Awaitable[Attempt]
+    ) -> Union[Attempt, str]:
         """Runs one attempt on `backend`; gives up on it (returns "ejected" or "stalled")
         when the backend is ejected meanwhile (a probe found it sick) while another one is
         healthy, or a started stream goes silent for `stall_timeout_s`. (With no other
@@ -356,17 +423,19 @@ class Gateway:
         try:
             while True:
                 waits = {task} if waiter is None else {task, waiter}
-                done, _ = await asyncio.wait(waits, timeout=1.0,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                )
                 if task in done:
                     return task.result()
                 if waiter is not None and waiter in done:
-                    if any(b != backend and b not in self.unhealthy
-                           for b in self.backends.current):
+                    if any(b != backend and b not in self.unhealthy for b in self.backends.current):
                         return "ejected"
                     waiter = None
-                if leg.last_byte is not None and \
-                        loop.time() - leg.last_byte > self.settings.stall_timeout_s:
+                if (
+                    leg.last_byte is not None
+                    and loop.time() - leg.last_byte > self.settings.stall_timeout_s
+                ):
                     return "stalled"
         finally:
             if waiter is not None:
@@ -377,8 +446,15 @@ class Gateway:
                     await task
 
     # ------------------------------------------------------------------ plain requests
-    async def _try_backends(self, scope: Scope, raw: bytes, headers: dict[str, str],
-                            order: list[str], send: Send, buffered: bool = False) -> None:
+    async def _try_backends(
+        self,
+        scope: Scope,
+        raw: bytes,
+        headers: dict[str, str],
+        order: list[str],
+        send: Send,
+        buffered: bool = False,
+    ) -> None:
         path = scope["path"]
         if scope.get("query_string"):
             path += "?" + scope["query_string"].decode("latin-1")
@@ -390,22 +466,48 @@ class Gateway:
             with self._tracked(backend):
                 leg = _Leg()
                 outcome = await self._supervised(
-                    backend, leg, self._attempt(scope["method"], backend, path, raw, fwd, send,
-                                                buffered, leg, last=attempt + 1 == len(order)))
+                    backend,
+                    leg,
+                    self._attempt(
+                        scope["method"],
+                        backend,
+                        path,
+                        raw,
+                        fwd,
+                        send,
+                        buffered,
+                        leg,
+                        last=attempt + 1 == len(order),
+                    ),
+                )
             if outcome is None:
                 return
             if leg.started:  # a relayed stream (not migratable) left its ejected backend
                 self._failed(backend, outcome if isinstance(outcome, str) else outcome[0])
-                return await send({"type": "http.response.body", "more_body": False,
-                                   "body": sse_error_event(502, f"{backend}: {outcome}")})
+                return await send(
+                    {
+                        "type": "http.response.body",
+                        "more_body": False,
+                        "body": sse_error_event(502, f"{backend}: {outcome}"),
+                    }
+                )
             reason = outcome[0] if isinstance(outcome, tuple) else outcome  # or ejected
             last_error = f"{backend}: {outcome[1] if isinstance(outcome, tuple) else outcome}"
             self._failed(backend, reason)
         await send_error(send, 503, last_error, code="no_backend")
 
-    async def _attempt(self, method: str, backend: str, path: str, raw: bytes,
-                       fwd: dict[str, str], send: Send, buffered: bool, leg: _Leg,
-                       last: bool) -> Attempt:
+    async def _attempt(
+        self,
+        method: str,
+        backend: str,
+        path: str,
+        raw: bytes,
+        fwd: dict[str, str],
+        send: Send,
+        buffered: bool,
+        leg: _Leg,
+        last: bool,
+    ) -> Attempt:
         """None when the client was answered, else (failure reason, message)."""
         try:
             resp = await self.pool.send(method, f"{self.scheme}://{backend}{path}", raw, fwd)
@@ -424,8 +526,13 @@ class Gateway:
                     self.outliers.success(backend)
                 headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
                 headers[BACKEND_HEADER] = backend
-                await send_bytes(send, resp.status_code, content, headers,
-                                 content_type=headers.pop("content-type", "application/json"))
+                await send_bytes(
+                    send,
+                    resp.status_code,
+                    content,
+                    headers,
+                    content_type=headers.pop("content-type", "application/json"),
+                )
                 return None
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
             leg.started = True
@@ -435,8 +542,7 @@ class Gateway:
             await resp.aclose()
 
     async def _relay(self, resp: Response, send: Send, backend: str) -> None:
-        headers = {k: v for k, v in resp.headers.items()
-                   if k.lower() not in RELAY_DROP}
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
         headers[BACKEND_HEADER] = backend
         await send_start(send, resp.status_code, headers)
         try:
@@ -453,8 +559,14 @@ class Gateway:
         ranked = sorted(order, key=lambda b: (b in self.unhealthy, failed.count(b)))
         return ranked[0]
 
-    async def _migrating_stream(self, scope: Scope, body: dict[str, Any],
-                                headers: dict[str, str], order: list[str], send: Send) -> None:
+    async def _migrating_stream(
+        self,
+        scope: Scope,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        order: list[str],
+        send: Send,
+    ) -> None:
         """A streamed generation that survives the death of its decode path: when a leg
         breaks, the rest is asked of another backend as a token-id continuation."""
         state = migration.StreamState(scope["path"], body, self.settings.default_max_tokens)
@@ -481,17 +593,33 @@ class Gateway:
             with self._tracked(backend):
                 leg = _Leg()
                 outcome = await self._supervised(
-                    backend, leg, self._stream_leg(backend, route, payload, fwd, state, send,
-                                                   client, continuation, leg,
-                                                   last=attempt + 1 == attempts))
+                    backend,
+                    leg,
+                    self._stream_leg(
+                        backend,
+                        route,
+                        payload,
+                        fwd,
+                        state,
+                        send,
+                        client,
+                        continuation,
+                        leg,
+                        last=attempt + 1 == attempts,
+                    ),
+                )
             if outcome is None:
                 if continuation:
                     self.metrics.migrations.labels("ok").inc()
                 return
             reason = outcome[0] if isinstance(outcome, tuple) else outcome
             last_error = f"{backend}: {outcome[1] if isinstance(outcome, tuple) else outcome}"
-            log.warning("stream leg on %s failed (%s)%s", backend, reason,
-                        "; continuing elsewhere" if client["started"] else "")
+            log.warning(
+                "stream leg on %s failed (%s)%s",
+                backend,
+                reason,
+                "; continuing elsewhere" if client["started"] else "",
+            )
             self._failed(backend, reason)
             failed.append(backend)
         if not client["started"]:
@@ -501,19 +629,32 @@ class Gateway:
             await send({"type": "http.response.body", "body": tail, "more_body": False})
             return
         self.metrics.migrations.labels("failed").inc()
-        await send({"type": "http.response.body", "more_body": False,
-                    "body": sse_error_event(502, f"the stream could not be continued: "
-                                                 f"{last_error}")})
+        await send(
+            {
+                "type": "http.response.body",
+                "more_body": False,
+                "body": sse_error_event(502, f"the stream could not be continued: {last_error}"),
+            }
+        )
 
-    async def _stream_leg(self, backend: str, route: str, payload: bytes, fwd: dict[str, str],
-                          state: "migration.StreamState", send: Send, client: dict[str, bool],
-                          continuation: bool, leg: _Leg, last: bool) -> Attempt:
+    async def _stream_leg(
+        self,
+        backend: str,
+        route: str,
+        payload: bytes,
+        fwd: dict[str, str],
+        state: "migration.StreamState",
+        send: Send,
+        client: dict[str, bool],
+        continuation: bool,
+        leg: _Leg,
+        last: bool,
+    ) -> Attempt:
         """One upstream leg of a migrating stream. None when the client's stream is
         complete (or answered with an error it must see); else (reason, message)."""
         loop = asyncio.get_running_loop()
         try:
-            resp = await self.pool.send("POST", f"{self.scheme}://{backend}{route}", payload,
-                                        fwd)
+            resp = await self.pool.send("POST", f"{self.scheme}://{backend}{route}", payload, fwd)
         except RETRYABLE as exc:
             return "connect_error", f"unreachable: {exc!r}"
         try:
@@ -527,13 +668,23 @@ class Gateway:
                     return "broken", repr(exc)
                 if client["started"]:
                     message = content.decode("utf-8", "replace")[:300]
-                    await send({"type": "http.response.body", "more_body": False,
-                                "body": sse_error_event(resp.status_code, message)})
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": False,
+                            "body": sse_error_event(resp.status_code, message),
+                        }
+                    )
                     return None
                 headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
                 headers[BACKEND_HEADER] = backend
-                await send_bytes(send, resp.status_code, content, headers,
-                                 content_type=headers.pop("content-type", "application/json"))
+                await send_bytes(
+                    send,
+                    resp.status_code,
+                    content,
+                    headers,
+                    content_type=headers.pop("content-type", "application/json"),
+                )
                 return None
             splitter = EventSplitter()
             try:
@@ -558,12 +709,14 @@ class Gateway:
                     if out:
                         if not client["started"]:
                             client["started"] = True
-                            headers = {k: v for k, v in resp.headers.items()
-                                       if k.lower() not in RELAY_DROP}
+                            headers = {
+                                k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP
+                            }
                             headers[BACKEND_HEADER] = backend
                             await send_start(send, 200, headers)
-                        await send({"type": "http.response.body", "body": b"".join(out),
-                                    "more_body": True})
+                        await send(
+                            {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+                        )
                     if broken is not None:
                         return "stream_error", broken
             except RETRYABLE as exc:

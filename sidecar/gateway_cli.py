@@ -1,4 +1,5 @@
 """`pdpool gateway`: the entry point in front of the decode sidecars."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,61 +8,133 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--decode-url", dest="decode_urls", action="append", default=[],
-                   help="a decode sidecar (repeatable): HOST:PORT or http://HOST:PORT")
-    p.add_argument("--decode-service",
-                   help="HOST:PORT of a headless Service whose DNS lists the decode pods")
-    p.add_argument("--prefix-chars", type=int, default=256,
-                   help="prompt characters hashed for prefix affinity")
-    p.add_argument("--balance", type=float, default=1.25,
-                   help="load bound: a sidecar takes at most this times the average load")
+    p.add_argument(
+        "--decode-url",
+        dest="decode_urls",
+        action="append",
+        default=[],
+        help="a decode sidecar (repeatable): HOST:PORT or http://HOST:PORT",
+    )
+    p.add_argument(
+        "--decode-service", help="HOST:PORT of a headless Service whose DNS lists the decode pods"
+    )
+    p.add_argument(
+        "--prefix-chars", type=int, default=256, help="prompt characters hashed for prefix affinity"
+    )
+    p.add_argument(
+        "--balance",
+        type=float,
+        default=1.25,
+        help="load bound: a sidecar takes at most this times the average load",
+    )
     p.add_argument("--health-interval-s", type=float, default=2.0)
-    p.add_argument("--probe-timeout-s", type=float, default=3.0,
-                   help="health probe timeout; a failed probe ejects the sidecar")
-    p.add_argument("--outlier-failures", type=int, default=3,
-                   help="failed requests in a row that eject a sidecar")
-    p.add_argument("--ejection-s", type=float, default=2.0,
-                   help="base ejection time (times the recent ejections, at most 30 s)")
-    p.add_argument("--no-migrate", dest="migrate", action="store_false",
-                   help="do not continue broken streams on another sidecar")
-    p.add_argument("--stall-timeout-s", type=float, default=20.0,
-                   help="a stream silent this long mid-way is treated as broken")
-    p.add_argument("--default-max-tokens", type=int, default=16,
-                   help="the engines' default max_tokens (for continuing requests "
-                        "that set none)")
-    p.add_argument("--max-body-bytes", default="32MiB",
-                   help="request bodies above this size get 413 (default 32MiB)")
-    p.add_argument("--api-keys-file",
-                   help="file of API keys, one per line (>= 16 characters): clients must "
-                        "send one (Authorization: Bearer KEY); re-read when it changes")
-    p.add_argument("--tls-cert-file",
-                   help="serve HTTPS with this certificate (PEM; with --tls-key-file)")
+    p.add_argument(
+        "--probe-timeout-s",
+        type=float,
+        default=3.0,
+        help="health probe timeout; a failed probe ejects the sidecar",
+    )
+    p.add_argument(
+        "--outlier-failures",
+        type=int,
+        default=3,
+        help="failed requests in a row that eject a sidecar",
+    )
+    p.add_argument(
+        "--ejection-s",
+        type=float,
+        default=2.0,
+        help="base ejection time (times the recent ejections, at most 30 s)",
+    )
+    p.add_argument(
+        "--no-migrate",
+        dest="migrate",
+        action="store_false",
+        help="do not continue broken streams on another sidecar",
+    )
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=20.0,
+        help="a stream silent this long mid-way is treated as broken",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=16,
+        help="the engines' default max_tokens (for continuing requests that set none)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        default="32MiB",
+        help="request bodies above this size get 413 (default 32MiB)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        help="file of API keys, one per line (>= 16 characters): clients must "
+        "send one (Authorization: Bearer KEY); re-read when it changes",
+    )
+    p.add_argument(
+        "--tls-cert-file", help="serve HTTPS with this certificate (PEM; with --tls-key-file)"
+    )
     p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
-    p.add_argument("--tls-ca-file",
-                   help="reach the sidecars over HTTPS, verified against this CA bundle")
-    p.add_argument("--tls-any-name", action="store_true",
-                   help="with --tls-ca-file: accept any certificate that CA signed, whatever "
-                        "its name (a CA dedicated to the pool; sidecars are reached by pod IP)")
-    p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT[|REPLAY]",
-                   help="precise KV-aware routing: the decode sidecar URL and its engine's KV "
-                        "events endpoint (vLLM --kv-events-config), e.g. "
-                        "http://10.0.0.5:8000=tcp://10.0.0.5:5557|tcp://10.0.0.5:5558 "
-                        "(repeatable; sidecars without one keep hash affinity)")
-    p.add_argument("--kv-events-port", type=int, default=None,
-                   help="precise KV-aware routing that follows --decode-service: each "
-                        "sidecar's engine (same pod IP) publishes its KV events on this port "
-                        "(its --kv-events-config tcp://*:PORT)")
-    p.add_argument("--kv-events-replay-port", type=int, default=None,
-                   help="with --kv-events-port: the engines' replay port")
-    p.add_argument("--kv-block-size", type=int, default=16,
-                   help="the engines' KV block size (their --block-size)")
-    p.add_argument("--kv-tokenizer", default=None,
-                   help="the model's tokenizer.json, to route string prompts precisely")
-    p.add_argument("--kv-threshold", type=float, default=0.0,
-                   help="predicted hit ratio below which requests go P/D up front "
-                        "(the pool's cache-hit threshold)")
-    p.add_argument("--kv-load-cost", type=float, default=64.0,
-                   help="cost of one in-flight request on a sidecar, in prompt tokens")
+    p.add_argument(
+        "--tls-ca-file", help="reach the sidecars over HTTPS, verified against this CA bundle"
+    )
+    p.add_argument(
+        "--tls-any-name",
+        action="store_true",
+        help="with --tls-ca-file: accept any certificate that CA signed, whatever "
+        "its name (a CA dedicated to the pool; sidecars are reached by pod IP)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT[|REPLAY]",
+        help="precise KV-aware routing: the decode sidecar URL and its engine's KV "
+        "events endpoint (vLLM --kv-events-config), e.g. "
+        "http://10.0.0.5:8000=tcp://10.0.0.5:5557|tcp://10.0.0.5:5558 "
+        "(repeatable; sidecars without one keep hash affinity)",
+    )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="precise KV-aware routing that follows --decode-service: each "
+        "sidecar's engine (same pod IP) publishes its KV events on this port "
+        "(its --kv-events-config tcp://*:PORT)",
+    )
+    p.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=None,
+        help="with --kv-events-port: the engines' replay port",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=16,
+        help="the engines' KV block size (their --block-size)",
+    )
+    p.add_argument(
+        "--kv-tokenizer",
+        default=None,
+        help="the model's tokenizer.json, to route string prompts precisely",
+    )
+    p.add_argument(
+        "--kv-threshold",
+        type=float,
+        default=0.0,
+        help="predicted hit ratio below which requests go P/D up front "
+        "(the pool's cache-hit threshold)",
+    )
+    p.add_argument(
+        "--kv-load-cost",
+        type=float,
+        default=64.0,
+        help="cost of one in-flight request on a sidecar, in prompt tokens",
+    )
     p.add_argument("--log-level", default="warning")
 
 
@@ -73,34 +146,49 @@ def main(args: argparse.Namespace) -> int:
 
     from .gateway import Gateway, GatewaySettings
     from .kv_events_spec import parse_kv_events
+
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise CliError("--tls-cert-file and --tls-key-file go together")
-    tls = {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file} \
-        if args.tls_cert_file else {}
+    tls = (
+        {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file}
+        if args.tls_cert_file
+        else {}
+    )
     try:
-        settings = GatewaySettings(decode_urls=args.decode_urls,
-                                   decode_service=args.decode_service,
-                                   prefix_chars=args.prefix_chars, balance=args.balance,
-                                   health_interval_s=args.health_interval_s,
-                                   probe_timeout_s=args.probe_timeout_s,
-                                   outlier_failures=args.outlier_failures,
-                                   ejection_s=args.ejection_s, migrate=args.migrate,
-                                   stall_timeout_s=args.stall_timeout_s,
-                                   default_max_tokens=args.default_max_tokens,
-                                   max_body_bytes=parse_size(args.max_body_bytes),
-                                   api_keys_file=args.api_keys_file,
-                                   tls_ca_file=args.tls_ca_file,
-                                   tls_any_name=args.tls_any_name,
-                                   kv_events=parse_kv_events(args.kv_events, "--kv-events"),
-                                   kv_block_size=args.kv_block_size,
-                                   kv_tokenizer=args.kv_tokenizer,
-                                   kv_threshold=args.kv_threshold,
-                                   kv_load_cost=args.kv_load_cost,
-                                   kv_events_port=args.kv_events_port,
-                                   kv_events_replay_port=args.kv_events_replay_port)
+        settings = GatewaySettings(
+            decode_urls=args.decode_urls,
+            decode_service=args.decode_service,
+            prefix_chars=args.prefix_chars,
+            balance=args.balance,
+            health_interval_s=args.health_interval_s,
+            probe_timeout_s=args.probe_timeout_s,
+            outlier_failures=args.outlier_failures,
+            ejection_s=args.ejection_s,
+            migrate=args.migrate,
+            stall_timeout_s=args.stall_timeout_s,
+            default_max_tokens=args.default_max_tokens,
+            max_body_bytes=parse_size(args.max_body_bytes),
+            api_keys_file=args.api_keys_file,
+            tls_ca_file=args.tls_ca_file,
+            tls_any_name=args.tls_any_name,
+            kv_events=parse_kv_events(args.kv_events, "--kv-events"),
+            kv_block_size=args.kv_block_size,
+            kv_tokenizer=args.kv_tokenizer,
+            kv_threshold=args.kv_threshold,
+            kv_load_cost=args.kv_load_cost,
+            kv_events_port=args.kv_events_port,
+            kv_events_replay_port=args.kv_events_replay_port,
+        )
         app = Gateway(settings)
     except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **tls,
-                access_log=False, lifespan="on")
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        **tls,
+        access_log=False,
+        lifespan="on",
+    )
     return 0

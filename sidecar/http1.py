@@ -10,6 +10,7 @@ the system's), requests with a byte body, responses framed by
 Content-Length or chunked encoding (what uvicorn and vLLM send), no redirects. Anything
 else raises UpstreamProtocolError, which callers treat like a broken connection.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,10 +49,11 @@ class _Conn:
 class Response:
     """Status and headers are read; the body is read through aiter_raw() or aread()."""
 
-    def __init__(self, pool: "Http1Pool", key: _Key, conn: _Conn, status: int,
-                 headers: dict[str, str]) -> None:
+    def __init__(
+        self, pool: "Http1Pool", key: _Key, conn: _Conn, status: int, headers: dict[str, str]
+    ) -> None:
         self._pool, self._key = pool, key
-        self._conn: Optional[_Conn] = conn   # None once closed or back in the pool
+        self._conn: Optional[_Conn] = conn  # None once closed or back in the pool
         self.status_code = status
         self.headers = headers
         self._done = False
@@ -86,8 +88,12 @@ class Response:
                 self._keep_alive = False
                 while data := await reader.read(65536):
                     yield data
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
-                ConnectionError) as exc:
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ValueError,
+            ConnectionError,
+        ) as exc:
             self._keep_alive = False
             raise UpstreamProtocolError(f"broken response body: {exc!r}") from None
         self._done = True
@@ -109,10 +115,14 @@ class Response:
 
 
 class Http1Pool:
-    def __init__(self, connect_timeout: float = 2.0, max_idle_per_host: int = 256,
-                 ssl_context: Optional[ssl.SSLContext] = None) -> None:
+    def __init__(
+        self,
+        connect_timeout: float = 2.0,
+        max_idle_per_host: int = 256,
+        ssl_context: Optional[ssl.SSLContext] = None,
+    ) -> None:
         self.connect_timeout = connect_timeout
-        self.ssl_context = ssl_context   # for https:// (None: the system's trust store)
+        self.ssl_context = ssl_context  # for https:// (None: the system's trust store)
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[_Key, list[_Conn]] = {}
 
@@ -127,17 +137,16 @@ class Http1Pool:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(key[0], key[1], limit=MAX_HEAD, **self._tls(key)),
-                self.connect_timeout or None)
+                self.connect_timeout or None,
+            )
         except (OSError, asyncio.TimeoutError) as exc:
-            raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc!r}") \
-                from None
+            raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc!r}") from None
         return _Conn(reader, writer)
 
     def _tls(self, key: _Key) -> dict[str, Any]:
         if not key[2]:
             return {}
-        return {"ssl": self.ssl_context or ssl.create_default_context(),
-                "server_hostname": key[0]}
+        return {"ssl": self.ssl_context or ssl.create_default_context(), "server_hostname": key[0]}
 
     def _release(self, key: _Key, conn: _Conn) -> None:
         idle = self._idle.setdefault(key, [])
@@ -146,8 +155,9 @@ class Http1Pool:
         else:
             conn.close()
 
-    async def send(self, method: str, url: str, body: bytes,
-                   headers: Optional[dict[str, str]] = None) -> Response:
+    async def send(
+        self, method: str, url: str, body: bytes, headers: Optional[dict[str, str]] = None
+    ) -> Response:
         """Sends a request and reads the response head. A reused keep-alive connection
         that the server closed meanwhile is replaced once, transparently."""
         parts = urlsplit(url)
@@ -156,11 +166,13 @@ class Http1Pool:
         tls = parts.scheme == "https"
         key: _Key = (parts.hostname, parts.port or (443 if tls else 80), tls)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = [f"{method} {target} HTTP/1.1", f"host: {parts.netloc}",
-                f"content-length: {len(body)}"]
+        head = [
+            f"{method} {target} HTTP/1.1",
+            f"host: {parts.netloc}",
+            f"content-length: {len(body)}",
+        ]
         for name, value in (headers or {}).items():
-            if name.lower() not in ("host", "content-length", "transfer-encoding",
-                                    "connection"):
+            if name.lower() not in ("host", "content-length", "transfer-encoding", "connection"):
                 head.append(f"{name}: {value}")
         payload = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         for attempt in (0, 1):
@@ -173,8 +185,9 @@ class Http1Pool:
                 conn.close()
                 if conn.reused and attempt == 0:
                     continue  # stale keep-alive connection: one fresh try
-                raise UpstreamProtocolError(f"no response from {key[0]}:{key[1]}: "
-                                            f"{exc!r}") from None
+                raise UpstreamProtocolError(
+                    f"no response from {key[0]}:{key[1]}: {exc!r}"
+                ) from None
             except (asyncio.LimitOverrunError, ValueError, UpstreamProtocolError) as exc:
                 conn.close()
                 raise UpstreamProtocolError(f"bad response head: {exc!r}") from None

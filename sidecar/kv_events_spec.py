@@ -5,6 +5,7 @@ HOST:PORT for a sidecar), its ZeroMQ PUB endpoint and, optionally, its replay en
 the same endpoints vLLM's --kv-events-config binds (`tcp://*:5557` there, the engine's
 address here).
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -16,8 +17,7 @@ def parse_kv_events(items: Iterable[str], flag: str) -> dict[str, str]:
     for item in items:
         target, sep, spec = item.rpartition("=")
         if not sep or not target or not spec.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"{flag} wants TARGET=tcp://HOST:PORT[|tcp://HOST:PORT], "
-                             f"got {item!r}")
+            raise ValueError(f"{flag} wants TARGET=tcp://HOST:PORT[|tcp://HOST:PORT], got {item!r}")
         out[target.rstrip("/")] = spec
     return out
 

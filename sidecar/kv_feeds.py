@@ -5,6 +5,7 @@ event endpoints cannot be listed up front. Every engine of a pool binds the same
 (`--kv-events-config` with `tcp://*:PORT`), so a subscriber derives each engine's endpoint
 from the address it already has for that pod: "IP:HTTPPORT" -> `tcp://IP:PORT`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def check_event_ports(port: Optional[int], replay_port: Optional[int],
-                      names: tuple[str, str]) -> tuple[Optional[int], Optional[int]]:
+def check_event_ports(
+    port: Optional[int], replay_port: Optional[int], names: tuple[str, str]
+) -> tuple[Optional[int], Optional[int]]:
     """(port, replay_port) as ints; ValueError using `names` (of the port, of the replay
     port) when they make no sense."""
     if port is None:
@@ -39,13 +41,14 @@ def check_event_ports(port: Optional[int], replay_port: Optional[int],
     return port, replay
 
 
-def wanted_subscriptions(endpoints: Iterable[str], port: int,
-                         replay_port: Optional[int] = None) -> dict[str, str]:
+def wanted_subscriptions(
+    endpoints: Iterable[str], port: int, replay_port: Optional[int] = None
+) -> dict[str, str]:
     """{endpoint "HOST:PORT": "tcp://HOST:port[|tcp://HOST:replay_port]"}: where the engine
     in the same pod as each endpoint publishes its KV events."""
     out = {}
     for backend in endpoints:
-        host = backend.rpartition(":")[0]   # "[v6]" keeps its brackets, as ZeroMQ wants
+        host = backend.rpartition(":")[0]  # "[v6]" keeps its brackets, as ZeroMQ wants
         if not host:
             continue
         spec = f"tcp://{host}:{port}"
@@ -60,8 +63,14 @@ class KVFeeds:
     that appear are subscribed, those that vanish unsubscribed (and their blocks forgotten).
     Endpoints with a static subscription (--kv-events) are left to it."""
 
-    def __init__(self, router: KVRouter, port: int, replay_port: Optional[int] = None,
-                 static: Iterable[str] = (), retry_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        router: KVRouter,
+        port: int,
+        replay_port: Optional[int] = None,
+        static: Iterable[str] = (),
+        retry_s: float = 5.0,
+    ) -> None:
         self.router = router
         self.port, self.replay_port = port, replay_port
         self._static = frozenset(static)
@@ -102,7 +111,7 @@ class KVFeeds:
     def _subscribe(self, backend: str, spec: str) -> bool:
         try:
             self.router.subscribe(backend, *split_spec(spec))
-        except Exception:   # a bad address must not stop the others
+        except Exception:  # a bad address must not stop the others
             log.exception("cannot subscribe to the KV events of %s at %s", backend, spec)
             return False
         log.info("subscribed to the KV events of %s at %s", backend, spec)
@@ -125,7 +134,7 @@ class KVFeeds:
             if wanted == self._current:
                 return
             if wanted == self._tried and time.monotonic() < self._retry_at:
-                return   # this very set was synced a moment ago: some engine failed
+                return  # this very set was synced a moment ago: some engine failed
             await asyncio.to_thread(self.sync, endpoints)
         except Exception:
             log.exception("following the KV event endpoints failed")

@@ -28,6 +28,7 @@ its blocks count as held for `expect_s` (events arrive only after the engine has
 them; meanwhile a burst of requests sharing a new prefix would each see an empty cache and
 scatter). A stored or removed event replaces the expectation; unconfirmed ones lapse.
 """
+
 from __future__ import annotations
 
 import threading
@@ -64,9 +65,13 @@ class KVIndex:
         self._lock = threading.Lock()
 
     # --- feeding -------------------------------------------------------------------------
-    def on_message(self, engine: str, seq: int, batch: KVEventBatch,
-                   replay: Optional[Callable[[int], list[tuple[int, KVEventBatch]]]] = None
-                   ) -> None:
+    def on_message(
+        self,
+        engine: str,
+        seq: int,
+        batch: KVEventBatch,
+        replay: Optional[Callable[[int], list[tuple[int, KVEventBatch]]]] = None,
+    ) -> None:
         """One PUB message from `engine`. `replay(start)` fetches missed messages."""
         with self._lock:
             st = self.engines.setdefault(engine, EngineBlocks())
@@ -91,7 +96,7 @@ class KVIndex:
                     for _, b in got:
                         self._apply(st, b)
                 else:
-                    st.known = False   # until AllBlocksCleared resynchronises it
+                    st.known = False  # until AllBlocksCleared resynchronises it
             st.next_seq = seq + 1
             self._apply(st, batch)
 
@@ -106,8 +111,11 @@ class KVIndex:
                 continue
             group = ev.group_idx
             if isinstance(ev, BlockStored):
-                if st.group is None and group is not None and \
-                        ev.kv_cache_spec_kind in (None, "full_attention"):
+                if (
+                    st.group is None
+                    and group is not None
+                    and ev.kv_cache_spec_kind in (None, "full_attention")
+                ):
                     st.group = group
                 if group is not None and st.group is not None and group != st.group:
                     continue
@@ -144,13 +152,13 @@ class KVIndex:
             if parent is None:
                 raw = ev.parent_block_hash
                 if not (isinstance(raw, bytes) and len(raw) == 32 and pk in st.blocks):
-                    return native      # a parent we never saw: the chain is lost
-                parent = raw           # the engine names blocks as we do
+                    return native  # a parent we never saw: the chain is lost
+                parent = raw  # the engine names blocks as we do
         extras = ev.extra_keys or [None] * len(native)
         keys = []
         for i, k in enumerate(native):
             extra = extras[i] if i < len(extras) and extras[i] else ()
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], tuple(extra))
+            parent = hash_block(parent, tokens[i * bs : (i + 1) * bs], tuple(extra))
             ours = hash_key(parent)
             if ours != k:
                 st.ours[k] = parent
@@ -192,8 +200,9 @@ class KVIndex:
                     st.expected[k] = until
                     st.expected.move_to_end(k)
             now = time.monotonic()
-            while st.expected and (len(st.expected) > self.max_blocks
-                                   or next(iter(st.expected.values())) < now):
+            while st.expected and (
+                len(st.expected) > self.max_blocks or next(iter(st.expected.values())) < now
+            ):
                 st.expected.popitem(last=False)
 
     def block_count(self, engine: str) -> int:
@@ -201,8 +210,9 @@ class KVIndex:
         return len(st.blocks) if st else 0
 
 
-def request_block_keys(token_ids: Sequence[int], block_size: int,
-                       cache_salt: Optional[str] = None) -> list[int]:
+def request_block_keys(
+    token_ids: Sequence[int], block_size: int, cache_salt: Optional[str] = None
+) -> list[int]:
     """The index keys of a prompt's full blocks, chained exactly as pdpool engines hash
     them (`pdpool/block_hash.py`, shared with the engine)."""
     extra = (cache_salt,) if cache_salt else ()

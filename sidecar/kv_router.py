@@ -18,6 +18,7 @@ Tokenization: completions with token-id prompts need none; string prompts use th
 Chat requests are not tokenized here (the chat template lives in the engine): they keep
 hash affinity.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,7 @@ from .kv_index import KVIndex, request_block_keys
 
 log = logging.getLogger(__name__)
 
-PD_HEADER = "x-pdpool-kv-path"   # "pd": skip decode-first; "decode": decode-first
+PD_HEADER = "x-pdpool-kv-path"  # "pd": skip decode-first; "decode": decode-first
 # Up to these sizes a prompt is tokenized and hashed on the event loop: well under a
 # millisecond, less than handing it to a thread and back.
 INLINE_PROMPT_CHARS = 8192
@@ -42,10 +43,10 @@ INLINE_PROMPT_TOKENS = 4096
 @dataclass
 class RouteDecision:
     order: list[str]
-    hit_tokens: int           # predicted cached tokens on order[0]
+    hit_tokens: int  # predicted cached tokens on order[0]
     prompt_tokens: int
-    path: str                 # "pd" or "decode"
-    precise: bool             # False: no engine known, affinity order kept
+    path: str  # "pd" or "decode"
+    precise: bool  # False: no engine known, affinity order kept
 
     @property
     def hit_ratio(self) -> float:
@@ -55,14 +56,21 @@ class RouteDecision:
 @dataclass
 class _Feed:
     """One engine's subscription: the thread reading it, and what stops that thread."""
+
     thread: threading.Thread
     stop: threading.Event
 
 
 class KVRouter:
-    def __init__(self, block_size: int, threshold: float = 0.0,
-                 load_cost_tokens: float = 64.0, tokenizer_file: Optional[str] = None,
-                 max_blocks_per_engine: int = 1_000_000, expect_s: float = 5.0):
+    def __init__(
+        self,
+        block_size: int,
+        threshold: float = 0.0,
+        load_cost_tokens: float = 64.0,
+        tokenizer_file: Optional[str] = None,
+        max_blocks_per_engine: int = 1_000_000,
+        expect_s: float = 5.0,
+    ):
         self.block_size = block_size
         self.threshold = threshold
         self.load_cost_tokens = load_cost_tokens
@@ -70,13 +78,13 @@ class KVRouter:
         self._tokenizer = None
         if tokenizer_file:
             from tokenizers import Tokenizer
+
             self._tokenizer = Tokenizer.from_file(tokenizer_file)
         self._feeds: dict[str, _Feed] = {}
         self._stop = threading.Event()
 
     # --- feeding the index ---------------------------------------------------------------
-    def subscribe(self, backend: str, endpoint: str, replay_endpoint: Optional[str] = None
-                  ) -> None:
+    def subscribe(self, backend: str, endpoint: str, replay_endpoint: Optional[str] = None) -> None:
         """A thread that feeds `backend`'s events (its engine's PUB socket) to the index;
         it replaces an earlier subscription of `backend`."""
         self.unsubscribe(backend)
@@ -93,12 +101,12 @@ class KVRouter:
                         got = sub.recv(timeout_s=0.2)
                         if got is not None:
                             self.index.on_message(backend, got[0], got[1], replay=sub.replay)
-                    except Exception:   # a bad message must not stop the feed
+                    except Exception:  # a bad message must not stop the feed
                         if stopped():
                             return
                         log.exception("kv events from %s", backend)
             finally:
-                sub.close()   # here: a ZeroMQ socket belongs to the thread that uses it
+                sub.close()  # here: a ZeroMQ socket belongs to the thread that uses it
 
         t = threading.Thread(target=run, name=f"kv-events-{backend}", daemon=True)
         self._feeds[backend] = _Feed(t, stop)
@@ -128,8 +136,9 @@ class KVRouter:
             return await asyncio.to_thread(self.prompt_token_ids, body)
         return self.prompt_token_ids(body)
 
-    async def decide_async(self, order: Sequence[str], token_ids: Sequence[int],
-                           *args: Any) -> RouteDecision:
+    async def decide_async(
+        self, order: Sequence[str], token_ids: Sequence[int], *args: Any
+    ) -> RouteDecision:
         """`decide`, off the event loop for a long prompt (it hashes every block)."""
         if len(token_ids) > INLINE_PROMPT_TOKENS:
             return await asyncio.to_thread(self.decide, order, token_ids, *args)
@@ -146,9 +155,14 @@ class KVRouter:
             return list(self._tokenizer.encode(prompt, add_special_tokens=False).ids)
         return None
 
-    def decide(self, order: Sequence[str], token_ids: Sequence[int],
-               load: Callable[[str], float], cache_salt: Optional[str] = None,
-               healthy: Callable[[str], bool] = lambda b: True) -> RouteDecision:
+    def decide(
+        self,
+        order: Sequence[str],
+        token_ids: Sequence[int],
+        load: Callable[[str], float],
+        cache_salt: Optional[str] = None,
+        healthy: Callable[[str], bool] = lambda b: True,
+    ) -> RouteDecision:
         """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last."""
         n = len(token_ids)
         keys = request_block_keys(token_ids, self.block_size, cache_salt)
@@ -162,8 +176,10 @@ class KVRouter:
 
         def cost(b: str) -> tuple[float, int]:
             return (n - cached[b] + self.load_cost_tokens * load(b), pos[b])
-        ranked = sorted((b for b in order if healthy(b)), key=cost) + \
-            [b for b in order if not healthy(b)]
+
+        ranked = sorted((b for b in order if healthy(b)), key=cost) + [
+            b for b in order if not healthy(b)
+        ]
         best = cached[ranked[0]]
         path = "pd" if n and best / n < self.threshold else "decode"
         self.index.expect(ranked[0], keys)

@@ -12,13 +12,19 @@ of the protocol is unit-testable on its own. The rules follow vLLM's NixlConnect
 - decode leg: the client's request (so its stream settings and limits come back) with the
   prefill's `kv_transfer_params` verbatim and the threshold set to 0.
 """
+
 from __future__ import annotations
 
 import copy
 from typing import Any, Optional
 
-from pdpool.protocol import (FINISH_CACHE_THRESHOLD, ROUTE_MODELS, RequestError,
-                             parse_json_body, validate_request)
+from pdpool.protocol import (
+    FINISH_CACHE_THRESHOLD,
+    ROUTE_MODELS,
+    RequestError,
+    parse_json_body,
+    validate_request,
+)
 
 KV_PARAMS = "kv_transfer_params"
 THRESHOLD = "cache_hit_threshold"
@@ -28,8 +34,16 @@ TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
 # remote_request_id names decode's hold on those blocks, released once prefill has read.
 # pdpool_lease is the engine's lease on those blocks (signed with the pool secret), carried
 # opaquely.
-PULL_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-               "remote_block_ids", "remote_num_tokens", "tp_size", "pdpool_lease")
+PULL_FIELDS = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_num_tokens",
+    "tp_size",
+    "pdpool_lease",
+)
 
 
 class BadRequest(ValueError):
@@ -47,16 +61,22 @@ def validate_client_body(body: Any, route: Optional[str] = None) -> dict[str, An
     implement are left to the engine (the sidecar may front vLLM, which has them).
     `route` picks the body's model (None: chat when `messages` is there)."""
     if route not in ROUTE_MODELS:
-        route = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body \
+        route = (
+            "/v1/chat/completions"
+            if isinstance(body, dict) and "messages" in body
             else "/v1/completions"
+        )
     try:
         # ROUTE_MODELS is unannotated in pdpool.protocol: mypy infers its values as
         # ModelMetaclass, not the type[_GenerationFields] they are.
-        validate_request(body, ROUTE_MODELS[route],  # type: ignore[arg-type]
-                         refuse_unsupported=False)
+        validate_request(
+            body,
+            ROUTE_MODELS[route],  # type: ignore[arg-type]
+            refuse_unsupported=False,
+        )
     except RequestError as exc:
         raise BadRequest(str(exc), exc.param) from None
-    assert isinstance(body, dict)   # validate_request refuses anything but an object
+    assert isinstance(body, dict)  # validate_request refuses anything but an object
     return body
 
 
@@ -93,8 +113,9 @@ def decode_first_leg(body: dict[str, Any], pool_threshold: float) -> dict[str, A
     return leg
 
 
-def pull_params_from_rejection(rejection_kv: Optional[dict[str, Any]],
-                               min_tokens: int = 0) -> Optional[dict[str, Any]]:
+def pull_params_from_rejection(
+    rejection_kv: Optional[dict[str, Any]], min_tokens: int = 0
+) -> Optional[dict[str, Any]]:
     """The part of a rejection's `kv_transfer_params` a prefill engine needs to pull the
     decode engine's cached prefix; None when decode holds nothing worth pulling (fewer
     than `min_tokens` cached tokens: recomputing a short prefix beats a transfer)."""
@@ -109,8 +130,7 @@ def pull_params_from_rejection(rejection_kv: Optional[dict[str, Any]],
     return {k: rejection_kv[k] for k in PULL_FIELDS if rejection_kv.get(k) is not None}
 
 
-def prefill_leg(body: dict[str, Any],
-                pull: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def prefill_leg(body: dict[str, Any], pull: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     leg = copy.deepcopy(body)
     leg["stream"] = False
     leg.pop("stream_options", None)
@@ -128,8 +148,7 @@ def prefill_leg(body: dict[str, Any],
     return leg
 
 
-def decode_leg(body: dict[str, Any],
-               prefill_kv: Optional[dict[str, Any]]) -> dict[str, Any]:
+def decode_leg(body: dict[str, Any], prefill_kv: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The client's request again, with the prefill's params verbatim and threshold 0.
 
     With `prefill_kv` None this is the fallback: decode prefills locally."""
@@ -151,6 +170,7 @@ def aggregated_leg(body: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- reading answers
+
 
 def finish_reasons(response: Any) -> list[Any]:
     if not isinstance(response, dict):
@@ -181,8 +201,9 @@ def chunk_decides(chunk: Any) -> bool:
         if choice.get("text"):
             return True
         delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")
-                                        or delta.get("reasoning_content")):
+        if isinstance(delta, dict) and (
+            delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")
+        ):
             return True
     return False
 
@@ -201,8 +222,7 @@ RELEASE_PATH = "/pdpool/v1/kv/release"
 
 def prefill_answer_is_usable(kv: Optional[dict[str, Any]]) -> bool:
     """A prefill answer the decode engine can pull from."""
-    return kv is not None and bool(kv.get("do_remote_prefill")) \
-        and bool(kv.get("remote_engine_id"))
+    return kv is not None and bool(kv.get("do_remote_prefill")) and bool(kv.get("remote_engine_id"))
 
 
 def _usage_numbers(usage: Any) -> tuple[int, int]:
@@ -234,8 +254,9 @@ def merged_usage(decode_usage: Any, prefill_usage: Any) -> Any:
     details["cached_tokens"] = max(prompt - spent, 0)
     # Where the prompt's KV came from: the decode leg's split, with the prefill leg's own.
     if isinstance(details.get("pdpool"), dict):
-        prefill_details = prefill_usage.get("prompt_tokens_details") \
-            if isinstance(prefill_usage, dict) else None
+        prefill_details = (
+            prefill_usage.get("prompt_tokens_details") if isinstance(prefill_usage, dict) else None
+        )
         split = dict(details["pdpool"])
         if isinstance(prefill_details, dict) and isinstance(prefill_details.get("pdpool"), dict):
             split["prefill"] = prefill_details["pdpool"]

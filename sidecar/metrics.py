@@ -2,6 +2,7 @@
 
 Each app owns a registry, so several apps can live in one process (tests, `pdpool up`
 in-process tools) without clashing on the global registry."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,56 +17,91 @@ class SidecarMetrics:
         # path: decode (served by decode alone), pd (remote prefill then decode),
         # fallback (decode prefilled itself: no prefill engine could serve),
         # aggregated, client_error, upstream_error, cancelled.
-        self.requests = Counter("pdpool_sidecar_requests", "Requests by path taken",
-                                ["mode", "path"], registry=r)
+        self.requests = Counter(
+            "pdpool_sidecar_requests", "Requests by path taken", ["mode", "path"], registry=r
+        )
         # The gateway's up-front path (x-pdpool-kv-path): pd honoured; decode correct or
         # mispredicted (the engine rejected after all).
-        self.kv_path_hints = Counter("pdpool_sidecar_kv_path_hints",
-                                     "Gateway path hints from KV events, by outcome",
-                                     ["hint", "outcome"], registry=r)
-        self.legs = Counter("pdpool_sidecar_legs", "Upstream legs sent",
-                            ["leg"], registry=r)
+        self.kv_path_hints = Counter(
+            "pdpool_sidecar_kv_path_hints",
+            "Gateway path hints from KV events, by outcome",
+            ["hint", "outcome"],
+            registry=r,
+        )
+        self.legs = Counter("pdpool_sidecar_legs", "Upstream legs sent", ["leg"], registry=r)
         # by: kv (the prefill engines' KV events), load (in-flight legs), named (the
         # request's own x-prefiller-host-port).
-        self.prefill_ranking = Counter("pdpool_sidecar_prefill_ranking",
-                                       "How prefill engines were ordered for a leg", ["by"],
-                                       registry=r)
-        self.rejections = Counter("pdpool_sidecar_threshold_rejections",
-                                  "Decode-first attempts rejected by the cache-hit threshold",
-                                  registry=r)
-        self.prefill_attempts = Counter("pdpool_sidecar_prefill_attempts",
-                                        "Prefill leg attempts by outcome", ["outcome"],
-                                        registry=r)
-        self.forbidden_targets = Counter("pdpool_sidecar_forbidden_prefill_targets",
-                                         "x-prefiller-host-port outside the prefill set",
-                                         registry=r)
-        self.client_kv_dropped = Counter("pdpool_sidecar_client_kv_params_dropped",
-                                         "Client-supplied kv_transfer_params removed",
-                                         registry=r)
-        self.pull_offered_tokens = Counter("pdpool_sidecar_pull_offered_tokens",
-                                           "Decode-cached prefix tokens offered to prefill",
-                                           registry=r)
-        self.computed_tokens = Counter("pdpool_sidecar_computed_prompt_tokens",
-                                       "Prompt tokens computed, by leg", ["leg"], registry=r)
-        self.decode_retries = Counter("pdpool_sidecar_decode_retries",
-                                      "Decode legs retried after a connection failure",
-                                      registry=r)
+        self.prefill_ranking = Counter(
+            "pdpool_sidecar_prefill_ranking",
+            "How prefill engines were ordered for a leg",
+            ["by"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "pdpool_sidecar_threshold_rejections",
+            "Decode-first attempts rejected by the cache-hit threshold",
+            registry=r,
+        )
+        self.prefill_attempts = Counter(
+            "pdpool_sidecar_prefill_attempts",
+            "Prefill leg attempts by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.forbidden_targets = Counter(
+            "pdpool_sidecar_forbidden_prefill_targets",
+            "x-prefiller-host-port outside the prefill set",
+            registry=r,
+        )
+        self.client_kv_dropped = Counter(
+            "pdpool_sidecar_client_kv_params_dropped",
+            "Client-supplied kv_transfer_params removed",
+            registry=r,
+        )
+        self.pull_offered_tokens = Counter(
+            "pdpool_sidecar_pull_offered_tokens",
+            "Decode-cached prefix tokens offered to prefill",
+            registry=r,
+        )
+        self.computed_tokens = Counter(
+            "pdpool_sidecar_computed_prompt_tokens",
+            "Prompt tokens computed, by leg",
+            ["leg"],
+            registry=r,
+        )
+        self.decode_retries = Counter(
+            "pdpool_sidecar_decode_retries",
+            "Decode legs retried after a connection failure",
+            registry=r,
+        )
         self.in_flight = Gauge("pdpool_sidecar_in_flight", "Requests in flight", registry=r)
-        self.prefill_ejections = Counter("pdpool_sidecar_prefill_ejections",
-                                         "Prefill engines ejected by outlier detection",
-                                         ["endpoint", "reason"], registry=r)
-        self.prefill_ejected = Gauge("pdpool_sidecar_prefill_ejected",
-                                     "1 while the prefill engine is ejected", ["endpoint"],
-                                     registry=r)
-        self.engine_rejects = Gauge("pdpool_sidecar_engine_rejects",
-                                    "1 when the decode engine honours cache_hit_threshold, "
-                                    "0 when not (decode-first decides by length), -1 unknown",
-                                    registry=r)
-        self.length_decisions = Counter("pdpool_sidecar_length_decisions",
-                                        "decode-first with an engine that cannot reject: "
-                                        "decided by prompt length", ["decision"], registry=r)
-        self.prefill_seconds = Histogram("pdpool_sidecar_prefill_leg_seconds",
-                                         "Duration of successful prefill legs", registry=r)
+        self.prefill_ejections = Counter(
+            "pdpool_sidecar_prefill_ejections",
+            "Prefill engines ejected by outlier detection",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.prefill_ejected = Gauge(
+            "pdpool_sidecar_prefill_ejected",
+            "1 while the prefill engine is ejected",
+            ["endpoint"],
+            registry=r,
+        )
+        self.engine_rejects = Gauge(
+            "pdpool_sidecar_engine_rejects",
+            "1 when the decode engine honours cache_hit_threshold, "
+            "0 when not (decode-first decides by length), -1 unknown",
+            registry=r,
+        )
+        self.length_decisions = Counter(
+            "pdpool_sidecar_length_decisions",
+            "decode-first with an engine that cannot reject: decided by prompt length",
+            ["decision"],
+            registry=r,
+        )
+        self.prefill_seconds = Histogram(
+            "pdpool_sidecar_prefill_leg_seconds", "Duration of successful prefill legs", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -74,33 +110,62 @@ class SidecarMetrics:
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("pdpool_gateway_requests", "Requests by backend and status",
-                                ["backend", "status"], registry=r)
-        self.affinity = Counter("pdpool_gateway_affinity",
-                                "Routing decisions: preferred (prefix owner) or spilled",
-                                ["decision"], registry=r)
+        self.requests = Counter(
+            "pdpool_gateway_requests",
+            "Requests by backend and status",
+            ["backend", "status"],
+            registry=r,
+        )
+        self.affinity = Counter(
+            "pdpool_gateway_affinity",
+            "Routing decisions: preferred (prefix owner) or spilled",
+            ["decision"],
+            registry=r,
+        )
         # precise (KV events; path pd or decode) or affinity (no engine known).
-        self.kv_routes = Counter("pdpool_gateway_kv_routes",
-                                 "Routing decisions from KV events, by path",
-                                 ["mode", "path"], registry=r)
+        self.kv_routes = Counter(
+            "pdpool_gateway_kv_routes",
+            "Routing decisions from KV events, by path",
+            ["mode", "path"],
+            registry=r,
+        )
         self.kv_predicted_hit_ratio = Histogram(
-            "pdpool_gateway_kv_predicted_hit_ratio", "Predicted prefix hit ratio of the "
-            "chosen engine", buckets=(0, .1, .25, .5, .75, .9, 1), registry=r)
-        self.retries = Counter("pdpool_gateway_retries",
-                               "Requests retried on another backend", registry=r)
-        self.healthy = Gauge("pdpool_gateway_backend_healthy", "1 when the backend is healthy",
-                             ["backend"], registry=r)
-        self.in_flight = Gauge("pdpool_gateway_in_flight", "Requests in flight per backend",
-                               ["backend"], registry=r)
-        self.ejections = Counter("pdpool_gateway_ejections",
-                                 "Decode sidecars ejected by outlier detection",
-                                 ["backend", "reason"], registry=r)
-        self.ejected = Gauge("pdpool_gateway_backend_ejected", "1 while the backend is ejected",
-                             ["backend"], registry=r)
+            "pdpool_gateway_kv_predicted_hit_ratio",
+            "Predicted prefix hit ratio of the chosen engine",
+            buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1),
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdpool_gateway_retries", "Requests retried on another backend", registry=r
+        )
+        self.healthy = Gauge(
+            "pdpool_gateway_backend_healthy",
+            "1 when the backend is healthy",
+            ["backend"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pdpool_gateway_in_flight", "Requests in flight per backend", ["backend"], registry=r
+        )
+        self.ejections = Counter(
+            "pdpool_gateway_ejections",
+            "Decode sidecars ejected by outlier detection",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.ejected = Gauge(
+            "pdpool_gateway_backend_ejected",
+            "1 while the backend is ejected",
+            ["backend"],
+            registry=r,
+        )
         # outcome: ok (the stream went on elsewhere), failed (no path could continue it).
-        self.migrations = Counter("pdpool_gateway_migrations",
-                                  "Streams continued on another backend after a failure",
-                                  ["outcome"], registry=r)
+        self.migrations = Counter(
+            "pdpool_gateway_migrations",
+            "Streams continued on another backend after a failure",
+            ["outcome"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,16 +14,33 @@ Tokens whose text the engine had not yet emitted (an incomplete UTF-8 sequence i
 back) are not part of the continuation's prompt: they are generated again, so their text
 is not lost. Pure helpers here; the I/O is in gateway.py.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
 
 # Body fields that a /v1/completions continuation cannot take over from the original.
-_NOT_CONTINUED = ("messages", "prompt", "max_completion_tokens", "logprobs", "top_logprobs",
-                  "tools", "tool_choice", "parallel_tool_calls", "response_format", "echo",
-                  "suffix", "n", "best_of", "kv_transfer_params", "stream_options",
-                  "chat_template", "chat_template_kwargs", "add_generation_prompt",
-                  "continue_final_message")
+_NOT_CONTINUED = (
+    "messages",
+    "prompt",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "echo",
+    "suffix",
+    "n",
+    "best_of",
+    "kv_transfer_params",
+    "stream_options",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+)
 TOKEN_IDS = "return_token_ids"
 
 
@@ -58,18 +75,17 @@ class StreamState:
         self.include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self.max_tokens = max_tokens_of(body, default_max_tokens)
         self.prompt_ids: Optional[list[int]] = None
-        self.committed: list[int] = []          # tokens whose text reached the client
-        self.pending: list[int] = []            # tokens whose text is still held back
-        self.base_committed = 0                 # tokens before the current leg
-        self.finished = False                   # a finish_reason reached the client
-        self.done = False                       # [DONE] reached the client
+        self.committed: list[int] = []  # tokens whose text reached the client
+        self.pending: list[int] = []  # tokens whose text is still held back
+        self.base_committed = 0  # tokens before the current leg
+        self.finished = False  # a finish_reason reached the client
+        self.done = False  # [DONE] reached the client
         self.usage_sent = False
-        self.identity: dict[str, Any] = {}      # id, created, model of the client stream
-        self.legs = 0                           # continuations sent
+        self.identity: dict[str, Any] = {}  # id, created, model of the client stream
+        self.legs = 0  # continuations sent
 
     # ------------------------------------------------------------------ reading
-    def observe(self, chunk: dict[str, Any],
-                continuation: bool) -> Optional[dict[str, Any]]:
+    def observe(self, chunk: dict[str, Any], continuation: bool) -> Optional[dict[str, Any]]:
         """Records one chunk of the current leg; returns the chunk to send to the client
         (rewritten), or None to send nothing."""
         if "prompt_token_ids" in chunk and not continuation:
@@ -82,8 +98,11 @@ class StreamState:
             if not continuation and "prompt_token_ids" in choice:
                 self.prompt_ids = list(choice["prompt_token_ids"] or [])
             ids = choice.get("token_ids") or []
-            text = choice.get("text") if "text" in choice else \
-                (choice.get("delta") or {}).get("content")
+            text = (
+                choice.get("text")
+                if "text" in choice
+                else (choice.get("delta") or {}).get("content")
+            )
             if text:
                 self.committed += self.pending + list(ids)
                 self.pending = []
@@ -98,8 +117,7 @@ class StreamState:
             if not self.include_usage:
                 return None
             self.usage_sent = True
-            return self._client_chunk({"choices": [], "usage": self._usage(usage)},
-                                       continuation)
+            return self._client_chunk({"choices": [], "usage": self._usage(usage)}, continuation)
         if choice is None:
             return None if continuation else self._strip(chunk)
         if continuation:
@@ -121,8 +139,12 @@ class StreamState:
         text = choice.get("text") or ""
         reason = choice.get("finish_reason")
         if self.chat:
-            out = {"index": 0, "delta": {"content": text} if text or reason is None else {},
-                   "logprobs": None, "finish_reason": reason}
+            out = {
+                "index": 0,
+                "delta": {"content": text} if text or reason is None else {},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
         else:
             out = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         if self.client_wants_ids:
@@ -131,20 +153,27 @@ class StreamState:
 
     def _client_chunk(self, fields: dict[str, Any], continuation: bool) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self.identity, "object": obj, **fields} if continuation or self.identity \
-            else fields
+        return (
+            {**self.identity, "object": obj, **fields} if continuation or self.identity else fields
+        )
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """Usage of the whole request: the original prompt, every token generated."""
-        prompt = len(self.prompt_ids) if self.prompt_ids is not None else \
-            int(usage.get("prompt_tokens") or 0)
+        prompt = (
+            len(self.prompt_ids)
+            if self.prompt_ids is not None
+            else int(usage.get("prompt_tokens") or 0)
+        )
         completion = self.base_committed + int(usage.get("completion_tokens") or 0)
         details = usage.get("prompt_tokens_details")
         cached = int((details.get("cached_tokens") or 0) if isinstance(details, dict) else 0)
         cached = min(max(cached - self.base_committed, 0), prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     # ------------------------------------------------------------------ continuing
     def remaining(self) -> int:
@@ -177,8 +206,16 @@ class StreamState:
         if self.include_usage and not self.usage_sent:
             n = len(self.committed)
             prompt = len(self.prompt_ids or [])
-            return [{**self.identity,
-                     "object": "chat.completion.chunk" if self.chat else "text_completion",
-                     "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n,
-                                              "total_tokens": prompt + n}}]
+            return [
+                {
+                    **self.identity,
+                    "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt,
+                        "completion_tokens": n,
+                        "total_tokens": prompt + n,
+                    },
+                }
+            ]
         return []

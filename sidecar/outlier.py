@@ -15,6 +15,7 @@ stayed in for `max_ejection_s`.
 Callers that wait on an endpoint can watch `ejected_event(endpoint)` and give up on it
 (and try elsewhere) as soon as it is ejected, instead of waiting out their own timeout.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,11 +24,16 @@ from typing import Callable, Iterable, Optional
 
 
 class OutlierDetector:
-    def __init__(self, consecutive_failures: int = 3, probe_failures: int = 2,
-                 base_ejection_s: float = 2.0, max_ejection_s: float = 30.0,
-                 on_eject: Optional[Callable[[str, str], None]] = None,
-                 on_readmit: Optional[Callable[[str], None]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        consecutive_failures: int = 3,
+        probe_failures: int = 2,
+        base_ejection_s: float = 2.0,
+        max_ejection_s: float = 30.0,
+        on_eject: Optional[Callable[[str, str], None]] = None,
+        on_readmit: Optional[Callable[[str], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.consecutive_failures = max(int(consecutive_failures), 1)
         self.probe_failures = max(int(probe_failures), 1)
         self.base_ejection_s = base_ejection_s
@@ -36,7 +42,7 @@ class OutlierDetector:
         self._failures: dict[str, int] = {}
         self._probe_failures: dict[str, int] = {}
         self._ejected_until: dict[str, float] = {}
-        self._ejections: dict[str, int] = {}      # recent ejections (sets the duration)
+        self._ejections: dict[str, int] = {}  # recent ejections (sets the duration)
         self._admitted_at: dict[str, float] = {}
         self._events: dict[str, asyncio.Event] = {}
 
@@ -121,7 +127,13 @@ class OutlierDetector:
     def forget(self, keep: Iterable[str]) -> None:
         """Drops state of endpoints no longer in the set (DNS changes)."""
         keep = set(keep)
-        for table in (self._failures, self._probe_failures, self._ejected_until,
-                      self._ejections, self._admitted_at, self._events):
+        for table in (
+            self._failures,
+            self._probe_failures,
+            self._ejected_until,
+            self._ejections,
+            self._admitted_at,
+            self._events,
+        ):
             for endpoint in [e for e in table if e not in keep]:
                 del table[endpoint]

@@ -1,4 +1,5 @@
 """Choosing a prefill engine: least in-flight requests first, the others as retries."""
+
 from __future__ import annotations
 
 import contextlib

@@ -5,6 +5,7 @@ The order engines are tried in is `prefill_ranking.py`'s (KV events, else load);
 engines are ejected by `outlier.py`, fed by the legs' outcomes and by the health probes
 here. Prefill legs go through httpx (the upstream client shards).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,6 +34,7 @@ ENGINE_FAILURES = ("timeout", "connect_error", "server_error")
 
 def prefill_outliers(settings: SidecarSettings, metrics: SidecarMetrics) -> OutlierDetector:
     """Outlier detection of the prefill engines, ejections logged and counted."""
+
     def on_eject(endpoint: str, reason: str) -> None:
         log.warning("prefill engine %s ejected (%s)", endpoint, reason)
         metrics.prefill_ejections.labels(endpoint, reason).inc()
@@ -43,23 +45,33 @@ def prefill_outliers(settings: SidecarSettings, metrics: SidecarMetrics) -> Outl
         metrics.prefill_ejected.labels(endpoint).set(0)
 
     return OutlierDetector(
-        consecutive_failures=settings.outlier_failures, base_ejection_s=settings.ejection_s,
-        on_eject=on_eject, on_readmit=on_readmit)
+        consecutive_failures=settings.outlier_failures,
+        base_ejection_s=settings.ejection_s,
+        on_eject=on_eject,
+        on_readmit=on_readmit,
+    )
 
 
 class PrefillLegs:
-    def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics, *,
-                 picker: LoadPicker, ranking: PrefillRanking, endpoints: EndpointSet,
-                 outliers: OutlierDetector,
-                 next_client: Callable[[], httpx.AsyncClient]) -> None:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        metrics: SidecarMetrics,
+        *,
+        picker: LoadPicker,
+        ranking: PrefillRanking,
+        endpoints: EndpointSet,
+        outliers: OutlierDetector,
+        next_client: Callable[[], httpx.AsyncClient],
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.picker = picker
         self.ranking = ranking
         self.endpoints = endpoints
         self.outliers = outliers
-        self.next_client = next_client   # the upstream clients exist from startup on
-        self._background: set[asyncio.Future[None]] = set()   # fire-and-forget releases
+        self.next_client = next_client  # the upstream clients exist from startup on
+        self._background: set[asyncio.Future[None]] = set()  # fire-and-forget releases
 
     async def run(self, ex: Exchange, leg: dict[str, Any]) -> PrefillResult:
         """Tries prefill engines in ranking order; an empty result means fallback."""
@@ -76,7 +88,7 @@ class PrefillLegs:
             if outcome == "ok":
                 self.metrics.prefill_seconds.observe(time.perf_counter() - started)
                 ex.reply_headers["x-pdpool-prefill-endpoint"] = endpoint
-            if result is not None:   # "ok" or "client_error": the answer goes on
+            if result is not None:  # "ok" or "client_error": the answer goes on
                 return result
             log.warning("prefill on %s failed (%s) for %s", endpoint, outcome, ex.request_id)
         if not candidates:
@@ -94,14 +106,16 @@ class PrefillLegs:
             await asyncio.gather(*(self._probe(e) for e in due))
         named = [t for t in ex.targets if not self.outliers.is_ejected(t)]
         preferred = self.picker.order(named)[0] if named else None
-        await self.ranking.sync(self.endpoints.current)   # prefill pods come and go
+        await self.ranking.sync(self.endpoints.current)  # prefill pods come and go
         candidates, ranked_by = await self.ranking.order(
-            self.outliers.available(self.endpoints.current), preferred, ex.body)
+            self.outliers.available(self.endpoints.current), preferred, ex.body
+        )
         self.metrics.prefill_ranking.labels(ranked_by).inc()
         return candidates
 
-    async def _attempt(self, ex: Exchange, endpoint: str,
-                       leg: dict[str, Any]) -> tuple[str, Optional[PrefillResult]]:
+    async def _attempt(
+        self, ex: Exchange, endpoint: str, leg: dict[str, Any]
+    ) -> tuple[str, Optional[PrefillResult]]:
         """(outcome, the result when the answer goes on: "ok" or "client_error")."""
         with self.picker.track(endpoint):
             answer = await self._post_unless_ejected(ex, endpoint, leg)
@@ -110,8 +124,7 @@ class PrefillLegs:
         if answer.status_code == 429 or answer.status_code >= 500:
             return "server_error", None
         if answer.status_code >= 400:
-            return "client_error", PrefillResult(client_error=(answer.status_code,
-                                                               answer.content))
+            return "client_error", PrefillResult(client_error=(answer.status_code, answer.content))
         data = json_or_none(answer.content)
         kv = legs.kv_params_of(data)
         if not legs.prefill_answer_is_usable(kv):
@@ -119,20 +132,22 @@ class PrefillLegs:
             return "no_kv", None
         return "ok", PrefillResult(kv=kv, usage=json_usage(data))
 
-    async def _post_unless_ejected(self, ex: Exchange, endpoint: str,
-                                   leg: dict[str, Any]) -> Union[httpx.Response, str]:
+    async def _post_unless_ejected(
+        self, ex: Exchange, endpoint: str, leg: dict[str, Any]
+    ) -> Union[httpx.Response, str]:
         """The engine's answer, or why there is none ("ejected", "timeout", "connect_error").
 
         Given up as soon as the engine is ejected (a probe found it wedged): the request
         moves on to the next engine instead of waiting out its timeout."""
         url = f"{self.settings.upstream_scheme}://{endpoint}{ex.route}"
-        call = asyncio.ensure_future(self.next_client().post(url, json=leg,
-                                                             headers=ex.headers))
+        call = asyncio.ensure_future(self.next_client().post(url, json=leg, headers=ex.headers))
         ejected = asyncio.ensure_future(self.outliers.ejected_event(endpoint).wait())
         try:
-            done, _ = await asyncio.wait({call, ejected},
-                                         timeout=self.settings.prefill_timeout or None,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {call, ejected},
+                timeout=self.settings.prefill_timeout or None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             ejected.cancel()
             if not call.done():
@@ -151,12 +166,17 @@ class PrefillLegs:
     def release_decode_lease(self, params: dict[str, Any]) -> None:
         """Ends decode's lease on its cached prefix in the background (it would expire on its
         own; ending it now frees those blocks sooner)."""
+
         async def release() -> None:
             try:
-                await self.next_client().post(self.settings.decode_url + legs.RELEASE_PATH,
-                                              json={"kv_transfer_params": params}, timeout=5.0)
-            except httpx.HTTPError as exc:   # it expires on its own soon
+                await self.next_client().post(
+                    self.settings.decode_url + legs.RELEASE_PATH,
+                    json={"kv_transfer_params": params},
+                    timeout=5.0,
+                )
+            except httpx.HTTPError as exc:  # it expires on its own soon
                 log.info("releasing decode's KV lease failed: %s", exc)
+
         task = asyncio.ensure_future(release())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -185,8 +205,9 @@ class PrefillLegs:
                 r = await self.next_client().get(base + "/health", timeout=timeout)
             ok = r.status_code == 200
             if not ok:
-                log.warning("probe of prefill engine %s: %s %s", endpoint, r.status_code,
-                            r.text[:200])
+                log.warning(
+                    "probe of prefill engine %s: %s %s", endpoint, r.status_code, r.text[:200]
+                )
         except httpx.HTTPError as exc:
             ok = False
             log.warning("probe of prefill engine %s failed: %r", endpoint, exc)

@@ -10,6 +10,7 @@ The events come from fixed endpoints (`events`), or follow the prefill endpoint 
 `events_port` names the port every prefill engine publishes on, and `sync` keeps one
 subscription per engine the set lists (kv_feeds.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,9 +22,16 @@ log = logging.getLogger(__name__)
 
 
 class PrefillRanking:
-    def __init__(self, picker: LoadPicker, events: dict[str, str], block_size: int,
-                 tokenizer_file: Optional[str] = None, load_cost_tokens: float = 64.0,
-                 events_port: Optional[int] = None, events_replay_port: Optional[int] = None):
+    def __init__(
+        self,
+        picker: LoadPicker,
+        events: dict[str, str],
+        block_size: int,
+        tokenizer_file: Optional[str] = None,
+        load_cost_tokens: float = 64.0,
+        events_port: Optional[int] = None,
+        events_replay_port: Optional[int] = None,
+    ):
         self.picker = picker
         self.router = None
         self.feeds = None
@@ -31,12 +39,14 @@ class PrefillRanking:
             from .kv_events_spec import split_spec
             from .kv_router import KVRouter
             from .security import normalize_host_port
+
             self.router = KVRouter(block_size, 0.0, load_cost_tokens, tokenizer_file)
             static = {normalize_host_port(t): spec for t, spec in events.items()}
             for target, spec in static.items():
                 self.router.subscribe(target, *split_spec(spec))
             if events_port:
                 from .kv_feeds import KVFeeds
+
                 self.feeds = KVFeeds(self.router, events_port, events_replay_port, static)
 
     async def sync(self, endpoints: Iterable[str]) -> None:
@@ -45,8 +55,9 @@ class PrefillRanking:
         if self.feeds is not None:
             await self.feeds.refresh(endpoints)
 
-    async def order(self, available: Sequence[str], preferred: Optional[str],
-                    body: Any) -> tuple[list[str], str]:
+    async def order(
+        self, available: Sequence[str], preferred: Optional[str], body: Any
+    ) -> tuple[list[str], str]:
         """(endpoints to try in order, how they were ranked: "kv", "load" or "named")."""
         by_load = self.picker.order(available, preferred=preferred)
         if preferred or self.router is None or len(by_load) < 2:
@@ -57,7 +68,7 @@ class PrefillRanking:
                 return by_load, "load"
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             decision = await self.router.decide_async(by_load, ids, self.picker.in_flight, salt)
-        except Exception:   # ranking must never fail a request: load order stands
+        except Exception:  # ranking must never fail a request: load order stands
             log.exception("ranking prefill engines by KV events failed")
             return by_load, "load"
         return (decision.order, "kv") if decision.precise else (by_load, "load")

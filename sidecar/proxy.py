@@ -11,6 +11,7 @@ here; every other route is passed to the decode engine as it is.
     usage.py          usage covering both legs, computed-token counts
     exchange.py       one request as it moves through the legs
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -23,9 +24,22 @@ from typing import Any, Optional
 import httpx
 
 from . import legs
-from .asgi import (BodyTooLarge, ClientGone, Message, Receive, Scope, Send, forwardable,
-                   header_dict, off_loop_if_large, read_body, run_until_disconnect, send_bytes,
-                   send_error, serve_lifespan)
+from .asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    forwardable,
+    header_dict,
+    off_loop_if_large,
+    read_body,
+    run_until_disconnect,
+    send_bytes,
+    send_error,
+    serve_lifespan,
+)
 from .capability import EngineCapability
 from .discovery import EndpointSet
 from .exchange import Exchange
@@ -53,11 +67,16 @@ class Sidecar:
         self.metrics = SidecarMetrics()
         self.picker = LoadPicker()
         self.prefill_ranking = PrefillRanking(
-            self.picker, settings.prefill_kv_events, settings.kv_block_size,
-            settings.kv_tokenizer, events_port=settings.prefill_kv_events_port,
-            events_replay_port=settings.prefill_kv_events_replay_port)
-        self.endpoints = EndpointSet(settings.prefill_urls, settings.prefill_service,
-                                          settings.prefill_refresh_s)
+            self.picker,
+            settings.prefill_kv_events,
+            settings.kv_block_size,
+            settings.kv_tokenizer,
+            events_port=settings.prefill_kv_events_port,
+            events_replay_port=settings.prefill_kv_events_replay_port,
+        )
+        self.endpoints = EndpointSet(
+            settings.prefill_urls, settings.prefill_service, settings.prefill_refresh_s
+        )
         self.clients: Optional[ClientShards] = None
         self.outliers = prefill_outliers(self.settings, self.metrics)
         self._probe_task: Optional[asyncio.Task[None]] = None
@@ -65,27 +84,38 @@ class Sidecar:
         self._capability_task: Optional[asyncio.Future[None]] = None
         self.metrics.engine_rejects.set_function(lambda: self.capability.gauge_value)
         # The parts share the app's settings object (tests change it on a running app).
-        self.prefill = PrefillLegs(self.settings, self.metrics, picker=self.picker,
-                                   ranking=self.prefill_ranking, endpoints=self.endpoints,
-                                   outliers=self.outliers, next_client=lambda: self.client)
+        self.prefill = PrefillLegs(
+            self.settings,
+            self.metrics,
+            picker=self.picker,
+            ranking=self.prefill_ranking,
+            endpoints=self.endpoints,
+            outliers=self.outliers,
+            next_client=lambda: self.client,
+        )
         self.decode = DecodeRelay(self.settings, self.metrics)
-        self.flows = Flows(self.settings, self.metrics, capability=self.capability,
-                           next_client=lambda: self.client, decode=self.decode,
-                           prefill=self.prefill)
+        self.flows = Flows(
+            self.settings,
+            self.metrics,
+            capability=self.capability,
+            next_client=lambda: self.client,
+            decode=self.decode,
+            prefill=self.prefill,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
         tls = self.settings.ssl_context()
-        self.clients = ClientShards(connect_timeout=self.settings.connect_timeout,
-                                    ssl_context=tls)
+        self.clients = ClientShards(connect_timeout=self.settings.connect_timeout, ssl_context=tls)
         self.decode.connect(tls)
         await self.endpoints.start()
         await self.prefill_ranking.sync(self.endpoints.current)
         if self.settings.probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self.prefill.probe_forever())
         if self.settings.mode == "decode-first" and self.capability.known is None:
-            self._capability_task = asyncio.ensure_future(self.capability.probe_until_known(
-                lambda: self.client, self.settings.decode_url))
+            self._capability_task = asyncio.ensure_future(
+                self.capability.probe_until_known(lambda: self.client, self.settings.decode_url)
+            )
 
     async def shutdown(self) -> None:
         if self._capability_task:
@@ -139,8 +169,7 @@ class Sidecar:
             timeout = self.settings.probe_timeout_s or 2.0
             resp = await self.client.get(self.settings.decode_url + path, timeout=timeout)
             if resp.status_code not in (200, 503) and path != "/health":
-                resp = await self.client.get(self.settings.decode_url + "/health",
-                                             timeout=timeout)
+                resp = await self.client.get(self.settings.decode_url + "/health", timeout=timeout)
             ok = resp.status_code == 200
         except httpx.HTTPError:
             ok = False
@@ -161,15 +190,25 @@ class Sidecar:
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
         try:
-            resp = await self.client.request(scope["method"], url, content=body,
-                                             headers=forwardable(header_dict(scope)),
-                                             timeout=30.0)
+            resp = await self.client.request(
+                scope["method"],
+                url,
+                content=body,
+                headers=forwardable(header_dict(scope)),
+                timeout=30.0,
+            )
         except httpx.HTTPError as exc:
             return await send_error(send, 503, f"decode engine unreachable: {exc!r}")
-        headers = {k: v for k, v in resp.headers.items()
-                   if k.lower() in ("content-type", "x-request-id")}
-        await send_bytes(send, resp.status_code, resp.content, headers,
-                         content_type=resp.headers.get("content-type", "application/json"))
+        headers = {
+            k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "x-request-id")
+        }
+        await send_bytes(
+            send,
+            resp.status_code,
+            resp.content,
+            headers,
+            content_type=resp.headers.get("content-type", "application/json"),
+        )
 
     # ------------------------------------------------------------------ generation
     async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -179,14 +218,14 @@ class Sidecar:
             return
         self.metrics.in_flight.inc()
         try:
-            gone = await run_until_disconnect(self._guarded(self.flows.for_mode(mode), ex),
-                                              receive)
+            gone = await run_until_disconnect(self._guarded(self.flows.for_mode(mode), ex), receive)
         finally:
             self.metrics.in_flight.dec()
         self.metrics.requests.labels(mode, "cancelled" if gone else ex.path_taken).inc()
 
-    async def _read_exchange(self, scope: Scope, receive: Receive,
-                             send: Send) -> Optional[Exchange]:
+    async def _read_exchange(
+        self, scope: Scope, receive: Receive, send: Send
+    ) -> Optional[Exchange]:
         """The request, checked; None when it was answered (or the client left) here."""
         headers = header_dict(scope)
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
@@ -203,27 +242,41 @@ class Sidecar:
         try:
             body = await off_loop_if_large(legs.parse_client_body, raw, scope["path"])
             # Repeated header lines count as one comma-separated list (RFC 9110).
-            named = ",".join(v.decode("latin-1") for k, v in scope["headers"]
-                             if k.decode("latin-1").lower() == PREFILLER_HEADER)
+            named = ",".join(
+                v.decode("latin-1")
+                for k, v in scope["headers"]
+                if k.decode("latin-1").lower() == PREFILLER_HEADER
+            )
             targets = allowed_targets(named, self.endpoints.current)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, legs.BadRequest
             self.metrics.requests.labels(mode, "client_error").inc()
-            await send_error(send, 400, _bad_request_message(exc),
-                             param=getattr(exc, "param", None),
-                             headers={"x-request-id": request_id})
+            await send_error(
+                send,
+                400,
+                _bad_request_message(exc),
+                param=getattr(exc, "param", None),
+                headers={"x-request-id": request_id},
+            )
             return None
         except ForbiddenTarget as exc:
             self.metrics.forbidden_targets.inc()
             self.metrics.requests.labels(mode, "client_error").inc()
-            await send_error(send, 403, str(exc), param=PREFILLER_HEADER,
-                             headers={"x-request-id": request_id})
+            await send_error(
+                send, 403, str(exc), param=PREFILLER_HEADER, headers={"x-request-id": request_id}
+            )
             return None
         body, dropped = legs.strip_client_kv_params(body)
         if dropped:
             self.metrics.client_kv_dropped.inc()
-        ex = Exchange(route=scope["path"], body=body, request_id=request_id, send=send,
-                      headers=forwardable(headers, drop=(PREFILLER_HEADER,)), targets=targets,
-                      stream=bool(body.get("stream")))
+        ex = Exchange(
+            route=scope["path"],
+            body=body,
+            request_id=request_id,
+            send=send,
+            headers=forwardable(headers, drop=(PREFILLER_HEADER,)),
+            targets=targets,
+            stream=bool(body.get("stream")),
+        )
         ex.headers["x-request-id"] = request_id
         ex.headers["content-type"] = "application/json"
         return ex
@@ -246,18 +299,26 @@ class Sidecar:
         except UpstreamUnavailable as exc:
             ex.path_taken = "upstream_error"
             if not started:
-                await send_error(client_send, 503, str(exc), code="decode_unavailable",
-                                 headers={"x-request-id": ex.request_id})
+                await send_error(
+                    client_send,
+                    503,
+                    str(exc),
+                    code="decode_unavailable",
+                    headers={"x-request-id": ex.request_id},
+                )
         except RETRYABLE as exc:
             ex.path_taken = "upstream_error"
             log.warning("upstream failed for %s: %r", ex.request_id, exc)
             if not started:
-                await send_error(client_send, 502, f"upstream engine failed: {exc!r}",
-                                 code="upstream_failed",
-                                 headers={"x-request-id": ex.request_id})
+                await send_error(
+                    client_send,
+                    502,
+                    f"upstream engine failed: {exc!r}",
+                    code="upstream_failed",
+                    headers={"x-request-id": ex.request_id},
+                )
             else:
-                await client_send({"type": "http.response.body", "body": b"",
-                                   "more_body": False})
+                await client_send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _bad_request_message(exc: Exception) -> str:

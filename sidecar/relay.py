@@ -4,6 +4,7 @@ their answers relayed to the client, buffered or streamed.
 Decode legs go through the lean HTTP/1.1 client (http1.py); every other upstream call
 (prefill legs, health, other routes) through httpx.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,15 @@ from .sse import DONE, EventSplitter, event_json
 from .usage import StreamUsageRewriter, count_computed, decode_answer_usage, json_usage
 
 # Failures after which the same request may be sent again: nothing was generated.
-RETRYABLE = (UpstreamError, httpx.ConnectError, httpx.ConnectTimeout,
-             httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.PoolTimeout)
+RETRYABLE = (
+    UpstreamError,
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.RemoteProtocolError,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.PoolTimeout,
+)
 
 T = TypeVar("T")
 
@@ -44,8 +52,9 @@ class DecodeRelay:
         self.pool: Optional[Http1Pool] = None
 
     def connect(self, ssl_context: Optional[ssl.SSLContext]) -> None:
-        self.pool = Http1Pool(connect_timeout=self.settings.connect_timeout,
-                              ssl_context=ssl_context)
+        self.pool = Http1Pool(
+            connect_timeout=self.settings.connect_timeout, ssl_context=ssl_context
+        )
 
     async def aclose(self) -> None:
         if self.pool is not None:
@@ -77,8 +86,9 @@ class DecodeRelay:
             content = decode_answer_usage(self.metrics, content, ex.prefill_usage)
         await relay_buffered(ex, resp.status_code, content, _content_type(resp))
 
-    async def _send(self, ex: Exchange, leg: dict[str, Any],
-                    use: Callable[[Response], Awaitable[T]]) -> T:
+    async def _send(
+        self, ex: Exchange, leg: dict[str, Any], use: Callable[[Response], Awaitable[T]]
+    ) -> T:
         """Sends a decode leg and hands its answer to `use`; both again while they fail before
         anything reached the client (the engine broke or restarted before the first token
         was relayed). `use` handles failures after it started the client's answer."""
@@ -88,8 +98,9 @@ class DecodeRelay:
         delay = 0.05
         while True:
             try:
-                resp = await pool.send("POST", self.settings.decode_url + ex.route, content,
-                                       ex.headers)
+                resp = await pool.send(
+                    "POST", self.settings.decode_url + ex.route, content, ex.headers
+                )
                 try:
                     return await use(resp)
                 finally:
@@ -104,10 +115,14 @@ class DecodeRelay:
     async def _stream_through(self, ex: Exchange, resp: Response) -> None:
         if resp.status_code != 200:
             return await _relay_refusal(ex, resp)
-        rewriter = None if ex.prefill_usage is None else \
-            StreamUsageRewriter(self.metrics, ex.prefill_usage)
-        await _pipe_stream(ex, resp.aiter_raw(), resp.headers.get("content-type"),
-                           rewriter=rewriter)
+        rewriter = (
+            None
+            if ex.prefill_usage is None
+            else StreamUsageRewriter(self.metrics, ex.prefill_usage)
+        )
+        await _pipe_stream(
+            ex, resp.aiter_raw(), resp.headers.get("content-type"), rewriter=rewriter
+        )
 
 
 async def relay_buffered(ex: Exchange, status: int, content: bytes, content_type: str) -> None:
@@ -115,11 +130,15 @@ async def relay_buffered(ex: Exchange, status: int, content: bytes, content_type
         ex.path_taken = "upstream_error" if status >= 500 else "client_error"
         if json_or_none(content) is None:
             # Keep OpenAI's error shape even when an upstream sent something else.
-            return await send_error(ex.send, status,
-                                    content.decode("utf-8", "replace")[:500] or "upstream error",
-                                    headers={"x-request-id": ex.request_id})
-    await send_bytes(ex.send, status, content, ex.out_headers(content_type),
-                     content_type=content_type)
+            return await send_error(
+                ex.send,
+                status,
+                content.decode("utf-8", "replace")[:500] or "upstream error",
+                headers={"x-request-id": ex.request_id},
+            )
+    await send_bytes(
+        ex.send, status, content, ex.out_headers(content_type), content_type=content_type
+    )
 
 
 async def _read_all(resp: Response) -> Buffered:
@@ -148,13 +167,15 @@ async def _stream_unless_rejected(ex: Exchange, resp: Response) -> Optional[dict
     if legs.is_rejection(decided):
         return await _drain_rejection(chunks, splitter, decided, held)
     # Accepted, or the stream ended without a deciding event: pass on what there is.
-    await _pipe_stream(ex, chunks, resp.headers.get("content-type"),
-                       first=b"".join(held) + splitter.rest())
+    await _pipe_stream(
+        ex, chunks, resp.headers.get("content-type"), first=b"".join(held) + splitter.rest()
+    )
     return None
 
 
-async def _until_decided(chunks: AsyncIterator[bytes], splitter: EventSplitter,
-                         held: list[bytes]) -> Any:
+async def _until_decided(
+    chunks: AsyncIterator[bytes], splitter: EventSplitter, held: list[bytes]
+) -> Any:
     """Holds back events until one shows whether decode accepted the request (text or a
     finish reason); returns its JSON, None when the stream ended first. Every event of the
     deciding chunk is held: the rest of the stream may have come in the same read."""
@@ -171,8 +192,9 @@ async def _until_decided(chunks: AsyncIterator[bytes], splitter: EventSplitter,
     return None
 
 
-async def _drain_rejection(chunks: AsyncIterator[bytes], splitter: EventSplitter,
-                           first: dict[str, Any], held: list[bytes]) -> dict[str, Any]:
+async def _drain_rejection(
+    chunks: AsyncIterator[bytes], splitter: EventSplitter, first: dict[str, Any], held: list[bytes]
+) -> dict[str, Any]:
     """Reads the rest of a rejected stream (what was held, then what follows) for its kv
     params (final chunk)."""
     kv = legs.kv_params_of(first)
@@ -191,9 +213,13 @@ async def _drain_rejection(chunks: AsyncIterator[bytes], splitter: EventSplitter
     return kv or {}
 
 
-async def _pipe_stream(ex: Exchange, chunks: AsyncIterator[bytes], content_type: Optional[str],
-                       first: bytes = b"",
-                       rewriter: Optional[StreamUsageRewriter] = None) -> None:
+async def _pipe_stream(
+    ex: Exchange,
+    chunks: AsyncIterator[bytes],
+    content_type: Optional[str],
+    first: bytes = b"",
+    rewriter: Optional[StreamUsageRewriter] = None,
+) -> None:
     await send_start(ex.send, 200, ex.out_headers(content_type or "text/event-stream"))
     if first:
         await ex.send({"type": "http.response.body", "body": first, "more_body": True})
@@ -204,8 +230,12 @@ async def _pipe_stream(ex: Exchange, chunks: AsyncIterator[bytes], content_type:
                 await ex.send({"type": "http.response.body", "body": out, "more_body": True})
     except RETRYABLE as exc:
         # The engine went away mid-stream: tell the client inside the stream.
-        await ex.send({"type": "http.response.body",
-                       "body": sse_error_event(502, f"decode engine failed: {exc!r}"),
-                       "more_body": True})
+        await ex.send(
+            {
+                "type": "http.response.body",
+                "body": sse_error_event(502, f"decode engine failed: {exc!r}"),
+                "more_body": True,
+            }
+        )
     tail = rewriter.rest() if rewriter else b""
     await ex.send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -10,6 +10,7 @@ As llm-d's sidecar, the header may name several endpoints, comma-separated (or t
 may be repeated, which HTTP folds into one comma-separated value): every entry must be
 allowed, else the whole request is refused; the sidecar then picks among them.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -28,7 +29,7 @@ def normalize_host_port(value: str) -> str:
     text = value.strip()
     for scheme in ("http://", "https://"):
         if text.lower().startswith(scheme):
-            text = text[len(scheme):]
+            text = text[len(scheme) :]
     text = text.rstrip("/")
     if not text or "/" in text or "@" in text or "?" in text or "#" in text:
         raise ForbiddenTarget(f"invalid prefill target {value!r}")

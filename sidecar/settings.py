@@ -1,4 +1,5 @@
 """Sidecar settings: one validated object built from a config file and/or CLI flags."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,22 +18,22 @@ MODES = ("decode-first", "prefill-first", "aggregated")
 class SidecarSettings:
     decode_url: str = "http://127.0.0.1:8001"
     prefill_urls: list[str] = field(default_factory=list)
-    prefill_service: Optional[str] = None      # HOST:PORT of a headless Service
+    prefill_service: Optional[str] = None  # HOST:PORT of a headless Service
     prefill_refresh_s: float = 5.0
     mode: str = "decode-first"
     cache_hit_threshold: float = 0.5
     # Give the decode engine's cached prefix to the prefill leg so prefill pulls it.
     pull_from_decode: bool = True
-    kv_pull_threshold: int = 0                 # offer a pull only for >= this many tokens
-    prefill_timeout: float = 30.0              # per prefill attempt, seconds
-    decode_retry_s: float = 5.0                # keep retrying an unreachable decode engine
+    kv_pull_threshold: int = 0  # offer a pull only for >= this many tokens
+    prefill_timeout: float = 30.0  # per prefill attempt, seconds
+    decode_retry_s: float = 5.0  # keep retrying an unreachable decode engine
     connect_timeout: float = 2.0
     # Outlier detection of prefill engines (see outlier.py).
-    probe_interval_s: float = 1.0              # health probe of every prefill engine
-    probe_timeout_s: float = 2.0               # (also the decode engine check of /ready)
-    outlier_failures: int = 3                  # consecutive failed legs that eject
-    ejection_s: float = 2.0                    # base ejection time (x recent ejections)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get 413
+    probe_interval_s: float = 1.0  # health probe of every prefill engine
+    probe_timeout_s: float = 2.0  # (also the decode engine check of /ready)
+    outlier_failures: int = 3  # consecutive failed legs that eject
+    ejection_s: float = 2.0  # base ejection time (x recent ejections)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     # Does the decode engine honour cache_hit_threshold? (capability.py) auto: probe it.
     engine_rejects: str = "auto"
     # Engines that cannot reject: decode-first sends prompts of at least this many
@@ -51,7 +52,7 @@ class SidecarSettings:
     prefill_kv_events_port: Optional[int] = None
     prefill_kv_events_replay_port: Optional[int] = None
     kv_block_size: int = 16
-    kv_tokenizer: Optional[str] = None     # the model's tokenizer.json (string prompts)
+    kv_tokenizer: Optional[str] = None  # the model's tokenizer.json (string prompts)
 
     @property
     def upstream_scheme(self) -> str:
@@ -62,18 +63,20 @@ class SidecarSettings:
         if not self.tls_ca_file:
             return None
         from pdpool.tlsutil import client_context
+
         return client_context(self.tls_ca_file, self.tls_any_name)
 
     def validate(self) -> "SidecarSettings":
-        if isinstance(self.max_body_bytes, str):   # "32MiB" from a config file
+        if isinstance(self.max_body_bytes, str):  # "32MiB" from a config file
             from pdpool.units import parse_size
+
             self.max_body_bytes = parse_size(self.max_body_bytes)
         if int(self.max_body_bytes) < 1024:
             raise ValueError("max_body_bytes must be at least 1KiB")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         threshold = validate_threshold(self.cache_hit_threshold)
-        if threshold is None:   # null in a config file: every request would fail on it
+        if threshold is None:  # null in a config file: every request would fail on it
             raise ValueError("cache_hit_threshold must be a number in [0, 1], got None")
         self.cache_hit_threshold = threshold
         if not self.decode_url.startswith(("http://", "https://")):
@@ -82,11 +85,19 @@ class SidecarSettings:
         if int(self.kv_pull_threshold) < 0:
             raise ValueError("kv_pull_threshold must be >= 0")
         self.kv_pull_threshold = int(self.kv_pull_threshold)
-        for name in ("prefill_timeout", "decode_retry_s", "connect_timeout", "prefill_refresh_s",
-                     "probe_interval_s", "probe_timeout_s", "ejection_s"):
+        for name in (
+            "prefill_timeout",
+            "decode_retry_s",
+            "connect_timeout",
+            "prefill_refresh_s",
+            "probe_interval_s",
+            "probe_timeout_s",
+            "ejection_s",
+        ):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0")
         from .capability import ENGINE_REJECTS
+
         if self.engine_rejects not in ENGINE_REJECTS:
             raise ValueError(f"engine_rejects must be one of {', '.join(ENGINE_REJECTS)}")
         if int(self.prefill_min_prompt_tokens) < 0:
@@ -96,16 +107,19 @@ class SidecarSettings:
             raise ValueError("outlier_failures must be >= 1")
         if int(self.kv_block_size) < 1:
             raise ValueError("kv_block_size must be >= 1")
-        if isinstance(self.prefill_kv_events, list):   # TARGET=SPEC items from a file
+        if isinstance(self.prefill_kv_events, list):  # TARGET=SPEC items from a file
             from .kv_events_spec import parse_kv_events
-            self.prefill_kv_events = parse_kv_events(self.prefill_kv_events,
-                                                     "prefill_kv_events")
+
+            self.prefill_kv_events = parse_kv_events(self.prefill_kv_events, "prefill_kv_events")
         if not isinstance(self.prefill_kv_events, dict):
             raise ValueError("prefill_kv_events must map HOST:PORT to tcp://HOST:PORT")
         from .kv_feeds import check_event_ports
+
         self.prefill_kv_events_port, self.prefill_kv_events_replay_port = check_event_ports(
-            self.prefill_kv_events_port, self.prefill_kv_events_replay_port,
-            ("prefill_kv_events_port", "prefill_kv_events_replay_port"))
+            self.prefill_kv_events_port,
+            self.prefill_kv_events_replay_port,
+            ("prefill_kv_events_port", "prefill_kv_events_replay_port"),
+        )
         return self
 
 
@@ -119,6 +133,7 @@ def load_config_file(path: str) -> dict[str, Any]:
         data = json.loads(text)
     else:
         import yaml
+
         data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping")

@@ -1,4 +1,5 @@
 """Splitting a Server-Sent-Events byte stream into events, and reading their JSON."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ class EventSplitter:
             end = data.find(b"\n\n", start)
             if end < 0:
                 break
-            events.append(data[start:end + 2])
+            events.append(data[start : end + 2])
             start = end + 2
         self._pending = data[start:]
         return events

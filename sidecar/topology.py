@@ -5,6 +5,7 @@ A small supervisor: every child runs in its own process group with its output in
 file; a child that dies while the topology is up is started again on the same port (an
 engine restart is something the sidecar and gateway must ride out); stop() ends them all.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,12 @@ def free_port() -> int:
 def pdpool_command(*args: str) -> list[str]:
     # Not `-m pdpool.cli`: that runs cli.py as __main__, a second copy of the module whose
     # CliError is not the one subcommands raise (errors would become tracebacks).
-    return [sys.executable, "-c", "import sys; from pdpool.cli import main; sys.exit(main())",
-            *args]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from pdpool.cli import main; sys.exit(main())",
+        *args,
+    ]
 
 
 def _generator_fingerprint() -> str:
@@ -64,8 +69,9 @@ def ensure_tiny_model(arch: str = "qwen3", out_dir: Optional[str] = None) -> str
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f"tiny-{arch}-", dir=os.path.dirname(out))
-    done = subprocess.run(pdpool_command("tiny-model", tmp, "--arch", arch),
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        pdpool_command("tiny-model", tmp, "--arch", arch), capture_output=True, text=True
+    )
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"pdpool tiny-model failed: {done.stderr.strip()[-500:]}")
@@ -78,17 +84,17 @@ def ensure_tiny_model(arch: str = "qwen3", out_dir: Optional[str] = None) -> str
 
 @dataclass
 class Child:
-    role: str                  # prefill, decode, sidecar, gateway
+    role: str  # prefill, decode, sidecar, gateway
     index: int
     port: int
     argv: list[str]
     log_path: str
     kv_port: Optional[int] = None
-    env: dict[str, str] = field(default_factory=dict)   # added to the parent's environment
+    env: dict[str, str] = field(default_factory=dict)  # added to the parent's environment
     pid: Optional[int] = None
     restarts: int = 0
     proc: Optional[subprocess.Popen[bytes]] = field(default=None, repr=False)
-    scheme: str = "http"       # https with `pdpool up --tls`
+    scheme: str = "http"  # https with `pdpool up --tls`
 
     @property
     def url(self) -> str:
@@ -104,7 +110,7 @@ class TopologySpec:
     model: str
     prefill: int = 1
     decode: int = 1
-    port: int = 0              # gateway port (0: pick a free one)
+    port: int = 0  # gateway port (0: pick a free one)
     mode: str = "decode-first"
     cache_hit_threshold: float = 0.5
     pull_from_decode: bool = True
@@ -116,8 +122,8 @@ class TopologySpec:
     log_dir: Optional[str] = None
     # pdpool (`pdpool serve`) or vllm (stock `vllm serve`, CPU build: see vllm_command())
     engine: str = "pdpool"
-    vllm_bin: Optional[str] = None          # the `vllm` executable (default: vllm_command())
-    engine_rejects: Optional[str] = None    # sidecar --engine-rejects (default: by engine)
+    vllm_bin: Optional[str] = None  # the `vllm` executable (default: vllm_command())
+    engine_rejects: Optional[str] = None  # sidecar --engine-rejects (default: by engine)
     prefill_min_prompt_tokens: Optional[int] = None
     # Every hop over HTTPS (client -> gateway -> sidecar -> engines), with a CA and one
     # certificate (127.0.0.1, localhost) made for this topology in <log dir>/tls.
@@ -125,14 +131,18 @@ class TopologySpec:
     # Precise KV-aware routing: decode engines publish KV events (--kv-events-config), the
     # gateway indexes them and routes by cost (sidecar/kv_router.py).
     kv_events: bool = False
-    kv_load_cost: Optional[float] = None    # gateway --kv-load-cost (None: its default)
+    kv_load_cost: Optional[float] = None  # gateway --kv-load-cost (None: its default)
 
 
 ENGINES = ("pdpool", "vllm")
 # Stock vLLM on CPU, as tests/vllm and benchmarks/engine_vs_vllm.py run it (block size 128).
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_HOST_IP": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "UCX_NET_DEVICES": "lo"}
+VLLM_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+}
 VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
 
 
@@ -142,7 +152,8 @@ def vllm_command() -> str:
     if explicit:
         return explicit
     venv = os.environ.get("PDPOOL_VLLM_VENV") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pdpool", "vllm-venv")
+        os.path.expanduser("~"), ".cache", "pdpool", "vllm-venv"
+    )
     candidate = os.path.join(venv, "bin", "vllm")
     return candidate if os.access(candidate, os.X_OK) else (shutil.which("vllm") or "vllm")
 
@@ -155,6 +166,7 @@ def served_model_name(model: str) -> str:
 def nixl_available() -> bool:
     try:
         import nixl  # noqa: F401
+
         return True
     except ImportError:
         return False
@@ -196,25 +208,46 @@ class Topology:
         if self.spec.engine == "vllm":
             return self._vllm_engine(role, index)
         port, kv_port = free_port(), free_port()
-        argv = pdpool_command("serve", self.spec.model, "--host", "127.0.0.1",
-                              "--port", str(port), "--device", self.spec.device,
-                              "--kv-connector", self.kv_connector)
-        if self.kv_secret_file is not None:   # written whenever there is a KV connector
+        argv = pdpool_command(
+            "serve",
+            self.spec.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            self.spec.device,
+            "--kv-connector",
+            self.kv_connector,
+        )
+        if self.kv_secret_file is not None:  # written whenever there is a KV connector
             # Both roles on both sides: decode reads prefill's blocks, and prefill reads
             # decode's cached prefix (the bidirectional pull of decode-first).
-            argv += ["--kv-role", "both", "--kv-host", "127.0.0.1", "--kv-port", str(kv_port),
-                     "--kv-peer-allowlist", "127.0.0.1", "--kv-secret-file", self.kv_secret_file]
+            argv += [
+                "--kv-role",
+                "both",
+                "--kv-host",
+                "127.0.0.1",
+                "--kv-port",
+                str(kv_port),
+                "--kv-peer-allowlist",
+                "127.0.0.1",
+                "--kv-secret-file",
+                self.kv_secret_file,
+            ]
         argv += self._serve_tls_args()
         argv += self.spec.engine_args
-        return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port,
-                     scheme=self._scheme)
+        return Child(
+            role, index, port, argv, self._log(role, index), kv_port=kv_port, scheme=self._scheme
+        )
 
     @property
     def _scheme(self) -> str:
         return "https" if self.tls_files else "http"
 
-    def _serve_tls_args(self, cert_flag: str = "--tls-cert-file",
-                        key_flag: str = "--tls-key-file") -> list[str]:
+    def _serve_tls_args(
+        self, cert_flag: str = "--tls-cert-file", key_flag: str = "--tls-key-file"
+    ) -> list[str]:
         if not self.tls_files:
             return []
         return [cert_flag, self.tls_files[0], key_flag, self.tls_files[1]]
@@ -226,23 +259,47 @@ class Topology:
         """Stock `vllm serve` on CPU. P/D through vLLM's NixlConnector: prefill engines are
         kv_producer, decode engines kv_consumer (CPU buffers; its side channel on kv_port)."""
         port, kv_port = free_port(), free_port()
-        argv = [self.spec.vllm_bin or vllm_command(), "serve", self.spec.model,
-                "--host", "127.0.0.1", "--port", str(port),
-                "--served-model-name", served_model_name(self.spec.model), *VLLM_ARGS]
+        argv = [
+            self.spec.vllm_bin or vllm_command(),
+            "serve",
+            self.spec.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            served_model_name(self.spec.model),
+            *VLLM_ARGS,
+        ]
         if self.kv_connector != "none":
             role_name = "kv_producer" if role == "prefill" else "kv_consumer"
-            argv += ["--kv-transfer-config", json.dumps(
-                {"kv_connector": "NixlConnector", "kv_role": role_name,
-                 "kv_buffer_device": "cpu"})]
+            argv += [
+                "--kv-transfer-config",
+                json.dumps(
+                    {
+                        "kv_connector": "NixlConnector",
+                        "kv_role": role_name,
+                        "kv_buffer_device": "cpu",
+                    }
+                ),
+            ]
         argv += self._serve_tls_args("--ssl-certfile", "--ssl-keyfile")
-        argv += self.spec.engine_args   # later flags win in vLLM's parser
+        argv += self.spec.engine_args  # later flags win in vLLM's parser
         env = dict(VLLM_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(kv_port))
         # One OpenMP core each, spread over the machine (vLLM's default binds every
         # engine to the same first core).
         ordinal = index if role == "prefill" else self.spec.prefill + index
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(ordinal % (os.cpu_count() or 1))
-        return Child(role, index, port, argv, self._log(role, index), kv_port=kv_port, env=env,
-                     scheme=self._scheme)
+        return Child(
+            role,
+            index,
+            port,
+            argv,
+            self._log(role, index),
+            kv_port=kv_port,
+            env=env,
+            scheme=self._scheme,
+        )
 
     def _log(self, role: str, index: int) -> str:
         return os.path.join(self.log_dir, f"{role}-{index}.log")
@@ -254,11 +311,23 @@ class Topology:
         sidecars = []
         for i, dec in enumerate(decodes):
             port = free_port()
-            argv = pdpool_command("sidecar", "--host", "127.0.0.1", "--port", str(port),
-                                  "--decode-url", dec.url, "--mode", s.mode,
-                                  "--cache-hit-threshold", str(s.cache_hit_threshold),
-                                  "--prefill-timeout", str(s.prefill_timeout),
-                                  "--decode-retry-s", str(s.decode_retry_s))
+            argv = pdpool_command(
+                "sidecar",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--decode-url",
+                dec.url,
+                "--mode",
+                s.mode,
+                "--cache-hit-threshold",
+                str(s.cache_hit_threshold),
+                "--prefill-timeout",
+                str(s.prefill_timeout),
+                "--decode-retry-s",
+                str(s.decode_retry_s),
+            )
             for p in prefills:
                 argv += ["--prefill-url", f"127.0.0.1:{p.port}"]
             if not s.pull_from_decode:
@@ -269,22 +338,24 @@ class Topology:
             if s.prefill_min_prompt_tokens is not None:
                 argv += ["--prefill-min-prompt-tokens", str(s.prefill_min_prompt_tokens)]
             argv += self._serve_tls_args() + self._client_tls_args()
-            sidecars.append(Child("sidecar", i, port, argv, self._log("sidecar", i),
-                                  scheme=self._scheme))
+            sidecars.append(
+                Child("sidecar", i, port, argv, self._log("sidecar", i), scheme=self._scheme)
+            )
         gw_port = s.port or free_port()
-        argv = pdpool_command("gateway", "--host", "127.0.0.1", "--port", str(gw_port),
-                              "--health-interval-s", "1")
+        argv = pdpool_command(
+            "gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--health-interval-s", "1"
+        )
         for sc in sidecars:
             argv += ["--decode-url", f"127.0.0.1:{sc.port}"]
         if s.kv_events:
             argv += self._wire_kv_events(prefills, decodes, sidecars)
         argv += self._serve_tls_args() + self._client_tls_args()
-        gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0),
-                        scheme=self._scheme)
+        gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0), scheme=self._scheme)
         self.children = prefills + decodes + sidecars + [gateway]
 
-    def _wire_kv_events(self, prefills: list[Child], decodes: list[Child],
-                        sidecars: list[Child]) -> list[str]:
+    def _wire_kv_events(
+        self, prefills: list[Child], decodes: list[Child], sidecars: list[Child]
+    ) -> list[str]:
         """Every engine gets vLLM's --kv-events-config (PUB + replay on free ports); each
         sidecar subscribes to the prefill engines', the gateway (its flags are returned)
         to the decode engines'."""
@@ -318,9 +389,17 @@ class Topology:
         """Adds --kv-events-config (PUB + replay on free ports) to the engine; returns
         where a subscriber finds them (ENDPOINT|REPLAY)."""
         pub, replay = free_port(), free_port()
-        engine.argv += ["--kv-events-config", json.dumps(
-            {"enable_kv_cache_events": True, "publisher": "zmq",
-             "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"})]
+        engine.argv += [
+            "--kv-events-config",
+            json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{pub}",
+                    "replay_endpoint": f"tcp://*:{replay}",
+                }
+            ),
+        ]
         return f"tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}"
 
     @property
@@ -333,9 +412,14 @@ class Topology:
     # ------------------------------------------------------------------ running
     def _spawn(self, child: Child) -> None:
         log = open(child.log_path, "ab")
-        child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      env={**os.environ, **child.env} if child.env else None)
+        child.proc = subprocess.Popen(
+            child.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **child.env} if child.env else None,
+        )
         log.close()
         child.pid = child.proc.pid
 
@@ -355,14 +439,16 @@ class Topology:
             for child in list(pending):
                 code = _process(child).poll()
                 if code is not None:
-                    raise RuntimeError(f"{child.name} exited with {code}; "
-                                       f"last log lines:\n{tail(child.log_path)}")
+                    raise RuntimeError(
+                        f"{child.name} exited with {code}; last log lines:\n{tail(child.log_path)}"
+                    )
                 if healthy(child.url, ca_file=self.ca_file):
                     pending.remove(child)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
-                raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {names} "
-                                   f"(logs in {self.log_dir})")
+                raise TimeoutError(
+                    f"not healthy after {timeout_s:.0f}s: {names} (logs in {self.log_dir})"
+                )
             if pending:
                 time.sleep(0.2)
         self._wait_gateway_sees_backends(deadline)
@@ -376,16 +462,18 @@ class Topology:
         context = ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
         while True:
             try:
-                with urllib.request.urlopen(self.gateway.url + "/health", timeout=2,
-                                            context=context) as r:
+                with urllib.request.urlopen(
+                    self.gateway.url + "/health", timeout=2, context=context
+                ) as r:
                     seen = len(json.loads(r.read()).get("healthy", []))
             except (urllib.error.URLError, OSError, ValueError):
                 seen = 0
             if seen >= want:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway sees {seen} of {want} sidecars healthy "
-                                   f"(logs in {self.log_dir})")
+                raise TimeoutError(
+                    f"the gateway sees {seen} of {want} sidecars healthy (logs in {self.log_dir})"
+                )
             time.sleep(0.2)
 
     def restart(self, child: Child) -> None:
@@ -428,9 +516,19 @@ class Topology:
             "log_dir": self.log_dir,
             "ca_file": self.ca_file,
             "spec": asdict(self.spec),
-            "children": [{"name": c.name, "role": c.role, "port": c.port, "url": c.url,
-                          "kv_port": c.kv_port, "pid": c.pid, "restarts": c.restarts,
-                          "log": c.log_path} for c in self.children],
+            "children": [
+                {
+                    "name": c.name,
+                    "role": c.role,
+                    "port": c.port,
+                    "url": c.url,
+                    "kv_port": c.kv_port,
+                    "pid": c.pid,
+                    "restarts": c.restarts,
+                    "log": c.log_path,
+                }
+                for c in self.children
+            ],
         }
 
     def __enter__(self) -> "Topology":
@@ -458,6 +556,7 @@ def _signal(child: Child, sig: int) -> None:
 
 def healthy(url: str, timeout: float = 1.0, ca_file: Optional[str] = None) -> bool:
     import ssl
+
     context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout, context=context) as r:
@@ -487,19 +586,59 @@ def make_tls_files(directory: str) -> tuple[str, tuple[str, str]]:
     os.makedirs(directory, mode=0o700, exist_ok=True)
 
     def run(*args: str) -> None:
-        done = subprocess.run(["openssl", *args], cwd=directory, capture_output=True,
-                              text=True)
+        done = subprocess.run(["openssl", *args], cwd=directory, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"openssl {args[0]} failed: {done.stderr.strip()[-500:]}")
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "7",
-        "-subj", "/CN=pdpool-up-ca", "-keyout", "ca.key", "-out", "ca.crt")
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "7",
+        "-subj",
+        "/CN=pdpool-up-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
     with open(os.path.join(directory, "san.cnf"), "w") as fh:
         fh.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=pdpool-up",
-        "-keyout", "tls.key", "-out", "tls.csr")
-    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-days", "7", "-extfile", "san.cnf", "-out", "tls.crt")
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=pdpool-up",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "7",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "tls.crt",
+    )
     for key in ("ca.key", "tls.key"):
         os.chmod(os.path.join(directory, key), 0o600)
-    return (os.path.join(directory, "ca.crt"),
-            (os.path.join(directory, "tls.crt"), os.path.join(directory, "tls.key")))
+    return (
+        os.path.join(directory, "ca.crt"),
+        (os.path.join(directory, "tls.crt"), os.path.join(directory, "tls.key")),
+    )

@@ -1,6 +1,7 @@
 """`pdpool up`: the whole P/D topology as local processes; prints the gateway URL.
 
 Ctrl-C or SIGTERM stops every process it started."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,42 +13,75 @@ from typing import NoReturn, Optional
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint folder (default: a tiny random model, "
-                                   "generated once per generator version into ~/.cache/pdpool)")
-    p.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3_5"),
-                   help="architecture of the default tiny model")
+    p.add_argument(
+        "--model",
+        help="checkpoint folder (default: a tiny random model, "
+        "generated once per generator version into ~/.cache/pdpool)",
+    )
+    p.add_argument(
+        "--arch",
+        default="qwen3",
+        choices=("qwen3", "qwen3_5"),
+        help="architecture of the default tiny model",
+    )
     p.add_argument("--prefill", type=int, default=1, help="prefill engines")
     p.add_argument("--decode", type=int, default=1, help="decode engines (one sidecar each)")
     p.add_argument("--port", type=int, default=8080, help="gateway port (0: any free port)")
-    p.add_argument("--mode", default="decode-first",
-                   choices=("decode-first", "prefill-first", "aggregated"))
+    p.add_argument(
+        "--mode", default="decode-first", choices=("decode-first", "prefill-first", "aggregated")
+    )
     p.add_argument("--cache-hit-threshold", type=float, default=0.5)
     p.add_argument("--no-pull-from-decode", dest="pull_from_decode", action="store_false")
     p.add_argument("--kv-connector", default="auto", choices=("auto", "nixl", "none"))
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     p.add_argument("--prefill-timeout", type=float, default=30.0)
-    p.add_argument("--decode-retry-s", type=float, default=30.0,
-                   help="how long a sidecar retries its restarting decode engine")
-    p.add_argument("--engine-arg", dest="engine_args", action="append", default=[],
-                   help="extra argument for every `pdpool serve` (repeatable), "
-                        "e.g. --engine-arg=--num-kv-blocks=512")
-    p.add_argument("--engine", default="pdpool", choices=("pdpool", "vllm"),
-                   help="engine of every prefill/decode process: pdpool serve, or stock "
-                        "`vllm serve` (CPU build from scripts/vllm/build-venv.sh, or "
-                        "$PDPOOL_VLLM_BIN; --engine-arg passes vLLM flags)")
-    p.add_argument("--engine-rejects", choices=("auto", "yes", "no"),
-                   help="sidecar: does the engine honour cache_hit_threshold (default: yes "
-                        "for pdpool, no for vllm)")
-    p.add_argument("--prefill-min-prompt-tokens", type=int,
-                   help="sidecar, engines that cannot reject: prompts of at least this many "
-                        "tokens go prefill-first in decode-first mode (default 128)")
-    p.add_argument("--tls", action="store_true",
-                   help="every hop over HTTPS (gateway, sidecars, engines), with a CA and "
-                        "certificate made for this run in <log dir>/tls (clients: --cacert)")
-    p.add_argument("--kv-events", action="store_true",
-                   help="decode engines publish KV cache events (--kv-events-config) and the "
-                        "gateway routes by them: cost = uncached prompt tokens + load, P/D "
-                        "decided up front (see docs/sidecar.md)")
+    p.add_argument(
+        "--decode-retry-s",
+        type=float,
+        default=30.0,
+        help="how long a sidecar retries its restarting decode engine",
+    )
+    p.add_argument(
+        "--engine-arg",
+        dest="engine_args",
+        action="append",
+        default=[],
+        help="extra argument for every `pdpool serve` (repeatable), "
+        "e.g. --engine-arg=--num-kv-blocks=512",
+    )
+    p.add_argument(
+        "--engine",
+        default="pdpool",
+        choices=("pdpool", "vllm"),
+        help="engine of every prefill/decode process: pdpool serve, or stock "
+        "`vllm serve` (CPU build from scripts/vllm/build-venv.sh, or "
+        "$PDPOOL_VLLM_BIN; --engine-arg passes vLLM flags)",
+    )
+    p.add_argument(
+        "--engine-rejects",
+        choices=("auto", "yes", "no"),
+        help="sidecar: does the engine honour cache_hit_threshold (default: yes "
+        "for pdpool, no for vllm)",
+    )
+    p.add_argument(
+        "--prefill-min-prompt-tokens",
+        type=int,
+        help="sidecar, engines that cannot reject: prompts of at least this many "
+        "tokens go prefill-first in decode-first mode (default 128)",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="every hop over HTTPS (gateway, sidecars, engines), with a CA and "
+        "certificate made for this run in <log dir>/tls (clients: --cacert)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="decode engines publish KV cache events (--kv-events-config) and the "
+        "gateway routes by them: cost = uncached prompt tokens + load, P/D "
+        "decided up front (see docs/sidecar.md)",
+    )
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
     p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -57,6 +91,7 @@ def main(args: argparse.Namespace) -> int:
     from pdpool.errors import CliError
 
     from .topology import Topology, TopologySpec, ensure_tiny_model, write_state
+
     if args.prefill < 0 or args.decode < 1:
         raise CliError("need --decode >= 1 and --prefill >= 0")
     if not 0.0 <= args.cache_hit_threshold <= 1.0:
@@ -65,28 +100,42 @@ def main(args: argparse.Namespace) -> int:
         model = args.model or ensure_tiny_model(args.arch)
     except RuntimeError as exc:
         raise CliError(str(exc)) from None
-    spec = TopologySpec(model=model, prefill=args.prefill, decode=args.decode, port=args.port,
-                        mode=args.mode, cache_hit_threshold=args.cache_hit_threshold,
-                        pull_from_decode=args.pull_from_decode, kv_connector=args.kv_connector,
-                        device=args.device, prefill_timeout=args.prefill_timeout,
-                        decode_retry_s=args.decode_retry_s,
-                        engine_args=args.engine_args, log_dir=args.log_dir,
-                        engine=args.engine, engine_rejects=args.engine_rejects,
-                        prefill_min_prompt_tokens=args.prefill_min_prompt_tokens,
-                        tls=args.tls, kv_events=args.kv_events)
+    spec = TopologySpec(
+        model=model,
+        prefill=args.prefill,
+        decode=args.decode,
+        port=args.port,
+        mode=args.mode,
+        cache_hit_threshold=args.cache_hit_threshold,
+        pull_from_decode=args.pull_from_decode,
+        kv_connector=args.kv_connector,
+        device=args.device,
+        prefill_timeout=args.prefill_timeout,
+        decode_retry_s=args.decode_retry_s,
+        engine_args=args.engine_args,
+        log_dir=args.log_dir,
+        engine=args.engine,
+        engine_rejects=args.engine_rejects,
+        prefill_min_prompt_tokens=args.prefill_min_prompt_tokens,
+        tls=args.tls,
+        kv_events=args.kv_events,
+    )
     try:
         topology = Topology(spec)
-    except RuntimeError as exc:   # openssl missing or failing (--tls)
+    except RuntimeError as exc:  # openssl missing or failing (--tls)
         raise CliError(str(exc)) from None
 
     def stop_on_signal(signum: int, frame: Optional[FrameType]) -> NoReturn:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop_on_signal)
-    print(f"pdpool up: starting {args.prefill} prefill + {args.decode} decode engines "
-          f"(engine {args.engine}, model {model}, kv connector {topology.kv_connector}, "
-          f"mode {args.mode}); "
-          f"logs in {topology.log_dir}", flush=True)
+    print(
+        f"pdpool up: starting {args.prefill} prefill + {args.decode} decode engines "
+        f"(engine {args.engine}, model {model}, kv connector {topology.kv_connector}, "
+        f"mode {args.mode}); "
+        f"logs in {topology.log_dir}",
+        flush=True,
+    )
     try:
         try:
             topology.start(args.ready_timeout)
@@ -96,13 +145,19 @@ def main(args: argparse.Namespace) -> int:
             write_state(args.state_file, topology)
         print(f"pdpool up: ready. OpenAI base URL: {topology.gateway.url}/v1", flush=True)
         if topology.ca_file:
-            print(f"pdpool up: TLS on every hop; trust {topology.ca_file} "
-                  f"(curl --cacert, SSL_CERT_FILE)", flush=True)
+            print(
+                f"pdpool up: TLS on every hop; trust {topology.ca_file} "
+                f"(curl --cacert, SSL_CERT_FILE)",
+                flush=True,
+            )
         while True:
             time.sleep(0.5)
             for child in topology.supervise_once():
-                print(f"pdpool up: {child.name} exited; restarted it (restart "
-                      f"#{child.restarts})", file=sys.stderr, flush=True)
+                print(
+                    f"pdpool up: {child.name} exited; restarted it (restart #{child.restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if args.state_file:
                     write_state(args.state_file, topology)
     except KeyboardInterrupt:

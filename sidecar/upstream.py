@@ -4,6 +4,7 @@ httpx's connection pool scans all of its connections (checking each socket) on e
 request, so one pool with many keep-alive connections costs O(connections) per request:
 at 64 concurrent streams that scan was most of the sidecar's CPU. Several small pools,
 used in turn, keep each scan short."""
+
 from __future__ import annotations
 
 import itertools
@@ -14,13 +15,18 @@ import httpx
 
 
 class ClientShards:
-    def __init__(self, shards: int = 16, connect_timeout: float = 2.0,
-                 ssl_context: Optional[ssl.SSLContext] = None) -> None:
+    def __init__(
+        self,
+        shards: int = 16,
+        connect_timeout: float = 2.0,
+        ssl_context: Optional[ssl.SSLContext] = None,
+    ) -> None:
         timeout = httpx.Timeout(None, connect=connect_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         verify = ssl_context if ssl_context is not None else True
-        self.clients = [httpx.AsyncClient(timeout=timeout, limits=limits, verify=verify)
-                        for _ in range(shards)]
+        self.clients = [
+            httpx.AsyncClient(timeout=timeout, limits=limits, verify=verify) for _ in range(shards)
+        ]
         self._turn = itertools.cycle(self.clients)
 
     def next(self) -> httpx.AsyncClient:

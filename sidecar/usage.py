@@ -3,6 +3,7 @@
 The merging rule itself is `legs.merged_usage`; here it is applied to a buffered answer or to
 the usage chunk of a stream, and `pdpool_sidecar_computed_prompt_tokens_total{leg}` counted.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,7 @@ def count_computed(metrics: SidecarMetrics, leg: str, usage: Any) -> None:
         metrics.computed_tokens.labels(leg).inc(legs.computed_tokens(usage))
 
 
-def decode_answer_usage(metrics: SidecarMetrics, content: bytes,
-                        prefill_usage: Any) -> bytes:
+def decode_answer_usage(metrics: SidecarMetrics, content: bytes, prefill_usage: Any) -> bytes:
     """A decode leg's buffered answer (200), its computed tokens counted and, after a prefill
     leg, its usage covering both legs."""
     data = json_or_none(content)
@@ -50,7 +50,7 @@ class StreamUsageRewriter:
     def feed(self, chunk: bytes) -> bytes:
         out = []
         for event in self.splitter.feed(chunk):
-            if b'"prompt_tokens"' in event:   # parse only the (rare) events with usage
+            if b'"prompt_tokens"' in event:  # parse only the (rare) events with usage
                 data = event_json(event)
                 usage = usage_of(data)
                 if usage is not None:

@@ -1,4 +1,5 @@
 """Fixtures shared by every test folder: tiny checkpoints and engine processes."""
+
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import pytest
 
 try:  # Tiny CPU models: one thread avoids oversubscribing 2 cores shared with engine processes.
     import torch
+
     torch.set_num_threads(1)
 except ImportError:
     pass
@@ -33,8 +35,14 @@ def tiny_qwen3(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_sliding(tmp_path_factory) -> Path:
     """Like tiny_qwen3 with 4 layers, every other one a 32-token sliding window."""
-    return _tiny(tmp_path_factory, "tiny-qwen3-sliding", arch="qwen3", seed=1, num_layers=4,
-                 sliding_window=32)
+    return _tiny(
+        tmp_path_factory,
+        "tiny-qwen3-sliding",
+        arch="qwen3",
+        seed=1,
+        num_layers=4,
+        sliding_window=32,
+    )
 
 
 @pytest.fixture(scope="session")

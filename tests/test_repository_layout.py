@@ -1,5 +1,6 @@
 """The repository's shape: nothing at its root shadows the standard library, and the import
 contracts between the parts hold (checked on the source, without importing it)."""
+
 from __future__ import annotations
 
 import ast
@@ -30,8 +31,13 @@ def test_nothing_at_the_root_shadows_a_standard_library_module():
 
 
 def test_stdlib_operator_works_from_the_repository_root():
-    done = subprocess.run([sys.executable, "-c", "import operator; operator.eq(1, 1)"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", "import operator; operator.eq(1, 1)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -61,7 +67,7 @@ def imported_modules(path: Path, package: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
                 prefix = node.module or ""

@@ -16,6 +16,7 @@ could make the engine connect anywhere (SSRF). Policy:
 
 Pure except for name resolution, which is injectable for tests.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -116,12 +117,12 @@ def _as_address(text: str) -> IPAddress | None:
 def _address_allowed(address: IPAddress, allowlist: Allowlist) -> bool:
     if address.is_unspecified:
         return False
-    return any(address in network for network in allowlist.networks
-               if network.version == address.version)
+    return any(
+        address in network for network in allowlist.networks if network.version == address.version
+    )
 
 
-def _listed_name_resolves_to(address: IPAddress, allowlist: Allowlist,
-                             resolver: Resolver) -> bool:
+def _listed_name_resolves_to(address: IPAddress, allowlist: Allowlist, resolver: Resolver) -> bool:
     """Some allowlisted host name resolves to `address` (now; names that do not resolve
     count as nothing)."""
     if address.is_unspecified:
@@ -148,10 +149,12 @@ def resolve_allowed(host: str, allowlist: Allowlist, resolver: Resolver = system
     literal = _as_address(text)
     if literal is not None:
         if _address_allowed(literal, allowlist) or _listed_name_resolves_to(
-                literal, allowlist, resolver):
+            literal, allowlist, resolver
+        ):
             return str(literal)
-        raise PeerNotAllowedError(f"peer {host!r} is not in the KV peer allowlist "
-                                  f"({allowlist.describe()})")
+        raise PeerNotAllowedError(
+            f"peer {host!r} is not in the KV peer allowlist ({allowlist.describe()})"
+        )
     name = _normalize_hostname(text)
     try:
         resolved = [a for a in (_as_address(r) for r in resolver(name)) if a is not None]
@@ -164,8 +167,10 @@ def resolve_allowed(host: str, allowlist: Allowlist, resolver: Resolver = system
     if name in allowlist.hostnames or all(_address_allowed(a, allowlist) for a in resolved):
         return str(resolved[0])
     outside = [str(a) for a in resolved if not _address_allowed(a, allowlist)]
-    raise PeerNotAllowedError(f"peer {host!r} resolves to {', '.join(outside)}, outside the "
-                              f"KV peer allowlist ({allowlist.describe()})")
+    raise PeerNotAllowedError(
+        f"peer {host!r} resolves to {', '.join(outside)}, outside the "
+        f"KV peer allowlist ({allowlist.describe()})"
+    )
 
 
 def is_allowed(host: str, allowlist: Allowlist, resolver: Resolver = system_resolver) -> bool:

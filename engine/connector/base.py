@@ -10,6 +10,7 @@ Split as vLLM splits it, though both halves run on the engine thread here:
   loads that finished, with how many tokens actually arrived (`poll`).
 `KVConnector` itself is the `none` connector: nothing comes from, or goes to, anyone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,18 +52,23 @@ class KVConnector:
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
         return 0
 
-    def update_state_after_alloc(self, request: Request, block_tables: list[list[int]],
-                                 num_local_computed: int, num_external: int) -> None:
+    def update_state_after_alloc(
+        self,
+        request: Request,
+        block_tables: list[list[int]],
+        num_local_computed: int,
+        num_external: int,
+    ) -> None:
         raise RuntimeError("the none connector never loads KV")
 
-    def request_finished(self, request: Request,
-                         status: RequestStatus) -> Optional[dict[str, Any]]:
+    def request_finished(self, request: Request, status: RequestStatus) -> Optional[dict[str, Any]]:
         """Called before a finished request's blocks are freed; may detach them to hold
         them for a peer. Returns the response's kv_transfer_params."""
         return None
 
-    def describe_rejected(self, request: Request, hits: list[Any],
-                          num_cached: int) -> Optional[dict[str, Any]]:
+    def describe_rejected(
+        self, request: Request, hits: list[Any], num_cached: int
+    ) -> Optional[dict[str, Any]]:
         """kv_transfer_params for a request rejected below its cache-hit threshold."""
         return None
 

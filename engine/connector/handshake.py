@@ -18,6 +18,7 @@ Lease operations share the port (a peer opens, renews or releases a lease on our
 The server runs in daemon threads and only ever serves a prepared document; it never calls
 into NIXL, so the engine's single-threaded use of its transport stays single-threaded.
 """
+
 from __future__ import annotations
 
 import base64
@@ -51,6 +52,7 @@ class IncompatiblePeerError(HandshakeError):
 
 # ---- compatibility ------------------------------------------------------------------------
 
+
 def _canonical(layout: Mapping[str, Any]) -> str:
     try:
         return json.dumps(layout, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -80,6 +82,7 @@ def layout_differences(local: Mapping[str, Any], remote: Mapping[str, Any]) -> l
 
 # ---- the document -------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class HandshakeDocument:
     engine_id: str
@@ -88,60 +91,91 @@ class HandshakeDocument:
     layout: dict[str, Any]
     compat_hash: str
     regions: dict[str, RegionLayout]
-    epoch: str = ""   # new at every engine start: leases of an earlier life are void
+    epoch: str = ""  # new at every engine start: leases of an earlier life are void
 
     def to_json(self) -> dict[str, Any]:
-        return {"protocol": PROTOCOL_VERSION, "engine_id": self.engine_id,
-                "epoch": self.epoch, "agent_name": self.agent_name,
-                "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
-                "compatibility": {"hash": self.compat_hash, "layout": self.layout},
-                "regions": {n: r.to_dict() for n, r in self.regions.items()}}
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "engine_id": self.engine_id,
+            "epoch": self.epoch,
+            "agent_name": self.agent_name,
+            "agent_metadata": base64.b64encode(self.agent_metadata).decode(),
+            "compatibility": {"hash": self.compat_hash, "layout": self.layout},
+            "regions": {n: r.to_dict() for n, r in self.regions.items()},
+        }
 
     @classmethod
     def from_json(cls, doc: Any) -> "HandshakeDocument":
         try:
             if doc.get("protocol") != PROTOCOL_VERSION:
-                raise HandshakeError(f"unsupported handshake protocol {doc.get('protocol')!r}"
-                                     f" (this engine speaks {PROTOCOL_VERSION})")
+                raise HandshakeError(
+                    f"unsupported handshake protocol {doc.get('protocol')!r}"
+                    f" (this engine speaks {PROTOCOL_VERSION})"
+                )
             compat = doc["compatibility"]
-            regions = {str(n): RegionLayout.from_dict(str(n), r)
-                       for n, r in doc["regions"].items()}
-            return cls(engine_id=str(doc["engine_id"]), agent_name=str(doc["agent_name"]),
-                       agent_metadata=base64.b64decode(doc["agent_metadata"], validate=True),
-                       layout=dict(compat["layout"]), compat_hash=str(compat["hash"]),
-                       regions=regions, epoch=str(doc.get("epoch") or ""))
+            regions = {str(n): RegionLayout.from_dict(str(n), r) for n, r in doc["regions"].items()}
+            return cls(
+                engine_id=str(doc["engine_id"]),
+                agent_name=str(doc["agent_name"]),
+                agent_metadata=base64.b64decode(doc["agent_metadata"], validate=True),
+                layout=dict(compat["layout"]),
+                compat_hash=str(compat["hash"]),
+                regions=regions,
+                epoch=str(doc.get("epoch") or ""),
+            )
         except HandshakeError:
             raise
         except (AttributeError, KeyError, TypeError, ValueError, RegionError) as exc:
             raise HandshakeError(f"malformed handshake document: {exc!r}") from None
 
 
-def build_document(engine_id: str, agent_name: str, agent_metadata: bytes,
-                   regions: Mapping[str, RegionLayout],
-                   layout: Mapping[str, Any], epoch: str = "") -> HandshakeDocument:
+def build_document(
+    engine_id: str,
+    agent_name: str,
+    agent_metadata: bytes,
+    regions: Mapping[str, RegionLayout],
+    layout: Mapping[str, Any],
+    epoch: str = "",
+) -> HandshakeDocument:
     """Our handshake document; `layout` is what must match for blocks to be exchangeable."""
-    return HandshakeDocument(engine_id, agent_name, bytes(agent_metadata), dict(layout),
-                             compatibility_hash(layout), dict(regions), epoch)
+    return HandshakeDocument(
+        engine_id,
+        agent_name,
+        bytes(agent_metadata),
+        dict(layout),
+        compatibility_hash(layout),
+        dict(regions),
+        epoch,
+    )
 
 
 def document_for(transport: Any, layout: Mapping[str, Any], epoch: str = "") -> HandshakeDocument:
     """The document of a `NixlTransport` (call after registering every region)."""
-    return build_document(transport.engine_id, transport.agent_name,
-                          transport.agent_metadata(), transport.regions, layout, epoch)
+    return build_document(
+        transport.engine_id,
+        transport.agent_name,
+        transport.agent_metadata(),
+        transport.regions,
+        layout,
+        epoch,
+    )
 
 
 def check_compatible(local_layout: Mapping[str, Any], peer: HandshakeDocument) -> None:
     """Raise IncompatiblePeerError, naming the differing fields, unless layouts match."""
     if compatibility_hash(peer.layout) != peer.compat_hash:
-        raise IncompatiblePeerError(f"engine {peer.engine_id}: its compatibility hash does "
-                                    "not match its own layout")
+        raise IncompatiblePeerError(
+            f"engine {peer.engine_id}: its compatibility hash does not match its own layout"
+        )
     if compatibility_hash(local_layout) != peer.compat_hash:
         diff = layout_differences(local_layout, peer.layout)
-        raise IncompatiblePeerError(f"engine {peer.engine_id} has an incompatible KV layout: "
-                                    + "; ".join(diff))
+        raise IncompatiblePeerError(
+            f"engine {peer.engine_id} has an incompatible KV layout: " + "; ".join(diff)
+        )
 
 
 # ---- server -------------------------------------------------------------------------------
+
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
@@ -161,7 +195,8 @@ class _Handler(socketserver.BaseRequestHandler):
         self.request.settimeout(owner.io_timeout_s)
         try:
             if owner.client_allowlist is not None and not is_allowed(
-                    self.client_address[0], owner.client_allowlist):
+                self.client_address[0], owner.client_allowlist
+            ):
                 return  # close without a word: nothing to learn for a stranger
             magic = _recv_exactly(self.request, len(MAGIC))
             if magic == LEASE_MAGIC and owner.lease_handler is not None:
@@ -181,8 +216,11 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             message = json.loads(_recv_exactly(self.request, length))
             handler = owner.lease_handler
-            reply = handler(message) if handler is not None and isinstance(message, dict) \
+            reply = (
+                handler(message)
+                if handler is not None and isinstance(message, dict)
                 else {"ok": False, "error": "a lease message is a JSON object"}
+            )
         except ValueError:
             reply = {"ok": False, "error": "a lease message is JSON"}
         payload = json.dumps(reply, separators=(",", ":")).encode()
@@ -202,9 +240,15 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 class HandshakeServer:
     """Serves our handshake document on (host, port); port 0 picks a free one."""
 
-    def __init__(self, document: HandshakeDocument, host: str = "0.0.0.0", port: int = 0,
-                 client_allowlist: Allowlist | None = None, io_timeout_s: float = 5.0,
-                 lease_handler: Callable[[dict], dict] | None = None):
+    def __init__(
+        self,
+        document: HandshakeDocument,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        client_allowlist: Allowlist | None = None,
+        io_timeout_s: float = 5.0,
+        lease_handler: Callable[[dict], dict] | None = None,
+    ):
         self.client_allowlist = client_allowlist
         # Answers lease operations (open, renew, release) from peers; runs on the server's
         # threads, so it must only touch thread-safe state (the lease table).
@@ -214,8 +258,9 @@ class HandshakeServer:
         self.set_document(document)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._server = _TCPServer((host, port), self, family)
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="kv-handshake", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kv-handshake", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -246,6 +291,7 @@ class HandshakeServer:
 
 # ---- client -------------------------------------------------------------------------------
 
+
 def fetch_handshake(host: str, port: int, timeout: float = 5.0) -> HandshakeDocument:
     """Fetch and parse a peer's handshake document; HandshakeError on any failure."""
     where = f"{host}:{port}"
@@ -255,8 +301,10 @@ def fetch_handshake(host: str, port: int, timeout: float = 5.0) -> HandshakeDocu
             sock.sendall(_HELLO)
             (length,) = struct.unpack(">I", _recv_exactly(sock, 4))
             if length > MAX_DOCUMENT_BYTES:
-                raise HandshakeError(f"KV handshake with {where}: document of {length} bytes "
-                                     f"exceeds {MAX_DOCUMENT_BYTES}")
+                raise HandshakeError(
+                    f"KV handshake with {where}: document of {length} bytes "
+                    f"exceeds {MAX_DOCUMENT_BYTES}"
+                )
             raw = _recv_exactly(sock, length)
     except socket.timeout:
         raise HandshakeError(f"KV handshake with {where} timed out after {timeout}s") from None

@@ -16,6 +16,7 @@ Failures after validation (peer gone, transport error, timeout) never raise from
 "these units did not arrive". Input errors (unknown peer or region, ids out of range,
 length mismatch) raise `RegionError`/`TransportError` before anything is issued.
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,8 +28,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from pdpool.engine.connector.regions import (RegionError, RegionLayout, check_read_pair,
-                                             layout_of_tensors)
+from pdpool.engine.connector.regions import (
+    RegionError,
+    RegionLayout,
+    check_read_pair,
+    layout_of_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ class TransferState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Notification:
-    peer: str       # agent name of the sender
+    peer: str  # agent name of the sender
     message: bytes
 
 
@@ -57,7 +62,7 @@ class Transfer:
     state: TransferState
     deadline: float | None
     error: str | None = None
-    handle: Any = None       # NIXL xfer handle; None once released (or never created)
+    handle: Any = None  # NIXL xfer handle; None once released (or never created)
 
 
 @dataclass
@@ -101,7 +106,7 @@ class _PacedBindings:
 def _new_agent(api: Any, name: str, config: Any) -> Any:
     real = getattr(api, "nixlBind", None)
     if real is None or not hasattr(real.nixlAgentConfig(), "pthrDelay"):
-        return api.nixl_agent(name, config)   # another NIXL layout: its own default
+        return api.nixl_agent(name, config)  # another NIXL layout: its own default
     with _AGENT_LOCK:
         api.nixlBind = _PacedBindings(real)
         try:
@@ -117,8 +122,14 @@ def _name(value: str | bytes) -> str:
 class NixlTransport:
     """See the module docstring. Use as a context manager or call `close()`."""
 
-    def __init__(self, engine_id: str, *, agent_name: str | None = None,
-                 backends: Sequence[str] = ("UCX",), num_threads: int = 0):
+    def __init__(
+        self,
+        engine_id: str,
+        *,
+        agent_name: str | None = None,
+        backends: Sequence[str] = ("UCX",),
+        num_threads: int = 0,
+    ):
         api = _load_nixl()
         self.engine_id = engine_id
         # A fresh name per process: a restarted engine must not be mistaken for its old self.
@@ -129,12 +140,14 @@ class NixlTransport:
         self._agent = _new_agent(api, self.agent_name, config)
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
-            raise TransportError(f"NIXL backends {missing} could not be created "
-                                 f"(available plugins: {self._agent.get_plugin_list()})")
+            raise TransportError(
+                f"NIXL backends {missing} could not be created "
+                f"(available plugins: {self._agent.get_plugin_list()})"
+            )
         self._regions: dict[str, RegionLayout] = {}
         self._offsets: dict[str, int] = {}
         self._registrations: list[Any] = []
-        self._tensors: list[Any] = []       # keep registered memory alive
+        self._tensors: list[Any] = []  # keep registered memory alive
         self._local_dlist: Any = None
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[int, Transfer] = {}
@@ -168,11 +181,17 @@ class NixlTransport:
         if self.mem_type not in (None, layout.mem_type):
             # One descriptor list per engine keeps a multi-region READ a single NIXL
             # transfer with a single notification; NIXL lists are single-memory-type.
-            raise RegionError(f"region {name!r} is {layout.mem_type} but earlier regions are "
-                              f"{self.mem_type}; all regions of an engine share one memory type")
+            raise RegionError(
+                f"region {name!r} is {layout.mem_type} but earlier regions are "
+                f"{self.mem_type}; all regions of an engine share one memory type"
+            )
         reg = self._agent.register_memory(
-            [(a, layout.num_units * s, layout.device_id, "")
-             for a, s in zip(layout.base_addrs, layout.slice_bytes)], layout.mem_type)
+            [
+                (a, layout.num_units * s, layout.device_id, "")
+                for a, s in zip(layout.base_addrs, layout.slice_bytes)
+            ],
+            layout.mem_type,
+        )
         self._registrations.append(reg)
         self._tensors.extend(tensors)
         self._offsets[name] = sum(r.num_descriptors for r in self._regions.values())
@@ -214,8 +233,10 @@ class NixlTransport:
         for name, remote in regions.items():
             local = self._regions.get(name)
             if local is not None and local.slice_bytes != remote.slice_bytes:
-                raise RegionError(f"region {name!r}: peer unit layout {list(remote.slice_bytes)}"
-                                  f" bytes differs from ours {list(local.slice_bytes)}")
+                raise RegionError(
+                    f"region {name!r}: peer unit layout {list(remote.slice_bytes)}"
+                    f" bytes differs from ours {list(local.slice_bytes)}"
+                )
         try:
             name = _name(self._agent.add_remote_agent(agent_metadata))
         except Exception as exc:
@@ -239,15 +260,17 @@ class NixlTransport:
                 dlist = self._agent.prep_xfer_dlist(name, descs, next(iter(mem_types)))
             except Exception as exc:
                 self._agent.remove_remote_agent(name)
-                raise TransportError(f"peer {name}: its regions do not match its metadata "
-                                     f"({exc})") from None
+                raise TransportError(
+                    f"peer {name}: its regions do not match its metadata ({exc})"
+                ) from None
         self._peers[name] = _Peer(name, regions, offsets, dlist)
         return name
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer; its unfinished transfers end FAILED."""
-        self._drop_peer(self._peers.pop(self._require_peer(peer).name), "peer removed",
-                        invalidate=True)
+        self._drop_peer(
+            self._peers.pop(self._require_peer(peer).name), "peer removed", invalidate=True
+        )
 
     def _drop_peer(self, peer: _Peer, reason: str, invalidate: bool):
         for t in list(self._transfers.values()):
@@ -268,8 +291,13 @@ class NixlTransport:
 
     # ---- transfers ----------------------------------------------------------------------
 
-    def start_read(self, peer: str, units: Mapping[str, tuple[Sequence[int], Sequence[int]]],
-                   notification: bytes | str = b"", timeout_s: float | None = None) -> int:
+    def start_read(
+        self,
+        peer: str,
+        units: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+        notification: bytes | str = b"",
+        timeout_s: float | None = None,
+    ) -> int:
         """READ remote units into local units: `{region: (local_ids, remote_ids)}`.
 
         `notification` reaches the peer once all the bytes have landed (also when nothing is
@@ -302,8 +330,9 @@ class NixlTransport:
                     self._agent.send_notif(p.name, notification)
                 self._finish(t)
                 return t.id
-            t.handle = self._agent.make_prepped_xfer("READ", self._local_dlist, local_idx,
-                                                     p.dlist, remote_idx, notification)
+            t.handle = self._agent.make_prepped_xfer(
+                "READ", self._local_dlist, local_idx, p.dlist, remote_idx, notification
+            )
             status = self._agent.transfer(t.handle)
         except Exception as exc:  # e.g. nixlRemoteDisconnectError: the peer is gone
             self._fail(t, f"could not start: {exc}")
@@ -321,8 +350,11 @@ class NixlTransport:
                 self._fail(t, str(exc))
             else:
                 self._advance(t, status)
-        if t.state is TransferState.IN_PROGRESS and t.deadline is not None \
-                and time.monotonic() > t.deadline:
+        if (
+            t.state is TransferState.IN_PROGRESS
+            and t.deadline is not None
+            and time.monotonic() > t.deadline
+        ):
             self._fail(t, "timed out")
             self._release_handle(t)  # cancels the READ in NIXL
         return t.state
@@ -395,8 +427,7 @@ class NixlTransport:
         """Notifications received since the last call, in arrival order per peer."""
         self._check_open()
         new = self._agent.get_new_notifs()
-        return [Notification(_name(peer), bytes(msg)) for peer, msgs in new.items()
-                for msg in msgs]
+        return [Notification(_name(peer), bytes(msg)) for peer, msgs in new.items() for msg in msgs]
 
     # ---- lifetime -----------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ to NIXL by one descriptor per tensor. Descriptors are laid out tensor-major:
 and the regions of an engine are concatenated in registration order into one descriptor
 list, so one NIXL transfer (and one notification) can cover several regions.
 """
+
 from __future__ import annotations
 
 import operator
@@ -30,7 +31,7 @@ class RegionLayout:
     name: str
     num_units: int
     slice_bytes: tuple[int, ...]  # bytes of one unit in each tensor
-    base_addrs: tuple[int, ...]   # data pointer of each tensor
+    base_addrs: tuple[int, ...]  # data pointer of each tensor
     mem_type: str = "DRAM"
     device_id: int = 0
 
@@ -56,27 +57,39 @@ class RegionLayout:
 
     def descriptors(self) -> list[tuple[int, int, int]]:
         """(address, length, device id) for every (tensor, unit), tensor-major."""
-        return [(base + unit * size, size, self.device_id)
-                for base, size in zip(self.base_addrs, self.slice_bytes)
-                for unit in range(self.num_units)]
+        return [
+            (base + unit * size, size, self.device_id)
+            for base, size in zip(self.base_addrs, self.slice_bytes)
+            for unit in range(self.num_units)
+        ]
 
     def descriptor_indices(self, unit_ids: Sequence[int], offset: int = 0) -> list[int]:
         """Indices into `descriptors()` (+ offset) for these units, tensor by tensor."""
-        return [offset + t * self.num_units + u
-                for t in range(len(self.slice_bytes)) for u in unit_ids]
+        return [
+            offset + t * self.num_units + u for t in range(len(self.slice_bytes)) for u in unit_ids
+        ]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"num_units": self.num_units, "unit_bytes": self.unit_bytes,
-                "slice_bytes": list(self.slice_bytes), "base_addrs": list(self.base_addrs),
-                "mem_type": self.mem_type, "device_id": self.device_id}
+        return {
+            "num_units": self.num_units,
+            "unit_bytes": self.unit_bytes,
+            "slice_bytes": list(self.slice_bytes),
+            "base_addrs": list(self.base_addrs),
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+        }
 
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any]) -> "RegionLayout":
         try:
-            layout = cls(name=name, num_units=_int(data["num_units"]),
-                         slice_bytes=tuple(_int(b) for b in data["slice_bytes"]),
-                         base_addrs=tuple(_int(a) for a in data["base_addrs"]),
-                         mem_type=str(data["mem_type"]), device_id=_int(data["device_id"]))
+            layout = cls(
+                name=name,
+                num_units=_int(data["num_units"]),
+                slice_bytes=tuple(_int(b) for b in data["slice_bytes"]),
+                base_addrs=tuple(_int(a) for a in data["base_addrs"]),
+                mem_type=str(data["mem_type"]),
+                device_id=_int(data["device_id"]),
+            )
         except (KeyError, TypeError) as exc:
             raise RegionError(f"region {name!r}: malformed description ({exc!r})") from None
         if "unit_bytes" in data and _int(data["unit_bytes"]) != layout.unit_bytes:
@@ -112,8 +125,7 @@ def layout_of_tensors(name: str, tensors: Iterable[Any]) -> RegionLayout:
         raise RegionError(f"region {name!r}: unsupported device {device}")
     mem_type = "VRAM" if device.type == "cuda" else "DRAM"
     device_id = (device.index or 0) if mem_type == "VRAM" else 0
-    return RegionLayout(name, num_units, tuple(slice_bytes), tuple(base_addrs), mem_type,
-                        device_id)
+    return RegionLayout(name, num_units, tuple(slice_bytes), tuple(base_addrs), mem_type, device_id)
 
 
 def check_unit_ids(region: RegionLayout, ids: Sequence[int], side: str) -> list[int]:
@@ -125,24 +137,30 @@ def check_unit_ids(region: RegionLayout, ids: Sequence[int], side: str) -> list[
                 raise TypeError
             out.append(operator.index(i))  # ints, numpy and torch integers; not floats
         except TypeError:
-            raise RegionError(f"{side} region {region.name!r}: id {i!r} is not an integer") \
-                from None
+            raise RegionError(
+                f"{side} region {region.name!r}: id {i!r} is not an integer"
+            ) from None
     bad = [i for i in out if not 0 <= i < region.num_units]
     if bad:
-        raise RegionError(f"{side} region {region.name!r}: ids {bad[:8]} out of range "
-                          f"[0, {region.num_units})")
+        raise RegionError(
+            f"{side} region {region.name!r}: ids {bad[:8]} out of range [0, {region.num_units})"
+        )
     return out
 
 
-def check_read_pair(local: RegionLayout, remote: RegionLayout, local_ids: Sequence[int],
-                    remote_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+def check_read_pair(
+    local: RegionLayout, remote: RegionLayout, local_ids: Sequence[int], remote_ids: Sequence[int]
+) -> tuple[list[int], list[int]]:
     """Validated (local, remote) unit ids for one region of a READ; raises RegionError."""
     if len(local_ids) != len(remote_ids):
-        raise RegionError(f"region {local.name!r}: {len(local_ids)} local ids for "
-                          f"{len(remote_ids)} remote ids")
+        raise RegionError(
+            f"region {local.name!r}: {len(local_ids)} local ids for {len(remote_ids)} remote ids"
+        )
     if local.slice_bytes != remote.slice_bytes:
-        raise RegionError(f"region {local.name!r}: unit layout differs (local slices "
-                          f"{list(local.slice_bytes)} bytes, remote {list(remote.slice_bytes)})")
+        raise RegionError(
+            f"region {local.name!r}: unit layout differs (local slices "
+            f"{list(local.slice_bytes)} bytes, remote {list(remote.slice_bytes)})"
+        )
     lids = check_unit_ids(local, local_ids, "local")
     if len(set(lids)) != len(lids):
         raise RegionError(f"region {local.name!r}: a local unit is written twice")

@@ -5,6 +5,7 @@ request with the same prefix can revive it. Free blocks are kept in LRU order: t
 freed longest ago is reused first, and callers free a request's blocks tail first so that
 the end of a prefix is evicted before its beginning.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -34,7 +35,8 @@ class BlockPool:
         # handed out, never written, never counted.
         self.null_block: Optional[Block] = self.blocks[0] if reserve_null else None
         self._free: "OrderedDict[int, Block]" = OrderedDict(
-            (b.block_id, b) for b in self.blocks if b is not self.null_block)
+            (b.block_id, b) for b in self.blocks if b is not self.null_block
+        )
         self._cached: dict[bytes, Block] = {}
         # Prometheus-style counters of prefix-cache lookups, in blocks.
         self.queries = 0

@@ -12,6 +12,7 @@ layers (Gated DeltaNet) hold no blocks: their state lives in state slots (see
     S F S F (window 32)   sliding32(2), full(2)          2
     L L L F (Qwen3.5)     full(1)  + recurrent state     1
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Callable, Optional, Sequence
 class KVGroup:
     """Full attention: every earlier token's KV is needed, so a prefix hit needs every
     block of the prefix and no block is ever released while its request runs."""
+
     num_layers: int
 
     @property
@@ -36,8 +38,13 @@ class KVGroup:
         """The first block a query at position `num_tokens` still reads."""
         return 0
 
-    def hit_len(self, is_cached: Callable[[bytes], bool], hashes: Sequence[bytes],
-                limit: int, block_size: int) -> int:
+    def hit_len(
+        self,
+        is_cached: Callable[[bytes], bool],
+        hashes: Sequence[bytes],
+        limit: int,
+        block_size: int,
+    ) -> int:
         """Blocks (<= limit) of prefix this group can serve from the cache."""
         n = 0
         while n < limit and is_cached(hashes[n]):
@@ -49,6 +56,7 @@ class KVGroup:
 class SlidingWindowGroup(KVGroup):
     """Sliding window: a query at position p reads the keys of p-W+1 .. p only, so a hit
     needs just the last window and blocks behind it go back to the pool while running."""
+
     window: int = 0
 
     @property
@@ -62,8 +70,13 @@ class SlidingWindowGroup(KVGroup):
     def first_needed_block(self, num_tokens: int, block_size: int) -> int:
         return max(0, (num_tokens - self.window + 1) // block_size)
 
-    def hit_len(self, is_cached: Callable[[bytes], bool], hashes: Sequence[bytes],
-                limit: int, block_size: int) -> int:
+    def hit_len(
+        self,
+        is_cached: Callable[[bytes], bool],
+        hashes: Sequence[bytes],
+        limit: int,
+        block_size: int,
+    ) -> int:
         for n in range(limit, 0, -1):
             first = self.first_needed_block(n * block_size, block_size)
             if all(is_cached(h) for h in hashes[first:n]):

@@ -15,6 +15,7 @@ The table itself is only metadata behind a lock: the handshake server's threads 
 renew and release leases, while the engine thread alone gives blocks back (`take_ended`),
 so the block pool stays single-threaded.
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,14 +36,14 @@ class LeaseRefused(Exception):
 class Lease:
     lease_id: str
     epoch: str
-    block_ids: list[list[int]]      # per KV group, the positions the lease covers
-    state_slots: tuple[int, ...]    # pinned recurrent-state slots (running state, boundary)
-    num_tokens: int                 # tokens whose KV the lease holds
-    hashes: list[bytes]             # chained hashes of the full blocks of those tokens
-    tail_hash: Optional[bytes]      # chained hash of a final partial block, if any
-    deadline: float                 # monotonic
+    block_ids: list[list[int]]  # per KV group, the positions the lease covers
+    state_slots: tuple[int, ...]  # pinned recurrent-state slots (running state, boundary)
+    num_tokens: int  # tokens whose KV the lease holds
+    hashes: list[bytes]  # chained hashes of the full blocks of those tokens
+    tail_hash: Optional[bytes]  # chained hash of a final partial block, if any
+    deadline: float  # monotonic
     state_tokens: Optional[int] = None  # the token count the pinned state slots are at
-    held: list[Any] = field(default_factory=list)   # the Block objects (engine thread only)
+    held: list[Any] = field(default_factory=list)  # the Block objects (engine thread only)
     read_until: float = 0.0
     opened: bool = False
     released: bool = False
@@ -57,11 +58,16 @@ class Lease:
 
     def describe(self) -> dict[str, Any]:
         """What an `open` answers: where the blocks are and what they hold."""
-        return {"lease_id": self.lease_id, "epoch": self.epoch, "block_ids": self.block_ids,
-                "state_slots": list(self.state_slots), "num_tokens": self.num_tokens,
-                "hashes": [h.hex() for h in self.hashes],
-                "tail_hash": self.tail_hash.hex() if self.tail_hash else None,
-                "state_tokens": self.state_tokens}
+        return {
+            "lease_id": self.lease_id,
+            "epoch": self.epoch,
+            "block_ids": self.block_ids,
+            "state_slots": list(self.state_slots),
+            "num_tokens": self.num_tokens,
+            "hashes": [h.hex() for h in self.hashes],
+            "tail_hash": self.tail_hash.hex() if self.tail_hash else None,
+            "state_tokens": self.state_tokens,
+        }
 
 
 class LeaseTable:
@@ -71,8 +77,14 @@ class LeaseTable:
         self.max_read_s = max_read_s
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        self.counters = {"leases_granted": 0, "leases_opened": 0, "leases_renewed": 0,
-                         "leases_released": 0, "leases_expired": 0, "lease_opens_refused": 0}
+        self.counters = {
+            "leases_granted": 0,
+            "leases_opened": 0,
+            "leases_renewed": 0,
+            "leases_released": 0,
+            "leases_expired": 0,
+            "lease_opens_refused": 0,
+        }
 
     def __len__(self) -> int:
         with self._lock:
@@ -87,12 +99,13 @@ class LeaseTable:
 
     def _live(self, lease_id: str, epoch: str, now: float) -> Lease:
         if epoch != self.epoch:
-            raise LeaseRefused(f"lease from engine epoch {epoch!r}; this engine is epoch "
-                               f"{self.epoch!r} (it restarted)")
+            raise LeaseRefused(
+                f"lease from engine epoch {epoch!r}; this engine is epoch "
+                f"{self.epoch!r} (it restarted)"
+            )
         lease = self._leases.get(lease_id)
         if lease is None or not lease.live(now):
-            raise LeaseRefused(f"no live lease {lease_id!r} (expired, released or never "
-                               "granted)")
+            raise LeaseRefused(f"no live lease {lease_id!r} (expired, released or never granted)")
         return lease
 
     def open(self, lease_id: str, epoch: str, read_timeout_s: float) -> dict[str, Any]:

@@ -8,6 +8,7 @@ Allocation follows the prefix-cache-aware scheduling seed: admission asks only f
 blocks a request does not already hold through the cache; a cached block another request
 is using costs no free block, a cached block on the free list is taken off it.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -35,9 +36,15 @@ def _key(group: int, block_hash: bytes) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_state_slots: int = 0, groups: Optional[list[KVGroup]] = None,
-                 num_snapshot_slots: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_state_slots: int = 0,
+        groups: Optional[list[KVGroup]] = None,
+        num_snapshot_slots: int = 0,
+    ):
         self.block_size = block_size
         self.groups = list(groups) if groups else [FULL]
         sliding = any(g.is_sliding for g in self.groups)
@@ -49,10 +56,10 @@ class KVCacheManager:
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
         self.req_slot: dict[str, int] = {}
         self.snapshots = StateSnapshotCache(num_state_slots, num_snapshot_slots)
-        self.pending_restores: list[tuple[int, int]] = []   # (snapshot slot, running slot)
-        self._num_published: dict[str, int] = {}   # per request: blocks already published
+        self.pending_restores: list[tuple[int, int]] = []  # (snapshot slot, running slot)
+        self._num_published: dict[str, int] = {}  # per request: blocks already published
         self.last_hit_lengths: dict[str, int] = {}
-        self.events: Optional["KVEventPublisher"] = None   # set by attach_events
+        self.events: Optional["KVEventPublisher"] = None  # set by attach_events
         # Holds of blocks for other engines; the connector decides, the manager holds.
         self.leases = LeaseTable(epoch="", hold_s=10.0, max_read_s=30.0)
 
@@ -91,8 +98,11 @@ class KVCacheManager:
     def _group_hit_len(self, g: int, hashes: list[bytes], limit: int) -> int:
         """Blocks (<= limit) of prefix that group g can serve."""
         return self.groups[g].hit_len(
-            lambda h: self.pool.get_cached_block(_key(g, h)) is not None, hashes, limit,
-            self.block_size)
+            lambda h: self.pool.get_cached_block(_key(g, h)) is not None,
+            hashes,
+            limit,
+            self.block_size,
+        )
 
     def _state_hit_len(self, hashes: list[bytes], limit: int) -> int:
         for n in range(limit, 0, -1):
@@ -108,8 +118,9 @@ class KVCacheManager:
         outside = [null] * first if null is not None else []
         return outside + [b for b in hits if b is not None]
 
-    def get_computed_blocks(self, request: Request, skip_state: bool = False
-                            ) -> tuple[list[list[Block]], int]:
+    def get_computed_blocks(
+        self, request: Request, skip_state: bool = False
+    ) -> tuple[list[list[Block]], int]:
         """The longest prefix every group can serve, as per-group block lists, and its
         length in tokens. At least one token is always left to compute so the last prompt
         token produces logits. `skip_state`: the recurrent state will come from elsewhere
@@ -136,8 +147,9 @@ class KVCacheManager:
         self.pool.hits += n * self.block_size
         if n == 0:
             return empty, 0
-        return [self._group_hit_blocks(g, hashes, n) for g in range(len(self.groups))], \
-            n * self.block_size
+        return [
+            self._group_hit_blocks(g, hashes, n) for g in range(len(self.groups))
+        ], n * self.block_size
 
     # --- allocation ---------------------------------------------------------------------
     def _release_outside_window(self, request: Request) -> None:
@@ -149,15 +161,19 @@ class KVCacheManager:
             cutoff = group.first_needed_block(request.num_computed_tokens, self.block_size)
             blocks = tables[g]
             null = self.pool.null_block
-            if null is None:   # no sliding group
+            if null is None:  # no sliding group
                 continue
             for i in range(min(cutoff, len(blocks))):
                 if blocks[i] is not null:
                     self.pool.free([blocks[i]])
                     blocks[i] = null
 
-    def blocks_needed(self, request: Request, num_new_tokens: int,
-                      new_computed: Optional[list[list[Block]]] = None) -> int:
+    def blocks_needed(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed: Optional[list[list[Block]]] = None,
+    ) -> int:
         """Free blocks this allocation would consume, over all groups (cache hits on the
         free list count: taking them removes them from the free list)."""
         tables = self.req_blocks.get(request.request_id)
@@ -171,15 +187,24 @@ class KVCacheManager:
             total += max(fresh, 0) + revived
         return total
 
-    def can_allocate(self, request: Request, num_new_tokens: int,
-                     new_computed: Optional[list[list[Block]]] = None) -> bool:
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed: Optional[list[list[Block]]] = None,
+    ) -> bool:
         if self.has_state and request.request_id not in self.req_slot and not self._free_slots:
             return False
-        return self.blocks_needed(request, num_new_tokens, new_computed) \
-            <= self.pool.num_free_blocks
+        return (
+            self.blocks_needed(request, num_new_tokens, new_computed) <= self.pool.num_free_blocks
+        )
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed: Optional[list[list[Block]]] = None) -> bool:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed: Optional[list[list[Block]]] = None,
+    ) -> bool:
         """Gives the request blocks for `num_new_tokens` more tokens (after its cached ones).
         Returns False, changing nothing, when the pool cannot."""
         self._release_outside_window(request)
@@ -230,8 +255,11 @@ class KVCacheManager:
         """After a forward advanced `request`: publishes its newly full blocks and returns
         the state copies (running slot -> snapshot slot) the runner must make."""
         self.cache_full_blocks(request, request.num_computed_tokens)
-        return [c for c in (self.snapshot_state(request), self.pin_state_for_transfer(request))
-                if c is not None]
+        return [
+            c
+            for c in (self.snapshot_state(request), self.pin_state_for_transfer(request))
+            if c is not None
+        ]
 
     def restore_state(self, request: Request, num_cached: int) -> None:
         """A state-model request admitted on a prefix hit resumes from that snapshot."""
@@ -239,8 +267,9 @@ class KVCacheManager:
             return
         snap = self.snapshots.lookup(request.block_hashes[num_cached // self.block_size - 1])
         if snap is None:
-            raise RuntimeError(f"no state snapshot for the {num_cached}-token hit of "
-                               f"{request.request_id}")
+            raise RuntimeError(
+                f"no state snapshot for the {num_cached}-token hit of {request.request_id}"
+            )
         self.pending_restores.append((snap, self.req_slot[request.request_id]))
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -253,8 +282,11 @@ class KVCacheManager:
         if num_full <= done:
             return
         for g, blocks in enumerate(tables):
-            stored = [i for i in range(done, min(num_full, len(blocks)))
-                      if self.pool.cache_block(blocks[i], _key(g, request.block_hashes[i]))]
+            stored = [
+                i
+                for i in range(done, min(num_full, len(blocks)))
+                if self.pool.cache_block(blocks[i], _key(g, request.block_hashes[i]))
+            ]
             if stored and self.events is not None:
                 self._record_stored(request, g, stored)
         self._num_published[request.request_id] = num_full
@@ -268,8 +300,7 @@ class KVCacheManager:
         from pdpool.kv_events import AllBlocksCleared, BlockRemoved
 
         self.events = publisher
-        self.pool.on_removed = lambda key: publisher.record(
-            BlockRemoved([key[1:]], "GPU", key[0]))
+        self.pool.on_removed = lambda key: publisher.record(BlockRemoved([key[1:]], "GPU", key[0]))
         self.pool.on_cleared = lambda: publisher.record(AllBlocksCleared())
 
     def _record_stored(self, request: Request, g: int, stored: list[int]) -> None:
@@ -280,16 +311,28 @@ class KVCacheManager:
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         kind = "sliding_window" if self.groups[g].is_sliding else "full_attention"
         run: list[int] = []
-        for i in stored + [-1]:   # one event per run of consecutive blocks
+        for i in stored + [-1]:  # one event per run of consecutive blocks
             if run and i != run[-1] + 1:
                 first, last = run[0], run[-1]
                 # As vLLM: the salt is published with the block whose hash it went into.
-                extra = [(request.cache_salt,) if j == 0 else None for j in run] \
-                    if request.cache_salt and first == 0 else None
-                events.record(BlockStored(
-                    [hashes[j] for j in run], hashes[first - 1] if first else None,
-                    list(tokens[first * bs:(last + 1) * bs]), bs, None, "GPU", g, kind,
-                    extra))
+                extra = (
+                    [(request.cache_salt,) if j == 0 else None for j in run]
+                    if request.cache_salt and first == 0
+                    else None
+                )
+                events.record(
+                    BlockStored(
+                        [hashes[j] for j in run],
+                        hashes[first - 1] if first else None,
+                        list(tokens[first * bs : (last + 1) * bs]),
+                        bs,
+                        None,
+                        "GPU",
+                        g,
+                        kind,
+                        extra,
+                    )
+                )
                 run = []
             run.append(i)
 
@@ -312,8 +355,13 @@ class KVCacheManager:
         """A prefill leg that has computed all but its last prompt token keeps a copy of its
         state there for the decode engine: (running slot, pinned slot) to copy."""
         n = request.num_computed_tokens
-        if not self.has_state or not request.is_prefill_leg or n == 0 \
-                or n != request.num_prompt_tokens - 1 or request.transfer_state_slot is not None:
+        if (
+            not self.has_state
+            or not request.is_prefill_leg
+            or n == 0
+            or n != request.num_prompt_tokens - 1
+            or request.transfer_state_slot is not None
+        ):
             return None
         slot = self.snapshots.take_slot()
         if slot is None:
@@ -334,7 +382,7 @@ class KVCacheManager:
         slot = self.req_slot.pop(request.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
-        if request.transfer_state_slot is not None:   # nobody took it over
+        if request.transfer_state_slot is not None:  # nobody took it over
             self.snapshots.release(request.transfer_state_slot)
             request.transfer_state_slot = None
         return [b for blocks in tables for b in reversed(blocks)]
@@ -344,9 +392,15 @@ class KVCacheManager:
         self.leases = LeaseTable(epoch, hold_s, max_read_s)
         return self.leases
 
-    def grant_lease(self, lease_id: str, request: Request, tables: list[list[Block]],
-                    num_tokens: int, state_slots: tuple[int, ...] = (),
-                    state_tokens: Optional[int] = None) -> Lease:
+    def grant_lease(
+        self,
+        lease_id: str,
+        request: Request,
+        tables: list[list[Block]],
+        num_tokens: int,
+        state_slots: tuple[int, ...] = (),
+        state_tokens: Optional[int] = None,
+    ) -> Lease:
         """Holds `tables` (per group, the blocks of the first `num_tokens` tokens of
         `request`) and pins `state_slots` under a new lease, bound to those tokens' hashes.
         A slot handed in is pinned once more here; the lease's end drops that pin."""
@@ -354,16 +408,25 @@ class KVCacheManager:
 
         n_full = num_tokens // self.block_size
         lease = Lease(
-            lease_id=lease_id, epoch=self.leases.epoch,
+            lease_id=lease_id,
+            epoch=self.leases.epoch,
             block_ids=[[b.block_id for b in blocks] for blocks in tables],
-            state_slots=tuple(state_slots), num_tokens=num_tokens,
+            state_slots=tuple(state_slots),
+            num_tokens=num_tokens,
             hashes=list(request.block_hashes[:n_full]),
-            tail_hash=prefix_hash(request.all_token_ids, request.block_hashes, num_tokens,
-                                  self.block_size, request.hasher.extra_keys)
-            if num_tokens % self.block_size else None,
+            tail_hash=prefix_hash(
+                request.all_token_ids,
+                request.block_hashes,
+                num_tokens,
+                self.block_size,
+                request.hasher.extra_keys,
+            )
+            if num_tokens % self.block_size
+            else None,
             deadline=time.monotonic() + self.leases.hold_s,
             state_tokens=state_tokens if state_slots else None,
-            held=self.hold([b for blocks in tables for b in reversed(blocks)]))
+            held=self.hold([b for blocks in tables for b in reversed(blocks)]),
+        )
         for slot in state_slots:
             self.snapshots.pin(slot)
         self.leases.grant(lease)

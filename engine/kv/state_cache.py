@@ -6,6 +6,7 @@ chunk ends on a block boundary (the scheduler aligns prefill chunks so one does)
 the hash of the last block, and evicted least-recently-used. Slots 0..R-1 are running
 states, R..R+S-1 snapshots; the model's state tensors hold R+S slots.
 """
+
 from __future__ import annotations
 
 from collections import Counter, OrderedDict

@@ -1,4 +1,5 @@
 """What every model class shares: the decoder stack, the LM head and the rotary table."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,8 +25,12 @@ class PagedCausalLM(nn.Module):
         self.model = model
         self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
         head_dim = head_dim_of(config)
-        self.rotary = RotaryEmbedding(head_dim, rotary_dim or head_dim, rope_theta_of(config),
-                                      config.get("max_position_embeddings", 4096))
+        self.rotary = RotaryEmbedding(
+            head_dim,
+            rotary_dim or head_dim,
+            rope_theta_of(config),
+            config.get("max_position_embeddings", 4096),
+        )
         self.tie_word_embeddings = config.get("tie_word_embeddings", False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """Layers shared by the Qwen families: RMSNorm, rotary embedding, gated MLP, paged attention."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -51,8 +52,13 @@ class RotaryEmbedding(nn.Module):
     def rebuild_buffers(self) -> None:
         """(Re)computes the float32 tables; called again after loading from the meta device."""
         device = self.cos.device if hasattr(self, "cos") and not self.cos.is_meta else None
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64,
-                                                      device=device).float() / self.rotary_dim))
+        inv_freq = 1.0 / (
+            self.theta
+            ** (
+                torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device=device).float()
+                / self.rotary_dim
+            )
+        )
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         emb = torch.outer(t, inv_freq).repeat(1, 2)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -64,7 +70,7 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         out = (rot.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -87,25 +93,44 @@ class GatedMLP(nn.Module):
 class PagedAttention(nn.Module):
     """Writes the new K/V into this layer's cache view, then attends through block tables."""
 
-    def __init__(self, layer_index: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: Optional[int] = None):
+    def __init__(
+        self,
+        layer_index: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: Optional[int] = None,
+    ):
         super().__init__()
         self.layer_index = layer_index  # its layer slot in kv_cache (the engine may reassign)
-        self.group = 0                  # its KV group: which block table it reads
+        self.group = 0  # its KV group: which block table it reads
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         k_cache = kv_cache[:, self.layer_index, 0]
         v_cache = kv_cache[:, self.layer_index, 1]
         slot_mapping, block_tables = meta.group_tables(self.group)
         ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-        return ops.paged_attention(q, k_cache, v_cache, block_tables,
-                                   meta.query_start_loc, meta.seq_lens, self.scale,
-                                   sliding_window=self.sliding_window,
-                                   max_query_len=meta.max_query_len,
-                                   max_seq_len=meta.max_seq_len)
+        return ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            sliding_window=self.sliding_window,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+        )

@@ -3,6 +3,7 @@
 `layer_types` may mark layers `sliding_attention`; those attend only to the last
 `sliding_window` positions.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,9 @@ class Qwen3Attention(nn.Module):
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
-        self.attn = PagedAttention(layer_index, self.num_heads, self.num_kv_heads,
-                                   self.head_dim, sliding_window)
+        self.attn = PagedAttention(
+            layer_index, self.num_heads, self.num_kv_heads, self.head_dim, sliding_window
+        )
 
     def forward(self, x, positions, rotary, kv_cache, meta):
         t = x.shape[0]
@@ -74,7 +76,8 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config, i, window if types[i] == "sliding_attention" else None)
-            for i in range(config["num_hidden_layers"]))
+            for i in range(config["num_hidden_layers"])
+        )
         self.norm = RMSNorm(config["hidden_size"], config.get("rms_norm_eps", 1e-6))
 
 
@@ -86,8 +89,14 @@ class Qwen3ForCausalLM(PagedCausalLM):
     def num_attention_layers(self) -> int:
         return len(self.model.layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, state=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        state=None,
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, self.rotary, kv_cache, meta)

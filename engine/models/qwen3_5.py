@@ -15,6 +15,7 @@ Within one step, sequences that decode one token from a held state take the deco
 one varlen prefill that starts from its slot's state (or zeros) and writes the final state
 back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,12 +47,12 @@ def hybrid_layer_types_of(config: dict) -> list[str]:
         types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
     unknown = sorted(set(types) - {LINEAR, FULL})
     if len(types) != n or unknown:
-        raise ValueError(f"layer_types must list {n} layers of {LINEAR!r} / {FULL!r}, "
-                         f"got {types}")
+        raise ValueError(f"layer_types must list {n} layers of {LINEAR!r} / {FULL!r}, got {types}")
     return list(types)
 
 
 # ----------------------------------------------------------------------------- state
+
 
 @dataclass
 class RecurrentState:
@@ -61,6 +62,7 @@ class RecurrentState:
     ssm `[num_slots, L_lin, Hv, Dk, Dv]` (fp32): the gated delta rule's state.
     A slot's whole state is `conv[slot]` and `ssm[slot]`.
     """
+
     conv: torch.Tensor
     ssm: torch.Tensor
 
@@ -80,12 +82,13 @@ class RecurrentBatch:
     Built once per forward from the metadata and shared by every linear layer. Token rows
     index the flat batch; `None` rows mean "all tokens, in order" (no gather needed).
     """
-    decode_rows: Optional[torch.Tensor]     # [Bd] token rows of one-token decodes
-    decode_slots: Optional[torch.Tensor]    # [Bd] their state slots
-    prefill_rows: Optional[torch.Tensor]    # [Tp] token rows of the prefill sequences
-    prefill_slots: Optional[torch.Tensor]   # [Np]
-    prefill_fresh: Optional[torch.Tensor]   # [Np] bool, True: start from a zero state
-    cu_seqlens: Optional[torch.Tensor]      # [Np+1] int32 over the packed prefill tokens
+
+    decode_rows: Optional[torch.Tensor]  # [Bd] token rows of one-token decodes
+    decode_slots: Optional[torch.Tensor]  # [Bd] their state slots
+    prefill_rows: Optional[torch.Tensor]  # [Tp] token rows of the prefill sequences
+    prefill_slots: Optional[torch.Tensor]  # [Np]
+    prefill_fresh: Optional[torch.Tensor]  # [Np] bool, True: start from a zero state
+    cu_seqlens: Optional[torch.Tensor]  # [Np+1] int32 over the packed prefill tokens
     num_tokens: int
 
     @staticmethod
@@ -110,20 +113,32 @@ class RecurrentBatch:
             decode_slots = slots[index(decode_seqs)]
         if prefill_seqs:
             if len(prefill_seqs) < len(meta.query_lens):
-                prefill_rows = index([t for b in prefill_seqs
-                                      for t in range(starts[b], starts[b + 1])])
+                prefill_rows = index(
+                    [t for b in prefill_seqs for t in range(starts[b], starts[b + 1])]
+                )
             prefill_slots = slots[index(prefill_seqs)]
-            prefill_fresh = torch.tensor([not meta.state_has_initial[b] for b in prefill_seqs],
-                                         dtype=torch.bool, device=device)
+            prefill_fresh = torch.tensor(
+                [not meta.state_has_initial[b] for b in prefill_seqs],
+                dtype=torch.bool,
+                device=device,
+            )
             cu = [0]
             for b in prefill_seqs:
                 cu.append(cu[-1] + meta.query_lens[b])
             cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
-        return RecurrentBatch(decode_rows, decode_slots, prefill_rows, prefill_slots,
-                              prefill_fresh, cu_seqlens, num_tokens)
+        return RecurrentBatch(
+            decode_rows,
+            decode_slots,
+            prefill_rows,
+            prefill_slots,
+            prefill_fresh,
+            cu_seqlens,
+            num_tokens,
+        )
 
 
 # ----------------------------------------------------------------------------- layers
+
 
 class RMSNormGated(nn.Module):
     """HF's `Qwen3_5RMSNormGated`: RMSNorm (weight around 1), then times silu(gate)."""
@@ -159,8 +174,9 @@ class Qwen3_5GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, eps, zero_centered=True)
-        self.attn = PagedAttention(attention_index, self.num_heads, self.num_kv_heads,
-                                   self.head_dim)
+        self.attn = PagedAttention(
+            attention_index, self.num_heads, self.num_kv_heads, self.head_dim
+        )
 
     def forward(self, x, positions, rotary, kv_cache, meta):
         t = x.shape[0]
@@ -197,8 +213,14 @@ class Qwen3_5GatedDeltaNet(nn.Module):
         self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, bias=False,
-                                groups=self.conv_dim, padding=self.conv_kernel - 1)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            self.conv_kernel,
+            bias=False,
+            groups=self.conv_dim,
+            padding=self.conv_kernel - 1,
+        )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, config.get("rms_norm_eps", 1e-6))
@@ -206,35 +228,42 @@ class Qwen3_5GatedDeltaNet(nn.Module):
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-slot (conv, ssm) state shapes of this layer."""
-        return ((self.conv_dim, self.conv_kernel - 1),
-                (self.num_v_heads, self.head_k_dim, self.head_v_dim))
+        return (
+            (self.conv_dim, self.conv_kernel - 1),
+            (self.num_v_heads, self.head_k_dim, self.head_v_dim),
+        )
 
     def _split_qkv(self, mixed: torch.Tensor):
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         t = mixed.shape[0]
-        return (q.reshape(t, self.num_k_heads, self.head_k_dim),
-                k.reshape(t, self.num_k_heads, self.head_k_dim),
-                v.reshape(t, self.num_v_heads, self.head_v_dim))
+        return (
+            q.reshape(t, self.num_k_heads, self.head_k_dim),
+            k.reshape(t, self.num_k_heads, self.head_k_dim),
+            v.reshape(t, self.num_v_heads, self.head_v_dim),
+        )
 
-    def forward(self, x: torch.Tensor, state: RecurrentState,
-                batch: RecurrentBatch) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, state: RecurrentState, batch: RecurrentBatch
+    ) -> torch.Tensor:
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x)                                  # [T, conv_dim]
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()                           # [T, Hv]
+        beta = self.in_proj_b(x).sigmoid()  # [T, Hv]
         # fp32 so that a half-precision A never overflows to -inf
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        conv_pool = state.conv[:, self.linear_index]                 # [N, C, K-1] views
-        ssm_pool = state.ssm[:, self.linear_index]                   # [N, Hv, Dk, Dv]
+        conv_pool = state.conv[:, self.linear_index]  # [N, C, K-1] views
+        ssm_pool = state.ssm[:, self.linear_index]  # [N, Hv, Dk, Dv]
         weight = self.conv1d.weight.squeeze(1)
         o = x.new_empty(t, self.num_v_heads, self.head_v_dim)
         if batch.decode_rows is not None:
             rows, slots = batch.decode_rows, batch.decode_slots
-            conv_out = ops.causal_conv1d_update(mixed[rows], conv_pool, weight, self.conv1d.bias,
-                                                "silu", state_indices=slots)
+            conv_out = ops.causal_conv1d_update(
+                mixed[rows], conv_pool, weight, self.conv1d.bias, "silu", state_indices=slots
+            )
             q, k, v = self._split_qkv(conv_out)
-            o[rows], _ = ops.gated_delta_rule_decode(q, k, v, g[rows], beta[rows], ssm_pool,
-                                                     state_indices=slots)
+            o[rows], _ = ops.gated_delta_rule_decode(
+                q, k, v, g[rows], beta[rows], ssm_pool, state_indices=slots
+            )
         if batch.cu_seqlens is not None:
             rows, slots, fresh = batch.prefill_rows, batch.prefill_slots, batch.prefill_fresh
             take = (lambda a: a) if rows is None else (lambda a: a[rows])
@@ -244,12 +273,23 @@ class Qwen3_5GatedDeltaNet(nn.Module):
             ssm_init = ssm_pool[slots]
             ssm_init[fresh] = 0
             conv_out, conv_final = ops.causal_conv1d_prefill(
-                take(mixed).t().unsqueeze(0), weight, self.conv1d.bias, conv_init, "silu",
-                cu_seqlens=batch.cu_seqlens)
+                take(mixed).t().unsqueeze(0),
+                weight,
+                self.conv1d.bias,
+                conv_init,
+                "silu",
+                cu_seqlens=batch.cu_seqlens,
+            )
             q, k, v = self._split_qkv(conv_out[0].t())
             out, ssm_final = ops.gated_delta_rule_prefill(
-                q[None], k[None], v[None], take(g)[None], take(beta)[None], ssm_init,
-                cu_seqlens=batch.cu_seqlens)
+                q[None],
+                k[None],
+                v[None],
+                take(g)[None],
+                take(beta)[None],
+                ssm_init,
+                cu_seqlens=batch.cu_seqlens,
+            )
             conv_pool[slots] = conv_final.to(conv_pool.dtype)
             ssm_pool[slots] = ssm_final.to(ssm_pool.dtype)
             if rows is None:
@@ -302,8 +342,9 @@ class Qwen3_5ForCausalLM(PagedCausalLM):
     def __init__(self, config: dict):
         rotary_dim = int(head_dim_of(config) * partial_rotary_factor_of(config))
         super().__init__(config, Qwen3_5Model(config), rotary_dim)
-        self.linear_layers = [layer.linear_attn for layer in self.model.layers
-                              if layer.layer_type == LINEAR]
+        self.linear_layers = [
+            layer.linear_attn for layer in self.model.layers if layer.layer_type == LINEAR
+        ]
 
     @property
     def num_attention_layers(self) -> int:
@@ -326,11 +367,17 @@ class Qwen3_5ForCausalLM(PagedCausalLM):
         n = self.num_linear_layers
         return RecurrentState(
             conv=torch.zeros(num_slots, n, *conv_shape, dtype=dtype, device=device),
-            ssm=torch.zeros(num_slots, n, *ssm_shape, dtype=torch.float32, device=device))
+            ssm=torch.zeros(num_slots, n, *ssm_shape, dtype=torch.float32, device=device),
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                state: Optional[RecurrentState] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        state: Optional[RecurrentState] = None,
+    ) -> torch.Tensor:
         batch = None
         if self.linear_layers:
             if state is None:

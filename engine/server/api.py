@@ -6,6 +6,7 @@
 
 CompletionResponder and ChatResponder drive those steps for their endpoint; OpsRoutes serves
 health, readiness, models, metrics and the KV lease release; errors.py writes every error."""
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -41,13 +42,15 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
     completions = CompletionResponder(translator, runner, writer, metrics)
     chat = ChatResponder(translator, runner, writer, metrics)
     # Route names as they were when these were functions: OpenAPI's operation ids keep them.
-    routes = [("GET", "/health", ops.health, "health"),
-              ("GET", "/ready", ops.ready, "ready"),
-              ("POST", "/pdpool/v1/kv/release", ops.release_kv, "release_kv"),
-              ("GET", "/v1/models", ops.models, "models"),
-              ("GET", "/metrics", ops.prometheus, "prom"),
-              ("POST", "/v1/completions", completions.create, "completions"),
-              ("POST", "/v1/chat/completions", chat.create, "chat")]
+    routes = [
+        ("GET", "/health", ops.health, "health"),
+        ("GET", "/ready", ops.ready, "ready"),
+        ("POST", "/pdpool/v1/kv/release", ops.release_kv, "release_kv"),
+        ("GET", "/v1/models", ops.models, "models"),
+        ("GET", "/metrics", ops.prometheus, "prom"),
+        ("POST", "/v1/completions", completions.create, "completions"),
+        ("POST", "/v1/chat/completions", chat.create, "chat"),
+    ]
     for method, path, endpoint, name in routes:
         app.add_api_route(path, endpoint, methods=[method], name=name)
     return app

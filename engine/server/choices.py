@@ -1,6 +1,7 @@
 """The engine side of one answer: its choices' engine requests, started together so that they
 share steps, then collected (a whole response) or pumped (a stream), and always closed; and
 the race of the work before the first token against a client that goes away."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,6 +32,7 @@ async def until_disconnect(http_req: Request, work: Awaitable[T], metrics: Engin
     async def disconnected():
         while (await http_req.receive())["type"] != "http.disconnect":
             pass
+
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -64,8 +66,14 @@ async def first_output(stream: Outputs) -> RequestOutput:
 class Choice:
     """One engine request behind one choice of the answer, and what it produced so far."""
 
-    def __init__(self, spec: ChoiceRequest, first: RequestOutput, stream: Outputs,
-                 format_logprobs: LogprobsFormatter, t_arrival: float):
+    def __init__(
+        self,
+        spec: ChoiceRequest,
+        first: RequestOutput,
+        stream: Outputs,
+        format_logprobs: LogprobsFormatter,
+        t_arrival: float,
+    ):
         self.index, self.first_of_prompt = spec.index, spec.first_of_prompt
         self.request_id = spec.request_id
         self.first, self.stream, self.format_logprobs = first, stream, format_logprobs
@@ -96,21 +104,28 @@ class ChoiceRunner:
         engine = self.aengine.engine
 
         def add():
-            engine.add_request(spec.request_id, spec.prompt_ids, spec.params,
-                               cache_salt=spec.cache_salt,
-                               cache_hit_threshold=spec.cache_hit_threshold,
-                               kv_transfer_params=spec.kv_transfer_params)
+            engine.add_request(
+                spec.request_id,
+                spec.prompt_ids,
+                spec.params,
+                cache_salt=spec.cache_salt,
+                cache_hit_threshold=spec.cache_hit_threshold,
+                kv_transfer_params=spec.kv_transfer_params,
+            )
+
         return self.aengine.generate(spec.request_id, add)
 
-    async def start(self, specs: list[ChoiceRequest],
-                    new_logprobs_formatter: Callable[[], LogprobsFormatter]) -> list[Choice]:
+    async def start(
+        self, specs: list[ChoiceRequest], new_logprobs_formatter: Callable[[], LogprobsFormatter]
+    ) -> list[Choice]:
         """Submits every choice and waits for all their first outputs: an error in any
         becomes the answer's HTTP error, and closes the others."""
         t_arrival = time.monotonic()
         streams = [self._submit(spec) for spec in specs]
-        try:   # all at once, so that they share steps
-            firsts = await asyncio.gather(*(first_output(s) for s in streams),
-                                          return_exceptions=True)
+        try:  # all at once, so that they share steps
+            firsts = await asyncio.gather(
+                *(first_output(s) for s in streams), return_exceptions=True
+            )
             failed = [f for f in firsts if isinstance(f, BaseException)]
             if failed:
                 raise failed[0]
@@ -118,8 +133,10 @@ class ChoiceRunner:
             for stream in streams:
                 await stream.aclose()
             raise
-        return [Choice(spec, first, stream, new_logprobs_formatter(), t_arrival)
-                for spec, first, stream in zip(specs, firsts, streams)]
+        return [
+            Choice(spec, first, stream, new_logprobs_formatter(), t_arrival)
+            for spec, first, stream in zip(specs, firsts, streams)
+        ]
 
     async def outputs(self, c: Choice) -> Outputs:
         """A choice's outputs from its first on, each observed in the latency metrics."""
@@ -136,6 +153,7 @@ class ChoiceRunner:
 
     async def run_to_end(self, http_req: Request, choices: list[Choice]) -> None:
         """Collects a non-streaming answer; a client that goes away aborts it."""
+
         async def collect(c: Choice):
             async for out in self.outputs(c):
                 c.absorb(out)
@@ -145,8 +163,9 @@ class ChoiceRunner:
         tasks = [asyncio.ensure_future(collect(c)) for c in choices]
         try:
             while True:
-                done, pending = await asyncio.wait(tasks, timeout=0.5,
-                                                   return_when=asyncio.FIRST_EXCEPTION)
+                done, pending = await asyncio.wait(
+                    tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION
+                )
                 for t in done:
                     if t.exception() is not None:
                         raise t.exception()
@@ -169,6 +188,7 @@ class ChoiceRunner:
                     queue.put_nowait((c, out))
             except Exception as exc:
                 queue.put_nowait((c, exc))
+
         return queue, [asyncio.ensure_future(pump_one(c)) for c in choices]
 
     async def close(self, choices: list[Choice], tasks: list[asyncio.Future]) -> None:
@@ -177,4 +197,4 @@ class ChoiceRunner:
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for c in choices:
-            await c.stream.aclose()   # aborts the ones still running
+            await c.stream.aclose()  # aborts the ones still running

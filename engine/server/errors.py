@@ -1,5 +1,6 @@
 """OpenAI-shaped errors of the HTTP layer: the exception routes raise, and the app's handlers
 that write every failure (ours, FastAPI's, Starlette's, unexpected ones) as one JSON body."""
+
 from __future__ import annotations
 
 import logging
@@ -19,14 +20,20 @@ log = logging.getLogger("pdpool.server")
 class ApiError(Exception):
     """An OpenAI error answer, raised from anywhere below a route."""
 
-    def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError",
-                 param: Optional[str] = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        err_type: str = "BadRequestError",
+        param: Optional[str] = None,
+    ):
         super().__init__(message)
         self.status, self.err_type, self.param = status, err_type, param
 
 
-def error_response(message: str, status: int = 400, err_type: str = "BadRequestError",
-                   param: Optional[str] = None) -> JSONResponse:
+def error_response(
+    message: str, status: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, status, param), status_code=status)
 
 
@@ -38,9 +45,8 @@ def client_closed() -> ApiError:
 def output_error(out: RequestOutput) -> ApiError:
     """A request that ended with an error: 400 for its own bad parameters, 500 for an
     engine fault, 503 (retryable) for a failed KV transfer."""
-    status = out.error_status or 503   # no status: a failed KV load (fail policy)
-    err_type = {400: "BadRequestError", 500: "InternalServerError"}.get(
-        status, "KVTransferError")
+    status = out.error_status or 503  # no status: a failed KV load (fail policy)
+    err_type = {400: "BadRequestError", 500: "InternalServerError"}.get(status, "KVTransferError")
     return ApiError(out.error or "the request failed", status, err_type)
 
 
@@ -59,8 +65,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_req, exc: StarletteHTTPException):
-        return error_response(str(exc.detail), exc.status_code,
-                              "NotFoundError" if exc.status_code == 404 else "BadRequestError")
+        return error_response(
+            str(exc.detail),
+            exc.status_code,
+            "NotFoundError" if exc.status_code == 404 else "BadRequestError",
+        )
 
     @app.exception_handler(ApiError)
     async def _on_api(_req, exc: ApiError):

@@ -10,6 +10,7 @@ default `raw_logprobs`), before min_tokens masking, temperature, top-k and top-p
 - /v1/chat/completions: `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
   bytes}]}]}` with exactly `top_logprobs` entries, best first.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -57,6 +58,7 @@ def completion_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], d
             out["text_offset"].append(offset)
             offset += len(token)
         return out
+
     return fmt
 
 
@@ -72,15 +74,25 @@ def merge_completion(parts: list[dict]) -> Optional[dict]:
 
 def _chat_entry(text_of: TokenText, token_id: int, logprob: float) -> dict:
     token = text_of(token_id)
-    return {"token": token, "logprob": _lp(logprob),
-            "bytes": list(token.encode("utf-8", errors="replace"))}
+    return {
+        "token": token,
+        "logprob": _lp(logprob),
+        "bytes": list(token.encode("utf-8", errors="replace")),
+    }
 
 
 def chat_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], dict]:
     def fmt(lps: list[TokenLogprob]) -> dict:
-        return {"content": [{**_chat_entry(text_of, lp.token_id, lp.logprob),
-                             "top_logprobs": [_chat_entry(text_of, i, v) for i, v in lp.top]}
-                            for lp in lps]}
+        return {
+            "content": [
+                {
+                    **_chat_entry(text_of, lp.token_id, lp.logprob),
+                    "top_logprobs": [_chat_entry(text_of, i, v) for i, v in lp.top],
+                }
+                for lp in lps
+            ]
+        }
+
     return fmt
 
 

@@ -1,5 +1,6 @@
 """Prometheus metrics of one engine, on a registry of its own (several engines may share a
 process in tests)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -10,12 +11,74 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 # vLLM's own series (vllm/v1/metrics/loggers.py and buckets.py of vLLM 0.32), beside ours, so
 # that vLLM dashboards and routers that scrape vLLM (llm-d's endpoint picker) work unchanged:
 # same names, types, label names (model_name, engine) and histogram buckets.
-VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+VLLM_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+VLLM_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # name -> type, as vLLM 0.32 exposes them (counters add _total); tests check both engines.
 VLLM_METRICS = {
@@ -44,12 +107,22 @@ class _VllmCounters:
     def collect(self):
         pool, sched = self.engine.kv.pool, self.engine.scheduler
         for name, doc, value in (
-                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
-                 "queried tokens.", lambda: pool.queries),
-                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
-                 "tokens.", lambda: pool.hits),
-                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                 lambda: sched.num_preemptions)):
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                lambda: pool.queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                lambda: pool.hits,
+            ),
+            (
+                "vllm:num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                lambda: sched.num_preemptions,
+            ),
+        ):
             family = CounterMetricFamily(name, doc, labels=list(self.labels))
             family.add_metric(list(self.labels.values()), value())
             yield family
@@ -66,8 +139,11 @@ class EngineMetrics:
             g.labels(**labels).set_function(fn)
 
         gauge("pdpool_num_requests_running", "Requests being computed.", lambda: len(sched.running))
-        gauge("pdpool_num_requests_waiting", "Requests waiting to be scheduled.",
-              lambda: len(sched.waiting))
+        gauge(
+            "pdpool_num_requests_waiting",
+            "Requests waiting to be scheduled.",
+            lambda: len(sched.waiting),
+        )
         gauge("pdpool_kv_blocks_used", "KV blocks in use.", lambda: pool.num_used_blocks)
         gauge("pdpool_kv_blocks_total", "KV blocks in the pool.", lambda: pool.num_blocks)
         gauge("pdpool_kv_cache_usage_perc", "Fraction of KV blocks in use.", pool.usage)
@@ -78,54 +154,98 @@ class EngineMetrics:
 
         self.prompt_tokens = counter("pdpool_prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("pdpool_generation_tokens", "Tokens generated.")
-        self.requests_finished = counter("pdpool_request_success", "Finished requests.",
-                                         ["finished_reason"])
+        self.requests_finished = counter(
+            "pdpool_request_success", "Finished requests.", ["finished_reason"]
+        )
         self.labels = labels
         self.client_disconnects = counter(
-            "pdpool_client_disconnects", "Clients that went away before their answer was "
+            "pdpool_client_disconnects",
+            "Clients that went away before their answer was "
             "complete, by phase: body (while sending it), waiting (preparing, queued or "
-            "prefilling: aborted before any token), running (generating).", ["phase"])
-        self.ttft = Histogram("pdpool_time_to_first_token_seconds", "Time to first token.",
-                              list(labels), buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdpool_inter_token_latency_seconds", "Time between tokens.",
-                             list(labels), buckets=_LATENCY_BUCKETS, registry=r)
+            "prefilling: aborted before any token), running (generating).",
+            ["phase"],
+        )
+        self.ttft = Histogram(
+            "pdpool_time_to_first_token_seconds",
+            "Time to first token.",
+            list(labels),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdpool_inter_token_latency_seconds",
+            "Time between tokens.",
+            list(labels),
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self._vllm_series(engine, model_name)
         # Counters that the engine keeps itself are exported by reading them at scrape time.
-        gauge("pdpool_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-              lambda: pool.queries)
-        gauge("pdpool_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
-              lambda: pool.hits)
-        gauge("pdpool_num_preemptions_total", "Requests preempted.",
-              lambda: sched.num_preemptions)
-        rej = Gauge("pdpool_cache_threshold_rejections_total",
-                    "Requests rejected below their cache-hit threshold.",
-                    list(labels) + ["threshold_source"], registry=r)
+        gauge(
+            "pdpool_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            lambda: pool.queries,
+        )
+        gauge(
+            "pdpool_prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache.",
+            lambda: pool.hits,
+        )
+        gauge("pdpool_num_preemptions_total", "Requests preempted.", lambda: sched.num_preemptions)
+        rej = Gauge(
+            "pdpool_cache_threshold_rejections_total",
+            "Requests rejected below their cache-hit threshold.",
+            list(labels) + ["threshold_source"],
+            registry=r,
+        )
         for source in ("request", "global"):
             rej.labels(threshold_source=source, **labels).set_function(
-                lambda s=source: sched.num_threshold_rejections[s])
-        kv_stat = Gauge("pdpool_kv_connector", "KV connector counters (bytes_read, "
-                        "tokens_pulled, loads_ok, loads_failed, leases_active, ...).",
-                        list(labels) + ["stat"], registry=r)
+                lambda s=source: sched.num_threshold_rejections[s]
+            )
+        kv_stat = Gauge(
+            "pdpool_kv_connector",
+            "KV connector counters (bytes_read, "
+            "tokens_pulled, loads_ok, loads_failed, leases_active, ...).",
+            list(labels) + ["stat"],
+            registry=r,
+        )
         for stat in engine.connector.stats():
             kv_stat.labels(stat=stat, **labels).set_function(
-                lambda s=stat: engine.connector.stats()[s])
-        gauge("pdpool_requests_aborted_total", "Requests aborted (client gone, cancelled).",
-              lambda: engine.stats["aborted"])
-        gauge("pdpool_requests_failed_total", "Requests ended by an error of their own "
-              "(sampling, output processing, the model forward), the others unharmed.",
-              lambda: engine.stats["failed"])
-        gauge("pdpool_engine_fault", "1 while the model forward fails for every request "
-              "(an engine-wide failure; /health answers 503).",
-              lambda: 0 if engine.fault is None else 1)
-        gauge("pdpool_computed_tokens_total", "Tokens run through the model.",
-              lambda: engine.stats["computed_tokens"])
-        by_source = Gauge("pdpool_prompt_tokens_by_source_total",
-                          "Prompt tokens by where their KV came from: this engine's prefix "
-                          "cache (local), a peer (pulled, verified), the model (computed).",
-                          list(labels) + ["source"], registry=r)
+                lambda s=stat: engine.connector.stats()[s]
+            )
+        gauge(
+            "pdpool_requests_aborted_total",
+            "Requests aborted (client gone, cancelled).",
+            lambda: engine.stats["aborted"],
+        )
+        gauge(
+            "pdpool_requests_failed_total",
+            "Requests ended by an error of their own "
+            "(sampling, output processing, the model forward), the others unharmed.",
+            lambda: engine.stats["failed"],
+        )
+        gauge(
+            "pdpool_engine_fault",
+            "1 while the model forward fails for every request "
+            "(an engine-wide failure; /health answers 503).",
+            lambda: 0 if engine.fault is None else 1,
+        )
+        gauge(
+            "pdpool_computed_tokens_total",
+            "Tokens run through the model.",
+            lambda: engine.stats["computed_tokens"],
+        )
+        by_source = Gauge(
+            "pdpool_prompt_tokens_by_source_total",
+            "Prompt tokens by where their KV came from: this engine's prefix "
+            "cache (local), a peer (pulled, verified), the model (computed).",
+            list(labels) + ["source"],
+            registry=r,
+        )
         for source in ("local", "pulled", "computed"):
             by_source.labels(source=source, **labels).set_function(
-                lambda s=source: engine.stats[f"prompt_tokens_{s}"])
+                lambda s=source: engine.stats[f"prompt_tokens_{s}"]
+            )
 
     def _vllm_series(self, engine, model_name: str) -> None:
         r, sched, pool = self.registry, engine.scheduler, engine.kv.pool
@@ -133,43 +253,75 @@ class EngineMetrics:
         names = list(vl)
 
         def gauge(name: str, doc: str, fn) -> None:
-            Gauge(name, doc, names, registry=r, multiprocess_mode="mostrecent") \
-                .labels(**vl).set_function(fn)
+            Gauge(name, doc, names, registry=r, multiprocess_mode="mostrecent").labels(
+                **vl
+            ).set_function(fn)
 
-        gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-              lambda: len(sched.running))
-        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-              lambda: len(sched.waiting))
-        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-              pool.usage)
+        gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            lambda: len(sched.running),
+        )
+        gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            lambda: len(sched.waiting),
+        )
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", pool.usage)
         cfg = engine.config
-        info = {"block_size": str(cfg.block_size), "cache_dtype": "auto",
-                "enable_prefix_caching": str(bool(cfg.enable_prefix_caching)),
-                "num_gpu_blocks": str(pool.num_blocks), "num_cpu_blocks": "None",
-                "engine": "0"}
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-              list(info), registry=r, multiprocess_mode="mostrecent").labels(**info).set(1)
+        info = {
+            "block_size": str(cfg.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(bool(cfg.enable_prefix_caching)),
+            "num_gpu_blocks": str(pool.num_blocks),
+            "num_cpu_blocks": "None",
+            "engine": "0",
+        }
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info),
+            registry=r,
+            multiprocess_mode="mostrecent",
+        ).labels(**info).set(1)
         r.register(_VllmCounters(engine, vl))
-        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens "
-                                          "processed.", names, registry=r).labels(**vl)
-        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Number of generation "
-                                              "tokens processed.", names, registry=r).labels(**vl)
-        self.vllm_success = Counter("vllm:request_success", "Count of successfully processed "
-                                    "requests.", names + ["finished_reason"], registry=r)
+        self.vllm_prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", names, registry=r
+        ).labels(**vl)
+        self.vllm_generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", names, registry=r
+        ).labels(**vl)
+        self.vllm_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            names + ["finished_reason"],
+            registry=r,
+        )
         for reason in VLLM_FINISH_REASONS:
             self.vllm_success.labels(finished_reason=reason, **vl)
-        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to "
-                                   "first token in seconds.", names, buckets=VLLM_TTFT_BUCKETS,
-                                   registry=r).labels(**vl)
-        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of "
-                                  "inter-token latency in seconds.", names,
-                                  buckets=VLLM_ITL_BUCKETS, registry=r).labels(**vl)
-        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e "
-                                  "request latency in seconds.", names,
-                                  buckets=VLLM_E2E_BUCKETS, registry=r).labels(**vl)
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            names,
+            buckets=VLLM_TTFT_BUCKETS,
+            registry=r,
+        ).labels(**vl)
+        self.vllm_itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            names,
+            buckets=VLLM_ITL_BUCKETS,
+            registry=r,
+        ).labels(**vl)
+        self.vllm_e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            names,
+            buckets=VLLM_E2E_BUCKETS,
+            registry=r,
+        ).labels(**vl)
 
-    def observe_output(self, out, first: bool, since: float,
-                       e2e: float | None = None) -> None:
+    def observe_output(self, out, first: bool, since: float, e2e: float | None = None) -> None:
         lab = self._labels
         if first:
             self.ttft.labels(**lab).observe(since)
@@ -180,12 +332,14 @@ class EngineMetrics:
         if out.finished:
             self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)
             self.generation_tokens.labels(**lab).inc(out.num_output_tokens)
-            self.requests_finished.labels(finished_reason=out.finish_reason or "unknown",
-                                          **lab).inc()
+            self.requests_finished.labels(
+                finished_reason=out.finish_reason or "unknown", **lab
+            ).inc()
             self.vllm_prompt_tokens.inc(out.num_prompt_tokens)
             self.vllm_generation_tokens.inc(out.num_output_tokens)
-            self.vllm_success.labels(finished_reason=out.finish_reason or "abort",
-                                     **self.vllm_labels).inc()
+            self.vllm_success.labels(
+                finished_reason=out.finish_reason or "abort", **self.vllm_labels
+            ).inc()
             if e2e is not None:
                 self.vllm_e2e.observe(e2e)
 

@@ -1,5 +1,6 @@
 """The routes that orchestrators and routers use besides generation: liveness, readiness, the
 model list, Prometheus metrics, and the release of a KV lease this engine granted."""
+
 from __future__ import annotations
 
 import time
@@ -17,10 +18,10 @@ from pdpool.protocol import RequestError, parse_json_body
 
 class OpsRoutes:
     """One engine's operational routes (the paths are bound in api.build_app)."""
+
     # The endpoints have no return annotations: FastAPI would take them as response models.
 
-    def __init__(self, aengine: AsyncEngine, metrics: EngineMetrics,
-                 translator: RequestTranslator):
+    def __init__(self, aengine: AsyncEngine, metrics: EngineMetrics, translator: RequestTranslator):
         self.aengine, self.engine = aengine, aengine.engine
         self.metrics, self.translator = metrics, translator
 
@@ -28,9 +29,8 @@ class OpsRoutes:
         """Liveness: the process and its engine thread are alive."""
         if not self.aengine.alive:
             return error_response("the engine loop has stopped", 503, "ServiceUnavailable")
-        if self.engine.fault is not None:   # every request failed in the model: not hidden
-            return error_response(f"engine failure: {self.engine.fault}", 503,
-                                  "ServiceUnavailable")
+        if self.engine.fault is not None:  # every request failed in the model: not hidden
+            return error_response(f"engine failure: {self.engine.fault}", 503, "ServiceUnavailable")
         return {"status": "ok"}
 
     async def ready(self):
@@ -52,15 +52,25 @@ class OpsRoutes:
             body = None
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not isinstance(params, dict):
-            return error_response("kv_transfer_params (an object) is required", 400,
-                                  param="kv_transfer_params")
+            return error_response(
+                "kv_transfer_params (an object) is required", 400, param="kv_transfer_params"
+            )
         # Thread-safe: it only marks the lease; the engine thread gives the blocks back.
         return {"released": self.engine.connector.release_lease(params)}
 
     async def models(self):
-        return {"object": "list", "data": [{
-            "id": self.engine.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "pdpool", "max_model_len": self.engine.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.engine.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "pdpool",
+                    "max_model_len": self.engine.max_model_len,
+                }
+            ],
+        }
 
     async def prometheus(self):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

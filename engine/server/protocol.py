@@ -1,4 +1,5 @@
 """OpenAI request bodies (with vLLM's extensions) and their conversion to engine terms."""
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -24,9 +25,14 @@ class _SamplingFields:
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
-            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, n=self.n,
-            logprobs=self._logprobs())
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            n=self.n,
+            logprobs=self._logprobs(),
+        )
         params.validate()
         return params
 
@@ -72,32 +78,52 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):
     def _logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}] (the maximum "
-                                 f"allowed is {MAX_LOGPROBS}), got {self.top_logprobs}")
+                raise ValueError(
+                    f"top_logprobs must be in [0, {MAX_LOGPROBS}] (the maximum "
+                    f"allowed is {MAX_LOGPROBS}), got {self.top_logprobs}"
+                )
             if not self.logprobs:
-                raise ValueError("top_logprobs: when using top_logprobs, logprobs must be "
-                                 "set to true")
+                raise ValueError(
+                    "top_logprobs: when using top_logprobs, logprobs must be set to true"
+                )
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def _max_tokens(self) -> Optional[int]:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-               pulled_tokens: int = 0) -> dict:
+def usage_dict(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, pulled_tokens: int = 0
+) -> dict:
     """OpenAI usage; `prompt_tokens_details.pdpool` splits the prompt by where its KV came
     from: this engine's prefix cache (local), a peer (pulled), or the model (computed)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {
-                "cached_tokens": cached_tokens,
-                "pdpool": {"local": cached_tokens - pulled_tokens, "pulled": pulled_tokens,
-                           "computed": prompt_tokens - cached_tokens}}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": cached_tokens,
+            "pdpool": {
+                "local": cached_tokens - pulled_tokens,
+                "pulled": pulled_tokens,
+                "computed": prompt_tokens - cached_tokens,
+            },
+        },
+    }
 
 
-def error_body(message: str, err_type: str = "BadRequestError", code: int = 400,
-               param: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code},
-            # vLLM also puts these at the top level; clients read either.
-            "object": "error", "message": message, "type": err_type, "code": code}
+def error_body(
+    message: str, err_type: str = "BadRequestError", code: int = 400, param: Optional[str] = None
+) -> dict:
+    return {
+        "error": {"message": message, "type": err_type, "param": param, "code": code},
+        # vLLM also puts these at the top level; clients read either.
+        "object": "error",
+        "message": message,
+        "type": err_type,
+        "code": code,
+    }

@@ -1,6 +1,7 @@
 """The two generation endpoints, /v1/completions and /v1/chat/completions: each a Responder
 (which body, which prompts) and a ChoiceFormat (which JSON); the steps they share are the
 Responder's, the writing is the ResponseWriter's."""
+
 from __future__ import annotations
 
 import abc
@@ -10,8 +11,12 @@ from fastapi import Request
 
 from pdpool.engine.engine_core import RequestOutput
 from pdpool.engine.server.choices import ChoiceRunner, until_disconnect
-from pdpool.engine.server.logprobs import (chat_formatter, completion_formatter, merge_chat,
-                                           merge_completion)
+from pdpool.engine.server.logprobs import (
+    chat_formatter,
+    completion_formatter,
+    merge_chat,
+    merge_completion,
+)
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdpool.engine.server.response_writer import ChoiceFormat, ResponseWriter
@@ -21,11 +26,17 @@ from pdpool.engine.server.translator import RequestTranslator
 class Responder(abc.ABC):
     """Body -> prompts -> choices -> answer. From the body read until the first outputs the
     work races the client: one that goes away cancels it (see until_disconnect)."""
+
     request_type: type
     choice_format: type[ChoiceFormat]
 
-    def __init__(self, translator: RequestTranslator, runner: ChoiceRunner,
-                 writer: ResponseWriter, metrics: EngineMetrics):
+    def __init__(
+        self,
+        translator: RequestTranslator,
+        runner: ChoiceRunner,
+        writer: ResponseWriter,
+        metrics: EngineMetrics,
+    ):
         self.translator, self.runner, self.writer = translator, runner, writer
         self.metrics = metrics
 
@@ -34,18 +45,17 @@ class Responder(abc.ABC):
         req = await self.translator.parse(http_req, self.request_type)
         fmt = self.choice_format(self.translator.token_text(req))
         prompts = await until_disconnect(http_req, self.prompt_ids(req), self.metrics)
-        choices = await until_disconnect(http_req, self._start(http_req, req, prompts, fmt),
-                                         self.metrics)
+        choices = await until_disconnect(
+            http_req, self._start(http_req, req, prompts, fmt), self.metrics
+        )
         return await self.writer.write(http_req, req, fmt, prompts, choices)
 
     @abc.abstractmethod
     async def prompt_ids(self, req) -> list[list[int]]:
         """The prompts of the request, as token ids (one list per prompt)."""
 
-    async def _start(self, http_req: Request, req, prompts: list[list[int]],
-                     fmt: ChoiceFormat):
-        specs = self.translator.choice_requests(req, prompts,
-                                                http_req.headers.get("x-request-id"))
+    async def _start(self, http_req: Request, req, prompts: list[list[int]], fmt: ChoiceFormat):
+        specs = self.translator.choice_requests(req, prompts, http_req.headers.get("x-request-id"))
         return await self.runner.start(specs, fmt.logprobs_formatter)
 
 
@@ -55,14 +65,24 @@ class CompletionFormat(ChoiceFormat):
     new_logprobs_formatter = staticmethod(completion_formatter)
     merge_logprobs = staticmethod(merge_completion)
 
-    def full_choice(self, index: int, text: str, finish_reason: Optional[str],
-                    logprobs: Optional[dict]) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": None}
+    def full_choice(
+        self, index: int, text: str, finish_reason: Optional[str], logprobs: Optional[dict]
+    ) -> dict:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+        }
 
     def chunk_choice(self, index: int, out: RequestOutput, logprobs: Optional[dict]) -> dict:
-        return {"index": index, "text": out.new_text, "logprobs": logprobs,
-                "finish_reason": out.finish_reason}
+        return {
+            "index": index,
+            "text": out.new_text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason,
+        }
 
 
 class CompletionResponder(Responder):
@@ -80,20 +100,34 @@ class ChatFormat(ChoiceFormat):
     new_logprobs_formatter = staticmethod(chat_formatter)
     merge_logprobs = staticmethod(merge_chat)
 
-    def full_choice(self, index: int, text: str, finish_reason: Optional[str],
-                    logprobs: Optional[dict]) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None}
+    def full_choice(
+        self, index: int, text: str, finish_reason: Optional[str], logprobs: Optional[dict]
+    ) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+        }
 
     def chunk_choice(self, index: int, out: RequestOutput, logprobs: Optional[dict]) -> dict:
         # a last chunk without new text has an empty delta
         content = {"content": out.new_text} if out.new_text or not out.finished else {}
-        return {"index": index, "delta": content, "logprobs": logprobs,
-                "finish_reason": out.finish_reason}
+        return {
+            "index": index,
+            "delta": content,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason,
+        }
 
     def opening_choice(self, index: int) -> Optional[dict]:
-        return {"index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
 
 
 class ChatResponder(Responder):

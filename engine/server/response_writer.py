@@ -1,6 +1,7 @@
 """The writer shared by /v1/completions and /v1/chat/completions: an answer in OpenAI's shape,
 whole or as an SSE stream, with usage and logprobs. What differs between the two endpoints is
 a ChoiceFormat; everything here but the writer's two loops is pure."""
+
 from __future__ import annotations
 
 import abc
@@ -25,6 +26,7 @@ DONE_EVENT = "data: [DONE]\n\n"
 class ChoiceFormat(abc.ABC):
     """The JSON of one endpoint's choices, one instance per HTTP request (its token texts
     are cached across the request's choices)."""
+
     id_prefix: str
     response_object: str
     chunk_object: str
@@ -40,8 +42,9 @@ class ChoiceFormat(abc.ABC):
         return self.new_logprobs_formatter(self.text_of)
 
     @abc.abstractmethod
-    def full_choice(self, index: int, text: str, finish_reason: Optional[str],
-                    logprobs: Optional[dict]) -> dict:
+    def full_choice(
+        self, index: int, text: str, finish_reason: Optional[str], logprobs: Optional[dict]
+    ) -> dict:
         """One choice of a whole (non-streamed) answer."""
 
     @abc.abstractmethod
@@ -60,15 +63,18 @@ def sse(obj: dict) -> str:
 def usage_of(choices: list[Choice]) -> dict:
     # As vLLM: each prompt's tokens count once, every choice's completion tokens count.
     firsts = [c.last for c in choices if c.first_of_prompt]
-    return usage_dict(sum(o.num_prompt_tokens for o in firsts),
-                      sum(c.last.num_output_tokens for c in choices),
-                      sum(o.num_cached_tokens for o in firsts),
-                      sum(o.num_pulled_tokens for o in firsts))
+    return usage_dict(
+        sum(o.num_prompt_tokens for o in firsts),
+        sum(c.last.num_output_tokens for c in choices),
+        sum(o.num_cached_tokens for o in firsts),
+        sum(o.num_pulled_tokens for o in firsts),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ResponseHead:
     """The fields every response object and chunk of one answer starts with."""
+
     id: str
     created: int
     model: str
@@ -78,19 +84,26 @@ class ResponseHead:
 
 
 def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) -> dict:
-    return {**head.of(fmt.response_object),
-            "choices": [fmt.full_choice(c.index, "".join(c.text), c.last.finish_reason,
-                                        fmt.merge_logprobs(c.logprobs))
-                        for c in choices],
-            "usage": usage_of(choices),
-            "kv_transfer_params": choices[0].last.kv_transfer_params if len(choices) == 1
-            else None}
+    return {
+        **head.of(fmt.response_object),
+        "choices": [
+            fmt.full_choice(
+                c.index, "".join(c.text), c.last.finish_reason, fmt.merge_logprobs(c.logprobs)
+            )
+            for c in choices
+        ],
+        "usage": usage_of(choices),
+        "kv_transfer_params": choices[0].last.kv_transfer_params if len(choices) == 1 else None,
+    }
 
 
 def error_event(failure: RequestOutput | Exception) -> str:
     """The stream's last event before [DONE] when a choice fails after its first token."""
-    err = output_error(failure) if isinstance(failure, RequestOutput) else \
-        ApiError(str(failure), 500, "InternalServerError")
+    err = (
+        output_error(failure)
+        if isinstance(failure, RequestOutput)
+        else ApiError(str(failure), 500, "InternalServerError")
+    )
     return sse(error_body(str(err), err.err_type, err.status))
 
 
@@ -123,29 +136,48 @@ class ResponseWriter:
     def __init__(self, runner: ChoiceRunner, metrics: EngineMetrics, model_name: str):
         self.runner, self.metrics, self.model_name = runner, metrics, model_name
 
-    async def write(self, http_req: Request, req, fmt: ChoiceFormat,
-                    prompts: list[list[int]], choices: list[Choice]):
-        head = ResponseHead(f"{fmt.id_prefix}-{choices[0].request_id}", int(time.time()),
-                            self.model_name)
+    async def write(
+        self,
+        http_req: Request,
+        req,
+        fmt: ChoiceFormat,
+        prompts: list[list[int]],
+        choices: list[Choice],
+    ):
+        head = ResponseHead(
+            f"{fmt.id_prefix}-{choices[0].request_id}", int(time.time()), self.model_name
+        )
         if not req.stream:
             await self.runner.run_to_end(http_req, choices)
             return full_response(head, fmt, choices)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        token_ids = StreamTokenIds(bool(req.return_token_ids), prompts,
-                                   max(len(choices) // max(len(prompts), 1), 1))
-        return StreamingResponse(self._events(head, fmt, choices, token_ids, include_usage),
-                                 media_type="text/event-stream")
+        token_ids = StreamTokenIds(
+            bool(req.return_token_ids), prompts, max(len(choices) // max(len(prompts), 1), 1)
+        )
+        return StreamingResponse(
+            self._events(head, fmt, choices, token_ids, include_usage),
+            media_type="text/event-stream",
+        )
 
-    async def _events(self, head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice],
-                      token_ids: StreamTokenIds, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(
+        self,
+        head: ResponseHead,
+        fmt: ChoiceFormat,
+        choices: list[Choice],
+        token_ids: StreamTokenIds,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         queue, tasks = self.runner.pump(choices)
         ended = False
         try:
             for c in choices:
                 opening = fmt.opening_choice(c.index)
                 if opening is not None:
-                    yield sse(token_ids.add({**head.of(fmt.chunk_object), "choices": [opening]},
-                                            c.index, None))
+                    yield sse(
+                        token_ids.add(
+                            {**head.of(fmt.chunk_object), "choices": [opening]}, c.index, None
+                        )
+                    )
             remaining = len(choices)
             while remaining:
                 c, out = await queue.get()
@@ -153,9 +185,11 @@ class ResponseWriter:
                     yield error_event(out)
                     break
                 lp = c.absorb(out)
-                chunk = token_ids.add({**head.of(fmt.chunk_object),
-                                       "choices": [fmt.chunk_choice(c.index, out, lp)]},
-                                      c.index, out)
+                chunk = token_ids.add(
+                    {**head.of(fmt.chunk_object), "choices": [fmt.chunk_choice(c.index, out, lp)]},
+                    c.index,
+                    out,
+                )
                 if out.finished:
                     remaining -= 1
                     if len(choices) == 1:
@@ -166,6 +200,6 @@ class ResponseWriter:
             yield DONE_EVENT
             ended = True
         finally:
-            if not ended:   # the client went away mid-stream
+            if not ended:  # the client went away mid-stream
                 self.metrics.client_disconnected("running")
             await self.runner.close(choices, tasks)

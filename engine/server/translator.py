@@ -1,5 +1,6 @@
 """The request-to-engine translator: an HTTP body becomes a validated request, its prompts
 token ids, and its choices engine requests (SamplingParams and the KV extras)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,7 @@ from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.errors import ApiError, client_closed
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
-from pdpool.engine.server.protocol import (ChatCompletionRequest, CompletionRequest,
-                                           message_text)
+from pdpool.engine.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
 from pdpool.protocol import RequestError, parse_json_body, validate_request
 
 # At most this many choices (prompts x n) in one request: each is an engine request.
@@ -26,8 +26,9 @@ MAX_CHOICES = 64
 @dataclasses.dataclass(frozen=True)
 class ChoiceRequest:
     """One choice of an answer in engine terms: the arguments of one `add_request`."""
-    index: int               # prompt_index * n + i
-    first_of_prompt: bool    # usage counts each prompt once: on this choice
+
+    index: int  # prompt_index * n + i
+    first_of_prompt: bool  # usage counts each prompt once: on this choice
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -52,7 +53,8 @@ class RequestTranslator:
         """The body, refused with 413 as soon as it passes --max-body-bytes (announced or
         while it arrives: a huge body is never buffered)."""
         too_large = ApiError(
-            f"the request body exceeds {self.max_body} bytes (--max-body-bytes)", 413)
+            f"the request body exceeds {self.max_body} bytes (--max-body-bytes)", 413
+        )
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
             raise too_large
@@ -77,8 +79,7 @@ class RequestTranslator:
             raise ApiError(str(exc), exc.status, param=exc.param)
         model_name = self.engine.model_name
         if req.model is not None and req.model != model_name:
-            raise ApiError(f"the model `{req.model}` does not exist", 404, "NotFoundError",
-                           "model")
+            raise ApiError(f"the model `{req.model}` does not exist", 404, "NotFoundError", "model")
         return req
 
     def _decode(self, raw: bytes, request_type: type):
@@ -86,8 +87,9 @@ class RequestTranslator:
         vocab = self.engine.info.config["vocab_size"]
         for t in req.stop_token_ids or ():
             if t >= vocab:
-                raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {t}",
-                                   "stop_token_ids")
+                raise RequestError(
+                    f"stop_token_ids must be in [0, {vocab}), got {t}", "stop_token_ids"
+                )
         return req
 
     def token_text(self, req) -> TokenText:
@@ -115,8 +117,9 @@ class RequestTranslator:
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def choice_requests(self, req, prompts: list[list[int]],
-                        client_request_id: Optional[str]) -> list[ChoiceRequest]:
+    def choice_requests(
+        self, req, prompts: list[list[int]], client_request_id: Optional[str]
+    ) -> list[ChoiceRequest]:
         """n choices per prompt, index = prompt_index * n + i, each its own engine request.
         With a seed, choice i of every prompt samples with seed + i (as vLLM v1), so a
         choice equals a single request sent with that seed."""
@@ -126,18 +129,28 @@ class RequestTranslator:
             raise ApiError(str(exc))
         n = params.n
         if len(prompts) * n > MAX_CHOICES:
-            raise ApiError(f"n x the number of prompts must be at most {MAX_CHOICES}, got "
-                           f"{len(prompts) * n}", param="n")
+            raise ApiError(
+                f"n x the number of prompts must be at most {MAX_CHOICES}, got {len(prompts) * n}",
+                param="n",
+            )
         if len(prompts) * n > 1 and req.kv_transfer_params is not None:
-            raise ApiError("kv_transfer_params: only with one prompt and n=1",
-                           param="kv_transfer_params")
-        return [ChoiceRequest(
-            index=p * n + i, first_of_prompt=i == 0,
-            # the client's id, if it sent one, stays readable in the engine's logs
-            request_id=f"{client_request_id or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}",
-            prompt_ids=prompt_ids,
-            params=dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i),
-            cache_salt=req.cache_salt, cache_hit_threshold=req.cache_hit_threshold,
-            kv_transfer_params=req.kv_params_dict())
-            for p, prompt_ids in enumerate(prompts) for i in range(n)]
+            raise ApiError(
+                "kv_transfer_params: only with one prompt and n=1", param="kv_transfer_params"
+            )
+        return [
+            ChoiceRequest(
+                index=p * n + i,
+                first_of_prompt=i == 0,
+                # the client's id, if it sent one, stays readable in the engine's logs
+                request_id=f"{client_request_id or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}",
+                prompt_ids=prompt_ids,
+                params=dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i
+                ),
+                cache_salt=req.cache_salt,
+                cache_hit_threshold=req.cache_hit_threshold,
+                kv_transfer_params=req.kv_params_dict(),
+            )
+            for p, prompt_ids in enumerate(prompts)
+            for i in range(n)
+        ]

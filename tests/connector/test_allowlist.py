@@ -1,15 +1,22 @@
 import pytest
 
-from pdpool.engine.connector.allowlist import (AllowlistError, PeerNotAllowedError,
-                                               is_allowed, parse_allowlist, resolve_allowed)
+from pdpool.engine.connector.allowlist import (
+    AllowlistError,
+    PeerNotAllowedError,
+    is_allowed,
+    parse_allowlist,
+    resolve_allowed,
+)
 
 
 def dns(table):
     """A resolver answering from `table` (DNS is the third party we cannot run here)."""
+
     def resolve(name):
         if name not in table:
             raise OSError(f"unknown host {name}")
         return table[name]
+
     return resolve
 
 
@@ -76,8 +83,9 @@ def test_refusal_names_the_allowlist():
         resolve_allowed("10.9.9.9", parse_allowlist("10.0.0.0/16", include_loopback=False))
 
 
-@pytest.mark.parametrize("bad", ["10.0.0.1/8", "10.0.0.0/33", "300.1.1.1", "bad_host!",
-                                 "-lead.example", "a..b", "1.2.3"])
+@pytest.mark.parametrize(
+    "bad", ["10.0.0.1/8", "10.0.0.0/33", "300.1.1.1", "bad_host!", "-lead.example", "a..b", "1.2.3"]
+)
 def test_bad_entries_raise_naming_the_entry(bad):
     with pytest.raises(AllowlistError, match=repr(bad).replace(".", r"\.")):
         parse_allowlist(f"10.0.0.0/8,{bad}")
@@ -93,12 +101,13 @@ def test_an_address_is_allowed_when_a_listed_name_resolves_to_it():
     """A Kubernetes pool lists its headless Services: their names resolve to the pool's own
     ready pods, so those pods' IPs (what kv_transfer_params carry) are peers, others not."""
     allow = parse_allowlist("demo-prefill.llm.svc,demo-decode.llm.svc")
-    resolver = dns({"demo-prefill.llm.svc": ["10.1.0.5", "10.1.0.6"],
-                    "demo-decode.llm.svc": ["10.1.0.9"]})
+    resolver = dns(
+        {"demo-prefill.llm.svc": ["10.1.0.5", "10.1.0.6"], "demo-decode.llm.svc": ["10.1.0.9"]}
+    )
     assert resolve_allowed("10.1.0.6", allow, resolver) == "10.1.0.6"
     assert resolve_allowed("10.1.0.9", allow, resolver) == "10.1.0.9"
     with pytest.raises(PeerNotAllowedError, match="not in the KV peer allowlist"):
-        resolve_allowed("10.1.0.7", allow, resolver)   # another pool's pod, same network
+        resolve_allowed("10.1.0.7", allow, resolver)  # another pool's pod, same network
     # A listed name that does not resolve (no ready pods) allows nothing.
     assert not is_allowed("10.1.0.5", allow, dns({"demo-decode.llm.svc": ["10.1.0.9"]}))
     assert not is_allowed("0.0.0.0", allow, dns({"demo-prefill.llm.svc": ["0.0.0.0"]}))

@@ -1,4 +1,5 @@
 """Handshake documents, the compatibility hash, and the TCP exchange (real sockets)."""
+
 import json
 import socket
 import struct
@@ -7,20 +8,35 @@ import threading
 import pytest
 
 from pdpool.engine.connector.allowlist import parse_allowlist
-from pdpool.engine.connector.handshake import (HandshakeDocument, HandshakeError,
-                                               HandshakeServer, IncompatiblePeerError,
-                                               build_document, check_compatible,
-                                               compatibility_hash, fetch_handshake,
-                                               layout_differences)
+from pdpool.engine.connector.handshake import (
+    HandshakeDocument,
+    HandshakeError,
+    HandshakeServer,
+    IncompatiblePeerError,
+    build_document,
+    check_compatible,
+    compatibility_hash,
+    fetch_handshake,
+    layout_differences,
+)
 from pdpool.engine.connector.regions import RegionLayout
 
-LAYOUT = {"model": "Qwen/Qwen3-0.6B", "dtype": "bfloat16", "block_size": 16,
-          "kv_layout": "NLHD", "num_layers": 28, "num_kv_heads": 8, "head_dim": 128}
+LAYOUT = {
+    "model": "Qwen/Qwen3-0.6B",
+    "dtype": "bfloat16",
+    "block_size": 16,
+    "kv_layout": "NLHD",
+    "num_layers": 28,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+}
 
 
 def document(layout=LAYOUT, metadata=b"\x00agent-metadata\xff"):
-    regions = {"kv": RegionLayout("kv", 100, (4096, 4096), (1 << 40, 1 << 41)),
-               "state": RegionLayout("state", 8, (512,), (1 << 42,))}
+    regions = {
+        "kv": RegionLayout("kv", 100, (4096, 4096), (1 << 40, 1 << 41)),
+        "state": RegionLayout("state", 8, (512,), (1 << 42,)),
+    }
     return build_document("prefill-0", "prefill-0-abc", metadata, regions, layout)
 
 
@@ -28,9 +44,15 @@ def test_hash_ignores_key_order_and_sees_every_field():
     base = compatibility_hash(LAYOUT)
     assert base == compatibility_hash(dict(reversed(list(LAYOUT.items()))))
     assert len(base) == 64
-    for key, other in [("model", "x"), ("dtype", "float16"), ("block_size", 32),
-                       ("kv_layout", "HND"), ("num_layers", 27), ("num_kv_heads", 4),
-                       ("head_dim", 64)]:
+    for key, other in [
+        ("model", "x"),
+        ("dtype", "float16"),
+        ("block_size", 32),
+        ("kv_layout", "HND"),
+        ("num_layers", 27),
+        ("num_kv_heads", 4),
+        ("head_dim", 64),
+    ]:
         assert compatibility_hash({**LAYOUT, key: other}) != base, key
     assert compatibility_hash({**LAYOUT, "extra": None}) != base
 
@@ -45,8 +67,10 @@ def test_differences_name_each_field():
     other = {**LAYOUT, "block_size": 32, "dtype": "float16"}
     del other["head_dim"]
     assert layout_differences(LAYOUT, other) == [
-        "block_size: ours 16, peer 32", "dtype: ours 'bfloat16', peer 'float16'",
-        "head_dim: ours 128, peer '<missing>'"]
+        "block_size: ours 16, peer 32",
+        "dtype: ours 'bfloat16', peer 'float16'",
+        "head_dim: ours 128, peer '<missing>'",
+    ]
 
 
 def test_compatible_peer_passes_and_incompatible_is_refused():
@@ -69,15 +93,18 @@ def test_document_round_trips_through_json():
     assert again.regions["kv"].unit_bytes == 8192
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda d: d.update(protocol=2), "unsupported handshake protocol 2"),
-    (lambda d: d.pop("agent_metadata"), "malformed"),
-    (lambda d: d.update(agent_metadata="***"), "malformed"),
-    (lambda d: d["regions"]["kv"].update(num_units=-1), "malformed"),
-    (lambda d: d["regions"]["kv"].update(unit_bytes=1), "malformed"),
-    (lambda d: d["regions"]["kv"].update(slice_bytes=["4096", 4096]), "malformed"),
-    (lambda d: d.update(regions=[]), "malformed"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: d.update(protocol=2), "unsupported handshake protocol 2"),
+        (lambda d: d.pop("agent_metadata"), "malformed"),
+        (lambda d: d.update(agent_metadata="***"), "malformed"),
+        (lambda d: d["regions"]["kv"].update(num_units=-1), "malformed"),
+        (lambda d: d["regions"]["kv"].update(unit_bytes=1), "malformed"),
+        (lambda d: d["regions"]["kv"].update(slice_bytes=["4096", 4096]), "malformed"),
+        (lambda d: d.update(regions=[]), "malformed"),
+    ],
+)
 def test_malformed_documents_are_refused(mutate, match):
     doc = document().to_json()
     mutate(doc)
@@ -100,8 +127,14 @@ def test_server_handles_clients_in_parallel():
         stalled = socket.create_connection(("127.0.0.1", server.port))  # says nothing
         try:
             results = []
-            threads = [threading.Thread(target=lambda: results.append(
-                fetch_handshake("127.0.0.1", server.port, timeout=5))) for _ in range(4)]
+            threads = [
+                threading.Thread(
+                    target=lambda: results.append(
+                        fetch_handshake("127.0.0.1", server.port, timeout=5)
+                    )
+                )
+                for _ in range(4)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -155,13 +188,16 @@ class RawServer:
             c.close()
 
 
-@pytest.mark.parametrize("answer, match", [
-    (None, "timed out after 0.5s"),
-    (struct.pack(">I", 5) + b"{nope", "not JSON"),
-    (struct.pack(">I", 1 << 30), "exceeds"),
-    (struct.pack(">I", 100) + b"{}", "connection closed after 2 of 100 bytes"),
-    (struct.pack(">I", 2) + b"[]", "malformed"),
-])
+@pytest.mark.parametrize(
+    "answer, match",
+    [
+        (None, "timed out after 0.5s"),
+        (struct.pack(">I", 5) + b"{nope", "not JSON"),
+        (struct.pack(">I", 1 << 30), "exceeds"),
+        (struct.pack(">I", 100) + b"{}", "connection closed after 2 of 100 bytes"),
+        (struct.pack(">I", 2) + b"[]", "malformed"),
+    ],
+)
 def test_client_fails_cleanly_on_a_bad_server(answer, match):
     server = RawServer(answer)
     try:

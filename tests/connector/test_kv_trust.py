@@ -3,6 +3,7 @@
 Every case ends in the single engine's text (or a clear error), never in another
 request's text with HTTP 200; and nothing stays held afterwards.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,14 @@ import pytest
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
 from devtools.engine_procs import EngineProcess, free_port  # noqa: E402
-from tests.support.pd_router import (decode_leg, engine_set, post, prefill_leg,  # noqa: E402
-                                     text_of, unsigned_lease)
+from tests.support.pd_router import (
+    decode_leg,
+    engine_set,
+    post,
+    prefill_leg,  # noqa: E402
+    text_of,
+    unsigned_lease,
+)
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "64")
 HOLD_S = 1.5
@@ -76,8 +83,7 @@ def wait_idle(*engs, timeout: float = 15.0) -> None:
     """No block in use and no lease held on any of them."""
     deadline = time.monotonic() + timeout
     while True:
-        held = {e.url: (e.metric("pdpool_kv_blocks_used"), stat(e, "leases_active"))
-                for e in engs}
+        held = {e.url: (e.metric("pdpool_kv_blocks_used"), stat(e, "leases_active")) for e in engs}
         if all(v == (0, 0) for v in held.values()):
             return
         if time.monotonic() > deadline:
@@ -106,7 +112,7 @@ def test_late_decode_leg_after_expiry_and_reuse_recomputes(engines):
     b = body(ids(100, seed=2))
     kv = prefill_leg(Ps.url, b)
     time.sleep(HOLD_S + 1.0)
-    for k in range(8):   # other traffic takes the freed blocks
+    for k in range(8):  # other traffic takes the freed blocks
         post(Ps.url, body(ids(100, seed=200 + k), 1))
     pulled0 = stat(Ds, "tokens_pulled")
     out = decode_leg(Ds.url, b, kv)
@@ -133,23 +139,25 @@ def test_forged_params_never_return_the_victims_text(engines):
         kv = prefill_leg(producer.url, vb)
         attempts = [kv]
         unsigned = copy.deepcopy(kv)
-        unsigned["pdpool_lease"] = unsigned_lease(forger, lease_id=kv["pdpool_lease"]["id"],
-                                                  epoch=kv["pdpool_lease"]["epoch"])
+        unsigned["pdpool_lease"] = unsigned_lease(
+            forger, lease_id=kv["pdpool_lease"]["id"], epoch=kv["pdpool_lease"]["epoch"]
+        )
         attempts.append(unsigned)
         for params in attempts:
             pulled0 = stat(consumer, "tokens_pulled")
             out = decode_leg(consumer.url, fb, params)
             assert text_of(out) == forger_text
             assert stat(consumer, "tokens_pulled") == pulled0
-        honest = decode_leg(consumer.url, vb, kv)   # the lease is still live and unread
+        honest = decode_leg(consumer.url, vb, kv)  # the lease is still live and unread
         assert text_of(honest) == victim_text
-        again = post(consumer.url, fb)               # the forger's prompt, from the cache
+        again = post(consumer.url, fb)  # the forger's prompt, from the cache
         assert text_of(again) == forger_text
     wait_idle(P, Ps, Ds, Dn)
 
 
-@pytest.mark.parametrize("tamper", ["replay", "hash", "epoch", "lease_id", "host", "expired",
-                                    "unsigned", "other_pool"])
+@pytest.mark.parametrize(
+    "tamper", ["replay", "hash", "epoch", "lease_id", "host", "expired", "unsigned", "other_pool"]
+)
 def test_refused_params_recompute_and_leave_nothing_held(engines, tamper):
     Ps, Ds, Dx, A = engines["Ps"], engines["Ds"], engines["Dx"], engines["A"]
     b = body(ids(50, seed=10 + len(tamper)))
@@ -157,7 +165,7 @@ def test_refused_params_recompute_and_leave_nothing_held(engines, tamper):
     consumer = Dx if tamper == "other_pool" else Ds
     lease = kv["pdpool_lease"]
     if tamper == "replay":
-        decode_leg(Ds.url, b, kv)          # the honest read ends the lease
+        decode_leg(Ds.url, b, kv)  # the honest read ends the lease
     elif tamper == "hash":
         lease["hash"] = "00" * 32
     elif tamper == "epoch":
@@ -175,7 +183,7 @@ def test_refused_params_recompute_and_leave_nothing_held(engines, tamper):
     assert text_of(out) == text_of(post(A.url, b))
     assert stat(consumer, "tokens_pulled") == pulled0
     assert pdpool_usage(out)["pulled"] == 0
-    if tamper != "replay":   # refused on arrival, before any connection
+    if tamper != "replay":  # refused on arrival, before any connection
         assert stat(consumer, "params_refused") == refused0 + 1
     # The unread lease is released by the refusing consumer or expires within the hold.
     wait_idle(Ps, Ds, Dx, timeout=HOLD_S + 10)
@@ -230,7 +238,7 @@ def test_a_rejection_lease_is_released_explicitly(engines):
     assert params["remote_num_tokens"] == 64 and stat(Dn, "leases_active") == 1
     r = httpx.post(f"{Dn.url}/pdpool/v1/kv/release", json={"kv_transfer_params": params})
     assert r.status_code == 200 and r.json() == {"released": True}
-    wait_idle(Dn, timeout=2)   # long before the 60 s hold
+    wait_idle(Dn, timeout=2)  # long before the 60 s hold
     r = httpx.post(f"{Dn.url}/pdpool/v1/kv/release", json={"kv_transfer_params": params})
     assert r.json() == {"released": False}
     assert httpx.post(f"{Dn.url}/pdpool/v1/kv/release", json={}).status_code == 400
@@ -240,12 +248,11 @@ def test_a_restarted_producer_heals_at_once(tiny_qwen3, logs, engines):
     Ds, A = engines["Ds"], engines["A"]
     secret = [a for a in engines["Ds"].proc.args if a.endswith(".secret")][0]
     port, kv_port = free_port(), free_port()
-    flags = (*NIXL, "--kv-role", "producer", "--kv-port", str(kv_port),
-             "--kv-secret-file", secret)
+    flags = (*NIXL, "--kv-role", "producer", "--kv-port", str(kv_port), "--kv-secret-file", secret)
     b1, b2, b3 = body(ids(70, seed=40)), body(ids(70, seed=41)), body(ids(70, seed=42))
     first = EngineProcess(tiny_qwen3, logs, *flags, port=port).wait()
     try:
-        decode_leg(Ds.url, b1, prefill_leg(first.url, b1))   # Ds now knows its agent
+        decode_leg(Ds.url, b1, prefill_leg(first.url, b1))  # Ds now knows its agent
         stale = prefill_leg(first.url, b2)
     finally:
         first.stop()
@@ -278,17 +285,23 @@ def test_hostile_lease_ops_are_answered_and_harmless(engines):
     b = body(ids(40, seed=50))
     kv = prefill_leg(P.url, b)
     port = kv["remote_port"]
-    for message in ({"op": "open"}, {"op": "open", "lease_id": 1, "epoch": []},
-                    {"op": "open", "lease_id": kv["pdpool_lease"]["id"], "epoch": "x"},
-                    {"op": "renew", "lease_id": "x" * 10_000, "epoch": "y"},
-                    {"op": "drop-tables", "lease_id": "a", "epoch": "b"},
-                    {"op": "open", "lease_id": "a", "epoch": "b", "read_timeout_s": "NaN"}):
+    for message in (
+        {"op": "open"},
+        {"op": "open", "lease_id": 1, "epoch": []},
+        {"op": "open", "lease_id": kv["pdpool_lease"]["id"], "epoch": "x"},
+        {"op": "renew", "lease_id": "x" * 10_000, "epoch": "y"},
+        {"op": "drop-tables", "lease_id": "a", "epoch": "b"},
+        {"op": "open", "lease_id": "a", "epoch": "b", "read_timeout_s": "NaN"},
+    ):
         reply = lease_call("127.0.0.1", port, message)
         assert reply["ok"] is False and reply["error"]
-    for raw in (LEASE_MAGIC + struct.pack(">I", 5) + b"[1,2]",
-                LEASE_MAGIC + struct.pack(">I", 3) + b"\xff\xfe\xfd",
-                LEASE_MAGIC + struct.pack(">I", 1 << 30),
-                b"GET / HTTP/1.1\r\n\r\n", b""):
+    for raw in (
+        LEASE_MAGIC + struct.pack(">I", 5) + b"[1,2]",
+        LEASE_MAGIC + struct.pack(">I", 3) + b"\xff\xfe\xfd",
+        LEASE_MAGIC + struct.pack(">I", 1 << 30),
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"",
+    ):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.settimeout(5)
             try:
@@ -300,15 +313,16 @@ def test_hostile_lease_ops_are_answered_and_harmless(engines):
                 # The producer may drop a hostile connection before it has all been sent;
                 # a hang would show as a timeout instead.
                 assert not isinstance(exc, socket.timeout), "the producer kept the connection"
-    out = decode_leg(Dn.url, b, kv)           # the lease survived all of that
+    out = decode_leg(Dn.url, b, kv)  # the lease survived all of that
     assert text_of(out) == text_of(post(A.url, b)) and pdpool_usage(out)["pulled"] == 39
     wait_idle(P, Dn)
 
 
 def cpu_seconds(pid: int) -> float:
     import os
+
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/stat"), reason="needs /proc")

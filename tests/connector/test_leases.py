@@ -1,4 +1,5 @@
 """Leases (KV manager) and lease tokens (signed params), without engines."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,16 @@ BS = 16
 
 
 def params() -> dict:
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
-            "remote_request_id": "r", "remote_block_ids": [1, 2, 3], "remote_host": "10.0.0.1",
-            "remote_port": 5600, "tp_size": 1}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_block_ids": [1, 2, 3],
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
 
 
 def token(expires_in_s: float = 60) -> LeaseToken:
@@ -38,9 +46,17 @@ def test_signed_params_verify_and_survive_reencoding():
     assert (got.lease_id, got.epoch, got.num_tokens) == ("L1", "epoch1", 40)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("remote_block_ids", [1, 2, 4]), ("remote_host", "10.0.0.2"), ("remote_port", 5601),
-    ("remote_engine_id", "x"), ("do_remote_prefill", False), ("remote_num_tokens", 3)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("remote_block_ids", [1, 2, 4]),
+        ("remote_host", "10.0.0.2"),
+        ("remote_port", 5601),
+        ("remote_engine_id", "x"),
+        ("do_remote_prefill", False),
+        ("remote_num_tokens", 3),
+    ],
+)
 def test_any_field_a_consumer_acts_on_is_signed(field, value):
     p = lease_token.attach(params(), token(), SECRET)
     p[field] = value
@@ -48,8 +64,16 @@ def test_any_field_a_consumer_acts_on_is_signed(field, value):
         lease_token.read(p, SECRET)
 
 
-@pytest.mark.parametrize("key,value", [("id", "L2"), ("epoch", "e2"), ("num_tokens", 41),
-                                       ("hash", "00" * 32), ("expires_ms", 1 << 50)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("id", "L2"),
+        ("epoch", "e2"),
+        ("num_tokens", 41),
+        ("hash", "00" * 32),
+        ("expires_ms", 1 << 50),
+    ],
+)
 def test_the_lease_itself_is_signed(key, value):
     p = lease_token.attach(params(), token(), SECRET)
     p["pdpool_lease"][key] = value
@@ -66,8 +90,11 @@ def test_unsigned_other_secret_expired_and_missing_are_refused():
         lease_token.read(lease_token.attach(params(), token(-10), SECRET), SECRET)
     with pytest.raises(LeaseTokenError, match="no pdpool_lease"):
         lease_token.read(params(), SECRET)
-    for bad in ({"id": 1}, {"id": "x", "epoch": "e", "num_tokens": True, "hash": "00",
-                            "expires_ms": 1}, "nope"):
+    for bad in (
+        {"id": 1},
+        {"id": "x", "epoch": "e", "num_tokens": True, "hash": "00", "expires_ms": 1},
+        "nope",
+    ):
         with pytest.raises(LeaseTokenError):
             lease_token.read({**params(), "pdpool_lease": bad}, None)
 
@@ -108,13 +135,13 @@ def test_lease_lifecycle_holds_then_gives_back():
     tables = kv.req_blocks[req.request_id]
     lease = kv.grant_lease("L", req, tables, 40)
     kv.free(req)
-    assert kv.pool.num_used_blocks == 3            # held by the lease alone
+    assert kv.pool.num_used_blocks == 3  # held by the lease alone
     opened = kv.leases.open("L", "ep", read_timeout_s=1.0)
     assert opened["hashes"] == [h.hex() for h in req.block_hashes[:2]]
     assert opened["tail_hash"] == prefix_hash(req.all_token_ids, req.block_hashes, 40, BS).hex()
     with pytest.raises(LeaseRefused, match="already opened"):
-        kv.leases.open("L", "ep", 1.0)             # single use: a replay finds nothing
-    assert kv.end_leases() == []                   # still pinned for the read
+        kv.leases.open("L", "ep", 1.0)  # single use: a replay finds nothing
+    assert kv.end_leases() == []  # still pinned for the read
     assert kv.leases.release("L") and not kv.leases.release("L")
     assert [x.lease_id for x in kv.end_leases()] == ["L"]
     assert kv.pool.num_used_blocks == 0 and lease.held == []
@@ -135,25 +162,30 @@ def test_lease_refusals_and_expiry():
 
 
 def lease_view(req: Request, num_tokens: int) -> dict:
-    return {"num_tokens": num_tokens,
-            "hashes": [h.hex() for h in req.block_hashes[:num_tokens // BS]],
-            "tail_hash": prefix_hash(req.all_token_ids, req.block_hashes, num_tokens,
-                                     BS).hex() if num_tokens % BS else None}
+    return {
+        "num_tokens": num_tokens,
+        "hashes": [h.hex() for h in req.block_hashes[: num_tokens // BS]],
+        "tail_hash": prefix_hash(req.all_token_ids, req.block_hashes, num_tokens, BS).hex()
+        if num_tokens % BS
+        else None,
+    }
 
 
 def test_content_check_counts_only_blocks_holding_our_tokens():
-    ours = request(list(range(3, 53)))                    # 50 tokens: 3 full blocks + 2
+    ours = request(list(range(3, 53)))  # 50 tokens: 3 full blocks + 2
     same = lease_view(ours, 50)
     own_tail = prefix_hash(ours.all_token_ids, ours.block_hashes, 50, BS)
     assert verified_positions(0, 4, 49, same, ours.block_hashes, own_tail, BS) == 4
-    diverging = request(list(range(3, 35)) + [7] * 18)   # differs from token 32 on
+    diverging = request(list(range(3, 35)) + [7] * 18)  # differs from token 32 on
     view = lease_view(diverging, 50)
     assert verified_positions(0, 4, 49, view, ours.block_hashes, own_tail, BS) == 2
-    salted = Request("s", list(range(3, 53)), SamplingParams(max_tokens=4), block_size=BS,
-                     cache_salt="tenant-b")
-    assert verified_positions(0, 4, 49, lease_view(salted, 50), ours.block_hashes, own_tail,
-                              BS) == 0
-    short = lease_view(ours, 32)                          # holds fewer tokens than we need
+    salted = Request(
+        "s", list(range(3, 53)), SamplingParams(max_tokens=4), block_size=BS, cache_salt="tenant-b"
+    )
+    assert (
+        verified_positions(0, 4, 49, lease_view(salted, 50), ours.block_hashes, own_tail, BS) == 0
+    )
+    short = lease_view(ours, 32)  # holds fewer tokens than we need
     assert verified_positions(0, 4, 49, short, ours.block_hashes, own_tail, BS) == 2
 
 

@@ -2,6 +2,7 @@
 
 The consumer is this pytest process; producers are spawned `PeerProcess`es.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,13 +16,23 @@ pytest.importorskip("nixl._api")
 
 from pdpool.engine.connector.allowlist import PeerNotAllowedError, parse_allowlist  # noqa: E402
 from pdpool.engine.connector.handshake import IncompatiblePeerError  # noqa: E402
-from pdpool.engine.connector.nixl_transport import (NixlTransport, TransferState,  # noqa: E402
-                                                    TransportError)
+from pdpool.engine.connector.nixl_transport import (  # noqa: E402
+    NixlTransport,
+    TransferState,
+    TransportError,
+)
 from pdpool.engine.connector.peering import connect_peer  # noqa: E402
 from pdpool.engine.connector.regions import RegionError  # noqa: E402
 
-from tests.support.peer_process import (BLOCK_SHAPE, NUM_BLOCKS, NUM_SLOTS,  # noqa: E402
-                                        STATE_SHAPE, PeerProcess, layout, pattern)
+from tests.support.peer_process import (  # noqa: E402
+    BLOCK_SHAPE,
+    NUM_BLOCKS,
+    NUM_SLOTS,
+    STATE_SHAPE,
+    PeerProcess,
+    layout,
+    pattern,
+)
 
 pytestmark = pytest.mark.timeout(180)
 LOOPBACK = parse_allowlist("")
@@ -32,8 +43,12 @@ def processes():
     """All peers of this module, started together: spawning (torch import) is the slow part."""
     started = {}
     try:
-        for name, seed in [("prefill-a", 1), ("prefill-b", 2), ("prefill-doomed", 3),
-                           ("prefill-frozen", 4)]:
+        for name, seed in [
+            ("prefill-a", 1),
+            ("prefill-b", 2),
+            ("prefill-doomed", 3),
+            ("prefill-frozen", 4),
+        ]:
             started[name] = PeerProcess(name, seed)
         yield {name: p.ready() for name, p in started.items()}
     finally:
@@ -76,8 +91,9 @@ def wait(transport, tid, limit_s=30.0):
 
 
 def connect(consumer, producer):
-    return connect_peer(consumer, "127.0.0.1", producer.port, allowlist=LOOPBACK,
-                        local_layout=layout()).agent_name
+    return connect_peer(
+        consumer, "127.0.0.1", producer.port, allowlist=LOOPBACK, local_layout=layout()
+    ).agent_name
 
 
 def test_reads_exactly_the_requested_blocks(clean, producers):
@@ -107,8 +123,9 @@ def test_reads_two_regions_into_scattered_ids_with_one_notification(clean, produ
     prod = producers[0]
     peer = connect(clean, prod)
     prod.notifications(wait_s=0.2)  # drain earlier tests' notifications
-    tid = clean.start_read(peer, {"kv": ([15, 4, 9], [0, 15, 8]), "state": ([2], [3])},
-                           notification=b"req-42")
+    tid = clean.start_read(
+        peer, {"kv": ([15, 4, 9], [0, 15, 8]), "state": ([2], [3])}, notification=b"req-42"
+    )
     assert wait(clean, tid) is TransferState.DONE
     clean.release(tid)
     kv, state = clean.tensors["kv"], clean.tensors["state"]
@@ -132,15 +149,18 @@ def test_a_read_of_nothing_still_notifies(clean, producers):
     assert prod.notifications(expect=1) == [(clean.agent_name, b"free-everything")]
 
 
-@pytest.mark.parametrize("units, error, match", [
-    ({"kv": ([0], [NUM_BLOCKS])}, RegionError, r"remote region 'kv': ids \[16\] out of range"),
-    ({"kv": ([-1], [0])}, RegionError, r"local region 'kv': ids \[-1\] out of range"),
-    ({"kv": ([0, 1], [0])}, RegionError, "2 local ids for 1 remote ids"),
-    ({"kv": ([3, 3], [0, 1])}, RegionError, "written twice"),
-    ({"state": ([0], [NUM_SLOTS + 3])}, RegionError, r"ids \[7\] out of range"),
-    ({"kv": (["x"], [0])}, RegionError, "not an integer"),
-    ({"nope": ([0], [0])}, RegionError, "not registered here"),
-])
+@pytest.mark.parametrize(
+    "units, error, match",
+    [
+        ({"kv": ([0], [NUM_BLOCKS])}, RegionError, r"remote region 'kv': ids \[16\] out of range"),
+        ({"kv": ([-1], [0])}, RegionError, r"local region 'kv': ids \[-1\] out of range"),
+        ({"kv": ([0, 1], [0])}, RegionError, "2 local ids for 1 remote ids"),
+        ({"kv": ([3, 3], [0, 1])}, RegionError, "written twice"),
+        ({"state": ([0], [NUM_SLOTS + 3])}, RegionError, r"ids \[7\] out of range"),
+        ({"kv": (["x"], [0])}, RegionError, "not an integer"),
+        ({"nope": ([0], [0])}, RegionError, "not registered here"),
+    ],
+)
 def test_bogus_ids_are_refused_before_anything_is_issued(clean, producers, units, error, match):
     prod = producers[0]
     peer = connect(clean, prod)
@@ -184,24 +204,34 @@ def test_three_processes_read_concurrently_and_a_producer_also_consumes(clean, p
 def test_incompatible_block_size_is_refused_naming_the_field(clean, producers):
     peers_before = clean.peers
     with pytest.raises(IncompatiblePeerError, match=r"block_size: ours 16, peer 4"):
-        connect_peer(clean, "127.0.0.1", producers[0].port, allowlist=LOOPBACK,
-                     local_layout=layout(block_size=16))
+        connect_peer(
+            clean,
+            "127.0.0.1",
+            producers[0].port,
+            allowlist=LOOPBACK,
+            local_layout=layout(block_size=16),
+        )
     assert clean.peers == peers_before
 
 
 def test_peer_outside_the_allowlist_is_refused(clean, producers):
     with pytest.raises(PeerNotAllowedError, match="not in the KV peer allowlist"):
-        connect_peer(clean, "127.0.0.1", producers[0].port,
-                     allowlist=parse_allowlist("10.0.0.0/8", include_loopback=False),
-                     local_layout=layout())
+        connect_peer(
+            clean,
+            "127.0.0.1",
+            producers[0].port,
+            allowlist=parse_allowlist("10.0.0.0/8", include_loopback=False),
+            local_layout=layout(),
+        )
 
 
 def test_region_with_a_different_unit_layout_is_refused(producers):
     with NixlTransport("odd") as odd:
         odd.register_region("kv", torch.zeros((NUM_BLOCKS, 7), dtype=torch.int64))
         with pytest.raises(RegionError, match="unit layout"):
-            connect_peer(odd, "127.0.0.1", producers[0].port, allowlist=LOOPBACK,
-                         local_layout=layout())
+            connect_peer(
+                odd, "127.0.0.1", producers[0].port, allowlist=LOOPBACK, local_layout=layout()
+            )
         assert odd.peers == []
 
 
@@ -234,12 +264,17 @@ def test_producer_killed_after_handshake(clean, producers, processes):
 def test_unresponsive_producer_times_out_and_the_read_is_cancelled(clean, processes):
     victim = processes["prefill-frozen"]
     try:
-        info = connect_peer(clean, "127.0.0.1", victim.port, allowlist=LOOPBACK,
-                            local_layout=layout())
+        info = connect_peer(
+            clean, "127.0.0.1", victim.port, allowlist=LOOPBACK, local_layout=layout()
+        )
         peer = info.agent_name
         os.kill(victim.process.pid, signal.SIGSTOP)  # alive but never answers
-        tid = clean.start_read(peer, {"kv": (list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)))},
-                               notification=b"x", timeout_s=1.0)
+        tid = clean.start_read(
+            peer,
+            {"kv": (list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)))},
+            notification=b"x",
+            timeout_s=1.0,
+        )
         started = time.monotonic()
         # the engine may repeat a handshake while a read is in flight: it must not kill it
         assert clean.add_peer(info.document.agent_metadata, info.document.regions) == peer
@@ -256,8 +291,9 @@ def test_unresponsive_producer_times_out_and_the_read_is_cancelled(clean, proces
 
 
 def test_a_peer_whose_regions_changed_is_replaced(clean, producers):
-    info = connect_peer(clean, "127.0.0.1", producers[0].port, allowlist=LOOPBACK,
-                        local_layout=layout())
+    info = connect_peer(
+        clean, "127.0.0.1", producers[0].port, allowlist=LOOPBACK, local_layout=layout()
+    )
     doc = info.document
     assert clean.add_peer(doc.agent_metadata, {"kv": doc.regions["kv"]}) == info.agent_name
     assert list(clean.peer_regions(info.agent_name)) == ["kv"]

@@ -1,4 +1,5 @@
 """P/D between real engine processes with real NIXL transfers over loopback (CPU DRAM)."""
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,14 @@ import pytest
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
 from devtools.engine_procs import EngineProcess  # noqa: E402
-from tests.support.pd_router import (decode_leg, engine_set, post, prefill_leg,  # noqa: E402
-                                     text_of, unsigned_lease)
+from tests.support.pd_router import (
+    decode_leg,
+    engine_set,
+    post,
+    prefill_leg,  # noqa: E402
+    text_of,
+    unsigned_lease,
+)
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 BLOCK = 16
@@ -31,8 +38,15 @@ def engines(tiny_qwen3, logs):
     """prefill, a second prefill, decode (fast load timeout), a `fail`-policy decode, and a
     plain aggregated engine as the reference."""
     specs = {
-        "P": (*NIXL, "--kv-role", "producer", "--kv-producer-timeout", "3",
-              "--kv-pull-threshold", "16"),
+        "P": (
+            *NIXL,
+            "--kv-role",
+            "producer",
+            "--kv-producer-timeout",
+            "3",
+            "--kv-pull-threshold",
+            "16",
+        ),
         "P2": (*NIXL, "--kv-role", "producer"),
         "D": (*NIXL, "--kv-role", "consumer", "--kv-load-timeout", "3"),
         "Dfail": (*NIXL, "--kv-role", "consumer", "--kv-load-failure-policy", "fail"),
@@ -73,6 +87,7 @@ def block_bytes(eng) -> int:
     """Bytes of one KV block of the engine's model: layers x (K, V) x tokens x KV heads x
     head dim x 4 (float32)."""
     import json
+
     cfg = json.loads((eng.model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["num_hidden_layers"] * 2 * BLOCK * cfg["num_key_value_heads"] * head_dim * 4
@@ -98,7 +113,7 @@ def test_pd_output_equals_one_engine_and_decode_computes_one_token(engines, n):
 
 def test_decode_pulls_only_what_it_does_not_cache(engines):
     P, D, A = engines["P"], engines["D"], engines["A"]
-    prefix = prompt_ids(64, seed=100)           # 4 blocks the decode engine will cache
+    prefix = prompt_ids(64, seed=100)  # 4 blocks the decode engine will cache
     post(D.url, body(prefix, 2))
     b = body(prefix + prompt_ids(50, seed=101))  # 114 tokens: blocks 4..7 are missing
     bytes0 = _stat(D, "bytes_read")
@@ -115,6 +130,7 @@ def test_three_engines_concurrently(engines):
     def flow(i):
         kv = prefill_leg((P if i % 2 else P2).url, bodies[i])
         return text_of(decode_leg(D.url, bodies[i], kv))
+
     with ThreadPoolExecutor(6) as pool:
         got = list(pool.map(flow, range(6)))
     assert got == [text_of(post(A.url, b)) for b in bodies]
@@ -138,12 +154,15 @@ def test_prefill_killed_before_the_pull(tiny_qwen3, logs, engines):
     wait_no_blocks(D)
 
 
-@pytest.mark.parametrize("mangle", [
-    lambda ids: [10_000 + i for i in ids],          # none valid
-    lambda ids: ids[:2] + [-1] + ids[3:],           # one missing
-    lambda ids: ids[:3],                            # too few ids
-    lambda ids: list(reversed(ids)),                # valid ids, wrong blocks
-])
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda ids: [10_000 + i for i in ids],  # none valid
+        lambda ids: ids[:2] + [-1] + ids[3:],  # one missing
+        lambda ids: ids[:3],  # too few ids
+        lambda ids: list(reversed(ids)),  # valid ids, wrong blocks
+    ],
+)
 def test_block_ids_in_params_are_not_trusted_the_lease_decides(engines, mangle):
     """Without a secret, tampered block ids change nothing: the consumer reads the blocks
     the producer's lease holds, after checking their hashes against its own prompt."""
@@ -156,15 +175,19 @@ def test_block_ids_in_params_are_not_trusted_the_lease_decides(engines, mangle):
     assert text_of(out) == text_of(post(A.url, b))
     assert _stat(D, "tokens_pulled") - pulled0 == 99
     assert D.metric("pdpool_computed_tokens_total") - computed0 == b["max_tokens"]
-    wait_no_blocks(P, D)   # the producer was notified and freed its blocks
+    wait_no_blocks(P, D)  # the producer was notified and freed its blocks
 
 
 def test_malformed_kv_transfer_params_are_a_400(engines):
     D = engines["D"]
-    for bad in ({"remote_block_ids": ["x"]}, {"do_remote_prefill": "maybe"},
-                {"remote_port": "http"}):
-        r = httpx.post(f"{D.url}/v1/completions",
-                       json={**body([5, 6, 7]), "kv_transfer_params": bad})
+    for bad in (
+        {"remote_block_ids": ["x"]},
+        {"do_remote_prefill": "maybe"},
+        {"remote_port": "http"},
+    ):
+        r = httpx.post(
+            f"{D.url}/v1/completions", json={**body([5, 6, 7]), "kv_transfer_params": bad}
+        )
         assert r.status_code == 400 and "kv_transfer_params" in r.json()["error"]["message"]
 
 
@@ -177,7 +200,7 @@ def test_peer_outside_allowlist_is_refused(engines):
     assert text_of(out) == text_of(post(A.url, b))
     assert _stat(D, "peers_refused") == refused0 + 1
     assert "not in the KV peer allowlist" in D.log.read_text()
-    wait_no_blocks(P, D)   # unread: the producer's timeout frees its blocks
+    wait_no_blocks(P, D)  # unread: the producer's timeout frees its blocks
 
 
 def test_engine_with_other_block_size_is_refused(tiny_qwen3, logs, engines):
@@ -213,13 +236,13 @@ def test_fail_policy_fails_cleanly(engines):
     b = body(prompt_ids(60, seed=800))
     kv = prefill_leg(P.url, b)
     other = body(prompt_ids(60, seed=801))
-    r = httpx.post(f"{Dfail.url}/v1/completions",
-                   json={**other, "kv_transfer_params": kv}, timeout=60)
+    r = httpx.post(
+        f"{Dfail.url}/v1/completions", json={**other, "kv_transfer_params": kv}, timeout=60
+    )
     assert r.status_code == 503
     assert "KV transfer refused" in r.json()["error"]["message"]
-    decode_leg(D.url, b, kv)            # the honest read ends the lease
-    r = httpx.post(f"{Dfail.url}/v1/completions",
-                   json={**b, "kv_transfer_params": kv}, timeout=60)
+    decode_leg(D.url, b, kv)  # the honest read ends the lease
+    r = httpx.post(f"{Dfail.url}/v1/completions", json={**b, "kv_transfer_params": kv}, timeout=60)
     assert r.status_code == 503
     assert "KV transfer failed" in r.json()["error"]["message"]
     wait_no_blocks(P, D, Dfail)
@@ -234,10 +257,16 @@ def test_a_hanging_peer_does_not_delay_other_requests(engines):
     conns = []
     threading.Thread(target=lambda: conns.append(srv.accept()), daemon=True).start()
     b = body(prompt_ids(70, seed=900))
-    kv = {"do_remote_prefill": True, "remote_engine_id": "ghost", "remote_request_id": "x",
-          "remote_block_ids": list(range(5)), "remote_host": "127.0.0.1",
-          "remote_port": srv.getsockname()[1], "tp_size": 1,
-          "pdpool_lease": unsigned_lease(b["prompt"])}
+    kv = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "ghost",
+        "remote_request_id": "x",
+        "remote_block_ids": list(range(5)),
+        "remote_host": "127.0.0.1",
+        "remote_port": srv.getsockname()[1],
+        "tp_size": 1,
+        "pdpool_lease": unsigned_lease(b["prompt"]),
+    }
     try:
         with ThreadPoolExecutor(1) as pool:
             stuck = pool.submit(decode_leg, D.url, b, kv)
@@ -246,7 +275,7 @@ def test_a_hanging_peer_does_not_delay_other_requests(engines):
             other = post(D.url, body(prompt_ids(20, seed=901), 4))
             other_latency = time.monotonic() - t
             assert other["choices"][0]["finish_reason"] == "length"
-            assert not stuck.done()   # still waiting for the lease call
+            assert not stuck.done()  # still waiting for the lease call
             assert text_of(stuck.result(timeout=60)) == text_of(post(A.url, b))
         # The lease call times out after 5 s; the other request did not wait for it.
         assert other_latency < 4.0
@@ -261,15 +290,14 @@ def test_bidirectional_turn_two_pulls_history_from_decode(engines):
     P, D, A = engines["P"], engines["D"], engines["A"]
     turn1 = prompt_ids(96, seed=1000)
     r1 = post(D.url, body(turn1, 8))
-    history = turn1 + prompt_ids(8, seed=1001)   # stands in for the assistant's answer
-    turn2 = body(history + prompt_ids(60, seed=1002))      # 164 tokens
+    history = turn1 + prompt_ids(8, seed=1001)  # stands in for the assistant's answer
+    turn2 = body(history + prompt_ids(60, seed=1002))  # 164 tokens
     rejected = post(D.url, {**turn2, "cache_hit_threshold": 0.9})
     assert rejected["choices"][0]["finish_reason"] == "cache_threshold"
     described = rejected["kv_transfer_params"]
     assert described["do_remote_decode"] is True and described["remote_num_tokens"] == 96
     pulled0, computed0 = _stat(P, "tokens_pulled"), P.metric("pdpool_computed_tokens_total")
-    kv = prefill_leg(P.url, turn2, {k: v for k, v in described.items()
-                                    if k != "do_remote_prefill"})
+    kv = prefill_leg(P.url, turn2, {k: v for k, v in described.items() if k != "do_remote_prefill"})
     # The prefill engine pulled the 96-token history and computed only the rest.
     assert _stat(P, "tokens_pulled") - pulled0 == 96
     assert P.metric("pdpool_computed_tokens_total") - computed0 == 164 - 96

@@ -1,5 +1,6 @@
 """P/D for the hybrid Qwen3.5 model: attention blocks and the recurrent state travel
 together over NIXL."""
+
 from __future__ import annotations
 
 import random
@@ -8,8 +9,13 @@ import pytest
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
-from tests.support.pd_router import (decode_leg, engine_set, post, prefill_leg,  # noqa: E402
-                                     text_of)
+from tests.support.pd_router import (
+    decode_leg,
+    engine_set,
+    post,
+    prefill_leg,  # noqa: E402
+    text_of,
+)
 from .test_pd_engines import _stat, wait_no_blocks  # noqa: E402
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
@@ -18,9 +24,11 @@ NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 @pytest.fixture(scope="module")
 def engines(tiny_qwen3_5, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-hybrid-logs")
-    specs = {"P": (*NIXL, "--kv-role", "producer", "--kv-pull-threshold", "16"),
-             "D": (*NIXL, "--kv-role", "consumer"),
-             "A": ("--num-kv-blocks", "256")}
+    specs = {
+        "P": (*NIXL, "--kv-role", "producer", "--kv-pull-threshold", "16"),
+        "D": (*NIXL, "--kv-role", "consumer"),
+        "A": ("--num-kv-blocks", "256"),
+    }
     with engine_set(tiny_qwen3_5, logs, specs) as procs:
         yield procs
 
@@ -39,7 +47,7 @@ def test_hybrid_pd_equals_one_engine(engines, n):
     P, D, A = engines["P"], engines["D"], engines["A"]
     b = body(ids(n, seed=n))
     kv = prefill_leg(P.url, b)
-    assert len(kv["remote_block_ids"]) == 2          # attention group + the state slot
+    assert len(kv["remote_block_ids"]) == 2  # attention group + the state slot
     computed0 = D.metric("pdpool_computed_tokens_total")
     out = decode_leg(D.url, b, kv)
     assert text_of(out) == text_of(post(A.url, b))
@@ -51,15 +59,14 @@ def test_hybrid_pd_equals_one_engine(engines, n):
 def test_hybrid_bidirectional_pull(engines):
     P, D, A = engines["P"], engines["D"], engines["A"]
     turn1 = ids(80, seed=1)
-    post(D.url, body(turn1, 4))      # decode caches 80 tokens, snapshot at 80 (a decode step)
+    post(D.url, body(turn1, 4))  # decode caches 80 tokens, snapshot at 80 (a decode step)
     turn2 = body(turn1 + ids(70, seed=2))
     rejected = post(D.url, {**turn2, "cache_hit_threshold": 0.9})
     described = rejected["kv_transfer_params"]
     assert rejected["choices"][0]["finish_reason"] == "cache_threshold"
     assert described["remote_num_tokens"] == 80 and len(described["remote_block_ids"]) == 2
     pulled0 = _stat(P, "tokens_pulled")
-    kv = prefill_leg(P.url, turn2, {k: v for k, v in described.items()
-                                    if k != "do_remote_prefill"})
+    kv = prefill_leg(P.url, turn2, {k: v for k, v in described.items() if k != "do_remote_prefill"})
     assert _stat(P, "tokens_pulled") - pulled0 == 80
     out = decode_leg(D.url, turn2, kv)
     assert text_of(out) == text_of(post(A.url, turn2))
@@ -93,8 +100,8 @@ def test_hybrid_forged_and_replayed_params_are_refused(engines):
     assert text_of(decode_leg(D.url, forger, kv)) == text_of(post(A.url, forger))
     assert _stat(D, "tokens_pulled") == pulled0
     assert text_of(decode_leg(D.url, body(victim), kv)) == text_of(post(A.url, body(victim)))
-    assert _stat(D, "tokens_pulled") - pulled0 == 69   # the honest read, blocks and state
-    again = body(victim, 5)                             # a replay of the read lease
+    assert _stat(D, "tokens_pulled") - pulled0 == 69  # the honest read, blocks and state
+    again = body(victim, 5)  # a replay of the read lease
     assert text_of(decode_leg(D.url, again, kv)) == text_of(post(A.url, again))
     assert _stat(D, "tokens_pulled") - pulled0 == 69
     wait_no_blocks(P, D)

@@ -1,7 +1,11 @@
 import pytest
 
-from pdpool.engine.connector.regions import (RegionError, RegionLayout, check_read_pair,
-                                             layout_of_tensors)
+from pdpool.engine.connector.regions import (
+    RegionError,
+    RegionLayout,
+    check_read_pair,
+    layout_of_tensors,
+)
 
 
 def region(name="kv", units=4, slices=(100, 10), bases=(1000, 5000)):
@@ -12,8 +16,16 @@ def test_descriptors_are_tensor_major():
     r = region()
     assert r.unit_bytes == 110
     assert r.num_descriptors == 8
-    assert r.descriptors() == [(1000, 100, 0), (1100, 100, 0), (1200, 100, 0), (1300, 100, 0),
-                               (5000, 10, 0), (5010, 10, 0), (5020, 10, 0), (5030, 10, 0)]
+    assert r.descriptors() == [
+        (1000, 100, 0),
+        (1100, 100, 0),
+        (1200, 100, 0),
+        (1300, 100, 0),
+        (5000, 10, 0),
+        (5010, 10, 0),
+        (5020, 10, 0),
+        (5030, 10, 0),
+    ]
     assert r.descriptor_indices([2, 0], offset=3) == [5, 3, 9, 7]
 
 
@@ -32,10 +44,15 @@ def test_read_pair_validation():
         check_read_pair(local, remote, [True], [0])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"units": 0}, "num_units"), ({"slices": (100,)}, "one slice size per tensor"),
-    ({"slices": (0, 10)}, "empty units"), ({"name": ""}, "needs a name"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"units": 0}, "num_units"),
+        ({"slices": (100,)}, "one slice size per tensor"),
+        ({"slices": (0, 10)}, "empty units"),
+        ({"name": ""}, "needs a name"),
+    ],
+)
 def test_invalid_layouts(kwargs, match):
     with pytest.raises(RegionError, match=match):
         region(**kwargs)

@@ -1,4 +1,5 @@
 """The block pool and the KV manager's prefix-cache arithmetic, without a model."""
+
 from __future__ import annotations
 
 from pdpool.engine.kv.block_pool import BlockPool
@@ -35,11 +36,11 @@ def test_hash_is_deterministic_and_chained():
 
 def test_hit_length_is_whole_blocks_and_leaves_one_token():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
-    a = make("a", list(range(10)))           # blocks [0-3] [4-7] + partial
+    a = make("a", list(range(10)))  # blocks [0-3] [4-7] + partial
     assert admit(kv, a) == 0
     b = make("b", list(range(10)) + [99])
     assert kv.get_computed_blocks(b)[1] == 8
-    c = make("c", list(range(8)))             # fully cached prompt: last block recomputed
+    c = make("c", list(range(8)))  # fully cached prompt: last block recomputed
     assert kv.get_computed_blocks(c)[1] == 4
     d = make("d", [0, 1, 2, 77, 4, 5, 6, 7])  # differs in block 0: no hit at all
     assert kv.get_computed_blocks(d)[1] == 0
@@ -74,8 +75,8 @@ def test_eviction_is_lru_and_tail_first():
     blocks = pool.allocate(4)
     for i, b in enumerate(blocks):
         pool.cache_block(b, bytes([i]))
-    pool.free(reversed(blocks[:2]))   # request 1 freed: tail (1) then head (0)
-    pool.free(reversed(blocks[2:]))   # request 2 freed later: 3 then 2
+    pool.free(reversed(blocks[:2]))  # request 1 freed: tail (1) then head (0)
+    pool.free(reversed(blocks[2:]))  # request 2 freed later: 3 then 2
     order = [pool.allocate(1)[0].block_id for _ in range(4)]
     assert order == [1, 0, 3, 2]
     assert pool.get_cached_block(bytes([0])) is None  # evicted blocks lose their hash
@@ -85,10 +86,10 @@ def test_seed_allocation_arithmetic():
     """A cached block still in use costs no free block; a cached free block does (it leaves
     the free list); only the uncached part needs fresh blocks."""
     kv = KVCacheManager(num_blocks=10, block_size=BS)
-    a = make("a", list(range(16)))            # 4 blocks
+    a = make("a", list(range(16)))  # 4 blocks
     admit(kv, a)
     assert kv.pool.num_free_blocks == 6
-    b = make("b", list(range(16)) + list(range(100, 108)))   # 24 tokens, 4 blocks cached
+    b = make("b", list(range(16)) + list(range(100, 108)))  # 24 tokens, 4 blocks cached
     hits, cached = kv.get_computed_blocks(b)
     assert cached == 16
     # 6 blocks in all; 4 held through the cache (in use by a): 2 fresh ones.

@@ -3,6 +3,7 @@
 Prompts are token ids so that hit ratios are exact: a 64-token base (4 blocks of 16) is
 warmed first, then prompts that extend it are judged by cached / prompt tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,14 @@ def tail(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    eng = EngineProcess(tiny_qwen3, tmp_path_factory.mktemp("logs"),
-                        "--global-cache-hit-threshold", "0.8", "--log-level", "info")
+    eng = EngineProcess(
+        tiny_qwen3,
+        tmp_path_factory.mktemp("logs"),
+        "--global-cache-hit-threshold",
+        "0.8",
+        "--log-level",
+        "info",
+    )
     try:
         yield eng.wait()
     finally:
@@ -33,9 +40,11 @@ def server(tiny_qwen3, tmp_path_factory):
 
 
 def complete(server, prompt, **extra) -> dict:
-    r = httpx.post(f"{server.url}/v1/completions",
-                   json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
-                         "ignore_eos": True, **extra}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, **extra},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -63,7 +72,7 @@ def test_the_seed_scenario(server):
     log = server.log.read_text()
     assert "cache hit ratio 0.274 < request threshold 0.330" in log
     assert "cache hit ratio 0.410 < global threshold 0.800" in log
-    assert server.metric('pdpool_cache_threshold_rejections_total') == 2
+    assert server.metric("pdpool_cache_threshold_rejections_total") == 2
     # Rejected requests never took blocks.
     assert server.metric("pdpool_kv_blocks_used") == 0
 
@@ -78,15 +87,31 @@ def test_threshold_zero_always_runs_and_one_always_rejects(server):
 
 
 def test_streamed_rejection_and_chat(server):
-    with httpx.stream("POST", f"{server.url}/v1/completions",
-                      json={"prompt": tail(80, 3000), "max_tokens": 4, "stream": True,
-                            "cache_hit_threshold": 0.5}, timeout=60) as r:
-        events = [json.loads(line[5:]) for line in r.iter_lines()
-                  if line.startswith("data:") and "[DONE]" not in line]
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={
+            "prompt": tail(80, 3000),
+            "max_tokens": 4,
+            "stream": True,
+            "cache_hit_threshold": 0.5,
+        },
+        timeout=60,
+    ) as r:
+        events = [
+            json.loads(line[5:])
+            for line in r.iter_lines()
+            if line.startswith("data:") and "[DONE]" not in line
+        ]
     assert events[-1]["choices"][0]["finish_reason"] == "cache_threshold"
     assert "".join(e["choices"][0]["text"] for e in events) == ""
-    r = httpx.post(f"{server.url}/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": "a new conversation"}],
-                         "cache_hit_threshold": 0.9, "max_completion_tokens": 4})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "a new conversation"}],
+            "cache_hit_threshold": 0.9,
+            "max_completion_tokens": 4,
+        },
+    )
     assert r.json()["choices"][0]["finish_reason"] == "cache_threshold"
     assert r.json()["choices"][0]["message"]["content"] == ""

@@ -1,5 +1,6 @@
 """The hybrid coordinator without a model: per-group hit lengths and their agreement,
 sliding-window release, state snapshots, and no leaks."""
+
 from __future__ import annotations
 
 import random
@@ -41,17 +42,20 @@ def test_attention_groups_from_layer_windows():
     assert place == [(1, 0), (0, 0), (1, 1), (0, 1), (0, 2)]
 
 
-@pytest.mark.parametrize("full_blocks,window_tail,state_at,expected", [
-    # full hit, sliding tail cached, state snapshot at: -> agreed blocks
-    (5, True, 5, 5),
-    (5, True, 3, 3),      # the state limits
-    (5, True, None, 0),   # no snapshot at all: nothing can resume
-    (2, True, 5, 2),      # the full group limits (snapshots beyond it are useless)
-    (5, False, 5, 0),     # sliding tail evicted: no resumable position
-])
+@pytest.mark.parametrize(
+    "full_blocks,window_tail,state_at,expected",
+    [
+        # full hit, sliding tail cached, state snapshot at: -> agreed blocks
+        (5, True, 5, 5),
+        (5, True, 3, 3),  # the state limits
+        (5, True, None, 0),  # no snapshot at all: nothing can resume
+        (2, True, 5, 2),  # the full group limits (snapshots beyond it are useless)
+        (5, False, 5, 0),  # sliding tail evicted: no resumable position
+    ],
+)
 def test_hit_length_for_each_combination(full_blocks, window_tail, state_at, expected):
     kv = KVCacheManager(64, BS, groups=[FULL, SLIDE8], num_state_slots=2, num_snapshot_slots=8)
-    tokens = list(range(100, 124))                   # 6 blocks
+    tokens = list(range(100, 124))  # 6 blocks
     warm = make("warm", tokens)
     compute(kv, warm, 24, snapshot=False)
     h = warm.block_hashes
@@ -81,7 +85,7 @@ def test_per_group_hits_for_a_kv_consumer():
     """A request whose state comes from a remote engine keeps its attention hit (seed 004)."""
     kv = KVCacheManager(64, BS, num_state_slots=2, num_snapshot_slots=4)
     warm = make("warm", list(range(16)))
-    compute(kv, warm, 16, snapshot=False)          # attention cached, no snapshot
+    compute(kv, warm, 16, snapshot=False)  # attention cached, no snapshot
     probe = make("probe", list(range(16)) + [1, 2])
     assert kv.get_computed_blocks(probe)[1] == 0
     assert kv.get_computed_blocks(probe, skip_state=True)[1] == 16
@@ -94,7 +98,7 @@ def test_sliding_blocks_outside_window_are_released():
     compute(kv, r, 8)
     compute(kv, r, 24)
     compute(kv, r, 32)
-    assert kv.allocate_slots(r, 1)     # the next step (query at 32) releases lazily
+    assert kv.allocate_slots(r, 1)  # the next step (query at 32) releases lazily
     live = [b for b in kv.req_blocks["r"][1] if b is not kv.pool.null_block]
     # The query at 32 sees keys 25..32: blocks 6, 7 and the new block 8.
     assert len(live) == 3
@@ -106,9 +110,9 @@ def test_sliding_blocks_outside_window_are_released():
 def test_snapshots_taken_on_block_boundaries_and_restored():
     kv = KVCacheManager(64, BS, num_state_slots=2, num_snapshot_slots=4)
     a = make("a", list(range(13)))
-    compute(kv, a, 8)                    # boundary: snapshot of block 1
+    compute(kv, a, 8)  # boundary: snapshot of block 1
     assert len(kv.snapshots) == 1
-    compute(kv, a, 13)                   # mid-block: none
+    compute(kv, a, 13)  # mid-block: none
     assert len(kv.snapshots) == 1
     kv.free(a)
     b = make("b", list(range(13)) + [50])
@@ -116,7 +120,7 @@ def test_snapshots_taken_on_block_boundaries_and_restored():
     assert cached == 8
     assert kv.allocate_slots(b, b.num_tokens - cached, hits)
     kv.restore_state(b, cached)
-    (src, dst), = kv.pending_restores
+    ((src, dst),) = kv.pending_restores
     assert src >= 2 and dst == kv.state_slot("b")
 
 
@@ -126,7 +130,7 @@ def test_scheduler_aligns_prefill_chunks_for_state_models():
     r = make("r", list(range(10)))
     s.add_request(r)
     out = s.schedule()
-    assert out.scheduled[0].num_new_tokens == 8    # stops at the last block boundary
+    assert out.scheduled[0].num_new_tokens == 8  # stops at the last block boundary
 
 
 def test_no_leak_after_random_mix():

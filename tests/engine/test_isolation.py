@@ -2,6 +2,7 @@
 sampling, its output processing, or the model forward of a batch it is in) ends that
 request only; the others finish complete and equal to what they produce alone, the engine
 stays healthy and no block leaks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -61,7 +62,7 @@ def test_forward_failure_is_retried_without_the_offender(tiny_qwen3, monkeypatch
         assert finals[rid].finish_reason == "length"
         assert tokens[rid] == solo[rid], rid
     assert engine.stats["forward_failures"] == 1 and engine.stats["failed"] == 1
-    assert engine.fault is None        # the offender was found: not an engine-wide fault
+    assert engine.fault is None  # the offender was found: not an engine-wide fault
     _assert_idle(engine)
     # Alone, a failing request cannot be told apart from a broken engine: after two
     # requests in a row fail in the forward, the engine reports a fault (on /health)...
@@ -80,8 +81,9 @@ def test_sampling_failure_ends_that_request_only(tiny_qwen3, monkeypatch):
     solo = {rid: _engine(tiny_qwen3).generate([p], params)[0] for rid, p in PROMPTS.items()}
     monkeypatch.setenv("PDPOOL_TEST_FAIL_SAMPLING_FOR", "poison-first,poison-later@4")
     engine = _engine(tiny_qwen3)
-    tokens, finals = _run(engine, {**PROMPTS, "poison-first": [9, 10],
-                                   "poison-later": [11, 12]}, params)
+    tokens, finals = _run(
+        engine, {**PROMPTS, "poison-first": [9, 10], "poison-later": [11, 12]}, params
+    )
     assert finals["poison-first"].finish_reason == "error" and tokens["poison-first"] == []
     assert finals["poison-later"].finish_reason == "error"
     assert len(tokens["poison-later"]) == 4
@@ -95,8 +97,7 @@ def test_sampling_failure_ends_that_request_only(tiny_qwen3, monkeypatch):
 # --- over HTTP, on a real `pdpool serve` ------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    hooks = {"PDPOOL_TEST_FAIL_SAMPLING_FOR": "poison@3",
-             "PDPOOL_TEST_FAIL_FORWARD_FOR": "deadly"}
+    hooks = {"PDPOOL_TEST_FAIL_SAMPLING_FOR": "poison@3", "PDPOOL_TEST_FAIL_FORWARD_FOR": "deadly"}
     saved = {k: os.environ.get(k) for k in hooks}
     os.environ.update(hooks)
     try:
@@ -116,8 +117,9 @@ def server(tiny_qwen3, tmp_path_factory):
 async def _stream(c: httpx.AsyncClient, url: str, body: dict, rid: str):
     """(status, text, events) of a streamed completion; events are the parsed chunks."""
     headers = {"x-request-id": rid}
-    async with c.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
-                        headers=headers) as resp:
+    async with c.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers
+    ) as resp:
         if resp.status_code != 200:
             await resp.aread()
             return resp.status_code, resp.json(), []
@@ -133,8 +135,9 @@ def _idle(server, timeout=10.0) -> tuple[float, float]:
     deadline = time.monotonic() + timeout
     while True:
         used = server.metric("pdpool_kv_blocks_used")
-        running = server.metric("pdpool_num_requests_running") + \
-            server.metric("pdpool_num_requests_waiting")
+        running = server.metric("pdpool_num_requests_running") + server.metric(
+            "pdpool_num_requests_waiting"
+        )
         if (used == 0 and running == 0) or time.monotonic() > deadline:
             return used, running
         time.sleep(0.1)
@@ -146,14 +149,22 @@ def test_http_one_failing_request_leaves_concurrent_streams_whole(server):
 
     async def go():
         async with httpx.AsyncClient(timeout=60) as c:
-            solo = [await _stream(c, server.url, {**body, "prompt": p}, f"solo{i}")
-                    for i, p in enumerate(prompts)]
+            solo = [
+                await _stream(c, server.url, {**body, "prompt": p}, f"solo{i}")
+                for i, p in enumerate(prompts)
+            ]
             together = await asyncio.gather(
-                *[_stream(c, server.url, {**body, "prompt": p}, f"good{i}")
-                  for i, p in enumerate(prompts)],
+                *[
+                    _stream(c, server.url, {**body, "prompt": p}, f"good{i}")
+                    for i, p in enumerate(prompts)
+                ],
                 _stream(c, server.url, {**body, "prompt": "a poisoned stream"}, "poison-s"),
-                c.post(f"{server.url}/v1/completions", headers={"x-request-id": "poison-n"},
-                       json={**body, "prompt": "a poisoned answer"}))
+                c.post(
+                    f"{server.url}/v1/completions",
+                    headers={"x-request-id": "poison-n"},
+                    json={**body, "prompt": "a poisoned answer"},
+                ),
+            )
             return solo, together
 
     solo, together = asyncio.run(go())
@@ -178,19 +189,27 @@ def test_http_one_failing_request_leaves_concurrent_streams_whole(server):
 
 
 def test_http_bad_stop_token_is_400_and_engine_fault_shows_on_health(server):
-    r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
-        "prompt": "hi", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [10 ** 6]})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=30,
+        json={"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [10**6]},
+    )
     assert r.status_code == 400 and "stop_token_ids" in r.json()["error"]["message"]
     # Two requests in a row failing in the model forward: an engine-wide fault, not hidden.
     for i in range(2):
-        r = httpx.post(f"{server.url}/v1/completions", headers={"x-request-id": f"deadly{i}"},
-                       json={"prompt": "x", "max_tokens": 4}, timeout=30)
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            headers={"x-request-id": f"deadly{i}"},
+            json={"prompt": "x", "max_tokens": 4},
+            timeout=30,
+        )
         assert r.status_code == 500 and "forward" in r.json()["error"]["message"]
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 503 and "engine failure" in health.json()["error"]["message"]
     assert server.metric("pdpool_engine_fault") == 1
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 4},
-                   timeout=30)
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "ok", "max_tokens": 4}, timeout=30
+    )
     assert r.status_code == 200
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert server.metric("pdpool_engine_fault") == 0

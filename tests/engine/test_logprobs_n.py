@@ -1,5 +1,6 @@
 """logprobs / top_logprobs against transformers, and n > 1 / prompt batches against single
 requests, on a real `pdpool serve` process."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from devtools.engine_procs import engine_process
 
-ATOL = 1e-4   # float32 tiny model: summation order only
+ATOL = 1e-4  # float32 tiny model: summation order only
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(tiny_qwen3, tmp_path_factory.mktemp("logs"),
-                        "--num-kv-blocks", "128") as eng:
+    with engine_process(
+        tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "128"
+    ) as eng:
         yield eng
 
 
@@ -36,8 +38,9 @@ def post(server, path: str, body: dict) -> dict:
 
 def stream(server, path: str, body: dict) -> list[dict]:
     chunks = []
-    with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, "stream": True},
-                      timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/{path}", json={**body, "stream": True}, timeout=60
+    ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -56,11 +59,12 @@ def ref_logprobs(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0].float()
     n = len(prompt)
-    return torch.log_softmax(logits[n - 1:n - 1 + len(output)], dim=-1)
+    return torch.log_softmax(logits[n - 1 : n - 1 + len(output)], dim=-1)
 
 
-def check_token(ref_row: torch.Tensor, token: int, logprob: float,
-                top: list[tuple[int, float]], k: int) -> None:
+def check_token(
+    ref_row: torch.Tensor, token: int, logprob: float, top: list[tuple[int, float]], k: int
+) -> None:
     assert abs(logprob - ref_row[token].item()) < ATOL
     # The k most likely, best first, with transformers' values.
     values = [v for _, v in top]
@@ -76,8 +80,14 @@ PROMPT_IDS = [17, 250, 33, 480, 12, 99, 305, 7, 64, 211, 150, 42]
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, seed=3)])
 def test_completion_logprobs_match_transformers(server, hf, sampling):
     k = 5
-    body = dict(prompt=PROMPT_IDS, max_tokens=8, ignore_eos=True, logprobs=k,
-                return_tokens_as_token_ids=True, **sampling)
+    body = dict(
+        prompt=PROMPT_IDS,
+        max_tokens=8,
+        ignore_eos=True,
+        logprobs=k,
+        return_tokens_as_token_ids=True,
+        **sampling,
+    )
     full = post(server, "completions", body)["choices"][0]["logprobs"]
     chunks = stream(server, "completions", body)
     parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"]]
@@ -92,30 +102,48 @@ def test_completion_logprobs_match_transformers(server, hf, sampling):
             # vLLM's shape: the k most likely plus the sampled token when not among them.
             in_top = lps["tokens"][j] in dict(top[:k])
             assert len(top) == (k if in_top else k + 1)
-            check_token(ref[j], token, lps["token_logprobs"][j],
-                        [(tid(t), v) for t, v in top[:k]], k)
+            check_token(
+                ref[j], token, lps["token_logprobs"][j], [(tid(t), v) for t, v in top[:k]], k
+            )
             if not in_top:
                 assert top[k] == (lps["tokens"][j], lps["token_logprobs"][j])
         offsets = lps["text_offset"]
-        assert offsets[0] == 0 and all(offsets[j + 1] == offsets[j] + len(lps["tokens"][j])
-                                       for j in range(len(offsets) - 1))
-    if sampling["temperature"] == 0:   # greedy picks the top token
-        assert all(lps_top[0] == t for lps_top, t in
-                   zip((list(d) for d in full["top_logprobs"]), full["tokens"]))
+        assert offsets[0] == 0 and all(
+            offsets[j + 1] == offsets[j] + len(lps["tokens"][j]) for j in range(len(offsets) - 1)
+        )
+    if sampling["temperature"] == 0:  # greedy picks the top token
+        assert all(
+            lps_top[0] == t
+            for lps_top, t in zip((list(d) for d in full["top_logprobs"]), full["tokens"])
+        )
 
 
 def test_chat_logprobs_match_transformers(server, hf):
     _, tok = hf
     msgs = [{"role": "user", "content": "Tell me about the river"}]
-    prompt = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-                 add_special_tokens=False)["input_ids"]
+    prompt = tok(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )["input_ids"]
     k = 3
-    body = dict(messages=msgs, max_tokens=8, temperature=0, ignore_eos=True, logprobs=True,
-                top_logprobs=k, return_tokens_as_token_ids=True)
+    body = dict(
+        messages=msgs,
+        max_tokens=8,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=k,
+        return_tokens_as_token_ids=True,
+    )
     full = post(server, "chat/completions", body)["choices"][0]["logprobs"]["content"]
     chunks = stream(server, "chat/completions", body)
-    streamed = [c for ch in chunks for choice in ch["choices"] if choice["logprobs"]
-                for c in choice["logprobs"]["content"]]
+    streamed = [
+        c
+        for ch in chunks
+        for choice in ch["choices"]
+        if choice["logprobs"]
+        for c in choice["logprobs"]["content"]
+    ]
     assert [c["token"] for c in streamed] == [c["token"] for c in full]
     output = [tid(c["token"]) for c in full]
     ref = ref_logprobs(hf, prompt, output)
@@ -123,32 +151,53 @@ def test_chat_logprobs_match_transformers(server, hf):
         for j, c in enumerate(content):
             assert c["bytes"] == list(c["token"].encode())
             assert all(t["bytes"] == list(t["token"].encode()) for t in c["top_logprobs"])
-            check_token(ref[j], tid(c["token"]), c["logprob"],
-                        [(tid(t["token"]), t["logprob"]) for t in c["top_logprobs"]], k)
+            check_token(
+                ref[j],
+                tid(c["token"]),
+                c["logprob"],
+                [(tid(t["token"]), t["logprob"]) for t in c["top_logprobs"]],
+                k,
+            )
     # Token text by default; logprobs without top_logprobs: the sampled token only.
-    plain = post(server, "chat/completions", {**body, "return_tokens_as_token_ids": False,
-                                              "top_logprobs": None})
+    plain = post(
+        server,
+        "chat/completions",
+        {**body, "return_tokens_as_token_ids": False, "top_logprobs": None},
+    )
     content = plain["choices"][0]["logprobs"]["content"]
     assert [c["logprob"] for c in content] == [c["logprob"] for c in full]
-    assert all(c["top_logprobs"] == [] and c["bytes"] == list(c["token"].encode("utf-8"))
-               for c in content)
+    assert all(
+        c["top_logprobs"] == [] and c["bytes"] == list(c["token"].encode("utf-8")) for c in content
+    )
     # (The text may hold back an incomplete UTF-8 sequence at the end; the tokens do not.
     # Special tokens are in the logprobs but skipped in the text.)
     tokens_text = re.sub(r"<\|[a-z_]+\|>", "", "".join(c["token"] for c in content))
     assert tokens_text.startswith(plain["choices"][0]["message"]["content"])
 
 
-@pytest.mark.parametrize("path,body,needle", [
-    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                          "top_logprobs": 21}, "top_logprobs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                          "top_logprobs": 2}, "top_logprobs"),
-    ("completions", {"prompt": "hi", "n": 17}, "n"),
-    ("completions", {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": True}},
-     "kv_transfer_params"),
-])
+@pytest.mark.parametrize(
+    "path,body,needle",
+    [
+        ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        ("completions", {"prompt": "hi", "n": 17}, "n"),
+        (
+            "completions",
+            {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": True}},
+            "kv_transfer_params",
+        ),
+    ],
+)
 def test_bad_logprobs_and_n_are_400(server, path, body, needle):
     r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
     assert r.status_code == 400, r.text
@@ -180,18 +229,23 @@ def test_n_and_prompt_batches_equal_single_requests(server, sampling):
     assert many["usage"]["completion_tokens"] == 30
     # A batch of token-id prompts.
     ids = [[17, 250, 33, 480], [5, 6, 7], [300, 2, 450, 61, 9]]
-    assert _texts(post(server, "completions", {**base, "prompt": ids})) == \
-        [single(p)["choices"][0]["text"] for p in ids]
+    assert _texts(post(server, "completions", {**base, "prompt": ids})) == [
+        single(p)["choices"][0]["text"] for p in ids
+    ]
     # A batch of 3 prompts x n = 2: index = prompt * n + i.
     batch = post(server, "completions", {**base, "prompt": prompts, "n": 2})
     expected = [single(p, i) for p in prompts for i in range(2)]
     assert _texts(batch) == [e["choices"][0]["text"] for e in expected]
-    assert batch["usage"]["prompt_tokens"] == sum(e["usage"]["prompt_tokens"]
-                                                  for e in expected[::2])
+    assert batch["usage"]["prompt_tokens"] == sum(
+        e["usage"]["prompt_tokens"] for e in expected[::2]
+    )
     assert batch["usage"]["completion_tokens"] == 60
     # Streaming: chunks carry their choice's index; each choice ends once; usage summed.
-    chunks = stream(server, "completions", {**base, "prompt": prompts, "n": 2,
-                                            "stream_options": {"include_usage": True}})
+    chunks = stream(
+        server,
+        "completions",
+        {**base, "prompt": prompts, "n": 2, "stream_options": {"include_usage": True}},
+    )
     texts, reasons = [""] * 6, [None] * 6
     for ch in chunks:
         for c in ch["choices"]:
@@ -204,12 +258,21 @@ def test_n_and_prompt_batches_equal_single_requests(server, sampling):
 
 
 def test_chat_n_equals_single_requests(server):
-    base = dict(messages=[{"role": "user", "content": "Name a river"}], max_tokens=8,
-                ignore_eos=True, temperature=1.0, seed=5)
+    base = dict(
+        messages=[{"role": "user", "content": "Name a river"}],
+        max_tokens=8,
+        ignore_eos=True,
+        temperature=1.0,
+        seed=5,
+    )
     many = post(server, "chat/completions", {**base, "n": 2})
     got = [c["message"]["content"] for c in sorted(many["choices"], key=lambda c: c["index"])]
-    want = [post(server, "chat/completions", {**base, "seed": 5 + i})
-            ["choices"][0]["message"]["content"] for i in range(2)]
+    want = [
+        post(server, "chat/completions", {**base, "seed": 5 + i})["choices"][0]["message"][
+            "content"
+        ]
+        for i in range(2)
+    ]
     assert got == want and many["usage"]["completion_tokens"] == 16
     chunks = stream(server, "chat/completions", {**base, "n": 2})
     texts = ["", ""]

@@ -1,4 +1,5 @@
 """Greedy tokens and logits of the engine against transformers on the same checkpoint."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,15 +24,17 @@ def prompts():
     return random_prompts(16, 1, 300, vocab=512)
 
 
-@pytest.mark.parametrize("name,knobs", [
-    # Every prompt over 48 tokens is split into chunks, mixed with other requests' decodes.
-    ("chunked", dict(max_num_batched_tokens=48, num_kv_blocks=512)),
-    # 40 blocks of 16 cannot hold 16 prompts of up to 300 tokens: requests are preempted.
-    ("preempted", dict(max_num_batched_tokens=256, num_kv_blocks=40)),
-])
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        # Every prompt over 48 tokens is split into chunks, mixed with other requests' decodes.
+        ("chunked", dict(max_num_batched_tokens=48, num_kv_blocks=512)),
+        # 40 blocks of 16 cannot hold 16 prompts of up to 300 tokens: requests are preempted.
+        ("preempted", dict(max_num_batched_tokens=256, num_kv_blocks=40)),
+    ],
+)
 def test_greedy_parity_with_transformers(tiny_qwen3, hf_model, prompts, name, knobs):
-    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3), device="cpu", **knobs),
-                       keep_logits=True)
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3), device="cpu", **knobs), keep_logits=True)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     tokens, first_logits = run_engine_recording_first_logits(engine, prompts, params)
     if name == "preempted":
@@ -47,21 +50,29 @@ def test_greedy_parity_with_transformers(tiny_qwen3, hf_model, prompts, name, kn
 
 def test_prefix_caching_keeps_parity_and_skips_work(tiny_qwen3, hf_model):
     import random
+
     rng = random.Random(5)
     system = [rng.randrange(3, 500) for _ in range(100)]
-    prompts = [system + [rng.randrange(3, 500) for _ in range(rng.randint(1, 60))]
-               for _ in range(8)]
+    prompts = [
+        system + [rng.randrange(3, 500) for _ in range(rng.randint(1, 60))] for _ in range(8)
+    ]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     results = {}
     for caching in (True, False):
-        engine = LLMEngine(EngineConfig(model=str(tiny_qwen3), device="cpu", num_kv_blocks=256,
-                                        max_num_batched_tokens=128,
-                                        enable_prefix_caching=caching), keep_logits=True)
-        engine.generate(prompts[:1], params)          # warm the shared system prompt
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_qwen3),
+                device="cpu",
+                num_kv_blocks=256,
+                max_num_batched_tokens=128,
+                enable_prefix_caching=caching,
+            ),
+            keep_logits=True,
+        )
+        engine.generate(prompts[:1], params)  # warm the shared system prompt
         computed_before = engine.stats["computed_tokens"]
         tokens, first_logits = run_engine_recording_first_logits(engine, prompts, params)
-        results[caching] = (tokens, first_logits,
-                            engine.stats["computed_tokens"] - computed_before)
+        results[caching] = (tokens, first_logits, engine.stats["computed_tokens"] - computed_before)
     assert results[True][0] == results[False][0]
     # 96 of the 100 system tokens come from the cache for each of the 8 prompts.
     assert results[False][2] - results[True][2] >= 8 * 96 - 16

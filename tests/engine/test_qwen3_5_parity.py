@@ -4,6 +4,7 @@ The recurrent state must survive everything the scheduler does to a request: pro
 split at arbitrary points (not the rule's 64-token chunks), decodes batched with other
 requests' chunks, and preemption (the request starts over from a zero state).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -68,17 +69,21 @@ def test_checkpoint_is_hybrid(tiny_qwen3_5, hf_model):
     assert state.ssm.dtype == torch.float32
 
 
-@pytest.mark.parametrize("name,knobs", [
-    # Prompts over 40 tokens are split into chunks that end mid-way through the rule's own
-    # 64-token chunks, in steps that also carry other requests' decodes.
-    ("chunked", dict(max_num_batched_tokens=40, num_kv_blocks=256)),
-    # 20 blocks of 16 tokens cannot hold 10 prompts of up to 200 tokens: requests are
-    # preempted and recompute from a zero state.
-    ("preempted", dict(max_num_batched_tokens=256, num_kv_blocks=20)),
-])
+@pytest.mark.parametrize(
+    "name,knobs",
+    [
+        # Prompts over 40 tokens are split into chunks that end mid-way through the rule's own
+        # 64-token chunks, in steps that also carry other requests' decodes.
+        ("chunked", dict(max_num_batched_tokens=40, num_kv_blocks=256)),
+        # 20 blocks of 16 tokens cannot hold 10 prompts of up to 200 tokens: requests are
+        # preempted and recompute from a zero state.
+        ("preempted", dict(max_num_batched_tokens=256, num_kv_blocks=20)),
+    ],
+)
 def test_greedy_parity_with_transformers(tiny_qwen3_5, hf_model, prompts, name, knobs):
-    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_5), device="cpu", **knobs),
-                       keep_logits=True)
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_qwen3_5), device="cpu", **knobs), keep_logits=True
+    )
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     tokens, first_logits = run_engine_recording_first_logits(engine, prompts, params)
     if name == "preempted":
@@ -99,8 +104,9 @@ def test_state_is_per_slot_not_shared(tiny_qwen3_5):
     to running it alone: no request reads or writes another's state slot."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt, other = list(range(10, 90)), list(range(200, 237))
-    config = dict(model=str(tiny_qwen3_5), device="cpu", num_kv_blocks=64,
-                  max_num_batched_tokens=32)
+    config = dict(
+        model=str(tiny_qwen3_5), device="cpu", num_kv_blocks=64, max_num_batched_tokens=32
+    )
     alone = LLMEngine(EngineConfig(**config)).generate([prompt], params)[0]
     together = LLMEngine(EngineConfig(**config)).generate([prompt, other, prompt], params)
     assert together[0] == together[2] == alone
@@ -119,11 +125,14 @@ def test_forward_refuses_a_batch_without_state(tiny_qwen3_5):
         engine.model(ids, positions, engine.kv_cache, meta, engine.state)
 
 
-@pytest.mark.parametrize("flags,why", [
-    (["--sliding-window", "8"], "qwen3 only"),
-    (["--layers", "1"], "--layers >= 2"),
-    (["--head-dim", "12"], "rotary"),
-])
+@pytest.mark.parametrize(
+    "flags,why",
+    [
+        (["--sliding-window", "8"], "qwen3 only"),
+        (["--layers", "1"], "--layers >= 2"),
+        (["--head-dim", "12"], "rotary"),
+    ],
+)
 def test_tiny_model_cli_rejects_bad_qwen3_5_specs(tmp_path, flags, why):
     import argparse
 
@@ -136,4 +145,3 @@ def test_tiny_model_cli_rejects_bad_qwen3_5_specs(tmp_path, flags, why):
     with pytest.raises(CliError, match=why):
         tiny_model_cli.main(args)
     assert not (tmp_path / "m" / "model.safetensors").exists()
-

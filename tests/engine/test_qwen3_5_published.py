@@ -5,6 +5,7 @@ ignored, with a log line) and computes exactly what it computes from the causal-
 The published-layout checkpoint is written by transformers' own Qwen3_5ForConditionalGeneration
 (with a 1-block vision tower), holding the tiny causal LM's weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,15 +22,21 @@ from pdpool.engine.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def published(tiny_qwen3_5, tmp_path_factory):
-    from transformers import (AutoModelForCausalLM, Qwen3_5Config,
-                              Qwen3_5ForConditionalGeneration)
+    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     out = tmp_path_factory.mktemp("qwen3_5-published")
     lm = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_5), dtype=torch.float32)
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                  out_hidden_size=lm.config.hidden_size, num_position_embeddings=16)
-    config = Qwen3_5Config(text_config=lm.config.to_dict(), vision_config=vision,
-                           tie_word_embeddings=False)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=lm.config.hidden_size,
+        num_position_embeddings=16,
+    )
+    config = Qwen3_5Config(
+        text_config=lm.config.to_dict(), vision_config=vision, tie_word_embeddings=False
+    )
     torch.manual_seed(0)
     mm = Qwen3_5ForConditionalGeneration(config)
     mm.model.language_model.load_state_dict(lm.model.state_dict())
@@ -61,8 +68,9 @@ def test_published_checkpoint_gives_the_same_tokens(tiny_qwen3_5, published, cap
     runs = []
     for folder in (tiny_qwen3_5, published):
         with caplog.at_level(logging.INFO, logger="pdpool.engine.model_loader"):
-            engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64),
-                               keep_logits=True)
+            engine = LLMEngine(
+                EngineConfig(model=str(folder), device="cpu", num_kv_blocks=64), keep_logits=True
+            )
         tokens, logits = run_engine_recording_first_logits(engine, prompts, params)
         runs.append((tokens, logits))
     assert runs[0][0] == runs[1][0]

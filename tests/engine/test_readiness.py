@@ -1,5 +1,6 @@
 """Readiness of the async engine loop (what `/ready` answers): a loop that stops ticking
 while it has work, or a dead engine thread, is not ready; an idle loop is."""
+
 from __future__ import annotations
 
 import threading
@@ -29,7 +30,7 @@ class SteppableEngine:
 
     def step(self):
         if self.die:
-            raise SystemExit   # ends the engine thread, as a crash outside the guard would
+            raise SystemExit  # ends the engine thread, as a crash outside the guard would
         self.gate.wait()
         return []
 
@@ -54,13 +55,13 @@ def test_idle_loop_is_ready_a_wedged_step_is_not_and_recovers():
     aeng = AsyncEngine(eng)
     try:
         time.sleep(0.4)
-        assert aeng.readiness(max_stall_s=0.2) is None        # idle for long: still ready
+        assert aeng.readiness(max_stall_s=0.2) is None  # idle for long: still ready
         eng.gate.clear()
-        eng.work = True                                       # a step that hangs
+        eng.work = True  # a step that hangs
         assert wait_for(lambda: aeng.readiness(0.2) is not None)
         assert "not ticked" in aeng.readiness(0.2)
-        assert aeng.alive                                     # liveness is unaffected
-        eng.gate.set()                                        # the step returns
+        assert aeng.alive  # liveness is unaffected
+        eng.gate.set()  # the step returns
         assert wait_for(lambda: aeng.readiness(0.2) is None)
         eng.work = False
     finally:

@@ -1,4 +1,5 @@
 """Scheduling decisions over real request state and the KV manager, without a model."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,14 +13,21 @@ BS = 4
 
 
 def make(rid, n_tokens, start=0, threshold=None, kv_params=None, max_tokens=8):
-    return Request(rid, list(range(start, start + n_tokens)), SamplingParams(max_tokens=max_tokens),
-                   cache_hit_threshold=threshold, kv_transfer_params=kv_params, block_size=BS)
+    return Request(
+        rid,
+        list(range(start, start + n_tokens)),
+        SamplingParams(max_tokens=max_tokens),
+        cache_hit_threshold=threshold,
+        kv_transfer_params=kv_params,
+        block_size=BS,
+    )
 
 
 def sched(num_blocks=64, budget=32, max_seqs=8, **kw):
     kv = KVCacheManager(num_blocks, BS)
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                                     **kw), kv)
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, **kw), kv
+    )
 
 
 def run_step(s: Scheduler, out, token=1):
@@ -40,7 +48,7 @@ def test_chunked_prefill_under_budget_and_mixed_with_decode():
     out = s.schedule()
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 6), ("b", 4)]
     run_step(s, out)
-    out = s.schedule()   # a decodes (1 token), b continues its prompt with the rest
+    out = s.schedule()  # a decodes (1 token), b continues its prompt with the rest
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 9)]
     assert out.num_scheduled_tokens <= 10
 
@@ -66,7 +74,7 @@ def test_preemption_by_recompute_keeps_place_in_line():
     out = s.schedule()
     assert len(out.scheduled) == 2
     run_step(s, out)
-    run_step(s, s.schedule())     # both now have 9 tokens: position 8 needs a 3rd block each
+    run_step(s, s.schedule())  # both now have 9 tokens: position 8 needs a 3rd block each
     out = s.schedule()
     assert out.preempted == [b]
     assert [x.request for x in out.scheduled] == [a]
@@ -76,7 +84,7 @@ def test_preemption_by_recompute_keeps_place_in_line():
     s.add_request(c)
     s.finish_request(a, RequestStatus.FINISHED_STOPPED)
     out = s.schedule()
-    assert out.scheduled[0].request is b          # ahead of the newer c
+    assert out.scheduled[0].request is b  # ahead of the newer c
     # Recomputes prompt + output tokens, less what its own freed blocks still cache.
     assert b.num_computed_tokens == 4 and out.scheduled[0].num_new_tokens == 5
 
@@ -89,7 +97,7 @@ def test_prefix_aware_budget_charges_only_computed_tokens():
         out = s.schedule()
         run_step(s, out)
     s.finish_request(warm, RequestStatus.FINISHED_STOPPED)
-    r = make("r", 18)                 # first 16 tokens cached (4 blocks)
+    r = make("r", 18)  # first 16 tokens cached (4 blocks)
     s.add_request(r)
     out = s.schedule()
     assert r.num_computed_tokens == 16 and out.scheduled[0].num_new_tokens == 2
@@ -108,22 +116,23 @@ def test_unaware_admission_charges_cached_tokens():
     assert out.scheduled == [] or out.num_scheduled_tokens < 2
 
 
-@pytest.mark.parametrize("threshold,admitted",
-                         [(0.0, True), (0.5, True), (0.9, False), (1.0, False)])
+@pytest.mark.parametrize(
+    "threshold,admitted", [(0.0, True), (0.5, True), (0.9, False), (1.0, False)]
+)
 def test_cache_hit_threshold(threshold, admitted):
     s = sched(budget=64)
     warm = make("warm", 16)
     s.add_request(warm)
     run_step(s, s.schedule())
     s.finish_request(warm, RequestStatus.FINISHED_STOPPED)
-    r = make("r", 20, threshold=threshold)        # 12 of 20 cached = 0.6 (one token kept back)
+    r = make("r", 20, threshold=threshold)  # 12 of 20 cached = 0.6 (one token kept back)
     s.add_request(r)
     out = s.schedule()
     assert (r in [x.request for x in out.scheduled]) == admitted
     assert (r in out.rejected) == (not admitted)
     if not admitted:
         assert r.status == RequestStatus.FINISHED_CACHE_THRESHOLD
-        assert r.request_id not in s.kv.req_blocks    # never takes blocks
+        assert r.request_id not in s.kv.req_blocks  # never takes blocks
         assert s.num_threshold_rejections["request"] == 1
 
 
@@ -154,7 +163,7 @@ def test_threshold_rechecked_when_preempted_request_returns():
     s.config.global_cache_hit_threshold = 0.9
     s.finish_request(a, RequestStatus.FINISHED_STOPPED)
     out = s.schedule()
-    assert out.rejected == [b]            # bounces back to its router instead of prefilling
+    assert out.rejected == [b]  # bounces back to its router instead of prefilling
 
 
 def test_empty_prompt_does_not_divide_by_zero():

@@ -1,5 +1,6 @@
 """Qwen3 with sliding-window layers: parity with transformers, blocks released outside the
 window, and prefix hits that only need the last window."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,20 +17,22 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_qwen3_sliding):
-    return AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_sliding),
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_sliding), dtype=torch.float32).eval()
 
 
 def engine(model, **knobs) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), device="cpu", **knobs), keep_logits=True)
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(max_num_batched_tokens=40, num_kv_blocks=512),   # chunked prefill
-    dict(max_num_batched_tokens=256, num_kv_blocks=48),   # preemption
-])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(max_num_batched_tokens=40, num_kv_blocks=512),  # chunked prefill
+        dict(max_num_batched_tokens=256, num_kv_blocks=48),  # preemption
+    ],
+)
 def test_sliding_window_parity(tiny_qwen3_sliding, hf_model, knobs):
-    prompts = random_prompts(10, 1, 200, vocab=512, seed=3)   # most longer than the window
+    prompts = random_prompts(10, 1, 200, vocab=512, seed=3)  # most longer than the window
     eng = engine(tiny_qwen3_sliding, **knobs)
     assert [g.name for g in eng.groups] == ["full", "sliding32"]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -40,8 +43,12 @@ def test_sliding_window_parity(tiny_qwen3_sliding, hf_model, knobs):
 
 
 def test_blocks_outside_the_window_are_released(tiny_qwen3_sliding):
-    eng = engine(tiny_qwen3_sliding, max_num_batched_tokens=64, num_kv_blocks=512,
-                 enable_prefix_caching=False)
+    eng = engine(
+        tiny_qwen3_sliding,
+        max_num_batched_tokens=64,
+        num_kv_blocks=512,
+        enable_prefix_caching=False,
+    )
     eng.add_request("r", list(range(3, 203)), SamplingParams(max_tokens=40, ignore_eos=True))
     peak_sliding = 0
     while eng.has_unfinished():

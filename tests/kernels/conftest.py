@@ -6,6 +6,7 @@ TRITON_INTERPRET=1, the variable is restored right after, and an autouse fixture
 again only for the duration of each test in this folder. Other test folders (and the
 servers they spawn) never see it.
 """
+
 import importlib
 import os
 
@@ -13,8 +14,11 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-KERNEL_MODULES = ("pdpool.kernels.kv_write", "pdpool.kernels.paged_attention_kernel",
-                  "pdpool.kernels.gated_delta")
+KERNEL_MODULES = (
+    "pdpool.kernels.kv_write",
+    "pdpool.kernels.paged_attention_kernel",
+    "pdpool.kernels.gated_delta",
+)
 
 
 def _import_kernels_interpreted() -> None:
@@ -33,9 +37,12 @@ def _import_kernels_interpreted() -> None:
 if not HAS_CUDA:
     _import_kernels_interpreted()
     from pdpool.kernels import paged_attention_kernel as _pa
+
     if not _pa._interpreting():
-        raise RuntimeError("pdpool.kernels was imported before tests/kernels/conftest.py set "
-                           "TRITON_INTERPRET=1; run the kernel tests in their own process")
+        raise RuntimeError(
+            "pdpool.kernels was imported before tests/kernels/conftest.py set "
+            "TRITON_INTERPRET=1; run the kernel tests in their own process"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
 """Causal conv1d: references against Hugging Face's Qwen3.5 code, Triton update against them."""
+
 import importlib.util
 
 import pytest
@@ -18,6 +19,7 @@ def hf():
     if importlib.util.find_spec("causal_conv1d") is not None:
         pytest.skip("causal_conv1d is installed: HF's functions would dispatch to it")
     from transformers.models.qwen3_5 import modeling_qwen3_5
+
     return modeling_qwen3_5
 
 
@@ -56,8 +58,9 @@ def test_prefill_then_updates_equal_one_pass(state_len):
     weight, bias, gen = _conv(2, 10, 4, F32)
     x = torch.randn(2, 10, 14, generator=gen)
     full, _ = ref.causal_conv1d_prefill_reference(x, weight, bias, None, "silu")
-    first, state = ops.causal_conv1d_prefill(x[..., :5], weight, bias, None, "silu",
-                                             state_len=state_len)
+    first, state = ops.causal_conv1d_prefill(
+        x[..., :5], weight, bias, None, "silu", state_len=state_len
+    )
     second, state = ops.causal_conv1d_prefill(x[..., 5:9], weight, bias, state, "silu")
     pieces = [first, second]
     for t in range(9, 14):
@@ -71,20 +74,28 @@ def test_prefill_varlen_equals_separate():
     xs = [torch.randn(1, 8, n, generator=gen) for n in lens]
     init = torch.randn(3, 8, 3, generator=gen)
     cu = torch.tensor([0, 6, 8, 17])
-    out, final = ref.causal_conv1d_prefill_reference(torch.cat(xs, -1), weight, bias, init,
-                                                     "silu", cu_seqlens=cu)
+    out, final = ref.causal_conv1d_prefill_reference(
+        torch.cat(xs, -1), weight, bias, init, "silu", cu_seqlens=cu
+    )
     for n, x in enumerate(xs):
-        one, one_state = ref.causal_conv1d_prefill_reference(x, weight, bias, init[n:n + 1], "silu")
-        torch.testing.assert_close(out[..., cu[n]:cu[n + 1]], one)
+        one, one_state = ref.causal_conv1d_prefill_reference(
+            x, weight, bias, init[n : n + 1], "silu"
+        )
+        torch.testing.assert_close(out[..., cu[n] : cu[n + 1]], one)
         torch.testing.assert_close(final[n], one_state[0])
 
 
-@pytest.mark.parametrize("batch,channels,width,state_len,seq_len,dtype", [
-    (3, 200, 4, 3, 1, F32), (2, 130, 4, 4, 1, F16), (4, 64, 4, 3, 2, BF16),
-    (1, 300, 2, 1, 1, F32), (2, 96, 4, 6, 3, F32),
-])
-def test_update_triton_matches_reference(device, batch, channels, width, state_len, seq_len,
-                                         dtype):
+@pytest.mark.parametrize(
+    "batch,channels,width,state_len,seq_len,dtype",
+    [
+        (3, 200, 4, 3, 1, F32),
+        (2, 130, 4, 4, 1, F16),
+        (4, 64, 4, 3, 2, BF16),
+        (1, 300, 2, 1, 1, F32),
+        (2, 96, 4, 6, 3, F32),
+    ],
+)
+def test_update_triton_matches_reference(device, batch, channels, width, state_len, seq_len, dtype):
     weight, bias, gen = _conv(batch, channels, width, dtype, device)
     x = torch.randn(batch, channels, seq_len, generator=gen).to(dtype).to(device)
     state = torch.randn(batch, channels, state_len, generator=gen).to(dtype).to(device)

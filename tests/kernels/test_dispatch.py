@@ -1,4 +1,5 @@
 """The Triton / torch switch the engine relies on."""
+
 import subprocess
 import sys
 
@@ -32,17 +33,21 @@ def test_cpu_path_never_touches_triton(monkeypatch):
     monkeypatch.setattr(pa, "paged_attention_triton", boom)
     q = torch.randn(2, 2, 16)
     cache = torch.randn(2, 16, 2, 16)
-    out = ops.paged_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([0, 2]),
-                              torch.tensor([5]), 0.25)
+    out = ops.paged_attention(
+        q, cache, cache, torch.tensor([[0]]), torch.tensor([0, 2]), torch.tensor([5]), 0.25
+    )
     assert out.shape == q.shape and torch.isfinite(out).all()
 
 
 def test_importing_the_api_does_not_load_triton_kernels():
     """The engine imports pdpool.kernels on CPU hosts too; the Triton modules stay unloaded."""
-    code = ("import sys, pdpool.kernels; "
-            "print([m for m in sys.modules if m.startswith('pdpool.kernels.') "
-            "and m.split('.')[-1] in ('paged_attention_kernel', 'kv_write', 'gated_delta')])")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+    code = (
+        "import sys, pdpool.kernels; "
+        "print([m for m in sys.modules if m.startswith('pdpool.kernels.') "
+        "and m.split('.')[-1] in ('paged_attention_kernel', 'kv_write', 'gated_delta')])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -1,4 +1,5 @@
 """Gated DeltaNet: references against Hugging Face's Qwen3.5 code, Triton decode against them."""
+
 import importlib.util
 
 import pytest
@@ -19,6 +20,7 @@ def hf():
     if importlib.util.find_spec("fla") is not None:
         pytest.skip("fla is installed: HF's functions would dispatch to it, not to torch")
     from transformers.models.qwen3_5 import modeling_qwen3_5
+
     return modeling_qwen3_5
 
 
@@ -29,8 +31,10 @@ def _inputs(batch, seq_len, num_k_heads, num_v_heads, dk, dv, dtype, device="cpu
     k = rnd(batch, seq_len, num_k_heads, dk).to(dtype).to(device)
     v = rnd(batch, seq_len, num_v_heads, dv).to(dtype).to(device)
     # Qwen3.5's gates: g = -exp(A_log) * softplus(a + dt_bias) (fp32), beta = sigmoid(b)
-    g = (-torch.rand(num_v_heads, generator=gen).exp()
-         * torch.nn.functional.softplus(rnd(batch, seq_len, num_v_heads))).to(device)
+    g = (
+        -torch.rand(num_v_heads, generator=gen).exp()
+        * torch.nn.functional.softplus(rnd(batch, seq_len, num_v_heads))
+    ).to(device)
     beta = torch.sigmoid(rnd(batch, seq_len, num_v_heads)).to(dtype).to(device)
     state = (rnd(batch, num_v_heads, dk, dv) * 0.1).to(device)
     return q, k, v, g, beta, state
@@ -38,12 +42,13 @@ def _inputs(batch, seq_len, num_k_heads, num_v_heads, dk, dv, dtype, device="cpu
 
 # ----------------------------------------------------------------------------- references vs HF
 
+
 @pytest.mark.parametrize("num_k_heads,num_v_heads", [(2, 2), (2, 4)])
 def test_recurrent_reference_matches_hf(hf, num_k_heads, num_v_heads):
     q, k, v, g, beta, state = _inputs(2, 9, num_k_heads, num_v_heads, 32, 16, F32)
     expected, expected_state = hf.torch_recurrent_gated_delta_rule(
-        q, k, v, g, beta, initial_state=state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True)
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     out, final = ref.gated_delta_rule_recurrent_reference(q, k, v, g, beta, state)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final, expected_state, rtol=1e-5, atol=1e-5)
@@ -53,10 +58,9 @@ def test_recurrent_reference_matches_hf(hf, num_k_heads, num_v_heads):
 def test_chunked_reference_matches_hf_and_recurrent(hf, seq_len, chunk):
     q, k, v, g, beta, state = _inputs(2, seq_len, 2, 4, 32, 24, F32, seed=1)
     hf_out, hf_state = hf.torch_chunk_gated_delta_rule(
-        q, k, v, g, beta, initial_state=state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True)
-    out, final = ref.gated_delta_rule_chunked_reference(q, k, v, g, beta, state,
-                                                        chunk_size=chunk)
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    out, final = ref.gated_delta_rule_chunked_reference(q, k, v, g, beta, state, chunk_size=chunk)
     rec_out, rec_state = ref.gated_delta_rule_recurrent_reference(q, k, v, g, beta, state)
     for a, b in ((out, hf_out), (final, hf_state), (out, rec_out), (final, rec_state)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -66,16 +70,20 @@ def test_chunked_varlen_equals_separate_sequences():
     q, k, v, g, beta, state = _inputs(3, 20, 2, 2, 16, 16, F32, seed=2)
     lens = [20, 7, 13]
     pieces = [(x[b, :n]) for x in (q, k, v, g, beta) for b, n in enumerate(lens)]
-    packed = [torch.cat(pieces[i * 3:(i + 1) * 3])[None] for i in range(5)]
+    packed = [torch.cat(pieces[i * 3 : (i + 1) * 3])[None] for i in range(5)]
     cu = torch.tensor([0, 20, 27, 40], dtype=torch.int32)
-    out, final = ref.gated_delta_rule_chunked_reference(*packed, state, cu_seqlens=cu,
-                                                        chunk_size=8)
+    out, final = ref.gated_delta_rule_chunked_reference(*packed, state, cu_seqlens=cu, chunk_size=8)
     for b, n in enumerate(lens):
         one, one_state = ref.gated_delta_rule_recurrent_reference(
-            q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], g[b:b + 1, :n], beta[b:b + 1, :n],
-            state[b:b + 1])
+            q[b : b + 1, :n],
+            k[b : b + 1, :n],
+            v[b : b + 1, :n],
+            g[b : b + 1, :n],
+            beta[b : b + 1, :n],
+            state[b : b + 1],
+        )
         lo = sum(lens[:b])
-        torch.testing.assert_close(out[0, lo:lo + n], one[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[0, lo : lo + n], one[0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(final[b], one_state[0], rtol=1e-4, atol=1e-4)
 
 
@@ -83,22 +91,32 @@ def test_prefill_then_decode_equals_one_pass():
     """The engine's split: a prompt chunk through prefill, the next tokens through decode."""
     q, k, v, g, beta, state = _inputs(2, 12, 1, 2, 16, 8, F32, seed=3)
     full, full_state = ref.gated_delta_rule_recurrent_reference(q, k, v, g, beta, state)
-    out, carry = ops.gated_delta_rule_prefill(q[:, :9], k[:, :9], v[:, :9], g[:, :9],
-                                              beta[:, :9], state)
+    out, carry = ops.gated_delta_rule_prefill(
+        q[:, :9], k[:, :9], v[:, :9], g[:, :9], beta[:, :9], state
+    )
     torch.testing.assert_close(out, full[:, :9], rtol=1e-4, atol=1e-4)
     for t in range(9, 12):
-        o, carry = ops.gated_delta_rule_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t],
-                                               carry)
+        o, carry = ops.gated_delta_rule_decode(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], carry
+        )
         torch.testing.assert_close(o, full[:, t], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(carry, full_state, rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- Triton decode
 
-@pytest.mark.parametrize("num_k_heads,num_v_heads,dk,dv,dtype", [
-    (2, 2, 64, 64, F32), (2, 4, 128, 128, F32), (1, 4, 64, 32, F16),
-    (2, 4, 128, 128, BF16), (4, 8, 256, 64, F32), (1, 1, 48, 40, F32),
-])
+
+@pytest.mark.parametrize(
+    "num_k_heads,num_v_heads,dk,dv,dtype",
+    [
+        (2, 2, 64, 64, F32),
+        (2, 4, 128, 128, F32),
+        (1, 4, 64, 32, F16),
+        (2, 4, 128, 128, BF16),
+        (4, 8, 256, 64, F32),
+        (1, 1, 48, 40, F32),
+    ],
+)
 def test_decode_triton_matches_reference(device, num_k_heads, num_v_heads, dk, dv, dtype):
     q, k, v, g, beta, state = _inputs(3, 1, num_k_heads, num_v_heads, dk, dv, dtype, device)
     q, k, v, g, beta = q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0]
@@ -116,8 +134,9 @@ def test_decode_triton_options(device, use_l2norm, scale):
     q, k, v, g, beta, state = _inputs(2, 1, 2, 2, 32, 32, F32, device, seed=5)
     q, k, v, g, beta = q[:, 0], k[:, 0] * 0.2, v[:, 0], g[:, 0], beta[:, 0]
     expected_state = state.clone()
-    expected, _ = ref.gated_delta_rule_decode_reference(q, k, v, g, beta, expected_state,
-                                                        use_l2norm, scale)
+    expected, _ = ref.gated_delta_rule_decode_reference(
+        q, k, v, g, beta, expected_state, use_l2norm, scale
+    )
     out, _ = gated_delta_rule_decode_triton(q, k, v, g, beta, state, use_l2norm, scale)
     assert_close(out, expected, F32)
     assert_close(state, expected_state, F32)
@@ -130,8 +149,9 @@ def test_decode_triton_state_pool_with_padding(device):
     pool = torch.randn(6, 4, 64, 32, device=device)
     indices = torch.tensor([4, -1, 1], dtype=torch.int32, device=device)
     expected_pool = pool.clone()
-    expected, _ = ref.gated_delta_rule_decode_reference(q, k, v, g, beta, expected_pool,
-                                                        state_indices=indices)
+    expected, _ = ref.gated_delta_rule_decode_reference(
+        q, k, v, g, beta, expected_pool, state_indices=indices
+    )
     before = pool.clone()
     out, _ = gated_delta_rule_decode_triton(q, k, v, g, beta, pool, state_indices=indices)
     assert_close(out, expected, BF16)
@@ -163,11 +183,13 @@ def test_gdn_ops_reject_bad_inputs():
     with pytest.raises(ValueError, match="g .* must be"):
         ops.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0, :2], beta[:, 0], state)
     with pytest.raises(ValueError, match="state_indices has 1 entries"):
-        ops.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
-                                    state_indices=torch.tensor([0]))
+        ops.gated_delta_rule_decode(
+            q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, state_indices=torch.tensor([0])
+        )
 
 
 # ----------------------------------------------------------------------------- GPU, full size
+
 
 @gpu
 @requires_cuda
@@ -179,8 +201,9 @@ def test_decode_full_size_gpu(dtype):
     pool = torch.randn(80, 32, 128, 128, device="cuda") * 0.1
     indices = torch.randperm(80, device="cuda")[:64]
     expected_pool = pool.clone()
-    expected, _ = ref.gated_delta_rule_decode_reference(q, k, v, g, beta, expected_pool,
-                                                        state_indices=indices)
+    expected, _ = ref.gated_delta_rule_decode_reference(
+        q, k, v, g, beta, expected_pool, state_indices=indices
+    )
     out, _ = ops.gated_delta_rule_decode(q, k, v, g, beta, pool, state_indices=indices)
     assert_close(out, expected, dtype)
     assert_close(pool, expected_pool, F32, scale=10)
@@ -198,7 +221,8 @@ def test_prefill_full_size_gpu():
     for n in range(3):
         lo, hi = bounds[n], bounds[n + 1]
         one, one_state = ref.gated_delta_rule_chunked_reference(
-            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], init[n:n + 1])
+            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], init[n : n + 1]
+        )
         # fla runs its chunk matmuls in bf16: compare relative (Frobenius) errors
         for got, want in ((out[:, lo:hi], one), (final[n], one_state[0])):
             rel = ((got.float() - want.float()).norm() / want.float().norm()).item()

@@ -4,6 +4,7 @@ This is how the engine composes the ops: prefill a prompt chunk (conv + chunked 
 out), then decode token by token from those states. The result must match transformers'
 `Qwen3_5GatedDeltaNet` run over the whole sequence at once.
 """
+
 import importlib.util
 
 import pytest
@@ -19,10 +20,17 @@ def hf_layer():
         pytest.skip("HF would dispatch to fla / causal_conv1d instead of its torch code")
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-    config = Qwen3_5TextConfig(hidden_size=64, num_hidden_layers=1,
-                               layer_types=["linear_attention"], linear_num_key_heads=2,
-                               linear_num_value_heads=4, linear_key_head_dim=16,
-                               linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+    config = Qwen3_5TextConfig(
+        hidden_size=64,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    )
     torch.manual_seed(0)
     layer = Qwen3_5GatedDeltaNet(config, 0).eval()
     with torch.no_grad():
@@ -44,9 +52,11 @@ def _projections(layer, hidden):
 def _split(layer, mixed):
     batch, seq_len, _ = mixed.shape
     q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    return (q.reshape(batch, seq_len, -1, layer.head_k_dim),
-            k.reshape(batch, seq_len, -1, layer.head_k_dim),
-            v.reshape(batch, seq_len, -1, layer.head_v_dim))
+    return (
+        q.reshape(batch, seq_len, -1, layer.head_k_dim),
+        k.reshape(batch, seq_len, -1, layer.head_k_dim),
+        v.reshape(batch, seq_len, -1, layer.head_v_dim),
+    )
 
 
 def _output(layer, o, z):
@@ -58,8 +68,9 @@ def _output(layer, o, z):
 def our_prefill(layer, hidden):
     mixed, z, beta, g = _projections(layer, hidden)
     weight = layer.conv1d.weight.squeeze(1)
-    conv_out, conv_state = ops.causal_conv1d_prefill(mixed.transpose(1, 2), weight,
-                                                     layer.conv1d.bias, None, "silu")
+    conv_out, conv_state = ops.causal_conv1d_prefill(
+        mixed.transpose(1, 2), weight, layer.conv1d.bias, None, "silu"
+    )
     q, k, v = _split(layer, conv_out.transpose(1, 2))
     o, state = ops.gated_delta_rule_prefill(q, k, v, g, beta, None)
     return _output(layer, o, z), conv_state, state
@@ -68,8 +79,14 @@ def our_prefill(layer, hidden):
 def our_decode(layer, hidden, conv_state, state, pool_rows):
     """One token per request; states live in pools addressed by `pool_rows`."""
     mixed, z, beta, g = _projections(layer, hidden)
-    conv_out = ops.causal_conv1d_update(mixed[:, 0], conv_state, layer.conv1d.weight.squeeze(1),
-                                        layer.conv1d.bias, "silu", state_indices=pool_rows)
+    conv_out = ops.causal_conv1d_update(
+        mixed[:, 0],
+        conv_state,
+        layer.conv1d.weight.squeeze(1),
+        layer.conv1d.bias,
+        "silu",
+        state_indices=pool_rows,
+    )
     q, k, v = _split(layer, conv_out[:, None])
     o, _ = ops.gated_delta_rule_decode(q, k, v, g, beta, state, state_indices=pool_rows)
     return _output(layer, o, z)
@@ -91,5 +108,5 @@ def test_prefill_then_decode_matches_hf_layer(hf_layer, kernels, monkeypatch):
         state_pool = torch.zeros(5, *state.shape[1:])
         conv_pool[rows], state_pool[rows] = conv_state, state
         for t in range(9, 12):
-            out = our_decode(hf_layer, hidden[:, t:t + 1], conv_pool, state_pool, rows)
-            torch.testing.assert_close(out, expected[:, t:t + 1], rtol=1e-4, atol=1e-4)
+            out = our_decode(hf_layer, hidden[:, t : t + 1], conv_pool, state_pool, rows)
+            torch.testing.assert_close(out, expected[:, t : t + 1], rtol=1e-4, atol=1e-4)

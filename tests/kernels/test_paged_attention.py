@@ -1,4 +1,5 @@
 """paged_attention (Triton, through ops) against paged_attention_reference."""
+
 import math
 
 import pytest
@@ -19,13 +20,13 @@ def force_triton(monkeypatch):
     monkeypatch.setattr(ops, "use_triton", lambda device: True)
 
 
-def _batch(device, dtype, block_size, num_kv_heads, group, head_dim, q_lens, context_lens,
-           seed=0):
+def _batch(device, dtype, block_size, num_kv_heads, group, head_dim, q_lens, context_lens, seed=0):
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(q_lens, context_lens)]
     num_blocks = sum((s + block_size - 1) // block_size for s in seq_lens) + 3
-    _, k_cache, v_cache = paged_cache(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype,
-                                      device)
+    _, k_cache, v_cache = paged_cache(
+        num_blocks, 2, block_size, num_kv_heads, head_dim, dtype, device
+    )
     tables = batch_tables(seq_lens, block_size, num_blocks, device, gen)
     starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, dtype=dtype, device=device)
@@ -60,30 +61,56 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim,q_lens,context_lens,window,dtype",
-                         CASES)
-def test_mixed_batch_matches_reference(device, force_triton, block_size, num_kv_heads, group,
-                                       head_dim, q_lens, context_lens, window, dtype):
-    q, k_cache, v_cache, tables, starts, lens = _batch(device, dtype, block_size, num_kv_heads,
-                                                       group, head_dim, q_lens, context_lens)
-    scale = head_dim ** -0.5
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,group,head_dim,q_lens,context_lens,window,dtype", CASES
+)
+def test_mixed_batch_matches_reference(
+    device,
+    force_triton,
+    block_size,
+    num_kv_heads,
+    group,
+    head_dim,
+    q_lens,
+    context_lens,
+    window,
+    dtype,
+):
+    q, k_cache, v_cache, tables, starts, lens = _batch(
+        device, dtype, block_size, num_kv_heads, group, head_dim, q_lens, context_lens
+    )
+    scale = head_dim**-0.5
     expected = paged_attention_reference(q, k_cache, v_cache, tables, starts, lens, scale, window)
     out = ops.paged_attention(q, k_cache, v_cache, tables, starts, lens, scale, window)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("block_size,num_kv_heads,group,head_dim,context_lens,window,dtype,splits",
-                         DECODE_CASES)
-def test_decode_split_kv_matches_reference(device, block_size, num_kv_heads, group, head_dim,
-                                           context_lens, window, dtype, splits):
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,group,head_dim,context_lens,window,dtype,splits", DECODE_CASES
+)
+def test_decode_split_kv_matches_reference(
+    device, block_size, num_kv_heads, group, head_dim, context_lens, window, dtype, splits
+):
     q_lens = [1] * len(context_lens)
-    q, k_cache, v_cache, tables, starts, lens = _batch(device, dtype, block_size, num_kv_heads,
-                                                       group, head_dim, q_lens, context_lens)
+    q, k_cache, v_cache, tables, starts, lens = _batch(
+        device, dtype, block_size, num_kv_heads, group, head_dim, q_lens, context_lens
+    )
     scale = 1.0 / math.sqrt(head_dim)
     expected = paged_attention_reference(q, k_cache, v_cache, tables, starts, lens, scale, window)
-    out = paged_attention_triton(q, k_cache, v_cache, tables, starts, lens, scale, window,
-                                 max_query_len=1, max_seq_len=int(lens.max()), num_splits=splits)
+    out = paged_attention_triton(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        starts,
+        lens,
+        scale,
+        window,
+        max_query_len=1,
+        max_seq_len=int(lens.max()),
+        num_splits=splits,
+    )
     assert_close(out, expected, dtype)
 
 
@@ -122,52 +149,86 @@ def test_rejects_bad_inputs():
 
 @gpu
 @requires_cuda
-@pytest.mark.parametrize("head_dim,group,window", [(128, 2, None), (64, 4, None), (256, 4, 512),
-                                                   (128, 1, 1024)])
+@pytest.mark.parametrize(
+    "head_dim,group,window", [(128, 2, None), (64, 4, None), (256, 4, 512), (128, 1, 1024)]
+)
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_full_size_gpu(dtype, head_dim, group, window):
     """Qwen3-sized heads: 2 long prefills with cached prefixes and 62 long decodes."""
     device = torch.device("cuda")
     q_lens = [1500, 700] + [1] * 62
     context_lens = [0, 2300] + [3000 + 37 * i for i in range(62)]
-    q, k_cache, v_cache, tables, starts, lens = _batch(device, dtype, 16, 8, group, head_dim,
-                                                       q_lens, context_lens)
-    scale = head_dim ** -0.5
+    q, k_cache, v_cache, tables, starts, lens = _batch(
+        device, dtype, 16, 8, group, head_dim, q_lens, context_lens
+    )
+    scale = head_dim**-0.5
     expected = paged_attention_reference(q, k_cache, v_cache, tables, starts, lens, scale, window)
-    out = ops.paged_attention(q, k_cache, v_cache, tables, starts, lens, scale, window,
-                              max_query_len=1500, max_seq_len=int(lens.max()))
+    out = ops.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        starts,
+        lens,
+        scale,
+        window,
+        max_query_len=1500,
+        max_seq_len=int(lens.max()),
+    )
     assert_close(out, expected, dtype)
     decodes = slice(2200, None)
     dec_starts = starts[2:] - starts[2]
-    out = ops.paged_attention(q[decodes], k_cache, v_cache, tables[2:], dec_starts, lens[2:],
-                              scale, window, max_query_len=1)
+    out = ops.paged_attention(
+        q[decodes],
+        k_cache,
+        v_cache,
+        tables[2:],
+        dec_starts,
+        lens[2:],
+        scale,
+        window,
+        max_query_len=1,
+    )
     assert_close(out, expected[decodes], dtype)
 
 
 def _plan(**overrides):
     from pdpool.kernels.paged_attention_kernel import plan_attention
-    args = dict(num_tokens=64, num_seqs=64, num_heads=16, num_kv_heads=8, head_dim=128,
-                block_size=16, dtype=torch.bfloat16, max_query_len=1, max_seq_len=8192,
-                sliding_window=None, sms=132)
+
+    args = dict(
+        num_tokens=64,
+        num_seqs=64,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        max_query_len=1,
+        max_seq_len=8192,
+        sliding_window=None,
+        sms=132,
+    )
     args.update(overrides)
     return plan_attention(**args)
 
 
 def test_split_plan_fills_the_gpu_only_when_needed():
-    assert _plan().num_splits == 1                                   # 512 programs already
+    assert _plan().num_splits == 1  # 512 programs already
     assert _plan(num_tokens=1, num_seqs=1, max_seq_len=32768).num_splits == 64
-    assert _plan(num_tokens=1, num_seqs=1, max_seq_len=300).num_splits == 1   # short: no split
+    assert _plan(num_tokens=1, num_seqs=1, max_seq_len=300).num_splits == 1  # short: no split
     assert _plan(num_tokens=4, num_seqs=4, max_seq_len=4096).num_splits == 16  # 4 tiles each
-    assert _plan(max_query_len=7, num_tokens=70).num_splits == 1     # prefills never split
+    assert _plan(max_query_len=7, num_tokens=70).num_splits == 1  # prefills never split
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("head_dim,max_query_len", [(64, 1), (128, 1), (256, 1), (128, 300),
-                                                   (256, 300)])
+@pytest.mark.parametrize(
+    "head_dim,max_query_len", [(64, 1), (128, 1), (256, 1), (128, 300), (256, 300)]
+)
 def test_plan_tiles_are_dot_sized(group, head_dim, max_query_len):
     """Every tile has >= 16 rows (tl.dot's minimum) and room for the whole GQA group."""
-    ce = _plan(num_heads=8 * group, head_dim=head_dim, max_query_len=max_query_len,
-               num_tokens=300).constexprs
+    ce = _plan(
+        num_heads=8 * group, head_dim=head_dim, max_query_len=max_query_len, num_tokens=300
+    ).constexprs
     assert ce["BLOCK_Q"] * ce["GROUP_PAD"] >= 16
     assert ce["GROUP_PAD"] >= group and ce["D_PAD"] >= head_dim
     assert ce["DECODE_ONLY"] == (max_query_len == 1)

@@ -1,5 +1,6 @@
 """The fast paths of the CPU attention (length-grouped decodes, the gather workspace, the
 strided-layout fallback) and the rewritten layers, against from-scratch definitions."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,30 +13,45 @@ from tests.support.kernel_helpers import batch_tables, paged_cache
 from .test_reference import naive_attention
 
 
-def _check_against_naive(q_lens, context_lens, window=None, group=2, dtype=torch.float32,
-                         block_size=8, num_kv_heads=2, head_dim=16, k_cache=None, v_cache=None):
+def _check_against_naive(
+    q_lens,
+    context_lens,
+    window=None,
+    group=2,
+    dtype=torch.float32,
+    block_size=8,
+    num_kv_heads=2,
+    head_dim=16,
+    k_cache=None,
+    v_cache=None,
+):
     seq_lens = [q + c for q, c in zip(q_lens, context_lens)]
     num_blocks = sum((s + block_size - 1) // block_size for s in seq_lens) + 2
     if k_cache is None:
-        _, k_cache, v_cache = paged_cache(num_blocks, 2, block_size, num_kv_heads, head_dim,
-                                          dtype, "cpu", layer=1)
-    tables = batch_tables(seq_lens, block_size, k_cache.shape[0], "cpu",
-                          torch.Generator().manual_seed(3))
+        _, k_cache, v_cache = paged_cache(
+            num_blocks, 2, block_size, num_kv_heads, head_dim, dtype, "cpu", layer=1
+        )
+    tables = batch_tables(
+        seq_lens, block_size, k_cache.shape[0], "cpu", torch.Generator().manual_seed(3)
+    )
     starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim).to(dtype)
-    out = paged_attention_reference(q, k_cache, v_cache, tables, starts,
-                                    torch.tensor(seq_lens, dtype=torch.int32), 0.25, window)
+    out = paged_attention_reference(
+        q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int32), 0.25, window
+    )
     assert out.shape == q.shape and out.dtype == dtype
     for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         if q_len == 0:
             continue
-        slots = [int(tables[b, j // block_size]) * block_size + j % block_size
-                 for j in range(seq_len)]
+        slots = [
+            int(tables[b, j // block_size]) * block_size + j % block_size for j in range(seq_len)
+        ]
         keys = torch.stack([k_cache[s // block_size, s % block_size] for s in slots])
         values = torch.stack([v_cache[s // block_size, s % block_size] for s in slots])
         rows = slice(int(starts[b]), int(starts[b + 1]))
-        expected = naive_attention(q[rows], keys, values, range(seq_len - q_len, seq_len),
-                                   0.25, window)
+        expected = naive_attention(
+            q[rows], keys, values, range(seq_len - q_len, seq_len), 0.25, window
+        )
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[rows].double(), expected, rtol=tol, atol=tol)
     return out
@@ -87,8 +103,15 @@ def test_unusual_cache_layout_uses_the_plain_gather():
     k_cache = storage.permute(0, 2, 1, 3)
     v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).permute(0, 2, 1, 3)
     assert not k_cache.is_contiguous()
-    _check_against_naive([1, 7, 1], [30, 10, 90], k_cache=k_cache, v_cache=v_cache,
-                         block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    _check_against_naive(
+        [1, 7, 1],
+        [30, 10, 90],
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
 
 
 def test_write_kv_all_valid_and_with_skips_agree():
@@ -99,8 +122,12 @@ def test_write_kv_all_valid_and_with_skips_agree():
     write_kv_reference(k, v, k_cache, v_cache, slots)
     with_skip = torch.tensor([3, -1, 22, 9, -1, 0, 17])
     pad = torch.zeros(1, 2, 8)
-    write_kv_reference(torch.cat([k[:1], pad, k[1:3], pad, k[3:]]),
-                       torch.cat([v[:1], pad, v[1:3], pad, v[3:]]), *other, with_skip)
+    write_kv_reference(
+        torch.cat([k[:1], pad, k[1:3], pad, k[3:]]),
+        torch.cat([v[:1], pad, v[1:3], pad, v[3:]]),
+        *other,
+        with_skip,
+    )
     assert torch.equal(k_cache, other[0]) and torch.equal(v_cache, other[1])
     for i, s in enumerate(slots.tolist()):
         assert torch.equal(k_cache[s // 4, s % 4], k[i])
@@ -118,8 +145,9 @@ def test_rms_norm_equals_the_reference_formula(dtype, zero_centered):
     x = (torch.randn(7, 48) * 3).to(dtype)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-    expected = (h * (1.0 + norm.weight.float())).to(dtype) if zero_centered \
-        else norm.weight * h.to(dtype)
+    expected = (
+        (h * (1.0 + norm.weight.float())).to(dtype) if zero_centered else norm.weight * h.to(dtype)
+    )
     got = norm(x)
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

@@ -1,4 +1,5 @@
 """write_kv (Triton) against write_kv_reference, into strided views of the engine's cache."""
+
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ def _write_both(device, dtype, block_size, num_kv_heads, head_dim, num_tokens, c
     gen = torch.Generator().manual_seed(block_size * 7 + head_dim + num_kv_heads)
     cache_dtype = cache_dtype or dtype
     num_blocks = 8
-    cache, k_cache, v_cache = paged_cache(num_blocks, 2, block_size, num_kv_heads, head_dim,
-                                          cache_dtype, device)
+    cache, k_cache, v_cache = paged_cache(
+        num_blocks, 2, block_size, num_kv_heads, head_dim, cache_dtype, device
+    )
     expected = cache.clone()
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::3] = -1  # padding / uncached tokens are skipped
@@ -26,9 +28,16 @@ def _write_both(device, dtype, block_size, num_kv_heads, head_dim, num_tokens, c
     return cache, expected, k, slots
 
 
-@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [
-    (16, 1, 64), (16, 2, 128), (32, 4, 256), (32, 8, 128), (16, 3, 96),
-])
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,head_dim",
+    [
+        (16, 1, 64),
+        (16, 2, 128),
+        (32, 4, 256),
+        (32, 8, 128),
+        (16, 3, 96),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_write_kv_matches_reference(device, dtype, block_size, num_kv_heads, head_dim):
     cache, expected, k, slots = _write_both(device, dtype, block_size, num_kv_heads, head_dim, 13)
@@ -40,8 +49,9 @@ def test_write_kv_matches_reference(device, dtype, block_size, num_kv_heads, hea
 
 
 def test_write_kv_casts_to_cache_dtype(device):
-    cache, expected, _, _ = _write_both(device, torch.float32, 16, 2, 64, 9,
-                                        cache_dtype=torch.float16)
+    cache, expected, _, _ = _write_both(
+        device, torch.float32, 16, 2, 64, 9, cache_dtype=torch.float16
+    )
     assert torch.equal(cache, expected)
 
 
@@ -62,8 +72,9 @@ def test_write_kv_rejects_bad_shapes():
     with pytest.raises(ValueError, match="slot_mapping has 2 slots for 3 tokens"):
         ops.write_kv(k, k, k_cache, v_cache, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="k/v must be"):
-        ops.write_kv(torch.randn(3, 4, 64), torch.randn(3, 4, 64), k_cache, v_cache,
-                     torch.tensor([0, 1, 2]))
+        ops.write_kv(
+            torch.randn(3, 4, 64), torch.randn(3, 4, 64), k_cache, v_cache, torch.tensor([0, 1, 2])
+        )
     with pytest.raises(ValueError, match="int32 or int64"):
         ops.write_kv(k, k, k_cache, v_cache, torch.tensor([0.0, 1.0, 2.0]))
 

@@ -5,6 +5,7 @@ on loopback for the whole session. Only the cluster tests use it; the unit tests
 pure builders never trigger a build. A failed build FAILS those tests; they are skipped
 only when no Go toolchain exists at all and nothing is cached.
 """
+
 from __future__ import annotations
 
 import shutil

@@ -1,4 +1,5 @@
 """The pure builders: what each child looks like for a given spec."""
+
 import json
 
 import pytest
@@ -9,18 +10,24 @@ from pdpool.operator.names import ANNOTATION_ROUTER_HASH
 from pdpool.operator.spec import parse_pool_spec
 
 REF = PoolRef(name="demo", namespace="llm", uid="uid-123")
-BASE = {"model": {"path": "/models/qwen3"}, "engine": {"image": "engine:1"},
-        "router": {"image": "slim:1"}}
+BASE = {
+    "model": {"path": "/models/qwen3"},
+    "engine": {"image": "engine:1"},
+    "router": {"image": "slim:1"},
+}
 
 
 def children(spec=None, ref=REF):
-    return {(m["kind"], m["metadata"]["name"]): m
-            for m in build_children(ref, parse_pool_spec(ref.name, spec or BASE))}
+    return {
+        (m["kind"], m["metadata"]["name"]): m
+        for m in build_children(ref, parse_pool_spec(ref.name, spec or BASE))
+    }
 
 
 def container(deployment, name):
-    return next(c for c in deployment["spec"]["template"]["spec"]["containers"]
-                if c["name"] == name)
+    return next(
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name
+    )
 
 
 def env_map(c):
@@ -30,18 +37,33 @@ def env_map(c):
 def test_every_child_is_owned_by_the_pool_and_labelled():
     kids = children()
     assert set(kids) == {
-        ("ConfigMap", "demo-router"), ("Service", "demo-prefill"), ("Service", "demo-decode"),
-        ("Service", "demo-gateway"), ("Deployment", "demo-prefill"),
-        ("Deployment", "demo-decode"), ("Deployment", "demo-gateway"),
-        ("PodDisruptionBudget", "demo-prefill"), ("PodDisruptionBudget", "demo-decode"),
-        ("PodDisruptionBudget", "demo-gateway"), ("NetworkPolicy", "demo-engines"),
-        ("NetworkPolicy", "demo-decode-sidecar"), ("NetworkPolicy", "demo-gateway")}
+        ("ConfigMap", "demo-router"),
+        ("Service", "demo-prefill"),
+        ("Service", "demo-decode"),
+        ("Service", "demo-gateway"),
+        ("Deployment", "demo-prefill"),
+        ("Deployment", "demo-decode"),
+        ("Deployment", "demo-gateway"),
+        ("PodDisruptionBudget", "demo-prefill"),
+        ("PodDisruptionBudget", "demo-decode"),
+        ("PodDisruptionBudget", "demo-gateway"),
+        ("NetworkPolicy", "demo-engines"),
+        ("NetworkPolicy", "demo-decode-sidecar"),
+        ("NetworkPolicy", "demo-gateway"),
+    }
     for manifest in kids.values():
         meta = manifest["metadata"]
         assert meta["namespace"] == "llm"
-        assert meta["ownerReferences"] == [{
-            "apiVersion": "pdpool.io/v1alpha1", "kind": "PDInferencePool", "name": "demo",
-            "uid": "uid-123", "controller": True, "blockOwnerDeletion": True}]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "pdpool.io/v1alpha1",
+                "kind": "PDInferencePool",
+                "name": "demo",
+                "uid": "uid-123",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert meta["labels"]["pdpool.io/pool"] == "demo"
 
 
@@ -61,8 +83,9 @@ def test_prefill_and_decode_discovery_services_are_headless():
     assert kids[("Service", "demo-decode")]["spec"]["clusterIP"] == "None"
     gateway = kids[("Service", "demo-gateway")]["spec"]
     assert "clusterIP" not in gateway and gateway["type"] == "ClusterIP"
-    assert gateway["ports"] == [{"name": "http", "port": 8080, "targetPort": 8080,
-                                 "protocol": "TCP"}]
+    assert gateway["ports"] == [
+        {"name": "http", "port": 8080, "targetPort": 8080, "protocol": "TCP"}
+    ]
 
 
 def test_pdpool_engine_command_advertises_the_pod_ip():
@@ -86,9 +109,12 @@ def test_pdpool_engine_command_advertises_the_pod_ip():
 
 
 def test_vllm_engine_gets_stock_vllm_flags_and_nixl_env():
-    spec = dict(BASE, engine={"image": "vllm:1", "kind": "vllm"},
-                decode={"gpus": 2, "tensorParallelSize": 2},
-                model={"huggingFaceId": "Qwen/Qwen3-0.6B"})
+    spec = dict(
+        BASE,
+        engine={"image": "vllm:1", "kind": "vllm"},
+        decode={"gpus": 2, "tensorParallelSize": 2},
+        model={"huggingFaceId": "Qwen/Qwen3-0.6B"},
+    )
     decode = container(children(spec)[("Deployment", "demo-decode")], "engine")
     argv = decode["command"]
     assert argv[:3] == ["vllm", "serve", "/models/Qwen/Qwen3-0.6B"]
@@ -99,8 +125,10 @@ def test_vllm_engine_gets_stock_vllm_flags_and_nixl_env():
     env = env_map(decode)
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
-    assert decode["resources"] == {"limits": {"nvidia.com/gpu": 2},
-                                   "requests": {"nvidia.com/gpu": 2}}
+    assert decode["resources"] == {
+        "limits": {"nvidia.com/gpu": 2},
+        "requests": {"nvidia.com/gpu": 2},
+    }
     # stock vLLM ignores cache_hit_threshold: its sidecars decide P/D by prompt length
     assert children(spec)[("ConfigMap", "demo-router")]["data"]["engineRejects"] == "no"
 
@@ -137,17 +165,20 @@ def test_decode_pod_has_the_sidecar_reading_the_router_config_map():
     assert flags["--decode-url"] == "http://127.0.0.1:8000"
     config = kids[("ConfigMap", "demo-router")]["data"]
     env = env_map(sidecar)
-    for flag, key in [("--mode", "mode"), ("--cache-hit-threshold", "cacheHitThreshold"),
-                      ("--prefill-service", "prefillService"),
-                      ("--kv-pull-threshold", "kvPullThreshold"),
-                      ("--prefill-timeout", "prefillTimeoutSeconds"),
-                      ("--engine-rejects", "engineRejects")]:
+    for flag, key in [
+        ("--mode", "mode"),
+        ("--cache-hit-threshold", "cacheHitThreshold"),
+        ("--prefill-service", "prefillService"),
+        ("--kv-pull-threshold", "kvPullThreshold"),
+        ("--prefill-timeout", "prefillTimeoutSeconds"),
+        ("--engine-rejects", "engineRejects"),
+    ]:
         var = commands.ROUTER_ENV[key]
         assert flags[flag] == f"$({var})"
         assert env[var]["valueFrom"]["configMapKeyRef"] == {"name": "demo-router", "key": key}
         assert key in config
     assert config["prefillService"] == "demo-prefill.llm.svc:8000"
-    assert config["engineRejects"] == "yes"   # pdpool engines reject (decode-first as is)
+    assert config["engineRejects"] == "yes"  # pdpool engines reject (decode-first as is)
     prefill_pod = kids[("Deployment", "demo-prefill")]["spec"]["template"]["spec"]
     assert "sidecar" not in [c["name"] for c in prefill_pod["containers"]]
 
@@ -155,9 +186,11 @@ def test_decode_pod_has_the_sidecar_reading_the_router_config_map():
 def test_router_change_rolls_decode_and_gateway_pods_but_not_prefill():
     before = children()
     after = children(dict(BASE, router={"cacheHitThreshold": 0.9, "image": "slim:1"}))
+
     def annotation(kids, role):
         meta = kids[("Deployment", f"demo-{role}")]["spec"]["template"]["metadata"]
         return meta.get("annotations", {}).get(ANNOTATION_ROUTER_HASH)
+
     assert annotation(before, "decode") == data_hash(before[("ConfigMap", "demo-router")]["data"])
     assert annotation(before, "decode") != annotation(after, "decode")
     assert annotation(before, "gateway") != annotation(after, "gateway")
@@ -172,18 +205,31 @@ def test_gateway_points_at_the_decode_sidecars():
     gw = kids[("Deployment", "demo-gateway")]
     assert gw["spec"]["replicas"] == 2
     assert container(gw, "gateway")["command"] == [
-        "pdpool", "gateway", "--host", "0.0.0.0", "--port", "8080",
-        "--decode-service", "demo-decode.llm.svc:8080"]
+        "pdpool",
+        "gateway",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8080",
+        "--decode-service",
+        "demo-decode.llm.svc:8080",
+    ]
     svc = kids[("Service", "demo-gateway")]["spec"]
     assert svc["type"] == "LoadBalancer" and svc["ports"][0]["port"] == 80
 
 
 def test_scheduling_and_extra_args_reach_the_right_role():
-    spec = dict(BASE, decode={"replicas": 3, "nodeSelector": {"gpu": "h100"},
-                              "tolerations": [{"key": "gpu", "operator": "Exists"}],
-                              "extraArgs": ["--max-num-seqs", "64"],
-                              "env": [{"name": "X", "value": "1"}],
-                              "resources": {"requests": {"cpu": "4"}}})
+    spec = dict(
+        BASE,
+        decode={
+            "replicas": 3,
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            "extraArgs": ["--max-num-seqs", "64"],
+            "env": [{"name": "X", "value": "1"}],
+            "resources": {"requests": {"cpu": "4"}},
+        },
+    )
     kids = children(spec)
     decode = kids[("Deployment", "demo-decode")]
     pod = decode["spec"]["template"]["spec"]
@@ -202,11 +248,13 @@ def test_scheduling_and_extra_args_reach_the_right_role():
 @pytest.mark.parametrize("kind", ["pdpool", "vllm"])
 def test_builders_are_deterministic(kind):
     spec = dict(BASE, engine={"image": "e", "kind": kind})
-    assert build_children(REF, parse_pool_spec("demo", spec)) == \
-        build_children(REF, parse_pool_spec("demo", spec))
+    assert build_children(REF, parse_pool_spec("demo", spec)) == build_children(
+        REF, parse_pool_spec("demo", spec)
+    )
 
 
 # --- the pool's KV-signing Secret ----------------------------------------------------------
+
 
 def pod_of(kids, role):
     return kids[("Deployment", f"demo-{role}")]["spec"]["template"]["spec"]
@@ -220,12 +268,22 @@ def test_pdpool_engines_mount_the_pool_secret_read_only_and_pass_the_flag():
     kids = children()
     for role in ("prefill", "decode"):
         pod = pod_of(kids, role)
-        assert kv_volumes(pod) == [{"name": "kv-secret", "secret": {
-            "secretName": "demo-kv-secret", "defaultMode": 0o444,
-            "items": [{"key": "kv-secret", "path": "kv-secret"}]}}]
+        assert kv_volumes(pod) == [
+            {
+                "name": "kv-secret",
+                "secret": {
+                    "secretName": "demo-kv-secret",
+                    "defaultMode": 0o444,
+                    "items": [{"key": "kv-secret", "path": "kv-secret"}],
+                },
+            }
+        ]
         engine = container({"spec": {"template": {"spec": pod}}}, "engine")
-        assert {"name": "kv-secret", "mountPath": "/etc/pdpool/kv-secret",
-                "readOnly": True} in engine["volumeMounts"]
+        assert {
+            "name": "kv-secret",
+            "mountPath": "/etc/pdpool/kv-secret",
+            "readOnly": True,
+        } in engine["volumeMounts"]
         argv = engine["command"]
         assert argv[argv.index("--kv-secret-file") + 1] == "/etc/pdpool/kv-secret/kv-secret"
     # Only the engines hold the key: not the sidecar, not the gateway.
@@ -248,8 +306,9 @@ def test_kv_secret_manifest_is_owned_and_carries_the_given_value():
 
 
 def test_vllm_engines_get_no_kv_secret():
-    spec = dict(BASE, engine={"image": "vllm:1", "kind": "vllm",
-                              "kvSecretRef": {"name": "ignored"}})
+    spec = dict(
+        BASE, engine={"image": "vllm:1", "kind": "vllm", "kvSecretRef": {"name": "ignored"}}
+    )
     kids = children(spec)
     for role in ("prefill", "decode"):
         pod = pod_of(kids, role)
@@ -265,19 +324,31 @@ def test_user_secret_ref_is_mounted_and_no_secret_is_created():
     spec = dict(BASE, engine={"image": "e", "kvSecretRef": {"name": "team-kv", "key": "hmac"}})
     kids = children(spec)
     for role in ("prefill", "decode"):
-        assert kv_volumes(pod_of(kids, role)) == [{"name": "kv-secret", "secret": {
-            "secretName": "team-kv", "defaultMode": 0o444,
-            "items": [{"key": "hmac", "path": "kv-secret"}]}}]
+        assert kv_volumes(pod_of(kids, role)) == [
+            {
+                "name": "kv-secret",
+                "secret": {
+                    "secretName": "team-kv",
+                    "defaultMode": 0o444,
+                    "items": [{"key": "hmac", "path": "kv-secret"}],
+                },
+            }
+        ]
         argv = container(kids[("Deployment", f"demo-{role}")], "engine")["command"]
         assert argv[argv.index("--kv-secret-file") + 1] == "/etc/pdpool/kv-secret/kv-secret"
     assert kv_secret(REF, parse_pool_spec("demo", spec), "x" * 64) is None
-    default_key = parse_pool_spec("demo", dict(BASE, engine={
-        "image": "e", "kvSecretRef": {"name": "team-kv"}}))
+    default_key = parse_pool_spec(
+        "demo", dict(BASE, engine={"image": "e", "kvSecretRef": {"name": "team-kv"}})
+    )
     assert default_key.engine.kv_secret_ref.key == "kv-secret"
 
 
 def test_each_pool_gets_its_own_secret():
     other = PoolRef(name="other", namespace="llm", uid="uid-456")
     kids = children(ref=other)
-    assert kv_volumes(kids[("Deployment", "other-prefill")]["spec"]["template"]["spec"])[0][
-        "secret"]["secretName"] == "other-kv-secret"
+    assert (
+        kv_volumes(kids[("Deployment", "other-prefill")]["spec"]["template"]["spec"])[0]["secret"][
+            "secretName"
+        ]
+        == "other-kv-secret"
+    )

@@ -4,6 +4,7 @@ The kubelet expands `$(VAR)` from the container's env before exec; this test doe
 same (downward API and ConfigMap values filled in) and feeds the result to
 `pdpool.cli.build_parser()`: a renamed or removed flag fails here, not in a cluster.
 """
+
 import re
 
 import pytest
@@ -36,8 +37,9 @@ def rendered(spec):
     out = {}
     for dep in (m for m in kids if m["kind"] == "Deployment"):
         for c in dep["spec"]["template"]["spec"]["containers"]:
-            out[(dep["metadata"]["name"], c["name"])] = expand(c["command"],
-                                                              container_env(c, config))
+            out[(dep["metadata"]["name"], c["name"])] = expand(
+                c["command"], container_env(c, config)
+            )
     return out
 
 
@@ -50,9 +52,16 @@ def parse(argv):
 
 @pytest.mark.parametrize("mode", ["decode-first", "prefill-first", "aggregated"])
 def test_every_pdpool_command_parses_with_the_real_cli(mode):
-    spec = {"model": {"path": "/models/q"}, "engine": {"image": "e", "blockSize": 32},
-            "router": {"mode": mode, "cacheHitThreshold": 0.25, "kvPullThreshold": 64,
-                       "prefillTimeoutSeconds": 12.5}}
+    spec = {
+        "model": {"path": "/models/q"},
+        "engine": {"image": "e", "blockSize": 32},
+        "router": {
+            "mode": mode,
+            "cacheHitThreshold": 0.25,
+            "kvPullThreshold": 64,
+            "prefillTimeoutSeconds": 12.5,
+        },
+    }
     commands = rendered(spec)
     prefill = parse(commands[("demo-prefill", "engine")])
     assert (prefill.kv_host, prefill.kv_role, prefill.kv_connector) == (POD_IP, "producer", "nixl")

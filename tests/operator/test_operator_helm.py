@@ -4,6 +4,7 @@ The RBAC test runs the operator with the token of the ServiceAccount the chart c
 the full reconcile must work with exactly those permissions, and nothing beyond them is
 granted.
 """
+
 import subprocess
 import uuid
 
@@ -13,8 +14,15 @@ from kubernetes import client
 
 from pdpool.operator.kube import request
 
-from devtools.operator_kube import (CHART, CRD_FILE, OperatorProcess, Pools, children_exist,
-                                   pool_manifest, wait_for)
+from devtools.operator_kube import (
+    CHART,
+    CRD_FILE,
+    OperatorProcess,
+    Pools,
+    children_exist,
+    pool_manifest,
+    wait_for,
+)
 
 # The first test to use the cluster may have to build it (cold: ~20 min on 2 cores).
 pytestmark = pytest.mark.timeout(3000)
@@ -63,10 +71,18 @@ def test_chart_crd_is_the_repository_crd():
     assert (CHART / "crds" / CRD_FILE.name).read_text() == CRD_FILE.read_text()
 
 
-@pytest.mark.parametrize("sets", [[], ["serviceMonitor.enabled=true", "examplePool.enabled=true",
-                                       "watchNamespaces={team-a,team-b}"],
-                                  ["podMonitor.enabled=true", "watchAllNamespaces=true",
-                                   "aggregatedRoles=false"]])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        [
+            "serviceMonitor.enabled=true",
+            "examplePool.enabled=true",
+            "watchNamespaces={team-a,team-b}",
+        ],
+        ["podMonitor.enabled=true", "watchAllNamespaces=true", "aggregatedRoles=false"],
+    ],
+)
 def test_helm_lint_is_clean(helm_bin, sets):
     args = ["lint", "--strict", str(CHART)]
     for s in sets:
@@ -76,16 +92,29 @@ def test_helm_lint_is_clean(helm_bin, sets):
 
 
 def test_values_schema_rejects_bad_values(helm_bin):
-    bad = helm(helm_bin, "template", "x", str(CHART), "--set", "examplePool.cacheHitThreshold=2",
-               check=False)
+    bad = helm(
+        helm_bin,
+        "template",
+        "x",
+        str(CHART),
+        "--set",
+        "examplePool.cacheHitThreshold=2",
+        check=False,
+    )
     assert bad.returncode != 0 and "cacheHitThreshold" in bad.stderr
     typo = helm(helm_bin, "template", "x", str(CHART), "--set", "imagee.tag=1", check=False)
     assert typo.returncode != 0 and "imagee" in typo.stderr
 
 
-@pytest.mark.parametrize("sets", [[], ["examplePool.enabled=true", "verbose=true"],
-                                  ["watchNamespaces={team-a,team-b}"],
-                                  ["watchAllNamespaces=true"]])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        ["examplePool.enabled=true", "verbose=true"],
+        ["watchNamespaces={team-a,team-b}"],
+        ["watchAllNamespaces=true"],
+    ],
+)
 def test_rendered_manifests_pass_server_side_validation(helm_bin, admin_api, sets):
     """Each rendered object is dry-run created with strict field validation."""
     core = client.CoreV1Api(admin_api)
@@ -99,27 +128,44 @@ def test_rendered_manifests_pass_server_side_validation(helm_bin, admin_api, set
     for doc in docs:
         group_version = doc["apiVersion"]
         prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
-        plural = {"ServiceAccount": "serviceaccounts", "ClusterRole": "clusterroles",
-                  "ClusterRoleBinding": "clusterrolebindings", "Role": "roles",
-                  "RoleBinding": "rolebindings", "Deployment": "deployments",
-                  "PDInferencePool": "pdinferencepools"}[doc["kind"]]
+        plural = {
+            "ServiceAccount": "serviceaccounts",
+            "ClusterRole": "clusterroles",
+            "ClusterRoleBinding": "clusterrolebindings",
+            "Role": "roles",
+            "RoleBinding": "rolebindings",
+            "Deployment": "deployments",
+            "PDInferencePool": "pdinferencepools",
+        }[doc["kind"]]
         ns = doc["metadata"].get("namespace")
         path = f"{prefix}/namespaces/{ns}/{plural}" if ns else f"{prefix}/{plural}"
-        request(admin_api, "POST", path, doc, "application/json",
-                [("dryRun", "All"), ("fieldValidation", "Strict")])
+        request(
+            admin_api,
+            "POST",
+            path,
+            doc,
+            "application/json",
+            [("dryRun", "All"), ("fieldValidation", "Strict")],
+        )
     kinds = {d["kind"] for d in docs}
     # The operator's own ClusterRole only when it watches every namespace; the aggregated
     # pdpool-view / pdpool-edit grant nothing to anyone by themselves.
-    operator_cluster_roles = [d for d in docs if d["kind"] in ("ClusterRole",
-                                                               "ClusterRoleBinding")
-                              and d["metadata"]["name"] not in ("pdpool-view", "pdpool-edit")]
+    operator_cluster_roles = [
+        d
+        for d in docs
+        if d["kind"] in ("ClusterRole", "ClusterRoleBinding")
+        and d["metadata"]["name"] not in ("pdpool-view", "pdpool-edit")
+    ]
     if "watchAllNamespaces=true" in sets:
         assert operator_cluster_roles and "Role" not in kinds
     else:
         assert not operator_cluster_roles and "Role" in kinds
         roles = {d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"}
-        assert roles == ({"team-a", "team-b"} if any(s.startswith("watchNamespaces")
-                                                     for s in sets) else {SYSTEM_NS})
+        assert roles == (
+            {"team-a", "team-b"}
+            if any(s.startswith("watchNamespaces") for s in sets)
+            else {SYSTEM_NS}
+        )
 
 
 def test_default_install_is_namespaced(helm_bin):
@@ -137,14 +183,20 @@ def test_pod_monitor_scrapes_engines_sidecars_and_gateways(helm_bin):
         (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
         assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "pdpool"
         endpoints = {e["port"]: e["path"] for e in monitor["spec"]["podMetricsEndpoints"]}
-        assert endpoints == {"http": "/metrics", "router": "/metrics", "https": "/metrics",
-                             "router-tls": "/metrics"}
+        assert endpoints == {
+            "http": "/metrics",
+            "router": "/metrics",
+            "https": "/metrics",
+            "router-tls": "/metrics",
+        }
         assert monitor["spec"]["namespaceSelector"] == {"matchNames": [SYSTEM_NS]}
     # The ports it names are the containers' port names in every role's pods.
     from pdpool.operator.builders import PoolRef, build_children
     from pdpool.operator.spec import parse_pool_spec
-    kids = build_children(PoolRef("demo", "llm", "u"), parse_pool_spec("demo", pool_manifest(
-        "demo")["spec"]))
+
+    kids = build_children(
+        PoolRef("demo", "llm", "u"), parse_pool_spec("demo", pool_manifest("demo")["spec"])
+    )
     scraped = set()
     for d in kids:
         if d["kind"] != "Deployment":
@@ -155,8 +207,12 @@ def test_pod_monitor_scrapes_engines_sidecars_and_gateways(helm_bin):
             for p in c["ports"]:
                 if p["name"] in endpoints:
                     scraped.add((labels["pdpool.io/role"], c["name"], p["containerPort"]))
-    assert scraped == {("prefill", "engine", 8000), ("decode", "engine", 8000),
-                       ("decode", "sidecar", 8080), ("gateway", "gateway", 8080)}
+    assert scraped == {
+        ("prefill", "engine", 8000),
+        ("decode", "engine", 8000),
+        ("decode", "sidecar", 8080),
+        ("gateway", "gateway", 8080),
+    }
     everywhere = render(helm_bin, "podMonitor.enabled=true", "watchAllNamespaces=true")
     (monitor,) = [d for d in everywhere if d["kind"] == "PodMonitor"]
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
@@ -167,29 +223,51 @@ def test_aggregated_roles_let_namespace_editors_create_pools(helm_bin, k8s, admi
     clusterrole-aggregation controller runs in the test cluster)."""
     docs = render(helm_bin)
     for d in docs:
-        if d["kind"] == "ClusterRole" and d["metadata"]["name"] in ("pdpool-view",
-                                                                      "pdpool-edit"):
+        if d["kind"] == "ClusterRole" and d["metadata"]["name"] in ("pdpool-view", "pdpool-edit"):
             try:
-                request(admin_api, "POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles",
-                        d, "application/json")
+                request(
+                    admin_api,
+                    "POST",
+                    "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+                    d,
+                    "application/json",
+                )
             except client.ApiException as exc:
                 assert exc.status == 409
     namespace = f"t-{uuid.uuid4().hex[:8]}"
     core, rbac = client.CoreV1Api(admin_api), client.RbacAuthorizationV1Api(admin_api)
     core.create_namespace({"metadata": {"name": namespace}})
     for user, role in (("alice", "edit"), ("bob", "view")):
-        rbac.create_namespaced_role_binding(namespace, {
-            "metadata": {"name": user},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": role},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User",
-                          "name": user}]})
+        rbac.create_namespaced_role_binding(
+            namespace,
+            {
+                "metadata": {"name": user},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": role,
+                },
+                "subjects": [
+                    {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}
+                ],
+            },
+        )
     review = client.AuthorizationV1Api(admin_api)
 
     def allowed(user, verb):
-        return review.create_subject_access_review({"spec": {"user": user, "resourceAttributes": {
-            "verb": verb, "group": "pdpool.io", "resource": "pdinferencepools",
-            "namespace": namespace}}}).status.allowed
+        return review.create_subject_access_review(
+            {
+                "spec": {
+                    "user": user,
+                    "resourceAttributes": {
+                        "verb": verb,
+                        "group": "pdpool.io",
+                        "resource": "pdinferencepools",
+                        "namespace": namespace,
+                    },
+                }
+            }
+        ).status.allowed
 
     wait_for(lambda: allowed("alice", "create"), 30, what="edit aggregates pdpool-edit")
     assert allowed("alice", "delete") and allowed("bob", "list") and allowed("bob", "watch")
@@ -197,25 +275,49 @@ def test_aggregated_roles_let_namespace_editors_create_pools(helm_bin, k8s, admi
     assert not allowed("carol", "list")
 
 
-def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(helm_bin, k8s, admin_api,
-                                                                     tmp_path):
-    helm(helm_bin, "upgrade", "--install", RELEASE, str(CHART), "--namespace", SYSTEM_NS,
-         "--create-namespace", "--set", "watchAllNamespaces=true",
-         "--set", "aggregatedRoles=false", k8s=k8s)
+def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(
+    helm_bin, k8s, admin_api, tmp_path
+):
+    helm(
+        helm_bin,
+        "upgrade",
+        "--install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        SYSTEM_NS,
+        "--create-namespace",
+        "--set",
+        "watchAllNamespaces=true",
+        "--set",
+        "aggregatedRoles=false",
+        k8s=k8s,
+    )
     apps, rbac = client.AppsV1Api(admin_api), client.RbacAuthorizationV1Api(admin_api)
     deployment = apps.read_namespaced_deployment(f"{RELEASE}-pdpool-operator", SYSTEM_NS)
     command = deployment.spec.template.spec.containers[0].command
     assert command[:3] == ["pdpool", "operator", "--all-namespaces"]
     role = rbac.read_cluster_role(f"{RELEASE}-pdpool-operator").to_dict()
-    granted = rules_of({"rules": [{"apiGroups": r["api_groups"], "resources": r["resources"],
-                                   "verbs": r["verbs"]} for r in role["rules"]]})
+    granted = rules_of(
+        {
+            "rules": [
+                {"apiGroups": r["api_groups"], "resources": r["resources"], "verbs": r["verbs"]}
+                for r in role["rules"]
+            ]
+        }
+    )
     assert granted == EXPECTED_RULES
 
     # The operator, authenticated as the chart's ServiceAccount.
-    token = client.CoreV1Api(admin_api).create_namespaced_service_account_token(
-        f"{RELEASE}-pdpool-operator", SYSTEM_NS,
-        {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}}
-    ).status.token
+    token = (
+        client.CoreV1Api(admin_api)
+        .create_namespaced_service_account_token(
+            f"{RELEASE}-pdpool-operator",
+            SYSTEM_NS,
+            {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}},
+        )
+        .status.token
+    )
     kubeconfig = k8s.write_kubeconfig(tmp_path / "sa.kubeconfig", token, "pdpool-operator")
     namespace = f"t-{uuid.uuid4().hex[:8]}"
     client.CoreV1Api(admin_api).create_namespace({"metadata": {"name": namespace}})
@@ -228,13 +330,22 @@ def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(helm_bin, k
         assert "rbac-ok-kv-secret" in pools.secrets("rbac-ok")  # created with `create` alone
         for role_name in ("prefill", "decode", "gateway"):
             pools.mark_ready("rbac-ok", role_name)
-        wait_for(lambda: pools.get("rbac-ok").get("status", {}).get("phase") == "Ready", 30,
-                 what="Ready as the SA")
-        wait_for(lambda: any(e.reason == "InvalidSpec" for e in pools.events("rbac")), 20,
-                 what="event posted as the SA")
+        wait_for(
+            lambda: pools.get("rbac-ok").get("status", {}).get("phase") == "Ready",
+            30,
+            what="Ready as the SA",
+        )
+        wait_for(
+            lambda: any(e.reason == "InvalidSpec" for e in pools.events("rbac")),
+            20,
+            what="event posted as the SA",
+        )
         pools.patch_spec("rbac-ok", {"decode": {"replicas": 2}})
-        wait_for(lambda: pools.deployments("rbac-ok")["decode"].spec.replicas == 2, 30,
-                 what="update as the SA")
+        wait_for(
+            lambda: pools.deployments("rbac-ok")["decode"].spec.replicas == 2,
+            30,
+            what="update as the SA",
+        )
         log = op.log()
         assert "403" not in log and "Forbidden" not in log, log[-3000:]
     finally:
@@ -249,21 +360,28 @@ def test_helm_install_then_operator_runs_with_exactly_the_chart_rbac(helm_bin, k
         if subresource:
             attrs["subresource"] = subresource
         return review.create_self_subject_access_review(
-            {"spec": {"resourceAttributes": attrs}}).status.allowed
+            {"spec": {"resourceAttributes": attrs}}
+        ).status.allowed
 
     assert allowed("patch", "deployments", "apps")
     assert allowed("watch", "pdinferencepools", "pdpool.io")
     assert allowed("create", "secrets")
-    for verb, resource, group in [("delete", "deployments", "apps"), ("get", "secrets", ""),
-                                  ("list", "secrets", ""), ("patch", "secrets", ""),
-                                  ("update", "secrets", ""), ("delete", "secrets", ""),
-                                  ("create", "pods", ""),
-                                  ("delete", "pdinferencepools", "pdpool.io"),
-                                  ("update", "pdinferencepools", "pdpool.io"),
-                                  ("create", "pdinferencepools", "pdpool.io"),
-                                  ("delete", "services", ""), ("list", "services", ""),
-                                  ("create", "clusterroles", "rbac.authorization.k8s.io"),
-                                  ("list", "customresourcedefinitions", "apiextensions.k8s.io")]:
+    for verb, resource, group in [
+        ("delete", "deployments", "apps"),
+        ("get", "secrets", ""),
+        ("list", "secrets", ""),
+        ("patch", "secrets", ""),
+        ("update", "secrets", ""),
+        ("delete", "secrets", ""),
+        ("create", "pods", ""),
+        ("delete", "pdinferencepools", "pdpool.io"),
+        ("update", "pdinferencepools", "pdpool.io"),
+        ("create", "pdinferencepools", "pdpool.io"),
+        ("delete", "services", ""),
+        ("list", "services", ""),
+        ("create", "clusterroles", "rbac.authorization.k8s.io"),
+        ("list", "customresourcedefinitions", "apiextensions.k8s.io"),
+    ]:
         assert not allowed(verb, resource, group), f"{verb} {group}/{resource} must be denied"
     sa_api.close()
 
@@ -283,21 +401,35 @@ def test_namespaced_install_needs_no_cluster_role(helm_bin, k8s, admin_api, tmp_
     release, system_ns = "pdns", "pdns-system"
     core = client.CoreV1Api(admin_api)
     core.create_namespace({"metadata": {"name": watched}})
-    helm(helm_bin, "upgrade", "--install", release, str(CHART), "--namespace", system_ns,
-         "--create-namespace", "--set", f"watchNamespaces={{{watched}}}",
-         "--set", "aggregatedRoles=false", k8s=k8s)
+    helm(
+        helm_bin,
+        "upgrade",
+        "--install",
+        release,
+        str(CHART),
+        "--namespace",
+        system_ns,
+        "--create-namespace",
+        "--set",
+        f"watchNamespaces={{{watched}}}",
+        "--set",
+        "aggregatedRoles=false",
+        k8s=k8s,
+    )
     rbac = client.RbacAuthorizationV1Api(admin_api)
     names = [r.metadata.name for r in rbac.list_cluster_role().items]
     assert f"{release}-pdpool-operator" not in names
     role = rbac.read_namespaced_role(f"{release}-pdpool-operator", watched)
     assert {(r.api_groups[0], r.resources[0]) for r in role.rules} <= set(EXPECTED_RULES)
     deployment = client.AppsV1Api(admin_api).read_namespaced_deployment(
-        f"{release}-pdpool-operator", system_ns)
+        f"{release}-pdpool-operator", system_ns
+    )
     assert f"--namespace={watched}" in deployment.spec.template.spec.containers[0].command
 
     token = core.create_namespaced_service_account_token(
-        f"{release}-pdpool-operator", system_ns,
-        {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}}
+        f"{release}-pdpool-operator",
+        system_ns,
+        {"spec": {"audiences": ["https://kubernetes.default.svc"], "expirationSeconds": 3600}},
     ).status.token
     kubeconfig = k8s.write_kubeconfig(tmp_path / "ns.kubeconfig", token, "pdns")
     pools = Pools(admin_api, watched)
@@ -307,8 +439,11 @@ def test_namespaced_install_needs_no_cluster_role(helm_bin, k8s, admin_api, tmp_
         wait_for(lambda: children_exist(pools, "scoped"), 40, what="children, namespaced")
         for role_name in ("prefill", "decode", "gateway"):
             pools.mark_ready("scoped", role_name)
-        wait_for(lambda: pools.get("scoped").get("status", {}).get("phase") == "Ready", 30,
-                 what="Ready, namespaced")
+        wait_for(
+            lambda: pools.get("scoped").get("status", {}).get("phase") == "Ready",
+            30,
+            what="Ready, namespaced",
+        )
         log = op.log()
         assert "403" not in log and "Forbidden" not in log, log[-3000:]
     finally:

@@ -1,4 +1,5 @@
 """What can be checked of the images without a Docker engine."""
+
 import re
 import subprocess
 import sys
@@ -42,18 +43,22 @@ def test_slim_image_leaves_the_engine_extra_out():
 
 def test_operator_imports_and_runs_its_cli_without_torch():
     # What the slim image relies on: torch made unimportable, the operator still loads.
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import pdpool.operator.handlers, pdpool.operator.builders\n"
-            "from pdpool.cli import main; sys.exit(main(['operator', '--help']))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import pdpool.operator.handlers, pdpool.operator.builders\n"
+        "from pdpool.cli import main; sys.exit(main(['operator', '--help']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--all-namespaces" in proc.stdout
 
 
 def test_operator_cli_bad_kubeconfig_is_one_line_exit_2(tmp_path):
-    proc = subprocess.run([*PDPOOL, "operator", "--kubeconfig",
-                           str(tmp_path / "missing")], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [*PDPOOL, "operator", "--kubeconfig", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr

@@ -1,6 +1,7 @@
 """`spec.router.kvEvents`: engines publish KV events, the gateway and the sidecars subscribe
 through discovery. The spec's checks, the rendered commands and ports (parsed by the real
 CLI), and who may reach the event ports (NetworkPolicy semantics from test_operator_netpol)."""
+
 import json
 import re
 
@@ -28,8 +29,10 @@ def spec_with(kv_events=None, **sections):
 
 
 def children(spec):
-    return {(m["kind"], m["metadata"]["name"]): m
-            for m in build_children(REF, parse_pool_spec(REF.name, spec))}
+    return {
+        (m["kind"], m["metadata"]["name"]): m
+        for m in build_children(REF, parse_pool_spec(REF.name, spec))
+    }
 
 
 def container(kids, deployment, name):
@@ -50,33 +53,57 @@ def parse(argv, env=None):
 
 # --- spec --------------------------------------------------------------------------------
 
+
 def test_defaults_are_off_with_vllms_usual_ports():
     events = parse_pool_spec("demo", BASE).router.kv_events
     assert (events.enabled, events.port, events.replay_port, events.load_cost_tokens) == (
-        False, 5557, 5558, 64.0)
-    on = parse_pool_spec("demo", spec_with({"enabled": True, "port": 6000,
-                                            "replayPort": 6001, "loadCostTokens": 64}))
+        False,
+        5557,
+        5558,
+        64.0,
+    )
+    on = parse_pool_spec(
+        "demo", spec_with({"enabled": True, "port": 6000, "replayPort": 6001, "loadCostTokens": 64})
+    )
     assert on.router.kv_events.port == 6000 and on.router.kv_events.load_cost_tokens == 64.0
 
 
-@pytest.mark.parametrize("kv_events, sections, fragment", [
-    ({"enabled": "yes"}, {}, "spec.router.kvEvents.enabled must be a boolean"),
-    ({"enabled": True, "port": 0}, {}, "spec.router.kvEvents.port must be >= 1"),
-    ({"enabled": True, "replayPort": 70000}, {}, "spec.router.kvEvents.replayPort must be <="),
-    ({"enabled": True, "loadCostTokens": -1}, {}, "loadCostTokens must be a number >= 0"),
-    ({"enabled": True, "loadCostTokens": "lots"}, {}, "loadCostTokens must be a number"),
-    ({"enabled": True, "port": 6000, "replayPort": 6000}, {},
-     "spec.router.kvEvents.port and replayPort must differ, both are 6000"),
-    ({"enabled": True, "port": 8000}, {},
-     "spec.router.kvEvents.port 8000 is already the engine's HTTP port"),
-    ({"enabled": True, "replayPort": 8080}, {},
-     "spec.router.kvEvents.replayPort 8080 is already the sidecar's port"),
-    ({"enabled": True}, {"engine": {"image": "e", "kvPort": 5557}},
-     "spec.router.kvEvents.port 5557 is already spec.engine.kvPort (NIXL)"),
-    ({"enabled": True, "replayPort": 5610}, {},
-     "spec.router.kvEvents.replayPort 5610 is in UCX's port range 5601-5664"),
-    ("on", {}, "spec.router.kvEvents must be an object"),
-])
+@pytest.mark.parametrize(
+    "kv_events, sections, fragment",
+    [
+        ({"enabled": "yes"}, {}, "spec.router.kvEvents.enabled must be a boolean"),
+        ({"enabled": True, "port": 0}, {}, "spec.router.kvEvents.port must be >= 1"),
+        ({"enabled": True, "replayPort": 70000}, {}, "spec.router.kvEvents.replayPort must be <="),
+        ({"enabled": True, "loadCostTokens": -1}, {}, "loadCostTokens must be a number >= 0"),
+        ({"enabled": True, "loadCostTokens": "lots"}, {}, "loadCostTokens must be a number"),
+        (
+            {"enabled": True, "port": 6000, "replayPort": 6000},
+            {},
+            "spec.router.kvEvents.port and replayPort must differ, both are 6000",
+        ),
+        (
+            {"enabled": True, "port": 8000},
+            {},
+            "spec.router.kvEvents.port 8000 is already the engine's HTTP port",
+        ),
+        (
+            {"enabled": True, "replayPort": 8080},
+            {},
+            "spec.router.kvEvents.replayPort 8080 is already the sidecar's port",
+        ),
+        (
+            {"enabled": True},
+            {"engine": {"image": "e", "kvPort": 5557}},
+            "spec.router.kvEvents.port 5557 is already spec.engine.kvPort (NIXL)",
+        ),
+        (
+            {"enabled": True, "replayPort": 5610},
+            {},
+            "spec.router.kvEvents.replayPort 5610 is in UCX's port range 5601-5664",
+        ),
+        ("on", {}, "spec.router.kvEvents must be an object"),
+    ],
+)
 def test_refused_kv_events_say_why(kv_events, sections, fragment):
     with pytest.raises(SpecError) as err:
         parse_pool_spec("demo", spec_with(kv_events, **sections))
@@ -86,30 +113,37 @@ def test_refused_kv_events_say_why(kv_events, sections, fragment):
 def test_port_clashes_only_matter_when_enabled():
     parse_pool_spec("demo", spec_with({"enabled": False, "port": 8000}))
     # UCX off: its range is free for the events.
-    parse_pool_spec("demo", spec_with(
-        {"enabled": True, "port": 5601}, engine={"image": "e", "ucxPortCount": 0}))
+    parse_pool_spec(
+        "demo", spec_with({"enabled": True, "port": 5601}, engine={"image": "e", "ucxPortCount": 0})
+    )
 
 
 # --- builders ----------------------------------------------------------------------------
 
+
 def test_disabled_renders_exactly_what_a_spec_without_it_renders():
     assert build_children(REF, parse_pool_spec("demo", BASE)) == build_children(
-        REF, parse_pool_spec("demo", spec_with({"enabled": False, "port": 6000})))
+        REF, parse_pool_spec("demo", spec_with({"enabled": False, "port": 6000}))
+    )
 
 
 @pytest.mark.parametrize("kind", ["pdpool", "vllm"])
 def test_every_engine_publishes_on_the_pool_ports(kind):
-    kids = children(spec_with({"enabled": True, "port": 6100, "replayPort": 6101},
-                              engine={"image": "e", "kind": kind}))
+    kids = children(
+        spec_with(
+            {"enabled": True, "port": 6100, "replayPort": 6101}, engine={"image": "e", "kind": kind}
+        )
+    )
     for deployment in ("demo-prefill", "demo-decode"):
         engine = container(kids, deployment, "engine")
         config = KVEventsConfig.parse(flag(engine["command"], "--kv-events-config"))
-        assert config.active   # what `pdpool serve` and vLLM read
+        assert config.active  # what `pdpool serve` and vLLM read
         assert (config.endpoint, config.replay_endpoint) == ("tcp://*:6100", "tcp://*:6101")
         ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
         assert ports["kv-events"] == 6100 and ports["kv-replay"] == 6101
     assert container(kids, "demo-prefill", "engine")["command"][0] == (
-        "vllm" if kind == "vllm" else "pdpool")
+        "vllm" if kind == "vllm" else "pdpool"
+    )
 
 
 def test_pdpool_engine_parses_the_rendered_config():
@@ -119,20 +153,22 @@ def test_pdpool_engine_parses_the_rendered_config():
 
 
 def test_sidecar_and_gateway_subscribe_through_discovery():
-    kids = children(spec_with({"enabled": True, "loadCostTokens": 64},
-                              router={"cacheHitThreshold": 0.6}))
+    kids = children(
+        spec_with({"enabled": True, "loadCostTokens": 64}, router={"cacheHitThreshold": 0.6})
+    )
     sidecar = container(kids, "demo-decode", "sidecar")
     config = kids[("ConfigMap", "demo-router")]["data"]
-    env = {"PDPOOL_ROUTER_MODE": config["mode"],
-           "PDPOOL_CACHE_HIT_THRESHOLD": config["cacheHitThreshold"],
-           "PDPOOL_KV_PULL_THRESHOLD": config["kvPullThreshold"],
-           "PDPOOL_PREFILL_TIMEOUT": config["prefillTimeoutSeconds"],
-           "PDPOOL_PREFILL_SERVICE": config["prefillService"],
-           "PDPOOL_ENGINE_REJECTS": config["engineRejects"]}
+    env = {
+        "PDPOOL_ROUTER_MODE": config["mode"],
+        "PDPOOL_CACHE_HIT_THRESHOLD": config["cacheHitThreshold"],
+        "PDPOOL_KV_PULL_THRESHOLD": config["kvPullThreshold"],
+        "PDPOOL_PREFILL_TIMEOUT": config["prefillTimeoutSeconds"],
+        "PDPOOL_PREFILL_SERVICE": config["prefillService"],
+        "PDPOOL_ENGINE_REJECTS": config["engineRejects"],
+    }
     settings = settings_from_args(parse(sidecar["command"], env))
     assert settings.prefill_service == "demo-prefill.llm.svc:8000"
-    assert (settings.prefill_kv_events_port, settings.prefill_kv_events_replay_port) == (
-        5557, 5558)
+    assert (settings.prefill_kv_events_port, settings.prefill_kv_events_replay_port) == (5557, 5558)
     assert settings.kv_block_size == 16
     gateway = parse(container(kids, "demo-gateway", "gateway")["command"])
     assert gateway.decode_service == "demo-decode.llm.svc:8080"
@@ -141,13 +177,16 @@ def test_sidecar_and_gateway_subscribe_through_discovery():
 
 
 def test_block_size_is_what_each_roles_engines_run_with():
-    spec = spec_with(ON, engine={"image": "e", "kind": "vllm", "blockSize": 32},
-                     prefill={"extraArgs": ["--block-size=64"]})
+    spec = spec_with(
+        ON,
+        engine={"image": "e", "kind": "vllm", "blockSize": 32},
+        prefill={"extraArgs": ["--block-size=64"]},
+    )
     kids = children(spec)
     sidecar = container(kids, "demo-decode", "sidecar")["command"]
     gateway = container(kids, "demo-gateway", "gateway")["command"]
-    assert flag(sidecar, "--kv-block-size") == "64"    # the prefill engines'
-    assert flag(gateway, "--kv-block-size") == "32"    # the decode engines'
+    assert flag(sidecar, "--kv-block-size") == "64"  # the prefill engines'
+    assert flag(gateway, "--kv-block-size") == "32"  # the decode engines'
 
 
 def test_tls_pools_keep_their_tls_flags_and_subscribe_too():
@@ -161,11 +200,16 @@ def test_tls_pools_keep_their_tls_flags_and_subscribe_too():
 
 # --- network policies --------------------------------------------------------------------
 
+
 def test_event_ports_open_to_the_subscribers_only():
-    policies = [m for pool in ("demo", "other")
-                for m in build_children(PoolRef(pool, "llm", f"uid-{pool}"),
-                                        parse_pool_spec(pool, spec_with(ON)))
-                if m["kind"] == "NetworkPolicy"]
+    policies = [
+        m
+        for pool in ("demo", "other")
+        for m in build_children(
+            PoolRef(pool, "llm", f"uid-{pool}"), parse_pool_spec(pool, spec_with(ON))
+        )
+        if m["kind"] == "NetworkPolicy"
+    ]
     pods = {s.name: s for s in SOURCES}
 
     def who(target, port):
@@ -180,5 +224,9 @@ def test_event_ports_open_to_the_subscribers_only():
     assert "demo-gateway" not in who("demo-decode", 8000) | who("demo-prefill", 5557)
     assert who("demo-decode", 5600) == {"demo-prefill", "demo-decode"}
     names = {m["metadata"]["name"] for m in policies if m["metadata"]["name"].startswith("demo")}
-    assert names == {"demo-engines", "demo-decode-sidecar", "demo-gateway",
-                     "demo-prefill-kv-events"}
+    assert names == {
+        "demo-engines",
+        "demo-decode-sidecar",
+        "demo-gateway",
+        "demo-prefill-kv-events",
+    }

@@ -1,4 +1,5 @@
 """`pdpool operator render`: the operator's objects for a pool file, without a cluster."""
+
 import pytest
 import yaml
 
@@ -39,9 +40,14 @@ def test_render_shows_the_secret_placeholder_and_the_engine_mounts(tmp_path, cap
     assert secret["stringData"] == {"kv-secret": SECRET_PLACEHOLDER}
     for role in ("prefill", "decode"):
         pod = objects[("Deployment", "team", f"demo-{role}")]["spec"]["template"]["spec"]
-        assert {"name": "kv-secret", "secret": {
-            "secretName": "demo-kv-secret", "defaultMode": 0o444,
-            "items": [{"key": "kv-secret", "path": "kv-secret"}]}} in pod["volumes"]
+        assert {
+            "name": "kv-secret",
+            "secret": {
+                "secretName": "demo-kv-secret",
+                "defaultMode": 0o444,
+                "items": [{"key": "kv-secret", "path": "kv-secret"}],
+            },
+        } in pod["volumes"]
         assert "--kv-secret-file" in pod["containers"][0]["command"]
     # vLLM engines: no Secret, no mount (the pool's metadata namespace wins over -n).
     assert not any(k[0] == "Secret" and k[2].startswith("stock") for k in objects)

@@ -1,6 +1,12 @@
 """compute_status: conditions, phase and printer-column fields from children's state."""
-from pdpool.operator.status import (RoleState, carried_spec_error, compute_status,
-                                    merge_conditions, status_changed)
+
+from pdpool.operator.status import (
+    RoleState,
+    carried_spec_error,
+    compute_status,
+    merge_conditions,
+    status_changed,
+)
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -10,8 +16,16 @@ def state(desired, ready, rolled_out=True):
 
 
 def status(roles, spec_error=None, old=None, now=T0):
-    return compute_status(pool="demo", namespace="llm", generation=3, gateway_port=8080,
-                          roles=roles, spec_error=spec_error, old_conditions=old, now=now)
+    return compute_status(
+        pool="demo",
+        namespace="llm",
+        generation=3,
+        gateway_port=8080,
+        roles=roles,
+        spec_error=spec_error,
+        old_conditions=old,
+        now=now,
+    )
 
 
 def conditions(s):
@@ -48,15 +62,18 @@ def test_all_ready_is_ready_and_zero_replicas_count_as_ready():
 
 
 def test_unobserved_rollout_is_not_ready_even_with_old_ready_pods():
-    s = status({"prefill": state(1, 1, rolled_out=False), "decode": state(1, 1),
-                "gateway": state(1, 1)})
+    s = status(
+        {"prefill": state(1, 1, rolled_out=False), "decode": state(1, 1), "gateway": state(1, 1)}
+    )
     assert conditions(s)["PrefillReady"]["reason"] == "RolloutPending"
     assert s["phase"] == "Progressing"
 
 
 def test_spec_error_wins_over_ready_children():
-    s = status({"prefill": state(1, 1), "decode": state(1, 1), "gateway": state(1, 1)},
-               spec_error=("InvalidSpec", "spec.model is required"))
+    s = status(
+        {"prefill": state(1, 1), "decode": state(1, 1), "gateway": state(1, 1)},
+        spec_error=("InvalidSpec", "spec.model is required"),
+    )
     c = conditions(s)
     assert s["phase"] == "Failed"
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "InvalidSpec")
@@ -67,8 +84,11 @@ def test_spec_error_wins_over_ready_children():
 
 def test_transition_time_moves_only_on_flips():
     first = status({"prefill": state(1, 0), "decode": state(1, 1), "gateway": state(1, 1)})
-    second = status({"prefill": state(1, 1), "decode": state(1, 1), "gateway": state(1, 1)},
-                    old=first["conditions"], now=T1)
+    second = status(
+        {"prefill": state(1, 1), "decode": state(1, 1), "gateway": state(1, 1)},
+        old=first["conditions"],
+        now=T1,
+    )
     c = conditions(second)
     assert c["DecodeReady"]["lastTransitionTime"] == T0
     assert c["PrefillReady"]["lastTransitionTime"] == T1
@@ -80,19 +100,24 @@ def test_unchanged_state_needs_no_patch():
     first = status(roles)
     again = status(roles, old=first["conditions"], now=T1)
     assert not status_changed(first, again)
-    assert status_changed(first, status({**roles, "decode": state(2, 1)},
-                                        old=first["conditions"], now=T1))
+    assert status_changed(
+        first, status({**roles, "decode": state(2, 1)}, old=first["conditions"], now=T1)
+    )
 
 
 def test_merge_keeps_unknown_types_out():
-    merged = merge_conditions([{"type": "Other", "status": "True"}],
-                              [{"type": "Ready", "status": "True"}], T0)
+    merged = merge_conditions(
+        [{"type": "Other", "status": "True"}], [{"type": "Ready", "status": "True"}], T0
+    )
     assert [c["type"] for c in merged] == ["Ready"]
 
 
 def test_role_state_reads_a_deployment():
-    dep = {"metadata": {"generation": 4}, "spec": {"replicas": 3},
-           "status": {"observedGeneration": 4, "readyReplicas": 2, "updatedReplicas": 3}}
+    dep = {
+        "metadata": {"generation": 4},
+        "spec": {"replicas": 3},
+        "status": {"observedGeneration": 4, "readyReplicas": 2, "updatedReplicas": 3},
+    }
     assert RoleState.from_deployment(dep) == RoleState(3, 2, 3, True)
     state = RoleState.from_deployment({"metadata": {"generation": 2}, "spec": {}})
     assert state.rolled_out is False

@@ -1,4 +1,5 @@
 """Fixtures: serve ASGI apps on real sockets (ephemeral ports) inside the test's loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,15 @@ class Served:
 
 
 async def serve(app, port: int = 0) -> Served:
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            lifespan="on", access_log=False, timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        access_log=False,
+        timeout_graceful_shutdown=1,
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

@@ -1,16 +1,21 @@
 """Prefix affinity keys and the consistent-hash ring with bounded loads."""
+
 from collections import Counter
 
 from pdpool.sidecar.affinity import HashRing, affinity_key, route_order
 
 
 def test_turns_of_a_conversation_share_a_key():
-    history = [{"role": "system", "content": "You are terse. " * 10},
-               {"role": "user", "content": "tell me about ships " * 10}]
+    history = [
+        {"role": "system", "content": "You are terse. " * 10},
+        {"role": "user", "content": "tell me about ships " * 10},
+    ]
     turn2 = history + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     assert affinity_key({"messages": history}) == affinity_key({"messages": turn2})
-    other = [{"role": "system", "content": "You are terse. " * 10},
-             {"role": "user", "content": "tell me about trains " * 10}]
+    other = [
+        {"role": "system", "content": "You are terse. " * 10},
+        {"role": "user", "content": "tell me about trains " * 10},
+    ]
     assert affinity_key({"messages": history}) != affinity_key({"messages": other})
     assert affinity_key({"prompt": "x" * 1000}, 100) == "x" * 100
     assert affinity_key({"prompt": list(range(500))}, 40) == repr(list(range(10)))

@@ -1,4 +1,5 @@
 """Prefill endpoints from the DNS of a (headless) Service, refreshed."""
+
 import pytest
 
 from pdpool.sidecar.discovery import EndpointSet, parse_service

@@ -2,6 +2,7 @@
 the sidecar knows it (setting, or a probe) and decides P/D by prompt length itself, instead
 of silently never disaggregating. Against the vLLM stand-in (vllm_standin.py, a labelled fake)
 with its threshold support switched off; the sidecar is the real one."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ from pdpool.sidecar.settings import SidecarSettings
 
 from tests.support.vllm_standin import VllmStandIn
 
-LONG = " ".join(f"w{i}" for i in range(200))      # ~200 words: > 128 estimated tokens
+LONG = " ".join(f"w{i}" for i in range(200))  # ~200 words: > 128 estimated tokens
 SHORT = "w1 w2 w3"
 
 
@@ -24,9 +25,17 @@ def test_estimate_prompt_tokens():
     assert estimate_prompt_tokens({"prompt": "x" * 401}) == 101
     assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
     assert estimate_prompt_tokens({"prompt": ["x" * 8, [1] * 5]}) == 5
-    assert estimate_prompt_tokens({"messages": [
-        {"role": "system", "content": "x" * 40},
-        {"role": "user", "content": [{"type": "text", "text": "y" * 40}]}]}) == 20
+    assert (
+        estimate_prompt_tokens(
+            {
+                "messages": [
+                    {"role": "system", "content": "x" * 40},
+                    {"role": "user", "content": [{"type": "text", "text": "y" * 40}]},
+                ]
+            }
+        )
+        == 20
+    )
     assert estimate_prompt_tokens({}) == 0
 
 
@@ -45,8 +54,9 @@ async def _topology(servers, honours: bool, **settings):
     prefill.state.honours_threshold = honours
     pre = await servers(prefill)
     prefill.state.port = pre.port
-    cfg = SidecarSettings(decode_url=dec.url, prefill_urls=[pre.host_port],
-                          **{"cache_hit_threshold": 0.5, **settings})
+    cfg = SidecarSettings(
+        decode_url=dec.url, prefill_urls=[pre.host_port], **{"cache_hit_threshold": 0.5, **settings}
+    )
     sidecar = Sidecar(cfg)
     side = await servers(sidecar)
     return decode, prefill, sidecar, side
@@ -62,15 +72,16 @@ async def _wait_known(sidecar, timeout=5.0):
 @pytest.mark.parametrize("setting", ["auto", "no"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_engine_that_cannot_reject_is_disaggregated_by_length(servers, setting, stream):
-    decode, prefill, sidecar, side = await _topology(servers, honours=False,
-                                                     engine_rejects=setting)
+    decode, prefill, sidecar, side = await _topology(servers, honours=False, engine_rejects=setting)
     await _wait_known(sidecar)
     assert sidecar.capability.known is False
     async with httpx.AsyncClient() as c:
         paths = []
         for prompt in (LONG, SHORT):
-            r = await c.post(side.url + "/v1/completions",
-                             json={"prompt": prompt, "max_tokens": 3, "stream": stream})
+            r = await c.post(
+                side.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 3, "stream": stream},
+            )
             assert r.status_code == 200
             paths.append(r.headers["x-pdpool-path"])
         metrics = (await c.get(side.url + "/metrics")).text
@@ -87,9 +98,9 @@ async def test_engine_that_cannot_reject_is_disaggregated_by_length(servers, set
 
 
 async def test_length_is_configurable(servers):
-    decode, prefill, sidecar, side = await _topology(servers, honours=False,
-                                                     engine_rejects="no",
-                                                     prefill_min_prompt_tokens=1)
+    decode, prefill, sidecar, side = await _topology(
+        servers, honours=False, engine_rejects="no", prefill_min_prompt_tokens=1
+    )
     async with httpx.AsyncClient() as c:
         r = await c.post(side.url + "/v1/completions", json={"prompt": SHORT, "max_tokens": 2})
     assert r.headers["x-pdpool-path"] == "pd" and len(prefill.state.received) == 1

@@ -1,4 +1,5 @@
 """The gateway in front of real sidecars (which front stand-in vLLM engines, a labelled fake)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,9 @@ async def backends(servers, n):
     for i in range(n):
         engine = VllmStandIn(f"decode-{i}")
         e = await servers(engine)
-        side = await servers(Sidecar(SidecarSettings(decode_url=e.url, mode="aggregated",
-                                                     decode_retry_s=0.2)))
+        side = await servers(
+            Sidecar(SidecarSettings(decode_url=e.url, mode="aggregated", decode_retry_s=0.2))
+        )
         out.append((engine, side))
     return out
 
@@ -27,8 +29,10 @@ async def backends(servers, n):
 def conversation(i, turns):
     msgs = [{"role": "system", "content": f"conversation {i} " + "context " * 60}]
     for t in range(turns):
-        msgs += [{"role": "user", "content": f"question {t}"},
-                 {"role": "assistant", "content": f"answer {t}"}]
+        msgs += [
+            {"role": "user", "content": f"question {t}"},
+            {"role": "assistant", "content": f"answer {t}"},
+        ]
     return msgs + [{"role": "user", "content": "next"}]
 
 
@@ -38,12 +42,15 @@ async def test_conversations_stick_to_one_sidecar_and_spread_across_them(servers
     async with httpx.AsyncClient() as c:
         for i in range(12):
             for turn in range(3):
-                r = await c.post(gw.url + "/v1/chat/completions",
-                                 json={"messages": conversation(i, turn), "max_tokens": 2})
+                r = await c.post(
+                    gw.url + "/v1/chat/completions",
+                    json={"messages": conversation(i, turn), "max_tokens": 2},
+                )
                 assert r.status_code == 200
-        stream = await c.post(gw.url + "/v1/chat/completions",
-                              json={"messages": conversation(0, 3), "max_tokens": 3,
-                                    "stream": True})
+        stream = await c.post(
+            gw.url + "/v1/chat/completions",
+            json={"messages": conversation(0, 3), "max_tokens": 3, "stream": True},
+        )
         metrics = (await c.get(gw.url + "/metrics")).text
     homes = {}
     for engine, _ in pool:
@@ -61,14 +68,19 @@ async def test_dead_sidecar_is_retried_elsewhere_and_marked_unhealthy(servers):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
-    gateway = Gateway(GatewaySettings(decode_urls=[dead, pool[0][1].host_port],
-                                      health_interval_s=60))
+    gateway = Gateway(
+        GatewaySettings(decode_urls=[dead, pool[0][1].host_port], health_interval_s=60)
+    )
     gw = await servers(gateway)
     assert dead in gateway.unhealthy  # the first health check already saw it
-    gateway.unhealthy.clear()          # pretend it just died after the check
+    gateway.unhealthy.clear()  # pretend it just died after the check
     async with httpx.AsyncClient() as c:
-        rs = [await c.post(gw.url + "/v1/completions",
-                           json={"prompt": f"p{i} " * 80, "max_tokens": 1}) for i in range(6)]
+        rs = [
+            await c.post(
+                gw.url + "/v1/completions", json={"prompt": f"p{i} " * 80, "max_tokens": 1}
+            )
+            for i in range(6)
+        ]
         health = await c.get(gw.url + "/health")
         metrics = (await c.get(gw.url + "/metrics")).text
     assert all(r.status_code == 200 for r in rs)
@@ -79,16 +91,20 @@ async def test_dead_sidecar_is_retried_elsewhere_and_marked_unhealthy(servers):
 
 async def test_sidecar_whose_engine_is_down_is_skipped(servers):
     pool = await backends(servers, 2)
-    gateway = Gateway(GatewaySettings(decode_urls=[s.host_port for _, s in pool],
-                                      health_interval_s=60))
+    gateway = Gateway(
+        GatewaySettings(decode_urls=[s.host_port for _, s in pool], health_interval_s=60)
+    )
     gw = await servers(gateway)
     # stop engine 0: its sidecar answers 503 and the gateway tries the other one
     down_engine_url = pool[0][1].app.settings.decode_url
     pool[0][1].app.settings.decode_url = "http://127.0.0.1:9"
     async with httpx.AsyncClient() as c:
-        rs = await asyncio.gather(*(c.post(gw.url + "/v1/completions",
-                                           json={"prompt": f"q{i} " * 80, "max_tokens": 1})
-                                    for i in range(8)))
+        rs = await asyncio.gather(
+            *(
+                c.post(gw.url + "/v1/completions", json={"prompt": f"q{i} " * 80, "max_tokens": 1})
+                for i in range(8)
+            )
+        )
         await gateway.check_health()
         pool[0][1].app.settings.decode_url = down_engine_url
     assert all(r.status_code == 200 for r in rs)

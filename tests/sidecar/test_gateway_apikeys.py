@@ -1,5 +1,6 @@
 """Gateway API keys: 401 without a valid key, probes and metrics stay open, the key is not
 forwarded, a rotated key file takes effect without a restart."""
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,7 @@ def test_rotation_keeps_last_good_keys_on_a_broken_file(tmp_path):
     path.write_text(KEY_B + "\n")
     os.utime(path, (time.time() + 5, time.time() + 5))
     assert keys.allows(KEY_B) and not keys.allows(KEY_A)
-    path.write_text("")   # emptied by mistake: the door stays as it was
+    path.write_text("")  # emptied by mistake: the door stays as it was
     os.utime(path, (time.time() + 10, time.time() + 10))
     assert keys.allows(KEY_B)
 
@@ -49,16 +50,19 @@ async def test_gateway_asks_for_a_key_and_does_not_forward_it(servers, tmp_path)
     side = await servers(Sidecar(SidecarSettings(decode_url=e.url, mode="aggregated")))
     path = tmp_path / "keys"
     path.write_text(f"{KEY_A}\n{KEY_B}\n")
-    gw = await servers(Gateway(GatewaySettings(decode_urls=[side.host_port],
-                                               api_keys_file=str(path))))
+    gw = await servers(
+        Gateway(GatewaySettings(decode_urls=[side.host_port], api_keys_file=str(path)))
+    )
     body = {"prompt": "hello " * 10, "max_tokens": 2}
     async with httpx.AsyncClient() as c:
         none = await c.post(gw.url + "/v1/completions", json=body)
-        wrong = await c.post(gw.url + "/v1/completions", json=body,
-                             headers={"authorization": "Bearer " + "x" * 30})
+        wrong = await c.post(
+            gw.url + "/v1/completions", json=body, headers={"authorization": "Bearer " + "x" * 30}
+        )
         models = await c.get(gw.url + "/v1/models")
-        ok = await c.post(gw.url + "/v1/completions", json=body,
-                          headers={"authorization": f"Bearer {KEY_A}"})
+        ok = await c.post(
+            gw.url + "/v1/completions", json=body, headers={"authorization": f"Bearer {KEY_A}"}
+        )
         ok_b = await c.post(gw.url + "/v1/completions", json=body, headers={"x-api-key": KEY_B})
         probes = [(await c.get(gw.url + p)).status_code for p in ("/health", "/ready", "/metrics")]
     assert none.status_code == wrong.status_code == models.status_code == 401
@@ -66,7 +70,7 @@ async def test_gateway_asks_for_a_key_and_does_not_forward_it(servers, tmp_path)
     assert none.json()["error"]["code"] == "invalid_api_key"
     assert ok.status_code == ok_b.status_code == 200
     assert probes == [200, 200, 200]
-    assert len(engine.state.received) == 2   # refused requests never reached an engine
+    assert len(engine.state.received) == 2  # refused requests never reached an engine
     for _, _, headers in engine.state.received:
         lowered = {k.lower() for k in headers}
         assert "authorization" not in lowered and "x-api-key" not in lowered
@@ -91,46 +95,109 @@ def test_gateway_serves_https_with_the_given_certificate(tmp_path):
 
     def run(*args):
         subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-        "-keyout", "ca.key", "-out", "ca.crt")
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    )
     (tmp_path / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=gateway", "-keyout", "tls.key",
-        "-out", "tls.csr")
-    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-days", "1", "-extfile", "san.cnf", "-out", "tls.crt")
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=gateway",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "tls.crt",
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     keys = tmp_path / "keys"
     keys.write_text(KEY_A + "\n")
-    cli = [sys.executable, "-c", "import sys; from pdpool.cli import main; sys.exit(main())",
-           "gateway", "--host", "127.0.0.1", "--port", str(port), "--decode-url", "127.0.0.1:1"]
-    half = subprocess.run([*cli, "--tls-cert-file", str(tmp_path / "tls.crt")],
-                          capture_output=True, text=True, timeout=60)
+    cli = [
+        sys.executable,
+        "-c",
+        "import sys; from pdpool.cli import main; sys.exit(main())",
+        "gateway",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--decode-url",
+        "127.0.0.1:1",
+    ]
+    half = subprocess.run(
+        [*cli, "--tls-cert-file", str(tmp_path / "tls.crt")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert half.returncode != 0 and "go together" in half.stderr
-    proc = subprocess.Popen([*cli, "--tls-cert-file", str(tmp_path / "tls.crt"),
-                             "--tls-key-file", str(tmp_path / "tls.key"),
-                             "--api-keys-file", str(keys)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            *cli,
+            "--tls-cert-file",
+            str(tmp_path / "tls.crt"),
+            "--tls-key-file",
+            str(tmp_path / "tls.key"),
+            "--api-keys-file",
+            str(keys),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     import ssl
+
     ca = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                r = httpx.get(f"https://127.0.0.1:{port}/health", verify=ca,
-                              timeout=2)
+                r = httpx.get(f"https://127.0.0.1:{port}/health", verify=ca, timeout=2)
                 break
             except httpx.ConnectError:
                 assert time.monotonic() < deadline, "gateway did not come up"
                 time.sleep(0.2)
-        assert r.status_code == 503   # served over TLS (no sidecar behind it here)
-        unauth = httpx.post(f"https://127.0.0.1:{port}/v1/completions", json={"prompt": "x"},
-                            verify=ca)
+        assert r.status_code == 503  # served over TLS (no sidecar behind it here)
+        unauth = httpx.post(
+            f"https://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, verify=ca
+        )
         assert unauth.status_code == 401
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).raise_for_status()
-        with pytest.raises(httpx.ConnectError):   # a certificate not from this CA
+        with pytest.raises(httpx.ConnectError):  # a certificate not from this CA
             httpx.get(f"https://127.0.0.1:{port}/health", timeout=2)
     finally:
         proc.terminate()

@@ -1,6 +1,7 @@
 """Hostile request bodies against a real engine, its sidecar and the gateway (one `pdpool up`
 topology for the module): every one gets an OpenAI-shaped 4xx from each server, never a 5xx
 or a hang, and every server is healthy (and serves) afterwards."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,7 @@ HOSTILE = [
     ("utf8-encoded-surrogate", None, b'{"prompt": "\xed\xa0\x80"}', 400),
     ("lone-surrogate", None, b'{"prompt": "\\ud800"}', 400),
     ("lone-low-surrogate", None, b'{"prompt": "abc\\udc00def"}', 400),
-    ("lone-surrogate-chat", CHAT,
-     b'{"messages": [{"role": "user", "content": "x\\ud800"}]}', 400),
+    ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "x\\ud800"}]}', 400),
     ("lone-surrogate-key", None, b'{"prompt": "x", "\\ud800": 1}', 400),
     ("lone-surrogate-stop", None, b'{"prompt": "x", "stop": ["\\udfff"]}', 400),
     ("utf16-body", None, '{"prompt": "x"}'.encode("utf-16"), 400),
@@ -104,20 +104,37 @@ HOSTILE = [
     ("role-int", CHAT, j({"messages": [{"role": 1, "content": "hi"}]}), 400),
     ("role-missing", CHAT, j({"messages": [{"content": "hi"}]}), 400),
     ("content-int", CHAT, j({"messages": [{"role": "user", "content": 5}]}), 400),
-    ("content-image", CHAT, j({"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400),
-    ("content-part-text-int", CHAT,
-     j({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}), 400),
+    (
+        "content-image",
+        CHAT,
+        j(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            }
+        ),
+        400,
+    ),
+    (
+        "content-part-text-int",
+        CHAT,
+        j({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+        400,
+    ),
     ("logprobs-chat-string", CHAT, chat(logprobs="yes"), 400),
     # --- ranges ---------------------------------------------------------------------------
-    ("seed-2^64", None, c(seed=2 ** 64, temperature=1), 400),
-    ("seed-below-int64", None, c(seed=-(2 ** 63) - 1, temperature=1), 400),
-    ("seed-plus-n-overflows", None, c(seed=2 ** 64 - 1, n=2, temperature=1), 400),
+    ("seed-2^64", None, c(seed=2**64, temperature=1), 400),
+    ("seed-below-int64", None, c(seed=-(2**63) - 1, temperature=1), 400),
+    ("seed-plus-n-overflows", None, c(seed=2**64 - 1, n=2, temperature=1), 400),
     ("stop-token-out-of-vocab", None, c(min_tokens=1, stop_token_ids=[999999]), 400),
-    ("stop-token-2^70", None, c(min_tokens=1, stop_token_ids=[2 ** 70]), 400),
+    ("stop-token-2^70", None, c(min_tokens=1, stop_token_ids=[2**70]), 400),
     ("stop-token-negative", None, c(stop_token_ids=[-1]), 400),
     ("prompt-token-out-of-vocab", None, j({"prompt": [999999], "max_tokens": 2}), 400),
-    ("prompt-token-2^70", None, j({"prompt": [2 ** 70], "max_tokens": 2}), 400),
+    ("prompt-token-2^70", None, j({"prompt": [2**70], "max_tokens": 2}), 400),
     ("prompt-token-negative", None, j({"prompt": [-5], "max_tokens": 2}), 400),
     ("temperature-1e-300", None, c(temperature=1e-300), 400),
     ("temperature-tiny", None, c(temperature=0.001), 400),
@@ -137,7 +154,7 @@ HOSTILE = [
     ("threshold-above-one", None, c(cache_hit_threshold=1.5), 400),
     ("prompt-empty", None, j({"prompt": "", "max_tokens": 2}), 400),
     ("prompt-too-long", None, j({"prompt": "x " * 3000, "max_tokens": 2}), 400),
-    ("max-tokens-beyond-context", None, c(max_tokens=10 ** 9), 400),
+    ("max-tokens-beyond-context", None, c(max_tokens=10**9), 400),
     ("wrong-model", None, c(model="no-such-model"), 404),
     # --- features this server does not implement ------------------------------------------
     ("best-of", None, c(best_of=2), 400),
@@ -171,8 +188,11 @@ def topo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def targets(topo):
     """name -> base URL of the engine, the sidecar in front of it, and the gateway."""
-    return {"engine": topo.by_role("decode")[0].url, "sidecar": topo.by_role("sidecar")[0].url,
-            "gateway": topo.gateway.url}
+    return {
+        "engine": topo.by_role("decode")[0].url,
+        "sidecar": topo.by_role("sidecar")[0].url,
+        "gateway": topo.gateway.url,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -193,20 +213,27 @@ def test_hostile_body_gets_openai_4xx_everywhere(targets, client, name, route, r
         assert r.status_code == status, f"{server}: {r.status_code} {r.text[:300]}"
         err = r.json()["error"]
         assert err["message"] and err["code"] == status, (server, err)
-        assert err["type"] in ("BadRequestError", "invalid_request_error", "NotFoundError",
-                               "not_found_error"), (server, err)
+        assert err["type"] in (
+            "BadRequestError",
+            "invalid_request_error",
+            "NotFoundError",
+            "not_found_error",
+        ), (server, err)
 
 
 def test_chunked_body_over_the_limit_is_refused_while_it_arrives(targets, client):
     """No content-length announced: the limit is enforced on the bytes as they come."""
+
     def chunks():
         yield b'{"prompt": "'
         for _ in range(40):
             yield b"a" * MIB
         yield b'"}'
+
     for server, url in targets.items():
-        r = client.post(url + "/v1/completions", content=chunks(),
-                        headers={"content-type": "application/json"})
+        r = client.post(
+            url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
         assert r.status_code == 413, f"{server}: {r.status_code} {r.text[:200]}"
 
 
@@ -214,7 +241,9 @@ def test_every_server_stays_healthy_and_serves(targets, client):
     for server, url in targets.items():
         for probe in ("/health", "/ready"):
             assert client.get(url + probe).status_code == 200, (server, probe)
-        r = client.post(url + "/v1/completions",
-                        json={"prompt": "still serving", "max_tokens": 3, "temperature": 0})
+        r = client.post(
+            url + "/v1/completions",
+            json={"prompt": "still serving", "max_tokens": 3, "temperature": 0},
+        )
         assert r.status_code == 200, (server, r.text[:300])
         assert r.json()["usage"]["completion_tokens"] >= 1

@@ -1,4 +1,5 @@
 """The lean HTTP/1.1 client of the hot path, against raw asyncio servers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,7 @@ async def raw_server(handler):
 async def read_request(reader):
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.split(b"\r\n")
-    length = int([h for h in lines if h.lower().startswith(b"content-length")][0]
-                 .split(b":")[1])
+    length = int([h for h in lines if h.lower().startswith(b"content-length")][0].split(b":")[1])
     return head, await reader.readexactly(length)
 
 
@@ -33,12 +33,16 @@ async def test_chunked_and_content_length_bodies_and_keep_alive_reuse():
             except asyncio.IncompleteReadError:
                 return
             if b"/chunked" in head:
-                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n"
-                             b"x-test: yes\r\n\r\n5\r\nhello\r\n1;ext=1\r\n \r\n5\r\n"
-                             + body[:5] + b"\r\n0\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n"
+                    b"x-test: yes\r\n\r\n5\r\nhello\r\n1;ext=1\r\n \r\n5\r\n"
+                    + body[:5]
+                    + b"\r\n0\r\n\r\n"
+                )
             else:
-                writer.write(b"HTTP/1.1 201 Created\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(body), body))
+                writer.write(
+                    b"HTTP/1.1 201 Created\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                )
             await writer.drain()
 
     server, port = await raw_server(handler)
@@ -48,8 +52,12 @@ async def test_chunked_and_content_length_bodies_and_keep_alive_reuse():
         assert r.status_code == 200 and r.headers["x-test"] == "yes"
         assert [c async for c in r.aiter_raw()] == [b"hello", b" ", b"world"]
         await r.aclose()
-        r = await pool.send("POST", f"http://127.0.0.1:{port}/echo?x=1", b'{"a": 1}',
-                            {"content-type": "application/json"})
+        r = await pool.send(
+            "POST",
+            f"http://127.0.0.1:{port}/echo?x=1",
+            b'{"a": 1}',
+            {"content-type": "application/json"},
+        )
         assert r.status_code == 201 and await r.aread() == b'{"a": 1}'
         await r.aclose()
         assert len(connections) == 1  # one keep-alive connection served both
@@ -106,7 +114,7 @@ async def test_refused_broken_and_garbage_answers_raise_upstream_errors():
                 await r.aread()
     with pytest.raises(UpstreamProtocolError):
         await pool.send("GET", "ftp://127.0.0.1/", b"")
-    with pytest.raises(UpstreamConnectError):   # https:// is spoken (TLS), here refused
+    with pytest.raises(UpstreamConnectError):  # https:// is spoken (TLS), here refused
         await pool.send("GET", f"https://127.0.0.1:{dead}/", b"")
 
 

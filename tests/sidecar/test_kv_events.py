@@ -1,6 +1,7 @@
 """KV cache events in vLLM's format: a real engine publishes, a subscriber decodes, and the
 gateway's index matches the engine's own prefix cache (store, evict, clear, restart, a
 dropped message recovered by replay)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,16 @@ import time
 import msgpack
 import pytest
 
-from pdpool.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
-                              KVEventSubscriber, decode_batch, encode_batch, hash_key)
+from pdpool.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventSubscriber,
+    decode_batch,
+    encode_batch,
+    hash_key,
+)
 from pdpool.sidecar.kv_index import KVIndex, request_block_keys
 from devtools.engine_procs import free_port
 
@@ -25,12 +34,23 @@ def _engine(model, num_blocks=24, port=None):
     from pdpool.engine.engine_core import LLMEngine
 
     port = port or free_port()
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-           "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 1}",
-           "buffer_steps": 1000}
-    eng = LLMEngine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=num_blocks,
-                                 block_size=BS, max_num_batched_tokens=256,
-                                 kv_events_config=json.dumps(cfg)))
+    cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{port + 1}",
+        "buffer_steps": 1000,
+    }
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(model),
+            device="cpu",
+            num_kv_blocks=num_blocks,
+            block_size=BS,
+            max_num_batched_tokens=256,
+            kv_events_config=json.dumps(cfg),
+        )
+    )
     return eng, port
 
 
@@ -38,8 +58,9 @@ def _run(engine, prompts, tag):
     from pdpool.engine.sampling_params import SamplingParams
 
     for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=2, temperature=0.0,
-                                                          ignore_eos=True))
+        engine.add_request(
+            f"{tag}{i}", p, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        )
     while engine.has_unfinished():
         engine.step()
 
@@ -59,16 +80,32 @@ def _engine_keys(engine) -> set[int]:
 
 
 def test_wire_format_roundtrip_and_vllm_shapes():
-    batch = KVEventBatch(1.5, [BlockStored([b"\x01" * 32], None, list(range(16)), 16, None,
-                                           "GPU", 0, "full_attention"),
-                               BlockRemoved([b"\x01" * 32], "GPU", 0), AllBlocksCleared()], 0)
+    batch = KVEventBatch(
+        1.5,
+        [
+            BlockStored(
+                [b"\x01" * 32], None, list(range(16)), 16, None, "GPU", 0, "full_attention"
+            ),
+            BlockRemoved([b"\x01" * 32], "GPU", 0),
+            AllBlocksCleared(),
+        ],
+        0,
+    )
     raw = msgpack.unpackb(encode_batch(batch), raw=False)
     assert raw[0] == 1.5 and raw[2] == 0
     assert [e["type"] for e in raw[1]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     assert decode_batch(encode_batch(batch)) == batch
     # Older vLLM: array-encoded events, tag first; int hashes (64-bit) key like bytes.
-    old = msgpack.packb([2.0, [["BlockStored", [7], None, [1, 2], 2, None, "GPU"],
-                               ["BlockRemoved", [7], "GPU"], ["AllBlocksCleared"]]])
+    old = msgpack.packb(
+        [
+            2.0,
+            [
+                ["BlockStored", [7], None, [1, 2], 2, None, "GPU"],
+                ["BlockRemoved", [7], "GPU"],
+                ["AllBlocksCleared"],
+            ],
+        ]
+    )
     events = decode_batch(old).events
     assert isinstance(events[0], BlockStored) and events[0].block_hashes == [7]
     assert isinstance(events[1], BlockRemoved) and isinstance(events[2], AllBlocksCleared)
@@ -81,7 +118,7 @@ def test_engine_events_keep_the_index_equal_to_the_cache(tiny_qwen3):
     sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
     index = KVIndex()
     try:
-        time.sleep(0.3)   # PUB/SUB: let the subscription reach the publisher
+        time.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher
         rng = random.Random(0)
         shared = [rng.randrange(3, 500) for _ in range(48)]
         prompts = [shared + [rng.randrange(3, 500) for _ in range(20)] for _ in range(3)]
@@ -92,7 +129,7 @@ def test_engine_events_keep_the_index_equal_to_the_cache(tiny_qwen3):
         # The stored hashes are exactly the request's chained hashes (the index recomputes).
         stored = [e for _, b in msgs for e in b.events if isinstance(e, BlockStored)]
         assert stored[0].parent_block_hash is None and stored[0].block_size == BS
-        assert stored[0].token_ids == prompts[0][:BS * len(stored[0].block_hashes)]
+        assert stored[0].token_ids == prompts[0][: BS * len(stored[0].block_hashes)]
         for seq, b in msgs:
             index.on_message("e1", seq, b, replay=sub.replay)
         assert set(index.engines["e1"].blocks) == _engine_keys(engine)
@@ -140,7 +177,7 @@ def test_engine_events_keep_the_index_equal_to_the_cache(tiny_qwen3):
         time.sleep(0.3)
         _run(engine2, [prompts[1]], "r")
         msgs = _drain(sub)
-        if msgs[0][0] != 0:   # the first message raced the subscription: fetch it
+        if msgs[0][0] != 0:  # the first message raced the subscription: fetch it
             msgs = sub.replay(0)
         for seq, b in msgs:
             index.on_message("e1", seq, b, replay=sub.replay)
@@ -157,8 +194,9 @@ def test_index_lru_cap_and_group_filter():
     index.on_message("e", 0, KVEventBatch(0.0, [ev]))
     assert set(index.engines["e"].blocks) == {2, 3, 4}
     # Events of another group (a sliding-window group) do not count for prefix hits.
-    index.on_message("e", 1, KVEventBatch(0.0, [BlockStored([9], 4, [], 1, None, "GPU", 1,
-                                                            "sliding_window")]))
+    index.on_message(
+        "e", 1, KVEventBatch(0.0, [BlockStored([9], 4, [], 1, None, "GPU", 1, "sliding_window")])
+    )
     assert 9 not in index.engines["e"].blocks
     assert index.prefix_hit_blocks("e", [2, 3, 5]) == 2
 
@@ -171,11 +209,20 @@ def test_an_engine_with_its_own_block_names_is_indexed_under_ours():
     prompt = [rng.randrange(3, 500) for _ in range(4 * BS)]
     salted = [rng.randrange(3, 500) for _ in range(2 * BS)]
     index = KVIndex()
-    index.on_message("vllm", 0, KVEventBatch(0.0, [
-        BlockStored([101, 102], None, prompt[:2 * BS], BS, None, "GPU"),
-        BlockStored([103, 104], 102, prompt[2 * BS:], BS, None, "GPU"),
-        BlockStored([201, 202], None, salted, BS, None, "GPU", extra_keys=[("tenant-a",), None]),
-    ]))
+    index.on_message(
+        "vllm",
+        0,
+        KVEventBatch(
+            0.0,
+            [
+                BlockStored([101, 102], None, prompt[: 2 * BS], BS, None, "GPU"),
+                BlockStored([103, 104], 102, prompt[2 * BS :], BS, None, "GPU"),
+                BlockStored(
+                    [201, 202], None, salted, BS, None, "GPU", extra_keys=[("tenant-a",), None]
+                ),
+            ],
+        ),
+    )
     assert index.prefix_hit_blocks("vllm", request_block_keys(prompt, BS)) == 4
     assert index.prefix_hit_blocks("vllm", request_block_keys(salted, BS, "tenant-a")) == 2
     assert index.prefix_hit_blocks("vllm", request_block_keys(salted, BS, "tenant-b")) == 0
@@ -183,15 +230,17 @@ def test_an_engine_with_its_own_block_names_is_indexed_under_ours():
     index.on_message("vllm", 1, KVEventBatch(0.0, [BlockRemoved([103], "GPU")]))
     assert index.prefix_hit_blocks("vllm", request_block_keys(prompt, BS)) == 2
     # A run whose parent was never seen cannot be named by us: kept under the engine's name.
-    index.on_message("vllm", 2, KVEventBatch(0.0, [
-        BlockStored([301], 999, prompt[:BS], BS, None, "GPU")]))
+    index.on_message(
+        "vllm", 2, KVEventBatch(0.0, [BlockStored([301], 999, prompt[:BS], BS, None, "GPU")])
+    )
     assert 301 in index.engines["vllm"].blocks
     index.on_message("vllm", 3, KVEventBatch(0.0, [AllBlocksCleared()]))
     assert not index.engines["vllm"].blocks and not index.engines["vllm"].ours
 
 
 def test_extra_keys_survive_the_wire():
-    ev = BlockStored([b"x" * 32], None, list(range(BS)), BS, None, "GPU", 0, "full_attention",
-                     [("salt",)])
+    ev = BlockStored(
+        [b"x" * 32], None, list(range(BS)), BS, None, "GPU", 0, "full_attention", [("salt",)]
+    )
     back = decode_batch(encode_batch(KVEventBatch(1.0, [ev]))).events[0]
     assert back.extra_keys == [("salt",)] and back.block_hashes == [b"x" * 32]

@@ -2,6 +2,7 @@
 EndpointSet lists are subscribed on the pool's event ports, vanished ones are dropped and
 forgotten; a real `pdpool gateway --decode-service --kv-events-port` routes by the events
 of a real publisher (pdpool.kv_events.KVEventPublisher, the engines' own)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,14 +28,17 @@ from devtools.engine_procs import free_port
 from tests.support.e2e_helpers import metric
 
 BS = 4
-PROMPT = list(range(100, 132))   # 8 blocks of 4
+PROMPT = list(range(100, 132))  # 8 blocks of 4
 
 
 def publisher(replay: bool = True) -> tuple[KVEventPublisher, int, int]:
     port, replay_port = free_port(), free_port()
-    cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                         endpoint=f"tcp://*:{port}",
-                         replay_endpoint=f"tcp://*:{replay_port}" if replay else None)
+    cfg = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{replay_port}" if replay else None,
+    )
     return KVEventPublisher(cfg), port, replay_port
 
 
@@ -59,21 +63,26 @@ def feed_threads(backend: str) -> list[threading.Thread]:
 
 # --- pure parts -----------------------------------------------------------------------------
 
+
 def test_wanted_subscriptions_name_the_engine_in_each_endpoints_pod():
     got = wanted_subscriptions(["10.0.0.7:8000", "[fd00::5]:8080"], 5557, 5558)
-    assert got == {"10.0.0.7:8000": "tcp://10.0.0.7:5557|tcp://10.0.0.7:5558",
-                   "[fd00::5]:8080": "tcp://[fd00::5]:5557|tcp://[fd00::5]:5558"}
-    assert wanted_subscriptions(["10.0.0.7:8000"], 6000) == {"10.0.0.7:8000":
-                                                             "tcp://10.0.0.7:6000"}
+    assert got == {
+        "10.0.0.7:8000": "tcp://10.0.0.7:5557|tcp://10.0.0.7:5558",
+        "[fd00::5]:8080": "tcp://[fd00::5]:5557|tcp://[fd00::5]:5558",
+    }
+    assert wanted_subscriptions(["10.0.0.7:8000"], 6000) == {"10.0.0.7:8000": "tcp://10.0.0.7:6000"}
     assert wanted_subscriptions([], 5557, 5558) == {}
 
 
-@pytest.mark.parametrize("port, replay, fragment", [
-    (None, 5558, "--r needs --p"),
-    (0, None, "--p must be in 1..65535"),
-    (5557, 70000, "--r must be in 1..65535"),
-    (5557, 5557, "--p and --r must differ"),
-])
+@pytest.mark.parametrize(
+    "port, replay, fragment",
+    [
+        (None, 5558, "--r needs --p"),
+        (0, None, "--p must be in 1..65535"),
+        (5557, 70000, "--r must be in 1..65535"),
+        (5557, 5557, "--p and --r must differ"),
+    ],
+)
 def test_bad_event_ports_are_refused(port, replay, fragment):
     with pytest.raises(ValueError, match=fragment):
         check_event_ports(port, replay, ("--p", "--r"))
@@ -91,6 +100,7 @@ def test_event_ports_in_gateway_and_sidecar_settings():
 
 # --- subscriptions on a real publisher ------------------------------------------------------
 
+
 def test_feeds_subscribe_new_engines_and_forget_vanished_ones():
     pub, port, replay_port = publisher()
     router = KVRouter(BS)
@@ -99,16 +109,19 @@ def test_feeds_subscribe_new_engines_and_forget_vanished_ones():
     keys = request_block_keys(PROMPT, BS)
     try:
         feeds.sync([backend])
-        assert feeds.subscribed == {backend: f"tcp://127.0.0.1:{port}|"
-                                             f"tcp://127.0.0.1:{replay_port}"}
-        wait_for(lambda: router.index.prefix_hit_blocks(backend, keys) == 8,
-                 tick=lambda: store(pub, PROMPT))
-        feeds.sync([])   # the pod left the Service
+        assert feeds.subscribed == {
+            backend: f"tcp://127.0.0.1:{port}|tcp://127.0.0.1:{replay_port}"
+        }
+        wait_for(
+            lambda: router.index.prefix_hit_blocks(backend, keys) == 8,
+            tick=lambda: store(pub, PROMPT),
+        )
+        feeds.sync([])  # the pod left the Service
         assert feeds.subscribed == {} and not router.index.knows(backend)
         assert not feed_threads(backend)
         store(pub, PROMPT)
         time.sleep(0.3)
-        assert router.index.prefix_hit_blocks(backend, keys) is None   # nobody listens
+        assert router.index.prefix_hit_blocks(backend, keys) is None  # nobody listens
         # Back again: joining late, the engine's replay buffer rebuilds what it holds.
         feeds.sync([backend])
         wait_for(lambda: router.index.knows(backend), tick=lambda: store(pub, PROMPT[:4]))
@@ -152,10 +165,10 @@ def test_a_subscription_that_fails_is_retried_on_the_next_sync():
     feeds = KVFeeds(router, 5557, retry_s=0.3)
     endpoints = ["127.0.0.1:8000"]
     try:
-        asyncio.run(feeds.refresh(endpoints))   # logged, not raised
+        asyncio.run(feeds.refresh(endpoints))  # logged, not raised
         assert feeds.subscribed == {}
         router.fail = False
-        asyncio.run(feeds.refresh(endpoints))   # not at once (requests would each retry)
+        asyncio.run(feeds.refresh(endpoints))  # not at once (requests would each retry)
         assert feeds.subscribed == {}
         time.sleep(0.3)
         asyncio.run(feeds.refresh(endpoints))
@@ -166,8 +179,7 @@ def test_a_subscription_that_fails_is_retried_on_the_next_sync():
 
 async def test_prefill_ranking_follows_the_prefill_set_with_only_the_port():
     pub, port, replay_port = publisher()
-    ranking = PrefillRanking(LoadPicker(), {}, BS, events_port=port,
-                             events_replay_port=replay_port)
+    ranking = PrefillRanking(LoadPicker(), {}, BS, events_port=port, events_replay_port=replay_port)
     warm, cold = "127.0.0.1:8000", "127.0.0.2:8000"
     try:
         assert ranking.router is not None
@@ -191,16 +203,27 @@ async def test_prefill_ranking_follows_the_prefill_set_with_only_the_port():
 def test_sidecar_flags_reach_the_settings():
     from pdpool.cli import build_parser
     from pdpool.sidecar.sidecar_cli import settings_from_args
-    args = build_parser().parse_args([
-        "sidecar", "--prefill-service", "prefill.ns.svc:8000",
-        "--prefill-kv-events-port", "5557", "--prefill-kv-events-replay-port", "5558",
-        "--kv-block-size", "32"])
+
+    args = build_parser().parse_args(
+        [
+            "sidecar",
+            "--prefill-service",
+            "prefill.ns.svc:8000",
+            "--prefill-kv-events-port",
+            "5557",
+            "--prefill-kv-events-replay-port",
+            "5558",
+            "--kv-block-size",
+            "32",
+        ]
+    )
     s = settings_from_args(args)
     assert (s.prefill_kv_events_port, s.prefill_kv_events_replay_port) == (5557, 5558)
     assert s.kv_block_size == 32
 
 
 # --- a real gateway process -----------------------------------------------------------------
+
 
 class Backend:
     """Stands in for a decode sidecar: ready, and answers completions with the path hint
@@ -219,10 +242,14 @@ class Backend:
         if scope["path"] == "/v1/completions":
             hint = headers.get(b"x-pdpool-kv-path", b"").decode() or None
             self.hints.append(hint)
-            body = {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-                    "hint": hint}
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
+            body = {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}], "hint": hint}
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
@@ -231,12 +258,30 @@ async def test_gateway_subscribes_to_the_engines_its_decode_service_lists(server
     sidecar = await servers(backend)
     pub, port, replay_port = publisher()
     gw_port = free_port()
-    proc = subprocess.Popen(pdpool_command(
-        "gateway", "--host", "127.0.0.1", "--port", str(gw_port),
-        "--decode-service", f"localhost:{sidecar.port}",   # DNS, as a headless Service
-        "--kv-events-port", str(port), "--kv-events-replay-port", str(replay_port),
-        "--kv-block-size", str(BS), "--kv-threshold", "0.5", "--health-interval-s", "0.5"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        pdpool_command(
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(gw_port),
+            "--decode-service",
+            f"localhost:{sidecar.port}",  # DNS, as a headless Service
+            "--kv-events-port",
+            str(port),
+            "--kv-events-replay-port",
+            str(replay_port),
+            "--kv-block-size",
+            str(BS),
+            "--kv-threshold",
+            "0.5",
+            "--health-interval-s",
+            "0.5",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{gw_port}"
     try:
         async with httpx.AsyncClient(base_url=url, timeout=5) as client:
@@ -245,18 +290,20 @@ async def test_gateway_subscribes_to_the_engines_its_decode_service_lists(server
             while hint != "decode":
                 assert proc.poll() is None, proc.stderr.read()
                 assert time.monotonic() < deadline, f"no precise route; hints {backend.hints}"
-                store(pub, PROMPT)   # the engine caches the prompt
+                store(pub, PROMPT)  # the engine caches the prompt
                 try:
-                    r = await client.post("/v1/completions",
-                                          json={"model": "m", "prompt": PROMPT,
-                                                "max_tokens": 1})
+                    r = await client.post(
+                        "/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 1}
+                    )
                     hint = r.json().get("hint") if r.status_code == 200 else None
-                except httpx.TransportError:   # not listening yet
+                except httpx.TransportError:  # not listening yet
                     pass
                 await asyncio.sleep(0.2)
             # A prompt the engine does not hold: predicted below the threshold, P/D first.
-            r = await client.post("/v1/completions", json={"model": "m", "max_tokens": 1,
-                                                           "prompt": list(range(7, 39))})
+            r = await client.post(
+                "/v1/completions",
+                json={"model": "m", "max_tokens": 1, "prompt": list(range(7, 39))},
+            )
             assert r.json()["hint"] == "pd"
         assert metric(url, "pdpool_gateway_kv_routes_total", 'mode="precise"') >= 2
     finally:

@@ -1,5 +1,6 @@
 """Precise routing from real engines' KV events: the router picks the engine holding the
 longest prefix, and its up-front P/D decision equals the engine's own threshold decision."""
+
 from __future__ import annotations
 
 import json
@@ -20,19 +21,33 @@ def _engine(model, port):
     from pdpool.engine.config import EngineConfig
     from pdpool.engine.engine_core import LLMEngine
 
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-           "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 1}"}
-    return LLMEngine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=64,
-                                  block_size=BS, max_num_batched_tokens=256,
-                                  kv_events_config=json.dumps(cfg)))
+    cfg = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "replay_endpoint": f"tcp://*:{port + 1}",
+    }
+    return LLMEngine(
+        EngineConfig(
+            model=str(model),
+            device="cpu",
+            num_kv_blocks=64,
+            block_size=BS,
+            max_num_batched_tokens=256,
+            kv_events_config=json.dumps(cfg),
+        )
+    )
 
 
 def _run(engine, rid, prompt, threshold=None):
     from pdpool.engine.sampling_params import SamplingParams
 
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0,
-                                                   ignore_eos=True),
-                       cache_hit_threshold=threshold)
+    engine.add_request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        cache_hit_threshold=threshold,
+    )
     reason = None
     while engine.has_unfinished():
         for out in engine.step():
@@ -59,8 +74,12 @@ def test_routes_to_the_longest_prefix_and_predicts_the_engines_threshold(tiny_qw
     threshold = 0.5
     # expect_s=0: every decision is judged against what the engines have really stored
     # (a rejected request stores nothing, so an expectation would outlive it here).
-    router = KVRouter(block_size=BS, threshold=threshold, expect_s=0.0,
-                      tokenizer_file=str(tiny_qwen3 / "tokenizer.json"))
+    router = KVRouter(
+        block_size=BS,
+        threshold=threshold,
+        expect_s=0.0,
+        tokenizer_file=str(tiny_qwen3 / "tokenizer.json"),
+    )
     for n, p in ports.items():
         router.subscribe(n, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}")
     try:
@@ -71,7 +90,7 @@ def test_routes_to_the_longest_prefix_and_predicts_the_engines_threshold(tiny_qw
             _run(eng, f"warm-{n}", docs[n])
             _synced(router, n, eng)
         order = ["a", "b"]
-        idle = lambda b: 0   # noqa: E731
+        idle = lambda b: 0  # noqa: E731
         for n in engines:
             d = router.decide(order, docs[n] + [7, 8, 9], idle)
             assert d.precise and d.order[0] == n and d.hit_tokens == 80
@@ -123,8 +142,9 @@ def test_a_burst_on_a_new_prefix_goes_to_one_engine():
     in_flight = {"a": 0, "b": 0, "c": 0}
     chosen = []
     for i in range(6):
-        d = router.decide(["a", "b", "c"], system + [rng.randrange(3, 500) for _ in range(20)],
-                          in_flight.get)
+        d = router.decide(
+            ["a", "b", "c"], system + [rng.randrange(3, 500) for _ in range(20)], in_flight.get
+        )
         chosen.append(d.order[0])
         in_flight[d.order[0]] += 1
     assert len(set(chosen)) == 1 and chosen[0] == "a", chosen

@@ -2,6 +2,7 @@
 each request to the sidecar whose engine holds its prefix (even where hash affinity would
 pick another) and decides the P/D path up front; the sidecars count no misprediction.
 Prefill engines publish too: a sidecar sends the prefill leg to the one holding the prompt."""
+
 from __future__ import annotations
 
 import random
@@ -21,9 +22,11 @@ def topo(tmp_path_factory):
 
 
 def _complete(url: str, model: str, prompt) -> httpx.Response:
-    r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt,
-                                                   "max_tokens": 2, "temperature": 0},
-                   timeout=60)
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r
 
@@ -56,8 +59,12 @@ def test_routes_to_the_engine_holding_the_prefix(topo):
     _complete(gw, model, [rng.randrange(3, 500) for _ in range(64)])
     assert metric(gw, "pdpool_gateway_kv_routes_total", 'path="decode"') == 6
     assert metric(gw, "pdpool_gateway_kv_routes_total", 'path="pd"') == 1
-    hints = {o: sum(metric(s.url, "pdpool_sidecar_kv_path_hints_total", f'outcome="{o}"')
-                    for s in sidecars) for o in ("honoured", "correct", "mispredicted")}
+    hints = {
+        o: sum(
+            metric(s.url, "pdpool_sidecar_kv_path_hints_total", f'outcome="{o}"') for s in sidecars
+        )
+        for o in ("honoured", "correct", "mispredicted")
+    }
     assert hints == {"honoured": 1, "correct": 6, "mispredicted": 0}
 
 
@@ -69,12 +76,16 @@ def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
     # No decode engine holds these prompts, so the legs go P/D, and only the prefill
     # engines' events say which one has each.
     docs = _warm_directly(prefills, model, rng)
-    ranked0 = sum(metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
-                  for s in topo.by_role("sidecar"))
+    ranked0 = sum(
+        metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
+        for s in topo.by_role("sidecar")
+    )
     for doc, port in docs:
         r = _complete(gw, model, doc + [rng.randrange(3, 500) for _ in range(8)])
         assert r.headers["x-pdpool-path"] == "pd", r.headers
         assert r.headers["x-pdpool-prefill-endpoint"].endswith(f":{port}"), r.headers
-    ranked = sum(metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
-                 for s in topo.by_role("sidecar"))
+    ranked = sum(
+        metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
+        for s in topo.by_role("sidecar")
+    )
     assert ranked - ranked0 == len(docs)

@@ -1,4 +1,5 @@
 """Outlier detection and stream-migration bookkeeping, without I/O."""
+
 from __future__ import annotations
 
 from pdpool.sidecar import migration
@@ -15,18 +16,23 @@ class Clock:
 
 def test_consecutive_failures_eject_and_a_probe_after_the_ejection_time_readmits():
     clock, events = Clock(), []
-    d = OutlierDetector(consecutive_failures=3, probe_failures=2, base_ejection_s=2.0,
-                        max_ejection_s=10.0, clock=clock,
-                        on_eject=lambda e, r: events.append(("eject", e, r)),
-                        on_readmit=lambda e: events.append(("readmit", e)))
+    d = OutlierDetector(
+        consecutive_failures=3,
+        probe_failures=2,
+        base_ejection_s=2.0,
+        max_ejection_s=10.0,
+        clock=clock,
+        on_eject=lambda e, r: events.append(("eject", e, r)),
+        on_readmit=lambda e: events.append(("readmit", e)),
+    )
     d.failure("a", "timeout")
     d.failure("a", "timeout")
-    d.success("a")                      # the streak ends
+    d.success("a")  # the streak ends
     assert not d.failure("a", "timeout") and not d.is_ejected("a")
     d.failure("a", "timeout")
     assert d.failure("a", "timeout") and d.available(["a", "b"]) == ["b"]
     assert d.ejected_event("a").is_set()
-    d.probe("a", True)                  # too early: stays out
+    d.probe("a", True)  # too early: stays out
     assert d.is_ejected("a")
     clock.t += 2.0
     d.probe("a", True)
@@ -42,37 +48,77 @@ def test_consecutive_failures_eject_and_a_probe_after_the_ejection_time_readmits
     clock.t += 1.0
     d.probe("a", True)
     assert not d.is_ejected("a")
-    assert events == [("eject", "a", "timeout"), ("readmit", "a"), ("eject", "a", "probe"),
-                      ("readmit", "a")]
+    assert events == [
+        ("eject", "a", "timeout"),
+        ("readmit", "a"),
+        ("eject", "a", "probe"),
+        ("readmit", "a"),
+    ]
 
 
 def test_chat_stream_state_builds_an_exact_continuation_and_client_shaped_chunks():
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "max_tokens": 10, "min_tokens": 4, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 10,
+        "min_tokens": 4,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     assert migration.can_migrate("/v1/chat/completions", body)
     assert not migration.can_migrate("/v1/chat/completions", {**body, "n": 2})
     st = migration.StreamState("/v1/chat/completions", body)
-    opening = st.observe({"id": "chatcmpl-1", "created": 1, "model": "m",
-                          "object": "chat.completion.chunk", "prompt_token_ids": [1, 2, 3],
-                          "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                             "content": ""}}]}, False)
+    opening = st.observe(
+        {
+            "id": "chatcmpl-1",
+            "created": 1,
+            "model": "m",
+            "object": "chat.completion.chunk",
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+        },
+        False,
+    )
     assert "prompt_token_ids" not in opening
     for ids, text in (([7], "a"), ([8], "b"), ([9], "")):  # token 9's text held back
-        out = st.observe({"id": "chatcmpl-1", "choices": [
-            {"index": 0, "delta": {"content": text}, "token_ids": ids,
-             "finish_reason": None}]}, False)
+        out = st.observe(
+            {
+                "id": "chatcmpl-1",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": text},
+                        "token_ids": ids,
+                        "finish_reason": None,
+                    }
+                ],
+            },
+            False,
+        )
         assert "token_ids" not in out["choices"][0]
     assert st.can_continue()
     cont = st.continuation()
     assert cont["prompt"] == [1, 2, 3, 7, 8] and cont["max_tokens"] == 8
     assert cont["min_tokens"] == 2 and "messages" not in cont and cont["return_token_ids"]
-    chunk = st.observe({"id": "cmpl-x", "object": "text_completion", "choices": [
-        {"index": 0, "text": "cd", "token_ids": [9, 10], "finish_reason": None}]}, True)
+    chunk = st.observe(
+        {
+            "id": "cmpl-x",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": "cd", "token_ids": [9, 10], "finish_reason": None}],
+        },
+        True,
+    )
     assert chunk["id"] == "chatcmpl-1" and chunk["object"] == "chat.completion.chunk"
     assert chunk["choices"][0]["delta"] == {"content": "cd"}
-    usage = st.observe({"id": "cmpl-x", "choices": [], "usage": {
-        "prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}}, True)
+    usage = st.observe(
+        {
+            "id": "cmpl-x",
+            "choices": [],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
+        },
+        True,
+    )
     assert usage["usage"]["prompt_tokens"] == 3 and usage["usage"]["completion_tokens"] == 10
 
 
@@ -82,6 +128,6 @@ def test_ejected_endpoints_become_due_when_their_time_has_passed():
     d.probe("a", False)
     assert d.is_ejected("a") and d.due(["a", "b"]) == []
     clock.t += 2.0
-    assert d.due(["a", "b"]) == ["a"]      # not "b": it was never ejected
+    assert d.due(["a", "b"]) == ["a"]  # not "b": it was never ejected
     d.probe("a", True)
     assert d.due(["a"]) == [] and not d.is_ejected("a")

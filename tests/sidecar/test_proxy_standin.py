@@ -1,5 +1,6 @@
 """The sidecar's flows against stand-in vLLM engines (see vllm_standin.py: a labelled fake
 of a third party) served on real sockets; the sidecar itself is the real one."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,11 @@ async def topology(servers, n_prefill=1, **settings):
         s = await servers(p)
         p.state.port = s.port
         prefills.append((p, s))
-    cfg = SidecarSettings(decode_url=dec.url, prefill_urls=[s.host_port for _, s in prefills],
-                          **{"cache_hit_threshold": 0.5, "decode_retry_s": 0.5, **settings})
+    cfg = SidecarSettings(
+        decode_url=dec.url,
+        prefill_urls=[s.host_port for _, s in prefills],
+        **{"cache_hit_threshold": 0.5, "decode_retry_s": 0.5, **settings},
+    )
     sidecar = Sidecar(cfg)
     side = await servers(sidecar)
     return decode, [p for p, _ in prefills], sidecar, side
@@ -61,12 +65,21 @@ async def test_warm_prompt_is_served_by_decode_alone(servers):
 @pytest.mark.parametrize("stream", [False, True])
 async def test_cold_prompt_is_rejected_prefilled_remotely_and_decoded(servers, stream):
     decode, (prefill,), sidecar, side = await topology(servers)
-    body = {"prompt": HISTORY, "max_tokens": 6, "min_tokens": 3, "stream": stream,
-            "stream_options": {"include_usage": True}} if stream else \
-        {"prompt": HISTORY, "max_tokens": 6, "min_tokens": 3}
+    body = (
+        {
+            "prompt": HISTORY,
+            "max_tokens": 6,
+            "min_tokens": 3,
+            "stream": stream,
+            "stream_options": {"include_usage": True},
+        }
+        if stream
+        else {"prompt": HISTORY, "max_tokens": 6, "min_tokens": 3}
+    )
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/completions", json=body,
-                         headers={"x-request-id": "req-abc"})
+        r = await c.post(
+            side.url + "/v1/completions", json=body, headers={"x-request-id": "req-abc"}
+        )
     assert r.status_code == 200 and r.headers["x-pdpool-path"] == "pd"
     assert r.headers["x-request-id"] == "req-abc"
     # legs: decode-first (rejected), prefill, decode with the prefill's params verbatim
@@ -83,8 +96,9 @@ async def test_cold_prompt_is_rejected_prefilled_remotely_and_decoded(servers, s
     assert pheaders["x-request-id"] == dheaders["x-request-id"] == "req-abc"
     words = HISTORY.split()
     if stream:
-        events = [json.loads(line[6:]) for line in r.text.split("\n\n")
-                  if line.startswith("data: {")]
+        events = [
+            json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")
+        ]
         text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
         usage = [e["usage"] for e in events if e.get("usage")][-1]
         assert r.text.rstrip().endswith("data: [DONE]")
@@ -101,14 +115,20 @@ async def test_streamed_chat_is_rejected_after_role_chunk_and_completed(servers)
     decode, (prefill,), sidecar, side = await topology(servers)
     messages = [{"role": "user", "content": HISTORY}]
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/chat/completions",
-                         json={"messages": messages, "max_tokens": 4, "stream": True})
-        direct = await c.post(side.url + "/v1/chat/completions",
-                              json={"messages": messages, "max_tokens": 4})
+        r = await c.post(
+            side.url + "/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 4, "stream": True},
+        )
+        direct = await c.post(
+            side.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 4}
+        )
     assert r.headers["x-pdpool-path"] == "pd"
     assert "cache_threshold" not in r.text
-    deltas = [json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
-              for x in r.text.split("\n\n") if x.startswith("data: {")]
+    deltas = [
+        json.loads(x[6:])["choices"][0]["delta"].get("content") or ""
+        for x in r.text.split("\n\n")
+        if x.startswith("data: {")
+    ]
     assert "".join(deltas) == direct.json()["choices"][0]["message"]["content"]
     assert direct.headers["x-pdpool-path"] == "decode"  # now warm on decode
 
@@ -118,10 +138,10 @@ async def test_turn_with_long_new_message_pulls_history_from_decode(servers):
     decode.state.store(HISTORY.split())
     long_turn = HISTORY + " " + " ".join(f"n{i}" for i in range(40))
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/completions", json={"prompt": long_turn,
-                                                            "max_tokens": 3})
-        short = await c.post(side.url + "/v1/completions",
-                             json={"prompt": long_turn + " ok", "max_tokens": 3})
+        r = await c.post(side.url + "/v1/completions", json={"prompt": long_turn, "max_tokens": 3})
+        short = await c.post(
+            side.url + "/v1/completions", json={"prompt": long_turn + " ok", "max_tokens": 3}
+        )
         metrics = (await c.get(side.url + "/metrics")).text
     assert r.headers["x-pdpool-path"] == "pd"
     pkv = prefill.state.received[0][1]["kv_transfer_params"]
@@ -135,12 +155,14 @@ async def test_turn_with_long_new_message_pulls_history_from_decode(servers):
 
 
 async def test_no_pull_when_disabled(servers):
-    decode, (prefill,), sidecar, side = await topology(servers, pull_from_decode=False,
-                                                cache_hit_threshold=0.8)
+    decode, (prefill,), sidecar, side = await topology(
+        servers, pull_from_decode=False, cache_hit_threshold=0.8
+    )
     decode.state.store(HISTORY.split())
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/completions",
-                         json={"prompt": HISTORY + " " + HISTORY, "max_tokens": 2})
+        r = await c.post(
+            side.url + "/v1/completions", json={"prompt": HISTORY + " " + HISTORY, "max_tokens": 2}
+        )
     assert r.headers["x-pdpool-path"] == "pd"
     assert "remote_num_tokens" not in prefill.state.received[0][1]["kv_transfer_params"]
 
@@ -149,15 +171,20 @@ async def test_prefill_down_retries_next_then_falls_back_to_decode(servers):
     decode, (p0, p1), sidecar, side = await topology(servers, n_prefill=2)
     p0.state.fail_status = 500
     async with httpx.AsyncClient() as c:
-        results = [await c.post(side.url + "/v1/completions",
-                                json={"prompt": f"q{i} {HISTORY}", "max_tokens": 2})
-                   for i in range(4)]
+        results = [
+            await c.post(
+                side.url + "/v1/completions", json={"prompt": f"q{i} {HISTORY}", "max_tokens": 2}
+            )
+            for i in range(4)
+        ]
         assert all(r.headers["x-pdpool-path"] == "pd" for r in results)
-        assert all(r.headers["x-pdpool-prefill-endpoint"] == f"127.0.0.1:{p1.state.port}"
-                   for r in results)
+        assert all(
+            r.headers["x-pdpool-prefill-endpoint"] == f"127.0.0.1:{p1.state.port}" for r in results
+        )
         p1.state.fail_status = 503
-        r = await c.post(side.url + "/v1/completions",
-                         json={"prompt": "last " + HISTORY, "max_tokens": 2})
+        r = await c.post(
+            side.url + "/v1/completions", json={"prompt": "last " + HISTORY, "max_tokens": 2}
+        )
         metrics = (await c.get(side.url + "/metrics")).text
     assert r.status_code == 200 and r.headers["x-pdpool-path"] == "fallback"
     assert r.json()["choices"][0]["text"] == expected_text(("last " + HISTORY).split(), 2)
@@ -184,15 +211,21 @@ async def test_unreachable_and_hanging_prefill_fall_back_in_bounded_time(servers
 async def test_prefiller_header_must_name_a_known_prefill_engine(servers):
     decode, (p0, p1), sidecar, side = await topology(servers, n_prefill=2)
     async with httpx.AsyncClient() as c:
-        bad = await c.post(side.url + "/v1/completions",
-                           json={"prompt": HISTORY, "max_tokens": 2},
-                           headers={"x-prefiller-host-port": "169.254.169.254:80"})
-        to_decode = await c.post(side.url + "/v1/completions",
-                                 json={"prompt": HISTORY, "max_tokens": 2},
-                                 headers={"x-prefiller-host-port": side.host_port})
-        good = await c.post(side.url + "/v1/completions",
-                            json={"prompt": HISTORY, "max_tokens": 2},
-                            headers={"x-prefiller-host-port": f"127.0.0.1:{p1.state.port}"})
+        bad = await c.post(
+            side.url + "/v1/completions",
+            json={"prompt": HISTORY, "max_tokens": 2},
+            headers={"x-prefiller-host-port": "169.254.169.254:80"},
+        )
+        to_decode = await c.post(
+            side.url + "/v1/completions",
+            json={"prompt": HISTORY, "max_tokens": 2},
+            headers={"x-prefiller-host-port": side.host_port},
+        )
+        good = await c.post(
+            side.url + "/v1/completions",
+            json={"prompt": HISTORY, "max_tokens": 2},
+            headers={"x-prefiller-host-port": f"127.0.0.1:{p1.state.port}"},
+        )
     for r in (bad, to_decode):
         assert r.status_code == 403
         assert r.json()["error"]["type"] == "permission_error"
@@ -208,20 +241,34 @@ async def test_prefiller_header_list_as_llm_d(servers):
     ok1, ok0 = f"127.0.0.1:{p1.state.port}", f"127.0.0.1:{p0.state.port}"
     body = {"prompt": HISTORY, "max_tokens": 2}
     async with httpx.AsyncClient() as c:
-        mixed = await c.post(side.url + "/v1/completions", json=body,
-                             headers={"x-prefiller-host-port": f"{ok1}, {side.host_port}"})
-        repeated = await c.post(side.url + "/v1/completions", json=body,
-                                headers=[("x-prefiller-host-port", ok1),
-                                         ("x-prefiller-host-port", "169.254.169.254:80")])
-        empty_entry = await c.post(side.url + "/v1/completions", json=body,
-                                   headers={"x-prefiller-host-port": f"{ok1},,"})
+        mixed = await c.post(
+            side.url + "/v1/completions",
+            json=body,
+            headers={"x-prefiller-host-port": f"{ok1}, {side.host_port}"},
+        )
+        repeated = await c.post(
+            side.url + "/v1/completions",
+            json=body,
+            headers=[
+                ("x-prefiller-host-port", ok1),
+                ("x-prefiller-host-port", "169.254.169.254:80"),
+            ],
+        )
+        empty_entry = await c.post(
+            side.url + "/v1/completions", json=body, headers={"x-prefiller-host-port": f"{ok1},,"}
+        )
         assert not p0.state.received and not p1.state.received
-        good = await c.post(side.url + "/v1/completions", json=body,
-                            headers={"x-prefiller-host-port": f"{ok1} ,{ok1}"})
+        good = await c.post(
+            side.url + "/v1/completions",
+            json=body,
+            headers={"x-prefiller-host-port": f"{ok1} ,{ok1}"},
+        )
         other = {"prompt": " ".join(f"o{i}" for i in range(40)), "max_tokens": 2}
-        both = await c.post(side.url + "/v1/completions", json=other,
-                            headers=[("x-prefiller-host-port", ok0),
-                                     ("x-prefiller-host-port", ok1)])
+        both = await c.post(
+            side.url + "/v1/completions",
+            json=other,
+            headers=[("x-prefiller-host-port", ok0), ("x-prefiller-host-port", ok1)],
+        )
     for r in (mixed, repeated, empty_entry):
         assert r.status_code == 403 and r.json()["error"]["param"] == "x-prefiller-host-port"
     assert good.status_code == 200 and good.headers["x-pdpool-prefill-endpoint"] == ok1
@@ -232,29 +279,45 @@ async def test_prefiller_header_list_as_llm_d(servers):
 
 async def test_client_kv_transfer_params_never_reach_an_engine(servers):
     decode, (prefill,), sidecar, side = await topology(servers)
-    evil = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "10.9.9.9",
-            "remote_port": 1, "remote_block_ids": [0, 1, 2]}
+    evil = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "x",
+        "remote_host": "10.9.9.9",
+        "remote_port": 1,
+        "remote_block_ids": [0, 1, 2],
+    }
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/completions",
-                         json={"prompt": HISTORY, "max_tokens": 2, "kv_transfer_params": evil})
+        r = await c.post(
+            side.url + "/v1/completions",
+            json={"prompt": HISTORY, "max_tokens": 2, "kv_transfer_params": evil},
+        )
     assert r.status_code == 200
     for _, body, _ in decode.state.received + prefill.state.received:
         assert body.get("kv_transfer_params", {}).get("remote_host") != "10.9.9.9"
     assert decode.state.received[0][1].get("kv_transfer_params") is None
 
 
-@pytest.mark.parametrize("content,status", [
-    (b"{not json", 400), (b"", 400), (b"[1,2]", 400), (b"\xff\xfe", 400),
-    (b'{"prompt": "x", "stream": "yes"}', 400),
-    (b'{"prompt": "x", "cache_hit_threshold": 7}', 400),
-    (b'{"prompt": "x", "max_tokens": "many"}', 400),
-    (b"[" * 100000, 400),
-])
+@pytest.mark.parametrize(
+    "content,status",
+    [
+        (b"{not json", 400),
+        (b"", 400),
+        (b"[1,2]", 400),
+        (b"\xff\xfe", 400),
+        (b'{"prompt": "x", "stream": "yes"}', 400),
+        (b'{"prompt": "x", "cache_hit_threshold": 7}', 400),
+        (b'{"prompt": "x", "max_tokens": "many"}', 400),
+        (b"[" * 100000, 400),
+    ],
+)
 async def test_malformed_bodies_get_openai_400s(servers, content, status):
     decode, _, sidecar, side = await topology(servers)
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/chat/completions", content=content,
-                         headers={"content-type": "application/json"})
+        r = await c.post(
+            side.url + "/v1/chat/completions",
+            content=content,
+            headers={"content-type": "application/json"},
+        )
     assert r.status_code == status
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -274,8 +337,11 @@ async def test_client_disconnect_mid_stream_cancels_decode(servers):
     decode.state.store(HISTORY.split())
     decode.state.token_delay_s = 0.05
     async with httpx.AsyncClient() as c:
-        async with c.stream("POST", side.url + "/v1/completions",
-                            json={"prompt": HISTORY, "max_tokens": 200, "stream": True}) as r:
+        async with c.stream(
+            "POST",
+            side.url + "/v1/completions",
+            json={"prompt": HISTORY, "max_tokens": 200, "stream": True},
+        ) as r:
             async for _ in r.aiter_raw():
                 break  # first chunk, then hang up
     for _ in range(100):
@@ -289,8 +355,9 @@ async def test_client_disconnect_during_prefill_cancels_prefill(servers):
     decode, (prefill,), sidecar, side = await topology(servers, prefill_timeout=30)
     prefill.state.hang = True
     async with httpx.AsyncClient() as c:
-        task = asyncio.create_task(c.post(side.url + "/v1/completions",
-                                          json={"prompt": HISTORY, "max_tokens": 2}))
+        task = asyncio.create_task(
+            c.post(side.url + "/v1/completions", json={"prompt": HISTORY, "max_tokens": 2})
+        )
         for _ in range(100):
             if prefill.state.received:
                 break
@@ -322,9 +389,12 @@ async def test_decode_down_is_503_and_a_restarted_decode_is_retried(servers):
         assert health.status_code == 503
         # the engine comes back while the request is being retried
         side.app.settings.decode_retry_s = 5.0
-        pending = asyncio.create_task(c.post(side.url + "/v1/completions",
-                                             json={"prompt": "a b", "max_tokens": 1,
-                                                   "cache_hit_threshold": 0}))
+        pending = asyncio.create_task(
+            c.post(
+                side.url + "/v1/completions",
+                json={"prompt": "a b", "max_tokens": 1, "cache_hit_threshold": 0},
+            )
+        )
         await asyncio.sleep(0.4)
         decode = VllmStandIn("decode-0")
         await servers(decode, port=port)
@@ -337,8 +407,10 @@ async def test_other_modes(servers, mode):
     decode, (prefill,), sidecar, side = await topology(servers, mode=mode)
     decode.state.store(HISTORY.split())
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/completions",
-                         json={"prompt": HISTORY, "max_tokens": 3, "cache_hit_threshold": 0.9})
+        r = await c.post(
+            side.url + "/v1/completions",
+            json={"prompt": HISTORY, "max_tokens": 3, "cache_hit_threshold": 0.9},
+        )
         models = await c.get(side.url + "/v1/models")
     assert r.json()["choices"][0]["text"] == expected_text(HISTORY.split(), 3)
     assert models.json()["data"][0]["id"] == "standin"
@@ -355,8 +427,9 @@ async def test_decode_dying_before_the_first_token_is_retried(servers):
     decode.state.store(HISTORY.split())
     decode.state.drop_streams = 2
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/completions",
-                         json={"prompt": HISTORY, "max_tokens": 3, "stream": True})
+        r = await c.post(
+            side.url + "/v1/completions", json={"prompt": HISTORY, "max_tokens": 3, "stream": True}
+        )
         metrics = (await c.get(side.url + "/metrics")).text
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
     assert len(decode.state.received) == 3
@@ -368,8 +441,9 @@ async def test_decode_dying_for_good_is_an_openai_503(servers):
     decode.state.store(HISTORY.split())
     decode.state.drop_streams = 1000
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/completions",
-                         json={"prompt": HISTORY, "max_tokens": 3, "stream": True})
+        r = await c.post(
+            side.url + "/v1/completions", json={"prompt": HISTORY, "max_tokens": 3, "stream": True}
+        )
     assert r.status_code == 503 and r.json()["error"]["code"] == "decode_unavailable"
 
 
@@ -384,11 +458,13 @@ async def test_a_stream_that_arrives_in_one_read_reaches_the_client_whole(server
     if warm:
         decode.state.store(words)
     async with httpx.AsyncClient() as c:
-        r = await c.post(side.url + "/v1/completions",
-                         json={"prompt": HISTORY, "max_tokens": 6, "stream": True})
+        r = await c.post(
+            side.url + "/v1/completions", json={"prompt": HISTORY, "max_tokens": 6, "stream": True}
+        )
     assert r.status_code == 200 and r.headers["x-pdpool-path"] == ("decode" if warm else "pd")
     events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
-    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == \
-        expected_text(words, 6)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected_text(
+        words, 6
+    )
     assert r.text.rstrip().endswith("data: [DONE]")
     assert len(prefill.state.received) == (0 if warm else 1)

@@ -3,6 +3,7 @@
 The engine here is a stand-in for *our* engine's probe routes only (a labelled fake: /health
 answers 200, /ready answers what the test sets), so that a wedged engine, alive but not
 ready, can be shown; the sidecar and gateway are the real ones."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,13 @@ class ProbeStandIn:
                     return
         status = {"/health": 200, "/ready": 200 if self.ready else 503}.get(scope["path"], 404)
         body = json.dumps({"status": status}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -38,13 +44,14 @@ async def test_sidecar_ready_follows_engine_and_gateway_routes_by_it(servers):
     engine = ProbeStandIn()
     eng = await servers(engine)
     side = await servers(Sidecar(SidecarSettings(decode_url=eng.url, mode="aggregated")))
-    gateway = Gateway(GatewaySettings(decode_urls=[side.host_port], health_interval_s=60,
-                                      ejection_s=0.0))
+    gateway = Gateway(
+        GatewaySettings(decode_urls=[side.host_port], health_interval_s=60, ejection_s=0.0)
+    )
     gw = await servers(gateway)
     async with httpx.AsyncClient() as c:
         assert (await c.get(side.url + "/ready")).status_code == 200
         assert (await c.get(gw.url + "/ready")).status_code == 200
-        engine.ready = False                      # alive, but its loop is wedged
+        engine.ready = False  # alive, but its loop is wedged
         assert (await c.get(side.url + "/health")).status_code == 200
         r = await c.get(side.url + "/ready")
         assert r.status_code == 503 and r.json()["error"]["code"] == "decode_unhealthy"

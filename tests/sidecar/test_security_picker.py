@@ -1,31 +1,45 @@
 """SSRF allowlist for x-prefiller-host-port, and load-based picking of prefill engines."""
+
 import pytest
 
 from pdpool.sidecar.picker import LoadPicker
-from pdpool.sidecar.security import (ForbiddenTarget, allowed_target, allowed_targets,
-                                     normalize_host_port)
+from pdpool.sidecar.security import (
+    ForbiddenTarget,
+    allowed_target,
+    allowed_targets,
+    normalize_host_port,
+)
 
 ALLOWED = ["10.0.0.5:8000", "http://prefill-1.ns.svc:8000/"]
 
 
-@pytest.mark.parametrize("value,expected", [
-    ("10.0.0.5:8000", "10.0.0.5:8000"),
-    ("http://10.0.0.5:8000", "10.0.0.5:8000"),
-    ("PREFILL-1.ns.svc:8000", "prefill-1.ns.svc:8000"),
-    (None, None), ("  ", None),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("10.0.0.5:8000", "10.0.0.5:8000"),
+        ("http://10.0.0.5:8000", "10.0.0.5:8000"),
+        ("PREFILL-1.ns.svc:8000", "prefill-1.ns.svc:8000"),
+        (None, None),
+        ("  ", None),
+    ],
+)
 def test_allowed(value, expected):
     assert allowed_target(value, ALLOWED) == expected
 
 
-@pytest.mark.parametrize("value", [
-    "10.0.0.5:8001",                 # known host, other port (e.g. the decode engine)
-    "169.254.169.254:80",            # cloud metadata
-    "10.0.0.5",                      # no port
-    "http://10.0.0.5:8000/admin",    # a path
-    "user@10.0.0.5:8000",
-    "10.0.0.5:99999", "10.0.0.5:abc", ":8000",
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "10.0.0.5:8001",  # known host, other port (e.g. the decode engine)
+        "169.254.169.254:80",  # cloud metadata
+        "10.0.0.5",  # no port
+        "http://10.0.0.5:8000/admin",  # a path
+        "user@10.0.0.5:8000",
+        "10.0.0.5:99999",
+        "10.0.0.5:abc",
+        ":8000",
+    ],
+)
 def test_forbidden(value):
     with pytest.raises(ForbiddenTarget):
         allowed_target(value, ALLOWED)
@@ -33,12 +47,18 @@ def test_forbidden(value):
 
 def test_comma_separated_list_as_llm_d():
     assert allowed_targets("10.0.0.5:8000, prefill-1.ns.svc:8000,10.0.0.5:8000", ALLOWED) == [
-        "10.0.0.5:8000", "prefill-1.ns.svc:8000"]
-    assert allowed_target("prefill-1.ns.svc:8000,10.0.0.5:8000", ALLOWED) == \
-        "prefill-1.ns.svc:8000"
+        "10.0.0.5:8000",
+        "prefill-1.ns.svc:8000",
+    ]
+    assert allowed_target("prefill-1.ns.svc:8000,10.0.0.5:8000", ALLOWED) == "prefill-1.ns.svc:8000"
     assert allowed_targets(None, ALLOWED) == [] and allowed_targets(" ", ALLOWED) == []
-    for bad in ("10.0.0.5:8000,10.0.0.5:8001", "10.0.0.5:8000,", ",10.0.0.5:8000",
-                "10.0.0.5:8000,169.254.169.254:80", ",".join(["10.0.0.5:8000"] * 65)):
+    for bad in (
+        "10.0.0.5:8000,10.0.0.5:8001",
+        "10.0.0.5:8000,",
+        ",10.0.0.5:8000",
+        "10.0.0.5:8000,169.254.169.254:80",
+        ",".join(["10.0.0.5:8000"] * 65),
+    ):
         with pytest.raises(ForbiddenTarget):
             allowed_targets(bad, ALLOWED)
 

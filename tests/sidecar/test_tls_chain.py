@@ -1,5 +1,6 @@
 """In-pool TLS: gateway -> sidecar -> engines (decode and prefill) all over HTTPS, each hop
 verified against the pool's CA; a peer with a certificate from another CA is refused."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,13 +24,52 @@ PROMPT = "the history of the pool " * 20
 def make_ca(d, name, san="IP:127.0.0.1,DNS:localhost"):
     def run(*args):
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
-        "-keyout", f"{name}.key", "-out", f"{name}.crt")
+
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.crt",
+    )
     (d / "san.cnf").write_text(f"subjectAltName={san}\n")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=pool", "-keyout",
-        f"{name}-leaf.key", "-out", f"{name}-leaf.csr")
-    run("x509", "-req", "-in", f"{name}-leaf.csr", "-CA", f"{name}.crt", "-CAkey", f"{name}.key",
-        "-CAcreateserial", "-days", "1", "-extfile", "san.cnf", "-out", f"{name}-leaf.crt")
+    run(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=pool",
+        "-keyout",
+        f"{name}-leaf.key",
+        "-out",
+        f"{name}-leaf.csr",
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}-leaf.csr",
+        "-CA",
+        f"{name}.crt",
+        "-CAkey",
+        f"{name}.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        f"{name}-leaf.crt",
+    )
     return d / f"{name}.crt", (str(d / f"{name}-leaf.crt"), str(d / f"{name}-leaf.key"))
 
 
@@ -64,9 +104,17 @@ async def tls_servers():
     started = []
 
     async def start(app, cert):
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                lifespan="on", access_log=False, timeout_graceful_shutdown=1,
-                                ssl_certfile=cert[0], ssl_keyfile=cert[1])
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="on",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+            ssl_certfile=cert[0],
+            ssl_keyfile=cert[1],
+        )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
         while not server.started:
@@ -89,30 +137,46 @@ async def test_every_hop_is_https_and_verified(tls_servers, pki):
     dec = await tls_servers(decode, leaf)
     pre = await tls_servers(prefill, leaf)
     decode.state.port, prefill.state.port = dec.port, pre.port
-    side = await tls_servers(Sidecar(SidecarSettings(
-        decode_url=dec.url, prefill_urls=[pre.host_port], mode="prefill-first",
-        decode_retry_s=0.5, tls_ca_file=str(ca))), leaf)
+    side = await tls_servers(
+        Sidecar(
+            SidecarSettings(
+                decode_url=dec.url,
+                prefill_urls=[pre.host_port],
+                mode="prefill-first",
+                decode_retry_s=0.5,
+                tls_ca_file=str(ca),
+            )
+        ),
+        leaf,
+    )
     gateway = Gateway(GatewaySettings(decode_urls=[side.host_port], tls_ca_file=str(ca)))
     gw = await tls_servers(gateway, leaf)
     client_ctx = ssl.create_default_context(cafile=str(ca))
     async with httpx.AsyncClient(verify=client_ctx) as c:
         r = await c.post(gw.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
-        s = await c.post(gw.url + "/v1/completions",
-                         json={"prompt": PROMPT + "again", "max_tokens": 3, "stream": True})
+        s = await c.post(
+            gw.url + "/v1/completions",
+            json={"prompt": PROMPT + "again", "max_tokens": 3, "stream": True},
+        )
         ready = await c.get(gw.url + "/ready")
     assert r.status_code == 200 and r.headers["x-pdpool-path"] != "decode"
     assert s.status_code == 200 and s.text.rstrip().endswith("data: [DONE]")
     assert ready.status_code == 200 and side.host_port in ready.json()["healthy"]
-    assert prefill.state.received and decode.state.received   # both legs ran over TLS
+    assert prefill.state.received and decode.state.received  # both legs ran over TLS
 
 
 async def test_a_peer_with_a_foreign_certificate_is_refused(tls_servers, pki):
     ca, leaf, foreign = pki
     decode = VllmStandIn("decode-0")
-    dec = await tls_servers(decode, foreign)            # not signed by the pool's CA
-    side = await tls_servers(Sidecar(SidecarSettings(
-        decode_url=dec.url, mode="aggregated", decode_retry_s=0.3,
-        tls_ca_file=str(ca))), leaf)
+    dec = await tls_servers(decode, foreign)  # not signed by the pool's CA
+    side = await tls_servers(
+        Sidecar(
+            SidecarSettings(
+                decode_url=dec.url, mode="aggregated", decode_retry_s=0.3, tls_ca_file=str(ca)
+            )
+        ),
+        leaf,
+    )
     client_ctx = ssl.create_default_context(cafile=str(ca))
     async with httpx.AsyncClient(verify=client_ctx) as c:
         ready = await c.get(side.url + "/ready")
@@ -133,14 +197,20 @@ async def ok_app(scope, receive, send):
 
 
 @pytest.mark.parametrize("any_name", [False, True])
-async def test_pod_ip_peers_need_any_name_and_still_the_pools_ca(tls_servers, service_named_pki,
-                                                                  any_name):
+async def test_pod_ip_peers_need_any_name_and_still_the_pools_ca(
+    tls_servers, service_named_pki, any_name
+):
     ca, leaf, foreign = service_named_pki
     good_srv = await tls_servers(ok_app, leaf)
     bad_srv = await tls_servers(ok_app, foreign)
-    gateway = Gateway(GatewaySettings(decode_urls=[good_srv.host_port, bad_srv.host_port],
-                                      tls_ca_file=str(ca), tls_any_name=any_name,
-                                      health_interval_s=60))
+    gateway = Gateway(
+        GatewaySettings(
+            decode_urls=[good_srv.host_port, bad_srv.host_port],
+            tls_ca_file=str(ca),
+            tls_any_name=any_name,
+            health_interval_s=60,
+        )
+    )
     gw = await tls_servers(gateway, leaf)
     healthy = {b for b in gateway.backends.current if b not in gateway.unhealthy}
     # The name on the certificate never matches 127.0.0.1: only any_name accepts it; a

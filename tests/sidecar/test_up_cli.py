@@ -1,5 +1,6 @@
 """`pdpool up` as users run it: a process that prints the gateway URL, serves through it,
 and stops every process it started on Ctrl-C."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,11 @@ pytestmark = pytest.mark.slow
 
 def sidecar_requests(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("pdpool_sidecar_requests_total{"))
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("pdpool_sidecar_requests_total{")
+    )
 
 
 def pid_alive(pid: int) -> bool:
@@ -43,12 +47,25 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
         pytest.skip("pdpool engine (torch) is not installed")
     state = tmp_path / "state.json"
     body_done = False
-    proc = subprocess.Popen(pdpool_command("up", "--port", "0",
-                                           "--prefill", "1", "--decode", "2",
-                                           "--state-file", str(state),
-                                           "--log-dir", str(tmp_path / "logs"),
-                                           "--engine-arg=--num-kv-blocks=256"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        pdpool_command(
+            "up",
+            "--port",
+            "0",
+            "--prefill",
+            "1",
+            "--decode",
+            "2",
+            "--state-file",
+            str(state),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--engine-arg=--num-kv-blocks=256",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not state.exists():
@@ -69,8 +86,9 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
         sidecars = [c["url"] for c in info["children"] if c["role"] == "sidecar"]
         before = [sidecar_requests(u) for u in sidecars]
         for turn in range(3):
-            client.completions.create(model=model, prompt="same conversation " * 20
-                                      + "turn " * turn, max_tokens=2)
+            client.completions.create(
+                model=model, prompt="same conversation " * 20 + "turn " * turn, max_tokens=2
+            )
         grew = [sidecar_requests(u) - b for u, b in zip(sidecars, before)]
         assert sorted(grew) == [0, 3]
         body_done = True
@@ -94,14 +112,22 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
     assert not [p for p in pids if pid_alive(p)]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--decode", "0"], "--decode >= 1"),
-    (["--cache-hit-threshold", "2"], "[0, 1]"),
-    (["--model", "/nonexistent/model"], ""),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--decode", "0"], "--decode >= 1"),
+        (["--cache-hit-threshold", "2"], "[0, 1]"),
+        (["--model", "/nonexistent/model"], ""),
+    ],
+)
 def test_up_bad_arguments_exit_with_one_line(argv, needle, tmp_path):
-    done = subprocess.run(pdpool_command("up", "--port", "0", "--log-dir", str(tmp_path),
-                                         "--ready-timeout", "60", *argv),
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        pdpool_command(
+            "up", "--port", "0", "--log-dir", str(tmp_path), "--ready-timeout", "60", *argv
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and needle in done.stderr

@@ -1,4 +1,5 @@
 """Helpers for end-to-end tests on real `pdpool serve` processes started by Topology."""
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,7 @@ def start_topology(tmp_path_factory, arch: str = "qwen3", **spec) -> Topology:
     log_dir = str(tmp_path_factory.mktemp(f"up-{arch}"))
     # Small KV pools keep start-up and memory low on a 2-core CI machine.
     engine_args = ["--max-model-len", "2048", "--num-kv-blocks", "512"]
-    topo = Topology(TopologySpec(model=model, log_dir=log_dir, engine_args=engine_args,
-                                 **spec))
+    topo = Topology(TopologySpec(model=model, log_dir=log_dir, engine_args=engine_args, **spec))
     topo.start(timeout_s=240)
     return topo
 

@@ -1,4 +1,5 @@
 """Shared builders for the kernel tests."""
+
 import pytest
 import torch
 
@@ -8,19 +9,29 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
-                 scale: float = 1.0) -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> None:
     """Max abs error within the dtype's tolerance, relative to the expected values' magnitude."""
     bound = TOLERANCE[dtype] * scale * max(1.0, expected.float().abs().max().item())
     err = (actual.float() - expected.float()).abs().max().item()
     assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
 
 
-def paged_cache(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
-                head_dim: int, dtype, device, layer: int = 1):
+def paged_cache(
+    num_blocks: int,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype,
+    device,
+    layer: int = 1,
+):
     """The engine's cache tensor and one layer's strided K/V views, filled with noise."""
-    cache = torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
-                        dtype=dtype, device=device)
+    cache = torch.randn(
+        num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+    )
     return cache, cache[:, layer, 0], cache[:, layer, 1]
 
 
@@ -34,6 +45,6 @@ def batch_tables(seq_lens, block_size: int, num_blocks: int, device, generator=N
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     used = 0
     for b, n in enumerate(need):
-        table[b, :n] = order[used:used + n]
+        table[b, :n] = order[used : used + n]
         used += n
     return table.to(device)

@@ -1,4 +1,5 @@
 """Comparing the engine with Hugging Face transformers on the same checkpoint."""
+
 from __future__ import annotations
 
 import random
@@ -26,10 +27,16 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
 
 def hf_greedy(model, prompt: list[int], max_new: int):
     """Greedy tokens and the logits of every step, from transformers' generate."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                         eos_token_id=None, pad_token_id=0, output_logits=True,
-                         return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, [step[0].float() for step in out.logits]
 
 
@@ -54,15 +61,18 @@ def compare(hf_model, prompts, engine_tokens, engine_first_logits, max_new) -> P
         ref, ref_logits = hf_greedy(hf_model, prompt, max_new)
         diff = (engine_first_logits[i] - ref_logits[0]).abs().max().item()
         report.max_logit_diff = max(report.max_logit_diff, diff)
-        assert diff < LOGIT_ATOL, \
+        assert diff < LOGIT_ATOL, (
             f"prompt {i} (len {len(prompt)}): first-step logits differ by {diff}"
+        )
         report.compared += 1
         if got == ref:
             continue
         step = next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)
         top2 = ref_logits[step].topk(2).values
         gap = (top2[0] - top2[1]).item()
-        assert gap < LOGIT_ATOL, (f"prompt {i} (len {len(prompt)}) diverges at step {step} "
-                                  f"with a clear winner (gap {gap}): {got} vs {ref}")
+        assert gap < LOGIT_ATOL, (
+            f"prompt {i} (len {len(prompt)}) diverges at step {step} "
+            f"with a clear winner (gap {gap}): {got} vs {ref}"
+        )
         report.allowed_divergences.append((i, step, gap))
     return report

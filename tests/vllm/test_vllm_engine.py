@@ -12,6 +12,7 @@ decode engine behind our sidecar, our gateway; P/D through vLLM's NixlConnector)
 - vLLM's /metrics has the names, types and labels our engine copies.
 vLLM starts in 45-165 s here, so each server starts once for the module.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -23,17 +24,24 @@ import pytest
 
 from devtools.engine_procs import EngineProcess, wait_healthy
 from tests.support.vllm_metric_names import check_vllm_names
-from pdpool.sidecar.topology import (Topology, TopologySpec, free_port, pdpool_command,
-                                     served_model_name)
+from pdpool.sidecar.topology import (
+    Topology,
+    TopologySpec,
+    free_port,
+    pdpool_command,
+    served_model_name,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-MIN_PD_TOKENS = 16          # sidecar: prompts of >= 16 estimated tokens (64 chars) go P/D
+MIN_PD_TOKENS = 16  # sidecar: prompts of >= 16 estimated tokens (64 chars) go P/D
 SHORT = ["Hello world, the", "Once upon a time", "A cat sat"]
-LONG = ["The quick brown fox jumps over the lazy dog and then runs far away into the "
-        "deep dark forest where nobody ever goes",
-        "In a small village by the river there lived an old engine maker who built " * 3,
-        " ".join(f"word{i}" for i in range(60))]
+LONG = [
+    "The quick brown fox jumps over the lazy dog and then runs far away into the "
+    "deep dark forest where nobody ever goes",
+    "In a small village by the river there lived an old engine maker who built " * 3,
+    " ".join(f"word{i}" for i in range(60)),
+]
 MAX_TOKENS = 24
 
 
@@ -41,10 +49,19 @@ MAX_TOKENS = 24
 def stack(tiny_qwen3, vllm_bin, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-logs")
     ours = EngineProcess(tiny_qwen3, logs, "--num-kv-blocks", "256")
-    topo = Topology(TopologySpec(model=str(tiny_qwen3), engine="vllm", vllm_bin=vllm_bin,
-                                 prefill=1, decode=1, port=0, log_dir=str(logs),
-                                 prefill_min_prompt_tokens=MIN_PD_TOKENS,
-                                 prefill_timeout=120.0))
+    topo = Topology(
+        TopologySpec(
+            model=str(tiny_qwen3),
+            engine="vllm",
+            vllm_bin=vllm_bin,
+            prefill=1,
+            decode=1,
+            port=0,
+            log_dir=str(logs),
+            prefill_min_prompt_tokens=MIN_PD_TOKENS,
+            prefill_timeout=120.0,
+        )
+    )
     extra: dict[str, tuple[subprocess.Popen, str]] = {}
     started = time.monotonic()
     try:
@@ -52,22 +69,39 @@ def stack(tiny_qwen3, vllm_bin, tmp_path_factory):
         startup_s = time.monotonic() - started
         ours.wait(timeout=300)
         decode, prefill = topo.by_role("decode")[0], topo.by_role("prefill")[0]
-        for mode in ("aggregated", "prefill-first"):   # more sidecars on the same engines
+        for mode in ("aggregated", "prefill-first"):  # more sidecars on the same engines
             port = free_port()
-            argv = pdpool_command("sidecar", "--host", "127.0.0.1", "--port", str(port),
-                                  "--decode-url", decode.url, "--mode", mode,
-                                  "--prefill-url", f"127.0.0.1:{prefill.port}",
-                                  "--engine-rejects", "no", "--prefill-timeout", "120")
+            argv = pdpool_command(
+                "sidecar",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--decode-url",
+                decode.url,
+                "--mode",
+                mode,
+                "--prefill-url",
+                f"127.0.0.1:{prefill.port}",
+                "--engine-rejects",
+                "no",
+                "--prefill-timeout",
+                "120",
+            )
             fh = open(logs / f"sidecar-{mode}.log", "wb")
-            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
             extra[mode] = (proc, f"http://127.0.0.1:{port}")
         for proc, url in extra.values():
             wait_healthy(url, proc, timeout=60)
-        print(f"\nvLLM topology (2 vLLM engines, sidecar, gateway) healthy after "
-              f"{startup_s:.0f}s")
-        yield {"topology": topo, "ours": ours, "sidecars": {m: u for m, (_, u) in extra.items()},
-               "model": served_model_name(str(tiny_qwen3))}
+        print(f"\nvLLM topology (2 vLLM engines, sidecar, gateway) healthy after {startup_s:.0f}s")
+        yield {
+            "topology": topo,
+            "ours": ours,
+            "sidecars": {m: u for m, (_, u) in extra.items()},
+            "model": served_model_name(str(tiny_qwen3)),
+        }
     finally:
         for proc, _ in extra.values():
             proc.terminate()
@@ -83,8 +117,13 @@ def client(url: str) -> openai.OpenAI:
 def complete(url: str, model: str, prompt: str, stream: bool) -> tuple[str, str | None]:
     """Greedy text and the x-pdpool-path header (None from an engine)."""
     raw = client(url).completions.with_raw_response.create(
-        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=stream,
-        extra_body={"ignore_eos": True})
+        model=model,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
     path = raw.headers.get("x-pdpool-path")
     out = raw.parse()
     if stream:
@@ -94,8 +133,13 @@ def complete(url: str, model: str, prompt: str, stream: bool) -> tuple[str, str 
 
 def chat(url: str, model: str, content: str, stream: bool) -> tuple[str, str | None]:
     raw = client(url).chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
-        temperature=0, stream=stream, extra_body={"ignore_eos": True})
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
     path = raw.headers.get("x-pdpool-path")
     out = raw.parse()
     if stream:
@@ -116,8 +160,10 @@ def test_vllm_greedy_text_equals_pdpool_serve(stack):
         assert theirs == ours, prompt
         assert len(theirs) > 0
     for content in (SHORT[0], LONG[0]):
-        assert chat(one_vllm(stack), model, content, False)[0] == \
-            chat(stack["ours"].url, model, content, False)[0]
+        assert (
+            chat(one_vllm(stack), model, content, False)[0]
+            == chat(stack["ours"].url, model, content, False)[0]
+        )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -134,8 +180,9 @@ def test_gateway_decode_first_by_length_equals_one_vllm(stack, stream):
         assert got == want and path == ("pd" if content in LONG else "decode")
 
 
-@pytest.mark.parametrize("mode,expected_path", [("aggregated", "aggregated"),
-                                                ("prefill-first", "pd")])
+@pytest.mark.parametrize(
+    "mode,expected_path", [("aggregated", "aggregated"), ("prefill-first", "pd")]
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_sidecar_modes_equal_one_vllm(stack, mode, expected_path, stream):
     model, url = stack["model"], stack["sidecars"][mode]
@@ -160,9 +207,11 @@ def test_pd_moved_kv_through_nixl(stack):
 def _external_tokens(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     fams = check_vllm_names(text)
-    return sum(s.value for s in fams["vllm:prompt_tokens_by_source"].samples
-               if s.labels.get("source") == "external_kv_transfer"
-               and s.name.endswith("_total"))
+    return sum(
+        s.value
+        for s in fams["vllm:prompt_tokens_by_source"].samples
+        if s.labels.get("source") == "external_kv_transfer" and s.name.endswith("_total")
+    )
 
 
 def test_vllm_metric_names_are_what_our_engine_copies(stack):

@@ -1,6 +1,7 @@
 """vLLM's own KV-events publisher (vllm.distributed.kv_events, run in the vLLM venv) read
 by our subscriber, decoder and index: live PUB messages, replay, bytes and int hashes.
 Skipped with the reason when the vLLM venv is missing (conftest.py)."""
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,16 @@ def test_vllm_publisher_is_decoded_and_indexed(tmp_path, vllm_bin):
     port, replay = free_port(), free_port()
     script = tmp_path / "pub.py"
     script.write_text(PUBLISHER)
-    proc = subprocess.Popen([str(Path(vllm_bin).parent / "python"), str(script),
-                             f"tcp://*:{port}", f"tcp://*:{replay}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            str(Path(vllm_bin).parent / "python"),
+            str(script),
+            f"tcp://*:{port}",
+            f"tcp://*:{replay}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")
     try:
         got = []
@@ -90,16 +98,35 @@ def test_a_real_vllm_engines_events_find_a_prompt_by_our_names(tmp_path, vllm_bi
     index, fed by its live events, finds a prompt's full blocks by the keys the gateway
     computes for that prompt."""
     port, pub, replay = free_port(), free_port(), free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
     name = served_model_name(str(tiny_qwen3))
     log = tmp_path / "vllm.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            [vllm_bin, "serve", str(tiny_qwen3), "--host", "127.0.0.1", "--port", str(port),
-             "--served-model-name", name, *VLLM_ARGS, "--kv-events-config", json.dumps(config)],
-            stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV},
-            start_new_session=True)
+            [
+                vllm_bin,
+                "serve",
+                str(tiny_qwen3),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--served-model-name",
+                name,
+                *VLLM_ARGS,
+                "--kv-events-config",
+                json.dumps(config),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **VLLM_ENV},
+            start_new_session=True,
+        )
     sub = KVEventSubscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -107,9 +134,12 @@ def test_a_real_vllm_engines_events_find_a_prompt_by_our_names(tmp_path, vllm_bi
         rng = random.Random(3)
         prompts = [[rng.randrange(3, 500) for _ in range(300)] for _ in range(3)]
         index, sizes = KVIndex(), set()
-        for prompt in prompts:   # a step's events leave with the next step's output
-            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-                "model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        for prompt in prompts:  # a step's events leave with the next step's output
+            r = httpx.post(
+                f"{url}/v1/completions",
+                timeout=120,
+                json={"model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+            )
             assert r.status_code == 200, r.text
             while (msg := sub.recv(timeout_s=1.0)) is not None:
                 index.on_message("vllm", msg[0], msg[1], replay=sub.replay)
@@ -119,8 +149,12 @@ def test_a_real_vllm_engines_events_find_a_prompt_by_our_names(tmp_path, vllm_bi
         for prompt in prompts[:2]:
             keys = request_block_keys(prompt, block_size)
             assert keys and index.prefix_hit_blocks("vllm", keys) == len(keys)
-            assert index.prefix_hit_blocks("vllm", request_block_keys(prompt, block_size,
-                                                                      "other-tenant")) == 0
+            assert (
+                index.prefix_hit_blocks(
+                    "vllm", request_block_keys(prompt, block_size, "other-tenant")
+                )
+                == 0
+            )
     finally:
         sub.close()
         proc.terminate()

@@ -3,6 +3,7 @@ vLLM too: its CPU Gated DeltaNet needs bfloat16 and equal linear key/value head 
 (32 kills the engine at the first request, as head_dim 16 does for attention). In bfloat16
 the two engines' kernels round differently, so greedy outputs may part after a few tokens:
 we require vLLM to serve every prompt and the first greedy token to agree on most."""
+
 from __future__ import annotations
 
 import os
@@ -17,25 +18,41 @@ from pdpool.sidecar.topology import VLLM_ARGS, VLLM_ENV, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-PROMPTS = ["hello world, the", "Once upon a time there was",
-           "The quick brown fox jumps over the lazy dog and then"]
+PROMPTS = [
+    "hello world, the",
+    "Once upon a time there was",
+    "The quick brown fox jumps over the lazy dog and then",
+]
 
 
 @pytest.fixture(scope="module")
 def engines(vllm_bin, tmp_path_factory):
     from pdpool.engine.tiny_model import TinyModelSpec, write_tiny_model
+
     model = tmp_path_factory.mktemp("qwen3_5-bf16") / "tiny-qwen3_5-bf16"
-    write_tiny_model(model, TinyModelSpec(arch="qwen3_5", seed=2, num_layers=4,
-                                          dtype="bfloat16"))
+    write_tiny_model(model, TinyModelSpec(arch="qwen3_5", seed=2, num_layers=4, dtype="bfloat16"))
     logs = tmp_path_factory.mktemp("vllm-qwen3_5-logs")
     ours = EngineProcess(model, logs, "--dtype", "bfloat16")
     port = free_port()
     log = open(logs / "vllm.log", "wb")
     theirs = subprocess.Popen(
-        [vllm_bin, "serve", str(model), "--port", str(port), "--served-model-name",
-         model.name, *VLLM_ARGS, "--dtype", "bfloat16"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **VLLM_ENV})
+        [
+            vllm_bin,
+            "serve",
+            str(model),
+            "--port",
+            str(port),
+            "--served-model-name",
+            model.name,
+            *VLLM_ARGS,
+            "--dtype",
+            "bfloat16",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **VLLM_ENV},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, theirs, timeout=600, log=logs / "vllm.log")
@@ -49,9 +66,19 @@ def engines(vllm_bin, tmp_path_factory):
 
 
 def greedy_ids(url: str, model: str, prompt: str) -> list[int]:
-    r = httpx.post(url + "/v1/completions", timeout=300, json={
-        "model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
-        "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=300,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text[:500]
     return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
 SHAPES = {
     "tiny": dict(

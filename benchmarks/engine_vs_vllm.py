@@ -37,7 +37,7 @@ from pdpool.sidecar.topology import (
     VLLM_ARGS,
     VLLM_ENV,
     free_port,
-    healthy,  # noqa: E402
+    healthy,
     pdpool_command,
     served_model_name,
     vllm_command,

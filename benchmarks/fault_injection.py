@@ -29,9 +29,9 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
-from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model  # noqa: E402
+from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
 
 WORDS = (
     "river stone cloud lantern harbor meadow copper violet orchard signal ember "

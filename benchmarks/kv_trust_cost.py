@@ -29,13 +29,13 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
-from pdpool.engine.connector import lease_token  # noqa: E402
-from pdpool.engine.connector.handshake import lease_call  # noqa: E402
-from pdpool.engine.connector.nixl_connector import verified_positions  # noqa: E402
-from pdpool.engine.kv.hashing import BlockHasher, prefix_hash  # noqa: E402
-from pdpool.sidecar.topology import ensure_tiny_model, free_port, healthy, pdpool_command  # noqa: E402,E501
+from pdpool.engine.connector import lease_token
+from pdpool.engine.connector.handshake import lease_call
+from pdpool.engine.connector.nixl_connector import verified_positions
+from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
+from pdpool.sidecar.topology import ensure_tiny_model, free_port, healthy, pdpool_command
 
 BLOCK = 16
 # One block of Qwen3-8B in bf16: 36 layers x (K, V) x 16 tokens x 8 KV heads x 128 dims x 2 B.

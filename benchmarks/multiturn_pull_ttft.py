@@ -28,8 +28,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from common import print_table, write_json  # noqa: E402
-from devtools.engine_procs import EngineProcess  # noqa: E402
+from common import print_table, write_json
+from devtools.engine_procs import EngineProcess
 
 
 def connector_stat(eng, stat: str) -> float:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json  # noqa: E402
+from common import print_table, write_json
 
 
 def workload(n: int, prompt_len: int, shared_frac: float, groups: int, seed: int = 0):

@@ -29,10 +29,10 @@ import tracemalloc
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import print_table, write_json  # noqa: E402
-from pdpool.kv_events import BlockStored, KVEventBatch  # noqa: E402
-from pdpool.sidecar.kv_index import KVIndex  # noqa: E402
-from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model  # noqa: E402
+from common import print_table, write_json
+from pdpool.kv_events import BlockStored, KVEventBatch
+from pdpool.sidecar.kv_index import KVIndex
+from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
 
 
 def engine_sum(urls: list[str], name: str) -> float:

@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pdpool.sidecar.topology import ensure_tiny_model, free_port, healthy, pdpool_command  # noqa: E402
+from pdpool.sidecar.topology import ensure_tiny_model, free_port, healthy, pdpool_command
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -22,4 +22,4 @@ def _source_checkout_root() -> "str | None":
 
 _root = _source_checkout_root()
 if _root is not None:
-    __path__.append(_root)  # noqa: F821 (a package's own __path__)
+    __path__.append(_root)

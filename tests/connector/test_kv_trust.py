@@ -16,12 +16,12 @@ import pytest
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
-from devtools.engine_procs import EngineProcess, free_port  # noqa: E402
+from devtools.engine_procs import EngineProcess, free_port
 from tests.support.pd_router import (
     decode_leg,
     engine_set,
     post,
-    prefill_leg,  # noqa: E402
+    prefill_leg,
     text_of,
     unsigned_lease,
 )

@@ -13,10 +13,10 @@ from tests.support.pd_router import (
     decode_leg,
     engine_set,
     post,
-    prefill_leg,  # noqa: E402
+    prefill_leg,
     text_of,
 )
-from .test_pd_engines import _stat, wait_no_blocks  # noqa: E402
+from .test_pd_engines import _stat, wait_no_blocks
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 

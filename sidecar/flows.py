@@ -13,6 +13,7 @@ built in legs.py; prefill legs run in prefill_legs.py, decode legs in relay.py.
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 import httpx
@@ -30,23 +31,15 @@ from .usage import count_computed
 Flow = Callable[[Exchange], Awaitable[None]]
 
 
+@dataclass(eq=False)
 class Flows:
-    def __init__(
-        self,
-        settings: SidecarSettings,
-        metrics: SidecarMetrics,
-        *,
-        capability: EngineCapability,
-        next_client: Callable[[], httpx.AsyncClient],
-        decode: DecodeRelay,
-        prefill: PrefillLegs,
-    ) -> None:
-        self.settings = settings
-        self.metrics = metrics
-        self.capability = capability
-        self.next_client = next_client
-        self.decode = decode
-        self.prefill = prefill
+    settings: SidecarSettings
+    metrics: SidecarMetrics
+    _: KW_ONLY
+    capability: EngineCapability
+    next_client: Callable[[], httpx.AsyncClient]
+    decode: DecodeRelay
+    prefill: PrefillLegs
 
     def for_mode(self, mode: str) -> Flow:
         return {

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+from .server_cli import add_listen_arguments, serve
+
+if TYPE_CHECKING:
+    from .gateway import Gateway
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
+    add_listen_arguments(p, port=8080)
     p.add_argument(
         "--decode-url",
         dest="decode_urls",
@@ -75,10 +80,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "send one (Authorization: Bearer KEY); re-read when it changes",
     )
     p.add_argument(
-        "--tls-cert-file", help="serve HTTPS with this certificate (PEM; with --tls-key-file)"
-    )
-    p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
-    p.add_argument(
         "--tls-ca-file", help="reach the sidecars over HTTPS, verified against this CA bundle"
     )
     p.add_argument(
@@ -135,25 +136,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=64.0,
         help="cost of one in-flight request on a sidecar, in prompt tokens",
     )
-    p.add_argument("--log-level", default="warning")
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
+    return serve(args, lambda: _build_gateway(args))
 
+
+def _build_gateway(args: argparse.Namespace) -> Gateway:
     from pdpool.errors import CliError
     from pdpool.units import parse_size
 
     from .gateway import Gateway, GatewaySettings
     from .kv_events_spec import parse_kv_events
 
-    if bool(args.tls_cert_file) != bool(args.tls_key_file):
-        raise CliError("--tls-cert-file and --tls-key-file go together")
-    tls = (
-        {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file}
-        if args.tls_cert_file
-        else {}
-    )
     try:
         settings = GatewaySettings(
             decode_urls=args.decode_urls,
@@ -179,16 +174,6 @@ def main(args: argparse.Namespace) -> int:
             kv_events_port=args.kv_events_port,
             kv_events_replay_port=args.kv_events_replay_port,
         )
-        app = Gateway(settings)
+        return Gateway(settings)
     except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        **tls,
-        access_log=False,
-        lifespan="on",
-    )
-    return 0

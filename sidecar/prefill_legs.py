@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import httpx
@@ -52,26 +53,18 @@ def prefill_outliers(settings: SidecarSettings, metrics: SidecarMetrics) -> Outl
     )
 
 
+@dataclass(eq=False)
 class PrefillLegs:
-    def __init__(
-        self,
-        settings: SidecarSettings,
-        metrics: SidecarMetrics,
-        *,
-        picker: LoadPicker,
-        ranking: PrefillRanking,
-        endpoints: EndpointSet,
-        outliers: OutlierDetector,
-        next_client: Callable[[], httpx.AsyncClient],
-    ) -> None:
-        self.settings = settings
-        self.metrics = metrics
-        self.picker = picker
-        self.ranking = ranking
-        self.endpoints = endpoints
-        self.outliers = outliers
-        self.next_client = next_client  # the upstream clients exist from startup on
-        self._background: set[asyncio.Future[None]] = set()  # fire-and-forget releases
+    settings: SidecarSettings
+    metrics: SidecarMetrics
+    _: KW_ONLY
+    picker: LoadPicker
+    ranking: PrefillRanking
+    endpoints: EndpointSet
+    outliers: OutlierDetector
+    next_client: Callable[[], httpx.AsyncClient]  # the upstream clients exist from startup on
+    # Fire-and-forget lease releases, held until done.
+    _background: set[asyncio.Future[None]] = field(default_factory=set, init=False, repr=False)
 
     async def run(self, ex: Exchange, leg: dict[str, Any]) -> PrefillResult:
         """Tries prefill engines in ranking order; an empty result means fallback."""

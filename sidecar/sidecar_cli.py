@@ -5,95 +5,114 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from .server_cli import add_listen_arguments, serve
+
 if TYPE_CHECKING:
     from .settings import SidecarSettings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
+    add_listen_arguments(p, port=8000)
     p.add_argument("--config", help="YAML or JSON file of settings (flags override it)")
-    p.add_argument("--decode-url", help="the local decode engine, e.g. http://127.0.0.1:8001")
-    p.add_argument(
+    _add_engine_arguments(p)
+    _add_path_arguments(p)
+    _add_health_arguments(p)
+    _add_kv_event_arguments(p)
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engines")
+    g.add_argument("--decode-url", help="the local decode engine, e.g. http://127.0.0.1:8001")
+    g.add_argument(
         "--prefill-url",
         dest="prefill_urls",
         action="append",
         help="a prefill engine (repeatable): HOST:PORT or http://HOST:PORT",
     )
-    p.add_argument(
+    g.add_argument(
         "--prefill-service", help="HOST:PORT of a headless Service whose DNS lists the prefill pods"
     )
-    p.add_argument("--prefill-refresh-s", type=float, help="DNS refresh period (default 5)")
-    p.add_argument("--mode", choices=("decode-first", "prefill-first", "aggregated"))
-    p.add_argument(
-        "--cache-hit-threshold",
-        type=float,
-        help="pool threshold for decode-first (a request's own value wins)",
-    )
-    p.add_argument("--prefill-timeout", type=float, help="seconds per prefill attempt")
-    p.add_argument(
-        "--decode-retry-s",
-        type=float,
-        help="how long to retry an unreachable decode engine (default 5)",
-    )
-    p.add_argument(
-        "--no-pull-from-decode",
-        dest="pull_from_decode",
-        action="store_const",
-        const=False,
-        help="do not let prefill pull decode's cached prefix",
-    )
-    p.add_argument(
-        "--kv-pull-threshold",
-        type=int,
-        help="offer decode's cached prefix to prefill only when it holds at "
-        "least this many tokens (default 0)",
-    )
-    p.add_argument(
-        "--probe-interval-s",
-        type=float,
-        help="health probe period of each prefill engine (default 1; 0: off)",
-    )
-    p.add_argument("--probe-timeout-s", type=float, help="health probe timeout (default 2)")
-    p.add_argument(
-        "--outlier-failures",
-        type=int,
-        help="consecutive failed prefill legs that eject an engine (default 3)",
-    )
-    p.add_argument(
-        "--ejection-s", type=float, help="base ejection time of a sick prefill engine (default 2)"
-    )
-    p.add_argument(
-        "--max-body-bytes", help="request bodies above this size get 413 (default 32MiB)"
-    )
-    p.add_argument(
+    g.add_argument("--prefill-refresh-s", type=float, help="DNS refresh period (default 5)")
+    g.add_argument(
         "--engine-rejects",
         choices=("auto", "yes", "no"),
         help="does the decode engine honour cache_hit_threshold (pdpool serve: "
         "yes; stock vLLM: no)? auto (default) probes it once",
     )
-    p.add_argument(
-        "--prefill-min-prompt-tokens",
-        type=int,
-        help="decode-first with an engine that cannot reject: prompts of at "
-        "least this many tokens (estimated: characters / 4) go "
-        "prefill-first, shorter ones to decode only (default 128)",
-    )
-    p.add_argument("--tls-cert-file", help="serve HTTPS with this certificate (PEM)")
-    p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
-    p.add_argument(
+    g.add_argument(
         "--tls-ca-file",
         help="reach prefill engines over HTTPS and verify every upstream (the "
         "decode engine too, when --decode-url is https://) against this CA",
     )
-    p.add_argument(
+    g.add_argument(
         "--tls-any-name",
         action="store_const",
         const=True,
         help="with --tls-ca-file: accept any certificate that CA signed, whatever "
         "its name (a CA dedicated to the pool; peers are reached by pod IP)",
     )
-    p.add_argument(
+
+
+def _add_path_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("the P/D path")
+    g.add_argument("--mode", choices=("decode-first", "prefill-first", "aggregated"))
+    g.add_argument(
+        "--cache-hit-threshold",
+        type=float,
+        help="pool threshold for decode-first (a request's own value wins)",
+    )
+    g.add_argument(
+        "--prefill-min-prompt-tokens",
+        type=int,
+        help="decode-first with an engine that cannot reject: prompts of at "
+        "least this many tokens (estimated: characters / 4) go "
+        "prefill-first, shorter ones to decode only (default 128)",
+    )
+    g.add_argument("--prefill-timeout", type=float, help="seconds per prefill attempt")
+    g.add_argument(
+        "--decode-retry-s",
+        type=float,
+        help="how long to retry an unreachable decode engine (default 5)",
+    )
+    g.add_argument(
+        "--no-pull-from-decode",
+        dest="pull_from_decode",
+        action="store_const",
+        const=False,
+        help="do not let prefill pull decode's cached prefix",
+    )
+    g.add_argument(
+        "--kv-pull-threshold",
+        type=int,
+        help="offer decode's cached prefix to prefill only when it holds at "
+        "least this many tokens (default 0)",
+    )
+    g.add_argument(
+        "--max-body-bytes", help="request bodies above this size get 413 (default 32MiB)"
+    )
+
+
+def _add_health_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill engine health")
+    g.add_argument(
+        "--probe-interval-s",
+        type=float,
+        help="health probe period of each prefill engine (default 1; 0: off)",
+    )
+    g.add_argument("--probe-timeout-s", type=float, help="health probe timeout (default 2)")
+    g.add_argument(
+        "--outlier-failures",
+        type=int,
+        help="consecutive failed prefill legs that eject an engine (default 3)",
+    )
+    g.add_argument(
+        "--ejection-s", type=float, help="base ejection time of a sick prefill engine (default 2)"
+    )
+
+
+def _add_kv_event_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill legs by KV events")
+    g.add_argument(
         "--prefill-kv-events",
         action="append",
         metavar="HOST:PORT=ENDPOINT[|REPLAY]",
@@ -102,20 +121,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(repeatable): legs go to the engine with the most of the prompt "
         "cached",
     )
-    p.add_argument(
+    g.add_argument(
         "--prefill-kv-events-port",
         type=int,
         help="the same, following --prefill-service: every prefill engine "
         "publishes its KV events on this port (--kv-events-config tcp://*:PORT)",
     )
-    p.add_argument(
+    g.add_argument(
         "--prefill-kv-events-replay-port",
         type=int,
         help="with --prefill-kv-events-port: the prefill engines' replay port",
     )
-    p.add_argument("--kv-block-size", type=int, help="the engines' KV block size (default 16)")
-    p.add_argument("--kv-tokenizer", help="the model's tokenizer.json (string prompts)")
-    p.add_argument("--log-level", default="warning")
+    g.add_argument("--kv-block-size", type=int, help="the engines' KV block size (default 16)")
+    g.add_argument("--kv-tokenizer", help="the model's tokenizer.json (string prompts)")
 
 
 SETTING_FLAGS = (
@@ -158,26 +176,6 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
     from .proxy import build_app
-    from pdpool.errors import CliError
 
-    if bool(args.tls_cert_file) != bool(args.tls_key_file):
-        raise CliError("--tls-cert-file and --tls-key-file go together")
-    tls = (
-        {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file}
-        if args.tls_cert_file
-        else {}
-    )
-    settings = settings_from_args(args)
-    app = build_app(settings)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        **tls,
-        access_log=False,
-        lifespan="on",
-    )
-    return 0
+    return serve(args, lambda: build_app(settings_from_args(args)))

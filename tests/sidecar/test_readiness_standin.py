@@ -6,13 +6,12 @@ ready, can be shown; the sidecar and gateway are the real ones."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 
 from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
+from tests.support.vllm_standin import answer_lifespan, send_json
 
 
 class ProbeStandIn:
@@ -21,23 +20,9 @@ class ProbeStandIn:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await answer_lifespan(receive, send)
         status = {"/health": 200, "/ready": 200 if self.ready else 503}.get(scope["path"], 404)
-        body = json.dumps({"status": status}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, status, {"status": status})
 
 
 async def test_sidecar_ready_follows_engine_and_gateway_routes_by_it(servers):

@@ -93,13 +93,7 @@ class VllmStandIn:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            return await answer_lifespan(receive, send)
         body = b""
         while True:
             msg = await receive()
@@ -108,9 +102,9 @@ class VllmStandIn:
                 break
         route = scope["path"]
         if route == "/health":
-            return await _send_json(send, 200, {})
+            return await send_json(send, 200, {})
         if route == "/v1/models":
-            return await _send_json(send, 200, {"object": "list", "data": [{"id": "standin"}]})
+            return await send_json(send, 200, {"object": "list", "data": [{"id": "standin"}]})
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         req = json.loads(body)
         if headers.get("x-request-id", "").startswith("pdpool-probe-"):
@@ -123,7 +117,7 @@ class VllmStandIn:
             self.state.cancelled += 1
             return
         if self.state.fail_status:
-            return await _send_json(
+            return await send_json(
                 send,
                 self.state.fail_status,
                 {
@@ -221,7 +215,7 @@ class VllmStandIn:
                 if chat
                 else {"index": 0, "text": " ".join(out), "finish_reason": finish}
             )
-            return await _send_json(
+            return await send_json(
                 send,
                 200,
                 {
@@ -303,7 +297,18 @@ class VllmStandIn:
         await write(b"data: [DONE]\n\n", more=False)
 
 
-async def _send_json(send, status: int, obj: Any) -> None:
+async def answer_lifespan(receive, send) -> None:
+    """The ASGI lifespan of a server with nothing to start or stop."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def send_json(send, status: int, obj: Any) -> None:
     body = json.dumps(obj).encode()
     await send(
         {

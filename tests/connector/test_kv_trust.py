@@ -18,6 +18,7 @@ pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
 from devtools.engine_procs import EngineProcess, free_port
 from tests.support.pd_router import (
+    connector_stat,
     decode_leg,
     engine_set,
     post,
@@ -72,18 +73,14 @@ def engines(tiny_qwen3, logs, secrets):
         yield procs
 
 
-def stat(eng, name: str) -> float:
-    for line in httpx.get(f"{eng.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("pdpool_kv_connector{") and f'stat="{name}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no connector stat {name}")
-
-
 def wait_idle(*engs, timeout: float = 15.0) -> None:
     """No block in use and no lease held on any of them."""
     deadline = time.monotonic() + timeout
     while True:
-        held = {e.url: (e.metric("pdpool_kv_blocks_used"), stat(e, "leases_active")) for e in engs}
+        held = {
+            e.url: (e.metric("pdpool_kv_blocks_used"), connector_stat(e, "leases_active"))
+            for e in engs
+        }
         if all(v == (0, 0) for v in held.values()):
             return
         if time.monotonic() > deadline:
@@ -114,10 +111,10 @@ def test_late_decode_leg_after_expiry_and_reuse_recomputes(engines):
     time.sleep(HOLD_S + 1.0)
     for k in range(8):  # other traffic takes the freed blocks
         post(Ps.url, body(ids(100, seed=200 + k), 1))
-    pulled0 = stat(Ds, "tokens_pulled")
+    pulled0 = connector_stat(Ds, "tokens_pulled")
     out = decode_leg(Ds.url, b, kv)
     assert text_of(out) == text_of(post(A.url, b))
-    assert stat(Ds, "tokens_pulled") == pulled0
+    assert connector_stat(Ds, "tokens_pulled") == pulled0
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert pdpool_usage(out)["computed"] == 100
     log = Ds.log.read_text()
@@ -144,10 +141,10 @@ def test_forged_params_never_return_the_victims_text(engines):
         )
         attempts.append(unsigned)
         for params in attempts:
-            pulled0 = stat(consumer, "tokens_pulled")
+            pulled0 = connector_stat(consumer, "tokens_pulled")
             out = decode_leg(consumer.url, fb, params)
             assert text_of(out) == forger_text
-            assert stat(consumer, "tokens_pulled") == pulled0
+            assert connector_stat(consumer, "tokens_pulled") == pulled0
         honest = decode_leg(consumer.url, vb, kv)  # the lease is still live and unread
         assert text_of(honest) == victim_text
         again = post(consumer.url, fb)  # the forger's prompt, from the cache
@@ -178,13 +175,16 @@ def test_refused_params_recompute_and_leave_nothing_held(engines, tamper):
         lease["expires_ms"] = int(time.time() * 1000) - 60_000
     elif tamper == "unsigned":
         del lease["sig"]
-    pulled0, refused0 = stat(consumer, "tokens_pulled"), stat(consumer, "params_refused")
+    pulled0, refused0 = (
+        connector_stat(consumer, "tokens_pulled"),
+        connector_stat(consumer, "params_refused"),
+    )
     out = decode_leg(consumer.url, b, kv)
     assert text_of(out) == text_of(post(A.url, b))
-    assert stat(consumer, "tokens_pulled") == pulled0
+    assert connector_stat(consumer, "tokens_pulled") == pulled0
     assert pdpool_usage(out)["pulled"] == 0
     if tamper != "replay":  # refused on arrival, before any connection
-        assert stat(consumer, "params_refused") == refused0 + 1
+        assert connector_stat(consumer, "params_refused") == refused0 + 1
     # The unread lease is released by the refusing consumer or expires within the hold.
     wait_idle(Ps, Ds, Dx, timeout=HOLD_S + 10)
 
@@ -212,7 +212,7 @@ def test_a_queued_consumer_keeps_its_lease_alive(engines):
         assert time.monotonic() < deadline and len(outcomes) < 8, f"never queued: {outcomes}"
         time.sleep(0.02)
     kv = prefill_leg(Ps.url, b)
-    pulled0 = stat(Ds, "tokens_pulled")
+    pulled0 = connector_stat(Ds, "tokens_pulled")
     t = time.monotonic()
     out = decode_leg(Ds.url, b, kv)
     waited = time.monotonic() - t
@@ -221,8 +221,8 @@ def test_a_queued_consumer_keeps_its_lease_alive(engines):
     assert outcomes == ["ok"] * 8, outcomes
     assert waited > HOLD_S, f"the decode leg did not wait ({waited:.2f} s): the test proves nothing"
     assert text_of(out) == text_of(post(A.url, b))
-    assert stat(Ds, "tokens_pulled") - pulled0 == 59
-    assert stat(Ps, "leases_renewed") >= 1
+    assert connector_stat(Ds, "tokens_pulled") - pulled0 == 59
+    assert connector_stat(Ps, "leases_renewed") >= 1
     wait_idle(Ps, Ds)
 
 
@@ -235,7 +235,7 @@ def test_a_rejection_lease_is_released_explicitly(engines):
     rejected = post(Dn.url, {**body(turn1 + ids(100, seed=31)), "cache_hit_threshold": 0.9})
     params = rejected["kv_transfer_params"]
     assert rejected["choices"][0]["finish_reason"] == "cache_threshold"
-    assert params["remote_num_tokens"] == 64 and stat(Dn, "leases_active") == 1
+    assert params["remote_num_tokens"] == 64 and connector_stat(Dn, "leases_active") == 1
     r = httpx.post(f"{Dn.url}/pdpool/v1/kv/release", json={"kv_transfer_params": params})
     assert r.status_code == 200 and r.json() == {"released": True}
     wait_idle(Dn, timeout=2)  # long before the 60 s hold
@@ -261,12 +261,12 @@ def test_a_restarted_producer_heals_at_once(tiny_qwen3, logs, engines):
     try:
         # Params of the dead engine: refused (other epoch), recomputed, still right.
         assert text_of(decode_leg(Ds.url, b2, stale)) == text_of(post(A.url, b2))
-        pulled0 = stat(Ds, "tokens_pulled")
+        pulled0 = connector_stat(Ds, "tokens_pulled")
         out = decode_leg(Ds.url, b3, prefill_leg(second.url, b3))
         healed_s = time.monotonic() - t_restart
         assert text_of(out) == text_of(post(A.url, b3))
-        assert stat(Ds, "tokens_pulled") - pulled0 == 69
-        assert stat(Ds, "peers_replaced") >= 1
+        assert connector_stat(Ds, "tokens_pulled") - pulled0 == 69
+        assert connector_stat(Ds, "peers_replaced") >= 1
         print(f"\nrestart -> first successful read: {healed_s:.1f} s (engine start included)")
         wait_idle(second, Ds)
     finally:

@@ -16,12 +16,14 @@ pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
 from devtools.engine_procs import EngineProcess
 from tests.support.pd_router import (
+    connector_stat,
     decode_leg,
     engine_set,
     post,
     prefill_leg,
     text_of,
     unsigned_lease,
+    wait_no_blocks,
 )
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
@@ -65,24 +67,6 @@ def body(prompt, max_tokens=8) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def _stat(eng, stat: str) -> float:
-    text = httpx.get(f"{eng.url}/metrics", timeout=5).text
-    for line in text.splitlines():
-        if line.startswith("pdpool_kv_connector{") and f'stat="{stat}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no connector stat {stat}")
-
-
-def wait_no_blocks(*engs, timeout=15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(e.metric("pdpool_kv_blocks_used") == 0 for e in engs):
-            return
-        time.sleep(0.2)
-    used = {e.url: e.metric("pdpool_kv_blocks_used") for e in engs}
-    raise AssertionError(f"blocks still in use: {used}")
-
-
 def block_bytes(eng) -> int:
     """Bytes of one KV block of the engine's model: layers x (K, V) x tokens x KV heads x
     head dim x 4 (float32)."""
@@ -98,7 +82,7 @@ def test_pd_output_equals_one_engine_and_decode_computes_one_token(engines, n):
     P, D, A = engines["P"], engines["D"], engines["A"]
     b = body(prompt_ids(n, seed=n))
     ref = post(A.url, b)
-    computed0, bytes0 = D.metric("pdpool_computed_tokens_total"), _stat(D, "bytes_read")
+    computed0, bytes0 = D.metric("pdpool_computed_tokens_total"), connector_stat(D, "bytes_read")
     kv = prefill_leg(P.url, b)
     assert len(kv["remote_block_ids"]) == -(-n // BLOCK)
     out = decode_leg(D.url, b, kv)
@@ -106,7 +90,7 @@ def test_pd_output_equals_one_engine_and_decode_computes_one_token(engines, n):
     # The decode engine computed the last prompt token and the decode steps only.
     assert D.metric("pdpool_computed_tokens_total") - computed0 == b["max_tokens"]
     pulled_blocks = -(-(n - 1) // BLOCK)
-    assert _stat(D, "bytes_read") - bytes0 == pulled_blocks * block_bytes(D)
+    assert connector_stat(D, "bytes_read") - bytes0 == pulled_blocks * block_bytes(D)
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
     wait_no_blocks(P, D)
 
@@ -116,10 +100,10 @@ def test_decode_pulls_only_what_it_does_not_cache(engines):
     prefix = prompt_ids(64, seed=100)  # 4 blocks the decode engine will cache
     post(D.url, body(prefix, 2))
     b = body(prefix + prompt_ids(50, seed=101))  # 114 tokens: blocks 4..7 are missing
-    bytes0 = _stat(D, "bytes_read")
+    bytes0 = connector_stat(D, "bytes_read")
     out = decode_leg(D.url, b, prefill_leg(P.url, b))
     assert text_of(out) == text_of(post(A.url, b))
-    assert _stat(D, "bytes_read") - bytes0 == 4 * block_bytes(D)
+    assert connector_stat(D, "bytes_read") - bytes0 == 4 * block_bytes(D)
     wait_no_blocks(P, D)
 
 
@@ -170,10 +154,13 @@ def test_block_ids_in_params_are_not_trusted_the_lease_decides(engines, mangle):
     b = body(prompt_ids(100, seed=400 + len(str(mangle([1, 2, 3, 4, 5])))))
     kv = prefill_leg(P.url, b)
     kv["remote_block_ids"] = mangle(kv["remote_block_ids"])
-    pulled0, computed0 = _stat(D, "tokens_pulled"), D.metric("pdpool_computed_tokens_total")
+    pulled0, computed0 = (
+        connector_stat(D, "tokens_pulled"),
+        D.metric("pdpool_computed_tokens_total"),
+    )
     out = decode_leg(D.url, b, kv)
     assert text_of(out) == text_of(post(A.url, b))
-    assert _stat(D, "tokens_pulled") - pulled0 == 99
+    assert connector_stat(D, "tokens_pulled") - pulled0 == 99
     assert D.metric("pdpool_computed_tokens_total") - computed0 == b["max_tokens"]
     wait_no_blocks(P, D)  # the producer was notified and freed its blocks
 
@@ -195,10 +182,10 @@ def test_peer_outside_allowlist_is_refused(engines):
     P, D, A = engines["P"], engines["D"], engines["A"]
     b = body(prompt_ids(40, seed=500))
     kv = prefill_leg(P.url, b)
-    refused0 = _stat(D, "peers_refused")
+    refused0 = connector_stat(D, "peers_refused")
     out = decode_leg(D.url, b, {**kv, "remote_host": "10.255.255.1"})
     assert text_of(out) == text_of(post(A.url, b))
-    assert _stat(D, "peers_refused") == refused0 + 1
+    assert connector_stat(D, "peers_refused") == refused0 + 1
     assert "not in the KV peer allowlist" in D.log.read_text()
     wait_no_blocks(P, D)  # unread: the producer's timeout frees its blocks
 
@@ -209,10 +196,10 @@ def test_engine_with_other_block_size_is_refused(tiny_qwen3, logs, engines):
     other = EngineProcess(tiny_qwen3, logs, *NIXL, "--block-size", "8").wait()
     try:
         b = body(prompt_ids(40, seed=600))
-        refused0 = _stat(D, "params_refused")
+        refused0 = connector_stat(D, "params_refused")
         out = decode_leg(D.url, b, prefill_leg(other.url, b))
         assert text_of(out) == text_of(post(A.url, b))
-        assert _stat(D, "params_refused") == refused0 + 1
+        assert connector_stat(D, "params_refused") == refused0 + 1
         assert "holds other tokens than this prompt" in D.log.read_text()
     finally:
         other.stop()
@@ -224,9 +211,9 @@ def test_producer_timeout_frees_unread_blocks(engines):
     wait_no_blocks(P)
     prefill_leg(P.url, body(prompt_ids(64, seed=700)))
     assert P.metric("pdpool_kv_blocks_used") == 4
-    expired0 = _stat(P, "leases_expired")
+    expired0 = connector_stat(P, "leases_expired")
     wait_no_blocks(P, timeout=10)
-    assert _stat(P, "leases_expired") == expired0 + 1
+    assert connector_stat(P, "leases_expired") == expired0 + 1
 
 
 def test_fail_policy_fails_cleanly(engines):
@@ -296,15 +283,18 @@ def test_bidirectional_turn_two_pulls_history_from_decode(engines):
     assert rejected["choices"][0]["finish_reason"] == "cache_threshold"
     described = rejected["kv_transfer_params"]
     assert described["do_remote_decode"] is True and described["remote_num_tokens"] == 96
-    pulled0, computed0 = _stat(P, "tokens_pulled"), P.metric("pdpool_computed_tokens_total")
+    pulled0, computed0 = (
+        connector_stat(P, "tokens_pulled"),
+        P.metric("pdpool_computed_tokens_total"),
+    )
     kv = prefill_leg(P.url, turn2, {k: v for k, v in described.items() if k != "do_remote_prefill"})
     # The prefill engine pulled the 96-token history and computed only the rest.
-    assert _stat(P, "tokens_pulled") - pulled0 == 96
+    assert connector_stat(P, "tokens_pulled") - pulled0 == 96
     assert P.metric("pdpool_computed_tokens_total") - computed0 == 164 - 96
-    bytes0 = _stat(D, "bytes_read")
+    bytes0 = connector_stat(D, "bytes_read")
     out = decode_leg(D.url, turn2, kv)
     assert text_of(out) == text_of(post(A.url, turn2))
     # The decode engine already held blocks 0..5 of the history: it read blocks 6..10.
-    assert _stat(D, "bytes_read") - bytes0 == 5 * block_bytes(D)
+    assert connector_stat(D, "bytes_read") - bytes0 == 5 * block_bytes(D)
     assert r1["choices"][0]["finish_reason"] == "length"
     wait_no_blocks(P, D)

@@ -10,13 +10,14 @@ import pytest
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
 from tests.support.pd_router import (
+    connector_stat,
     decode_leg,
     engine_set,
     post,
     prefill_leg,
     text_of,
+    wait_no_blocks,
 )
-from .test_pd_engines import _stat, wait_no_blocks
 
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 
@@ -65,9 +66,9 @@ def test_hybrid_bidirectional_pull(engines):
     described = rejected["kv_transfer_params"]
     assert rejected["choices"][0]["finish_reason"] == "cache_threshold"
     assert described["remote_num_tokens"] == 80 and len(described["remote_block_ids"]) == 2
-    pulled0 = _stat(P, "tokens_pulled")
+    pulled0 = connector_stat(P, "tokens_pulled")
     kv = prefill_leg(P.url, turn2, {k: v for k, v in described.items() if k != "do_remote_prefill"})
-    assert _stat(P, "tokens_pulled") - pulled0 == 80
+    assert connector_stat(P, "tokens_pulled") - pulled0 == 80
     out = decode_leg(D.url, turn2, kv)
     assert text_of(out) == text_of(post(A.url, turn2))
     wait_no_blocks(P, D)
@@ -96,12 +97,12 @@ def test_hybrid_forged_and_replayed_params_are_refused(engines):
     victim = ids(70, seed=90)
     forger = body(ids(69, seed=91) + victim[-1:])
     kv = prefill_leg(P.url, body(victim))
-    pulled0 = _stat(D, "tokens_pulled")
+    pulled0 = connector_stat(D, "tokens_pulled")
     assert text_of(decode_leg(D.url, forger, kv)) == text_of(post(A.url, forger))
-    assert _stat(D, "tokens_pulled") == pulled0
+    assert connector_stat(D, "tokens_pulled") == pulled0
     assert text_of(decode_leg(D.url, body(victim), kv)) == text_of(post(A.url, body(victim)))
-    assert _stat(D, "tokens_pulled") - pulled0 == 69  # the honest read, blocks and state
+    assert connector_stat(D, "tokens_pulled") - pulled0 == 69  # the honest read, blocks and state
     again = body(victim, 5)  # a replay of the read lease
     assert text_of(decode_leg(D.url, again, kv)) == text_of(post(A.url, again))
-    assert _stat(D, "tokens_pulled") - pulled0 == 69
+    assert connector_stat(D, "tokens_pulled") - pulled0 == 69
     wait_no_blocks(P, D)

@@ -44,6 +44,16 @@ def _warm_directly(holders, model: str, rng, n: int = 6) -> list[tuple[list[int]
     return docs
 
 
+def _continued(doc: list[int], rng) -> list[int]:
+    """The prompt with a few new tokens after it: its whole prefix is held somewhere."""
+    return doc + [rng.randrange(3, 500) for _ in range(8)]
+
+
+def _total(servers, name: str, label: str) -> float:
+    """A metric summed over servers."""
+    return sum(metric(s.url, name, label) for s in servers)
+
+
 def test_routes_to_the_engine_holding_the_prefix(topo):
     gw = topo.gateway.url
     model = model_name(gw)
@@ -52,7 +62,7 @@ def test_routes_to_the_engine_holding_the_prefix(topo):
     # Only the KV events can tell the gateway where these prefixes live.
     docs = _warm_directly(sidecars, model, rng)
     for doc, port in docs:
-        r = _complete(gw, model, doc + [rng.randrange(3, 500) for _ in range(8)])
+        r = _complete(gw, model, _continued(doc, rng))
         assert r.headers["x-pdpool-backend"].endswith(f":{port}"), r.headers
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80
     # A prompt nobody holds: P/D up front (hit 0 < threshold 0.5), no decode-first leg.
@@ -60,9 +70,7 @@ def test_routes_to_the_engine_holding_the_prefix(topo):
     assert metric(gw, "pdpool_gateway_kv_routes_total", 'path="decode"') == 6
     assert metric(gw, "pdpool_gateway_kv_routes_total", 'path="pd"') == 1
     hints = {
-        o: sum(
-            metric(s.url, "pdpool_sidecar_kv_path_hints_total", f'outcome="{o}"') for s in sidecars
-        )
+        o: _total(sidecars, "pdpool_sidecar_kv_path_hints_total", f'outcome="{o}"')
         for o in ("honoured", "correct", "mispredicted")
     }
     assert hints == {"honoured": 1, "correct": 6, "mispredicted": 0}
@@ -76,16 +84,11 @@ def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
     # No decode engine holds these prompts, so the legs go P/D, and only the prefill
     # engines' events say which one has each.
     docs = _warm_directly(prefills, model, rng)
-    ranked0 = sum(
-        metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
-        for s in topo.by_role("sidecar")
-    )
+    sidecars = topo.by_role("sidecar")
+    ranked0 = _total(sidecars, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
     for doc, port in docs:
-        r = _complete(gw, model, doc + [rng.randrange(3, 500) for _ in range(8)])
+        r = _complete(gw, model, _continued(doc, rng))
         assert r.headers["x-pdpool-path"] == "pd", r.headers
         assert r.headers["x-pdpool-prefill-endpoint"].endswith(f":{port}"), r.headers
-    ranked = sum(
-        metric(s.url, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
-        for s in topo.by_role("sidecar")
-    )
+    ranked = _total(sidecars, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
     assert ranked - ranked0 == len(docs)

@@ -3,6 +3,7 @@ then a decode leg with the prefill's kv_transfer_params (what the sidecar automa
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,6 +36,25 @@ def text_of(resp: dict) -> str:
     return resp["choices"][0]["text"]
 
 
+def connector_stat(eng, name: str) -> float:
+    """One of the engine's `pdpool_kv_connector{stat=...}` figures."""
+    for line in httpx.get(f"{eng.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("pdpool_kv_connector{") and f'stat="{name}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no connector stat {name}")
+
+
+def wait_no_blocks(*engs, timeout=15.0) -> None:
+    """Until no KV block is in use on any of the engines (AssertionError after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(e.metric("pdpool_kv_blocks_used") == 0 for e in engs):
+            return
+        time.sleep(0.2)
+    used = {e.url: e.metric("pdpool_kv_blocks_used") for e in engs}
+    raise AssertionError(f"blocks still in use: {used}")
+
+
 @contextmanager
 def engine_set(model: Path, logs: Path, specs: dict[str, tuple]):
     """Starts one engine process per name (flags as given), all at once; stops them all."""
@@ -57,8 +77,6 @@ def unsigned_lease(
 ) -> dict:
     """A well-formed, unsigned `pdpool_lease` over `prompt`'s first tokens, as a forger who
     knows the prompt could write it: right prefix hash, made-up lease id and epoch."""
-    import time
-
     from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
 
     n = len(prompt) if num_tokens is None else num_tokens

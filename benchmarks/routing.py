@@ -1,38 +1,86 @@
-"""Routing strategies on a shared-prefix workload through `pdpool up --decode 4`, and the
-KV index's own cost.
+"""Routing strategies on a multi-turn shared-prefix workload through
+`pdpool up --prefill 1 --decode 4`, and the KV index's own cost.
 
-    python benchmarks/routing.py [--decode 4] [--prefixes 8] [--per-prefix 6] [--skip-e2e]
+    python benchmarks/routing.py [--model DIR] [--only precise/aggregated,...] [--skip-e2e]
+
+Workload (defaults): 8 system prompts of 1024 tokens, 6 users on each (48 conversations),
+3 turns each: turn t's prompt is turn t-1's prompt + its answer (16 tokens, read back as
+token ids) + 64 new user tokens, so a conversation shares its system prompt with 5 others
+and its own history with its earlier turns. All conversations start at once in a shuffled
+order, 8 requests in flight across them: 144 requests, most of them later turns and
+repeat users (the steady state), 8 of them cold system prompts.
+
+KV budget: 256 blocks (4096 tokens) per decode engine. The working set (every system
+prompt + the histories of the conversations in flight, printed) is about 630 blocks: the
+pool's 1024 blocks hold it once, one engine holds 40% of it. Round-robin makes every engine
+see every system prompt and evict; a router that keeps each prefix on few engines fits.
+
+Model (default): a Qwen3 of 4 layers, hidden 512, 8 heads of 64, vocab 512 (random
+weights, made once with `pdpool tiny-model`, about 10M parameters). On this CPU a
+1k-token prefill of it takes hundreds of milliseconds, so what a cache hit saves is the
+bulk of a turn's time, as with real models on GPUs; the tiny test model prefills 1k tokens
+in a few milliseconds, less than the HTTP hops of five processes on two cores, and would
+measure the gateway instead of the routing.
+
+The old single-turn workload stays one flag set away:
+    --prefix-tokens 256 --user-tokens 32 --turns 1 --max-tokens 8 --concurrency 4
+    --kv-blocks 512 --model <tiny qwen3 folder>
 
 Strategies: round-robin (the client sends to the sidecars in turn), hash affinity (the
-gateway as before), precise (the gateway with --kv-events: cost = uncached tokens + load),
-all with aggregated sidecars; then precise again with decode-first sidecars, to count the
-decode-first round trips the up-front P/D decision saves (requests the gateway sent straight
-to P/D, which the engine would have rejected after a round trip) and its mispredictions.
+gateway as before), precise (the gateway with --kv-events: cost = uncached tokens + pending
+prefill tokens + load, sidecar/kv_router.py), all with aggregated sidecars; then precise
+again with decode-first sidecars, to count the decode-first round trips the up-front P/D
+decision saves (requests the gateway sent straight to P/D, which the engine would have
+rejected after a round trip) and its mispredictions.
+
 Reported: prefix hit rate on the decode engines (vllm:prefix_cache_hits / queries, this
-run's delta) and as a fraction of the oracle's (every request after the first of its prefix
-finds the whole prefix cached: the most any router can get), TTFT p50/p99 (streamed), output
-tokens/s. Then the index alone: memory per million blocks and events/s. Prints a table and
-writes benchmarks/results/routing.json.
+run's delta) and as a fraction of the oracle's: one ideal cache that never evicts and sees
+the prompts in the order they were sent, where a request's leading full blocks that any
+earlier prompt computed all hit (`oracle_hit_rate`; it ignores that a block computed by a
+request still in flight is not yet reusable, so it is an upper bound). Then TTFT p50/p99
+(streamed: the first chunk with a token), output tokens/s over the run's wall time,
+preemptions. Then the index alone: memory per million blocks and events/s. Prints a table
+and writes benchmarks/results/<--out>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import tracemalloc
+from dataclasses import dataclass
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import print_table, write_json
+from pdpool.block_hash import chain_hashes
 from pdpool.kv_events import BlockStored, KVEventBatch
 from pdpool.sidecar.kv_index import KVIndex
-from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.sidecar.topology import Topology, TopologySpec, pdpool_command
+
+# The default model's shape (see the module doc): `pdpool tiny-model` arguments.
+MODEL_SHAPE = [
+    "--layers", "4", "--hidden-size", "512", "--intermediate-size", "1024",
+    "--heads", "8", "--kv-heads", "4", "--head-dim", "64", "--vocab-size", "512",
+]  # fmt: skip
+
+
+def routing_model() -> str:
+    """The default model's folder, made once under ~/.cache/pdpool."""
+    out = os.path.join(os.path.expanduser("~"), ".cache", "pdpool", "routing-qwen3-h512-l4")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        tmp = out + f".tmp{os.getpid()}"
+        subprocess.run(pdpool_command("tiny-model", tmp, *MODEL_SHAPE), check=True)
+        os.replace(tmp, out)
+    return out
 
 
 def engine_sum(urls: list[str], name: str) -> float:
@@ -51,59 +99,109 @@ def engine_sum(urls: list[str], name: str) -> float:
     return total
 
 
-def oracle_hit_rate(args, reqs: list[list[int]], block_size: int = 16) -> float:
-    """Every request after the first of its prefix hits the prefix's full blocks."""
-    per_prefix = args.prefix_tokens // block_size * block_size
-    hits = per_prefix * (len(reqs) - args.prefixes)
-    return hits / sum(len(r) for r in reqs)
+@dataclass
+class User:
+    """One conversation: its system prompt and the new message of each turn. Turn t's prompt
+    is the previous turn's prompt + that turn's answer + message t, so later turns share the
+    conversation's own history as well as the system prompt."""
+
+    system: list[int]
+    messages: list[list[int]]
 
 
-def workload(args) -> list[list[int]]:
+def workload(args) -> list[User]:
+    """`prefixes` system prompts, `per_prefix` users on each, in a shuffled arrival order."""
     rng = random.Random(0)
-    prefixes = [
-        [rng.randrange(3, 500) for _ in range(args.prefix_tokens)] for _ in range(args.prefixes)
-    ]
-    reqs = [
-        p + [rng.randrange(3, 500) for _ in range(32)]
-        for p in prefixes
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    systems = [tokens(args.prefix_tokens) for _ in range(args.prefixes)]
+    users = [
+        User(s, [tokens(args.user_tokens) for _ in range(args.turns)])
+        for s in systems
         for _ in range(args.per_prefix)
     ]
-    rng.shuffle(reqs)
-    return reqs
+    rng.shuffle(users)
+    return users
 
 
-async def drive(targets, model: str, reqs, concurrency: int) -> tuple[list[float], int, float]:
+def oracle_hit_rate(prompts: list[list[int]], block_size: int = 16) -> float:
+    """The hit rate of one ideal cache that never evicts and sees requests in the order they
+    were sent: a request's leading full blocks that any earlier prompt computed all hit (as the
+    engine counts: at least one token is left to compute). No router can do better; with the
+    pool's summed KV capacity above the working set (see `main`) one can come close."""
+    seen: set[bytes] = set()
+    hits = total = 0
+    for ids in prompts:
+        keys = chain_hashes(ids, block_size)
+        limit = max(len(ids) - 1, 0) // block_size
+        n = 0
+        while n < min(len(keys), limit) and keys[n] in seen:
+            n += 1
+        hits += n * block_size
+        total += len(ids)
+        seen.update(keys)
+    return hits / total if total else 0.0
+
+
+@dataclass
+class Drive:
+    ttfts: list[float]
+    tokens: int
+    wall_s: float
+    prompts: list[list[int]]  # in the order they were sent
+
+
+async def drive(targets, model: str, users: list[User], args) -> Drive:
+    """Every user's conversation at once, turn after turn; `concurrency` requests in flight
+    across users. The answer's token ids come back in the stream (return_token_ids)."""
     ttfts: list[float] = []
+    prompts: list[list[int]] = []
     tokens = 0
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=120) as c:
+    sem = asyncio.Semaphore(args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as c:
 
-        async def one(i: int, prompt: list[int]) -> None:
+        async def turn(target: str, prompt: list[int]) -> list[int]:
             nonlocal tokens
+            answer: list[int] = []
             async with sem:
+                prompts.append(prompt)
                 t0 = time.perf_counter()
                 first = None
-                async with c.stream(
-                    "POST",
-                    targets(i) + "/v1/completions",
-                    json={
-                        "model": model,
-                        "prompt": prompt,
-                        "max_tokens": 8,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                        "stream": True,
-                    },
-                ) as r:
+                body = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
+                }
+                async with c.stream("POST", target + "/v1/completions", json=body) as r:
+                    r.raise_for_status()
                     async for line in r.aiter_lines():
-                        if line.startswith("data:") and "[DONE]" not in line:
-                            first = first or time.perf_counter()
-                            tokens += 1
+                        if not line.startswith("data:") or "[DONE]" in line:
+                            continue
+                        for choice in json.loads(line[5:]).get("choices", []):
+                            new = choice.get("token_ids") or []
+                            if new and first is None:
+                                first = time.perf_counter()
+                            answer += new
                 ttfts.append((first or time.perf_counter()) - t0)
+                tokens += len(answer)
+            return answer
+
+        async def converse(i: int, user: User) -> None:
+            history = list(user.system)
+            for t, message in enumerate(user.messages):
+                prompt = history + message
+                history = prompt + await turn(targets(i * len(user.messages) + t), prompt)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(reqs)))
-        return ttfts, tokens, time.perf_counter() - t0
+        await asyncio.gather(*(converse(i, u) for i, u in enumerate(users)))
+        return Drive(ttfts, tokens, time.perf_counter() - t0, prompts)
 
 
 def run_strategy(name: str, args, model_dir: str, mode: str = "aggregated") -> dict:
@@ -128,9 +226,11 @@ def run_strategy(name: str, args, model_dir: str, mode: str = "aggregated") -> d
         targets = (
             (lambda i: sidecars[i % len(sidecars)]) if name == "round-robin" else (lambda i: gw)
         )
-        ttfts, tokens, wall = asyncio.run(drive(targets, model, workload(args), args.concurrency))
+        p0 = engine_sum(decodes, "vllm:num_preemptions_total")
+        run = asyncio.run(drive(targets, model, workload(args), args))
         q = engine_sum(decodes, "vllm:prefix_cache_queries_total") - q0
         h = engine_sum(decodes, "vllm:prefix_cache_hits_total") - h0
+        preempted = engine_sum(decodes, "vllm:num_preemptions_total") - p0
         hints = {
             o: engine_sum(sidecars, "pdpool_sidecar_kv_path_hints_total{" + o)
             for o in (
@@ -141,16 +241,20 @@ def run_strategy(name: str, args, model_dir: str, mode: str = "aggregated") -> d
         }
     finally:
         topo.stop()
-    ttfts.sort()
+    ttfts = sorted(run.ttfts)
+    hit_rate = h / q if q else 0.0
     return {
         "strategy": name,
         "mode": mode,
-        "hit_rate": h / q if q else 0.0,
+        "hit_rate": hit_rate,
+        "of_oracle": hit_rate / oracle_hit_rate(run.prompts),
         "round_trips_saved": int(hints['hint="pd",outcome="honoured"']),
         "mispredicted": int(hints['hint="decode",outcome="mispredicted"']),
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "tok_s": tokens / wall,
+        "tok_s": run.tokens / run.wall_s,
+        "wall_s": run.wall_s,
+        "preemptions": int(preempted),
     }
 
 
@@ -179,14 +283,19 @@ def index_cost(n_blocks: int = 1_000_000, per_event: int = 16) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--decode", type=int, default=4)
-    ap.add_argument("--prefixes", type=int, default=8)
-    ap.add_argument("--per-prefix", type=int, default=6)
-    ap.add_argument("--prefix-tokens", type=int, default=256)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--kv-blocks", type=int, default=512)
-    ap.add_argument("--model")
+    ap.add_argument("--prefixes", type=int, default=8, help="system prompts")
+    ap.add_argument("--per-prefix", type=int, default=6, help="users on each system prompt")
+    ap.add_argument("--prefix-tokens", type=int, default=1024, help="system prompt length")
+    ap.add_argument("--turns", type=int, default=3, help="turns of each conversation")
+    ap.add_argument("--user-tokens", type=int, default=64, help="new tokens a user sends a turn")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens of each answer")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--kv-blocks", type=int, default=256, help="KV blocks of each engine")
+    ap.add_argument("--model", help="model folder (default: routing_model())")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument(
         "--load-cost",
@@ -197,11 +306,18 @@ def main() -> None:
     ap.add_argument(
         "--only", default=None, help="comma-separated strategy rows to run, e.g. precise/aggregated"
     )
+    ap.add_argument("--out", default="routing", help="results name: benchmarks/results/<out>.json")
     args = ap.parse_args()
     rows: list[dict] = []
-    oracle = oracle_hit_rate(args, workload(args))
+    # The working set against the KV capacity, in blocks: every system prompt, plus the
+    # whole own history (every turn's message and answer) of the conversations in flight.
+    own_history = args.turns * (args.user_tokens + args.max_tokens)
+    working_set = (
+        args.prefixes * args.prefix_tokens
+        + min(args.concurrency, args.prefixes * args.per_prefix) * own_history
+    ) // 16
     if not args.skip_e2e:
-        model_dir = args.model or ensure_tiny_model("qwen3")
+        model_dir = args.model or routing_model()
         for name, mode in (
             ("round-robin", "aggregated"),
             ("affinity", "aggregated"),
@@ -211,18 +327,18 @@ def main() -> None:
             if args.only and f"{name}/{mode}" not in args.only.split(","):
                 continue
             r = run_strategy(name, args, model_dir, mode)
-            r["of_oracle"] = r["hit_rate"] / oracle
             rows.append(r)
             print(f"{name} ({mode}): {r}", flush=True)
-        rr = rows[0]["ttft_p50_ms"] if rows[0]["strategy"] == "round-robin" else float("nan")
+        rr = next((r["ttft_p50_ms"] for r in rows if r["strategy"] == "round-robin"), None)
         for r in rows:
-            r["ttft_p50_vs_rr"] = r["ttft_p50_ms"] / rr
+            r["ttft_p50_vs_rr"] = r["ttft_p50_ms"] / rr if rr else float("nan")
         print_table(
             rows,
-            f"{args.decode} decode engines, {args.prefixes} prefixes x "
-            f"{args.per_prefix} requests, {args.prefix_tokens}-token prefixes + "
-            f"32 own tokens, concurrency {args.concurrency}; oracle hit rate "
-            f"{oracle:.3f}",
+            f"{args.decode} decode engines x {args.kv_blocks} KV blocks (working set "
+            f"{working_set} blocks); {args.prefixes} system prompts x {args.prefix_tokens} "
+            f"tokens, {args.per_prefix} users each, {args.turns} turns of "
+            f"{args.user_tokens} + {args.max_tokens} answer tokens, concurrency "
+            f"{args.concurrency}",
         )
     c = index_cost()
     print(
@@ -231,7 +347,8 @@ def main() -> None:
         f"16 hashes per BlockStored)"
     )
     write_json(
-        "routing", {"args": vars(args), "oracle_hit_rate": oracle, "strategies": rows, "index": c}
+        args.out,
+        {"args": vars(args), "working_set_blocks": working_set, "strategies": rows, "index": c},
     )
 
 

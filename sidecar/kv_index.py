@@ -26,7 +26,9 @@ engine holds: the caller computes the request's chained hashes exactly as engine
 Routed, not yet stored: `expect(engine, keys)` records that a request was just sent there, so
 its blocks count as held for `expect_s` (events arrive only after the engine has computed
 them; meanwhile a burst of requests sharing a new prefix would each see an empty cache and
-scatter). A stored or removed event replaces the expectation; unconfirmed ones lapse.
+scatter). A stored or removed event replaces the expectation; unconfirmed ones lapse. The
+expectations not yet confirmed are also the engine's queued prefill work (`pending_blocks`),
+which the router counts as load.
 """
 
 from __future__ import annotations
@@ -199,11 +201,28 @@ class KVIndex:
                 if k not in st.blocks:
                     st.expected[k] = until
                     st.expected.move_to_end(k)
-            now = time.monotonic()
-            while st.expected and (
-                len(st.expected) > self.max_blocks or next(iter(st.expected.values())) < now
-            ):
+            self._lapse(st)
+            while len(st.expected) > self.max_blocks:
                 st.expected.popitem(last=False)
+
+    def pending_blocks(self, engine: str, own: Sequence[int] = ()) -> int:
+        """Blocks routed to `engine` that it has not reported stored yet: prefill work queued
+        or running there. Those among `own` (the keys of the request being routed) are left
+        out: a request that shares them waits for them instead of computing them itself."""
+        with self._lock:
+            st = self.engines.get(engine)
+            if st is None:
+                return 0
+            self._lapse(st)
+            expected = st.expected
+            return len(expected) - sum(1 for k in own if k in expected)
+
+    @staticmethod
+    def _lapse(st: EngineBlocks) -> None:
+        """Drops expectations past their time (oldest first: they were set in time order)."""
+        now = time.monotonic()
+        while st.expected and next(iter(st.expected.values())) < now:
+            st.expected.popitem(last=False)
 
     def block_count(self, engine: str) -> int:
         st = self.engines.get(engine)

@@ -1,10 +1,15 @@
 """Precise KV-aware routing: pick the decode engine by cost, from the engines' KV events.
 
     cost(engine) = uncached prompt tokens (what it would have to prefill)
+                   + pending prefill tokens (routed there, not yet reported stored)
                    + load_cost_tokens * load(engine)    (in-flight / queued requests)
 
 `uncached = prompt_tokens - block_size * prefix_hit_blocks(engine)`, the hit read from the
-KV index (sidecar/kv_index.py) fed by each engine's ZeroMQ events. Engines the index does
+KV index (sidecar/kv_index.py) fed by each engine's ZeroMQ events. The pending tokens are
+the blocks of requests routed to the engine that its events have not confirmed yet (their
+prefill is queued or running), less the ones this request shares: a request count alone
+weighs a queued 2k-token prefill like a queued 20-token one, and a holder of a popular prefix
+piled up misses' work before the load moved anything. Engines the index does
 not know (no events configured, or a gap not yet resynchronised) are scored as holding
 nothing; when no engine is known the caller keeps today's hash-affinity order.
 
@@ -172,10 +177,11 @@ class KVRouter:
         # As the engine: whole blocks, at least one token left to compute.
         limit = max(n - 1, 0) // self.block_size
         cached = {b: min(h or 0, limit) * self.block_size for b, h in hits.items()}
+        pending = {b: self.block_size * self.index.pending_blocks(b, keys) for b in order}
         pos = {b: i for i, b in enumerate(order)}
 
         def cost(b: str) -> tuple[float, int]:
-            return (n - cached[b] + self.load_cost_tokens * load(b), pos[b])
+            return (n - cached[b] + pending[b] + self.load_cost_tokens * load(b), pos[b])
 
         ranked = sorted((b for b in order if healthy(b)), key=cost) + [
             b for b in order if not healthy(b)

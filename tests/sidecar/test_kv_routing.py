@@ -159,3 +159,48 @@ def test_a_burst_on_a_new_prefix_goes_to_one_engine():
     assert lapsing.index.prefix_hit_blocks("a", keys) == len(keys)
     time.sleep(0.1)
     assert lapsing.index.prefix_hit_blocks("a", keys) == 0
+
+
+def _cleared_router(names, **kw):
+    from pdpool.kv_events import AllBlocksCleared, KVEventBatch
+
+    router = KVRouter(block_size=BS, expect_s=60.0, **kw)
+    for n in names:
+        router.index.on_message(n, 0, KVEventBatch(0.0, [AllBlocksCleared()]))
+    return router
+
+
+def test_queued_prefill_work_counts_as_load():
+    """Two engines with one request in flight each: the one whose request still has a long
+    prefill ahead (routed, not yet reported stored) is the busier one, and a new prompt
+    goes to the other; a request count alone would call them equal."""
+    rng = random.Random(5)
+    long_doc = [rng.randrange(3, 500) for _ in range(1024)]
+    short = [rng.randrange(3, 500) for _ in range(40)]
+    router = _cleared_router(["a", "b"])
+    one_each = lambda b: 1  # noqa: E731
+    assert router.decide(["a"], long_doc, one_each).order == ["a"]
+    assert router.decide(["b"], short, one_each).order == ["b"]
+    assert router.index.pending_blocks("a") == 64 and router.index.pending_blocks("b") == 2
+    new = [rng.randrange(3, 500) for _ in range(300)]
+    assert router.decide(["a", "b"], new, one_each).order[0] == "b"
+
+
+def test_pending_work_a_request_shares_is_not_its_load():
+    """A request whose prefix is still being computed on an engine waits for it there
+    rather than computing it again elsewhere; once the engine reports the blocks stored they
+    are cached, no longer pending."""
+    from pdpool.block_hash import chain_hashes
+    from pdpool.kv_events import BlockStored, KVEventBatch
+
+    rng = random.Random(6)
+    system = [rng.randrange(3, 500) for _ in range(1024)]
+    router = _cleared_router(["a", "b"])
+    idle = lambda b: 0  # noqa: E731
+    assert router.decide(["a", "b"], system + [5] * 20, idle).order[0] == "a"
+    d = router.decide(["b", "a"], system + [6] * 20, idle)
+    assert d.order[0] == "a" and d.hit_tokens == 1024
+    assert router.index.pending_blocks("a") == 64 + 1 + 1
+    stored = BlockStored(chain_hashes(system, BS), None, [], BS, None, "GPU", 0, "full_attention")
+    router.index.on_message("a", 1, KVEventBatch(0.0, [stored]))
+    assert router.index.pending_blocks("a") == 2

@@ -9,7 +9,7 @@ import pytest
 
 from pdpool.engine.connector import lease_token
 from pdpool.engine.connector.lease_token import LeaseToken, LeaseTokenError
-from pdpool.engine.connector.nixl_connector import verified_positions
+from pdpool.engine.connector.load_plan import verified_positions
 from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
 from pdpool.engine.kv.leases import LeaseRefused
 from pdpool.engine.kv.manager import KVCacheManager

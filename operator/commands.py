@@ -84,6 +84,22 @@ def engine_block_size(pool: PoolSpec, role: str) -> int:
     return size
 
 
+def _serve_command(program: str, pool: PoolSpec) -> list[str]:
+    """`PROGRAM serve MODEL` listening where the sidecar and the Services expect the engine,
+    under the model's served name (both engine kinds take these flags alike)."""
+    return [
+        program,
+        "serve",
+        model_dir(pool.model),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--served-model-name",
+        pool.model.served_name,
+    ]
+
+
 def _pdpool_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) -> list[str]:
     engine = pool.engine
     # Decode engines reject cache-poor requests themselves in decode-first mode.
@@ -93,15 +109,7 @@ def _pdpool_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ())
         else 0.0
     )
     return [
-        "pdpool",
-        "serve",
-        model_dir(pool.model),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(ENGINE_PORT),
-        "--served-model-name",
-        pool.model.served_name,
+        *_serve_command("pdpool", pool),
         "--kv-connector",
         "nixl",
         "--kv-role",
@@ -128,15 +136,7 @@ def _vllm_args(pool: PoolSpec, tensor_parallel_size: int) -> list[str]:
         {"kv_connector": "NixlConnector", "kv_role": "kv_both"}, separators=(",", ":")
     )
     return [
-        "vllm",
-        "serve",
-        model_dir(pool.model),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(ENGINE_PORT),
-        "--served-model-name",
-        pool.model.served_name,
+        *_serve_command("vllm", pool),
         "--tensor-parallel-size",
         str(tensor_parallel_size),
         "--block-size",

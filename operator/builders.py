@@ -1,8 +1,8 @@
 """Pure builders: (pool identity, PoolSpec) -> the manifests of every child object.
 
 Nothing here talks to Kubernetes; the handlers server-side apply what these return.
-Every child carries a controller owner reference to the pool, so deleting the pool lets
-the garbage collector remove them all.
+Every child carries a controller owner reference to the pool (children.py). The pods'
+security defaults are in pod_security.py, the NetworkPolicies in network_policies.py.
 
 The pool's KV-signing Secret is not among `build_children`: its value is random, so it is
 created once when absent (`kv_secret`, value passed in) and never re-applied.
@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from . import commands
+from .children import Manifest, PoolRef, child_metadata
+from .network_policies import network_policies
+from .pod_security import (
+    CACHE_MOUNT,
+    TMP_MOUNT,
+    cache_env,
+    container_security_context,
+    empty_dir,
+    pod_security_context,
+)
 from .names import (
     API_KEYS_DIR,
     API_KEYS_FILE,
@@ -23,16 +32,12 @@ from .names import (
     ANNOTATION_ROUTER_HASH,
     TLS_DIR,
     POOL_TLS_DIR,
-    API_VERSION,
     DECODE,
     ENGINE_PORT,
     GATEWAY,
-    KIND,
     KV_SECRET_DIR,
     KV_SECRET_KEY,
     LABEL_METRICS,
-    LABEL_POOL,
-    LABEL_ROLE,
     MODELS_MOUNT,
     PREFILL,
     SIDECAR_PORT,
@@ -44,81 +49,6 @@ from .names import (
     service_host,
 )
 from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
-
-# --- Pod security ------------------------------------------------------------------------
-# Every child pod meets the `restricted` Pod Security Standard by default: non-root (the
-# images' uid 65532), no privilege escalation, no capabilities, the runtime's seccomp
-# profile, a read-only root filesystem and no API token. `spec.security` merges over these
-# key by key (an override that breaks the profile is the user's choice; a namespace that
-# enforces `restricted` then refuses the pods).
-POD_SECURITY_CONTEXT: dict[str, Any] = {
-    "runAsNonRoot": True,
-    "runAsUser": 65532,
-    "runAsGroup": 65532,
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
-    "allowPrivilegeEscalation": False,
-    "readOnlyRootFilesystem": True,
-    "runAsNonRoot": True,
-    "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-# The writable places of a read-only root filesystem: /tmp, and one cache folder that
-# every library the engines load is pointed at (Hugging Face, torch, Triton, vLLM, ...).
-TMP_MOUNT, CACHE_MOUNT = "/tmp", "/cache"
-CACHE_ENV = {
-    "HOME": "/tmp",  # libraries that write under ~ (~/.config, ~/.nv, ...)
-    "XDG_CACHE_HOME": CACHE_MOUNT,
-    "HF_HOME": f"{CACHE_MOUNT}/huggingface",
-    "TORCH_HOME": f"{CACHE_MOUNT}/torch",
-    "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor",
-    "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
-    "CUDA_CACHE_PATH": f"{CACHE_MOUNT}/nv",
-    "NUMBA_CACHE_DIR": f"{CACHE_MOUNT}/numba",
-    "VLLM_CACHE_ROOT": f"{CACHE_MOUNT}/vllm",
-    "VLLM_CONFIG_ROOT": f"{CACHE_MOUNT}/vllm-config",
-    "FLASHINFER_WORKSPACE_BASE": CACHE_MOUNT,
-}
-
-
-def _merged(defaults: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(json.dumps(defaults))  # deep copy
-    out.update(json.loads(json.dumps(override)))
-    return out
-
-
-def pod_security_context(pool: PoolSpec) -> dict[str, Any]:
-    return _merged(POD_SECURITY_CONTEXT, pool.security.pod_security_context)
-
-
-def container_security_context(pool: PoolSpec) -> dict[str, Any]:
-    return _merged(CONTAINER_SECURITY_CONTEXT, pool.security.container_security_context)
-
-
-def _cache_env() -> list[dict[str, Any]]:
-    return [{"name": k, "value": v} for k, v in CACHE_ENV.items()]
-
-
-def _empty_dir(name: str, size_limit: str | None = None, memory: bool = False) -> dict[str, Any]:
-    spec: dict[str, Any] = {}
-    if memory:
-        spec["medium"] = "Memory"
-    if size_limit:
-        spec["sizeLimit"] = size_limit
-    return {"name": name, "emptyDir": spec}
-
-
-Manifest = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class PoolRef:
-    """The identity of the pool that owns the children."""
-
-    name: str
-    namespace: str
-    uid: str
 
 
 def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
@@ -138,26 +68,6 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         engine_deployment(ref, pool, DECODE, router_hash=config_hash),
         gateway_deployment(ref, pool, router_hash=config_hash),
     ]
-
-
-def owner_reference(ref: PoolRef) -> dict[str, Any]:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": ref.name,
-        "uid": ref.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _metadata(ref: PoolRef, name: str, role: str, **extra_labels: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": ref.namespace,
-        "labels": {**labels(ref.name, role), **extra_labels},
-        "ownerReferences": [owner_reference(ref)],
-    }
 
 
 def data_hash(data: dict[str, str]) -> str:
@@ -191,7 +101,7 @@ def kv_secret(ref: PoolRef, pool: PoolSpec, value: str) -> Manifest | None:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(ref, kv_secret_name(ref.name), "engine"),
+        "metadata": child_metadata(ref, kv_secret_name(ref.name), "engine"),
         "stringData": {KV_SECRET_KEY: value},
     }
 
@@ -224,7 +134,7 @@ def router_config_map(ref: PoolRef, pool: PoolSpec) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(ref, router_config_name(ref.name), "router"),
+        "metadata": child_metadata(ref, router_config_name(ref.name), "router"),
         "data": data,
     }
 
@@ -252,7 +162,9 @@ def _service(
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(ref, child_name(ref.name, role), role, **{LABEL_METRICS: "true"}),
+        "metadata": child_metadata(
+            ref, child_name(ref.name, role), role, **{LABEL_METRICS: "true"}
+        ),
         "spec": spec,
     }
 
@@ -385,7 +297,7 @@ def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
         "image": pool.engine.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
         "command": commands.hf_download_args(pool.model),
-        "env": _cache_env() + env,
+        "env": cache_env() + env,
         "resources": dict(pool.model.download_resources),
         "securityContext": container_security_context(pool),
         "volumeMounts": [
@@ -405,13 +317,8 @@ def pool_peers(ref: PoolRef) -> tuple[str, ...]:
     )
 
 
-def ucx_port_range(pool: PoolSpec) -> tuple[int, int] | None:
-    """The TCP ports UCX (under NIXL) listens on: right above the handshake port."""
-    return pool.engine.ucx_port_range()
-
-
 def _ucx_env(pool: PoolSpec) -> list[dict[str, Any]]:
-    ports = ucx_port_range(pool)
+    ports = pool.engine.ucx_port_range()
     return (
         [] if ports is None else [{"name": "UCX_TCP_PORT_RANGE", "value": f"{ports[0]}-{ports[1]}"}]
     )
@@ -436,7 +343,7 @@ def _engine_container(
         "command": commands.engine_args(pool, role_name, pool_peers(ref)) + _engine_tls_args(pool),
         "env": _downward_env()
         + commands.engine_env(pool)
-        + _cache_env()
+        + cache_env()
         + _ucx_env(pool)
         + list(pool.engine.env)
         + list(role.env),
@@ -459,16 +366,10 @@ def _engine_container(
     }
 
 
-def kv_event_ports(pool: PoolSpec) -> list[int]:
-    """The ports engines publish KV events on (PUB, replay); none when not enabled."""
-    events = pool.router.kv_events
-    return [events.port, events.replay_port] if events.enabled else []
-
-
 def _kv_events_ports(pool: PoolSpec) -> list[dict[str, Any]]:
     return [
         {"name": name, "containerPort": port, "protocol": "TCP"}
-        for name, port in zip(("kv-events", "kv-replay"), kv_event_ports(pool))
+        for name, port in zip(("kv-events", "kv-replay"), pool.router.kv_events.ports())
     ]
 
 
@@ -620,7 +521,7 @@ def _deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(ref, child_name(ref.name, role_name), role_name),
+        "metadata": child_metadata(ref, child_name(ref.name, role_name), role_name),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(ref.name, role_name)},
@@ -640,12 +541,12 @@ def engine_deployment(
     # /dev/shm: memory-backed and sized (NCCL, UCX and torch workers use it); it counts
     # against the pod's memory.
     volumes = [
-        _empty_dir("dshm", pool.engine.shm_size, memory=True),
-        _empty_dir("tmp"),
-        _empty_dir("cache", pool.engine.cache_size_limit),
+        empty_dir("dshm", pool.engine.shm_size, memory=True),
+        empty_dir("tmp"),
+        empty_dir("cache", pool.engine.cache_size_limit),
     ]
     if role_name == DECODE:
-        volumes.append(_empty_dir("sidecar-tmp"))
+        volumes.append(empty_dir("sidecar-tmp"))
     pod_spec: dict[str, Any] = {
         "containers": containers,
         "volumes": volumes,
@@ -689,7 +590,7 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         ),  # any sidecar ready
         "livenessProbe": _tcp_probe("https" if tls else "http", 10, 6),  # the process
     }
-    volumes = [_empty_dir("tmp")]
+    volumes = [empty_dir("tmp")]
     if keys is not None:
         # Mounted whole (no subPath), so a rotated Secret reaches the file and the gateway
         # re-reads it without a restart.
@@ -738,99 +639,10 @@ def disruption_budget(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(ref, child_name(ref.name, role_name), role_name),
+        "metadata": child_metadata(ref, child_name(ref.name, role_name), role_name),
         "spec": {
             "maxUnavailable": budget.max_unavailable if budget.enabled else "100%",
             "selector": {"matchLabels": selector_labels(ref.name, role_name)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
-
-
-# --- NetworkPolicies -----------------------------------------------------------------------
-
-
-def _np_port(port: int, end: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"protocol": "TCP", "port": port}
-    if end is not None and end > port:
-        out["endPort"] = end
-    return out
-
-
-def _network_policy(
-    ref: PoolRef, name: str, role: str, selector: dict[str, Any], rules: list[dict[str, Any]]
-) -> Manifest:
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _metadata(ref, f"{ref.name}-{name}", role),
-        "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": rules},
-    }
-
-
-def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
-    """Ingress of the pool's pods (NetworkPolicies add up: a pod gets the union):
-
-    - engines (prefill and decode): HTTP 8000, the NIXL handshake port and UCX's TCP port
-      range, from the pool's own engine pods only (decode pods hold the sidecar that calls
-      prefill; the gateway never needs an engine); 8000 also from the metrics scrapers
-      (`networkPolicy.metricsFrom`), as engines serve /metrics there;
-    - decode sidecars (8080): from the pool's gateway pods and the metrics scrapers;
-    - the gateway (8080): from `networkPolicy.clientsFrom`, default anyone;
-    - with `router.kvEvents`: the event ports of decode pods from the gateway, of prefill
-      pods from decode pods (their sidecars subscribe).
-    Egress is not restricted (engines may need to fetch models, DNS, ...).
-    """
-    metrics = [dict(p) for p in pool.network_policy.metrics_from]
-    kv_ports = [_np_port(pool.engine.kv_port)]
-    ucx = ucx_port_range(pool)
-    if ucx is not None:
-        kv_ports.append(_np_port(*ucx))
-    engines = {
-        "matchLabels": {LABEL_POOL: ref.name},
-        "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": [PREFILL, DECODE]}],
-    }
-    engine_rules = [
-        {"from": [{"podSelector": engines}], "ports": [_np_port(ENGINE_PORT), *kv_ports]}
-    ]
-    if metrics:
-        engine_rules.append({"from": metrics, "ports": [_np_port(ENGINE_PORT)]})
-    gateway_pods = {"podSelector": {"matchLabels": selector_labels(ref.name, GATEWAY)}}
-    clients = pool.network_policy.clients_from
-    gateway_rule: dict[str, Any] = {"ports": [_np_port(SIDECAR_PORT)]}
-    if clients is not None:
-        gateway_rule["from"] = [dict(p) for p in clients] + metrics
-    decode_rules = [{"from": [gateway_pods, *metrics], "ports": [_np_port(SIDECAR_PORT)]}]
-    events = [_np_port(p) for p in kv_event_ports(pool)]
-    if events:
-        decode_rules.append({"from": [gateway_pods], "ports": events})
-    return [
-        _network_policy(ref, "engines", "engine", engines, engine_rules),
-        _network_policy(
-            ref,
-            "decode-sidecar",
-            DECODE,
-            {"matchLabels": selector_labels(ref.name, DECODE)},
-            decode_rules,
-        ),
-        _network_policy(
-            ref,
-            "gateway",
-            GATEWAY,
-            {"matchLabels": selector_labels(ref.name, GATEWAY)},
-            [gateway_rule],
-        ),
-        *([_prefill_events_policy(ref, events)] if events else []),
-    ]
-
-
-def _prefill_events_policy(ref: PoolRef, ports: list[dict[str, Any]]) -> Manifest:
-    """Prefill engines' KV events, to the sidecars (in the decode pods) that subscribe."""
-    decode_pods = {"podSelector": {"matchLabels": selector_labels(ref.name, DECODE)}}
-    return _network_policy(
-        ref,
-        "prefill-kv-events",
-        PREFILL,
-        {"matchLabels": selector_labels(ref.name, PREFILL)},
-        [{"from": [decode_pods], "ports": ports}],
-    )

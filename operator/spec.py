@@ -122,6 +122,10 @@ class KVEventsSpec:
     replay_port: int = 5558
     load_cost_tokens: float = 64.0  # the gateway's cost of one in-flight request
 
+    def ports(self) -> list[int]:
+        """The ports engines publish KV events on (PUB, replay); none when not enabled."""
+        return [self.port, self.replay_port] if self.enabled else []
+
 
 @dataclass(frozen=True)
 class RouterSpec:

@@ -236,34 +236,19 @@ class Sidecar:
             self.metrics.requests.labels(mode, "cancelled").inc()
             return None
         except BodyTooLarge:
-            self.metrics.requests.labels(mode, "client_error").inc()
-            await send_error(send, 413, "request body too large")
+            await self._refuse(send, 413, "request body too large")
             return None
+        with_id = {"x-request-id": request_id}
         try:
             body = await off_loop_if_large(legs.parse_client_body, raw, scope["path"])
-            # Repeated header lines count as one comma-separated list (RFC 9110).
-            named = ",".join(
-                v.decode("latin-1")
-                for k, v in scope["headers"]
-                if k.decode("latin-1").lower() == PREFILLER_HEADER
-            )
-            targets = allowed_targets(named, self.endpoints.current)
+            targets = allowed_targets(_named_prefillers(scope), self.endpoints.current)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, legs.BadRequest
-            self.metrics.requests.labels(mode, "client_error").inc()
-            await send_error(
-                send,
-                400,
-                _bad_request_message(exc),
-                param=getattr(exc, "param", None),
-                headers={"x-request-id": request_id},
-            )
+            param = getattr(exc, "param", None)
+            await self._refuse(send, 400, _bad_request_message(exc), param, with_id)
             return None
         except ForbiddenTarget as exc:
             self.metrics.forbidden_targets.inc()
-            self.metrics.requests.labels(mode, "client_error").inc()
-            await send_error(
-                send, 403, str(exc), param=PREFILLER_HEADER, headers={"x-request-id": request_id}
-            )
+            await self._refuse(send, 403, str(exc), PREFILLER_HEADER, with_id)
             return None
         body, dropped = legs.strip_client_kv_params(body)
         if dropped:
@@ -280,6 +265,18 @@ class Sidecar:
         ex.headers["x-request-id"] = request_id
         ex.headers["content-type"] = "application/json"
         return ex
+
+    async def _refuse(
+        self,
+        send: Send,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+    ) -> None:
+        """A generation request answered with a client error, and counted as one."""
+        self.metrics.requests.labels(self.settings.mode, "client_error").inc()
+        await send_error(send, status, message, param=param, headers=headers)
 
     async def _guarded(self, flow: Flow, ex: Exchange) -> None:
         """Upstream trouble becomes an OpenAI-shaped 502/503 while nothing was sent to the
@@ -319,6 +316,16 @@ class Sidecar:
                 )
             else:
                 await client_send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _named_prefillers(scope: Scope) -> str:
+    """The request's x-prefiller-host-port; repeated header lines count as one
+    comma-separated list (RFC 9110)."""
+    return ",".join(
+        v.decode("latin-1")
+        for k, v in scope["headers"]
+        if k.decode("latin-1").lower() == PREFILLER_HEADER
+    )
 
 
 def _bad_request_message(exc: Exception) -> str:

@@ -1,8 +1,8 @@
 """Runs the engine's step loop on a background thread and streams outputs to asyncio.
 
 The HTTP server lives on the event loop; the model runs on one engine thread. New requests
-and aborts are handed over through a lock-protected inbox, outputs come back through
-`loop.call_soon_threadsafe` into one asyncio queue per request.
+and aborts are handed over through a lock-protected inbox; a step's outputs come back
+through one `loop.call_soon_threadsafe` into one asyncio queue per request.
 """
 
 from __future__ import annotations
@@ -119,10 +119,18 @@ class AsyncEngine:
                 continue
             if self.engine.last_step_idle:
                 time.sleep(0.001)  # only remote loads in flight: do not spin
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop per step, not one per output: every
+        # call_soon_threadsafe writes to the loop's self-pipe.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, message: str) -> None:
         # Nobody to blame: /health reports it until a model forward succeeds again.
@@ -132,6 +140,11 @@ class AsyncEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream[0].call_soon_threadsafe(stream[1].put_nowait, RuntimeError(message))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -26,7 +26,8 @@ class EngineConfig:
     prefix_aware_admission: bool = True
     global_cache_hit_threshold: float = 0.0
     seed: int = 0
-    cpu_threads: Optional[int] = None  # torch threads on CPU (None: torch's default)
+    # torch threads on CPU (None: torch's default; `pdpool serve` passes cpu_threads.py's)
+    cpu_threads: Optional[int] = None
     # KV connector (P/D transfer)
     kv_connector: str = "none"
     kv_role: str = "both"

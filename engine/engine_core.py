@@ -158,10 +158,11 @@ class LLMEngine:
         self.fault: Optional[str] = None
         self._failed_forward_streak = 0  # requests failed in the forward since a success
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s%s), %d KV blocks of %d tokens, max_model_len %d",
             self.model_name,
             self.device,
             self.dtype,
+            f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else "",
             num_blocks,
             bs,
             max_len,

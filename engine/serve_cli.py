@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cpu-threads",
         type=int,
         default=None,
-        help="torch threads on CPU; 1 is best when other processes share the cores",
+        help="torch threads on CPU (default: $OMP_NUM_THREADS if set, else every usable "
+        "core but one, which the HTTP server keeps; a cgroup CPU limit counts)",
     )
     p.add_argument("--kv-connector", default="none", choices=["none", "nixl"])
     p.add_argument("--kv-role", default="both", choices=["producer", "consumer", "both"])
@@ -109,6 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from pdpool.engine.config import EngineConfig, parse_size
+    from pdpool.engine.cpu_threads import serving_cpu_threads
 
     try:
         memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory else None
@@ -131,7 +133,7 @@ def config_from_args(args: argparse.Namespace):
         prefix_aware_admission=args.prefix_aware_admission,
         global_cache_hit_threshold=args.global_cache_hit_threshold,
         seed=args.seed,
-        cpu_threads=args.cpu_threads,
+        cpu_threads=args.cpu_threads or serving_cpu_threads(),
         kv_connector=args.kv_connector,
         kv_role=args.kv_role,
         kv_host=args.kv_host,

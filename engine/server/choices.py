@@ -20,6 +20,8 @@ from pdpool.engine.server.translator import ChoiceRequest
 T = TypeVar("T")
 LogprobsFormatter = Callable[[list[TokenLogprob]], dict]
 Outputs = AsyncIterator[RequestOutput]
+# An answer's outputs, choice by choice as they come: (choice, output or the error that ended it).
+Pumped = AsyncIterator[tuple["Choice", "RequestOutput | Exception"]]
 
 
 async def until_disconnect(http_req: Request, work: Awaitable[T], metrics: EngineMetrics) -> T:
@@ -177,9 +179,12 @@ class ChoiceRunner:
         finally:
             await self.close(choices, tasks)
 
-    def pump(self, choices: list[Choice]) -> tuple[asyncio.Queue, list[asyncio.Future]]:
-        """Streams every choice's outputs into one queue as (choice, output), in the order
-        they come; a choice that fails puts (choice, exception) and stops."""
+    def pump(self, choices: list[Choice]) -> tuple[Pumped, list[asyncio.Future]]:
+        """Every choice's outputs as (choice, output), in the order they come, and the tasks
+        that pump them (for `close`); a choice that fails gives (choice, exception) and
+        stops. One choice is read in place: no task and no second queue per token."""
+        if len(choices) == 1:
+            return self._read_one(choices[0]), []
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump_one(c: Choice):
@@ -189,7 +194,18 @@ class ChoiceRunner:
             except Exception as exc:
                 queue.put_nowait((c, exc))
 
-        return queue, [asyncio.ensure_future(pump_one(c)) for c in choices]
+        async def read_queue():
+            while True:
+                yield await queue.get()
+
+        return read_queue(), [asyncio.ensure_future(pump_one(c)) for c in choices]
+
+    async def _read_one(self, c: Choice) -> Pumped:
+        try:
+            async for out in self.outputs(c):
+                yield c, out
+        except Exception as exc:
+            yield c, exc
 
     async def close(self, choices: list[Choice], tasks: list[asyncio.Future]) -> None:
         for t in tasks:

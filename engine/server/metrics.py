@@ -179,6 +179,9 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # Observed for every token: look the labelled series up once.
+        self._ttft_series = self.ttft.labels(**labels)
+        self._itl_series = self.itl.labels(**labels)
         self._vllm_series(engine, model_name)
         # Counters that the engine keeps itself are exported by reading them at scrape time.
         gauge(
@@ -324,10 +327,10 @@ class EngineMetrics:
     def observe_output(self, out, first: bool, since: float, e2e: float | None = None) -> None:
         lab = self._labels
         if first:
-            self.ttft.labels(**lab).observe(since)
+            self._ttft_series.observe(since)
             self.vllm_ttft.observe(since)
         else:
-            self.itl.labels(**lab).observe(since)
+            self._itl_series.observe(since)
             self.vllm_itl.observe(since)
         if out.finished:
             self.prompt_tokens.labels(**lab).inc(out.num_prompt_tokens)

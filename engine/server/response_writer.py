@@ -167,7 +167,7 @@ class ResponseWriter:
         token_ids: StreamTokenIds,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        queue, tasks = self.runner.pump(choices)
+        pumped, tasks = self.runner.pump(choices)
         ended = False
         try:
             for c in choices:
@@ -179,8 +179,7 @@ class ResponseWriter:
                         )
                     )
             remaining = len(choices)
-            while remaining:
-                c, out = await queue.get()
+            async for c, out in pumped:
                 if isinstance(out, Exception) or out.finish_reason == "error":
                     yield error_event(out)
                     break
@@ -195,6 +194,8 @@ class ResponseWriter:
                     if len(choices) == 1:
                         chunk["kv_transfer_params"] = out.kv_transfer_params
                 yield sse(chunk)
+                if not remaining:
+                    break
             if not remaining and include_usage:
                 yield sse({**head.of(fmt.chunk_object), "choices": [], "usage": usage_of(choices)})
             yield DONE_EVENT
@@ -202,4 +203,5 @@ class ResponseWriter:
         finally:
             if not ended:  # the client went away mid-stream
                 self.metrics.client_disconnected("running")
+            await pumped.aclose()
             await self.runner.close(choices, tasks)

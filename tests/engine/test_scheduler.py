@@ -170,3 +170,13 @@ def test_empty_prompt_does_not_divide_by_zero():
     s = sched()
     r = Request("e", [], SamplingParams(), cache_hit_threshold=0.5, block_size=BS)
     assert s.threshold_decision(r, 0) is None
+
+
+def test_token_ids_between_matches_a_slice_of_all_token_ids():
+    r = Request("t", [10, 11, 12, 13], SamplingParams(), block_size=BS)
+    for t in (20, 21, 22):
+        r.append_output_token(t)
+    every = r.all_token_ids
+    for start in range(len(every) + 1):
+        for end in range(start, len(every) + 2):
+            assert r.token_ids_between(start, end) == every[start:end], (start, end)

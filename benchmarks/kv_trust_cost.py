@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,63 +27,19 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))  # devtools
 from common import print_table, write_json
 
 from pdpool.engine.connector import lease_token
 from pdpool.engine.connector.handshake import lease_call
-from pdpool.engine.connector.nixl_connector import verified_positions
+from pdpool.engine.connector.load_plan import verified_positions
 from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
-from pdpool.sidecar.topology import ensure_tiny_model, free_port, healthy, pdpool_command
+from devtools.engine_procs import EngineProcess, connector_stat, free_port
+from pdpool.sidecar.topology import ensure_tiny_model
 
 BLOCK = 16
 # One block of Qwen3-8B in bf16: 36 layers x (K, V) x 16 tokens x 8 KV heads x 128 dims x 2 B.
 QWEN3_8B_BLOCK_BYTES = 36 * 2 * BLOCK * 8 * 128 * 2
-
-
-class Engine:
-    def __init__(self, model: str, log_dir: str, *flags: str, port: int = 0):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.flags = flags
-        self.model, self.log_dir = model, log_dir
-        self.proc = None
-
-    def start(self, timeout: float = 180) -> "Engine":
-        log = open(os.path.join(self.log_dir, f"engine-{self.port}.log"), "a")
-        self.proc = subprocess.Popen(
-            pdpool_command(
-                "serve",
-                self.model,
-                "--device",
-                "cpu",
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-                *self.flags,
-            ),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        deadline = time.monotonic() + timeout
-        while not healthy(self.url):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"engine on {self.port} did not start (see {self.log_dir})")
-            time.sleep(0.1)
-        return self
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(15)
-
-    def stat(self, name: str) -> float:
-        for line in httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines():
-            if line.startswith("pdpool_kv_connector{") and f'stat="{name}"' in line:
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -118,7 +72,7 @@ def time_per_call(fn, n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
-def pieces(prompt_len: int, engine: Engine) -> list[dict]:
+def pieces(prompt_len: int, engine: EngineProcess) -> list[dict]:
     secret = b"k" * 32
     params = {
         "do_remote_prefill": True,
@@ -173,7 +127,7 @@ def pieces(prompt_len: int, engine: Engine) -> list[dict]:
     ]
 
 
-def engine_kv_port(engine: Engine) -> int:
+def engine_kv_port(engine: EngineProcess) -> int:
     return int(engine.flags[list(engine.flags).index("--kv-port") + 1])
 
 
@@ -183,8 +137,8 @@ def end_to_end(model: str, logs: str, n: int, prompt_len: int, secret_file: str)
     for label, extra in (("no secret", ()), ("pool secret", ("--kv-secret-file", secret_file))):
         common = ("--kv-connector", "nixl", "--num-kv-blocks", "512", *extra)
         pairs[label] = (
-            Engine(model, logs, *common, "--kv-role", "producer").start(),
-            Engine(model, logs, *common, "--kv-role", "consumer").start(),
+            EngineProcess(Path(model), Path(logs), *common, "--kv-role", "producer").wait(),
+            EngineProcess(Path(model), Path(logs), *common, "--kv-role", "consumer").wait(),
         )
     times: dict[str, list[float]] = {label: [] for label in pairs}
     try:
@@ -200,22 +154,24 @@ def end_to_end(model: str, logs: str, n: int, prompt_len: int, secret_file: str)
                 "requests": n,
                 "p50_ms": statistics.median(t) * 1e3,
                 "mean_ms": statistics.fmean(t) * 1e3,
-                "tokens_pulled": int(pairs[label][1].stat("tokens_pulled")),
+                "tokens_pulled": int(connector_stat(pairs[label][1], "tokens_pulled", 0.0)),
             }
             for label, t in times.items()
         ]
     finally:
         for P, D in pairs.values():
-            P.kill(signal.SIGTERM)
-            D.kill(signal.SIGTERM)
+            P.stop()
+            D.stop()
 
 
 def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
     common = ("--kv-connector", "nixl", "--num-kv-blocks", "512", "--kv-secret-file", secret_file)
     kv_port = free_port()
-    P = Engine(model, logs, *common, "--kv-role", "producer", "--kv-port", str(kv_port)).start()
-    D = Engine(model, logs, *common, "--kv-role", "consumer").start()
-    A = Engine(model, logs, "--num-kv-blocks", "512").start()
+    P = EngineProcess(
+        Path(model), Path(logs), *common, "--kv-role", "producer", "--kv-port", str(kv_port)
+    ).wait()
+    D = EngineProcess(Path(model), Path(logs), *common, "--kv-role", "consumer").wait()
+    A = EngineProcess(Path(model), Path(logs), "--num-kv-blocks", "512").wait()
     counts = {"sent": 0, "served": 0, "failed": 0, "wrong": 0}
     first_read_after: dict = {}
     stop = threading.Event()
@@ -229,7 +185,7 @@ def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
                 k += 1
                 prompt = ids(prompt_len, 50_000 + k)
                 counts["sent"] += 1
-                pulled0 = D.stat("tokens_pulled")
+                pulled0 = connector_stat(D, "tokens_pulled", 0.0)
                 started = time.monotonic()
                 try:
                     _, out = pd_request(c, P.url, D.url, prompt)
@@ -248,7 +204,7 @@ def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
                     ready_mark
                     and started >= ready_mark[0]
                     and "t" not in first_read_after
-                    and D.stat("tokens_pulled") > pulled0
+                    and connector_stat(D, "tokens_pulled", 0.0) > pulled0
                 ):
                     first_read_after["t"] = time.monotonic()
 
@@ -258,7 +214,7 @@ def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
         time.sleep(3)
         t_kill = time.monotonic()
         P.kill()
-        P.start()
+        P.restart()
         t_ready = time.monotonic()
         ready_mark.append(t_ready)
         deadline = time.monotonic() + 60
@@ -269,7 +225,7 @@ def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
         worker.join()
         idle_deadline = time.monotonic() + 15
         while time.monotonic() < idle_deadline and (
-            P.stat("leases_active") or D.stat("leases_active")
+            connector_stat(P, "leases_active", 0.0) or connector_stat(D, "leases_active", 0.0)
         ):
             time.sleep(0.2)
         t = first_read_after.get("t")
@@ -280,13 +236,14 @@ def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
             "kill_to_first_read_s": None if t is None else t - t_kill,
             "ready_to_first_read_s": None if t is None else t - t_ready,
             "engine_restart_s": t_ready - t_kill,
-            "peers_replaced": D.stat("peers_replaced"),
-            "leases_held_at_idle": P.stat("leases_active") + D.stat("leases_active"),
+            "peers_replaced": connector_stat(D, "peers_replaced", 0.0),
+            "leases_held_at_idle": connector_stat(P, "leases_active", 0.0)
+            + connector_stat(D, "leases_active", 0.0),
         }
     finally:
         stop.set()
         for e in (P, D, A):
-            e.kill(signal.SIGTERM)
+            e.stop()
 
 
 def main() -> None:
@@ -300,11 +257,13 @@ def main() -> None:
     secret_file = os.path.join(logs, "secret")
     Path(secret_file).write_text("b" * 64)
 
-    probe = Engine(model, logs, "--kv-connector", "nixl", "--kv-port", str(free_port())).start()
+    probe = EngineProcess(
+        Path(model), Path(logs), "--kv-connector", "nixl", "--kv-port", str(free_port())
+    ).wait()
     try:
         piece_rows = pieces(args.prompt, probe)
     finally:
-        probe.kill(signal.SIGTERM)
+        probe.stop()
     print_table(piece_rows, "pieces (microseconds)")
     e2e = end_to_end(model, logs, args.requests, args.prompt, secret_file)
     print_table(e2e, f"P/D request, {args.prompt}-token prompt, 4 output tokens")

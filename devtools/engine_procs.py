@@ -66,7 +66,7 @@ class EngineProcess:
             *self.flags,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self._fh = open(self.log, "w")
+        self._fh = open(self.log, "a")  # a restart on the same port keeps the earlier log
         self.proc = subprocess.Popen(
             cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -86,6 +86,19 @@ class EngineProcess:
                 self.log = self.log.with_name(f"engine-{self.port}.log")
                 self._start()
         raise RuntimeError(f"no free port for the engine after 3 tries ({self.log})")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signals the engine's process group and waits for it; `restart` brings it back."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(15)
+        self._fh.close()
+
+    def restart(self, timeout: float = 120.0) -> "EngineProcess":
+        """The same engine again, on the same ports, after `kill`."""
+        self._start()
+        wait_healthy(self.url, self.proc, timeout, self.log)
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -114,3 +127,14 @@ def engine_process(model: Path, log_dir: Path, *flags: str) -> Iterator[EnginePr
         yield eng.wait()
     finally:
         eng.stop()
+
+
+def connector_stat(eng: EngineProcess, name: str, default: Optional[float] = None) -> float:
+    """One of the engine's `pdpool_kv_connector{stat=...}` figures (`default` when it has not
+    published that one; AssertionError without a default)."""
+    for line in httpx.get(f"{eng.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("pdpool_kv_connector{") and f'stat="{name}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    if default is None:
+        raise AssertionError(f"no connector stat {name}")
+    return default

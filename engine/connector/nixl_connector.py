@@ -51,7 +51,7 @@ from pdpool.engine.connector.lease_desk import LeaseDesk
 from pdpool.engine.connector.lease_token import SECRET_ENV, LeaseToken, LeaseTokenError
 from pdpool.engine.connector.lease_token import attach as attach_lease
 from pdpool.engine.connector.lease_token import read as read_lease
-from pdpool.engine.connector.load_plan import LoadPlan, state_slots_of, verified_positions
+from pdpool.engine.connector.load_plan import LoadPlan, state_slots_of
 from pdpool.engine.connector.loads import HANDSHAKE_TIMEOUT_S, Loads
 from pdpool.engine.connector.nixl_transport import NixlTransport
 from pdpool.engine.connector.peer_leases import PeerLeases
@@ -74,9 +74,6 @@ COUNTERS = (
     "lease_renewals_sent",
     "lease_releases_sent",
 )
-# verified_positions is the content check of a lease's blocks (load_plan.py); named here too
-# for the benchmarks that time it.
-__all__ = ["NixlConnector", "verified_positions"]
 
 
 class NixlConnector(KVConnector):

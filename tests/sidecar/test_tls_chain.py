@@ -16,7 +16,7 @@ from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
 
-from tests.support.vllm_standin import VllmStandIn
+from tests.support.vllm_standin import VllmStandIn, answer_lifespan, send_json
 
 PROMPT = "the history of the pool " * 20
 
@@ -188,12 +188,9 @@ async def test_a_peer_with_a_foreign_certificate_is_refused(tls_servers, pki):
 async def ok_app(scope, receive, send):
     """A sidecar stand-in that is always ready."""
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
+        await answer_lifespan(receive, send)
         return
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b"{}"})
+    await send_json(send, 200, {})
 
 
 @pytest.mark.parametrize("any_name", [False, True])

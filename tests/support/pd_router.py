@@ -9,7 +9,9 @@ from pathlib import Path
 
 import httpx
 
-from devtools.engine_procs import EngineProcess
+from devtools.engine_procs import EngineProcess, connector_stat
+
+__all__ = ["connector_stat"]  # the engine-level tests take it from here with the legs
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> dict:
@@ -34,14 +36,6 @@ def decode_leg(decode_url: str, body: dict, kv_params: dict) -> dict:
 
 def text_of(resp: dict) -> str:
     return resp["choices"][0]["text"]
-
-
-def connector_stat(eng, name: str) -> float:
-    """One of the engine's `pdpool_kv_connector{stat=...}` figures."""
-    for line in httpx.get(f"{eng.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("pdpool_kv_connector{") and f'stat="{name}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no connector stat {name}")
 
 
 def wait_no_blocks(*engs, timeout=15.0) -> None:

@@ -6,12 +6,13 @@
 Workload (defaults): 8 system prompts of 1024 tokens, 6 users on each (48 conversations),
 3 turns each: turn t's prompt is turn t-1's prompt + its answer (16 tokens, read back as
 token ids) + 64 new user tokens, so a conversation shares its system prompt with 5 others
-and its own history with its earlier turns. All conversations start at once in a shuffled
-order, 8 requests in flight across them: 144 requests, most of them later turns and
-repeat users (the steady state), 8 of them cold system prompts.
+and its own history with its earlier turns. 8 users talk at a time (8 requests in flight),
+each turn after turn; when one's conversation ends the next user (shuffled order) arrives:
+144 requests, most of them later turns and repeat users (the steady state), 8 of them cold
+system prompts.
 
 KV budget: 256 blocks (4096 tokens) per decode engine. The working set (every system
-prompt + the histories of the conversations in flight, printed) is about 630 blocks: the
+prompt + the histories of the 8 conversations under way, printed) is 632 blocks: the
 pool's 1024 blocks hold it once, one engine holds 40% of it. Round-robin makes every engine
 see every system prompt and evict; a router that keeps each prefix on few engines fits.
 
@@ -105,6 +106,7 @@ class User:
     is the previous turn's prompt + that turn's answer + message t, so later turns share the
     conversation's own history as well as the system prompt."""
 
+    system_id: int
     system: list[int]
     messages: list[list[int]]
 
@@ -118,8 +120,8 @@ def workload(args) -> list[User]:
 
     systems = [tokens(args.prefix_tokens) for _ in range(args.prefixes)]
     users = [
-        User(s, [tokens(args.user_tokens) for _ in range(args.turns)])
-        for s in systems
+        User(k, s, [tokens(args.user_tokens) for _ in range(args.turns)])
+        for k, s in enumerate(systems)
         for _ in range(args.per_prefix)
     ]
     rng.shuffle(users)
@@ -148,63 +150,81 @@ def oracle_hit_rate(prompts: list[list[int]], block_size: int = 16) -> float:
 @dataclass
 class Drive:
     ttfts: list[float]
+    trace: list[dict]  # per request: when it was sent, where it went, its TTFT
     tokens: int
     wall_s: float
     prompts: list[list[int]]  # in the order they were sent
 
 
 async def drive(targets, model: str, users: list[User], args) -> Drive:
-    """Every user's conversation at once, turn after turn; `concurrency` requests in flight
-    across users. The answer's token ids come back in the stream (return_token_ids)."""
+    """`concurrency` users talk at once, each turn after turn (one request in flight each);
+    when a user's conversation ends the next one arrives. The answer's token ids come back
+    in the stream (return_token_ids)."""
     ttfts: list[float] = []
+    trace: list[dict] = []
     prompts: list[list[int]] = []
     tokens = 0
     sem = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as c:
 
-        async def turn(target: str, prompt: list[int]) -> list[int]:
+        async def turn(target: str, prompt: list[int], user: int, system: int, n: int) -> list[int]:
             nonlocal tokens
             answer: list[int] = []
-            async with sem:
-                prompts.append(prompt)
-                t0 = time.perf_counter()
-                first = None
-                body = {
-                    "model": model,
-                    "prompt": prompt,
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "return_token_ids": True,
+            prompts.append(prompt)
+            t0 = time.perf_counter()
+            first = None
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            async with c.stream("POST", target + "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                backend = r.headers.get("x-pdpool-backend", target)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or "[DONE]" in line:
+                        continue
+                    for choice in json.loads(line[5:]).get("choices", []):
+                        new = choice.get("token_ids") or []
+                        if new and first is None:
+                            first = time.perf_counter()
+                        answer += new
+            ttfts.append((first or time.perf_counter()) - t0)
+            trace.append(
+                {
+                    "sent_s": round(t0 - start, 3),
+                    "user": user,
+                    "system": system,
+                    "turn": n,
+                    "prompt_tokens": len(prompt),
+                    "backend": backend,
+                    "ttft_ms": round(1000 * ttfts[-1], 1),
                 }
-                async with c.stream("POST", target + "/v1/completions", json=body) as r:
-                    r.raise_for_status()
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:") or "[DONE]" in line:
-                            continue
-                        for choice in json.loads(line[5:]).get("choices", []):
-                            new = choice.get("token_ids") or []
-                            if new and first is None:
-                                first = time.perf_counter()
-                            answer += new
-                ttfts.append((first or time.perf_counter()) - t0)
-                tokens += len(answer)
+            )
+            tokens += len(answer)
             return answer
 
         async def converse(i: int, user: User) -> None:
-            history = list(user.system)
-            for t, message in enumerate(user.messages):
-                prompt = history + message
-                history = prompt + await turn(targets(i * len(user.messages) + t), prompt)
+            async with sem:  # a user at a time per slot: each turn waits for its answer
+                history = list(user.system)
+                for t, message in enumerate(user.messages):
+                    prompt = history + message
+                    target = targets(i * len(user.messages) + t)
+                    history = prompt + await turn(target, prompt, i, user.system_id, t)
 
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         await asyncio.gather(*(converse(i, u) for i, u in enumerate(users)))
-        return Drive(ttfts, tokens, time.perf_counter() - t0, prompts)
+        return Drive(ttfts, trace, tokens, time.perf_counter() - start, prompts)
 
 
-def run_strategy(name: str, args, model_dir: str, mode: str = "aggregated") -> dict:
+def run_strategy(
+    name: str, args, model_dir: str, mode: str = "aggregated"
+) -> tuple[dict, list[dict]]:
     spec = TopologySpec(
         model=model_dir,
         prefill=1,
@@ -243,7 +263,7 @@ def run_strategy(name: str, args, model_dir: str, mode: str = "aggregated") -> d
         topo.stop()
     ttfts = sorted(run.ttfts)
     hit_rate = h / q if q else 0.0
-    return {
+    row = {
         "strategy": name,
         "mode": mode,
         "hit_rate": hit_rate,
@@ -256,6 +276,7 @@ def run_strategy(name: str, args, model_dir: str, mode: str = "aggregated") -> d
         "wall_s": run.wall_s,
         "preemptions": int(preempted),
     }
+    return row, run.trace
 
 
 def index_cost(n_blocks: int = 1_000_000, per_event: int = 16) -> dict:
@@ -309,6 +330,7 @@ def main() -> None:
     ap.add_argument("--out", default="routing", help="results name: benchmarks/results/<out>.json")
     args = ap.parse_args()
     rows: list[dict] = []
+    traces: dict[str, list[dict]] = {}
     # The working set against the KV capacity, in blocks: every system prompt, plus the
     # whole own history (every turn's message and answer) of the conversations in flight.
     own_history = args.turns * (args.user_tokens + args.max_tokens)
@@ -326,7 +348,7 @@ def main() -> None:
         ):
             if args.only and f"{name}/{mode}" not in args.only.split(","):
                 continue
-            r = run_strategy(name, args, model_dir, mode)
+            r, traces[f"{name}/{mode}"] = run_strategy(name, args, model_dir, mode)
             rows.append(r)
             print(f"{name} ({mode}): {r}", flush=True)
         rr = next((r["ttft_p50_ms"] for r in rows if r["strategy"] == "round-robin"), None)
@@ -348,7 +370,13 @@ def main() -> None:
     )
     write_json(
         args.out,
-        {"args": vars(args), "working_set_blocks": working_set, "strategies": rows, "index": c},
+        {
+            "args": vars(args),
+            "working_set_blocks": working_set,
+            "strategies": rows,
+            "index": c,
+            "requests": traces,
+        },
     )
 
 

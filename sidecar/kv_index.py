@@ -17,7 +17,11 @@ Per engine:
   the engine is marked *unknown* (its hits are not trusted, routing falls back to hash
   affinity) until an `AllBlocksCleared` arrives or a replay succeeds;
 - a sequence number that goes backwards means the engine restarted: its blocks are dropped;
-- joining late (first message seq > 0), what the replay buffer still holds is applied first.
+- joining late (first message seq > 0), what the replay buffer still holds is applied first;
+- an engine subscribed to (`watch`) that has published nothing yet counts as holding nothing
+  (an engine publishes from its first stored block on), so requests routed before its first
+  event leave expectations and pending work there; had the gateway joined an idle engine
+  late, its blocks come with its first message's replay.
 
 `prefix_hit_blocks(engine, keys)` is the number of leading blocks of a request that the
 engine holds: the caller computes the request's chained hashes exactly as engines do
@@ -167,6 +171,11 @@ class KVIndex:
                 st.ours.move_to_end(k)
             keys.append(ours)
         return keys
+
+    def watch(self, engine: str) -> None:
+        """`engine`'s events are subscribed to: it counts as known (and empty) from now."""
+        with self._lock:
+            self.engines.setdefault(engine, EngineBlocks())
 
     def forget(self, engine: str) -> None:
         with self._lock:

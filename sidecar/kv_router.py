@@ -5,12 +5,13 @@
                    + load_cost_tokens * load(engine)    (in-flight / queued requests)
 
 `uncached = prompt_tokens - block_size * prefix_hit_blocks(engine)`, the hit read from the
-KV index (sidecar/kv_index.py) fed by each engine's ZeroMQ events. The pending tokens are
-the blocks of requests routed to the engine that its events have not confirmed yet (their
-prefill is queued or running), less the ones this request shares: a request count alone
-weighs a queued 2k-token prefill like a queued 20-token one, and a holder of a popular prefix
-piled up misses' work before the load moved anything. Engines the index does
-not know (no events configured, or a gap not yet resynchronised) are scored as holding
+KV index (sidecar/kv_index.py) fed by each engine's ZeroMQ events. The pending tokens are the
+blocks of requests routed to the engine that its events have not confirmed stored yet: their
+prefill is queued or running there. Those this request shares are left out (it waits for
+them rather than computing them again elsewhere). A request count alone weighs a queued
+1k-token prefill like a queued 20-token one; with pending work, a burst of new prompts
+spreads over the engines instead of following the hash order onto a few. Engines the index
+does not know (no events configured, or a gap not yet resynchronised) are scored as holding
 nothing; when no engine is known the caller keeps today's hash-affinity order.
 
 The P/D path is decided up front: when the chosen engine's hit ratio
@@ -94,6 +95,9 @@ class KVRouter:
         it replaces an earlier subscription of `backend`."""
         self.unsubscribe(backend)
         sub = KVEventSubscriber(endpoint, replay_endpoint)
+        # Known from now: a pool that just started publishes nothing until its first request
+        # computes a block, and the requests before that should leave expectations too.
+        self.index.watch(backend)
         stop = threading.Event()
 
         def stopped() -> bool:

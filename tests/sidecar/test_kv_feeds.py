@@ -124,12 +124,36 @@ def test_feeds_subscribe_new_engines_and_forget_vanished_ones():
         assert router.index.prefix_hit_blocks(backend, keys) is None  # nobody listens
         # Back again: joining late, the engine's replay buffer rebuilds what it holds.
         feeds.sync([backend])
-        wait_for(lambda: router.index.knows(backend), tick=lambda: store(pub, PROMPT[:4]))
-        assert router.index.prefix_hit_blocks(backend, keys) == 8
+        wait_for(
+            lambda: router.index.prefix_hit_blocks(backend, keys) == 8,
+            tick=lambda: store(pub, PROMPT[:4]),
+        )
     finally:
         router.close()
         pub.close()
     assert not feed_threads(backend)
+
+
+def test_engines_silent_so_far_are_known_empty_and_a_cold_burst_spreads():
+    """A pool that just started has published nothing: its engines count as empty from the
+    subscription on (not unknown, which would keep the hash order), so a burst of new
+    prompts spreads by the prefill work each leaves pending, and a repeat follows its
+    prompt."""
+    pubs = [publisher() for _ in range(2)]
+    router = KVRouter(BS, expect_s=60.0)
+    try:
+        for name, (_, port, replay_port) in zip("ab", pubs):
+            router.subscribe(name, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}")
+        assert router.index.knows("a") and router.index.knows("b")
+        prompts = [[p * 100 + i for i in range(64)] for p in range(4)]
+        idle = lambda b: 0  # noqa: E731
+        chosen = [router.decide(["a", "b"], p, idle).order[0] for p in prompts]
+        assert sorted(chosen) == ["a", "a", "b", "b"], chosen
+        assert router.decide(["a", "b"], prompts[3] + [7] * 8, idle).order[0] == chosen[3]
+    finally:
+        router.close()
+        for pub, _, _ in pubs:
+            pub.close()
 
 
 def test_feeds_leave_static_subscriptions_alone_and_ignore_no_change():

@@ -9,7 +9,10 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import NoReturn, Optional
+from typing import TYPE_CHECKING, NoReturn, Optional
+
+if TYPE_CHECKING:  # the topology module is imported when `up` runs, not for --help
+    from .topology import Topology, TopologySpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,10 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=300.0)
 
 
-def main(args: argparse.Namespace) -> int:
+def spec_from_args(args: argparse.Namespace) -> TopologySpec:
+    """The topology the flags describe; CliError for flags that cannot describe one."""
     from pdpool.errors import CliError
 
-    from .topology import Topology, TopologySpec, ensure_tiny_model, write_state
+    from .topology import TopologySpec, ensure_tiny_model
 
     if args.prefill < 0 or args.decode < 1:
         raise CliError("need --decode >= 1 and --prefill >= 0")
@@ -100,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
         model = args.model or ensure_tiny_model(args.arch)
     except RuntimeError as exc:
         raise CliError(str(exc)) from None
-    spec = TopologySpec(
+    return TopologySpec(
         model=model,
         prefill=args.prefill,
         decode=args.decode,
@@ -120,6 +124,30 @@ def main(args: argparse.Namespace) -> int:
         tls=args.tls,
         kv_events=args.kv_events,
     )
+
+
+def supervise(topology: Topology, state_file: Optional[str]) -> NoReturn:
+    """Restarts children that exit, until interrupted."""
+    from .topology import write_state
+
+    while True:
+        time.sleep(0.5)
+        for child in topology.supervise_once():
+            print(
+                f"pdpool up: {child.name} exited; restarted it (restart #{child.restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+            if state_file:
+                write_state(state_file, topology)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pdpool.errors import CliError
+
+    from .topology import Topology, write_state
+
+    spec = spec_from_args(args)
     try:
         topology = Topology(spec)
     except RuntimeError as exc:  # openssl missing or failing (--tls)
@@ -131,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop_on_signal)
     print(
         f"pdpool up: starting {args.prefill} prefill + {args.decode} decode engines "
-        f"(engine {args.engine}, model {model}, kv connector {topology.kv_connector}, "
+        f"(engine {args.engine}, model {spec.model}, kv connector {topology.kv_connector}, "
         f"mode {args.mode}); "
         f"logs in {topology.log_dir}",
         flush=True,
@@ -150,16 +178,7 @@ def main(args: argparse.Namespace) -> int:
                 f"(curl --cacert, SSL_CERT_FILE)",
                 flush=True,
             )
-        while True:
-            time.sleep(0.5)
-            for child in topology.supervise_once():
-                print(
-                    f"pdpool up: {child.name} exited; restarted it (restart #{child.restarts})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                if args.state_file:
-                    write_state(args.state_file, topology)
+        supervise(topology, args.state_file)
     except KeyboardInterrupt:
         print("pdpool up: stopping", flush=True)
         return 0

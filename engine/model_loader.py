@@ -101,6 +101,11 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> tor
     for module in model.modules():
         if hasattr(module, "rebuild_buffers"):
             module.rebuild_buffers()
+    from pdpool.engine.models.cpu_linear import pack_cpu_linears
+
+    packed = pack_cpu_linears(model, device, dtype)
+    if packed:
+        log.info("%d linear layers run through oneDNN (weights packed)", packed)
     return model
 
 

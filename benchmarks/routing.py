@@ -270,6 +270,7 @@ def run_strategy(
         "of_oracle": hit_rate / oracle_hit_rate(run.prompts),
         "round_trips_saved": int(hints['hint="pd",outcome="honoured"']),
         "mispredicted": int(hints['hint="decode",outcome="mispredicted"']),
+        "ttft_mean_ms": 1000 * statistics.fmean(ttfts),
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p99_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "tok_s": run.tokens / run.wall_s,

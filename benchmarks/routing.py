@@ -17,11 +17,11 @@ pool's 1024 blocks hold it once, one engine holds 40% of it. Round-robin makes e
 see every system prompt and evict; a router that keeps each prefix on few engines fits.
 
 Model (default): a Qwen3 of 4 layers, hidden 512, 8 heads of 64, vocab 512 (random
-weights, made once with `pdpool tiny-model`, about 10M parameters). On this CPU a
-1k-token prefill of it takes hundreds of milliseconds, so what a cache hit saves is the
-bulk of a turn's time, as with real models on GPUs; the tiny test model prefills 1k tokens
-in a few milliseconds, less than the HTTP hops of five processes on two cores, and would
-measure the gateway instead of the routing.
+weights, made once with `pdpool tiny-model`, about 10M parameters). On this 2-core CPU a
+1088-token prefill of it takes about 140 ms on an idle engine (more when four share the
+cores), so what a cache hit saves is the bulk of a turn's time, as with real models on GPUs;
+the tiny test model takes 18 ms, about what the HTTP hops of five processes on two cores
+cost, and would measure the gateway instead of the routing.
 
 The old single-turn workload stays one flag set away:
     --prefix-tokens 256 --user-tokens 32 --turns 1 --max-tokens 8 --concurrency 4

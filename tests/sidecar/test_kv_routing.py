@@ -157,8 +157,10 @@ def test_a_burst_on_a_new_prefix_goes_to_one_engine():
     lapsing.index.on_message("a", 0, KVEventBatch(0.0, [AllBlocksCleared()]))
     lapsing.decide(["a"], system, lambda b: 0)
     assert lapsing.index.prefix_hit_blocks("a", keys) == len(keys)
+    assert lapsing.index.pending_blocks("a") == len(keys)
     time.sleep(0.1)
     assert lapsing.index.prefix_hit_blocks("a", keys) == 0
+    assert lapsing.index.pending_blocks("a") == 0  # nor is it queued work any more
 
 
 def _cleared_router(names, **kw):

@@ -5,7 +5,8 @@
             -> ResponseWriter (whole answer or SSE stream; a ChoiceFormat's JSON)
 
 CompletionResponder and ChatResponder drive those steps for their endpoint; OpsRoutes serves
-health, readiness, models, metrics and the KV lease release; errors.py writes every error."""
+health, readiness, models, metrics and the KV lease release; TokenizeRoutes serves /tokenize
+and /detokenize; errors.py writes every error."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.ops import OpsRoutes
 from pdpool.engine.server.responders import ChatResponder, CompletionResponder
 from pdpool.engine.server.response_writer import ResponseWriter
+from pdpool.engine.server.tokenize import TokenizeRoutes
 from pdpool.engine.server.translator import RequestTranslator
 
 
@@ -41,6 +43,7 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
     ops = OpsRoutes(aengine, metrics, translator)
     completions = CompletionResponder(translator, runner, writer, metrics)
     chat = ChatResponder(translator, runner, writer, metrics)
+    tokens = TokenizeRoutes(translator)
     # Route names as they were when these were functions: OpenAPI's operation ids keep them.
     routes = [
         ("GET", "/health", ops.health, "health"),
@@ -50,6 +53,8 @@ def build_app(aengine: AsyncEngine) -> FastAPI:
         ("GET", "/metrics", ops.prometheus, "prom"),
         ("POST", "/v1/completions", completions.create, "completions"),
         ("POST", "/v1/chat/completions", chat.create, "chat"),
+        ("POST", "/tokenize", tokens.tokenize, "tokenize"),
+        ("POST", "/detokenize", tokens.detokenize, "detokenize"),
     ]
     for method, path, endpoint, name in routes:
         app.add_api_route(path, endpoint, methods=[method], name=name)

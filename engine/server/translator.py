@@ -77,10 +77,13 @@ class RequestTranslator:
             req = await self.off_loop(self._decode, raw, request_type)
         except RequestError as exc:
             raise ApiError(str(exc), exc.status, param=exc.param)
-        model_name = self.engine.model_name
-        if req.model is not None and req.model != model_name:
-            raise ApiError(f"the model `{req.model}` does not exist", 404, "NotFoundError", "model")
+        self.check_model(req.model)
         return req
+
+    def check_model(self, name: object) -> None:
+        """404 unless `name` is absent or this engine's served model name."""
+        if name is not None and name != self.engine.model_name:
+            raise ApiError(f"the model `{name}` does not exist", 404, "NotFoundError", "model")
 
     def _decode(self, raw: bytes, request_type: type):
         req = validate_request(parse_json_body(raw), request_type)
@@ -101,20 +104,28 @@ class RequestTranslator:
             prompts = req.prompt_inputs()
         except ValueError as exc:
             raise ApiError(str(exc), param="prompt")
-        return await self.off_loop(lambda: [self._tokenize_prompt(p) for p in prompts])
+        return await self.off_loop(lambda: [self.prompt_tokens(p) for p in prompts])
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[list[int]]:
-        return [await self.off_loop(self._tokenize_chat, req)]
+        return [await self.off_loop(self.chat_tokens, req)]
 
-    def _tokenize_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
+    # The tokenization of both endpoints, shared with /tokenize: a router that asks /tokenize
+    # gets the very token ids a generation request would be computed from.
+    def prompt_tokens(
+        self, prompt: Union[str, list[int]], add_special_tokens: bool = False
+    ) -> list[int]:
         if isinstance(prompt, str):
-            return self.engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            return self.engine.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         return list(prompt)
 
-    def _tokenize_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_tokens(
+        self, req: ChatCompletionRequest, add_generation_prompt: bool = True
+    ) -> list[int]:
         tokenizer = self.engine.tokenizer
         msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def choice_requests(

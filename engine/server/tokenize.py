@@ -1,0 +1,91 @@
+"""/tokenize and /detokenize as vLLM serves them, so that a router without the model's
+tokenizer or chat template (a gateway pod) can learn a request's token ids from the engine.
+
+    POST /tokenize    {"prompt": str, "add_special_tokens"?: bool}
+                      {"messages": [...], "add_generation_prompt"?: bool}
+                      -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize  {"tokens": [int, ...]} -> {"prompt": str}
+
+Both take an optional "model" (404 unless it is this engine's). The defaults are those of this
+engine's own generation endpoints (a string prompt without special tokens, a chat with the
+generation prompt), so the ids equal those a completion of the same body is computed from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from pdpool.engine.server.errors import ApiError
+from pdpool.engine.server.protocol import ChatCompletionRequest
+from pdpool.engine.server.translator import RequestTranslator
+from pdpool.protocol import RequestError, parse_json_body, validate_request
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise RequestError(f"'{name}' must be a boolean", name)
+    return value
+
+
+class TokenizeRoutes:
+    """The engine's tokenizer over HTTP (the paths are bound in api.build_app)."""
+
+    def __init__(self, translator: RequestTranslator):
+        self.translator = translator
+        self.engine = translator.engine
+
+    async def tokenize(self, request: Request):
+        return await self._answer(request, self._tokenize)
+
+    async def detokenize(self, request: Request):
+        return await self._answer(request, self._detokenize)
+
+    async def _answer(self, request: Request, work):
+        raw = await self.translator.read_body(request)
+        try:
+            return await self.translator.off_loop(work, raw)
+        except RequestError as exc:
+            raise ApiError(str(exc), exc.status, param=exc.param)
+
+    def _body(self, raw: bytes) -> dict:
+        body = parse_json_body(raw)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        self.translator.check_model(body.get("model"))
+        return body
+
+    def _tokenize(self, raw: bytes) -> dict[str, Any]:
+        body = self._body(raw)
+        if ("prompt" in body) == ("messages" in body):
+            raise RequestError("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
+        if "messages" in body:
+            chat = validate_request(
+                {"messages": body["messages"]}, ChatCompletionRequest, refuse_unsupported=False
+            )
+            ids = self.translator.chat_tokens(chat, _flag(body, "add_generation_prompt", True))
+        else:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise RequestError("'prompt' must be a string", "prompt")
+            ids = self.translator.prompt_tokens(prompt, _flag(body, "add_special_tokens", False))
+        strs = None
+        if _flag(body, "return_token_strs", False):
+            strs = self.engine.tokenizer.convert_ids_to_tokens(ids)
+        return {
+            "count": len(ids),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    def _detokenize(self, raw: bytes) -> dict[str, Any]:
+        body = self._body(raw)
+        tokens = body.get("tokens")
+        vocab = self.engine.info.config["vocab_size"]
+        if not isinstance(tokens, list) or not all(
+            type(t) is int and 0 <= t < vocab for t in tokens
+        ):
+            raise RequestError(f"'tokens' must be a list of token ids in [0, {vocab})", "tokens")
+        return {"prompt": self.engine.tokenizer.decode(tokens)}

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from pdpool.engine.config import EngineConfig
-from pdpool.engine.detokenizer import IncrementalDetokenizer, find_stop
+from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder, find_stop
 from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.models.base import head_dim_of
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
@@ -82,6 +82,7 @@ class LLMEngine:
 
             tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
         self.tokenizer = tokenizer
+        self._fast_decoder = fast_decoder(tokenizer)
         self.eos_token_ids = self._eos_ids()
 
         mc = self.info.config
@@ -342,7 +343,9 @@ class LLMEngine:
         if refusal is not None and self.config.kv_load_failure_policy == "fail":
             raise KVTransferRefused(f"KV transfer refused: {refusal}")
         self.requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, backend=self._fast_decoder
+        )
         self.scheduler.add_request(req)
         return req
 

@@ -99,6 +99,10 @@ class GatewaySettings:
     kv_events: dict[str, str] = field(default_factory=dict)
     kv_block_size: int = 16
     kv_tokenizer: Optional[str] = None  # the model's tokenizer.json (string prompts)
+    # Prompts it cannot tokenize itself (chats; strings without kv_tokenizer) are tokenized
+    # by a decode engine's /tokenize (engine_tokenize.py): one round trip, affinity on failure.
+    kv_engine_tokenize: bool = True
+    kv_tokenize_timeout_s: float = 2.0
     kv_threshold: float = 0.0  # below this predicted hit ratio: P/D up front
     kv_load_cost: float = 64.0  # tokens of cost per in-flight request
     # The same, following discovery: every listed sidecar's engine (same pod, same IP)
@@ -202,6 +206,8 @@ class Gateway:
         assert router is not None
         try:
             ids = await router.prompt_token_ids_async(body)
+            if ids is None and self.settings.kv_engine_tokenize:
+                ids = await self._engine_token_ids(body, order, headers)
             if ids is None:
                 self.metrics.kv_routes.labels("affinity", "none").inc()
                 return order
@@ -225,6 +231,32 @@ class Gateway:
 
         headers[PD_HEADER] = d.path
         return d.order
+
+    async def _engine_token_ids(
+        self, body: Any, order: list[str], headers: dict[str, str]
+    ) -> Optional[list[int]]:
+        """The prompt's ids from the first healthy backend's engine (its sidecar passes
+        /tokenize through); None when that cannot be had in time."""
+        from .engine_tokenize import token_ids_of, tokenize_body
+
+        ask = tokenize_body(body)
+        backend = next((b for b in order if b not in self.unhealthy), None)
+        if ask is None or backend is None or self.client is None:
+            return None
+        passed = {k: v for k, v in headers.items() if k in ("authorization", "x-request-id")}
+        try:
+            resp = await self.client.post(
+                f"{self.scheme}://{backend}/tokenize",
+                json=ask,
+                headers=passed,
+                timeout=self.settings.kv_tokenize_timeout_s,
+            )
+            ids = token_ids_of(resp.json()) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("tokenize on %s failed: %s", backend, exc)
+            ids = None
+        self.metrics.kv_engine_tokenize.labels("ok" if ids is not None else "failed").inc()
+        return ids
 
     def _on_eject(self, backend: str, reason: str) -> None:
         log.warning("decode sidecar %s ejected (%s)", backend, reason)

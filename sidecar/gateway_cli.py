@@ -124,6 +124,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the model's tokenizer.json, to route string prompts precisely",
     )
     p.add_argument(
+        "--no-kv-engine-tokenize",
+        dest="kv_engine_tokenize",
+        action="store_false",
+        help="do not ask a decode engine's /tokenize for prompts this gateway cannot tokenize "
+        "(chats; strings without --kv-tokenizer): those keep hash affinity",
+    )
+    p.add_argument(
         "--kv-threshold",
         type=float,
         default=0.0,
@@ -169,6 +176,7 @@ def _build_gateway(args: argparse.Namespace) -> Gateway:
             kv_events=parse_kv_events(args.kv_events, "--kv-events"),
             kv_block_size=args.kv_block_size,
             kv_tokenizer=args.kv_tokenizer,
+            kv_engine_tokenize=args.kv_engine_tokenize,
             kv_threshold=args.kv_threshold,
             kv_load_cost=args.kv_load_cost,
             kv_events_port=args.kv_events_port,

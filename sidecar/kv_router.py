@@ -21,8 +21,9 @@ have made the same decision from its own cache, so the decode-first attempt can 
 
 Tokenization: completions with token-id prompts need none; string prompts use the model's
 `tokenizer.json` through `tokenizers` (Rust, no torch), run off the event loop by callers.
-Chat requests are not tokenized here (the chat template lives in the engine): they keep
-hash affinity.
+Chat requests are not tokenized here (the chat template lives in the engine): the gateway
+asks a decode engine's /tokenize for them (engine_tokenize.py), as for string prompts when it
+has no tokenizer.json.
 """
 
 from __future__ import annotations

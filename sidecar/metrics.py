@@ -129,6 +129,12 @@ class GatewayMetrics:
             ["mode", "path"],
             registry=r,
         )
+        self.kv_engine_tokenize = Counter(
+            "pdpool_gateway_kv_engine_tokenize",
+            "Prompts tokenized by a decode engine's /tokenize for routing, by result",
+            ["result"],
+            registry=r,
+        )
         self.kv_predicted_hit_ratio = Histogram(
             "pdpool_gateway_kv_predicted_hit_ratio",
             "Predicted prefix hit ratio of the chosen engine",

@@ -92,3 +92,38 @@ def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
         assert r.headers["x-pdpool-prefill-endpoint"].endswith(f":{port}"), r.headers
     ranked = _total(sidecars, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
     assert ranked - ranked0 == len(docs)
+
+
+def _chat(url: str, model: str, messages: list[dict]) -> httpx.Response:
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": model, "messages": messages, "max_tokens": 2, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_chats_are_routed_by_the_tokens_an_engine_renders(topo):
+    """The gateway has no chat template: it asks a decode engine's /tokenize, and routes the
+    rendered ids like any prompt."""
+    gw = topo.gateway.url
+    model = model_name(gw)
+    sidecars = topo.by_role("sidecar")
+    rng = random.Random(23)
+    words = ["river", "stone", "bright", "quiet", "market", "window", "seven", "garden"]
+    chats = []
+    for i in range(6):
+        system = " ".join(rng.choice(words) for _ in range(120))
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "why?"}]
+        holder = sidecars[i % len(sidecars)]
+        _chat(holder.url, model, messages)
+        chats.append((messages, holder.port))
+    time.sleep(0.5)
+    asked0 = metric(gw, "pdpool_gateway_kv_engine_tokenize_total", 'result="ok"')
+    for messages, port in chats:
+        r = _chat(gw, model, messages)
+        assert r.headers["x-pdpool-backend"].endswith(f":{port}"), r.headers
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+    asked = metric(gw, "pdpool_gateway_kv_engine_tokenize_total", 'result="ok"') - asked0
+    assert asked == len(chats)

@@ -171,3 +171,16 @@ def test_workspace_serves_calls_in_and_out_of_inference_mode():
     _check_against_naive([1, 1, 4], [60, 9, 20])  # the buffers made above are not reused here
     with torch.inference_mode():
         _check_against_naive([1, 3], [70, 1])
+
+
+def test_decode_groups_hold_about_group_bytes_of_k_and_v():
+    lens = [250 + i for i in range(64)]
+    per_position = 2 * 4 * 64 * 4  # K and V of 4 heads of 64, float32
+    groups = reference._decode_groups(list(range(64)), lens, 16, per_position)
+    assert sorted(b for g in groups for b in g) == list(range(64))
+    longest = (max(lens) + 15) // 16 * 16
+    assert all(len(g) * longest * per_position <= reference._GROUP_BYTES for g in groups)
+    assert len(groups) > 64 // reference._MAX_GROUP_SEQS  # the byte cap, not the count, bound
+    # Small heads: the count bound applies, as without a byte size.
+    small = reference._decode_groups(list(range(64)), lens, 16, 2 * 2 * 32 * 4)
+    assert small == reference._decode_groups(list(range(64)), lens, 16)

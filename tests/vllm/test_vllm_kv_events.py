@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from pdpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
+from pdpool.sidecar.engine_tokenize import token_ids_of, tokenize_body
 from pdpool.sidecar.kv_index import KVIndex, request_block_keys
 from pdpool.sidecar.topology import VLLM_ARGS, VLLM_ENV, served_model_name
 from devtools.engine_procs import free_port, wait_healthy
@@ -133,12 +134,18 @@ def test_a_real_vllm_engines_events_find_a_prompt_by_our_names(tmp_path, vllm_bi
         wait_healthy(url, proc, timeout=600, log=log)
         rng = random.Random(3)
         prompts = [[rng.randrange(3, 500) for _ in range(300)] for _ in range(3)]
+        words = ["river", "stone", "bright", "quiet", "market", "window", "seven"]
+        system = " ".join(rng.choice(words) for _ in range(300))
+        chat = {"model": name, "messages": [{"role": "system", "content": system}]}
+        chat["messages"].append({"role": "user", "content": "and then?"})
         index, sizes = KVIndex(), set()
-        for prompt in prompts:  # a step's events leave with the next step's output
+        # The chat first: a step's events leave with the next step's output.
+        requests = [("/v1/chat/completions", chat)] + [
+            ("/v1/completions", {"model": name, "prompt": prompt}) for prompt in prompts
+        ]
+        for path, body in requests:
             r = httpx.post(
-                f"{url}/v1/completions",
-                timeout=120,
-                json={"model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0},
+                f"{url}{path}", timeout=120, json={**body, "max_tokens": 2, "temperature": 0}
             )
             assert r.status_code == 200, r.text
             while (msg := sub.recv(timeout_s=1.0)) is not None:
@@ -146,7 +153,11 @@ def test_a_real_vllm_engines_events_find_a_prompt_by_our_names(tmp_path, vllm_bi
                 sizes |= {e.block_size for e in msg[1].events if isinstance(e, BlockStored)}
         assert len(sizes) == 1, f"no BlockStored from vLLM (sizes {sizes}); log: {log}"
         block_size = sizes.pop()
-        for prompt in prompts[:2]:
+        # A chat, as the gateway sees it: ids from vLLM's /tokenize (engine_tokenize.py).
+        r = httpx.post(f"{url}/tokenize", json=tokenize_body(chat), timeout=30)
+        chat_ids = token_ids_of(r.json())
+        assert chat_ids is not None and len(chat_ids) > 2 * block_size, r.text
+        for prompt in [chat_ids, *prompts[:2]]:
             keys = request_block_keys(prompt, block_size)
             assert keys and index.prefix_hit_blocks("vllm", keys) == len(keys)
             assert (

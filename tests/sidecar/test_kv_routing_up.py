@@ -21,14 +21,18 @@ def topo(tmp_path_factory):
     cleanup(t)
 
 
-def _complete(url: str, model: str, prompt) -> httpx.Response:
-    r = httpx.post(
-        url + "/v1/completions",
-        json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0},
-        timeout=60,
-    )
+def _generate(url: str, path: str, body: dict) -> httpx.Response:
+    r = httpx.post(url + path, json={**body, "max_tokens": 2, "temperature": 0}, timeout=60)
     assert r.status_code == 200, r.text
     return r
+
+
+def _complete(url: str, model: str, prompt) -> httpx.Response:
+    return _generate(url, "/v1/completions", {"model": model, "prompt": prompt})
+
+
+def _chat(url: str, model: str, messages: list[dict]) -> httpx.Response:
+    return _generate(url, "/v1/chat/completions", {"model": model, "messages": messages})
 
 
 def _warm_directly(holders, model: str, rng, n: int = 6) -> list[tuple[list[int], int]]:
@@ -92,16 +96,6 @@ def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
         assert r.headers["x-pdpool-prefill-endpoint"].endswith(f":{port}"), r.headers
     ranked = _total(sidecars, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
     assert ranked - ranked0 == len(docs)
-
-
-def _chat(url: str, model: str, messages: list[dict]) -> httpx.Response:
-    r = httpx.post(
-        url + "/v1/chat/completions",
-        json={"model": model, "messages": messages, "max_tokens": 2, "temperature": 0},
-        timeout=60,
-    )
-    assert r.status_code == 200, r.text
-    return r
 
 
 def test_chats_are_routed_by_the_tokens_an_engine_renders(topo):

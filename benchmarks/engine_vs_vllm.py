@@ -13,8 +13,13 @@ with --enforce-eager). On these random token-id prompts vLLM's streamed text is 
 tokenizer.decode(its own token ids) (its incremental detokenizer starts from the prompt's
 bytes), so the token ids are the comparison that counts; ours is decode(ids).
 Shapes: small = 2 layers, hidden 64, head_dim 32; large = 4 layers, hidden 512, head_dim 64.
-Both engines get the machine's defaults: pdpool serve torch's threads; vLLM its CPU defaults
-(OpenMP bound to one core, one reserved for its frontend); `--vllm-bind 0-1` changes that.
+Both engines get their defaults, which now follow one policy: on this 2-core machine one
+core computes and one is left to the HTTP side. vLLM binds its OpenMP to one core and keeps
+one for its frontend process; pdpool serve gives torch every usable core but one (the HTTP
+server's thread keeps it; --cpu-threads overrides). `--vllm-bind 0-1` changes vLLM's.
+Both keep their prefix caches on (both defaults), and every round sends the same prompts:
+after the first round the full prompt blocks are cache hits in both engines, so the best
+round measures mostly decode (and TTFT mostly queueing behind the other requests).
 """
 
 from __future__ import annotations

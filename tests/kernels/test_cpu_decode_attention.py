@@ -1,0 +1,76 @@
+"""The CPU decode-attention kernel (C, built on first use) against the torch path that
+gathers blocks and runs SDPA: GQA, sliding windows, partial blocks, one-token sequences,
+caches that are strided views of the engine's kv_cache; and when it declines to run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdpool.kernels import cpu_decode_attention as native
+from pdpool.kernels import reference
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the kernel")
+
+
+def _case(heads, kv_heads, dim, lens, block_size=16, layers=3, seed=0):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(per_seq) + 5
+    kv = torch.randn(num_blocks, layers, 2, block_size, kv_heads, dim, generator=gen)
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables, i = [], 0
+    for n in per_seq:
+        tables.append(ids[i : i + n])
+        i += n
+    width = max(per_seq)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    return q, kv[:, 1, 0], kv[:, 1, 1], block_tables
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,window",
+    [(4, 2, 32, None), (8, 4, 64, None), (8, 8, 64, None), (6, 2, 48, 37), (4, 1, 80, 5)],
+)
+def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, monkeypatch):
+    lens = [1, 2, 15, 16, 17, 40, 200, 333]
+    q, k_cache, v_cache, tables = _case(heads, kv_heads, dim, lens)
+    assert native.usable_for(q, k_cache, v_cache)
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window)
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert not native.usable_for(q, k_cache, v_cache)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = reference.paged_attention_reference(
+        q, k_cache, v_cache, tables, qsl, seq_lens, dim**-0.5, window
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_uses_it_for_pure_decode_steps(monkeypatch):
+    lens = [30, 31]
+    q, k_cache, v_cache, tables = _case(4, 2, 32, lens)
+    calls = []
+    real = native.paged_decode_attention
+    monkeypatch.setattr(native, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    qsl = torch.arange(3, dtype=torch.int32)
+    reference.paged_attention_reference(
+        q, k_cache, v_cache, tables, qsl, torch.tensor(lens, dtype=torch.int32), 0.2
+    )
+    assert calls == [1]
+
+
+def test_declines_bf16_and_more_than_one_thread():
+    q, k_cache, v_cache, _ = _case(4, 2, 32, [20])
+    assert not native.usable_for(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert not native.usable_for(q, k_cache, v_cache)
+    finally:
+        torch.set_num_threads(threads)

@@ -227,6 +227,13 @@ def paged_decode_attention(
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
+    # C reads what it is told to: out-of-range blocks or lengths would read past the cache.
+    if batch and max(seq_lens) > tables.shape[1] * block_size:
+        raise ValueError(f"a sequence of {max(seq_lens)} tokens outruns its block table")
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < k_cache.shape[0]:
+        raise ValueError(f"block ids must be in [0, {k_cache.shape[0]})")
+    if len(seq_lens) != batch or tables.shape[0] != batch:
+        raise ValueError(f"{batch} queries, {len(seq_lens)} lengths, {tables.shape[0]} tables")
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = torch.empty_like(q)
     window = sliding_window or 0

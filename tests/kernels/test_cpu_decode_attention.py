@@ -74,3 +74,13 @@ def test_declines_bf16_and_more_than_one_thread():
         assert not native.usable_for(q, k_cache, v_cache)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_out_of_range_tables_and_lengths_are_refused_not_read():
+    q, k_cache, v_cache, tables = _case(4, 2, 32, [20, 40])
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block ids"):
+        native.paged_decode_attention(q, k_cache, v_cache, bad, [20, 40], 0.2, None)
+    with pytest.raises(ValueError, match="outruns"):
+        native.paged_decode_attention(q, k_cache, v_cache, tables, [20, 40 + 16 * 9], 0.2, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -311,18 +312,25 @@ def test_client_disconnect_while_the_prefill_leg_waits_aborts_it(tmp_path_factor
     from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
 
     log_dir = str(tmp_path_factory.mktemp("up-cancel"))
+    # The tiny model with room for a long busy request: 19000 decode steps keep the engine
+    # busy for tens of seconds (4000, its own limit, could end before the leg was queued).
+    model_dir = tmp_path_factory.mktemp("long-tiny")
+    shutil.copytree(ensure_tiny_model("qwen3"), model_dir, dirs_exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 20480
+    (model_dir / "config.json").write_text(json.dumps(config))
     topo = Topology(
         TopologySpec(
-            model=ensure_tiny_model("qwen3"),
+            model=str(model_dir),
             prefill=1,
             decode=1,
             cache_hit_threshold=0.5,
             log_dir=log_dir,
             engine_args=[
                 "--max-model-len",
-                "4096",
+                "20480",
                 "--num-kv-blocks",
-                "512",
+                "1300",
                 "--max-num-seqs",
                 "1",
             ],
@@ -333,7 +341,7 @@ def test_client_disconnect_while_the_prefill_leg_waits_aborts_it(tmp_path_factor
         prefill, decode = topo.by_role("prefill")[0], topo.by_role("decode")[0]
         model = model_name(topo.gateway.url)
 
-        def keep_busy():  # as long as the model allows: seconds, even on a quiet machine
+        def keep_busy():
             with contextlib.suppress(httpx.HTTPError):
                 httpx.post(
                     prefill.url + "/v1/completions",
@@ -341,7 +349,7 @@ def test_client_disconnect_while_the_prefill_leg_waits_aborts_it(tmp_path_factor
                     json={
                         "model": model,
                         "prompt": "keep busy",
-                        "max_tokens": 4000,
+                        "max_tokens": 19000,
                         "ignore_eos": True,
                     },
                 )

@@ -16,7 +16,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Iterator, Optional, Union
+from typing import Any, Awaitable, Iterator, Optional, Union
 
 import httpx
 
@@ -44,15 +44,12 @@ from .asgi import (
     sse_error_event,
 )
 from .discovery import EndpointSet
+from .gateway_kv import GatewayKVRouting
 from .legs import parse_client_body
 from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .outlier import OutlierDetector
 from .sse import DONE, EventSplitter, event_json, json_event
-
-if TYPE_CHECKING:
-    from .kv_feeds import KVFeeds
-    from .kv_router import KVRouter
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -158,10 +155,17 @@ class Gateway:
             ssl_context=self.tls,
         )
         self._health_task: Optional[asyncio.Task[None]] = None
-        self.kv_router = (
-            self._build_kv_router() if settings.kv_events or settings.kv_events_port else None
+        self.kv = (
+            GatewayKVRouting(
+                settings,
+                self.metrics,
+                load=lambda b: self.in_flight.get(b, 0),
+                healthy=lambda b: b not in self.unhealthy,
+                scheme=self.scheme,
+            )
+            if settings.kv_events or settings.kv_events_port
+            else None
         )
-        self.kv_feeds = self._build_kv_feeds()
         self.outliers = OutlierDetector(
             consecutive_failures=settings.outlier_failures,
             probe_failures=1,
@@ -169,94 +173,6 @@ class Gateway:
             on_eject=self._on_eject,
             on_readmit=self._on_readmit,
         )
-
-    def _build_kv_router(self) -> KVRouter:
-        from .kv_events_spec import split_spec
-        from .kv_router import KVRouter
-        from .security import normalize_host_port
-
-        s = self.settings
-        router = KVRouter(s.kv_block_size, s.kv_threshold, s.kv_load_cost, s.kv_tokenizer)
-        for backend, spec in s.kv_events.items():
-            router.subscribe(normalize_host_port(backend), *split_spec(spec))
-        return router
-
-    def _build_kv_feeds(self) -> Optional[KVFeeds]:
-        """Subscriptions that follow the decode Service (None without --kv-events-port)."""
-        s = self.settings
-        if self.kv_router is None or s.kv_events_port is None:
-            return None
-        from .kv_feeds import KVFeeds
-        from .security import normalize_host_port
-
-        return KVFeeds(
-            self.kv_router,
-            s.kv_events_port,
-            s.kv_events_replay_port,
-            static=[normalize_host_port(b) for b in s.kv_events],
-        )
-
-    async def _follow_kv_events(self) -> None:
-        if self.kv_feeds is not None:
-            await self.kv_feeds.refresh(self.backends.current)
-
-    async def _kv_route(self, body: Any, order: list[str], headers: dict[str, str]) -> list[str]:
-        """Reorders by cost from the engines' KV events and tells the sidecar the path."""
-        router = self.kv_router
-        assert router is not None
-        try:
-            ids = await router.prompt_token_ids_async(body)
-            if ids is None and self.settings.kv_engine_tokenize:
-                ids = await self._engine_token_ids(body, order, headers)
-            if ids is None:
-                self.metrics.kv_routes.labels("affinity", "none").inc()
-                return order
-            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            d = await router.decide_async(
-                order,
-                ids,
-                lambda b: self.in_flight.get(b, 0),
-                salt,
-                lambda b: b not in self.unhealthy,
-            )
-        except Exception:  # routing must not fail a request: affinity order stands
-            log.exception("kv routing failed")
-            return order
-        if not d.precise:
-            self.metrics.kv_routes.labels("affinity", "none").inc()
-            return order
-        self.metrics.kv_routes.labels("precise", d.path).inc()
-        self.metrics.kv_predicted_hit_ratio.observe(d.hit_ratio)
-        from .kv_router import PD_HEADER
-
-        headers[PD_HEADER] = d.path
-        return d.order
-
-    async def _engine_token_ids(
-        self, body: Any, order: list[str], headers: dict[str, str]
-    ) -> Optional[list[int]]:
-        """The prompt's ids from the first healthy backend's engine (its sidecar passes
-        /tokenize through); None when that cannot be had in time."""
-        from .engine_tokenize import token_ids_of, tokenize_body
-
-        ask = tokenize_body(body)
-        backend = next((b for b in order if b not in self.unhealthy), None)
-        if ask is None or backend is None or self.client is None:
-            return None
-        passed = {k: v for k, v in headers.items() if k in ("authorization", "x-request-id")}
-        try:
-            resp = await self.client.post(
-                f"{self.scheme}://{backend}/tokenize",
-                json=ask,
-                headers=passed,
-                timeout=self.settings.kv_tokenize_timeout_s,
-            )
-            ids = token_ids_of(resp.json()) if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
-            log.debug("tokenize on %s failed: %s", backend, exc)
-            ids = None
-        self.metrics.kv_engine_tokenize.labels("ok" if ids is not None else "failed").inc()
-        return ids
 
     def _on_eject(self, backend: str, reason: str) -> None:
         log.warning("decode sidecar %s ejected (%s)", backend, reason)
@@ -278,7 +194,9 @@ class Gateway:
         )
         await self.backends.start()
         await self.check_health()
-        await self._follow_kv_events()
+        if self.kv is not None:
+            self.kv.client = self.client
+            await self.kv.follow(self.backends.current)
         self._health_task = asyncio.create_task(self._health_forever())
 
     async def shutdown(self) -> None:
@@ -287,8 +205,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         await self.backends.stop()
-        if self.kv_router is not None:
-            self.kv_router.close()
+        if self.kv is not None:
+            self.kv.close()
         await self.pool.aclose()
         if self.client:
             await self.client.aclose()
@@ -343,7 +261,8 @@ class Gateway:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             await self.check_health()
-            await self._follow_kv_events()  # the decode set may have changed
+            if self.kv is not None:  # the decode set may have changed
+                await self.kv.follow(self.backends.current)
 
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -414,8 +333,8 @@ class Gateway:
         if not order:
             return await send_error(send, 503, "no decode sidecar configured")
         headers.pop("x-pdpool-kv-path", None)  # only the gateway sets it
-        if self.kv_router is not None and body is not None:
-            order = await self._kv_route(body, order, headers)
+        if self.kv is not None and body is not None:
+            order = await self.kv.reorder(body, order, headers)
         self.metrics.affinity.labels("preferred" if preferred else "spilled").inc()
         if (
             self.settings.migrate

@@ -156,7 +156,10 @@ def main(args: argparse.Namespace) -> int:
     def stop_on_signal(signum: int, frame: Optional[FrameType]) -> NoReturn:
         raise KeyboardInterrupt
 
+    # SIGINT too: a shell starts background jobs with it ignored, which Python keeps, and
+    # Ctrl-C (or a supervisor's SIGINT) must still stop everything.
     signal.signal(signal.SIGTERM, stop_on_signal)
+    signal.signal(signal.SIGINT, stop_on_signal)
     print(
         f"pdpool up: starting {args.prefill} prefill + {args.decode} decode engines "
         f"(engine {args.engine}, model {spec.model}, kv connector {topology.kv_connector}, "

@@ -52,7 +52,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -65,7 +64,7 @@ from common import print_table, write_json
 from pdpool.block_hash import chain_hashes
 from pdpool.kv_events import BlockStored, KVEventBatch
 from pdpool.sidecar.kv_index import KVIndex
-from pdpool.sidecar.topology import Topology, TopologySpec, pdpool_command
+from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
 
 # The default model's shape (see the module doc): `pdpool tiny-model` arguments.
 MODEL_SHAPE = [
@@ -77,11 +76,7 @@ MODEL_SHAPE = [
 def routing_model() -> str:
     """The default model's folder, made once under ~/.cache/pdpool."""
     out = os.path.join(os.path.expanduser("~"), ".cache", "pdpool", "routing-qwen3-h512-l4")
-    if not os.path.exists(os.path.join(out, "config.json")):
-        tmp = out + f".tmp{os.getpid()}"
-        subprocess.run(pdpool_command("tiny-model", tmp, *MODEL_SHAPE), check=True)
-        os.replace(tmp, out)
-    return out
+    return ensure_tiny_model("qwen3", out, MODEL_SHAPE)
 
 
 def engine_sum(urls: list[str], name: str) -> float:

@@ -26,10 +26,7 @@ def tokenize_body(body: Any) -> Optional[dict[str, Any]]:
     (token ids already, several prompts, nothing to tokenize)."""
     if not isinstance(body, dict):
         return None
-    if "model" in body:
-        model: dict[str, Any] = {"model": body["model"]}
-    else:
-        model = {}
+    model = {"model": body["model"]} if "model" in body else {}
     if isinstance(body.get("messages"), list):
         fields = {k: body[k] for k in CHAT_FIELDS if k in body}
         return {**model, "messages": body["messages"], **fields}

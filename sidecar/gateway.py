@@ -475,15 +475,7 @@ class Gateway:
                 self.metrics.requests.labels(backend, str(resp.status_code)).inc()
                 if resp.status_code < 500:
                     self.outliers.success(backend)
-                headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
-                headers[BACKEND_HEADER] = backend
-                await send_bytes(
-                    send,
-                    resp.status_code,
-                    content,
-                    headers,
-                    content_type=headers.pop("content-type", "application/json"),
-                )
+                await _send_whole(send, resp, content, backend)
                 return None
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
             leg.started = True
@@ -627,15 +619,7 @@ class Gateway:
                         }
                     )
                     return None
-                headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
-                headers[BACKEND_HEADER] = backend
-                await send_bytes(
-                    send,
-                    resp.status_code,
-                    content,
-                    headers,
-                    content_type=headers.pop("content-type", "application/json"),
-                )
+                await _send_whole(send, resp, content, backend)
                 return None
             splitter = EventSplitter()
             try:
@@ -679,3 +663,11 @@ class Gateway:
         self.outliers.success(backend)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
+
+
+async def _send_whole(send: Send, resp: Response, content: bytes, backend: str) -> None:
+    """An upstream answer read whole, relayed with its headers and the backend that gave it."""
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
+    headers[BACKEND_HEADER] = backend
+    content_type = headers.pop("content-type", "application/json")
+    await send_bytes(send, resp.status_code, content, headers, content_type=content_type)

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 def free_port() -> int:
@@ -62,15 +62,18 @@ def default_tiny_model_dir(arch: str) -> str:
     return os.path.join(base, "pdpool", f"tiny-{arch}-{_generator_fingerprint()}")
 
 
-def ensure_tiny_model(arch: str = "qwen3", out_dir: Optional[str] = None) -> str:
-    """Generates the tiny random-weight checkpoint once and reuses it afterwards."""
+def ensure_tiny_model(
+    arch: str = "qwen3", out_dir: Optional[str] = None, shape: Sequence[str] = ()
+) -> str:
+    """Generates the tiny random-weight checkpoint once and reuses it afterwards; `shape`
+    holds `pdpool tiny-model` flags (give such a model its own `out_dir`)."""
     out = out_dir or default_tiny_model_dir(arch)
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f"tiny-{arch}-", dir=os.path.dirname(out))
     done = subprocess.run(
-        pdpool_command("tiny-model", tmp, "--arch", arch), capture_output=True, text=True
+        pdpool_command("tiny-model", tmp, "--arch", arch, *shape), capture_output=True, text=True
     )
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)

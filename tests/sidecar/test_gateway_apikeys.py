@@ -13,6 +13,7 @@ from pdpool.sidecar.apikeys import ApiKeyError, ApiKeys, parse_keys, presented_k
 from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
+from pdpool.sidecar.topology import make_tls_files
 
 from tests.support.vllm_standin import VllmStandIn
 
@@ -93,54 +94,7 @@ def test_gateway_serves_https_with_the_given_certificate(tmp_path):
     import subprocess
     import sys
 
-    def run(*args):
-        subprocess.run(["openssl", *args], cwd=tmp_path, check=True, capture_output=True)
-
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=test-ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-    )
-    (tmp_path / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    run(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=gateway",
-        "-keyout",
-        "tls.key",
-        "-out",
-        "tls.csr",
-    )
-    run(
-        "x509",
-        "-req",
-        "-in",
-        "tls.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-extfile",
-        "san.cnf",
-        "-out",
-        "tls.crt",
-    )
+    ca_file, (cert_file, key_file) = make_tls_files(str(tmp_path / "tls"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -159,7 +113,7 @@ def test_gateway_serves_https_with_the_given_certificate(tmp_path):
         "127.0.0.1:1",
     ]
     half = subprocess.run(
-        [*cli, "--tls-cert-file", str(tmp_path / "tls.crt")],
+        [*cli, "--tls-cert-file", cert_file],
         capture_output=True,
         text=True,
         timeout=60,
@@ -169,9 +123,9 @@ def test_gateway_serves_https_with_the_given_certificate(tmp_path):
         [
             *cli,
             "--tls-cert-file",
-            str(tmp_path / "tls.crt"),
+            cert_file,
             "--tls-key-file",
-            str(tmp_path / "tls.key"),
+            key_file,
             "--api-keys-file",
             str(keys),
         ],
@@ -180,7 +134,7 @@ def test_gateway_serves_https_with_the_given_certificate(tmp_path):
     )
     import ssl
 
-    ca = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+    ca = ssl.create_default_context(cafile=ca_file)
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -227,17 +227,20 @@ def paged_decode_attention(
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     q = q.contiguous()
     tables = block_tables.to(torch.int32).contiguous()
+    longest_seq = max(seq_lens, default=0)
     # C reads what it is told to: out-of-range blocks or lengths would read past the cache.
-    if batch and max(seq_lens) > tables.shape[1] * block_size:
-        raise ValueError(f"a sequence of {max(seq_lens)} tokens outruns its block table")
-    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < k_cache.shape[0]:
-        raise ValueError(f"block ids must be in [0, {k_cache.shape[0]})")
+    if longest_seq > tables.shape[1] * block_size:
+        raise ValueError(f"a sequence of {longest_seq} tokens outruns its block table")
+    if tables.numel():
+        lowest, highest = (int(x) for x in torch.aminmax(tables))
+        if not 0 <= lowest <= highest < k_cache.shape[0]:
+            raise ValueError(f"block ids must be in [0, {k_cache.shape[0]})")
     if len(seq_lens) != batch or tables.shape[0] != batch:
         raise ValueError(f"{batch} queries, {len(seq_lens)} lengths, {tables.shape[0]} tables")
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = torch.empty_like(q)
     window = sliding_window or 0
-    longest = max(seq_lens) if window <= 0 else min(max(seq_lens), window)
+    longest = longest_seq if window <= 0 else min(longest_seq, window)
     scratch = torch.empty(heads * max(longest, 1), dtype=torch.float32)
     sb, sp, sh, _ = k_cache.stride()
     lib.paged_decode_attention(

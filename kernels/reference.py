@@ -64,16 +64,15 @@ def paged_attention_reference(
     lens = seq_lens.tolist()
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
-    if len(decodes) == len(lens) == q.shape[0] and cpu_decode_attention.usable_for(
-        q, k_cache, v_cache
-    ):
+    pure_decode = len(decodes) == len(lens) == q.shape[0]
+    if pure_decode and cpu_decode_attention.usable_for(q, k_cache, v_cache):
         # A pure decode step on one CPU thread: read the paged cache in place.
         return cpu_decode_attention.paged_decode_attention(
             q, k_cache, v_cache, block_tables, lens, scale, sliding_window
         )
     position_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
     groups = _decode_groups(decodes, lens, k_cache.shape[1], position_bytes)
-    if len(groups) == 1 and len(decodes) == len(lens) == q.shape[0]:
+    if len(groups) == 1 and pure_decode:
         # A pure decode step of similar lengths: one batched call, nothing to scatter.
         return _decode_batch(q, k_cache, v_cache, block_tables, lens, scale, sliding_window)
     out = torch.empty_like(q)

@@ -16,7 +16,6 @@ from typing import Any
 
 from fastapi import Request
 
-from pdpool.engine.server.errors import ApiError
 from pdpool.engine.server.protocol import ChatCompletionRequest
 from pdpool.engine.server.translator import RequestTranslator
 from pdpool.protocol import RequestError, parse_json_body, validate_request
@@ -37,17 +36,10 @@ class TokenizeRoutes:
         self.engine = translator.engine
 
     async def tokenize(self, request: Request):
-        return await self._answer(request, self._tokenize)
+        return await self.translator.decode_body(request, self._tokenize)
 
     async def detokenize(self, request: Request):
-        return await self._answer(request, self._detokenize)
-
-    async def _answer(self, request: Request, work):
-        raw = await self.translator.read_body(request)
-        try:
-            return await self.translator.off_loop(work, raw)
-        except RequestError as exc:
-            raise ApiError(str(exc), exc.status, param=exc.param)
+        return await self.translator.decode_body(request, self._detokenize)
 
     def _body(self, raw: bytes) -> dict:
         body = parse_json_body(raw)

@@ -72,13 +72,17 @@ class RequestTranslator:
 
     async def parse(self, request: Request, request_type: type):
         """The body as `request_type`, validated (pdpool.protocol) and naming this model."""
-        raw = await self.read_body(request)
-        try:
-            req = await self.off_loop(self._decode, raw, request_type)
-        except RequestError as exc:
-            raise ApiError(str(exc), exc.status, param=exc.param)
+        req = await self.decode_body(request, self._decode, request_type)
         self.check_model(req.model)
         return req
+
+    async def decode_body(self, request: Request, decode, *args):
+        """`decode(body bytes, *args)` off the loop; its RequestError answered as an ApiError."""
+        raw = await self.read_body(request)
+        try:
+            return await self.off_loop(decode, raw, *args)
+        except RequestError as exc:
+            raise ApiError(str(exc), exc.status, param=exc.param)
 
     def check_model(self, name: object) -> None:
         """404 unless `name` is absent or this engine's served model name."""

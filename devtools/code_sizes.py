@@ -32,8 +32,8 @@ def python_files(root: Path, folders: list[str]) -> Iterator[Path]:
             yield from sorted(base.rglob("*.py"))
 
 
-def functions(path: Path, rel: str) -> Iterator[Sized]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+def functions(source: str, rel: str) -> Iterator[Sized]:
+    tree = ast.parse(source, filename=rel)
 
     def walk(node: ast.AST, prefix: str) -> Iterator[Sized]:
         for child in ast.iter_child_nodes(node):
@@ -54,8 +54,9 @@ def measure(root: Path, folders: list[str]) -> tuple[list[Sized], list[Sized]]:
     modules, funcs = [], []
     for path in python_files(root, folders):
         rel = str(path.relative_to(root))
-        modules.append(Sized(len(path.read_text().splitlines()), rel))
-        funcs.extend(functions(path, rel))
+        source = path.read_text()
+        modules.append(Sized(len(source.splitlines()), rel))
+        funcs.extend(functions(source, rel))
     return sorted(modules, reverse=True), sorted(funcs, reverse=True)
 
 

@@ -4,9 +4,8 @@ which block pairs the READ moves. Pure bookkeeping: no I/O, no NIXL."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdpool.engine.connector.lease_token import LeaseToken
@@ -28,7 +27,6 @@ class LoadPlan:
     own_prefix_hash: Optional[bytes]  # ours at the lease's token count, if the prompt reaches
     num_external: int  # tokens the plan would bring
     wants_state: bool = False
-    started: float = field(default_factory=time.monotonic)
     opening: Optional[Future] = None
     transfer_id: Optional[int] = None
     num_valid_positions: int = 0
@@ -37,7 +35,6 @@ class LoadPlan:
     # local snapshot slot and published under that block's hash once it has arrived, so a
     # later turn can hit this prefix here: (local slot, remote slot, block hash).
     boundary_snapshot: Optional[tuple[int, Any, bytes]] = None
-    boundary_hash: Optional[bytes] = None
     orphan_blocks: Optional[list[Block]] = None  # request aborted mid-READ
 
     @property

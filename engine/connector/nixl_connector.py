@@ -205,7 +205,7 @@ class NixlConnector(KVConnector):
         if gain <= 0:
             # Not pulling after all: the peer need not hold anything for us.
             request.kv_consumed = True
-            self.peer_leases.drop(request.request_id, release=True)
+            self.peer_leases.drop(request.request_id)
             return 0
         return gain
 
@@ -264,7 +264,7 @@ class NixlConnector(KVConnector):
         self.loads.plan(plan)
 
     def request_finished(self, request: Request, status: RequestStatus) -> Optional[dict]:
-        self.peer_leases.drop(request.request_id, release=True)
+        self.peer_leases.drop(request.request_id)
         normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         if not normal:
             return None
@@ -314,7 +314,7 @@ class NixlConnector(KVConnector):
         return self._describe(request, lease, do_remote_prefill=False, num_tokens=num_cached)
 
     def request_aborted(self, request: Request) -> None:
-        self.peer_leases.drop(request.request_id, release=True)
+        self.peer_leases.drop(request.request_id)
         self.loads.abort(request)
 
     def release_lease(self, params: Any) -> bool:

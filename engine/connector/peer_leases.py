@@ -54,21 +54,20 @@ class PeerLeases:
     def take(self, request_id: str) -> Optional[Peer]:
         """The request starts loading: its lease is no longer renewed here (the open keeps
         it); returns the producer it names, if it was wanted."""
-        wanted = self._wanted.pop(request_id, None)
-        if wanted is None:
-            return None
-        if wanted.renewing is not None:
-            wanted.renewing.cancel()
-        return wanted.key
+        wanted = self._unwant(request_id)
+        return None if wanted is None else wanted.key
 
-    def drop(self, request_id: str, release: bool) -> None:
-        wanted = self._wanted.pop(request_id, None)
-        if wanted is None:
-            return
-        if wanted.renewing is not None:
-            wanted.renewing.cancel()
-        if release:
+    def drop(self, request_id: str) -> None:
+        """The request will not read its lease: renewals stop and the lease is given back."""
+        wanted = self._unwant(request_id)
+        if wanted is not None:
             self.release(*wanted.key, wanted.token)
+
+    def _unwant(self, request_id: str) -> Optional[_Wanted]:
+        wanted = self._wanted.pop(request_id, None)
+        if wanted is not None and wanted.renewing is not None:
+            wanted.renewing.cancel()
+        return wanted
 
     def release(self, host: str, port: int, token: LeaseToken) -> None:
         self.counters["lease_releases_sent"] += 1
@@ -81,7 +80,7 @@ class PeerLeases:
         now = time.monotonic()
         for rid, w in list(self._wanted.items()):
             if w.request.is_finished:
-                self.drop(rid, release=True)
+                self.drop(rid)
                 continue
             if w.renewing is not None:
                 if not w.renewing.done():

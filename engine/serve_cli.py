@@ -133,7 +133,7 @@ def config_from_args(args: argparse.Namespace):
         prefix_aware_admission=args.prefix_aware_admission,
         global_cache_hit_threshold=args.global_cache_hit_threshold,
         seed=args.seed,
-        cpu_threads=args.cpu_threads or serving_cpu_threads(),
+        cpu_threads=serving_cpu_threads() if args.cpu_threads is None else args.cpu_threads,
         kv_connector=args.kv_connector,
         kv_role=args.kv_role,
         kv_host=args.kv_host,

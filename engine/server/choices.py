@@ -188,11 +188,8 @@ class ChoiceRunner:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump_one(c: Choice):
-            try:
-                async for out in self.outputs(c):
-                    queue.put_nowait((c, out))
-            except Exception as exc:
-                queue.put_nowait((c, exc))
+            async for item in self._read_one(c):
+                queue.put_nowait(item)
 
         async def read_queue():
             while True:

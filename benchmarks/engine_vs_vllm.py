@@ -7,7 +7,8 @@ Workload: 64 concurrent streaming greedy /v1/completions (token-id prompts of 16
 outputs of 8-128 tokens with ignore_eos; one seeded random draw shared by both engines).
 Each engine runs alone: the other server is SIGSTOPped during a round; rounds alternate
 (ours, vLLM, ours, ...) and the best of N counts. Reported: output tokens/s (all output
-tokens / wall time of the round), TTFT p50/p90 of that round, and how many of the 64 greedy
+tokens / wall time of the round), TTFT p50/p90 of that round, tokens per streamed event (both
+servers send what is waiting for a reader that fell behind in one event), and how many of the 64 greedy
 outputs are equal between the engines, as token ids and as text (float32 both; vLLM on CPU
 with --enforce-eager). On these random token-id prompts vLLM's streamed text is not always
 tokenizer.decode(its own token ids) (its incremental detokenizer starts from the prompt's
@@ -123,7 +124,7 @@ class Server:
 
 async def one(
     client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
-) -> tuple[float, str, int, list[int]]:
+) -> tuple[float, str, int, list[int], int]:
     body = {
         "model": model,
         "prompt": prompt,
@@ -135,7 +136,7 @@ async def one(
         "return_token_ids": True,
     }  # vLLM's extension, also ours: token ids per chunk
     t0 = time.perf_counter()
-    ttft, text, tokens, ids = None, [], 0, []
+    ttft, text, tokens, ids, events = None, [], 0, [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -143,13 +144,14 @@ async def one(
                 continue
             ev = json.loads(line[6:])
             if ev.get("choices"):
+                events += 1
                 if ttft is None:
                     ttft = time.perf_counter() - t0
                 text.append(ev["choices"][0].get("text") or "")
                 ids.extend(ev["choices"][0].get("token_ids") or [])
             if ev.get("usage"):
                 tokens = ev["usage"]["completion_tokens"]
-    return ttft or float("nan"), "".join(text), tokens, ids
+    return ttft or float("nan"), "".join(text), tokens, ids, events
 
 
 async def run_round(url: str, model: str, work) -> dict:
@@ -166,6 +168,8 @@ async def run_round(url: str, model: str, work) -> dict:
         "tok_s": tokens / wall,
         "ttft_p50": statistics.median(ttfts),
         "ttft_p90": ttfts[int(0.9 * len(ttfts))],
+        # Above 1 when the server sends several tokens per event (a reader behind the engine).
+        "tokens_per_event": tokens / max(sum(o[4] for o in outs), 1),
         "texts": [o[1] for o in outs],
         "ids": [o[3] for o in outs],
     }
@@ -223,7 +227,8 @@ def bench_shape(shape: str, args) -> dict:
                 rounds[s.name].append(res)
                 print(
                     f"  {shape} round {r + 1} {s.name}: {res['tok_s']:.0f} tok/s, "
-                    f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms",
+                    f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms, "
+                    f"{res['tokens_per_event']:.2f} tokens per event",
                     flush=True,
                 )
     finally:

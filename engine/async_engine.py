@@ -2,7 +2,9 @@
 
 The HTTP server lives on the event loop; the model runs on one engine thread. New requests
 and aborts are handed over through a lock-protected inbox; a step's outputs come back
-through one `loop.call_soon_threadsafe` into one asyncio queue per request.
+through one `loop.call_soon_threadsafe` into one asyncio queue per request. A reader that
+falls behind the engine gets everything waiting for it at once: one output per step would
+make a slow reader slower (one SSE event, one send per token).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import threading
 import time
 import traceback
+from dataclasses import replace
 from typing import AsyncIterator, Callable, Optional
 
 from pdpool.engine.engine_core import LLMEngine, RequestOutput
@@ -33,9 +36,10 @@ class AsyncEngine:
     # --- called from the event loop -----------------------------------------------------
     async def generate(
         self, request_id: str, add: Callable[[], object]
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[list[RequestOutput]]:
         """Queues `add()` (which adds the request to the engine, on the engine thread) and
-        yields its outputs. Leaving the iterator early aborts the request."""
+        yields its outputs, as lists of all those that are waiting (one or more, in order;
+        `merge_deltas` makes one of them). Leaving the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
@@ -54,11 +58,15 @@ class AsyncEngine:
         try:
             await added
             while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
+                batch = [await queue.get()]
+                while not queue.empty() and _more_may_follow(batch[-1]):
+                    batch.append(queue.get_nowait())
+                if isinstance(batch[-1], BaseException):
+                    if len(batch) > 1:
+                        yield batch[:-1]
+                    raise batch[-1]
+                yield batch
+                if batch[-1].finished:
                     finished = True
                     return
         finally:
@@ -125,7 +133,9 @@ class AsyncEngine:
         # One wake-up of each event loop per step, not one per output: every
         # call_soon_threadsafe writes to the loop's self-pipe.
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        now = time.monotonic()
         for out in outputs:
+            out.produced_at = now
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], out))
@@ -140,6 +150,27 @@ class AsyncEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream[0].call_soon_threadsafe(stream[1].put_nowait, RuntimeError(message))
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output for consecutive outputs of one request: their new text, token ids and
+    logprobs joined; everything else (counts, finish, errors, times) as of the last."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    logprobs = None
+    if any(o.logprobs for o in outputs):
+        logprobs = [lp for o in outputs for lp in (o.logprobs or ())]
+    return replace(
+        last,
+        new_text="".join(o.new_text for o in outputs),
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        logprobs=logprobs,
+    )
+
+
+def _more_may_follow(item: object) -> bool:
+    return isinstance(item, RequestOutput) and not item.finished
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

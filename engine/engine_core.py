@@ -55,6 +55,8 @@ class RequestOutput:
     logprobs: Optional[list[TokenLogprob]] = None
     # Of num_cached_tokens, those loaded from a peer (the rest were local hits).
     num_pulled_tokens: int = 0
+    # time.monotonic() when the step that made it ended (set on delivery; latency metrics).
+    produced_at: float = 0.0
 
 
 def pick_device(name: str) -> torch.device:

@@ -10,7 +10,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import Request
 
-from pdpool.engine.async_engine import AsyncEngine
+from pdpool.engine.async_engine import AsyncEngine, merge_deltas
 from pdpool.engine.engine_core import KVTransferRefused, RequestOutput, RequestRejected
 from pdpool.engine.sampling import TokenLogprob
 from pdpool.engine.server.errors import ApiError, client_closed, output_error
@@ -74,12 +74,10 @@ class Choice:
         first: RequestOutput,
         stream: Outputs,
         format_logprobs: LogprobsFormatter,
-        t_arrival: float,
     ):
         self.index, self.first_of_prompt = spec.index, spec.first_of_prompt
         self.request_id = spec.request_id
         self.first, self.stream, self.format_logprobs = first, stream, format_logprobs
-        self.t_arrival = t_arrival
         self.text: list[str] = []
         self.logprobs: list[dict] = []
         self.last: RequestOutput = first
@@ -101,7 +99,7 @@ class ChoiceRunner:
     def __init__(self, aengine: AsyncEngine, metrics: EngineMetrics):
         self.aengine, self.metrics = aengine, metrics
 
-    def _submit(self, spec: ChoiceRequest) -> Outputs:
+    def _submit(self, spec: ChoiceRequest, t_arrival: float) -> Outputs:
         """The output iterator of one engine request (added when first awaited)."""
         engine = self.aengine.engine
 
@@ -115,7 +113,23 @@ class ChoiceRunner:
                 kv_transfer_params=spec.kv_transfer_params,
             )
 
-        return self.aengine.generate(spec.request_id, add)
+        return self._observed(self.aengine.generate(spec.request_id, add), t_arrival)
+
+    async def _observed(self, batches: AsyncIterator[list[RequestOutput]], t_arrival: float):
+        """One output per batch of those waiting, after every one of them is observed in the
+        latency metrics as of the step that made it (so a reader that falls behind does not
+        skew them). A first output that is an error becomes the HTTP error, not a latency."""
+        t_last, n = t_arrival, 0
+        try:
+            async for batch in batches:
+                for out in batch:
+                    if n or out.finish_reason != "error":
+                        since, e2e = out.produced_at - t_last, out.produced_at - t_arrival
+                        self.metrics.observe_output(out, n == 0, since, e2e)
+                    t_last, n = out.produced_at, n + 1
+                yield merge_deltas(batch)
+        finally:
+            await batches.aclose()
 
     async def start(
         self, specs: list[ChoiceRequest], new_logprobs_formatter: Callable[[], LogprobsFormatter]
@@ -123,7 +137,7 @@ class ChoiceRunner:
         """Submits every choice and waits for all their first outputs: an error in any
         becomes the answer's HTTP error, and closes the others."""
         t_arrival = time.monotonic()
-        streams = [self._submit(spec) for spec in specs]
+        streams = [self._submit(spec, t_arrival) for spec in specs]
         try:  # all at once, so that they share steps
             firsts = await asyncio.gather(
                 *(first_output(s) for s in streams), return_exceptions=True
@@ -136,18 +150,14 @@ class ChoiceRunner:
                 await stream.aclose()
             raise
         return [
-            Choice(spec, first, stream, new_logprobs_formatter(), t_arrival)
+            Choice(spec, first, stream, new_logprobs_formatter())
             for spec, first, stream in zip(specs, firsts, streams)
         ]
 
     async def outputs(self, c: Choice) -> Outputs:
-        """A choice's outputs from its first on, each observed in the latency metrics."""
-        t_last, n = c.t_arrival, 0
+        """A choice's outputs from its first on."""
         out = c.first
         while True:
-            now = time.monotonic()
-            self.metrics.observe_output(out, n == 0, now - t_last, now - c.t_arrival)
-            t_last, n = now, n + 1
             yield out
             if out.finished:
                 return

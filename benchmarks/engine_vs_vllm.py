@@ -7,17 +7,19 @@ Workload: 64 concurrent streaming greedy /v1/completions (token-id prompts of 16
 outputs of 8-128 tokens with ignore_eos; one seeded random draw shared by both engines).
 Each engine runs alone: the other server is SIGSTOPped during a round; rounds alternate
 (ours, vLLM, ours, ...) and the best of N counts. Reported: output tokens/s (all output
-tokens / wall time of the round), TTFT p50/p90 of that round, tokens per streamed event (both
-servers send what is waiting for a reader that fell behind in one event), and how many of the 64 greedy
-outputs are equal between the engines, as token ids and as text (float32 both; vLLM on CPU
-with --enforce-eager). On these random token-id prompts vLLM's streamed text is not always
-tokenizer.decode(its own token ids) (its incremental detokenizer starts from the prompt's
-bytes), so the token ids are the comparison that counts; ours is decode(ids).
+tokens / wall time of the round), TTFT p50/p90 of that round, tokens per streamed event
+(both servers send what waits for a reader that fell behind in one event), and how many of
+the 64 greedy outputs are equal between the engines, as token ids and as text (float32
+both; vLLM on CPU with --enforce-eager). On these random token-id prompts vLLM's streamed
+text is not always tokenizer.decode(its own token ids) (its incremental detokenizer starts
+from the prompt's bytes), so the token ids are the comparison that counts; ours is
+decode(ids).
 Shapes: small = 2 layers, hidden 64, head_dim 32; large = 4 layers, hidden 512, head_dim 64.
 Both engines get their defaults, which now follow one policy: on this 2-core machine one
 core computes and one is left to the HTTP side. vLLM binds its OpenMP to one core and keeps
-one for its frontend process; pdpool serve gives torch every usable core but one (the HTTP
-server's thread keeps it; --cpu-threads overrides). `--vllm-bind 0-1` changes vLLM's.
+one for its frontend process; pdpool serve gives torch (in its engine process) every usable
+core but one (its HTTP server process keeps it; --cpu-threads overrides). `--vllm-bind 0-1`
+changes vLLM's.
 Both keep their prefix caches on (both defaults), and every round sends the same prompts:
 after the first round the full prompt blocks are cache hits in both engines, so the best
 round measures mostly decode (and TTFT mostly queueing behind the other requests).

@@ -1,89 +1,87 @@
-"""Runs the engine's step loop on a background thread and streams outputs to asyncio.
+"""Runs the engine's step loop on a thread and streams its outputs to asyncio.
 
-The HTTP server lives on the event loop; the model runs on one engine thread. New requests
-and aborts are handed over through a lock-protected inbox; a step's outputs come back
-through one `loop.call_soon_threadsafe` into one asyncio queue per request. A reader that
-falls behind the engine gets everything waiting for it at once: one output per step would
-make a slow reader slower (one SSE event, one send per token).
+The step loop (EngineLoop) takes new requests and aborts through a lock-protected inbox and
+hands each step's outputs to a sink. AsyncEngine runs it on a thread of the server's own
+process: the sink wakes the event loop once per step and fills one asyncio queue per
+request. engine_process.py runs the same loop in a process of its own.
+
+A reader that falls behind the engine gets everything waiting for it at once: one output
+per step would make a slow reader slower (one SSE event, one send per token).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 import traceback
 from dataclasses import replace
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Protocol
 
-from pdpool.engine.engine_core import LLMEngine, RequestOutput
+from pdpool.engine.engine_core import RequestOutput
 
 log = logging.getLogger("pdpool.engine")
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+class NewRequest(Protocol):
+    """The arguments of one `LLMEngine.add_request` (the server's ChoiceRequest is one)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: object
+    cache_salt: Optional[str]
+    cache_hit_threshold: Optional[float]
+    kv_transfer_params: Optional[dict]
+
+
+def add_to_engine(engine, spec: NewRequest) -> None:
+    engine.add_request(
+        spec.request_id,
+        spec.prompt_ids,
+        spec.params,
+        cache_salt=spec.cache_salt,
+        cache_hit_threshold=spec.cache_hit_threshold,
+        kv_transfer_params=spec.kv_transfer_params,
+    )
+
+
+class OutputSink(Protocol):
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs (possibly none); called on the engine thread after every step."""
+
+    def failed(self, request_ids: list[str], message: str) -> None:
+        """Requests ended by an engine-wide failure of a step."""
+
+    def idle(self) -> None:
+        """The loop is waiting for work (called about every 50 ms meanwhile)."""
+
+
+class EngineLoop:
+    """The engine's step loop on its own thread."""
+
+    def __init__(self, engine, sink: OutputSink):
+        self.engine, self.sink = engine, sink
         self._cv = threading.Condition()
         self._inbox: list[Callable[[], None]] = []
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
-        self.last_tick = time.monotonic()  # the engine loop's last sign of life
+        self.last_tick = time.monotonic()  # the loop's last sign of life
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
-    # --- called from the event loop -----------------------------------------------------
-    async def generate(
-        self, request_id: str, add: Callable[[], object]
-    ) -> AsyncIterator[list[RequestOutput]]:
-        """Queues `add()` (which adds the request to the engine, on the engine thread) and
-        yields its outputs, as lists of all those that are waiting (one or more, in order;
-        `merge_deltas` makes one of them). Leaving the iterator early aborts the request."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, queue)
-        added = loop.create_future()
-
-        def do_add():
-            try:
-                add()
-                loop.call_soon_threadsafe(_set_result, added, None)
-            except Exception as exc:  # validation errors surface to the caller
-                self._streams.pop(request_id, None)
-                loop.call_soon_threadsafe(_set_exception, added, exc)
-
-        self._submit(do_add)
-        finished = False
-        try:
-            await added
-            while True:
-                batch = [await queue.get()]
-                while not queue.empty() and _more_may_follow(batch[-1]):
-                    batch.append(queue.get_nowait())
-                if isinstance(batch[-1], BaseException):
-                    if len(batch) > 1:
-                        yield batch[:-1]
-                    raise batch[-1]
-                yield batch
-                if batch[-1].finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._submit(lambda: self.engine.abort_request(request_id))
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._inbox.append(fn)
+            self._cv.notify()
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     def readiness(self, max_stall_s: float) -> Optional[str]:
-        """None when ready; else why not: the engine thread died, or it has work and its
-        loop has not ticked for `max_stall_s` (a step that hangs)."""
+        """None when ready; else why not: the loop's thread died, or it has work and has not
+        ticked for `max_stall_s` (a step that hangs)."""
         if not self.alive:
             return "the engine loop has stopped"
         stalled = time.monotonic() - self.last_tick
@@ -92,29 +90,30 @@ class AsyncEngine:
         return None
 
     def shutdown(self) -> None:
+        """Stops the loop and closes the engine (once; later calls do nothing)."""
         with self._cv:
+            if self._stopping:
+                return
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout=10)
         self.engine.close()
 
-    # --- the engine thread --------------------------------------------------------------
-    def _submit(self, fn: Callable[[], None]) -> None:
-        with self._cv:
-            self._inbox.append(fn)
-            self._cv.notify()
-
     def _loop(self) -> None:
         while True:
             with self._cv:
                 self.last_tick = time.monotonic()
-                while not self._inbox and not self._stopping and not self.engine.has_unfinished():
+                waited = not self._inbox and not self._stopping and not self.engine.has_unfinished()
+                if waited:
                     self._cv.wait(timeout=0.05)
                     self.last_tick = time.monotonic()
-                    self.engine.idle_tick()  # connector housekeeping while idle
                 if self._stopping:
                     return
                 inbox, self._inbox = self._inbox, []
+            # Outside the lock: a sink may block on a pipe, and `submit` must never wait on it.
+            if waited:
+                self.engine.idle_tick()  # connector housekeeping while idle
+                self.sink.idle()
             for fn in inbox:
                 fn()
             if not self.engine.has_unfinished():
@@ -127,29 +126,132 @@ class AsyncEngine:
                 continue
             if self.engine.last_step_idle:
                 time.sleep(0.001)  # only remote loads in flight: do not spin
-            self._deliver(outputs)
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        # One wake-up of each event loop per step, not one per output: every
-        # call_soon_threadsafe writes to the loop's self-pipe.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        now = time.monotonic()
-        for out in outputs:
-            out.produced_at = now
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            now = time.monotonic()
+            for out in outputs:
+                out.produced_at = now
+            self.sink.outputs(outputs)
 
     def _fail_all(self, message: str) -> None:
         # Nobody to blame: /health reports it until a model forward succeeds again.
         self.engine.fault = message
-        for rid in list(self.engine.requests):
+        failed = list(self.engine.requests)
+        for rid in failed:
             self.engine.abort_request(rid)
+        self.sink.failed(failed, message)
+
+
+class OutputStreams:
+    """The asyncio side of requests in flight: one queue per request, read by `generate`."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    def _send_add(self, spec: NewRequest) -> None:
+        """Hands the request to the engine; a refusal comes back as an exception in its
+        queue (`_put`)."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def generate(self, spec: NewRequest) -> AsyncIterator[list[RequestOutput]]:
+        """Adds the request to the engine and yields its outputs, as lists of all those that
+        are waiting (one or more, in order; `merge_deltas` makes one of them). A refusal
+        (validation) is raised. Leaving the iterator early aborts the request."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[spec.request_id] = (asyncio.get_running_loop(), queue)
+        self._send_add(spec)
+        finished = False
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty() and _more_may_follow(batch[-1]):
+                    batch.append(queue.get_nowait())
+                if isinstance(batch[-1], BaseException):
+                    if len(batch) > 1:
+                        yield batch[:-1]
+                    finished = True  # refused or failed: the engine holds it no more
+                    raise batch[-1]
+                yield batch
+                if batch[-1].finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(spec.request_id, None)
+            if not finished:
+                self.abort(spec.request_id)
+
+    def _by_loop(self, items) -> dict[asyncio.AbstractEventLoop, list]:
+        """(request id, output or exception) pairs grouped by the event loop of their reader."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
-                stream[0].call_soon_threadsafe(stream[1].put_nowait, RuntimeError(message))
+                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        return by_loop
+
+    def _put(self, items) -> None:
+        """Delivers (request id, output or exception) pairs; on the readers' event loop."""
+        for queues in self._by_loop(items).values():
+            _put_all(queues)
+
+    def _put_threadsafe(self, items) -> None:
+        # One wake-up of each event loop per step, not one per output: every
+        # call_soon_threadsafe writes to the loop's self-pipe.
+        for loop, queues in self._by_loop(items).items():
+            loop.call_soon_threadsafe(_put_all, queues)
+
+
+class AsyncEngine(OutputStreams):
+    """The engine on a thread of this process."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self.loop = EngineLoop(engine, self)
+
+    @functools.cached_property
+    def view(self):
+        from pdpool.engine.engine_state import LiveEngineView
+
+        return LiveEngineView(self.engine)
+
+    def _send_add(self, spec: NewRequest) -> None:
+        def add():
+            try:
+                add_to_engine(self.engine, spec)
+            except Exception as exc:  # validation errors surface to the caller
+                self._put_threadsafe([(spec.request_id, exc)])
+
+        self.loop.submit(add)
+
+    def abort(self, request_id: str) -> None:
+        self.loop.submit(lambda: self.engine.abort_request(request_id))
+
+    async def release_lease(self, params: dict) -> bool:
+        # Thread-safe: it only marks the lease; the engine thread gives the blocks back.
+        return self.engine.connector.release_lease(params)
+
+    @property
+    def alive(self) -> bool:
+        return self.loop.alive
+
+    def readiness(self, max_stall_s: float) -> Optional[str]:
+        return self.loop.readiness(max_stall_s)
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+
+    # --- the sink, on the engine thread -------------------------------------------------
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._put_threadsafe([(out.request_id, out) for out in outputs])
+
+    def failed(self, request_ids: list[str], message: str) -> None:
+        self._put_threadsafe([(rid, RuntimeError(message)) for rid in request_ids])
+
+    def idle(self) -> None:
+        pass
 
 
 def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
@@ -176,13 +278,3 @@ def _more_may_follow(item: object) -> bool:
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

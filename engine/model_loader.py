@@ -80,7 +80,10 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> tor
         raise ModelLoadError(f"no *.safetensors files in {info.path}")
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state.update(load_file(str(shard), device="cpu"))
+        try:
+            state.update(load_file(str(shard), device="cpu"))
+        except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+            raise ModelLoadError(f"{shard.name} is not a readable safetensors file: {exc}")
     state = text_weights(state)
     if getattr(model, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -105,6 +105,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ' true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}\'',
     )
+    p.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine loop in a process of its own, as vLLM runs its EngineCore, so "
+        "that HTTP and streaming never wait for the model's GIL (default); "
+        "--no-engine-process keeps it on a thread of the server's process",
+    )
     p.add_argument("--log-level", default="info")
 
 
@@ -150,6 +158,23 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
+def start_engine(config, own_process: bool, log_level: str):
+    """The engine, loaded and ready to serve: in a child process or on a thread of this one."""
+    from pdpool.engine.async_engine import AsyncEngine
+    from pdpool.engine.engine_process import EngineProcess, EngineStartError
+    from pdpool.engine.model_loader import ModelLoadError
+
+    try:
+        config.validate()  # here, before a process is started for nothing
+        if own_process:
+            return EngineProcess(config, log_level)
+        from pdpool.engine.engine_core import LLMEngine
+
+        return AsyncEngine(LLMEngine(config))
+    except (ModelLoadError, EngineStartError, ValueError, OSError) as exc:
+        raise CliError(str(exc)) from exc
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -159,16 +184,9 @@ def main(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert-file and --tls-key-file go together")
     import uvicorn
 
-    from pdpool.engine.async_engine import AsyncEngine
-    from pdpool.engine.engine_core import LLMEngine
-    from pdpool.engine.model_loader import ModelLoadError
     from pdpool.engine.server.api import build_app
 
-    try:
-        engine = LLMEngine(config)
-    except (ModelLoadError, ValueError, OSError) as exc:
-        raise CliError(str(exc)) from exc
-    aengine = AsyncEngine(engine)
+    aengine = start_engine(config, args.engine_process, args.log_level)
     app = build_app(aengine)
     try:
         tls = (

@@ -10,7 +10,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import Request
 
-from pdpool.engine.async_engine import AsyncEngine, merge_deltas
+from pdpool.engine.async_engine import OutputStreams, merge_deltas
 from pdpool.engine.engine_core import KVTransferRefused, RequestOutput, RequestRejected
 from pdpool.engine.sampling import TokenLogprob
 from pdpool.engine.server.errors import ApiError, client_closed, output_error
@@ -96,24 +96,12 @@ class Choice:
 class ChoiceRunner:
     """Runs the engine requests of an answer's choices and observes their latencies."""
 
-    def __init__(self, aengine: AsyncEngine, metrics: EngineMetrics):
+    def __init__(self, aengine: OutputStreams, metrics: EngineMetrics):
         self.aengine, self.metrics = aengine, metrics
 
     def _submit(self, spec: ChoiceRequest, t_arrival: float) -> Outputs:
         """The output iterator of one engine request (added when first awaited)."""
-        engine = self.aengine.engine
-
-        def add():
-            engine.add_request(
-                spec.request_id,
-                spec.prompt_ids,
-                spec.params,
-                cache_salt=spec.cache_salt,
-                cache_hit_threshold=spec.cache_hit_threshold,
-                kv_transfer_params=spec.kv_transfer_params,
-            )
-
-        return self._observed(self.aengine.generate(spec.request_id, add), t_arrival)
+        return self._observed(self.aengine.generate(spec), t_arrival)
 
     async def _observed(self, batches: AsyncIterator[list[RequestOutput]], t_arrival: float):
         """One output per batch of those waiting, after every one of them is observed in the

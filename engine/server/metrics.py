@@ -101,52 +101,54 @@ VLLM_METRICS = {
 class _VllmCounters:
     """Counters the engine keeps itself, exported as counters (not gauges) at scrape time."""
 
-    def __init__(self, engine, labels: dict[str, str]) -> None:
-        self.engine, self.labels = engine, labels
+    def __init__(self, view, labels: dict[str, str]) -> None:
+        self.view, self.labels = view, labels
 
     def collect(self):
-        pool, sched = self.engine.kv.pool, self.engine.scheduler
+        state = self.view.state()
         for name, doc, value in (
             (
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",
-                lambda: pool.queries,
+                state.prefix_queries,
             ),
             (
                 "vllm:prefix_cache_hits",
                 "Prefix cache hits, in terms of number of cached tokens.",
-                lambda: pool.hits,
+                state.prefix_hits,
             ),
             (
                 "vllm:num_preemptions",
                 "Cumulative number of preemption from the engine.",
-                lambda: sched.num_preemptions,
+                state.preemptions,
             ),
         ):
             family = CounterMetricFamily(name, doc, labels=list(self.labels))
-            family.add_metric(list(self.labels.values()), value())
+            family.add_metric(list(self.labels.values()), value)
             yield family
 
 
 class EngineMetrics:
-    def __init__(self, engine, model_name: str):
+    def __init__(self, view, model_name: str):
+        """`view`: the engine's facts and state (engine_state.LiveEngineView or the mirror
+        of an engine process); every gauge reads its state at scrape time."""
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
-        sched, pool = engine.scheduler, engine.kv.pool
+        state = view.state
 
         def gauge(name: str, doc: str, fn) -> None:
             g = Gauge(name, doc, list(labels), registry=r)
             g.labels(**labels).set_function(fn)
 
-        gauge("pdpool_num_requests_running", "Requests being computed.", lambda: len(sched.running))
+        gauge("pdpool_num_requests_running", "Requests being computed.", lambda: state().running)
         gauge(
             "pdpool_num_requests_waiting",
             "Requests waiting to be scheduled.",
-            lambda: len(sched.waiting),
+            lambda: state().waiting,
         )
-        gauge("pdpool_kv_blocks_used", "KV blocks in use.", lambda: pool.num_used_blocks)
-        gauge("pdpool_kv_blocks_total", "KV blocks in the pool.", lambda: pool.num_blocks)
-        gauge("pdpool_kv_cache_usage_perc", "Fraction of KV blocks in use.", pool.usage)
+        gauge("pdpool_kv_blocks_used", "KV blocks in use.", lambda: state().blocks_used)
+        gauge("pdpool_kv_blocks_total", "KV blocks in the pool.", lambda: state().blocks_total)
+        gauge("pdpool_kv_cache_usage_perc", "Fraction of KV blocks in use.", lambda: state().usage)
         self._labels = labels
 
         def counter(name: str, doc: str, extra=()):
@@ -182,19 +184,19 @@ class EngineMetrics:
         # Observed for every token: look the labelled series up once.
         self._ttft_series = self.ttft.labels(**labels)
         self._itl_series = self.itl.labels(**labels)
-        self._vllm_series(engine, model_name)
+        self._vllm_series(view, model_name)
         # Counters that the engine keeps itself are exported by reading them at scrape time.
         gauge(
             "pdpool_prefix_cache_queries_total",
             "Prompt tokens looked up in the prefix cache.",
-            lambda: pool.queries,
+            lambda: state().prefix_queries,
         )
         gauge(
             "pdpool_prefix_cache_hits_total",
             "Prompt tokens found in the prefix cache.",
-            lambda: pool.hits,
+            lambda: state().prefix_hits,
         )
-        gauge("pdpool_num_preemptions_total", "Requests preempted.", lambda: sched.num_preemptions)
+        gauge("pdpool_num_preemptions_total", "Requests preempted.", lambda: state().preemptions)
         rej = Gauge(
             "pdpool_cache_threshold_rejections_total",
             "Requests rejected below their cache-hit threshold.",
@@ -203,7 +205,7 @@ class EngineMetrics:
         )
         for source in ("request", "global"):
             rej.labels(threshold_source=source, **labels).set_function(
-                lambda s=source: sched.num_threshold_rejections[s]
+                lambda s=source: state().threshold_rejections[s]
             )
         kv_stat = Gauge(
             "pdpool_kv_connector",
@@ -212,31 +214,29 @@ class EngineMetrics:
             list(labels) + ["stat"],
             registry=r,
         )
-        for stat in engine.connector.stats():
-            kv_stat.labels(stat=stat, **labels).set_function(
-                lambda s=stat: engine.connector.stats()[s]
-            )
+        for stat in state().connector:
+            kv_stat.labels(stat=stat, **labels).set_function(lambda s=stat: state().connector[s])
         gauge(
             "pdpool_requests_aborted_total",
             "Requests aborted (client gone, cancelled).",
-            lambda: engine.stats["aborted"],
+            lambda: state().stats["aborted"],
         )
         gauge(
             "pdpool_requests_failed_total",
             "Requests ended by an error of their own "
             "(sampling, output processing, the model forward), the others unharmed.",
-            lambda: engine.stats["failed"],
+            lambda: state().stats["failed"],
         )
         gauge(
             "pdpool_engine_fault",
             "1 while the model forward fails for every request "
             "(an engine-wide failure; /health answers 503).",
-            lambda: 0 if engine.fault is None else 1,
+            lambda: 0 if state().fault is None else 1,
         )
         gauge(
             "pdpool_computed_tokens_total",
             "Tokens run through the model.",
-            lambda: engine.stats["computed_tokens"],
+            lambda: state().stats["computed_tokens"],
         )
         by_source = Gauge(
             "pdpool_prompt_tokens_by_source_total",
@@ -247,11 +247,11 @@ class EngineMetrics:
         )
         for source in ("local", "pulled", "computed"):
             by_source.labels(source=source, **labels).set_function(
-                lambda s=source: engine.stats[f"prompt_tokens_{s}"]
+                lambda s=source: state().stats[f"prompt_tokens_{s}"]
             )
 
-    def _vllm_series(self, engine, model_name: str) -> None:
-        r, sched, pool = self.registry, engine.scheduler, engine.kv.pool
+    def _vllm_series(self, view, model_name: str) -> None:
+        r, state = self.registry, view.state
         vl = self.vllm_labels = {"model_name": model_name, "engine": "0"}
         names = list(vl)
 
@@ -263,20 +263,24 @@ class EngineMetrics:
         gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            lambda: len(sched.running),
+            lambda: state().running,
         )
         gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            lambda: len(sched.waiting),
+            lambda: state().waiting,
         )
-        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", pool.usage)
-        cfg = engine.config
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            lambda: state().usage,
+        )
+        cfg = view.config
         info = {
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto",
             "enable_prefix_caching": str(bool(cfg.enable_prefix_caching)),
-            "num_gpu_blocks": str(pool.num_blocks),
+            "num_gpu_blocks": str(state().blocks_total),
             "num_cpu_blocks": "None",
             "engine": "0",
         }
@@ -287,7 +291,7 @@ class EngineMetrics:
             registry=r,
             multiprocess_mode="mostrecent",
         ).labels(**info).set(1)
-        r.register(_VllmCounters(engine, vl))
+        r.register(_VllmCounters(view, vl))
         self.vllm_prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", names, registry=r
         ).labels(**vl)

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdpool.engine.async_engine import AsyncEngine
+from pdpool.engine.engine_process import EngineProcess
 from pdpool.engine.server.errors import error_response
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import RequestTranslator
@@ -21,14 +22,20 @@ class OpsRoutes:
 
     # The endpoints have no return annotations: FastAPI would take them as response models.
 
-    def __init__(self, aengine: AsyncEngine, metrics: EngineMetrics, translator: RequestTranslator):
-        self.aengine, self.engine = aengine, aengine.engine
+    def __init__(
+        self,
+        aengine: AsyncEngine | EngineProcess,
+        metrics: EngineMetrics,
+        translator: RequestTranslator,
+    ):
+        self.aengine, self.engine = aengine, aengine.view
         self.metrics, self.translator = metrics, translator
 
     async def health(self):
-        """Liveness: the process and its engine thread are alive."""
-        if not self.aengine.alive:
-            return error_response("the engine loop has stopped", 503, "ServiceUnavailable")
+        """Liveness: the process and its engine loop (thread or process) are alive."""
+        if not self.aengine.alive:  # readiness with no stall limit: only why it stopped
+            why = self.aengine.readiness(float("inf")) or "the engine loop has stopped"
+            return error_response(why, 503, "ServiceUnavailable")
         if self.engine.fault is not None:  # every request failed in the model: not hidden
             return error_response(f"engine failure: {self.engine.fault}", 503, "ServiceUnavailable")
         return {"status": "ok"}
@@ -55,8 +62,7 @@ class OpsRoutes:
             return error_response(
                 "kv_transfer_params (an object) is required", 400, param="kv_transfer_params"
             )
-        # Thread-safe: it only marks the lease; the engine thread gives the blocks back.
-        return {"released": self.engine.connector.release_lease(params)}
+        return {"released": await self.aengine.release_lease(params)}
 
     async def models(self):
         return {

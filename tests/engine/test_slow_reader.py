@@ -61,7 +61,7 @@ def test_a_reader_that_falls_behind_gets_merged_outputs(tiny_qwen3):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
     solo = {i: _one_step_at_a_time(engine, p, params) for i, p in enumerate(prompts)}
     aengine = AsyncEngine(engine)
-    metrics = EngineMetrics(engine, "m")
+    metrics = EngineMetrics(aengine.view, "m")
     runner = ChoiceRunner(aengine, metrics)
     specs = [
         ChoiceRequest(i, True, f"slow-{i}", p, params, None, None, None)

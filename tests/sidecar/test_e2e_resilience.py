@@ -268,6 +268,15 @@ def test_client_disconnect_aborts_both_legs(topo, model):
             ),
         )
 
+    def idle():
+        return all(
+            metric(e.url, "pdpool_num_requests_running") == 0
+            and metric(e.url, "pdpool_num_requests_waiting") == 0
+            for e in engines
+        )
+
+    # An earlier test's request may still be ending (an engine just thawed): not this one's.
+    wait_for(idle, 10)
     aborted, finished = decode_counts()
     with httpx.stream(
         "POST",
@@ -285,13 +294,6 @@ def test_client_disconnect_aborts_both_legs(topo, model):
         assert r.headers["x-pdpool-path"] == "pd"
         for _ in r.iter_raw():
             break
-
-    def idle():
-        return all(
-            metric(e.url, "pdpool_num_requests_running") == 0
-            and metric(e.url, "pdpool_num_requests_waiting") == 0
-            for e in engines
-        )
 
     print(f"\nall engines idle {wait_for(idle, 10):.2f}s after the disconnect")
     aborted_now, finished_now = decode_counts()

@@ -1,0 +1,64 @@
+"""What the HTTP side reads of an engine besides its outputs: the static facts a server needs
+(name, limits, tokenizer) and a snapshot of its counters and gauges. One shape for both ways
+of running the engine: on a thread of the server's process (read live) or in a process of its
+own (a snapshot sent with every step)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineState:
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    usage: float
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    threshold_rejections: dict[str, int]
+    connector: dict[str, float]
+    stats: dict[str, int]
+    fault: Optional[str]
+    has_work: bool
+
+
+def engine_state(engine) -> EngineState:
+    """A snapshot of `engine` (an LLMEngine); call it on the engine's thread."""
+    sched, pool = engine.scheduler, engine.kv.pool
+    return EngineState(
+        running=len(sched.running),
+        waiting=len(sched.waiting),
+        blocks_used=pool.num_used_blocks,
+        blocks_total=pool.num_blocks,
+        usage=pool.usage(),
+        prefix_queries=pool.queries,
+        prefix_hits=pool.hits,
+        preemptions=sched.num_preemptions,
+        threshold_rejections=dict(sched.num_threshold_rejections),
+        connector=dict(engine.connector.stats()),
+        stats=dict(engine.stats),
+        fault=engine.fault,
+        has_work=engine.has_unfinished(),
+    )
+
+
+class LiveEngineView:
+    """The server's view of an engine on one of its own threads: facts and state read live
+    (the gauges read Python ints and lists; a torn read is one scrape off by one)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.config, self.info = engine.config, engine.info
+        self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
+        self.tokenizer = engine.tokenizer
+
+    def state(self) -> EngineState:
+        return engine_state(self.engine)
+
+    @property
+    def fault(self) -> Optional[str]:
+        return self.engine.fault

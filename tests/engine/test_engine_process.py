@@ -1,0 +1,125 @@
+"""`pdpool serve` runs its engine loop in a child process (the default): the answers are the
+same as with the loop on a thread, and either process dying is handled: the engine's death
+fails what was in flight and /health says so; the server's death takes the engine with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from devtools.engine_procs import engine_process
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _engine_child(pid: int) -> int:
+    """The engine process among the server's children (multiprocessing's spawn child)."""
+    for child in _children(pid):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline:
+            return child
+    raise AssertionError(f"no engine process under {pid}: {_children(pid)}")
+
+
+def _gone(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # exited; its parent (gone too) will not reap it
+            return True
+        time.sleep(0.1)
+    return False
+
+
+BODY = {"prompt": [5, 6, 7, 8, 9] * 4, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def test_thread_and_process_give_the_same_answers(tiny_qwen3, tmp_path):
+    answers = {}
+    for mode in ("--engine-process", "--no-engine-process"):
+        with engine_process(tiny_qwen3, tmp_path, mode) as eng:
+            whole = httpx.post(f"{eng.url}/v1/completions", json=BODY, timeout=60).json()
+            streamed = []
+            with httpx.stream(
+                "POST",
+                f"{eng.url}/v1/completions",
+                json={**BODY, "stream": True, "return_token_ids": True},
+                timeout=60,
+            ) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed += json.loads(line[6:])["choices"][0]["token_ids"]
+            metrics = httpx.get(f"{eng.url}/metrics", timeout=10).text
+            answers[mode] = (whole["choices"][0]["text"], whole["usage"], streamed)
+            assert len(streamed) == 24
+            assert "vllm:generation_tokens_total" in metrics
+            assert eng.metric("pdpool_kv_blocks_total") > 0
+    assert answers["--engine-process"] == answers["--no-engine-process"]
+
+
+def test_a_dead_engine_process_fails_its_requests_and_health(tiny_qwen3, tmp_path):
+    with engine_process(tiny_qwen3, tmp_path) as eng:
+        child = _engine_child(eng.proc.pid)
+        long = {**BODY, "max_tokens": 2000, "stream": True}
+        with httpx.stream("POST", f"{eng.url}/v1/completions", json=long, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            os.kill(child, signal.SIGKILL)
+            rest = list(lines)  # the stream ends instead of hanging
+        assert any('"error"' in line for line in rest), rest[-3:]
+        assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""]
+        health = httpx.get(f"{eng.url}/health", timeout=10)
+        assert health.status_code == 503
+        assert "engine process has exited" in health.json()["error"]["message"]
+        assert httpx.get(f"{eng.url}/ready", timeout=10).status_code == 503
+        after = httpx.post(f"{eng.url}/v1/completions", json=BODY, timeout=30)
+        assert after.status_code >= 500 and "engine process" in after.text
+
+
+def test_the_engine_process_leaves_with_the_server(tiny_qwen3, tmp_path):
+    with engine_process(tiny_qwen3, tmp_path) as eng:
+        child = _engine_child(eng.proc.pid)
+        os.kill(eng.proc.pid, signal.SIGKILL)  # the server alone: no chance to stop it
+        eng.proc.wait(10)
+        assert _gone(child), "the engine process outlived its server"
+
+
+def test_sigterm_drains_then_stops_both(tiny_qwen3, tmp_path):
+    with engine_process(tiny_qwen3, tmp_path) as eng:
+        child = _engine_child(eng.proc.pid)
+        os.killpg(eng.proc.pid, signal.SIGTERM)  # as a shell or `pdpool up` stops it
+        # uvicorn re-raises the SIGTERM once it has drained and shut the app down
+        assert eng.proc.wait(30) in (0, -signal.SIGTERM)
+        assert _gone(child)
+
+
+@pytest.mark.parametrize("mode", ["--engine-process", "--no-engine-process"])
+def test_a_model_that_cannot_load_is_one_line_and_exit_2(tiny_qwen3, tmp_path, mode):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen3, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdpool.cli", "serve", str(broken), "--device", "cpu", mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("pdpool serve: ")

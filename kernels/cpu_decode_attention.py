@@ -3,12 +3,16 @@ the system's C compiler on first use and loaded through ctypes.
 
 The torch path (reference.py) first gathers every sequence's K/V blocks into a workspace and
 then runs SDPA over it: K and V cross memory three times. This reads each key and value
-once, where it lies, block by block in address order: for each sequence the scores of every
-query head over the visible positions, a softmax per head, the weighted sum of the values.
-One thread (the engine's CPU default when the cores are few); the caller uses it only when
-torch runs one thread, so a many-core engine keeps SDPA's parallelism. float32 only.
-Measured (64 decodes of ~260 positions, one layer, one thread): 4 KV heads of 64, 2.7 ms
-instead of 3.3 ms; 2 KV heads of 32, 0.58 ms instead of 0.91 ms.
+once, where it lies, block by block: for each sequence and KV head, the scores of the query
+heads that share it (up to 4 at a time, each key row loaded once for all of them), a softmax
+per head, then the weighted sum of the values into output rows held in registers (the head
+size is a compile-time constant for 32, 64 and 128; any size up to 256 runs). One thread (the
+engine's CPU default when the cores are few); the caller uses it only when torch runs one
+thread, so a many-core engine keeps SDPA's parallelism. float32 only.
+Measured on one layer, one thread, 34 decodes of 16-384 positions (the mix of
+benchmarks/engine_vs_vllm.py): 8 query heads on 4 KV heads of 64, 0.52 ms (the earlier
+kernel, one query head per key load: 0.68-0.96 ms); 4 on 2 KV heads of 32, 0.18 ms (0.28).
+With 64 decodes of 260 positions (more cache than L3 holds): 3.2 ms (4.2) and 0.48 ms (0.69).
 
 The shared library is cached per source and CPU (`-march=native`) under
 $PDPOOL_KERNEL_CACHE, else ~/.cache/pdpool/cpu-kernels; without a compiler (or if the build
@@ -33,6 +37,7 @@ import torch
 log = logging.getLogger("pdpool.kernels")
 
 CACHE_ENV = "PDPOOL_KERNEL_CACHE"
+MAX_DIM = 256  # the C source's MAX_DIM: the head sizes it serves
 DISABLE_ENV = "PDPOOL_CPU_DECODE_KERNEL"  # "0": always the torch path
 
 _SOURCE = r"""
@@ -40,8 +45,11 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* acc[0:16] += a[d] * b[d] in 16 independent lanes: vectorizes without reassociating. */
-static float dot(const float *a, const float *b, int64_t n) {
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define MAX_DIM 256
+
+/* Sum of a[d] * b[d] in 16 independent lanes: vectorizes without reassociating. */
+ALWAYS_INLINE float dot(const float *a, const float *b, int64_t n) {
     float acc[16] = {0};
     int64_t d = 0;
     for (; d + 16 <= n; d += 16)
@@ -53,62 +61,100 @@ static float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* Scores -> probabilities, in place (n >= 1; no infinities under fast-math). */
+ALWAYS_INLINE void softmax(float *s, int64_t n) {
+    float m = s[0], total = 0.0f;
+    for (int64_t i = 1; i < n; i++) m = s[i] > m ? s[i] : m;
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = expf(s[i] - m);
+        total += s[i];
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t i = 0; i < n; i++) s[i] *= inv;
+}
+
+/* Up to MAX_SHARE query heads that share one KV head, over one sequence: k and v already
+   point at the KV head; positions [start, len) through `table`. Each key and value row is
+   loaded once for all of them. With `dim` a constant (the callers below), the loops over it
+   unroll and the output rows stay in registers while the positions stream by. */
+#define MAX_SHARE 4
+ALWAYS_INLINE void shared_heads(const float *q, int64_t nq, const float *k, const float *v,
+                                int64_t sb, int64_t sp, const int32_t *table,
+                                int64_t block_size, int64_t start, int64_t len, int64_t dim,
+                                float scale, float *s, float *out) {
+    const int64_t n = len - start;
+    for (int64_t p = start; p < len;) {
+        const int64_t block = p / block_size, end = (block + 1) * block_size;
+        const float *kb = k + table[block] * sb;
+        for (; p < end && p < len; p++) {
+            const float *kp = kb + (p - block * block_size) * sp;
+            for (int64_t g = 0; g < nq; g++)
+                s[g * n + p - start] = dot(q + g * dim, kp, dim) * scale;
+        }
+    }
+    for (int64_t g = 0; g < nq; g++) softmax(s + g * n, n);
+    float o[MAX_SHARE][MAX_DIM];
+    for (int64_t g = 0; g < nq; g++)
+        for (int64_t d = 0; d < dim; d++) o[g][d] = 0.0f;
+    for (int64_t p = start; p < len;) {
+        const int64_t block = p / block_size, end = (block + 1) * block_size;
+        const float *vb = v + table[block] * sb;
+        for (; p < end && p < len; p++) {
+            const float *vp = vb + (p - block * block_size) * sp;
+            for (int64_t g = 0; g < nq; g++) {
+                const float w = s[g * n + p - start];
+                for (int64_t d = 0; d < dim; d++) o[g][d] += w * vp[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < nq; g++) memcpy(out + g * dim, o[g], dim * sizeof(float));
+}
+
+#define SHARED_HEADS_OF(D)                                                                   \
+    static void shared_heads_##D(const float *q, int64_t nq, const float *k, const float *v, \
+                                 int64_t sb, int64_t sp, const int32_t *t, int64_t bs,       \
+                                 int64_t a, int64_t l, float sc, float *s, float *o) {       \
+        shared_heads(q, nq, k, v, sb, sp, t, bs, a, l, D, sc, s, o);                         \
+    }
+SHARED_HEADS_OF(32)
+SHARED_HEADS_OF(64)
+SHARED_HEADS_OF(128)
+
 /* q, out [B, H, D] contiguous; k, v [blocks, block_size, Hkv, D] with strides (in floats)
    sb, sp, sh and unit stride over D; tables [B, W] int32; seq_lens [B] int32;
-   scratch >= H * max(seq_lens) floats; window <= 0: none. Positions are walked block by
-   block, all heads at once: a block's keys (and then values) are read in address order. */
+   scratch >= H * max(seq_lens) floats; D <= MAX_DIM; window <= 0: none. */
 void paged_decode_attention(const float *q, const float *k, const float *v,
                             int64_t sb, int64_t sp, int64_t sh, const int32_t *tables,
                             int64_t table_width, const int32_t *seq_lens, float *out,
                             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                             int64_t block_size, float scale, int64_t window, float *scratch) {
     const int64_t group = heads / kv_heads;
+    if (dim > MAX_DIM) return; /* refused by the caller; never write past o[] */
     for (int64_t b = 0; b < batch; b++) {
         const int64_t len = seq_lens[b];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - start;
         const int32_t *table = tables + b * table_width;
-        const float *qb = q + b * heads * dim;
-        float *ob = out + b * heads * dim;
-        memset(ob, 0, heads * dim * sizeof(float));
-        if (n <= 0) continue;
-        for (int64_t p = start; p < len;) {
-            const int64_t block = p / block_size, end_p = (block + 1) * block_size;
-            const float *kb = k + table[block] * sb;
-            for (int64_t pp = p; pp < end_p && pp < len; pp++) {
-                const float *kp = kb + (pp - block * block_size) * sp;
-                for (int64_t kh = 0, h = 0; kh < kv_heads; kh++)
-                    for (int64_t g = 0; g < group; g++, h++)
-                        scratch[h * n + pp - start] = dot(qb + h * dim, kp + kh * sh, dim) * scale;
-            }
-            p = end_p;
-        }
-        for (int64_t h = 0; h < heads; h++) {
-            float *s = scratch + h * n;
-            float m = s[0], total = 0.0f; /* n >= 1 here; no infinities (fast-math) */
-            for (int64_t i = 1; i < n; i++) m = s[i] > m ? s[i] : m;
-            for (int64_t i = 0; i < n; i++) {
-                s[i] = expf(s[i] - m);
-                total += s[i];
-            }
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            for (int64_t i = 0; i < n; i++) s[i] *= inv;
-        }
-        for (int64_t p = start; p < len;) {
-            const int64_t block = p / block_size, end_p = (block + 1) * block_size;
-            const float *vb = v + table[block] * sb;
-            for (int64_t pp = p; pp < end_p && pp < len; pp++) {
-                const float *vp = vb + (pp - block * block_size) * sp;
-                for (int64_t kh = 0, h = 0; kh < kv_heads; kh++) {
-                    const float *vh = vp + kh * sh;
-                    for (int64_t g = 0; g < group; g++, h++) {
-                        const float w = scratch[h * n + pp - start];
-                        float *o = ob + h * dim;
-                        for (int64_t d = 0; d < dim; d++) o[d] += w * vh[d];
-                    }
-                }
-            }
-            p = end_p;
+        for (int64_t h = 0, nq; h < heads; h += nq) {
+            /* the query heads [h, h + nq) share KV head h / group */
+            const int64_t in_group = group - h % group;
+            nq = in_group < MAX_SHARE ? in_group : MAX_SHARE;
+            const float *qh = q + (b * heads + h) * dim;
+            float *oh = out + (b * heads + h) * dim;
+            const float *kh = k + (h / group) * sh, *vh = v + (h / group) * sh;
+            if (len - start <= 0)
+                memset(oh, 0, nq * dim * sizeof(float));
+            else if (dim == 64)
+                shared_heads_64(qh, nq, kh, vh, sb, sp, table, block_size, start, len, scale,
+                                scratch, oh);
+            else if (dim == 128)
+                shared_heads_128(qh, nq, kh, vh, sb, sp, table, block_size, start, len, scale,
+                                 scratch, oh);
+            else if (dim == 32)
+                shared_heads_32(qh, nq, kh, vh, sb, sp, table, block_size, start, len, scale,
+                                scratch, oh);
+            else
+                shared_heads(qh, nq, kh, vh, sb, sp, table, block_size, start, len, dim, scale,
+                             scratch, oh);
         }
     }
 }
@@ -206,6 +252,7 @@ def usable_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
         and torch.get_num_threads() == 1
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride(3) == 1
+        and q.shape[-1] <= MAX_DIM
         and available()
     )
 
@@ -237,6 +284,8 @@ def paged_decode_attention(
             raise ValueError(f"block ids must be in [0, {k_cache.shape[0]})")
     if len(seq_lens) != batch or tables.shape[0] != batch:
         raise ValueError(f"{batch} queries, {len(seq_lens)} lengths, {tables.shape[0]} tables")
+    if dim > MAX_DIM or heads % max(kv_heads, 1):
+        raise ValueError(f"head size {dim} (at most {MAX_DIM}), {heads} heads on {kv_heads}")
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     out = torch.empty_like(q)
     window = sliding_window or 0

@@ -35,7 +35,18 @@ def _case(heads, kv_heads, dim, lens, block_size=16, layers=3, seed=0):
 
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,window",
-    [(4, 2, 32, None), (8, 4, 64, None), (8, 8, 64, None), (6, 2, 48, 37), (4, 1, 80, 5)],
+    [
+        (4, 2, 32, None),
+        (8, 4, 64, None),
+        (8, 8, 64, None),
+        (6, 2, 48, 37),
+        (4, 1, 80, 5),
+        # groups wider than the kernel shares one KV row with (4): taken in parts
+        (8, 1, 64, None),
+        (6, 1, 32, 9),
+        (16, 2, 128, None),
+        (2, 1, 256, None),
+    ],
 )
 def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, monkeypatch):
     lens = [1, 2, 15, 16, 17, 40, 200, 333]
@@ -84,3 +95,10 @@ def test_out_of_range_tables_and_lengths_are_refused_not_read():
         native.paged_decode_attention(q, k_cache, v_cache, bad, [20, 40], 0.2, None)
     with pytest.raises(ValueError, match="outruns"):
         native.paged_decode_attention(q, k_cache, v_cache, tables, [20, 40 + 16 * 9], 0.2, None)
+
+
+def test_head_sizes_above_its_limit_are_left_to_torch():
+    q, k_cache, v_cache, tables = _case(2, 1, native.MAX_DIM + 32, [5])
+    assert not native.usable_for(q, k_cache, v_cache)
+    with pytest.raises(ValueError, match="head size"):
+        native.paged_decode_attention(q, k_cache, v_cache, tables, [5], 0.1, None)

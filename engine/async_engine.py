@@ -156,7 +156,7 @@ class OutputStreams:
 
     async def generate(self, spec: NewRequest) -> AsyncIterator[list[RequestOutput]]:
         """Adds the request to the engine and yields its outputs, as lists of all those that
-        are waiting (one or more, in order; `merge_deltas` makes one of them). A refusal
+        are waiting (one or more, in order; see `mergeable_runs`). A refusal
         (validation) is raised. Leaving the iterator early aborts the request."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[spec.request_id] = (asyncio.get_running_loop(), queue)
@@ -252,6 +252,24 @@ class AsyncEngine(OutputStreams):
 
     def idle(self) -> None:
         pass
+
+
+def mergeable_runs(outputs: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """Consecutive outputs cut where tokens whose text is held back (an incomplete UTF-8
+    sequence, a possible stop string) follow tokens whose text was emitted. A merged output
+    with text then covers its tokens' text as a single one does, which a reader that takes
+    them as complete relies on (the gateway resumes a broken stream after those tokens)."""
+    runs: list[list[RequestOutput]] = []
+    run: list[RequestOutput] = []
+    run_has_text = False
+    for out in outputs:
+        if run_has_text and not out.new_text:
+            runs.append(run)
+            run, run_has_text = [], False
+        run.append(out)
+        run_has_text = run_has_text or bool(out.new_text)
+    runs.append(run)
+    return runs
 
 
 def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:

@@ -10,7 +10,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import Request
 
-from pdpool.engine.async_engine import OutputStreams, merge_deltas
+from pdpool.engine.async_engine import OutputStreams, merge_deltas, mergeable_runs
 from pdpool.engine.engine_core import KVTransferRefused, RequestOutput, RequestRejected
 from pdpool.engine.sampling import TokenLogprob
 from pdpool.engine.server.errors import ApiError, client_closed, output_error
@@ -104,7 +104,7 @@ class ChoiceRunner:
         return self._observed(self.aengine.generate(spec), t_arrival)
 
     async def _observed(self, batches: AsyncIterator[list[RequestOutput]], t_arrival: float):
-        """One output per batch of those waiting, after every one of them is observed in the
+        """Few outputs per batch of those waiting, after every one of them is observed in the
         latency metrics as of the step that made it (so a reader that falls behind does not
         skew them). A first output that is an error becomes the HTTP error, not a latency."""
         t_last, n = t_arrival, 0
@@ -115,7 +115,8 @@ class ChoiceRunner:
                         since, e2e = out.produced_at - t_last, out.produced_at - t_arrival
                         self.metrics.observe_output(out, n == 0, since, e2e)
                     t_last, n = out.produced_at, n + 1
-                yield merge_deltas(batch)
+                for run in mergeable_runs(batch):
+                    yield merge_deltas(run)
         finally:
             await batches.aclose()
 

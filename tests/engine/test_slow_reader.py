@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdpool.engine.async_engine import AsyncEngine, merge_deltas
+from pdpool.engine.async_engine import AsyncEngine, merge_deltas, mergeable_runs
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.engine_core import LLMEngine, RequestOutput
 from pdpool.engine.sampling import TokenLogprob
@@ -14,6 +14,7 @@ from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.choices import ChoiceRunner
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import ChoiceRequest
+from pdpool.sidecar.migration import StreamState
 
 
 def _out(text, ids, finished=False, lps=None, **kw) -> RequestOutput:
@@ -39,6 +40,26 @@ def test_merge_joins_deltas_and_keeps_the_last_state():
     one = _out("a", [7])
     assert merge_deltas([one]) is one
     assert merge_deltas([_out("a", [7]), _out("", [8])]).logprobs is None
+
+
+def test_runs_never_end_in_held_back_tokens_after_emitted_text():
+    def texts(outs):
+        return [[o.new_text for o in run] for run in mergeable_runs(outs)]
+
+    outs = [_out(t, [i]) for i, t in enumerate(["a", "b", "", "", "c", "d", "", "e"])]
+    # Text, then tokens whose text is held back: cut there; held-back tokens, then the text
+    # that completes them: one run (as a single-token reader would commit them together).
+    assert texts(outs) == [["a", "b"], ["", "", "c", "d"], ["", "e"]]
+    assert texts(outs[2:4]) == [["", ""]]
+    assert texts(outs[:2]) == [["a", "b"]]
+    gateway = StreamState("/v1/completions", {"prompt": "x", "stream": True})
+    for run in mergeable_runs(outs[:4]):
+        merged = merge_deltas(run)
+        chunk = {"choices": [{"index": 0, "text": merged.new_text}]}
+        chunk["choices"][0]["token_ids"] = merged.new_token_ids
+        gateway.observe(chunk, continuation=False)
+    # Only tokens whose text was sent count as relayed: a resumed stream regenerates the rest.
+    assert (gateway.committed, gateway.pending) == ([0, 1], [2, 3])
 
 
 def _metric(metrics: EngineMetrics, name: str) -> float:

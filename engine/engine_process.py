@@ -25,6 +25,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 import time
@@ -51,14 +52,35 @@ class EngineFacts:
 
 # --- the engine process -------------------------------------------------------------------
 class _PipeSender:
-    """Sends from the engine thread and the pipe reader; one message at a time."""
+    """Sends, in the order given, from a thread of its own: neither the engine loop nor the
+    pipe reader ever waits for the server to read (the server may be sending a large request
+    at that moment, which needs the reader free)."""
 
     def __init__(self, conn):
-        self.conn, self._lock = conn, threading.Lock()
+        self.conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-pipe-send", daemon=True)
+        self._thread.start()
 
     def send(self, msg: tuple) -> None:
-        with self._lock:
-            self.conn.send(msg)
+        self._queue.put(msg)
+
+    def close(self) -> None:
+        """Sends what is queued, then stops."""
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):
+                return  # the server process is gone
+            except Exception as exc:  # a message that does not pickle (a refusal's exception)
+                if msg[0] == "refused":
+                    self.conn.send(("refused", msg[1], RuntimeError(str(msg[2]) or str(exc))))
+                else:
+                    log.exception("engine message %r not sent", msg[0])
 
 
 class _PipeSink:
@@ -92,10 +114,7 @@ def _add(engine, sender: _PipeSender, spec) -> None:
     try:
         add_to_engine(engine, spec)
     except Exception as exc:  # validation: the server answers it as the thread mode does
-        try:
-            sender.send(("refused", spec.request_id, exc))
-        except Exception:  # an exception that does not pickle
-            sender.send(("refused", spec.request_id, RuntimeError(str(exc))))
+        sender.send(("refused", spec.request_id, exc))
 
 
 def run_engine_process(config, conn, log_level: str) -> None:
@@ -134,6 +153,7 @@ def run_engine_process(config, conn, log_level: str) -> None:
         log.info("the server process is gone: the engine process stops")
     finally:
         loop.shutdown()
+        sender.close()
 
 
 # --- the server process -------------------------------------------------------------------

@@ -188,7 +188,15 @@ def bench_shape(shape: str, args) -> dict:
     ours = Server(
         "pdpool",
         pdpool_command(
-            "serve", model, "--port", str(p1), "--device", "cpu", "--log-level", "warning"
+            "serve",
+            model,
+            "--port",
+            str(p1),
+            "--device",
+            "cpu",
+            "--log-level",
+            "warning",
+            *args.pdpool_flag,
         ),
         p1,
         os.path.join(logs, f"vs-vllm-{shape}-pdpool.log"),
@@ -244,6 +252,7 @@ def bench_shape(shape: str, args) -> dict:
     return {
         "shape": shape,
         "spec": SHAPES[shape],
+        "pdpool_flags": args.pdpool_flag,
         "startup_s": start,
         "best": {
             k: {kk: vv for kk, vv in v.items() if kk not in ("texts", "ids")}
@@ -264,6 +273,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-bin", help="the vllm executable (default: the build-venv.sh venv)")
     ap.add_argument("--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: its own)")
+    ap.add_argument(
+        "--pdpool-flag",
+        action="append",
+        default=[],
+        help="an extra flag for pdpool serve, e.g. --pdpool-flag=--no-engine-process (repeat)",
+    )
     args = ap.parse_args()
     results = []
     for shape in args.shapes.split(","):

@@ -256,14 +256,15 @@ class AsyncEngine(OutputStreams):
 
 def mergeable_runs(outputs: list[RequestOutput]) -> list[list[RequestOutput]]:
     """Consecutive outputs cut where tokens whose text is held back (an incomplete UTF-8
-    sequence, a possible stop string) follow tokens whose text was emitted. A merged output
-    with text then covers its tokens' text as a single one does, which a reader that takes
-    them as complete relies on (the gateway resumes a broken stream after those tokens)."""
+    sequence, a possible stop string) follow tokens whose text was emitted, and before an
+    error. A merged output with text then covers its tokens' text as a single one does, which
+    a reader that takes them as complete relies on (the gateway resumes a broken stream after
+    those tokens); the tokens before an error are sent before it."""
     runs: list[list[RequestOutput]] = []
     run: list[RequestOutput] = []
     run_has_text = False
     for out in outputs:
-        if run_has_text and not out.new_text:
+        if run and (out.finish_reason == "error" or (run_has_text and not out.new_text)):
             runs.append(run)
             run, run_has_text = [], False
         run.append(out)

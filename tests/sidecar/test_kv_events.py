@@ -22,23 +22,23 @@ from pdpool.kv_events import (
     hash_key,
 )
 from pdpool.sidecar.kv_index import KVIndex, request_block_keys
-from devtools.engine_procs import free_port
+from devtools.engine_procs import free_ports
 
 torch = pytest.importorskip("torch")
 
 BS = 16
 
 
-def _engine(model, num_blocks=24, port=None):
+def _engine(model, num_blocks=24, ports=None):
     from pdpool.engine.config import EngineConfig
     from pdpool.engine.engine_core import LLMEngine
 
-    port = port or free_port()
+    ports = ports or free_ports(2)
     cfg = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{port}",
-        "replay_endpoint": f"tcp://*:{port + 1}",
+        "endpoint": f"tcp://*:{ports[0]}",
+        "replay_endpoint": f"tcp://*:{ports[1]}",
         "buffer_steps": 1000,
     }
     eng = LLMEngine(
@@ -51,7 +51,7 @@ def _engine(model, num_blocks=24, port=None):
             kv_events_config=json.dumps(cfg),
         )
     )
-    return eng, port
+    return eng, ports
 
 
 def _run(engine, prompts, tag):
@@ -114,8 +114,8 @@ def test_wire_format_roundtrip_and_vllm_shapes():
 
 
 def test_engine_events_keep_the_index_equal_to_the_cache(tiny_qwen3):
-    engine, port = _engine(tiny_qwen3)
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
+    engine, ports = _engine(tiny_qwen3)
+    sub = KVEventSubscriber(*(f"tcp://127.0.0.1:{p}" for p in ports))
     index = KVIndex()
     try:
         time.sleep(0.3)  # PUB/SUB: let the subscription reach the publisher
@@ -171,8 +171,8 @@ def test_engine_events_keep_the_index_equal_to_the_cache(tiny_qwen3):
         engine.close()
 
     # Restart: a new engine on the same endpoint starts its sequence at 0 again.
-    engine2, _ = _engine(tiny_qwen3, port=port)
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}")
+    engine2, _ = _engine(tiny_qwen3, ports=ports)
+    sub = KVEventSubscriber(*(f"tcp://127.0.0.1:{p}" for p in ports))
     try:
         time.sleep(0.3)
         _run(engine2, [prompts[1]], "r")

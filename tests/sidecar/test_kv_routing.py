@@ -10,22 +10,22 @@ import time
 import pytest
 
 from pdpool.sidecar.kv_router import KVRouter
-from devtools.engine_procs import free_port
+from devtools.engine_procs import free_ports
 
 pytest.importorskip("torch")
 
 BS = 16
 
 
-def _engine(model, port):
+def _engine(model, ports):
     from pdpool.engine.config import EngineConfig
     from pdpool.engine.engine_core import LLMEngine
 
     cfg = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{port}",
-        "replay_endpoint": f"tcp://*:{port + 1}",
+        "endpoint": f"tcp://*:{ports[0]}",
+        "replay_endpoint": f"tcp://*:{ports[1]}",
     }
     return LLMEngine(
         EngineConfig(
@@ -67,9 +67,8 @@ def _synced(router, name, engine, timeout=5.0):
 
 
 def test_routes_to_the_longest_prefix_and_predicts_the_engines_threshold(tiny_qwen3):
-    ports = {"a": free_port(), "b": free_port()}
-    while abs(ports["a"] - ports["b"]) < 2:
-        ports["b"] = free_port()
+    free = free_ports(4)
+    ports = {"a": free[:2], "b": free[2:]}
     engines = {n: _engine(tiny_qwen3, p) for n, p in ports.items()}
     threshold = 0.5
     # expect_s=0: every decision is judged against what the engines have really stored
@@ -81,7 +80,7 @@ def test_routes_to_the_longest_prefix_and_predicts_the_engines_threshold(tiny_qw
         tokenizer_file=str(tiny_qwen3 / "tokenizer.json"),
     )
     for n, p in ports.items():
-        router.subscribe(n, f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 1}")
+        router.subscribe(n, *(f"tcp://127.0.0.1:{x}" for x in p))
     try:
         time.sleep(0.3)
         rng = random.Random(1)

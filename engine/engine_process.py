@@ -25,6 +25,7 @@ import functools
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -38,6 +39,8 @@ log = logging.getLogger("pdpool.engine")
 
 # How often an idle engine process says it is alive (and sends its gauges).
 HEARTBEAT_S = 0.05
+# How long an engine process whose server died may take to close its engine before it exits.
+ORPHAN_EXIT_S = 2.0
 
 
 class EngineStartError(RuntimeError):
@@ -150,10 +153,15 @@ def run_engine_process(config, conn, log_level: str) -> None:
             elif msg[0] == "stop":
                 break
     except (EOFError, OSError):
-        log.info("the server process is gone: the engine process stops")
-    finally:
-        loop.shutdown()
-        sender.close()
+        # Nobody is left to answer: free this engine's ports (KV handshake, events) within
+        # seconds, for a server restarted on them, even if a long step is running.
+        log.warning("the server process is gone: the engine process stops")
+        stopper = threading.Thread(target=loop.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(ORPHAN_EXIT_S)
+        os._exit(0)
+    loop.shutdown()
+    sender.close()
 
 
 # --- the server process -------------------------------------------------------------------

@@ -94,9 +94,13 @@ def test_a_dead_engine_process_fails_its_requests_and_health(tiny_qwen3, tmp_pat
 def test_the_engine_process_leaves_with_the_server(tiny_qwen3, tmp_path):
     with engine_process(tiny_qwen3, tmp_path) as eng:
         child = _engine_child(eng.proc.pid)
-        os.kill(eng.proc.pid, signal.SIGKILL)  # the server alone: no chance to stop it
-        eng.proc.wait(10)
-        assert _gone(child), "the engine process outlived its server"
+        long = {**BODY, "max_tokens": 2000, "stream": True}
+        with httpx.stream("POST", f"{eng.url}/v1/completions", json=long, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # it is busy
+            os.kill(eng.proc.pid, signal.SIGKILL)  # the server alone: no chance to stop it
+            eng.proc.wait(10)
+        assert _gone(child, timeout=8), "the engine process outlived its server"
 
 
 def test_sigterm_drains_then_stops_both(tiny_qwen3, tmp_path):

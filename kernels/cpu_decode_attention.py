@@ -4,15 +4,16 @@ the system's C compiler on first use and loaded through ctypes.
 The torch path (reference.py) first gathers every sequence's K/V blocks into a workspace and
 then runs SDPA over it: K and V cross memory three times. This reads each key and value
 once, where it lies, block by block: for each sequence and KV head, the scores of the query
-heads that share it (up to 4 at a time, each key row loaded once for all of them), a softmax
-per head, then the weighted sum of the values into output rows held in registers (the head
-size is a compile-time constant for 32, 64 and 128; any size up to 256 runs). One thread (the
+heads that share it (up to 4 at a time, each key row read from memory once for all; with AVX2,
+eight positions at once, their sums reduced together), a softmax per head, then the weighted
+sum of the values into output rows held in registers (the head size is a compile-time
+constant for 32, 64 and 128; any size up to 256 runs). One thread (the
 engine's CPU default when the cores are few); the caller uses it only when torch runs one
 thread, so a many-core engine keeps SDPA's parallelism. float32 only.
 Measured on one layer, one thread, 34 decodes of 16-384 positions (the mix of
-benchmarks/engine_vs_vllm.py): 8 query heads on 4 KV heads of 64, 0.52 ms (the earlier
-kernel, one query head per key load: 0.68-0.96 ms); 4 on 2 KV heads of 32, 0.18 ms (0.28).
-With 64 decodes of 260 positions (more cache than L3 holds): 3.2 ms (4.2) and 0.48 ms (0.69).
+benchmarks/engine_vs_vllm.py): 8 query heads on 4 KV heads of 64, 0.37 ms (shared key
+loads, one reduction per dot product: 0.52 ms; one query head per key load: 0.68-0.96 ms);
+4 on 2 KV heads of 32, 0.11 ms (0.18; 0.28).
 
 The shared library is cached per source and CPU (`-march=native`) under
 $PDPOOL_KERNEL_CACHE, else ~/.cache/pdpool/cpu-kernels; without a compiler (or if the build
@@ -61,6 +62,34 @@ ALWAYS_INLINE float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DOT8 1
+/* q against 8 key rows `stride` floats apart (dim a multiple of 8): lane i of the result is
+   the dot product with row i. The 8 lane sums are reduced together by one transposing
+   reduction (4 + 2 horizontal adds, 2 permutes, 1 add) instead of a reduction per row. */
+ALWAYS_INLINE __m256 dot8(const float *q, const float *k, int64_t stride, int64_t dim) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + stride + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * stride + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * stride + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * stride + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * stride + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * stride + d), a7);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    /* u0 = [rows 0-3 over lanes 0-3 | rows 0-3 over lanes 4-7], u1 the same for rows 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
 /* Scores -> probabilities, in place (n >= 1; no infinities under fast-math). */
 ALWAYS_INLINE void softmax(float *s, int64_t n) {
     float m = s[0], total = 0.0f;
@@ -86,6 +115,16 @@ ALWAYS_INLINE void shared_heads(const float *q, int64_t nq, const float *k, cons
     for (int64_t p = start; p < len;) {
         const int64_t block = p / block_size, end = (block + 1) * block_size;
         const float *kb = k + table[block] * sb;
+#ifdef DOT8
+        if (dim % 8 == 0) /* eight positions at a time while the block has them */
+            for (; p + 8 <= end && p + 8 <= len; p += 8) {
+                const float *kp = kb + (p - block * block_size) * sp;
+                for (int64_t g = 0; g < nq; g++)
+                    _mm256_storeu_ps(s + g * n + p - start,
+                                     _mm256_mul_ps(dot8(q + g * dim, kp, sp, dim),
+                                                   _mm256_set1_ps(scale)));
+            }
+#endif
         for (; p < end && p < len; p++) {
             const float *kp = kb + (p - block * block_size) * sp;
             for (int64_t g = 0; g < nq; g++)

@@ -63,6 +63,21 @@ def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, m
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 8, 12, 32])
+def test_block_sizes_that_do_not_hold_eight_positions_evenly(block_size, monkeypatch):
+    lens = [1, 7, 8, 9, 31, 64, 101]
+    q, k_cache, v_cache, tables = _case(8, 4, 64, lens, block_size=block_size)
+    got = native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, None)
+    monkeypatch.setenv(native.DISABLE_ENV, "0")  # the expected answer from the torch path
+    assert not native.usable_for(q, k_cache, v_cache)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    expected = reference.paged_attention_reference(
+        q, k_cache, v_cache, tables, qsl, seq_lens, 0.125, None
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_reference_uses_it_for_pure_decode_steps(monkeypatch):
     lens = [30, 31]
     q, k_cache, v_cache, tables = _case(4, 2, 32, lens)

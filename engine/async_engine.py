@@ -11,6 +11,7 @@ per step would make a slow reader slower (one SSE event, one send per token).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import functools
 import logging
@@ -21,6 +22,7 @@ from dataclasses import replace
 from typing import AsyncIterator, Callable, Optional, Protocol
 
 from pdpool.engine.engine_core import RequestOutput
+from pdpool.engine.engine_state import LiveEngineView
 
 log = logging.getLogger("pdpool.engine")
 
@@ -140,19 +142,22 @@ class EngineLoop:
         self.sink.failed(failed, message)
 
 
-class OutputStreams:
-    """The asyncio side of requests in flight: one queue per request, read by `generate`."""
+class OutputStreams(abc.ABC):
+    """The asyncio side of requests in flight: one queue per request, read by `generate`.
+    AsyncEngine (a thread) and EngineProcess (a child process) say how requests reach the
+    engine."""
 
     def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
+    @abc.abstractmethod
     def _send_add(self, spec: NewRequest) -> None:
         """Hands the request to the engine; a refusal comes back as an exception in its
         queue (`_put`)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        """Ends the request in the engine, if it is still there."""
 
     async def generate(self, spec: NewRequest) -> AsyncIterator[list[RequestOutput]]:
         """Adds the request to the engine and yields its outputs, as lists of all those that
@@ -211,9 +216,7 @@ class AsyncEngine(OutputStreams):
         self.loop = EngineLoop(engine, self)
 
     @functools.cached_property
-    def view(self):
-        from pdpool.engine.engine_state import LiveEngineView
-
+    def view(self) -> LiveEngineView:
         return LiveEngineView(self.engine)
 
     def _send_add(self, spec: NewRequest) -> None:

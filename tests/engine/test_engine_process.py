@@ -11,7 +11,9 @@ import subprocess
 import sys
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -46,6 +48,16 @@ def _gone(pid: int, timeout: float = 20.0) -> bool:
     return False
 
 
+@contextmanager
+def _busy(eng) -> Iterator[Iterator[str]]:
+    """A long stream in flight on `eng`: the rest of its lines, after its first token."""
+    long = {**BODY, "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{eng.url}/v1/completions", json=long, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        yield lines
+
+
 BODY = {"prompt": [5, 6, 7, 8, 9] * 4, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
@@ -75,10 +87,7 @@ def test_thread_and_process_give_the_same_answers(tiny_qwen3, tmp_path):
 def test_a_dead_engine_process_fails_its_requests_and_health(tiny_qwen3, tmp_path):
     with engine_process(tiny_qwen3, tmp_path) as eng:
         child = _engine_child(eng.proc.pid)
-        long = {**BODY, "max_tokens": 2000, "stream": True}
-        with httpx.stream("POST", f"{eng.url}/v1/completions", json=long, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
+        with _busy(eng) as lines:
             os.kill(child, signal.SIGKILL)
             rest = list(lines)  # the stream ends instead of hanging
         assert any('"error"' in line for line in rest), rest[-3:]
@@ -94,10 +103,7 @@ def test_a_dead_engine_process_fails_its_requests_and_health(tiny_qwen3, tmp_pat
 def test_the_engine_process_leaves_with_the_server(tiny_qwen3, tmp_path):
     with engine_process(tiny_qwen3, tmp_path) as eng:
         child = _engine_child(eng.proc.pid)
-        long = {**BODY, "max_tokens": 2000, "stream": True}
-        with httpx.stream("POST", f"{eng.url}/v1/completions", json=long, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))  # it is busy
+        with _busy(eng):
             os.kill(eng.proc.pid, signal.SIGKILL)  # the server alone: no chance to stop it
             eng.proc.wait(10)
         assert _gone(child, timeout=8), "the engine process outlived its server"

@@ -9,8 +9,10 @@ For such an engine the sidecar decides itself, by prompt length: prompts of at l
 `engine_rejects`: `yes` (pdpool serve), `no` (vLLM; the operator renders this for
 `engine.kind: vllm`), or `auto`: probe once, with a never-cached prompt and threshold 1.0;
 an engine that honours the field answers `cache_threshold`, one that ignores it generates.
-The probe runs from start-up until the engine answers (a request that finds the answer
-still unknown waits for one probe, at most 2 s); while it is unknown, plain decode-first.
+The probe runs in one background task from start-up until the engine answers, waiting
+longer after each failure. Requests only read the answer, never wait for it: while it is
+unknown they take plain decode-first (an engine that rejects is served as it should be,
+one that cannot is served by decode alone).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 import uuid
 from typing import Any, Callable, Optional
 
@@ -29,7 +30,10 @@ log = logging.getLogger("pdpool.sidecar")
 ENGINE_REJECTS = ("auto", "yes", "no")
 # llm-d's scheduler estimates prompt tokens from characters the same way (4 per token).
 CHARS_PER_TOKEN = 4
-PROBE_RETRY_S = 5.0
+# Pauses between failed capability probes: the first short (an engine just starting),
+# then doubling, so that an engine that never answers is asked twice a minute.
+PROBE_RETRY_FIRST_S = 0.5
+PROBE_RETRY_MAX_S = 30.0
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
@@ -57,47 +61,42 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
 
 
 class EngineCapability:
-    """Whether the decode engine honours `cache_hit_threshold` (probed for `auto`: in the
-    background from start-up until an answer, and by a request that finds it unknown)."""
+    """Whether the decode engine honours `cache_hit_threshold`: from the setting, or (auto)
+    learned by `probe_until_known`. `known` is all a request reads (None: unknown)."""
 
     def __init__(self, setting: str, probe_timeout_s: float = 2.0) -> None:
         self.setting = setting
         self.known: Optional[bool] = {"yes": True, "no": False}.get(setting)
         self.probe_timeout_s = probe_timeout_s
-        self._lock = asyncio.Lock()
-        self._next_probe = 0.0
 
     @property
     def gauge_value(self) -> int:
         return -1 if self.known is None else int(self.known)
 
-    async def rejects(self, client: httpx.AsyncClient, decode_url: str) -> Optional[bool]:
-        """True/False once known; None while the engine cannot be asked (then the caller
-        keeps plain decode-first: an engine that rejects is served as before)."""
-        if self.known is not None:
-            return self.known
-        async with self._lock:  # one probe at a time; the others wait for its answer
-            if self.known is None and time.monotonic() >= self._next_probe:
-                self.known = await probe_rejects(client, decode_url, self.probe_timeout_s)
-                if self.known is None:
-                    self._next_probe = time.monotonic() + PROBE_RETRY_S
-                elif self.known:
-                    log.info("the decode engine honours cache_hit_threshold")
-                else:
-                    log.warning(
-                        "the decode engine ignores cache_hit_threshold (e.g. stock "
-                        "vLLM): decode-first decides P/D by prompt length"
-                    )
-        return self.known
-
     async def probe_until_known(
-        self, client_fn: Callable[[], httpx.AsyncClient], decode_url: str, interval_s: float = 1.0
+        self, client_fn: Callable[[], httpx.AsyncClient], decode_url: str
     ) -> None:
+        """Probes, one probe at a time, until the engine answers. A failed probe (engine
+        starting, busy, or answering oddly) is tried again after a pause that doubles up
+        to PROBE_RETRY_MAX_S, so a sick engine is not pestered."""
+        pause = PROBE_RETRY_FIRST_S
         while self.known is None:
-            self._next_probe = 0.0
-            await self.rejects(client_fn(), decode_url)
-            if self.known is None:
-                await asyncio.sleep(interval_s)
+            answer = await probe_rejects(client_fn(), decode_url, self.probe_timeout_s)
+            if answer is not None:
+                self._learn(answer)
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, PROBE_RETRY_MAX_S)
+
+    def _learn(self, rejects: bool) -> None:
+        self.known = rejects
+        if rejects:
+            log.info("the decode engine honours cache_hit_threshold")
+        else:
+            log.warning(
+                "the decode engine ignores cache_hit_threshold (e.g. stock "
+                "vLLM): decode-first decides P/D by prompt length"
+            )
 
 
 async def probe_rejects(

@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
-import httpx
-
 from . import legs
 from .capability import EngineCapability, estimate_prompt_tokens
 from .exchange import Exchange
@@ -37,7 +35,6 @@ class Flows:
     metrics: SidecarMetrics
     _: KW_ONLY
     capability: EngineCapability
-    next_client: Callable[[], httpx.AsyncClient]
     decode: DecodeRelay
     prefill: PrefillLegs
 
@@ -63,7 +60,8 @@ class Flows:
         if hint == "pd":
             self.metrics.kv_path_hints.labels("pd", "honoured").inc()
             return await self._remote_prefill_then_decode(ex, pull=None)
-        if await self.capability.rejects(self.next_client(), self.settings.decode_url) is False:
+        # Only what is known now: a request never waits for the capability probe.
+        if self.capability.known is False:
             return await self._decided_by_length(ex)
         self.metrics.legs.labels("decode_first").inc()
         rejection = await self.decode.first(

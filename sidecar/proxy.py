@@ -80,8 +80,11 @@ class Sidecar:
         self.clients: Optional[ClientShards] = None
         self.outliers = prefill_outliers(self.settings, self.metrics)
         self._probe_task: Optional[asyncio.Task[None]] = None
-        self.capability = EngineCapability(settings.engine_rejects)
-        self._capability_task: Optional[asyncio.Future[None]] = None
+        self.capability = EngineCapability(
+            settings.engine_rejects, probe_timeout_s=settings.probe_timeout_s or 2.0
+        )
+        self._capability_task: Optional[asyncio.Task[None]] = None
+        self._starting: Optional[asyncio.Future[None]] = None  # startup() without lifespan
         self.metrics.engine_rejects.set_function(lambda: self.capability.gauge_value)
         # The parts share the app's settings object (tests change it on a running app).
         self.prefill = PrefillLegs(
@@ -98,7 +101,6 @@ class Sidecar:
             self.settings,
             self.metrics,
             capability=self.capability,
-            next_client=lambda: self.client,
             decode=self.decode,
             prefill=self.prefill,
         )
@@ -113,19 +115,16 @@ class Sidecar:
         if self.settings.probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self.prefill.probe_forever())
         if self.settings.mode == "decode-first" and self.capability.known is None:
-            self._capability_task = asyncio.ensure_future(
+            # In the background only: requests read what is known and never wait for it.
+            self._capability_task = asyncio.create_task(
                 self.capability.probe_until_known(lambda: self.client, self.settings.decode_url)
             )
 
     async def shutdown(self) -> None:
-        if self._capability_task:
-            self._capability_task.cancel()
-            self._capability_task = None
-        if self._probe_task:
-            self._probe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe_task
-            self._probe_task = None
+        await _cancelled(self._capability_task)
+        self._capability_task = None
+        await _cancelled(self._probe_task)
+        self._probe_task = None
         await self.endpoints.stop()
         self.prefill_ranking.close()
         if self.clients:
@@ -140,7 +139,7 @@ class Sidecar:
         if scope["type"] != "http":
             return
         if self.clients is None:  # served without lifespan (some test clients)
-            await self.startup()
+            await self._start_once()
         route, method = scope["path"], scope["method"]
         if route in GENERATION_PATHS and method == "POST":
             await self._generation(scope, receive, send)
@@ -152,6 +151,14 @@ class Sidecar:
             await self._health(send, "/ready")
         else:
             await self._pass_through(scope, receive, send)
+
+    async def _start_once(self) -> None:
+        """startup() for an app served without lifespan: run once, by the first request;
+        the requests that arrive meanwhile wait for that same start (nothing can be served
+        before it), instead of each making clients and background tasks of its own."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self.startup())
+        await asyncio.shield(self._starting)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -316,6 +323,15 @@ class Sidecar:
                 )
             else:
                 await client_send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _cancelled(task: Optional[asyncio.Task[None]]) -> None:
+    """Cancels a background task and waits until it has stopped."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _named_prefillers(scope: Scope) -> str:

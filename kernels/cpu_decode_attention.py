@@ -15,29 +15,22 @@ benchmarks/engine_vs_vllm.py): 8 query heads on 4 KV heads of 64, 0.37 ms (share
 loads, one reduction per dot product: 0.52 ms; one query head per key load: 0.68-0.96 ms);
 4 on 2 KV heads of 32, 0.11 ms (0.18; 0.28).
 
-The shared library is cached per source and CPU (`-march=native`) under
-$PDPOOL_KERNEL_CACHE, else ~/.cache/pdpool/cpu-kernels; without a compiler (or if the build
-fails) `available()` is False and the torch path runs.
+The shared library is built and cached by native_build.py (per source and CPU,
+`-march=native`, under $PDPOOL_KERNEL_CACHE, else ~/.cache/pdpool/cpu-kernels); without a
+compiler (or if the build fails) `available()` is False and the torch path runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-log = logging.getLogger("pdpool.kernels")
+from . import native_build
+from .native_build import CACHE_ENV  # noqa: F401 (where the libraries are cached)
 
-CACHE_ENV = "PDPOOL_KERNEL_CACHE"
 MAX_DIM = 256  # the C source's MAX_DIM: the head sizes it serves
 DISABLE_ENV = "PDPOOL_CPU_DECODE_KERNEL"  # "0": always the torch path
 
@@ -202,78 +195,20 @@ void paged_decode_attention(const float *q, const float *k, const float *v,
 # Compiled with -ffast-math (vectorized expf from libmvec, reassociated sums) but linked
 # without it: linking with it would add crtfastmath, which sets flush-to-zero for the whole
 # process when the library loads.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-fPIC", "-ffast-math", "-c"]
-_LINK_FLAGS = ["-shared"]
-_LIBS = ["-lmvec", "-lm"]
-_lock = threading.Lock()
-_loaded: dict[str, Optional[ctypes.CDLL]] = {}
+_EXTRA_FLAGS = ("-ffast-math",)
+_LIBS = ("-lmvec", "-lm")
 
 
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next((line for line in fh if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get(CACHE_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "pdpool", "cpu-kernels"
-    )
-    for candidate in (Path(base), Path(tempfile.gettempdir()) / "pdpool-cpu-kernels"):
-        try:
-            candidate.mkdir(parents=True, exist_ok=True)
-            if os.access(candidate, os.W_OK):
-                return candidate
-        except OSError:
-            continue
-    raise OSError("no writable folder for the CPU kernel")
-
-
-def _build(compiler: str) -> ctypes.CDLL:
-    digest = hashlib.sha256(
-        "\0".join([_SOURCE, compiler, *_COMPILE_FLAGS, *_LINK_FLAGS, _cpu_signature()]).encode()
-    ).hexdigest()[:16]
-    folder = _cache_dir()
-    lib_path = folder / f"decode_attention-{digest}.so"
-    if not lib_path.exists():
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            src = Path(tmp) / "decode_attention.c"
-            src.write_text(_SOURCE)
-            obj, built = Path(tmp) / "decode_attention.o", Path(tmp) / lib_path.name
-            for argv in (
-                [compiler, *_COMPILE_FLAGS, "-o", str(obj), str(src)],
-                [compiler, *_LINK_FLAGS, "-o", str(built), str(obj), *_LIBS],
-            ):
-                subprocess.run(argv, check=True, capture_output=True, timeout=120)
-            os.replace(built, lib_path)  # atomic: concurrent builders each write a whole file
-    lib = ctypes.CDLL(str(lib_path))  # CDLL calls release the GIL
+def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr]
     fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64, ptr]
     fn.restype = None
-    return lib
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    with _lock:
-        if "lib" not in _loaded:
-            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            lib = None
-            if compiler:
-                try:
-                    lib = _build(compiler)
-                except (OSError, subprocess.SubprocessError) as exc:
-                    detail = getattr(exc, "stderr", b"") or b""
-                    log.warning(
-                        "CPU decode attention kernel not built (%s %s): torch path",
-                        exc,
-                        detail.decode(errors="replace")[-500:],
-                    )
-            _loaded["lib"] = lib
-        return _loaded["lib"]
+    return native_build.load("decode_attention", _SOURCE, _declare, _EXTRA_FLAGS, _LIBS)
 
 
 def available() -> bool:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpu_decode_attention
+from . import cpu_decode_attention, cpu_prefill_attention
 
 
 def write_kv_reference(
@@ -69,6 +69,12 @@ def paged_attention_reference(
         # A pure decode step on one CPU thread: read the paged cache in place.
         return cpu_decode_attention.paged_decode_attention(
             q, k_cache, v_cache, block_tables, lens, scale, sliding_window
+        )
+    if not pure_decode and cpu_prefill_attention.usable_for(q, k_cache, v_cache):
+        # Prefill chunks (and the decodes beside them) on one CPU thread: one flash-style
+        # call for the whole batch, the cache read in place.
+        return cpu_prefill_attention.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, starts, lens, scale, sliding_window
         )
     position_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
     groups = _decode_groups(decodes, lens, k_cache.shape[1], position_bytes)

@@ -1,0 +1,145 @@
+"""Attention of a mixed batch (prefill chunks and decodes) on CPU, read straight from the paged
+cache: flash-style tiles in C (kernels/cpu_prefill_source.py), built with the system's C
+compiler on first use (kernels/native_build.py) and called through ctypes, one call per
+layer for the whole batch.
+
+The torch path (reference.py) gathers each sequence's K/V and runs SDPA with an explicit
+[G*n, L] mask: about 4 GFLOP/s on one core for a 3000-token prompt, where this runs near the
+core's matmul speed (benchmarks/cpu_prefill_attention.py). One thread, like the decode
+kernel (cpu_decode_attention.py): the caller uses it only when torch runs one thread, so a
+many-core engine keeps SDPA's parallelism. float32 only; head sizes up to 256 (32, 64 and
+128 are compiled as constants). `PDPOOL_CPU_PREFILL_KERNEL=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+from . import native_build
+from .cpu_prefill_source import SOURCE
+
+MAX_DIM = 256  # the C source's MAX_DIM
+DISABLE_ENV = "PDPOOL_CPU_PREFILL_KERNEL"  # "0": always the torch path
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = lib.paged_prefill_attention
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
+    fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64]
+    fn.restype = None
+
+
+def _library(portable: bool = False) -> Optional[ctypes.CDLL]:
+    """The built kernel; `portable` builds the plain-C path even where AVX2 is (for tests)."""
+    if portable:
+        return native_build.load(
+            "prefill_attention_portable", SOURCE, _declare, extra_flags=("-DPORTABLE_ONLY",)
+        )
+    return native_build.load("prefill_attention", SOURCE, _declare)
+
+
+def available() -> bool:
+    """Whether the kernel may run here: not disabled, and built (on first call)."""
+    if os.environ.get(DISABLE_ENV, "1").strip() == "0":
+        return False
+    return _library() is not None
+
+
+def usable_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """float32 CPU tensors in the layouts the kernel reads, one torch thread, and built."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and torch.get_num_threads() == 1
+        and q.stride(2) == 1
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride(3) == 1
+        and q.shape[-1] <= MAX_DIM
+        and available()
+    )
+
+
+def _validated(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+) -> torch.Tensor:
+    """The int32 block tables, after the checks that keep C inside its buffers."""
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    batch = len(seq_lens)
+    tables = block_tables.to(torch.int32).contiguous()
+    if len(query_start_loc) != batch + 1 or tables.shape[0] != batch:
+        raise ValueError(
+            f"{batch} lengths, {len(query_start_loc)} query starts, {tables.shape[0]} tables"
+        )
+    if query_start_loc[0] != 0 or query_start_loc[-1] != q.shape[0]:
+        raise ValueError(f"query starts must run from 0 to {q.shape[0]}")
+    for b, seq_len in enumerate(seq_lens):
+        q_len = query_start_loc[b + 1] - query_start_loc[b]
+        if not 0 <= q_len <= seq_len:
+            raise ValueError(f"sequence {b}: {q_len} queries for {seq_len} positions")
+    if max(seq_lens, default=0) > tables.shape[1] * block_size:
+        raise ValueError(f"a sequence of {max(seq_lens)} tokens outruns its block table")
+    if tables.numel():
+        lowest, highest = (int(x) for x in torch.aminmax(tables))
+        if not 0 <= lowest <= highest < k_cache.shape[0]:
+            raise ValueError(f"block ids must be in [0, {k_cache.shape[0]})")
+    if dim > MAX_DIM or heads % max(kv_heads, 1):
+        raise ValueError(f"head size {dim} (at most {MAX_DIM}), {heads} heads on {kv_heads}")
+    return tables
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    scale: float,
+    sliding_window: Optional[int],
+    portable: bool = False,
+) -> torch.Tensor:
+    """Causal attention of q `[T, H, D]` (sequence b owns rows
+    `query_start_loc[b]:query_start_loc[b+1]`, at the last positions of its `seq_lens[b]`)
+    over caches `[blocks, block_size, H_kv, D]`; returns `[T, H, D]` float32. Check
+    `usable_for` first. `portable` runs the plain-C build (tests)."""
+    lib = _library(portable)
+    assert lib is not None
+    tables = _validated(q, k_cache, block_tables, query_start_loc, seq_lens)
+    starts = torch.tensor(query_start_loc, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    heads, dim = q.shape[1], q.shape[2]
+    sb, sp, sh, _ = k_cache.stride()
+    lib.paged_prefill_attention(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        sb,
+        sp,
+        sh,
+        tables.data_ptr(),
+        tables.shape[1],
+        starts.data_ptr(),
+        lens.data_ptr(),
+        len(seq_lens),
+        out.data_ptr(),
+        heads,
+        k_cache.shape[2],
+        dim,
+        k_cache.shape[1],
+        scale,
+        sliding_window or 0,
+    )
+    return out

@@ -1,0 +1,383 @@
+"""The C source of the CPU prefill attention (kernels/cpu_prefill_attention.py builds and calls
+it). Kept apart from the Python that loads it so each file has one job.
+
+The layout that makes it run at matmul speed: a tile holds up to 24 query rows (a token and
+one query head of a KV head's group) of one sequence, and the rows lie on the vector lanes.
+Q is packed once per tile, transposed and pre-scaled, `qt[d][row]`. Then for every chunk of
+48 key positions:
+  scores   st[key][row] = sum_d K[key][d] * qt[d][row]: a register-blocked matmul (4 keys x
+           3 row vectors of accumulators with AVX2), each key element broadcast from the
+           cache where it lies (through the block table: no gather, no transpose of K);
+  softmax  online, per row, all of it lane-wise (no horizontal reductions): running max m,
+           sum l, rescale alpha = 2^(m_old - m_new); exp2 is a polynomial on 8 lanes;
+  values   ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * p[key][row]: the
+           same register blocking (4 dims x 3 row vectors), V broadcast in place.
+Each K/V row is read once per tile for all its rows (all query heads of the group). Key
+chunks past a tile's last position (causal) or before its window are never read; only the
+chunks that cross the diagonal or the window edge are masked. A masked score is a large
+negative finite number (the code is compiled without -ffinite-math assumptions either way).
+"""
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define LANES 8                       /* query rows per vector */
+#define MAX_VECS 3                    /* row vectors per tile */
+#define TILE_ROWS (LANES * MAX_VECS)  /* 24 */
+#define CHUNK 48                      /* keys per softmax step: a multiple of 12, 6 and 4 */
+#define MAX_DIM 256
+#define MASKED (-1.0e30f)             /* the score of a key a row may not see */
+#define LOG2E 1.4426950408889634f
+
+typedef struct {
+    const float *k, *v;       /* this KV head's caches */
+    int64_t sb, sp;           /* strides (floats) of a block and a position */
+    const int32_t *table;     /* this sequence's block table */
+    int64_t block_size, window, dim;
+} Keys;
+
+ALWAYS_INLINE const float *key_row(const Keys *ks, const float *base, int64_t pos) {
+    return base + ks->table[pos / ks->block_size] * ks->sb + (pos % ks->block_size) * ks->sp;
+}
+
+/* ---------------------------------------------------------------- exp2 on lanes */
+/* 2^x for x <= 0: 2^round(x) from the exponent bits times e^(f ln 2), f in [-1/2, 1/2],
+   by its Taylor series to degree 7 (relative error ~5e-9). Below -126 the result is
+   2^-126: nothing next to a row maximum's 1. */
+#define EXP_C2 0.5f
+#define EXP_C3 0.16666666666666666f
+#define EXP_C4 0.041666666666666664f
+#define EXP_C5 0.008333333333333333f
+#define EXP_C6 0.001388888888888889f
+#define EXP_C7 0.0001984126984126984f
+#define LN2 0.6931471805599453f
+
+ALWAYS_INLINE float exp2_scalar(float x) {
+    x = x < -126.0f ? -126.0f : x;
+    const float n = __builtin_roundf(x), r = (x - n) * LN2;
+    float p = EXP_C7;
+    p = p * r + EXP_C6; p = p * r + EXP_C5; p = p * r + EXP_C4; p = p * r + EXP_C3;
+    p = p * r + EXP_C2; p = p * r + 1.0f; p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* PORTABLE_ONLY: the tests build the portable path on an AVX2 machine too */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(PORTABLE_ONLY)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+ALWAYS_INLINE __m256 exp2_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(LN2));
+    __m256 p = _mm256_set1_ps(EXP_C7);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* st[key][row] for `n` keys (a multiple of 12 / nv) at rows[0..n): 12 / nv keys x nv row
+   vectors of accumulators, one broadcast per key element, one load per row vector. */
+ALWAYS_INLINE void scores_avx2(const float *qt, const float *const *rows, int64_t n, int nv,
+                               int64_t dim, float *st) {
+    const int kb = 12 / nv;
+    for (int64_t n0 = 0; n0 < n; n0 += kb) {
+        __m256 acc[12][MAX_VECS];
+#pragma GCC unroll 12
+        for (int i = 0; i < kb; i++)
+#pragma GCC unroll 3
+            for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d++) {
+            __m256 qv[MAX_VECS];
+#pragma GCC unroll 3
+            for (int j = 0; j < nv; j++) qv[j] = _mm256_load_ps(qt + d * TILE_ROWS + j * LANES);
+#pragma GCC unroll 12
+            for (int i = 0; i < kb; i++) {
+                const __m256 kv = _mm256_broadcast_ss(rows[n0 + i] + d);
+#pragma GCC unroll 3
+                for (int j = 0; j < nv; j++) acc[i][j] = _mm256_fmadd_ps(kv, qv[j], acc[i][j]);
+            }
+        }
+#pragma GCC unroll 12
+        for (int i = 0; i < kb; i++)
+#pragma GCC unroll 3
+            for (int j = 0; j < nv; j++)
+                _mm256_store_ps(st + (n0 + i) * TILE_ROWS + j * LANES, acc[i][j]);
+    }
+}
+
+/* ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * st[key][row], 4 dims x nv row
+   vectors at a time (dims past a multiple of 4 one at a time). */
+ALWAYS_INLINE void values_avx2(float *ot, const float *alpha, const float *const *rows,
+                               int64_t n, int nv, int64_t dim, const float *st) {
+    __m256 a[MAX_VECS];
+#pragma GCC unroll 3
+    for (int j = 0; j < nv; j++) a[j] = _mm256_load_ps(alpha + j * LANES);
+    int64_t d0 = 0;
+    for (; d0 + 4 <= dim; d0 += 4) {
+        __m256 acc[4][MAX_VECS];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+            for (int j = 0; j < nv; j++)
+                acc[i][j] = _mm256_mul_ps(
+                    _mm256_load_ps(ot + (d0 + i) * TILE_ROWS + j * LANES), a[j]);
+        for (int64_t key = 0; key < n; key++) {
+            __m256 p[MAX_VECS];
+#pragma GCC unroll 3
+            for (int j = 0; j < nv; j++) p[j] = _mm256_load_ps(st + key * TILE_ROWS + j * LANES);
+            const float *vr = rows[key] + d0;
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m256 vv = _mm256_broadcast_ss(vr + i);
+#pragma GCC unroll 3
+                for (int j = 0; j < nv; j++) acc[i][j] = _mm256_fmadd_ps(vv, p[j], acc[i][j]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+#pragma GCC unroll 3
+            for (int j = 0; j < nv; j++)
+                _mm256_store_ps(ot + (d0 + i) * TILE_ROWS + j * LANES, acc[i][j]);
+    }
+    for (; d0 < dim; d0++)
+        for (int j = 0; j < nv; j++) {
+            __m256 acc = _mm256_mul_ps(_mm256_load_ps(ot + d0 * TILE_ROWS + j * LANES), a[j]);
+            for (int64_t key = 0; key < n; key++)
+                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(rows[key] + d0),
+                                      _mm256_load_ps(st + key * TILE_ROWS + j * LANES), acc);
+            _mm256_store_ps(ot + d0 * TILE_ROWS + j * LANES, acc);
+        }
+}
+
+/* Online softmax over one chunk's scores, lane-wise: updates m and l, writes alpha (the
+   rescale of what was summed before) and turns st into probabilities. */
+ALWAYS_INLINE void softmax_avx2(float *st, int64_t n, int nv, float *m, float *l,
+                                float *alpha) {
+    for (int j = 0; j < nv; j++) {
+        const __m256 m_old = _mm256_load_ps(m + j * LANES);
+        __m256 m_new = m_old;
+        for (int64_t key = 0; key < n; key++)
+            m_new = _mm256_max_ps(m_new, _mm256_load_ps(st + key * TILE_ROWS + j * LANES));
+        /* a row that has seen only masked keys subtracts 0: its p stays 0, never 1 */
+        const __m256 unseen = _mm256_cmp_ps(m_new, _mm256_set1_ps(0.5f * MASKED), _CMP_LT_OQ);
+        const __m256 ref = _mm256_andnot_ps(unseen, m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t key = 0; key < n; key++) {
+            float *s = st + key * TILE_ROWS + j * LANES;
+            const __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_load_ps(s), ref));
+            _mm256_store_ps(s, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        const __m256 a = exp2_avx2(_mm256_sub_ps(m_old, ref));
+        _mm256_store_ps(alpha + j * LANES, a);
+        _mm256_store_ps(l + j * LANES, _mm256_fmadd_ps(_mm256_load_ps(l + j * LANES), a, sum));
+        _mm256_store_ps(m + j * LANES, m_new);
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- portable versions */
+ALWAYS_INLINE void scores_portable(const float *qt, const float *const *rows, int64_t n,
+                                   int nv, int64_t dim, float *st) {
+    const int width = nv * LANES;
+    for (int64_t key = 0; key < n; key++) {
+        float acc[TILE_ROWS] = {0};
+        for (int64_t d = 0; d < dim; d++) {
+            const float kd = rows[key][d];
+            for (int r = 0; r < width; r++) acc[r] += kd * qt[d * TILE_ROWS + r];
+        }
+        memcpy(st + key * TILE_ROWS, acc, width * sizeof(float));
+    }
+}
+
+ALWAYS_INLINE void values_portable(float *ot, const float *alpha, const float *const *rows,
+                                   int64_t n, int nv, int64_t dim, const float *st) {
+    const int width = nv * LANES;
+    for (int64_t d = 0; d < dim; d++) {
+        float acc[TILE_ROWS];
+        for (int r = 0; r < width; r++) acc[r] = ot[d * TILE_ROWS + r] * alpha[r];
+        for (int64_t key = 0; key < n; key++) {
+            const float vd = rows[key][d];
+            for (int r = 0; r < width; r++) acc[r] += vd * st[key * TILE_ROWS + r];
+        }
+        memcpy(ot + d * TILE_ROWS, acc, width * sizeof(float));
+    }
+}
+
+ALWAYS_INLINE void softmax_portable(float *st, int64_t n, int nv, float *m, float *l,
+                                    float *alpha) {
+    for (int r = 0; r < nv * LANES; r++) {
+        float m_new = m[r], sum = 0.0f;
+        for (int64_t key = 0; key < n; key++) {
+            const float s = st[key * TILE_ROWS + r];
+            m_new = s > m_new ? s : m_new;
+        }
+        const float ref = m_new < 0.5f * MASKED ? 0.0f : m_new;
+        for (int64_t key = 0; key < n; key++) {
+            float *s = st + key * TILE_ROWS + r;
+            *s = exp2_scalar(*s - ref);
+            sum += *s;
+        }
+        alpha[r] = exp2_scalar(m[r] - ref);
+        l[r] = l[r] * alpha[r] + sum;
+        m[r] = m_new;
+    }
+}
+
+#ifdef HAVE_AVX2
+#define SCORES scores_avx2
+#define VALUES values_avx2
+#define SOFTMAX softmax_avx2
+#else
+#define SCORES scores_portable
+#define VALUES values_portable
+#define SOFTMAX softmax_portable
+#endif
+
+/* ---------------------------------------------------------------- one tile */
+typedef struct {
+    const float *q;           /* the tile's first token, first query head */
+    int64_t sq_t, sq_h;       /* q strides (floats) of a token and a head */
+    float *out;               /* the same place in out [T, H, D] */
+    int64_t so_t, so_h;
+    int64_t first_pos;        /* the position of the tile's first token */
+    int64_t tokens, heads;    /* rows = tokens x heads, token-major */
+    float qscale;             /* softmax scale x log2(e): scores in base 2 */
+} Tile;
+
+static const float zero_row[MAX_DIM];
+
+ALWAYS_INLINE void run_tile(const Tile *t, const Keys *ks, int nv, int64_t dim) {
+    float qt[MAX_DIM * TILE_ROWS] __attribute__((aligned(32)));
+    float ot[MAX_DIM * TILE_ROWS] __attribute__((aligned(32)));
+    float st[CHUNK * TILE_ROWS] __attribute__((aligned(32)));
+    float m[TILE_ROWS] __attribute__((aligned(32))), l[TILE_ROWS] __attribute__((aligned(32)));
+    float alpha[TILE_ROWS] __attribute__((aligned(32)));
+    float pos[TILE_ROWS]; /* each row's position (exact in float below 2^24) */
+    const float *krows[CHUNK], *vrows[CHUNK];
+    const int width = nv * LANES, rows = (int)(t->tokens * t->heads), kb = 12 / nv;
+    const int64_t last_pos = t->first_pos + t->tokens - 1, window = ks->window;
+
+    /* pack Q transposed and scaled; padding rows repeat the last row (their output is
+       dropped, and they must not turn into NaN on the way) */
+    for (int r = 0; r < width; r++) {
+        const int rr = r < rows ? r : rows - 1;
+        const int64_t tok = rr / t->heads, h = rr % t->heads;
+        const float *qr = t->q + tok * t->sq_t + h * t->sq_h;
+        for (int64_t d = 0; d < dim; d++) qt[d * TILE_ROWS + r] = qr[d] * t->qscale;
+        pos[r] = (float)(t->first_pos + tok);
+        m[r] = MASKED;
+        l[r] = 0.0f;
+    }
+    memset(ot, 0, sizeof(float) * dim * TILE_ROWS);
+
+    /* keys [lo, hi): what the rows see together */
+    const int64_t hi = last_pos + 1;
+    int64_t lo = 0;
+    if (window > 0 && t->first_pos - window + 1 > 0) lo = t->first_pos - window + 1;
+    for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
+        const int64_t count = hi - c0 < CHUNK ? hi - c0 : CHUNK;
+        const int64_t n = (count + kb - 1) / kb * kb; /* padded: zero rows, masked */
+        for (int64_t i = 0; i < n; i++) {
+            krows[i] = i < count ? key_row(ks, ks->k, c0 + i) : zero_row;
+            vrows[i] = i < count ? key_row(ks, ks->v, c0 + i) : zero_row;
+        }
+        SCORES(qt, krows, n, nv, dim, st);
+        /* masks only where a row may not see a key of the chunk */
+        const int crosses_diagonal = c0 + n - 1 > t->first_pos;
+        const int crosses_window = window > 0 && c0 <= last_pos - window;
+        if (crosses_diagonal || crosses_window)
+            for (int64_t i = 0; i < n; i++) {
+                const float kp = (float)(c0 + i);
+                for (int r = 0; r < width; r++) {
+                    const int hidden = kp > pos[r] || (window > 0 && pos[r] - kp >= window);
+                    if (hidden) st[i * TILE_ROWS + r] = MASKED;
+                }
+            }
+        SOFTMAX(st, n, nv, m, l, alpha);
+        VALUES(ot, alpha, vrows, n, nv, dim, st);
+    }
+
+    for (int r = 0; r < rows; r++) {
+        const int64_t tok = r / t->heads, h = r % t->heads;
+        float *o = t->out + tok * t->so_t + h * t->so_h;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t d = 0; d < dim; d++) o[d] = ot[d * TILE_ROWS + r] * inv;
+    }
+}
+
+/* Instances with the row vectors and the head size known to the compiler. */
+#define TILE_OF(NV, D)                                                                       \
+    static void tile_##NV##_##D(const Tile *t, const Keys *ks) { run_tile(t, ks, NV, D); }
+#define TILES_OF(D) TILE_OF(1, D) TILE_OF(2, D) TILE_OF(3, D)
+TILES_OF(32)
+TILES_OF(64)
+TILES_OF(128)
+#define TILE_ANY(NV)                                                                         \
+    static void tile_##NV##_any(const Tile *t, const Keys *ks) {                             \
+        run_tile(t, ks, NV, ks->dim);                                                        \
+    }
+TILE_ANY(1)
+TILE_ANY(2)
+TILE_ANY(3)
+
+static void tile(const Tile *t, const Keys *ks) {
+    const int nv = (int)((t->tokens * t->heads + LANES - 1) / LANES);
+#define PICK(D)                                                                              \
+    (nv == 1 ? tile_1_##D : nv == 2 ? tile_2_##D : tile_3_##D)
+    void (*fn)(const Tile *, const Keys *) = ks->dim == 64    ? PICK(64)
+                                             : ks->dim == 128 ? PICK(128)
+                                             : ks->dim == 32  ? PICK(32)
+                                                              : PICK(any);
+#undef PICK
+    fn(t, ks);
+}
+
+/* ---------------------------------------------------------------- the batch */
+/* q [T, H, D] with strides sq_t, sq_h (unit over D); out [T, H, D] contiguous; k, v
+   [blocks, block_size, H_kv, D] with strides sb, sp, sh (unit over D); tables [B, W] int32;
+   sequence b owns q rows [query_start[b], query_start[b+1]) at positions
+   seq_lens[b] - q_len .. seq_lens[b] - 1; window <= 0: none. D <= MAX_DIM. */
+void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const float *k,
+                             const float *v, int64_t sb, int64_t sp, int64_t sh,
+                             const int32_t *tables, int64_t table_width,
+                             const int32_t *query_start, const int32_t *seq_lens,
+                             int64_t batch, float *out, int64_t heads, int64_t kv_heads,
+                             int64_t dim, int64_t block_size, float scale, int64_t window) {
+    if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads) return; /* refused by the caller */
+    const int64_t group = heads / kv_heads;
+    const int64_t slice = group < TILE_ROWS ? group : TILE_ROWS; /* query heads per tile */
+    const int64_t per_tile = TILE_ROWS / slice;                  /* tokens per tile */
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t first = query_start[b], q_len = query_start[b + 1] - first;
+        const int64_t start_pos = seq_lens[b] - q_len;
+        for (int64_t kh = 0; kh < kv_heads; kh++) {
+            const Keys ks = {k + kh * sh, v + kh * sh, sb, sp, tables + b * table_width,
+                             block_size, window, dim};
+            for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += slice) {
+                const int64_t nh = (kh + 1) * group - h0 < slice ? (kh + 1) * group - h0 : slice;
+                for (int64_t t0 = 0; t0 < q_len; t0 += per_tile) {
+                    const Tile t = {q + (first + t0) * sq_t + h0 * sq_h, sq_t, sq_h,
+                                    out + ((first + t0) * heads + h0) * dim, heads * dim, dim,
+                                    start_pos + t0, q_len - t0 < per_tile ? q_len - t0 : per_tile,
+                                    nh, scale * LOG2E};
+                    tile(&t, &ks);
+                }
+            }
+        }
+    }
+}
+"""

@@ -1,0 +1,178 @@
+"""The CPU prefill-attention kernel (C, built on first use) against the torch path that gathers
+each sequence and runs SDPA with an explicit mask: causal from position zero, chunks over a
+cached prefix, GQA ratios, sliding windows, block sizes, lengths that do not fill a block,
+batches mixing prefills and decodes, head sizes; its portable (non-AVX2) build; and when the
+reference dispatches to it or declines it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdpool.kernels import cpu_prefill_attention as native
+from pdpool.kernels import reference
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="no C compiler for the kernel (or PDPOOL_CPU_PREFILL_KERNEL=0)"
+)
+
+
+def _case(heads, kv_heads, dim, q_lens, seq_lens, block_size=16, seed=0):
+    """q `[T, H, D]` and caches that are strided views of an engine-like kv_cache, with
+    block tables scattered at random over it."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    kv = torch.randn(num_blocks, 3, 2, block_size, kv_heads, dim, generator=gen)
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables, i = [], 0
+    for n in per_seq:
+        tables.append(ids[i : i + n])
+        i += n
+    width = max(per_seq)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    return q, kv[:, 1, 0], kv[:, 1, 1], block_tables, starts
+
+
+def _torch_path(q, k_cache, v_cache, tables, starts, seq_lens, scale, window, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setenv(native.DISABLE_ENV, "0")
+        assert not native.usable_for(q, k_cache, v_cache)
+        return reference.paged_attention_reference(
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            torch.tensor(starts, dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
+            scale,
+            window,
+        )
+
+
+def _check(heads, kv_heads, dim, q_lens, seq_lens, monkeypatch, window=None, block_size=16):
+    q, k_cache, v_cache, tables, starts = _case(heads, kv_heads, dim, q_lens, seq_lens, block_size)
+    scale = dim**-0.5
+    assert native.usable_for(q, k_cache, v_cache)
+    expected = _torch_path(
+        q, k_cache, v_cache, tables, starts, seq_lens, scale, window, monkeypatch
+    )
+    for portable in (False, True):
+        got = native.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, seq_lens, scale, window, portable=portable
+        )
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# GQA ratios 1, 2, 4, 8 and a group wider than a tile's 24 rows (taken in slices)
+HEADS = [(4, 4), (4, 2), (8, 2), (8, 1), (32, 1)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_causal_prompts_from_position_zero(heads, kv_heads, dim, monkeypatch):
+    lens = [1, 5, 16, 47, 130]  # inside one block, one full block, a few key chunks
+    _check(heads, kv_heads, dim, lens, lens, monkeypatch)
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_chunks_over_a_cached_prefix(heads, kv_heads, monkeypatch):
+    # the queries start where the cache ends: mid-block, on a boundary, far in
+    q_lens = [3, 16, 40, 100, 1]
+    seq_lens = [20, 48, 41, 350, 77]
+    _check(heads, kv_heads, 64, q_lens, seq_lens, monkeypatch)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 64, 500])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1)])
+def test_sliding_windows(window, heads, kv_heads, monkeypatch):
+    q_lens = [60, 130, 7, 1, 200]
+    seq_lens = [60, 260, 100, 90, 333]
+    _check(heads, kv_heads, 32, q_lens, seq_lens, monkeypatch, window=window)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 8, 16, 32])
+def test_block_sizes_and_lengths_that_do_not_fill_a_block(block_size, monkeypatch):
+    q_lens = [9, 31, 2, 70]
+    seq_lens = [9, 33, 40, 101]
+    _check(8, 4, 64, q_lens, seq_lens, monkeypatch, block_size=block_size)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_batch_mixing_prefills_and_decodes(window, monkeypatch):
+    q_lens = [1, 64, 1, 1, 200, 1, 13, 0]  # one sequence without queries this step
+    seq_lens = [50, 64, 300, 2, 230, 17, 13, 8]
+    _check(8, 2, 64, q_lens, seq_lens, monkeypatch, window=window)
+
+
+@pytest.mark.parametrize("dim", [6, 8, 48, 80, 256])
+def test_head_sizes_without_their_own_instance(dim, monkeypatch):
+    _check(4, 2, dim, [33, 1], [60, 9], monkeypatch)
+
+
+def test_a_strided_query_view_is_read_in_place(monkeypatch):
+    # q as the model makes it: a slice of a wider projection
+    q, k_cache, v_cache, tables, starts = _case(4, 2, 32, [40, 1], [70, 9])
+    wide = torch.randn(q.shape[0], 8, 32)
+    wide[:, 2:6] = q
+    view = wide[:, 2:6]
+    assert not view.is_contiguous()
+    got = native.paged_prefill_attention(view, k_cache, v_cache, tables, starts, [70, 9], 0.2, None)
+    expected = _torch_path(q, k_cache, v_cache, tables, starts, [70, 9], 0.2, None, monkeypatch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reference_uses_it_for_steps_with_prefills(monkeypatch):
+    q, k_cache, v_cache, tables, starts = _case(4, 2, 32, [1, 30], [31, 30])
+    calls = []
+    real = native.paged_prefill_attention
+    monkeypatch.setattr(native, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
+    lens = torch.tensor([31, 30], dtype=torch.int32)
+    starts_t = torch.tensor(starts, dtype=torch.int32)
+    reference.paged_attention_reference(q, k_cache, v_cache, tables, starts_t, lens, 0.2)
+    assert calls == [1]
+    # a pure decode step goes to the decode kernel instead
+    decode_q = q[:2]
+    one_each = torch.arange(3, dtype=torch.int32)
+    reference.paged_attention_reference(decode_q, k_cache, v_cache, tables, one_each, lens, 0.2)
+    assert calls == [1]
+
+
+def test_declines_bf16_and_more_than_one_thread():
+    q, k_cache, v_cache, _, _ = _case(4, 2, 32, [20], [20])
+    assert not native.usable_for(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert not native.usable_for(q, k_cache, v_cache)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_tables_and_lengths_are_refused_not_read():
+    q, k_cache, v_cache, tables, starts = _case(4, 2, 32, [20, 40], [20, 40])
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block ids"):
+        native.paged_prefill_attention(q, k_cache, v_cache, bad, starts, [20, 40], 0.2, None)
+    with pytest.raises(ValueError, match="outruns"):
+        native.paged_prefill_attention(q, k_cache, v_cache, tables, starts, [20, 400], 0.2, None)
+    with pytest.raises(ValueError, match="queries for"):
+        native.paged_prefill_attention(q, k_cache, v_cache, tables, starts, [20, 30], 0.2, None)
+    with pytest.raises(ValueError, match="query starts"):
+        native.paged_prefill_attention(
+            q, k_cache, v_cache, tables, [0, 20, 50], [20, 40], 0.2, None
+        )
+
+
+def test_head_sizes_above_its_limit_are_left_to_torch():
+    q, k_cache, v_cache, _, _ = _case(2, 1, native.MAX_DIM + 32, [5], [5])
+    assert not native.usable_for(q, k_cache, v_cache)

@@ -3,7 +3,8 @@
 The step loop (EngineLoop) takes new requests and aborts through a lock-protected inbox and
 hands each step's outputs to a sink. AsyncEngine runs it on a thread of the server's own
 process: the sink wakes the event loop once per step and fills one asyncio queue per
-request. engine_process.py runs the same loop in a process of its own.
+request. engine_process.py runs the same loop in a process of its own; EngineClient is the one
+interface the server calls either way.
 
 A reader that falls behind the engine gets everything waiting for it at once: one output
 per step would make a slow reader slower (one SSE event, one send per token).
@@ -19,9 +20,9 @@ import threading
 import time
 import traceback
 from dataclasses import replace
-from typing import AsyncIterator, Callable, Optional, Protocol
+from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
-from pdpool.engine.engine_core import RequestOutput
+from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.engine_state import LiveEngineView
 
 log = logging.getLogger("pdpool.engine")
@@ -142,16 +143,21 @@ class EngineLoop:
         self.sink.failed(failed, message)
 
 
-class OutputStreams(abc.ABC):
-    """The asyncio side of requests in flight: one queue per request, read by `generate`.
-    AsyncEngine (a thread) and EngineProcess (a child process) say how requests reach the
-    engine."""
+class EngineClient(abc.ABC):
+    """What the server calls, wherever the engine runs: AsyncEngine (a thread of this
+    process) or EngineProcess (a core process of its own). The asyncio side of requests in
+    flight is shared: one queue per request, read by `generate`."""
+
+    view: Any  # the facts and state the server reads (LiveEngineView or EngineMirror)
 
     def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
+    async def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Called once the server's event loop runs, before it serves."""
+
     @abc.abstractmethod
-    def _send_add(self, spec: NewRequest) -> None:
+    async def _send_add(self, spec: NewRequest) -> None:
         """Hands the request to the engine; a refusal comes back as an exception in its
         queue (`_put`)."""
 
@@ -159,13 +165,30 @@ class OutputStreams(abc.ABC):
     def abort(self, request_id: str) -> None:
         """Ends the request in the engine, if it is still there."""
 
+    @abc.abstractmethod
+    async def release_lease(self, params: dict) -> bool:
+        """Ends a KV lease this engine granted; False when it was not live."""
+
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """Liveness: the engine (thread or core process) runs."""
+
+    @abc.abstractmethod
+    def readiness(self, max_stall_s: float) -> Optional[str]:
+        """None when ready; else why not."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stops the engine (once; later calls do nothing)."""
+
     async def generate(self, spec: NewRequest) -> AsyncIterator[list[RequestOutput]]:
         """Adds the request to the engine and yields its outputs, as lists of all those that
         are waiting (one or more, in order; see `mergeable_runs`). A refusal
         (validation) is raised. Leaving the iterator early aborts the request."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[spec.request_id] = (asyncio.get_running_loop(), queue)
-        self._send_add(spec)
+        await self._send_add(spec)
         finished = False
         try:
             while True:
@@ -207,7 +230,7 @@ class OutputStreams(abc.ABC):
             loop.call_soon_threadsafe(_put_all, queues)
 
 
-class AsyncEngine(OutputStreams):
+class AsyncEngine(EngineClient):
     """The engine on a thread of this process."""
 
     def __init__(self, engine):
@@ -219,7 +242,7 @@ class AsyncEngine(OutputStreams):
     def view(self) -> LiveEngineView:
         return LiveEngineView(self.engine)
 
-    def _send_add(self, spec: NewRequest) -> None:
+    async def _send_add(self, spec: NewRequest) -> None:
         def add():
             try:
                 add_to_engine(self.engine, spec)

@@ -8,8 +8,7 @@ conditions and free the finished.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -18,45 +17,22 @@ from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder, find
 from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.models.base import head_dim_of
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
+from pdpool.engine.outputs import (  # noqa: F401 (re-exported)
+    KVTransferRefused,
+    RequestError,
+    RequestOutput,
+    RequestRejected,
+    TokenLogprob,
+    prompt_fit_problem,
+)
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.runner import ModelRunner, StepResult
-from pdpool.engine.sampling import RequestError, TokenLogprob
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger("pdpool.engine")
 
 DEFAULT_KV_MEMORY_CPU = 256 << 20
-
-
-class RequestRejected(ValueError):
-    """A request the engine can never serve (too long, cannot fit the KV cache)."""
-
-
-class KVTransferRefused(RuntimeError):
-    """Under the `fail` load-failure policy: kv_transfer_params that cannot be trusted."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: Optional[str]
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    kv_transfer_params: Optional[dict[str, Any]] = None
-    error: Optional[str] = None
-    # The HTTP status an error maps to (None: the caller decides, e.g. 503 for KV loads).
-    error_status: Optional[int] = None
-    # Aligned with new_token_ids when the request asked for logprobs.
-    logprobs: Optional[list[TokenLogprob]] = None
-    # Of num_cached_tokens, those loaded from a peer (the rest were local hits).
-    num_pulled_tokens: int = 0
-    # time.monotonic() when the step that made it ended (set on delivery; latency metrics).
-    produced_at: float = 0.0
 
 
 def pick_device(name: str) -> torch.device:
@@ -306,8 +282,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request_id!r}")
         n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestRejected("the prompt is empty")
         vocab = self.info.config["vocab_size"]
         if any(
             isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
@@ -320,17 +294,11 @@ class LLMEngine:
             raise RequestRejected(
                 "n: the engine runs one sequence per request (the server fans n out)"
             )
-        capacity = self.kv_capacity_tokens
-        if n + params.max_tokens > capacity:
-            raise RequestRejected(
-                f"the request ({n} prompt + {params.max_tokens} output tokens) cannot fit in "
-                f"the KV cache even alone: it holds {capacity} tokens"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request asks for {n} prompt + {params.max_tokens} output tokens"
-            )
+        problem = prompt_fit_problem(
+            n, params.max_tokens, self.max_model_len, self.kv_capacity_tokens
+        )
+        if problem is not None:
+            raise RequestRejected(problem)
         req = Request(
             request_id,
             prompt_token_ids,

@@ -1,129 +1,160 @@
-"""The engine in a process of its own, as vLLM runs its EngineCore: the step loop and the
-model never share a GIL with HTTP parsing and SSE writing, so both run at once.
+"""The engine core in a process of its own, as vLLM runs its EngineCore: the step loop and
+the model never share a GIL with HTTP parsing and SSE writing, so both run at once.
 
-The server process (EngineProcess) and the engine process (run_engine_process) talk over one
-duplex pipe of pickled tuples:
+The server process (EngineProcess) and the core process (run_engine_process) exchange the
+typed messages of core_messages.py over a CoreChannel (core_channel.py), which owns the
+socket's blocking semantics: a large message or a burst waits for the peer, it never fails
+while the peer lives. Load is never taken for death: only the core's exit (its end of the
+channel closes) is. A core that stops ticking while it has work fails readiness (a stall),
+not liveness.
 
-    server -> engine   ("add", request) ("abort", request_id) ("release", call_id, params)
-                       ("stop",)
-    engine -> server   ("ready", facts, state) or ("failed", why), once, at start-up
-                       ("out", outputs, state)   after a step (every step with outputs)
-                       ("state", state)          while idle, about every 50 ms
-                       ("failed_requests", request_ids, message, state)
-                       ("refused", request_id, exception)
-                       ("reply", call_id, value)
+When the core dies (killed, out of memory, a crash), the server fails the requests in flight
+(503 before their first token, an error event in a stream, so that a gateway migrates it) and
+starts a new core in place; requests meanwhile get 503. A core that keeps dying
+(MAX_RESTARTS within RESTART_WINDOW_S) or cannot start again makes the server exit with a
+non-zero status, for its supervisor (`pdpool up`, the kubelet) to restart.
 
-The engine process leaves when the pipe closes (the server process is gone, however it died)
-or on "stop". When the engine process dies, every request in flight fails and /health says so.
+The core process leaves when its channel closes (the server is gone, however it died) or on
+StopCore.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-import itertools
 import logging
 import multiprocessing
 import os
-import queue
 import signal
 import threading
 import time
-from typing import Optional
+from collections import deque
+from typing import Any, Callable, Optional
 
-from pdpool.engine.async_engine import EngineLoop, OutputStreams, add_to_engine
+from pdpool.engine.async_engine import EngineClient, EngineLoop, NewRequest, add_to_engine
+from pdpool.engine.core_channel import ChannelClosed, CoreChannel
+from pdpool.engine.core_messages import (
+    AbortRequest,
+    AddRequest,
+    CoreFailedToStart,
+    CoreReady,
+    EngineFacts,
+    Heartbeat,
+    LeaseReleased,
+    ReleaseLease,
+    RequestRefused,
+    RequestsFailed,
+    StepOutputs,
+    StopCore,
+)
 from pdpool.engine.engine_state import EngineState, engine_state
+from pdpool.engine.outputs import EngineUnavailable, RequestOutput
 
 log = logging.getLogger("pdpool.engine")
 
-# How often an idle engine process says it is alive (and sends its gauges).
+# How often an idle core says it is alive (and sends its gauges).
 HEARTBEAT_S = 0.05
-# How long an engine process whose server died may take to close its engine before it exits.
+# How long a core whose server died may take to close its engine before it exits.
 ORPHAN_EXIT_S = 2.0
+# Restarts in place before the server gives up and exits for its supervisor.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 300.0
+# How long a core may take to load its model.
+START_TIMEOUT_S = 600.0
+
+__all__ = ["EngineFacts", "EngineProcess", "EngineStartError", "run_engine_process"]
 
 
 class EngineStartError(RuntimeError):
-    """The engine process could not load its model (the message says why)."""
+    """The engine core could not load its model (the message says why)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineFacts:
-    model_name: str
-    max_model_len: int
+# --- the core process ---------------------------------------------------------------------
+class _CoreSink:
+    """The step loop's sink in the core process: outputs and state go to the server. A
+    server that falls behind holds the step loop back (bounded memory) instead of letting
+    outputs pile up."""
 
-
-# --- the engine process -------------------------------------------------------------------
-class _PipeSender:
-    """Sends, in the order given, from a thread of its own: neither the engine loop nor the
-    pipe reader ever waits for the server to read (the server may be sending a large request
-    at that moment, which needs the reader free)."""
-
-    def __init__(self, conn):
-        self.conn = conn
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="engine-pipe-send", daemon=True)
-        self._thread.start()
-
-    def send(self, msg: tuple) -> None:
-        self._queue.put(msg)
-
-    def close(self) -> None:
-        """Sends what is queued, then stops."""
-        self._queue.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while (msg := self._queue.get()) is not None:
-            try:
-                self.conn.send(msg)
-            except (OSError, ValueError):
-                return  # the server process is gone
-            except Exception as exc:  # a message that does not pickle (a refusal's exception)
-                if msg[0] == "refused":
-                    self.conn.send(("refused", msg[1], RuntimeError(str(msg[2]) or str(exc))))
-                else:
-                    log.exception("engine message %r not sent", msg[0])
-
-
-class _PipeSink:
-    """The engine loop's sink in the engine process: outputs and state go down the pipe."""
-
-    def __init__(self, sender: _PipeSender, engine):
-        self.sender, self.engine = sender, engine
+    def __init__(self, channel: CoreChannel, engine: Any):
+        self.channel, self.engine = channel, engine
         self._last_sent = 0.0
 
     def _due(self) -> bool:
         return time.monotonic() - self._last_sent >= HEARTBEAT_S
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: object) -> None:
         self._last_sent = time.monotonic()
-        self.sender.send(msg)
+        try:
+            self.channel.send(msg)
+            while not self.channel.wait_room(timeout=1.0):
+                pass  # the server reads again, or its end closes (then there is room)
+        except ChannelClosed:
+            pass  # the server is gone: the main thread exits
 
-    def outputs(self, outputs) -> None:
+    def outputs(self, outputs: list[RequestOutput]) -> None:
         # A step without outputs (a prefill chunk, loads in flight) still says it is alive.
         if outputs or self._due():
-            self._send(("out", outputs, engine_state(self.engine)))
+            self._send(StepOutputs(outputs, engine_state(self.engine)))
 
     def failed(self, request_ids: list[str], message: str) -> None:
-        self._send(("failed_requests", request_ids, message, engine_state(self.engine)))
+        self._send(RequestsFailed(request_ids, message, engine_state(self.engine)))
 
     def idle(self) -> None:
         if self._due():
-            self._send(("state", engine_state(self.engine)))
+            self._send(Heartbeat(engine_state(self.engine)))
 
 
-def _add(engine, sender: _PipeSender, spec) -> None:
-    try:
-        add_to_engine(engine, spec)
-    except Exception as exc:  # validation: the server answers it as the thread mode does
-        sender.send(("refused", spec.request_id, exc))
+class _CoreInbox:
+    """The core's handling of the server's messages, on the channel's reader thread."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.stop = threading.Event()
+        self.server_gone = threading.Event()
+
+    def attach(self, channel: CoreChannel, loop: EngineLoop) -> None:
+        self.channel, self.loop = channel, loop
+
+    def on_messages(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, AddRequest):
+                self.loop.submit(functools.partial(self._add, msg))
+            elif isinstance(msg, AbortRequest):
+                self.loop.submit(functools.partial(self.engine.abort_request, msg.request_id))
+            elif isinstance(msg, ReleaseLease):
+                # Thread-safe: it only marks the lease; the engine thread frees the blocks.
+                released = self.engine.connector.release_lease(msg.params)
+                self._reply(LeaseReleased(msg.call_id, released))
+            elif isinstance(msg, StopCore):
+                self.stop.set()
+
+    def on_closed(self, why: str) -> None:
+        self.server_gone.set()
+        self.stop.set()
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            add_to_engine(self.engine, msg)
+        except Exception as exc:  # validation: the server answers it as the thread mode does
+            self._reply(RequestRefused.of(msg.request_id, exc))
+
+    def _reply(self, msg: object) -> None:
+        try:
+            self.channel.send(msg)
+        except ChannelClosed:
+            pass
 
 
-def run_engine_process(config, conn, log_level: str) -> None:
-    """The engine process's main: load the engine, then serve the pipe until it closes."""
+def _first_message(conn: Any, msg: object) -> None:
+    import pickle
+
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def run_engine_process(config: Any, conn: Any, log_level: str) -> None:
+    """The core process's main: load the engine, then serve the channel until it closes."""
     # A Ctrl-C or a SIGTERM to the process group reaches both: the server drains its streams
-    # and then stops this process (or this process sees the pipe close).
+    # and then stops this process (or this process sees the channel close).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
@@ -134,49 +165,148 @@ def run_engine_process(config, conn, log_level: str) -> None:
     try:
         engine = LLMEngine(config)
     except Exception as exc:
-        conn.send(("failed", str(exc) or type(exc).__name__))
+        _first_message(conn, CoreFailedToStart(str(exc) or type(exc).__name__))
         return
-    sender = _PipeSender(conn)
-    loop = EngineLoop(engine, _PipeSink(sender, engine))
-    facts = EngineFacts(engine.model_name, engine.max_model_len)
-    sender.send(("ready", facts, engine_state(engine)))
-    try:
-        while True:
-            msg = conn.recv()
-            if msg[0] == "add":
-                loop.submit(functools.partial(_add, engine, sender, msg[1]))
-            elif msg[0] == "abort":
-                loop.submit(functools.partial(engine.abort_request, msg[1]))
-            elif msg[0] == "release":
-                # Thread-safe: it only marks the lease; the engine thread frees the blocks.
-                sender.send(("reply", msg[1], engine.connector.release_lease(msg[2])))
-            elif msg[0] == "stop":
-                break
-    except (EOFError, OSError):
+    facts = EngineFacts(
+        engine.model_name,
+        engine.max_model_len,
+        engine.kv_capacity_tokens,
+        int(engine.info.config["vocab_size"]),
+    )
+    _first_message(conn, CoreReady(facts, engine_state(engine)))
+    inbox = _CoreInbox(engine)
+    channel = CoreChannel(conn, inbox.on_messages, inbox.on_closed, name="engine-core")
+    inbox.attach(channel, EngineLoop(engine, _CoreSink(channel, engine)))
+    channel.start()
+    inbox.stop.wait()
+    if inbox.server_gone.is_set():
         # Nobody is left to answer: free this engine's ports (KV handshake, events) within
         # seconds, for a server restarted on them, even if a long step is running.
-        log.warning("the server process is gone: the engine process stops")
-        stopper = threading.Thread(target=loop.shutdown, daemon=True)
+        log.warning("the server process is gone: the engine core stops")
+        stopper = threading.Thread(target=inbox.loop.shutdown, daemon=True)
         stopper.start()
         stopper.join(ORPHAN_EXIT_S)
         os._exit(0)
-    loop.shutdown()
-    sender.close()
+    inbox.loop.shutdown()
+    channel.flush_and_close()
 
 
 # --- the server process -------------------------------------------------------------------
-class EngineMirror:
-    """The server's view of an engine process: its facts, the tokenizer (loaded here too),
-    and the state it last sent."""
+class CoreProcess:
+    """One engine core process, started and ready, and the channel to it."""
 
-    def __init__(self, config, facts: EngineFacts, state: EngineState):
+    def __init__(self, proc: Any, conn: Any, facts: EngineFacts, state: EngineState):
+        self.proc, self.conn, self.facts, self.first_state = proc, conn, facts, state
+        self.channel: Optional[CoreChannel] = None
+        self.started_at = time.monotonic()
+
+    @classmethod
+    def start(cls, config: Any, log_level: str) -> "CoreProcess":
+        """Spawns a core and waits (blocking) until its model is loaded."""
+        ctx = multiprocessing.get_context("spawn")  # safe with CUDA and torch's threads
+        conn, child_conn = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=run_engine_process,
+            args=(config, child_conn, log_level),
+            name="pdpool-engine-core",
+            daemon=True,
+        )
+        proc.start()
+        child_conn.close()
+        try:
+            msg = cls._wait_first_message(proc, conn)
+        except BaseException:
+            cls._end(proc)
+            conn.close()
+            raise
+        if isinstance(msg, CoreFailedToStart):
+            proc.join(10)
+            conn.close()
+            raise EngineStartError(msg.why)
+        assert isinstance(msg, CoreReady)
+        return cls(proc, conn, msg.facts, msg.state)
+
+    @staticmethod
+    def _wait_first_message(proc: Any, conn: Any) -> object:
+        import pickle
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                raise EngineStartError(
+                    f"the engine core exited (code {proc.exitcode}) while loading"
+                )
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"the engine core did not load in {START_TIMEOUT_S:.0f}s")
+        try:
+            return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            proc.join(5)
+            raise EngineStartError(f"the engine core exited (code {proc.exitcode}) while loading")
+
+    def open(
+        self, on_messages: Callable[[list[Any]], None], on_closed: Callable[[str], None]
+    ) -> CoreChannel:
+        self.channel = CoreChannel(self.conn, on_messages, on_closed, name="engine-server")
+        return self.channel.start()
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.proc.exitcode
+
+    def is_alive(self) -> bool:
+        return bool(self.proc.is_alive())
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Asks the core to stop, then makes sure it has (terminate, then kill)."""
+        if self.proc.is_alive() and self.channel is not None:
+            try:
+                self.channel.send(StopCore())
+            except ChannelClosed:
+                pass
+            self.proc.join(grace_s)
+        self._end(self.proc)
+        if self.channel is not None:
+            self.channel.flush_and_close(timeout=1.0)
+        else:
+            self.conn.close()
+
+    def kill(self) -> None:
+        """Ends a core that is gone or useless (its channel broke) at once."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        if self.channel is not None:
+            self.channel.flush_and_close(timeout=0.5)
+
+    @staticmethod
+    def _end(proc: Any) -> None:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+class EngineMirror:
+    """The server's view of its engine core: the facts, the tokenizer (loaded here too),
+    and the state the core last sent."""
+
+    def __init__(self, config: Any, facts: EngineFacts, state: EngineState):
         from transformers import AutoTokenizer
 
         from pdpool.engine.model_loader import read_model_info
 
         self.config, self.info = config, read_model_info(config.model)
-        self.model_name, self.max_model_len = facts.model_name, facts.max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
+        self.use(facts, state)
+
+    def use(self, facts: EngineFacts, state: EngineState) -> None:
+        """The facts and first state of a (re)started core."""
+        self.facts = facts
+        self.model_name, self.max_model_len = facts.model_name, facts.max_model_len
+        self.kv_capacity_tokens = facts.kv_capacity_tokens
         self.latest = state
 
     def state(self) -> EngineState:
@@ -187,155 +317,199 @@ class EngineMirror:
         return self.latest.fault
 
 
-class EngineProcess(OutputStreams):
-    """The engine in a child process, behind AsyncEngine's interface. `attach` it to the
-    server's event loop before serving."""
+class EngineProcess(EngineClient):
+    """The engine core in a child process, behind the engine-client interface; restarted in
+    place when it dies. `attach` it to the server's event loop before serving."""
 
-    def __init__(self, config, log_level: str = "info"):
+    def __init__(self, config: Any, log_level: str = "info"):
         super().__init__()
-        ctx = multiprocessing.get_context("spawn")  # safe with CUDA and torch's threads
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=run_engine_process,
-            args=(config, child_conn, log_level),
-            name="pdpool-engine-core",
-            daemon=True,
-        )
-        self._proc.start()
-        child_conn.close()
-        facts, state = self._wait_ready()
-        self.view = EngineMirror(config, facts, state)
-        self._calls: dict[int, asyncio.Future] = {}
-        self._call_ids = itertools.count()
-        self._last_heard = time.monotonic()
-        self._gone: Optional[str] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-
-    def _wait_ready(self) -> tuple[EngineFacts, EngineState]:
-        while not self._conn.poll(0.2):
-            if not self._proc.is_alive():
-                raise EngineStartError(
-                    f"the engine process exited (code {self._proc.exitcode}) while loading"
-                )
+        self.config, self.log_level = config, log_level
         try:
-            msg = self._conn.recv()
-        except EOFError:
-            self._proc.join(5)
-            raise EngineStartError(
-                f"the engine process exited (code {self._proc.exitcode}) while loading"
-            )
-        if msg[0] == "failed":
-            self._proc.join(10)
-            raise EngineStartError(msg[1])
-        return msg[1], msg[2]
+            self._core = CoreProcess.start(config, log_level)
+        except ModuleNotFoundError as exc:
+            raise EngineStartError(str(exc)) from exc
+        self.view = EngineMirror(config, self._core.facts, self._core.first_state)
+        self._calls: dict[int, asyncio.Future] = {}
+        self._next_call = 0
+        self._last_heard = time.monotonic()
+        self._gone: Optional[str] = None  # why no core serves now (None: one does)
+        self._restarts: deque[float] = deque()
+        self._restarting: Optional[asyncio.Task] = None
+        self._stopping = False
+        self.fatal: Optional[str] = None  # set when the server must exit for its supervisor
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._open(self._core)
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Reads the engine's messages on `loop` (the server's) from now on."""
+    async def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Delivers the core's messages on `loop` (the server's) from now on."""
         self._loop = loop
-        loop.add_reader(self._conn.fileno(), self._on_readable)
+
+    def _open(self, core: CoreProcess) -> None:
+        core.open(
+            functools.partial(self._from_reader, core),
+            functools.partial(self._closed_from_reader, core),
+        )
 
     # --- requests -----------------------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
+    def _channel(self) -> CoreChannel:
         if self._gone is not None:
-            raise RuntimeError(self._gone)
-        try:
-            self._conn.send(msg)
-        except OSError:
-            self._lost()
-            raise RuntimeError(self._gone)
+            raise EngineUnavailable(self._gone)
+        assert self._core.channel is not None
+        return self._core.channel
 
-    def _send_add(self, spec) -> None:
+    def _send(self, msg: object) -> None:
         try:
-            self._send(("add", spec))
-        except RuntimeError as exc:
+            self._channel().send(msg)
+        except ChannelClosed as exc:
+            raise EngineUnavailable(f"the engine core is gone: {exc}") from exc
+
+    async def _send_add(self, spec: NewRequest) -> None:
+        msg = AddRequest(
+            spec.request_id,
+            spec.prompt_ids,
+            spec.params,  # type: ignore[arg-type]
+            spec.cache_salt,
+            spec.cache_hit_threshold,
+            spec.kv_transfer_params,
+        )
+        try:
+            # Backpressure: a request waits here while the channel holds too much unsent.
+            await self._channel().wait_room_async()
+            self._send(msg)
+        except EngineUnavailable as exc:
             self._put([(spec.request_id, exc)])
 
     def abort(self, request_id: str) -> None:
         try:
-            self._send(("abort", request_id))
-        except RuntimeError:
-            pass  # the engine is gone, and its requests with it
+            self._send(AbortRequest(request_id))
+        except EngineUnavailable:
+            pass  # the core is gone, and its requests with it
 
     async def release_lease(self, params: dict) -> bool:
-        call_id = next(self._call_ids)
+        call_id, self._next_call = self._next_call, self._next_call + 1
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            self._send(("release", call_id, params))
-            return await asyncio.wait_for(fut, timeout=30)
+            self._send(ReleaseLease(call_id, params))
+            return bool(await asyncio.wait_for(fut, timeout=30))
         finally:
             self._calls.pop(call_id, None)
 
     # --- health -------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._gone is None and self._proc.is_alive()
+        return self._gone is None and self._core.is_alive()
 
     def readiness(self, max_stall_s: float) -> Optional[str]:
-        if not self.alive:
-            return self._gone or f"the engine process has exited (code {self._proc.exitcode})"
+        if self._gone is not None:
+            return self._gone
+        if not self._core.is_alive():
+            return f"the engine core has exited (code {self._core.exitcode})"
         stalled = time.monotonic() - self._last_heard
         if stalled > max_stall_s and (self._streams or self.view.latest.has_work):
             return f"the engine loop has not ticked for {stalled:.1f}s while it has work"
         return None
 
     def shutdown(self) -> None:
-        """Stops the engine process (once; later calls do nothing)."""
-        if self._conn.closed:
+        """Stops the engine core (once; later calls do nothing)."""
+        if self._stopping:
             return
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._conn.fileno())
-        if self._proc.is_alive():
-            try:
-                self._conn.send(("stop",))
-            except OSError:
-                pass
-            self._proc.join(15)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self._stopping = True
+        self._core.stop()
 
-    # --- the engine's messages, on the event loop ---------------------------------------
-    def _on_readable(self) -> None:
-        try:
-            while self._conn.poll():
-                self._handle(self._conn.recv())
-        except (EOFError, OSError):
-            self._lost()
+    # --- the core's messages ------------------------------------------------------------
+    def _from_reader(self, core: CoreProcess, msgs: list[Any]) -> None:
+        """On the channel's reader thread: hands the batch to the event loop."""
+        loop = self._loop
+        if loop is None:  # not serving yet: only the gauges matter
+            for msg in msgs:
+                if isinstance(msg, (StepOutputs, Heartbeat)):
+                    self.view.latest = msg.state
+            return
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(self._handle_all, core, msgs)
 
-    def _handle(self, msg: tuple) -> None:
+    def _closed_from_reader(self, core: CoreProcess, why: str) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._lost, core, why)
+
+    def _handle_all(self, core: CoreProcess, msgs: list[Any]) -> None:
+        if core is not self._core:
+            return  # a message of a core that was replaced
         self._last_heard = time.monotonic()
-        kind = msg[0]
-        if kind == "out":
-            self.view.latest = msg[2]
-            if msg[1]:
-                self._put([(out.request_id, out) for out in msg[1]])
-        elif kind == "state":
-            self.view.latest = msg[1]
-        elif kind == "failed_requests":
-            self.view.latest = msg[3]
-            self._put([(rid, RuntimeError(msg[2])) for rid in msg[1]])
-        elif kind == "refused":
-            self._put([(msg[1], msg[2])])
-        elif kind == "reply":
-            fut = self._calls.get(msg[1])
-            if fut is not None and not fut.done():
-                fut.set_result(msg[2])
+        for msg in msgs:
+            self._handle(msg)
 
-    def _lost(self) -> None:
-        """The engine process is gone: fail everything in flight (once)."""
-        if self._gone is not None:
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, StepOutputs):
+            self.view.latest = msg.state
+            if msg.outputs:
+                self._put([(out.request_id, out) for out in msg.outputs])
+        elif isinstance(msg, Heartbeat):
+            self.view.latest = msg.state
+        elif isinstance(msg, RequestsFailed):
+            self.view.latest = msg.state
+            self._put([(rid, RuntimeError(msg.message)) for rid in msg.request_ids])
+        elif isinstance(msg, RequestRefused):
+            self._put([(msg.request_id, msg.exception())])
+        elif isinstance(msg, LeaseReleased):
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.released)
+
+    # --- death and restart --------------------------------------------------------------
+    def _lost(self, core: CoreProcess, why: str) -> None:
+        """The core's channel closed: the core is gone (or useless: it is killed). Fail
+        everything in flight, then start a new core."""
+        if core is not self._core or self._gone is not None or self._stopping:
             return
-        self._proc.join(1)
-        self._gone = f"the engine process has exited (code {self._proc.exitcode})"
-        log.error("%s", self._gone)
-        if self._loop is not None and not self._loop.is_closed() and not self._conn.closed:
-            self._loop.remove_reader(self._conn.fileno())
-        self._put([(rid, RuntimeError(self._gone)) for rid in list(self._streams)])
+        core.kill()
+        self._gone = f"the engine core exited (code {core.exitcode}); it is being restarted"
+        log.error("%s (%s)", self._gone, why)
+        lost = EngineUnavailable(f"the engine core exited (code {core.exitcode})")
+        self._put([(rid, lost) for rid in list(self._streams)])
         for fut in self._calls.values():
             if not fut.done():
-                fut.set_exception(RuntimeError(self._gone))
+                fut.set_exception(EngineUnavailable(self._gone))
+        self._restarting = asyncio.ensure_future(self._restart())
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        self._restarts.append(now)
+        return len(self._restarts) <= MAX_RESTARTS
+
+    async def _restart(self) -> None:
+        if not self._may_restart():
+            self._give_up(
+                f"the engine core died {len(self._restarts)} times within {RESTART_WINDOW_S:.0f}s"
+            )
+            return
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            core = await loop.run_in_executor(None, CoreProcess.start, self.config, self.log_level)
+        except Exception as exc:
+            self._give_up(f"the engine core could not start again: {exc}")
+            return
+        if self._stopping:
+            core.stop()
+            return
+        self._core = core
+        self.view.use(core.facts, core.first_state)
+        self._last_heard = time.monotonic()
+        self._open(core)
+        self._gone = None
+        log.warning(
+            "a new engine core serves, %.1fs after the last one died", time.monotonic() - t0
+        )
+
+    def _give_up(self, why: str) -> None:
+        """The server exits (non-zero) so that its supervisor starts it afresh."""
+        log.error("%s: the server exits for its supervisor to restart it", why)
+        self.fatal = why
+        self._gone = why
+        if not self._stopping:
+            signal.raise_signal(signal.SIGTERM)  # uvicorn drains and stops

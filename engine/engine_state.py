@@ -54,6 +54,7 @@ class LiveEngineView:
         self.engine = engine
         self.config, self.info = engine.config, engine.info
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.tokenizer = engine.tokenizer
 
     def state(self) -> EngineState:

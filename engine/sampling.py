@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from pdpool.engine.outputs import RequestError, TokenLogprob  # noqa: F401 (re-exported)
 from pdpool.engine.sampling_params import SamplingParams
 
 # Test-only fault injection: `SUBSTRING[@K][,...]`: a request whose id contains SUBSTRING
@@ -32,19 +33,6 @@ def _fault_specs(value: Optional[str]) -> list[tuple[str, int]]:
             sub, _, k = part.partition("@")
             specs.append((sub, int(k or 0)))
     return specs
-
-
-class RequestError(ValueError):
-    """A failure caused by one request's own parameters (answered 400, not 500)."""
-
-
-@dataclass
-class TokenLogprob:
-    """The sampled token's logprob and the `top` most likely (id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass

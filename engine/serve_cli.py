@@ -204,4 +204,7 @@ def main(args: argparse.Namespace) -> int:
         )
     finally:
         aengine.shutdown()
+    fatal = getattr(aengine, "fatal", None)
+    if fatal:  # the engine core kept dying: the supervisor starts this server afresh
+        raise CliError(fatal)
     return 0

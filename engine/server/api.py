@@ -16,8 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
 
-from pdpool.engine.async_engine import AsyncEngine
-from pdpool.engine.engine_process import EngineProcess
+from pdpool.engine.async_engine import EngineClient
 from pdpool.engine.server.choices import ChoiceRunner
 from pdpool.engine.server.errors import install_error_handlers
 from pdpool.engine.server.metrics import EngineMetrics
@@ -28,15 +27,14 @@ from pdpool.engine.server.tokenize import TokenizeRoutes
 from pdpool.engine.server.translator import RequestTranslator
 
 
-def build_app(aengine: AsyncEngine | EngineProcess) -> FastAPI:
+def build_app(aengine: EngineClient) -> FastAPI:
     """The app over an engine on a thread of this process or in a process of its own."""
     engine = aengine.view
     metrics = EngineMetrics(engine, engine.model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if isinstance(aengine, EngineProcess):
-            aengine.attach(asyncio.get_running_loop())
+        await aengine.attach(asyncio.get_running_loop())
         yield
         # After the streams drained: uvicorn may end the process by re-raising SIGTERM.
         aengine.shutdown()

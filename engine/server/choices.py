@@ -10,9 +10,14 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import Request
 
-from pdpool.engine.async_engine import OutputStreams, merge_deltas, mergeable_runs
-from pdpool.engine.engine_core import KVTransferRefused, RequestOutput, RequestRejected
-from pdpool.engine.sampling import TokenLogprob
+from pdpool.engine.async_engine import EngineClient, merge_deltas, mergeable_runs
+from pdpool.engine.outputs import (
+    EngineUnavailable,
+    KVTransferRefused,
+    RequestOutput,
+    RequestRejected,
+)
+from pdpool.engine.outputs import TokenLogprob
 from pdpool.engine.server.errors import ApiError, client_closed, output_error
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import ChoiceRequest
@@ -58,6 +63,8 @@ async def first_output(stream: Outputs) -> RequestOutput:
         raise ApiError(str(exc))
     except KVTransferRefused as exc:
         raise ApiError(str(exc), 503, "KVTransferError", param="kv_transfer_params")
+    except EngineUnavailable as exc:
+        raise ApiError(str(exc), 503, "ServiceUnavailable")
     except RuntimeError as exc:
         raise ApiError(str(exc), 500, "InternalServerError")
     if first.finish_reason == "error":
@@ -96,7 +103,7 @@ class Choice:
 class ChoiceRunner:
     """Runs the engine requests of an answer's choices and observes their latencies."""
 
-    def __init__(self, aengine: OutputStreams, metrics: EngineMetrics):
+    def __init__(self, aengine: EngineClient, metrics: EngineMetrics):
         self.aengine, self.metrics = aengine, metrics
 
     def _submit(self, spec: ChoiceRequest, t_arrival: float) -> Outputs:

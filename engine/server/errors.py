@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdpool.engine.engine_core import RequestOutput
+from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.protocol import error_body
 
 log = logging.getLogger("pdpool.server")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from pdpool.engine.sampling import TokenLogprob
+from pdpool.engine.outputs import TokenLogprob
 
 # JSON has no -inf; vLLM clamps the same way.
 _FLOOR = -9999.0

@@ -9,8 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdpool.engine.async_engine import AsyncEngine
-from pdpool.engine.engine_process import EngineProcess
+from pdpool.engine.async_engine import EngineClient
 from pdpool.engine.server.errors import error_response
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import RequestTranslator
@@ -24,7 +23,7 @@ class OpsRoutes:
 
     def __init__(
         self,
-        aengine: AsyncEngine | EngineProcess,
+        aengine: EngineClient,
         metrics: EngineMetrics,
         translator: RequestTranslator,
     ):

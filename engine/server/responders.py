@@ -9,7 +9,7 @@ from typing import Optional
 
 from fastapi import Request
 
-from pdpool.engine.engine_core import RequestOutput
+from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.choices import ChoiceRunner, until_disconnect
 from pdpool.engine.server.logprobs import (
     chat_formatter,

@@ -13,7 +13,7 @@ from typing import AsyncIterator, Callable, Optional
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pdpool.engine.engine_core import RequestOutput
+from pdpool.engine.outputs import EngineUnavailable, RequestOutput
 from pdpool.engine.server.choices import Choice, ChoiceRunner, LogprobsFormatter
 from pdpool.engine.server.errors import ApiError, output_error
 from pdpool.engine.server.logprobs import TokenText
@@ -99,11 +99,12 @@ def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) 
 
 def error_event(failure: RequestOutput | Exception) -> str:
     """The stream's last event before [DONE] when a choice fails after its first token."""
-    err = (
-        output_error(failure)
-        if isinstance(failure, RequestOutput)
-        else ApiError(str(failure), 500, "InternalServerError")
-    )
+    if isinstance(failure, RequestOutput):
+        err = output_error(failure)
+    elif isinstance(failure, EngineUnavailable):
+        err = ApiError(str(failure), 503, "ServiceUnavailable")
+    else:
+        err = ApiError(str(failure), 500, "InternalServerError")
     return sse(error_body(str(err), err.err_type, err.status))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Union
@@ -12,6 +13,7 @@ from typing import Optional, Union
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from pdpool.engine.outputs import prompt_fit_problem
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.errors import ApiError, client_closed
 from pdpool.engine.server.logprobs import TokenText
@@ -119,18 +121,49 @@ class RequestTranslator:
         self, prompt: Union[str, list[int]], add_special_tokens: bool = False
     ) -> list[int]:
         if isinstance(prompt, str):
+            self.refuse_if_surely_too_long(prompt)
             return self.engine.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         return list(prompt)
+
+    @functools.cached_property
+    def _longest_token_chars(self) -> int:
+        vocab = self.engine.tokenizer.get_vocab()
+        return max((len(token) for token in vocab), default=1) or 1
+
+    def refuse_if_surely_too_long(self, text: str) -> None:
+        """400 without tokenizing when `text` cannot be fewer tokens than the context holds:
+        no token spells more characters than the vocabulary's longest, so a huge prompt
+        costs no tokenizer time (and holds no thread) before it is refused."""
+        at_least = -(-len(text) // self._longest_token_chars)
+        if at_least > self.engine.max_model_len:
+            raise ApiError(
+                f"this model's maximum context length is {self.engine.max_model_len} tokens; "
+                f"the prompt ({len(text)} characters) has at least {at_least} tokens",
+                param="prompt",
+            )
 
     def chat_tokens(
         self, req: ChatCompletionRequest, add_generation_prompt: bool = True
     ) -> list[int]:
         tokenizer = self.engine.tokenizer
         msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
         text = tokenizer.apply_chat_template(
             msgs, add_generation_prompt=add_generation_prompt, tokenize=False
         )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def refuse_if_unservable(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """400 here, in the server, for a prompt the engine could never run: nothing of it
+        crosses to the engine core."""
+        problem = prompt_fit_problem(
+            len(prompt_ids), max_tokens, self.engine.max_model_len, self.engine.kv_capacity_tokens
+        )
+        if problem is not None:
+            raise ApiError(problem, param="prompt")
+        vocab = self.engine.info.config["vocab_size"]
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
     def choice_requests(
         self, req, prompts: list[list[int]], client_request_id: Optional[str]
@@ -148,6 +181,8 @@ class RequestTranslator:
                 f"n x the number of prompts must be at most {MAX_CHOICES}, got {len(prompts) * n}",
                 param="n",
             )
+        for prompt_ids in prompts:
+            self.refuse_if_unservable(prompt_ids, params.max_tokens)
         if len(prompts) * n > 1 and req.kv_transfer_params is not None:
             raise ApiError(
                 "kv_transfer_params: only with one prompt and n=1", param="kv_transfer_params"

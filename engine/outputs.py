@@ -1,0 +1,76 @@
+"""What an engine gives back, in types that need no torch: the HTTP process (which never
+imports torch) and the engine core share them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never serve (too long, cannot fit the KV cache)."""
+
+
+class KVTransferRefused(RuntimeError):
+    """Under the `fail` load-failure policy: kv_transfer_params that cannot be trusted."""
+
+
+class RequestError(ValueError):
+    """A failure caused by one request's own parameters (answered 400, not 500)."""
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's logprob and the `top` most likely (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[str]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+    # The HTTP status an error maps to (None: the caller decides, e.g. 503 for KV loads).
+    error_status: Optional[int] = None
+    # Aligned with new_token_ids when the request asked for logprobs.
+    logprobs: Optional[list[TokenLogprob]] = None
+    # Of num_cached_tokens, those loaded from a peer (the rest were local hits).
+    num_pulled_tokens: int = 0
+    # time.monotonic() when the step that made it ended (set on delivery; latency metrics).
+    produced_at: float = 0.0
+
+
+def prompt_fit_problem(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, kv_capacity_tokens: int
+) -> Optional[str]:
+    """Why a request of this size can never run here (None: it can). The server checks it
+    before a request reaches the engine core; the core checks it again."""
+    if num_prompt_tokens == 0:
+        return "the prompt is empty"
+    total = num_prompt_tokens + max_tokens
+    if total > kv_capacity_tokens:
+        return (
+            f"the request ({num_prompt_tokens} prompt + {max_tokens} output tokens) cannot fit "
+            f"in the KV cache even alone: it holds {kv_capacity_tokens} tokens"
+        )
+    if total > max_model_len:
+        return (
+            f"this model's maximum context length is {max_model_len} tokens; the request "
+            f"asks for {num_prompt_tokens} prompt + {max_tokens} output tokens"
+        )
+    return None
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine core is not there to serve (it exited and is being restarted, or the server
+    is stopping): a retryable failure, answered 503."""

@@ -1,16 +1,22 @@
 """The sidecar's own overhead: latency it adds over calling the decode engine directly.
 
-    python benchmarks/sidecar_overhead.py                      # fast stand-in upstream
+    python benchmarks/sidecar_overhead.py                      # vLLM stand-in upstream
     python benchmarks/sidecar_overhead.py --engine             # a real `pdpool serve`
+    python benchmarks/sidecar_overhead.py --engine-rejects yes # one sidecar mode only
 
-64 concurrent streaming clients (keep-alive, one connection each) send requests first
-straight to the upstream, then through `pdpool sidecar` (decode-first, threshold 0: the
-hot path that inspects the first chunk and then streams through), in alternating rounds.
-Reported: time to first token and end-to-end latency p50/p99 for both, and the difference.
+64 concurrent streaming clients (keep-alive, one connection each) send requests straight
+to the upstream and through `pdpool sidecar` (decode-first, threshold 0), in alternating
+rounds. By default two sidecars are measured, `--engine-rejects auto` (the default: it
+probes the engine in the background and is measured once it knows the answer) and `yes`
+(the hot path that inspects the first chunk and then streams through). Against the
+stand-in, which ignores `cache_hit_threshold` as vLLM does, auto learns "cannot reject" and
+serves these short prompts by decode alone (relayed without inspection). Reported: time to
+first token and end-to-end latency p50/p99 of each path, what each sidecar adds, and its CPU
+per request; the same in benchmarks/results/sidecar_overhead[_engine].json.
 
-The default upstream is a STAND-IN that imitates a vLLM SSE stream (fixed tokens at a fixed
-pace), so that what is measured is the sidecar and not the engine's batching noise. The
-load generator is a minimal HTTP/1.1 client on raw asyncio streams for the same reason.
+The default upstream is a STAND-IN that imitates vLLM's answers (tokens at a fixed pace),
+so that what is measured is the sidecar and not the engine's batching noise. The load
+generator is a minimal HTTP/1.1 client on raw asyncio streams for the same reason.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
+import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pdpool.sidecar.topology import ensure_tiny_model, free_port, healthy, pdpool_command
@@ -31,43 +39,141 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 # ----------------------------------------------------------------------- stand-in upstream
-async def serve_standin(port: int, tokens: int, token_interval_s: float) -> None:
-    """STAND-IN for a vLLM server: answers every POST with an SSE stream of `tokens`
-    completion chunks, one every `token_interval_s`, and /health with 200."""
+# STAND-IN for a vLLM OpenAI server, on raw asyncio streams so that it costs little next to
+# the sidecar. It answers what the sidecar asks of vLLM, in vLLM's shapes: GET /health (200,
+# empty), GET /v1/models, POST /v1/completions streamed (one SSE event per token, a final
+# usage chunk when asked for, `data: [DONE]`) or whole (after the tokens' time, as an engine
+# answers once it has generated). Like vLLM it ignores `cache_hit_threshold`, so the
+# sidecar's capability probe (--engine-rejects auto) concludes "cannot reject".
+STANDIN_MODEL = "standin-model"
 
+
+def _vllm_models() -> dict:
+    created = int(time.time())
+    card = {"id": STANDIN_MODEL, "object": "model", "created": created, "owned_by": "vllm"}
+    card.update(root=STANDIN_MODEL, parent=None, max_model_len=4096)
+    return {"object": "list", "data": [card]}
+
+
+def _choice(text: str, finish: str | None) -> dict:
+    return {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+        "prompt_logprobs": None,
+    }
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+
+
+class StandinCompletion:
+    """One completion request's answer, as vLLM words it."""
+
+    def __init__(self, body: dict) -> None:
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.tokens = int(body.get("max_tokens") or 16)
+        self.prompt_tokens = max(1, len(str(body.get("prompt", ""))) // 4)
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    def _object(self, choices: list, usage: dict | None) -> dict:
+        head = {"id": self.id, "object": "text_completion", "created": self.created}
+        return {**head, "model": STANDIN_MODEL, "choices": choices, "usage": usage}
+
+    def event(self, i: int) -> bytes:
+        finish = "length" if i == self.tokens - 1 else None
+        data = self._object([_choice(f" t{i}", finish)], None)
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+    def usage_event(self) -> bytes:
+        data = self._object([], _usage(self.prompt_tokens, self.tokens))
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+    def whole(self) -> dict:
+        text = "".join(f" t{i}" for i in range(self.tokens))
+        answer = self._object([_choice(text, "length")], _usage(self.prompt_tokens, self.tokens))
+        answer["kv_transfer_params"] = None
+        return answer
+
+
+def _response(status: int, body: bytes, content_type: str = "application/json") -> bytes:
+    reason = {200: "OK", 404: "Not Found"}.get(status, "Error")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nserver: uvicorn\r\ncontent-type: {content_type}\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    method, path = lines[0].decode().split(" ")[:2]
+    length = 0
+    for line in lines[1:]:
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return method, path, await reader.readexactly(length) if length else b""
+
+
+async def _stream_completion(
+    writer: asyncio.StreamWriter, answer: StandinCompletion, token_interval_s: float
+) -> None:
+    writer.write(
+        b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\n"
+        b"content-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    for i in range(answer.tokens):
+        writer.write(_chunk(answer.event(i)))
+        await writer.drain()
+        if i < answer.tokens - 1:
+            await asyncio.sleep(token_interval_s)
+    if answer.include_usage:
+        writer.write(_chunk(answer.usage_event()))
+    writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+
+async def _answer(
+    writer: asyncio.StreamWriter, method: str, path: str, body: bytes, token_interval_s: float
+) -> None:
+    if method == "GET" and path == "/health":
+        writer.write(_response(200, b""))
+    elif method == "GET" and path == "/v1/models":
+        writer.write(_response(200, json.dumps(_vllm_models()).encode()))
+    elif method == "POST" and path == "/v1/completions":
+        request = json.loads(body)
+        answer = StandinCompletion(request)
+        if request.get("stream"):
+            await _stream_completion(writer, answer, token_interval_s)
+        else:
+            await asyncio.sleep(token_interval_s * answer.tokens)
+            writer.write(_response(200, json.dumps(answer.whole()).encode()))
+    else:
+        writer.write(_response(404, b'{"detail":"Not Found"}'))
+    await writer.drain()
+
+
+async def serve_standin(port: int, token_interval_s: float) -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                if length:
-                    await reader.readexactly(length)
-                if head.startswith(b"GET /health"):
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-                    await writer.drain()
-                    continue
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    b"transfer-encoding: chunked\r\n\r\n"
-                )
-                for i in range(tokens):
-                    finish = '"length"' if i == tokens - 1 else "null"
-                    event = (
-                        'data: {"id":"cmpl-x","object":"text_completion","model":"m",'
-                        f'"choices":[{{"index":0,"text":" t{i}","finish_reason":{finish}}}]}}'
-                        "\n\n"
-                    ).encode()
-                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-                    await writer.drain()
-                    if i < tokens - 1:
-                        await asyncio.sleep(token_interval_s)
-                done = b"data: [DONE]\n\n"
-                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
-                await writer.drain()
+                method, path, body = await _read_request(reader)
+                await _answer(writer, method, path, body, token_interval_s)
         except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
@@ -141,6 +247,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 # ----------------------------------------------------------------------- main
+MODES = ("auto", "yes")  # --engine-rejects of the sidecars measured (auto: the default)
+
+
 def wait_healthy(url: str, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while not healthy(url):
@@ -149,7 +258,26 @@ def wait_healthy(url: str, timeout_s: float = 180) -> None:
         time.sleep(0.2)
 
 
-def main() -> int:
+def engine_rejects_gauge(url: str) -> float:
+    """The sidecar's pdpool_sidecar_engine_rejects (1 yes, 0 no, -1 not known yet)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pdpool_sidecar_engine_rejects "):
+                return float(line.split()[1])
+    return -1.0
+
+
+def wait_capability(url: str, timeout_s: float = 60) -> str:
+    """What a sidecar learned of its engine, once it knows: what users' requests meet
+    after start-up. Requests do not wait for it, but the benchmark measures the steady
+    state."""
+    deadline = time.monotonic() + timeout_s
+    while (value := engine_rejects_gauge(url)) < 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {1.0: "rejects", 0.0: "cannot reject"}.get(value, "unknown")
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", action="store_true", help="a real `pdpool serve` upstream")
     ap.add_argument("--model", help="engine checkpoint (default: the tiny model)")
@@ -165,6 +293,13 @@ def main() -> int:
         help="stand-in pace: a GPU decode step at batch 64 takes about 20 ms",
     )
     ap.add_argument(
+        "--engine-rejects",
+        action="append",
+        choices=("auto", "yes", "no"),
+        help="the sidecar's --engine-rejects (repeatable; default: auto and yes, each "
+        "through a sidecar of its own)",
+    )
+    ap.add_argument(
         "--sidecar-nice",
         type=int,
         default=0,
@@ -173,150 +308,174 @@ def main() -> int:
     )
     ap.add_argument("--serve-standin", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.serve_standin:
-        asyncio.run(serve_standin(args.serve_standin, args.tokens, args.token_interval_ms / 1e3))
-        return 0
+    args.engine_rejects = list(dict.fromkeys(args.engine_rejects or MODES))
+    return args
 
-    procs = []
-    up_port, side_port = free_port(), free_port()
-    try:
-        if args.engine:
-            model = args.model or ensure_tiny_model("qwen3")
-            procs.append(
-                subprocess.Popen(
-                    pdpool_command(
-                        "serve",
-                        model,
-                        "--port",
-                        str(up_port),
-                        "--device",
-                        args.device,
-                        "--log-level",
-                        "warning",
-                        "--max-num-seqs",
-                        str(max(args.concurrency, 64)),
-                    ),
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            prompt = {
-                "prompt": "benchmark prompt " * 8,
-                "max_tokens": args.tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-        else:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        os.path.abspath(__file__),
-                        "--serve-standin",
-                        str(up_port),
-                        "--tokens",
-                        str(args.tokens),
-                        "--token-interval-ms",
-                        str(args.token_interval_ms),
-                    ]
-                )
-            )
-            prompt = {"prompt": "benchmark prompt " * 8, "max_tokens": args.tokens}
-        procs.append(
-            subprocess.Popen(
-                pdpool_command(
-                    "sidecar",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(side_port),
-                    "--decode-url",
-                    f"http://127.0.0.1:{up_port}",
-                    "--mode",
-                    "decode-first",
-                    "--cache-hit-threshold",
-                    "0",
-                )
-            )
+
+def start_upstream(args: argparse.Namespace, port: int) -> tuple[subprocess.Popen, dict]:
+    """The upstream process and the prompt part of the requests sent to it."""
+    prompt = {
+        "prompt": "benchmark prompt " * 8,
+        "max_tokens": args.tokens,
+        "stream_options": {"include_usage": True},
+    }
+    if not args.engine:
+        command = [sys.executable, os.path.abspath(__file__), "--serve-standin", str(port)]
+        command += ["--token-interval-ms", str(args.token_interval_ms)]
+        return subprocess.Popen(command), prompt
+    model = args.model or ensure_tiny_model("qwen3")
+    command = pdpool_command(
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--log-level",
+        "warning",
+        "--max-num-seqs",
+        str(max(args.concurrency, 64)),
+    )
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, {**prompt, "temperature": 0, "ignore_eos": True}
+
+
+def start_sidecar(
+    port: int, upstream_port: int, engine_rejects: str, nice: int
+) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        pdpool_command(
+            "sidecar",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--decode-url",
+            f"http://127.0.0.1:{upstream_port}",
+            "--mode",
+            "decode-first",
+            "--cache-hit-threshold",
+            "0",
+            "--engine-rejects",
+            engine_rejects,
         )
-        if args.sidecar_nice:
-            os.setpriority(os.PRIO_PROCESS, procs[-1].pid, args.sidecar_nice)
+    )
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+    return proc
+
+
+def measure(
+    args: argparse.Namespace, targets: dict[str, tuple[int, int]], body: bytes
+) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, float]]:
+    """Alternating rounds over every target (name: (port, pid of its process)): the
+    (TTFTs, totals) of each, and the CPU seconds each sidecar spent."""
+    for port, _ in targets.values():  # warm-up: connections, caches, lazy imports
+        asyncio.run(run_round("127.0.0.1", port, args.concurrency, 1, body))
+    data: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in targets}
+    cpu = dict.fromkeys(targets, 0.0)
+    for _ in range(args.rounds):
+        for name, (port, pid) in targets.items():
+            cpu_before = cpu_seconds(pid)
+            ttfts, totals = asyncio.run(
+                run_round("127.0.0.1", port, args.concurrency, args.requests_per_client, body)
+            )
+            cpu[name] += cpu_seconds(pid) - cpu_before
+            data[name][0].extend(ttfts)
+            data[name][1].extend(totals)
+    return data, cpu
+
+
+def summary(ttft: list[float], total: list[float]) -> dict:
+    return {
+        "n": len(ttft),
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
+        "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+        "e2e_p50_ms": pct(total, 0.5) * 1e3,
+        "e2e_p99_ms": pct(total, 0.99) * 1e3,
+        "e2e_mean_ms": statistics.mean(total) * 1e3,
+    }
+
+
+def print_table(rows: dict, added: dict, cpu_ms: dict) -> None:
+    print(f"{'path':<16}{'n':>6}{'TTFT p50':>11}{'TTFT p99':>11}{'E2E p50':>11}{'E2E p99':>11}")
+    for name, r in rows.items():
+        print(
+            f"{name:<16}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
+            f"{r['e2e_p50_ms']:>9.2f}ms{r['e2e_p99_ms']:>9.2f}ms"
+        )
+    for name, a in added.items():
+        print(
+            f"{'added ' + name.split(' ', 1)[1]:<16}{'':>6}{a['ttft_p50_ms']:>9.2f}ms"
+            f"{a['ttft_p99_ms']:>9.2f}ms{a['e2e_p50_ms']:>9.2f}ms{a['e2e_p99_ms']:>9.2f}ms"
+            f"   CPU {cpu_ms[name]:.3f} ms/request"
+        )
+
+
+def main() -> int:
+    args = parse_args()
+    if args.serve_standin:
+        asyncio.run(serve_standin(args.serve_standin, args.token_interval_ms / 1e3))
+        return 0
+    procs: list[subprocess.Popen] = []
+    up_port = free_port()
+    targets: dict[str, tuple[int, int]] = {}
+    learned = {}
+    try:
+        upstream, prompt = start_upstream(args, up_port)
+        procs.append(upstream)
+        targets["direct"] = (up_port, upstream.pid)
+        for mode in args.engine_rejects:
+            port = free_port()
+            procs.append(start_sidecar(port, up_port, mode, args.sidecar_nice))
+            targets[f"sidecar {mode}"] = (port, procs[-1].pid)
         wait_healthy(f"http://127.0.0.1:{up_port}")
-        wait_healthy(f"http://127.0.0.1:{side_port}")
+        for name, (port, _) in targets.items():
+            wait_healthy(f"http://127.0.0.1:{port}")
+            if name != "direct":
+                learned[name] = wait_capability(f"http://127.0.0.1:{port}")
         body = json.dumps({**prompt, "stream": True}).encode()
-        # warm-up: connections, caches, lazy imports
-        for port in (up_port, side_port):
-            asyncio.run(run_round("127.0.0.1", port, args.concurrency, 1, body))
-        data = {"direct": ([], []), "sidecar": ([], [])}
-        sidecar_cpu = 0.0
-        for _ in range(args.rounds):
-            for name, port in (("direct", up_port), ("sidecar", side_port)):
-                cpu_before = cpu_seconds(procs[1].pid)
-                t, e = asyncio.run(
-                    run_round("127.0.0.1", port, args.concurrency, args.requests_per_client, body)
-                )
-                if name == "sidecar":
-                    sidecar_cpu += cpu_seconds(procs[1].pid) - cpu_before
-                data[name][0].extend(t)
-                data[name][1].extend(e)
+        data, cpu = measure(args, targets, body)
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(20)
 
-    rows = {}
-    for name, (ttft, total) in data.items():
-        rows[name] = {
-            "n": len(ttft),
-            "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
-            "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
-            "e2e_p50_ms": pct(total, 0.5) * 1e3,
-            "e2e_p99_ms": pct(total, 0.99) * 1e3,
-            "e2e_mean_ms": statistics.mean(total) * 1e3,
-        }
-    added = {
-        k: rows["sidecar"][k] - rows["direct"][k]
-        for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
-    }
-    upstream = (
+    rows = {name: summary(*values) for name, values in data.items()}
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+    sidecars = [name for name in rows if name != "direct"]
+    added = {name: {k: rows[name][k] - rows["direct"][k] for k in keys} for name in sidecars}
+    cpu_ms = {name: cpu[name] * 1e3 / max(rows[name]["n"], 1) for name in sidecars}
+    upstream_name = (
         "engine (pdpool serve, " + args.device + ")"
         if args.engine
-        else f"stand-in ({args.tokens} tokens, {args.token_interval_ms} ms apart)"
+        else f"vLLM stand-in ({args.tokens} tokens, {args.token_interval_ms} ms apart)"
     )
-    print(
-        f"sidecar overhead: {args.concurrency} concurrent streams, upstream = {upstream}, "
-        f"{os.cpu_count()} CPUs, sidecar nice {args.sidecar_nice}"
-    )
-    print(f"{'path':<10}{'n':>6}{'TTFT p50':>11}{'TTFT p99':>11}{'E2E p50':>11}{'E2E p99':>11}")
-    for name, r in rows.items():
-        print(
-            f"{name:<10}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
-            f"{r['e2e_p50_ms']:>9.2f}ms{r['e2e_p99_ms']:>9.2f}ms"
-        )
-    cpu_ms = sidecar_cpu * 1e3 / max(rows["sidecar"]["n"], 1)
     try:
         load = os.getloadavg()[0]
     except OSError:
         load = float("nan")
     print(
-        f"{'added':<10}{'':>6}{added['ttft_p50_ms']:>9.2f}ms{added['ttft_p99_ms']:>9.2f}ms"
-        f"{added['e2e_p50_ms']:>9.2f}ms{added['e2e_p99_ms']:>9.2f}ms"
+        f"sidecar overhead: {args.concurrency} concurrent streams, upstream = {upstream_name}, "
+        f"{os.cpu_count()} CPUs, machine load average {load:.1f}, sidecar nice "
+        f"{args.sidecar_nice}"
     )
-    print(
-        f"sidecar CPU per streamed request: {cpu_ms:.3f} ms "
-        f"({args.tokens + 1} SSE events each); machine load average {load:.1f}"
-    )
+    print("engine capability as the auto sidecar learned it: " + str(learned.get("sidecar auto")))
+    print_table(rows, added, cpu_ms)
+    print(f"(CPU: the sidecar's, per streamed request of {args.tokens} tokens + usage + [DONE])")
     os.makedirs(RESULTS, exist_ok=True)
     out = os.path.join(RESULTS, "sidecar_overhead" + ("_engine" if args.engine else "") + ".json")
     with open(out, "w") as fh:
         json.dump(
             {
                 "concurrency": args.concurrency,
-                "upstream": upstream,
+                "upstream": upstream_name,
                 "cpus": os.cpu_count(),
                 "load_average": load,
                 "sidecar_nice": args.sidecar_nice,
+                "engine_rejects": args.engine_rejects,
+                "capability_learned": learned,
                 "sidecar_cpu_ms_per_request": cpu_ms,
                 "rows": rows,
                 "added": added,

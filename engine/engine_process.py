@@ -294,12 +294,11 @@ class EngineMirror:
     and the state the core last sent."""
 
     def __init__(self, config: Any, facts: EngineFacts, state: EngineState):
-        from transformers import AutoTokenizer
-
-        from pdpool.engine.model_loader import read_model_info
+        from pdpool.engine.model_info import read_model_info
+        from pdpool.engine.server.text_tokenizer import TextTokenizer
 
         self.config, self.info = config, read_model_info(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
+        self.tokenizer = TextTokenizer(self.info.path)
         self.use(facts, state)
 
     def use(self, facts: EngineFacts, state: EngineState) -> None:

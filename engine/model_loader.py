@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-SUPPORTED = {
-    "Qwen3ForCausalLM": "pdpool.engine.models.qwen3:Qwen3ForCausalLM",
-    "Qwen3_5ForCausalLM": "pdpool.engine.models.qwen3_5:Qwen3_5ForCausalLM",
-    # Qwen3.5 as published: the text model under `model.language_model.*` plus a vision
-    # tower (`model.visual.*`) and MTP head (`mtp.*`), which this text-only engine ignores.
-    "Qwen3_5ForConditionalGeneration": "pdpool.engine.models.qwen3_5:Qwen3_5ForCausalLM",
-}
+from pdpool.engine.model_info import (  # noqa: F401 (re-exported)
+    SUPPORTED,
+    ModelInfo,
+    ModelLoadError,
+    read_model_info,
+)
+
 # Published multimodal layouts: text weights under this prefix are the causal LM's `model.*`.
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")
@@ -23,39 +20,6 @@ IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")
 log = logging.getLogger("pdpool.engine.model_loader")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ModelLoadError(ValueError):
-    pass
-
-
-@dataclass
-class ModelInfo:
-    path: Path
-    config: dict
-    architecture: str
-    name: str
-
-
-def read_model_info(model_dir: str | Path) -> ModelInfo:
-    path = Path(model_dir)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelLoadError(f"{path} is not a model folder: no config.json")
-    config = json.loads(cfg_file.read_text())
-    if "text_config" in config and "num_hidden_layers" not in config:
-        # Multimodal wrappers keep the language model's settings under text_config.
-        outer = config
-        config = {**config["text_config"], "architectures": config.get("architectures")}
-        if "tie_word_embeddings" in outer and "tie_word_embeddings" not in outer["text_config"]:
-            config["tie_word_embeddings"] = outer["tie_word_embeddings"]
-    archs = config.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED), None)
-    if arch is None:
-        raise ModelLoadError(
-            f"unsupported architecture {archs or '(none)'}; supported: {', '.join(SUPPORTED)}"
-        )
-    return ModelInfo(path, config, arch, path.resolve().name)
 
 
 def resolve_dtype(config: dict, override: str | None) -> torch.dtype:

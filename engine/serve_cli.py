@@ -162,7 +162,7 @@ def start_engine(config, own_process: bool, log_level: str):
     """The engine, loaded and ready to serve: in a child process or on a thread of this one."""
     from pdpool.engine.async_engine import AsyncEngine
     from pdpool.engine.engine_process import EngineProcess, EngineStartError
-    from pdpool.engine.model_loader import ModelLoadError
+    from pdpool.engine.model_info import ModelLoadError
 
     try:
         config.validate()  # here, before a process is started for nothing

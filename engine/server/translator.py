@@ -148,9 +148,12 @@ class RequestTranslator:
         tokenizer = self.engine.tokenizer
         msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
         self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
-        text = tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        try:
+            text = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except ValueError as exc:  # no template, or the template refused the messages
+            raise ApiError(str(exc), param="messages")
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def refuse_if_unservable(self, prompt_ids: list[int], max_tokens: int) -> None:

@@ -116,6 +116,14 @@ def test_a_dead_engine_core_fails_its_requests_then_serves_again(tiny_qwen3, tmp
         assert httpx.get(f"{eng.url}/ready", timeout=10).status_code == 200
 
 
+def test_the_server_process_does_not_load_torch(tiny_qwen3, tmp_path):
+    with engine_process(tiny_qwen3, tmp_path) as eng:
+        assert httpx.post(f"{eng.url}/v1/completions", json=BODY, timeout=60).status_code == 200
+        maps = Path(f"/proc/{eng.proc.pid}/maps").read_text()
+        assert "libtorch" not in maps
+        assert "libtorch" in Path(f"/proc/{_engine_child(eng.proc.pid)}/maps").read_text()
+
+
 def test_the_engine_process_leaves_with_the_server(tiny_qwen3, tmp_path):
     with engine_process(tiny_qwen3, tmp_path) as eng:
         child = _engine_child(eng.proc.pid)

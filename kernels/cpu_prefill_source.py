@@ -26,7 +26,7 @@ SOURCE = r"""
 #define LANES 8                       /* query rows per vector */
 #define MAX_VECS 3                    /* row vectors per tile */
 #define TILE_ROWS (LANES * MAX_VECS)  /* 24 */
-#define CHUNK 48                      /* keys per softmax step: a multiple of 12, 6 and 4 */
+#define CHUNK 48                      /* keys per softmax step: a multiple of every KEY_STEP */
 #define MAX_DIM 256
 #define MASKED (-1.0e30f)             /* the score of a key a row may not see */
 #define LOG2E 1.4426950408889634f
@@ -70,6 +70,13 @@ ALWAYS_INLINE float exp2_scalar(float x) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(PORTABLE_ONLY)
 #include <immintrin.h>
 #define HAVE_AVX2 1
+/* Accumulators of a register tile: 12 of the 16 ymm registers, the rest hold the row vectors
+   and a broadcast. (24 of the 32 that AVX-512VL gives measured no faster on Zen 4.) */
+#define ACCS 12
+#define VALUE_DIMS (ACCS / 3) /* dims per register tile of the value product */
+/* Keeps a loaded vector in a register: without it GCC folds the load into every FMA that
+   uses it (one load per FMA instead of one per row vector, and the loop waits on loads). */
+#define PIN(x) __asm__("" : "+v"(x))
 
 ALWAYS_INLINE __m256 exp2_avx2(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
@@ -88,13 +95,13 @@ ALWAYS_INLINE __m256 exp2_avx2(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* st[key][row] for `n` keys (a multiple of 12 / nv) at rows[0..n): 12 / nv keys x nv row
+/* st[key][row] for `n` keys (a multiple of ACCS / nv) at rows[0..n): ACCS / nv keys x nv row
    vectors of accumulators, one broadcast per key element, one load per row vector. */
 ALWAYS_INLINE void scores_avx2(const float *qt, const float *const *rows, int64_t n, int nv,
                                int64_t dim, float *st) {
-    const int kb = 12 / nv;
+    const int kb = ACCS / nv;
     for (int64_t n0 = 0; n0 < n; n0 += kb) {
-        __m256 acc[12][MAX_VECS];
+        __m256 acc[ACCS][MAX_VECS];
 #pragma GCC unroll 12
         for (int i = 0; i < kb; i++)
 #pragma GCC unroll 3
@@ -102,7 +109,10 @@ ALWAYS_INLINE void scores_avx2(const float *qt, const float *const *rows, int64_
         for (int64_t d = 0; d < dim; d++) {
             __m256 qv[MAX_VECS];
 #pragma GCC unroll 3
-            for (int j = 0; j < nv; j++) qv[j] = _mm256_load_ps(qt + d * TILE_ROWS + j * LANES);
+            for (int j = 0; j < nv; j++) {
+                qv[j] = _mm256_load_ps(qt + d * TILE_ROWS + j * LANES);
+                PIN(qv[j]);
+            }
 #pragma GCC unroll 12
             for (int i = 0; i < kb; i++) {
                 const __m256 kv = _mm256_broadcast_ss(rows[n0 + i] + d);
@@ -118,18 +128,18 @@ ALWAYS_INLINE void scores_avx2(const float *qt, const float *const *rows, int64_
     }
 }
 
-/* ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * st[key][row], 4 dims x nv row
-   vectors at a time (dims past a multiple of 4 one at a time). */
+/* ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * st[key][row], VALUE_DIMS dims x
+   nv row vectors at a time (dims past a multiple of it one at a time). */
 ALWAYS_INLINE void values_avx2(float *ot, const float *alpha, const float *const *rows,
                                int64_t n, int nv, int64_t dim, const float *st) {
     __m256 a[MAX_VECS];
 #pragma GCC unroll 3
     for (int j = 0; j < nv; j++) a[j] = _mm256_load_ps(alpha + j * LANES);
     int64_t d0 = 0;
-    for (; d0 + 4 <= dim; d0 += 4) {
-        __m256 acc[4][MAX_VECS];
+    for (; d0 + VALUE_DIMS <= dim; d0 += VALUE_DIMS) {
+        __m256 acc[VALUE_DIMS][MAX_VECS];
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < VALUE_DIMS; i++)
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++)
                 acc[i][j] = _mm256_mul_ps(
@@ -137,17 +147,20 @@ ALWAYS_INLINE void values_avx2(float *ot, const float *alpha, const float *const
         for (int64_t key = 0; key < n; key++) {
             __m256 p[MAX_VECS];
 #pragma GCC unroll 3
-            for (int j = 0; j < nv; j++) p[j] = _mm256_load_ps(st + key * TILE_ROWS + j * LANES);
+            for (int j = 0; j < nv; j++) {
+                p[j] = _mm256_load_ps(st + key * TILE_ROWS + j * LANES);
+                PIN(p[j]);
+            }
             const float *vr = rows[key] + d0;
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < VALUE_DIMS; i++) {
                 const __m256 vv = _mm256_broadcast_ss(vr + i);
 #pragma GCC unroll 3
                 for (int j = 0; j < nv; j++) acc[i][j] = _mm256_fmadd_ps(vv, p[j], acc[i][j]);
             }
         }
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < VALUE_DIMS; i++)
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++)
                 _mm256_store_ps(ot + (d0 + i) * TILE_ROWS + j * LANES, acc[i][j]);
@@ -238,10 +251,12 @@ ALWAYS_INLINE void softmax_portable(float *st, int64_t n, int nv, float *m, floa
 }
 
 #ifdef HAVE_AVX2
+#define KEY_STEP(nv) (ACCS / (nv)) /* the score product takes keys this many at a time */
 #define SCORES scores_avx2
 #define VALUES values_avx2
 #define SOFTMAX softmax_avx2
 #else
+#define KEY_STEP(nv) 1
 #define SCORES scores_portable
 #define VALUES values_portable
 #define SOFTMAX softmax_portable
@@ -268,7 +283,7 @@ ALWAYS_INLINE void run_tile(const Tile *t, const Keys *ks, int nv, int64_t dim) 
     float alpha[TILE_ROWS] __attribute__((aligned(32)));
     float pos[TILE_ROWS]; /* each row's position (exact in float below 2^24) */
     const float *krows[CHUNK], *vrows[CHUNK];
-    const int width = nv * LANES, rows = (int)(t->tokens * t->heads), kb = 12 / nv;
+    const int width = nv * LANES, rows = (int)(t->tokens * t->heads), kb = KEY_STEP(nv);
     const int64_t last_pos = t->first_pos + t->tokens - 1, window = ks->window;
 
     /* pack Q transposed and scaled; padding rows repeat the last row (their output is

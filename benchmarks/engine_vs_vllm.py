@@ -1,7 +1,8 @@
 """pdpool serve vs stock vLLM (CPU build, scripts/vllm/build-venv.sh) on the same checkpoint.
 
-    python benchmarks/engine_vs_vllm.py                  # both shapes, best of 3
+    python benchmarks/engine_vs_vllm.py                  # small and large, best of 3
     python benchmarks/engine_vs_vllm.py --shapes small --rounds 1
+    python benchmarks/engine_vs_vllm.py --shapes long,burst   # long prompts, no prefix reuse
 
 Workload: 64 concurrent streaming greedy /v1/completions (token-id prompts of 16-256 tokens,
 outputs of 8-128 tokens with ignore_eos; one seeded random draw shared by both engines).
@@ -23,6 +24,12 @@ changes vLLM's.
 Both keep their prefix caches on (both defaults), and every round sends the same prompts:
 after the first round the full prompt blocks are cache hits in both engines, so the best
 round measures mostly decode (and TTFT mostly queueing behind the other requests).
+Long-prompt shapes (the large model, max_model_len 4096 for both): prompts of 1000-3000
+tokens, outputs of 32-64, fresh prompts every round (another seed per round, the same for
+both engines), so nothing is a prefix hit and the rounds measure prefill; both engines get
+the same 2 GiB of KV cache so that neither preempts. `long`: the requests go through 32
+concurrent streams (a new one starts when one ends); `burst`: all of them at once. TTFT
+p50/p90/p99 are reported for every shape.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import httpx
 
@@ -72,6 +81,26 @@ SHAPES = {
 }
 
 
+@dataclass(frozen=True)
+class Workload:
+    model: str  # a key of SHAPES
+    prompt: tuple[int, int] = (16, 256)  # token counts, inclusive
+    output: tuple[int, int] = (8, 128)
+    concurrency: Optional[int] = None  # streams at once; None: every request at once
+    fresh: bool = False  # new prompts every round (no prefix reuse)
+    max_model_len: Optional[int] = None  # both engines; None: their defaults
+    kv_gib: Optional[int] = None  # both engines' KV cache; None: their defaults
+
+
+LONG = dict(model="large", prompt=(1000, 3000), output=(32, 64), fresh=True)
+WORKLOADS = {
+    "small": Workload("small"),
+    "large": Workload("large"),
+    "long": Workload(**LONG, concurrency=32, max_model_len=4096, kv_gib=2),
+    "burst": Workload(**LONG, max_model_len=4096, kv_gib=2),
+}
+
+
 def model_for(shape: str) -> str:
     from pdpool.engine.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -81,10 +110,15 @@ def model_for(shape: str) -> str:
     return out
 
 
-def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+def workload(
+    n: int, seed: int, vocab: int, prompt=(16, 256), output=(8, 128)
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(3, vocab - 20) for _ in range(rng.randint(16, 256))], rng.randint(8, 128))
+        (
+            [rng.randrange(3, vocab - 20) for _ in range(rng.randint(*prompt))],
+            rng.randint(*output),
+        )
         for _ in range(n)
     ]
 
@@ -156,11 +190,17 @@ async def one(
     return ttft or float("nan"), "".join(text), tokens, ids, events
 
 
-async def run_round(url: str, model: str, work) -> dict:
+async def run_round(url: str, model: str, work, concurrency: Optional[int] = None) -> dict:
     limits = httpx.Limits(max_connections=len(work), max_keepalive_connections=len(work))
+    streams = asyncio.Semaphore(concurrency or len(work))
+
+    async def limited(prompt, max_tokens):
+        async with streams:  # TTFT counts from the request's own start, not its wait here
+            return await one(client, url, model, prompt, max_tokens)
+
     async with httpx.AsyncClient(timeout=1800, limits=limits) as client:
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(one(client, url, model, p, m) for p, m in work))
+        outs = await asyncio.gather(*(limited(p, m) for p, m in work))
         wall = time.perf_counter() - t0
     ttfts = sorted(o[0] for o in outs)
     tokens = sum(o[2] for o in outs)
@@ -170,6 +210,7 @@ async def run_round(url: str, model: str, work) -> dict:
         "tok_s": tokens / wall,
         "ttft_p50": statistics.median(ttfts),
         "ttft_p90": ttfts[int(0.9 * len(ttfts))],
+        "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         # Above 1 when the server sends several tokens per event (a reader behind the engine).
         "tokens_per_event": tokens / max(sum(o[4] for o in outs), 1),
         "texts": [o[1] for o in outs],
@@ -178,10 +219,22 @@ async def run_round(url: str, model: str, work) -> dict:
 
 
 def bench_shape(shape: str, args) -> dict:
-    model = model_for(shape)
+    spec = WORKLOADS[shape]
+    model = model_for(spec.model)
     name = served_model_name(model)
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
-    work = workload(args.requests, args.seed, vocab)
+
+    def work_of(round_: int):
+        seed = args.seed + (round_ if spec.fresh else 0)
+        return workload(args.requests, seed, vocab, spec.prompt, spec.output)
+
+    work = work_of(0)
+    ours_extra, theirs_extra = [], []
+    if spec.max_model_len:
+        ours_extra += ["--max-model-len", str(spec.max_model_len)]
+        theirs_extra += ["--max-model-len", str(spec.max_model_len)]  # later flags win
+    if spec.kv_gib:
+        ours_extra += ["--kv-cache-memory", f"{spec.kv_gib}GiB"]
     logs = os.path.join(RESULTS, "logs")
     os.makedirs(logs, exist_ok=True)
     p1, p2 = free_port(), free_port()
@@ -196,6 +249,7 @@ def bench_shape(shape: str, args) -> dict:
             "cpu",
             "--log-level",
             "warning",
+            *ours_extra,
             *args.pdpool_flag,
         ),
         p1,
@@ -204,6 +258,8 @@ def bench_shape(shape: str, args) -> dict:
     env = dict(VLLM_ENV)
     if args.vllm_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind
+    if spec.kv_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_gib)
     theirs = Server(
         "vllm",
         [
@@ -215,6 +271,7 @@ def bench_shape(shape: str, args) -> dict:
             "--served-model-name",
             name,
             *VLLM_ARGS,
+            *theirs_extra,
         ],
         p2,
         os.path.join(logs, f"vs-vllm-{shape}-vllm.log"),
@@ -224,21 +281,27 @@ def bench_shape(shape: str, args) -> dict:
         start = {"pdpool": ours.wait(), "vllm": theirs.wait()}
         servers = [ours, theirs]
         rounds = {"pdpool": [], "vllm": []}
+        # a warm-up request that is no prefix of any round's prompts when those are fresh
+        warm = workload(1, args.seed - 1, vocab, spec.prompt, spec.output) if spec.fresh else work
         for r in range(args.rounds):
+            work = work_of(r)
             for s in servers:
                 other = theirs if s is ours else ours
                 other.signal(signal.SIGSTOP)
                 try:
                     if r == 0:  # warm-up: one request
-                        asyncio.run(run_round(s.url, name, work[:1]))
-                    res = asyncio.run(run_round(s.url, name, work))
+                        asyncio.run(run_round(s.url, name, warm[:1]))
+                    res = asyncio.run(run_round(s.url, name, work, spec.concurrency))
+                    res["load_average"] = os.getloadavg()[0]
                 finally:
                     other.signal(signal.SIGCONT)
                 rounds[s.name].append(res)
                 print(
                     f"  {shape} round {r + 1} {s.name}: {res['tok_s']:.0f} tok/s, "
                     f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms, "
-                    f"{res['tokens_per_event']:.2f} tokens per event",
+                    f"p99 {res['ttft_p99'] * 1000:.0f} ms, "
+                    f"{res['tokens_per_event']:.2f} tokens per event, "
+                    f"load {res['load_average']:.1f}",
                     flush=True,
                 )
     finally:
@@ -251,7 +314,15 @@ def bench_shape(shape: str, args) -> dict:
     )
     return {
         "shape": shape,
-        "spec": SHAPES[shape],
+        "spec": SHAPES[spec.model],
+        "workload": {
+            "prompt": spec.prompt,
+            "output": spec.output,
+            "concurrency": spec.concurrency,
+            "fresh_prompts": spec.fresh,
+            "max_model_len": spec.max_model_len,
+            "kv_gib": spec.kv_gib,
+        },
         "pdpool_flags": args.pdpool_flag,
         "startup_s": start,
         "best": {
@@ -259,6 +330,7 @@ def bench_shape(shape: str, args) -> dict:
             for k, v in best.items()
         },
         "all_tok_s": {k: [round(x["tok_s"], 1) for x in v] for k, v in rounds.items()},
+        "all_ttft_p99": {k: [round(x["ttft_p99"], 3) for x in v] for k, v in rounds.items()},
         "equal_texts": same,
         "equal_token_ids": same_ids,
         "requests": len(work),
@@ -267,7 +339,7 @@ def bench_shape(shape: str, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="small,large")
+    ap.add_argument("--shapes", default="small,large", help=f"of {','.join(WORKLOADS)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -281,19 +353,23 @@ def main() -> int:
     )
     args = ap.parse_args()
     results = []
+    unknown = set(args.shapes.split(",")) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"unknown shapes {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     for shape in args.shapes.split(","):
         results.append(bench_shape(shape, args))
     print(
-        "\n| shape | engine | output tok/s (best of %d) | TTFT p50 | TTFT p90 | equal token ids "
-        "| equal texts |" % args.rounds
+        "\n| shape | engine | output tok/s (best of %d) | TTFT p50 | TTFT p90 | TTFT p99 "
+        "| equal token ids | equal texts |" % args.rounds
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for res in results:
         for eng in ("pdpool", "vllm"):
             b = res["best"][eng]
             print(
                 f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | {b['ttft_p50'] * 1000:.0f} ms "
-                f"| {b['ttft_p90'] * 1000:.0f} ms | {res['equal_token_ids']}/{res['requests']} "
+                f"| {b['ttft_p90'] * 1000:.0f} ms | {b['ttft_p99'] * 1000:.0f} ms "
+                f"| {res['equal_token_ids']}/{res['requests']} "
                 f"| {res['equal_texts']}/{res['requests']} |"
             )
     os.makedirs(RESULTS, exist_ok=True)

@@ -6,6 +6,9 @@ tensors of the same shape: a ceiling for what the paged kernel pays for its indi
 
     python benchmarks/kernels_prefill_attention.py            # on a GPU
     python benchmarks/kernels_prefill_attention.py --smoke    # interpreter check, no GPU
+
+The CPU kernel (kernels/cpu_prefill_attention.py) has its own benchmark, in GFLOP/s against
+the core's matmul: benchmarks/kernels_cpu_prefill_attention.py.
 """
 
 from __future__ import annotations

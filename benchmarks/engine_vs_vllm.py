@@ -8,13 +8,14 @@ Workload: 64 concurrent streaming greedy /v1/completions (token-id prompts of 16
 outputs of 8-128 tokens with ignore_eos; one seeded random draw shared by both engines).
 Each engine runs alone: the other server is SIGSTOPped during a round; rounds alternate
 (ours, vLLM, ours, ...) and the best of N counts. Reported: output tokens/s (all output
-tokens / wall time of the round), TTFT p50/p90 of that round, tokens per streamed event
-(both servers send what waits for a reader that fell behind in one event), and how many of
-the 64 greedy outputs are equal between the engines, as token ids and as text (float32
-both; vLLM on CPU with --enforce-eager). On these random token-id prompts vLLM's streamed
-text is not always tokenizer.decode(its own token ids) (its incremental detokenizer starts
-from the prompt's bytes), so the token ids are the comparison that counts; ours is
-decode(ids).
+tokens / wall time of the round), TTFT p50/p90 of that round, output tokens per CPU second
+of the server's processes (steadier than wall time when the machine is shared), tokens per
+streamed event (both servers send what waits for a reader that fell behind in one event),
+and how many of the 64 greedy outputs are equal between the engines, as token ids and as
+text (float32 both; vLLM on CPU with --enforce-eager). On these random token-id prompts
+vLLM's streamed text is not always tokenizer.decode(its own token ids) (its incremental
+detokenizer starts from the prompt's bytes), so the token ids are the comparison that
+counts; ours is decode(ids).
 Shapes: small = 2 layers, hidden 64, head_dim 32; large = 4 layers, hidden 512, head_dim 64.
 Both engines get their defaults, which now follow one policy: on this 2-core machine one
 core computes and one is left to the HTTP side. vLLM binds its OpenMP to one core and keeps
@@ -123,6 +124,21 @@ def workload(
     ]
 
 
+def group_cpu_seconds(pgid: int) -> float:
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone, or not Linux
+            continue
+        if int(fields[2]) == pgid:  # fields from state: pgrp is the third, utime the 12th
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 class Server:
     def __init__(self, name: str, argv: list[str], port: int, log: str, env=None):
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
@@ -144,6 +160,11 @@ class Server:
                 raise TimeoutError(self.name)
             time.sleep(0.5)
         return time.monotonic() - t0
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server's live processes (its process group): on a
+        shared machine, output tokens per CPU second vary less than per wall second."""
+        return group_cpu_seconds(self.proc.pid)
 
     def signal(self, sig) -> None:
         if self.proc.poll() is None:
@@ -291,7 +312,10 @@ def bench_shape(shape: str, args) -> dict:
                 try:
                     if r == 0:  # warm-up: one request
                         asyncio.run(run_round(s.url, name, warm[:1]))
+                    cpu = s.cpu_seconds()
                     res = asyncio.run(run_round(s.url, name, work, spec.concurrency))
+                    res["cpu_s"] = s.cpu_seconds() - cpu
+                    res["tok_per_cpu_s"] = res["output_tokens"] / max(res["cpu_s"], 1e-9)
                     res["load_average"] = os.getloadavg()[0]
                 finally:
                     other.signal(signal.SIGCONT)
@@ -301,7 +325,7 @@ def bench_shape(shape: str, args) -> dict:
                     f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms, "
                     f"p99 {res['ttft_p99'] * 1000:.0f} ms, "
                     f"{res['tokens_per_event']:.2f} tokens per event, "
-                    f"load {res['load_average']:.1f}",
+                    f"{res['tok_per_cpu_s']:.0f} tok per CPU s, load {res['load_average']:.1f}",
                     flush=True,
                 )
     finally:
@@ -331,6 +355,9 @@ def bench_shape(shape: str, args) -> dict:
         },
         "all_tok_s": {k: [round(x["tok_s"], 1) for x in v] for k, v in rounds.items()},
         "all_ttft_p99": {k: [round(x["ttft_p99"], 3) for x in v] for k, v in rounds.items()},
+        "all_tok_per_cpu_s": {
+            k: [round(x["tok_per_cpu_s"], 1) for x in v] for k, v in rounds.items()
+        },
         "equal_texts": same,
         "equal_token_ids": same_ids,
         "requests": len(work),

@@ -30,7 +30,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn = lib.paged_prefill_attention
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
-    fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64]
+    fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64, i64]
     fn.restype = None
 
 
@@ -107,11 +107,13 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: Optional[int],
     portable: bool = False,
+    skip_single: bool = False,
 ) -> torch.Tensor:
     """Causal attention of q `[T, H, D]` (sequence b owns rows
     `query_start_loc[b]:query_start_loc[b+1]`, at the last positions of its `seq_lens[b]`)
     over caches `[blocks, block_size, H_kv, D]`; returns `[T, H, D]` float32. Check
-    `usable_for` first. `portable` runs the plain-C build (tests)."""
+    `usable_for` first. `portable` runs the plain-C build (tests). With `skip_single` the
+    rows of one-query sequences are left unwritten, for the decode kernel."""
     lib = _library(portable)
     assert lib is not None
     tables = _validated(q, k_cache, block_tables, query_start_loc, seq_lens)
@@ -141,5 +143,6 @@ def paged_prefill_attention(
         k_cache.shape[1],
         scale,
         sliding_window or 0,
+        int(skip_single),
     )
     return out

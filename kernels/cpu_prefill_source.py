@@ -365,13 +365,16 @@ static void tile(const Tile *t, const Keys *ks) {
 /* q [T, H, D] with strides sq_t, sq_h (unit over D); out [T, H, D] contiguous; k, v
    [blocks, block_size, H_kv, D] with strides sb, sp, sh (unit over D); tables [B, W] int32;
    sequence b owns q rows [query_start[b], query_start[b+1]) at positions
-   seq_lens[b] - q_len .. seq_lens[b] - 1; window <= 0: none. D <= MAX_DIM. */
+   seq_lens[b] - q_len .. seq_lens[b] - 1; window <= 0: none. D <= MAX_DIM. With
+   skip_single, sequences of one query are left alone (the decode kernel serves them: their
+   group of query heads fills too few lanes here). */
 void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const float *k,
                              const float *v, int64_t sb, int64_t sp, int64_t sh,
                              const int32_t *tables, int64_t table_width,
                              const int32_t *query_start, const int32_t *seq_lens,
                              int64_t batch, float *out, int64_t heads, int64_t kv_heads,
-                             int64_t dim, int64_t block_size, float scale, int64_t window) {
+                             int64_t dim, int64_t block_size, float scale, int64_t window,
+                             int64_t skip_single) {
     if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads) return; /* refused by the caller */
     const int64_t group = heads / kv_heads;
     const int64_t slice = group < TILE_ROWS ? group : TILE_ROWS; /* query heads per tile */
@@ -379,6 +382,7 @@ void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const f
     for (int64_t b = 0; b < batch; b++) {
         const int64_t first = query_start[b], q_len = query_start[b + 1] - first;
         const int64_t start_pos = seq_lens[b] - q_len;
+        if (skip_single && q_len == 1) continue;
         for (int64_t kh = 0; kh < kv_heads; kh++) {
             const Keys ks = {k + kh * sh, v + kh * sh, sb, sp, tables + b * table_width,
                              block_size, window, dim};

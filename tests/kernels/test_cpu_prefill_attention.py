@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from pdpool.kernels import cpu_decode_attention as decode_kernel
 from pdpool.kernels import cpu_prefill_attention as native
 from pdpool.kernels import reference
 
@@ -43,6 +44,7 @@ def _case(heads, kv_heads, dim, q_lens, seq_lens, block_size=16, seed=0):
 
 
 def _torch_path(q, k_cache, v_cache, tables, starts, seq_lens, scale, window, monkeypatch):
+    """The reference without the prefill kernel (nor, for a mixed step, the decode one)."""
     with monkeypatch.context() as patch:
         patch.setenv(native.DISABLE_ENV, "0")
         assert not native.usable_for(q, k_cache, v_cache)
@@ -134,7 +136,9 @@ def test_the_reference_uses_it_for_steps_with_prefills(monkeypatch):
     q, k_cache, v_cache, tables, starts = _case(4, 2, 32, [1, 30], [31, 30])
     calls = []
     real = native.paged_prefill_attention
-    monkeypatch.setattr(native, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        native, "paged_prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     lens = torch.tensor([31, 30], dtype=torch.int32)
     starts_t = torch.tensor(starts, dtype=torch.int32)
     reference.paged_attention_reference(q, k_cache, v_cache, tables, starts_t, lens, 0.2)
@@ -144,6 +148,33 @@ def test_the_reference_uses_it_for_steps_with_prefills(monkeypatch):
     one_each = torch.arange(3, dtype=torch.int32)
     reference.paged_attention_reference(decode_q, k_cache, v_cache, tables, one_each, lens, 0.2)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_mixed_step_leaves_its_decodes_to_the_decode_kernel(window, monkeypatch):
+    q_lens = [1, 90, 1, 33, 1]
+    seq_lens = [300, 90, 41, 200, 1]
+    q, k_cache, v_cache, tables, starts = _case(8, 2, 64, q_lens, seq_lens)
+    decoded = []
+    real = decode_kernel.paged_decode_attention
+    monkeypatch.setattr(
+        decode_kernel, "paged_decode_attention", lambda *a: decoded.append(a[4]) or real(*a)
+    )
+    got = reference.paged_attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        0.125,
+        window,
+    )
+    assert decoded == [[300, 41, 1]]
+    expected = _torch_path(
+        q, k_cache, v_cache, tables, starts, seq_lens, 0.125, window, monkeypatch
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_declines_bf16_and_more_than_one_thread():

@@ -20,26 +20,46 @@ import threading
 import time
 import traceback
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Iterable, Optional, Protocol, Union
 
 from pdpool.engine.outputs import RequestOutput
-from pdpool.engine.engine_state import LiveEngineView
+from pdpool.engine.engine_state import EngineView, LiveEngineView
+from pdpool.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # for annotations only: the server process never imports torch
+    from pdpool.engine.engine_core import LLMEngine
 
 log = logging.getLogger("pdpool.engine")
 
 
 class NewRequest(Protocol):
-    """The arguments of one `LLMEngine.add_request` (the server's ChoiceRequest is one)."""
+    """The arguments of one `LLMEngine.add_request` (the server's ChoiceRequest and the core's
+    AddRequest are ones: frozen dataclasses, hence read-only members)."""
 
-    request_id: str
-    prompt_ids: list[int]
-    params: object
-    cache_salt: Optional[str]
-    cache_hit_threshold: Optional[float]
-    kv_transfer_params: Optional[dict]
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def cache_salt(self) -> Optional[str]: ...
+
+    @property
+    def cache_hit_threshold(self) -> Optional[float]: ...
+
+    @property
+    def kv_transfer_params(self) -> Optional[dict[str, Any]]: ...
 
 
-def add_to_engine(engine, spec: NewRequest) -> None:
+# What a request's queue carries: its outputs, or the exception that ended it.
+StreamItem = Union[RequestOutput, BaseException]
+
+
+def add_to_engine(engine: LLMEngine, spec: NewRequest) -> None:
     engine.add_request(
         spec.request_id,
         spec.prompt_ids,
@@ -64,7 +84,7 @@ class OutputSink(Protocol):
 class EngineLoop:
     """The engine's step loop on its own thread."""
 
-    def __init__(self, engine, sink: OutputSink):
+    def __init__(self, engine: LLMEngine, sink: OutputSink):
         self.engine, self.sink = engine, sink
         self._cv = threading.Condition()
         self._inbox: list[Callable[[], None]] = []
@@ -148,10 +168,14 @@ class EngineClient(abc.ABC):
     process) or EngineProcess (a core process of its own). The asyncio side of requests in
     flight is shared: one queue per request, read by `generate`."""
 
-    view: Any  # the facts and state the server reads (LiveEngineView or EngineMirror)
+    if TYPE_CHECKING:  # a subclass's attribute or cached property
+
+        @property
+        def view(self) -> EngineView:
+            """The facts and state the server reads (LiveEngineView or EngineMirror)."""
 
     def __init__(self) -> None:
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamItem]]] = {}
 
     async def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Called once the server's event loop runs, before it serves."""
@@ -166,7 +190,7 @@ class EngineClient(abc.ABC):
         """Ends the request in the engine, if it is still there."""
 
     @abc.abstractmethod
-    async def release_lease(self, params: dict) -> bool:
+    async def release_lease(self, params: dict[str, Any]) -> bool:
         """Ends a KV lease this engine granted; False when it was not live."""
 
     @property
@@ -182,24 +206,29 @@ class EngineClient(abc.ABC):
     def shutdown(self) -> None:
         """Stops the engine (once; later calls do nothing)."""
 
-    async def generate(self, spec: NewRequest) -> AsyncIterator[list[RequestOutput]]:
+    async def generate(self, spec: NewRequest) -> AsyncGenerator[list[RequestOutput], None]:
         """Adds the request to the engine and yields its outputs, as lists of all those that
         are waiting (one or more, in order; see `mergeable_runs`). A refusal
         (validation) is raised. Leaving the iterator early aborts the request."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._streams[spec.request_id] = (asyncio.get_running_loop(), queue)
         await self._send_add(spec)
         finished = False
         try:
             while True:
-                batch = [await queue.get()]
-                while not queue.empty() and _more_may_follow(batch[-1]):
-                    batch.append(queue.get_nowait())
-                if isinstance(batch[-1], BaseException):
-                    if len(batch) > 1:
-                        yield batch[:-1]
+                # Every output waiting, up to a finished one or an exception.
+                batch: list[RequestOutput] = []
+                item = await queue.get()
+                while isinstance(item, RequestOutput):
+                    batch.append(item)
+                    if item.finished or queue.empty():
+                        break
+                    item = queue.get_nowait()
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
                     finished = True  # refused or failed: the engine holds it no more
-                    raise batch[-1]
+                    raise item
                 yield batch
                 if batch[-1].finished:
                     finished = True
@@ -209,21 +238,25 @@ class EngineClient(abc.ABC):
             if not finished:
                 self.abort(spec.request_id)
 
-    def _by_loop(self, items) -> dict[asyncio.AbstractEventLoop, list]:
+    def _by_loop(
+        self, items: Iterable[tuple[str, StreamItem]]
+    ) -> dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]]:
         """(request id, output or exception) pairs grouped by the event loop of their reader."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[StreamItem], StreamItem]]
+        ] = {}
         for rid, item in items:
             stream = self._streams.get(rid)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], item))
         return by_loop
 
-    def _put(self, items) -> None:
+    def _put(self, items: Iterable[tuple[str, StreamItem]]) -> None:
         """Delivers (request id, output or exception) pairs; on the readers' event loop."""
         for queues in self._by_loop(items).values():
             _put_all(queues)
 
-    def _put_threadsafe(self, items) -> None:
+    def _put_threadsafe(self, items: Iterable[tuple[str, StreamItem]]) -> None:
         # One wake-up of each event loop per step, not one per output: every
         # call_soon_threadsafe writes to the loop's self-pipe.
         for loop, queues in self._by_loop(items).items():
@@ -233,7 +266,7 @@ class EngineClient(abc.ABC):
 class AsyncEngine(EngineClient):
     """The engine on a thread of this process."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: LLMEngine) -> None:
         super().__init__()
         self.engine = engine
         self.loop = EngineLoop(engine, self)
@@ -243,7 +276,7 @@ class AsyncEngine(EngineClient):
         return LiveEngineView(self.engine)
 
     async def _send_add(self, spec: NewRequest) -> None:
-        def add():
+        def add() -> None:
             try:
                 add_to_engine(self.engine, spec)
             except Exception as exc:  # validation errors surface to the caller
@@ -254,7 +287,7 @@ class AsyncEngine(EngineClient):
     def abort(self, request_id: str) -> None:
         self.loop.submit(lambda: self.engine.abort_request(request_id))
 
-    async def release_lease(self, params: dict) -> bool:
+    async def release_lease(self, params: dict[str, Any]) -> bool:
         # Thread-safe: it only marks the lease; the engine thread gives the blocks back.
         return self.engine.connector.release_lease(params)
 
@@ -316,10 +349,6 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
     )
 
 
-def _more_may_follow(item: object) -> bool:
-    return isinstance(item, RequestOutput) and not item.finished
-
-
-def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+def _put_all(items: list[tuple[asyncio.Queue[StreamItem], StreamItem]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)

@@ -52,7 +52,7 @@ class CoreChannel:
         self._queue: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
         self._pending = 0
         self._room = threading.Condition()
-        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._closed_why: Optional[str] = None
         self._closing = False
         os.set_blocking(conn.fileno(), True)
@@ -95,7 +95,7 @@ class CoreChannel:
     async def wait_room_async(self) -> None:
         """As `wait_room`, for a coroutine on an event loop."""
         while not self.has_room():
-            fut = asyncio.get_running_loop().create_future()
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             with self._room:
                 if self.has_room():
                     return
@@ -167,6 +167,6 @@ class CoreChannel:
             pass
 
 
-def _resolve(fut: asyncio.Future) -> None:
+def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)

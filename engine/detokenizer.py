@@ -7,8 +7,13 @@ back text that ends in an incomplete UTF-8 sequence.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Optional
 
-def fast_decoder(tokenizer):
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+
+def fast_decoder(tokenizer: Any) -> Optional[Tokenizer]:
     """The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer, when decoding through it
     gives the same text as `tokenizer.decode` (no clean-up pass): a quarter of the cost per
     call, and streams decode twice per token. None otherwise."""

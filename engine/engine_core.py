@@ -8,7 +8,7 @@ conditions and free the finished.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -30,6 +30,11 @@ from pdpool.engine.runner import ModelRunner, StepResult
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
+if TYPE_CHECKING:  # imported where used, for the engines that use them
+    from pdpool.engine.connector.base import KVConnector, LoadResult
+    from pdpool.engine.kv.groups import KVGroup
+    from pdpool.kv_events import KVEventPublisher
+
 log = logging.getLogger("pdpool.engine")
 
 DEFAULT_KV_MEMORY_CPU = 256 << 20
@@ -44,7 +49,9 @@ def pick_device(name: str) -> torch.device:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None, keep_logits: bool = False):
+    def __init__(
+        self, config: EngineConfig, tokenizer: Any = None, keep_logits: bool = False
+    ) -> None:
         config.validate()
         self.config = config
         self.info = read_model_info(config.model)
@@ -67,7 +74,7 @@ class LLMEngine:
         self.groups = self._assign_kv_groups()
         # kv_cache holds as many layer slots as the largest group has layers.
         self.num_layers = max((g.num_layers for g in self.groups), default=1)
-        self.num_kv_heads = mc["num_key_value_heads"]
+        self.num_kv_heads: int = mc["num_key_value_heads"]
         self.head_dim = head_dim_of(mc)
         bs = config.block_size
         num_blocks = self._num_kv_blocks()
@@ -83,11 +90,14 @@ class LLMEngine:
         )
         # Recurrent-state models (Qwen3.5): a running-state slot per schedulable request,
         # plus as many slots again for prefix-cache snapshots.
-        has_state = hasattr(self.model, "allocate_state")
+        allocate_state = getattr(self.model, "allocate_state", None)
+        has_state = allocate_state is not None
         num_slots = config.max_num_seqs if has_state else 0
         num_snapshots = config.max_num_seqs if has_state and config.enable_prefix_caching else 0
         self.state = (
-            self.model.allocate_state(num_slots + num_snapshots, self.device) if has_state else None
+            allocate_state(num_slots + num_snapshots, self.device)
+            if allocate_state is not None
+            else None
         )
         self.kv = KVCacheManager(
             num_blocks, bs, config.enable_prefix_caching, num_slots, self.groups, num_snapshots
@@ -148,7 +158,7 @@ class LLMEngine:
         )
 
     # --- setup --------------------------------------------------------------------------
-    def _assign_kv_groups(self):
+    def _assign_kv_groups(self) -> list[KVGroup]:
         """Groups the model's attention layers by kind and tells each layer its group and
         its layer slot in kv_cache."""
         from pdpool.engine.kv.groups import attention_groups
@@ -202,7 +212,7 @@ class LLMEngine:
             )
         return int(n)
 
-    def kv_layout(self) -> dict:
+    def kv_layout(self) -> dict[str, Any]:
         """What must match for a KV block to mean the same thing in two engines."""
         import hashlib
         import json
@@ -229,7 +239,7 @@ class LLMEngine:
             "kv_groups": [g.name for g in self.groups],
         }
 
-    def _build_connector(self):
+    def _build_connector(self) -> KVConnector:
         if self.config.kv_connector == "none":
             from pdpool.engine.connector.base import KVConnector
 
@@ -246,7 +256,7 @@ class LLMEngine:
             secret=load_secret(self.config.kv_secret_file),
         )
 
-    def _start_kv_events(self):
+    def _start_kv_events(self) -> Optional[KVEventPublisher]:
         """vLLM's --kv-events-config: a ZeroMQ publisher of this engine's cache changes."""
         from pdpool.kv_events import AllBlocksCleared, KVEventPublisher, KVEventsConfig
 
@@ -276,7 +286,7 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: Optional[str] = None,
         cache_hit_threshold: Optional[float] = None,
-        kv_transfer_params: Optional[dict] = None,
+        kv_transfer_params: Optional[dict[str, Any]] = None,
     ) -> Request:
         params.validate(self.info.config["vocab_size"])
         if request_id in self.requests:
@@ -336,9 +346,9 @@ class LLMEngine:
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = []
-        for result in self.connector.poll():
-            failed = self._apply_load_result(result)
+        outputs: list[RequestOutput] = []
+        for loaded in self.connector.poll():
+            failed = self._apply_load_result(loaded)
             if failed is not None:
                 outputs.append(failed)
         out = self.scheduler.schedule()
@@ -353,8 +363,8 @@ class LLMEngine:
             result = self.runner.execute(out)
             self._forward_succeeded()
         except Exception as exc:
-            result, failed = self._execute_isolating(out, exc)
-            outputs += failed
+            result, failed_outputs = self._execute_isolating(out, exc)
+            outputs += failed_outputs
         self.stats["steps"] += 1
         self.stats["computed_tokens"] += result.num_computed_tokens
         self.last_logits = result.logits
@@ -449,7 +459,7 @@ class LLMEngine:
         outputs = [self._fail_request(req, "the model forward", e) for req, e in failed]
         return merged, outputs
 
-    def _apply_load_result(self, result) -> Optional[RequestOutput]:
+    def _apply_load_result(self, result: LoadResult) -> Optional[RequestOutput]:
         """Applies a finished remote load; under the `fail` policy a failed load ends the
         request with an error (returned as its final output)."""
         req = self.requests.get(result.request_id)

@@ -29,7 +29,9 @@ import signal
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pdpool.engine.async_engine import EngineClient, EngineLoop, NewRequest, add_to_engine
 from pdpool.engine.core_channel import ChannelClosed, CoreChannel
@@ -49,6 +51,10 @@ from pdpool.engine.core_messages import (
 )
 from pdpool.engine.engine_state import EngineState, engine_state
 from pdpool.engine.outputs import EngineUnavailable, RequestOutput
+
+if TYPE_CHECKING:  # for annotations only: the server process never imports torch
+    from pdpool.engine.config import EngineConfig
+    from pdpool.engine.engine_core import LLMEngine
 
 log = logging.getLogger("pdpool.engine")
 
@@ -75,7 +81,7 @@ class _CoreSink:
     server that falls behind holds the step loop back (bounded memory) instead of letting
     outputs pile up."""
 
-    def __init__(self, channel: CoreChannel, engine: Any):
+    def __init__(self, channel: CoreChannel, engine: LLMEngine):
         self.channel, self.engine = channel, engine
         self._last_sent = 0.0
 
@@ -107,7 +113,7 @@ class _CoreSink:
 class _CoreInbox:
     """The core's handling of the server's messages, on the channel's reader thread."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.stop = threading.Event()
         self.server_gone = threading.Event()
@@ -145,13 +151,13 @@ class _CoreInbox:
             pass
 
 
-def _first_message(conn: Any, msg: object) -> None:
+def _first_message(conn: Connection, msg: object) -> None:
     import pickle
 
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def run_engine_process(config: Any, conn: Any, log_level: str) -> None:
+def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -> None:
     """The core process's main: load the engine, then serve the channel until it closes."""
     # A Ctrl-C or a SIGTERM to the process group reaches both: the server drains its streams
     # and then stops this process (or this process sees the channel close).
@@ -195,13 +201,13 @@ def run_engine_process(config: Any, conn: Any, log_level: str) -> None:
 class CoreProcess:
     """One engine core process, started and ready, and the channel to it."""
 
-    def __init__(self, proc: Any, conn: Any, facts: EngineFacts, state: EngineState):
+    def __init__(self, proc: BaseProcess, conn: Connection, facts: EngineFacts, state: EngineState):
         self.proc, self.conn, self.facts, self.first_state = proc, conn, facts, state
         self.channel: Optional[CoreChannel] = None
         self.started_at = time.monotonic()
 
     @classmethod
-    def start(cls, config: Any, log_level: str) -> "CoreProcess":
+    def start(cls, config: EngineConfig, log_level: str) -> "CoreProcess":
         """Spawns a core and waits (blocking) until its model is loaded."""
         ctx = multiprocessing.get_context("spawn")  # safe with CUDA and torch's threads
         conn, child_conn = ctx.Pipe(duplex=True)
@@ -227,7 +233,7 @@ class CoreProcess:
         return cls(proc, conn, msg.facts, msg.state)
 
     @staticmethod
-    def _wait_first_message(proc: Any, conn: Any) -> object:
+    def _wait_first_message(proc: BaseProcess, conn: Connection) -> object:
         import pickle
 
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -280,7 +286,7 @@ class CoreProcess:
             self.channel.flush_and_close(timeout=0.5)
 
     @staticmethod
-    def _end(proc: Any) -> None:
+    def _end(proc: BaseProcess) -> None:
         if proc.is_alive():
             proc.terminate()
             proc.join(5)
@@ -293,7 +299,7 @@ class EngineMirror:
     """The server's view of its engine core: the facts, the tokenizer (loaded here too),
     and the state the core last sent."""
 
-    def __init__(self, config: Any, facts: EngineFacts, state: EngineState):
+    def __init__(self, config: EngineConfig, facts: EngineFacts, state: EngineState):
         from pdpool.engine.model_info import read_model_info
         from pdpool.engine.server.text_tokenizer import TextTokenizer
 
@@ -320,7 +326,9 @@ class EngineProcess(EngineClient):
     """The engine core in a child process, behind the engine-client interface; restarted in
     place when it dies. `attach` it to the server's event loop before serving."""
 
-    def __init__(self, config: Any, log_level: str = "info"):
+    view: EngineMirror
+
+    def __init__(self, config: EngineConfig, log_level: str = "info"):
         super().__init__()
         self.config, self.log_level = config, log_level
         try:
@@ -328,12 +336,12 @@ class EngineProcess(EngineClient):
         except ModuleNotFoundError as exc:
             raise EngineStartError(str(exc)) from exc
         self.view = EngineMirror(config, self._core.facts, self._core.first_state)
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future[bool]] = {}
         self._next_call = 0
         self._last_heard = time.monotonic()
         self._gone: Optional[str] = None  # why no core serves now (None: one does)
         self._restarts: deque[float] = deque()
-        self._restarting: Optional[asyncio.Task] = None
+        self._restarting: Optional[asyncio.Task[None]] = None
         self._stopping = False
         self.fatal: Optional[str] = None  # set when the server must exit for its supervisor
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -366,7 +374,7 @@ class EngineProcess(EngineClient):
         msg = AddRequest(
             spec.request_id,
             spec.prompt_ids,
-            spec.params,  # type: ignore[arg-type]
+            spec.params,
             spec.cache_salt,
             spec.cache_hit_threshold,
             spec.kv_transfer_params,
@@ -384,9 +392,9 @@ class EngineProcess(EngineClient):
         except EngineUnavailable:
             pass  # the core is gone, and its requests with it
 
-    async def release_lease(self, params: dict) -> bool:
+    async def release_lease(self, params: dict[str, Any]) -> bool:
         call_id, self._next_call = self._next_call, self._next_call + 1
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
             self._send(ReleaseLease(call_id, params))

@@ -6,7 +6,12 @@ own (a snapshot sent with every step)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Protocol
+
+if TYPE_CHECKING:  # for annotations only: the server process never imports torch
+    from pdpool.engine.config import EngineConfig
+    from pdpool.engine.engine_core import LLMEngine
+    from pdpool.engine.model_info import ModelInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +31,7 @@ class EngineState:
     has_work: bool
 
 
-def engine_state(engine) -> EngineState:
+def engine_state(engine: LLMEngine) -> EngineState:
     """A snapshot of `engine` (an LLMEngine); call it on the engine's thread."""
     sched, pool = engine.scheduler, engine.kv.pool
     return EngineState(
@@ -46,16 +51,64 @@ def engine_state(engine) -> EngineState:
     )
 
 
+class ServerTokenizer(Protocol):
+    """What the server asks of a tokenizer, in the names of transformers' tokenizers (a
+    transformers tokenizer, or server.text_tokenizer.TextTokenizer without torch)."""
+
+    def __call__(self, text: str, add_special_tokens: bool = ...) -> Mapping[str, list[int]]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[Optional[str]]: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[False] = ...,
+    ) -> str: ...
+
+
+class EngineView(Protocol):
+    """The facts and state the server reads of its engine: LiveEngineView (an engine on a
+    thread of the server's process) or engine_process.EngineMirror (an engine core)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> ServerTokenizer: ...
+
+    @property
+    def fault(self) -> Optional[str]: ...
+
+    def state(self) -> EngineState: ...
+
+
 class LiveEngineView:
     """The server's view of an engine on one of its own threads: facts and state read live
     (the gauges read Python ints and lists; a torn read is one scrape off by one)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.config, self.info = engine.config, engine.info
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.kv_capacity_tokens = engine.kv_capacity_tokens
-        self.tokenizer = engine.tokenizer
+        self.tokenizer: ServerTokenizer = engine.tokenizer
 
     def state(self) -> EngineState:
         return engine_state(self.engine)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SUPPORTED = {
     "Qwen3ForCausalLM": "pdpool.engine.models.qwen3:Qwen3ForCausalLM",
@@ -23,7 +24,7 @@ class ModelLoadError(ValueError):
 @dataclass
 class ModelInfo:
     path: Path
-    config: dict
+    config: dict[str, Any]
     architecture: str
     name: str
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 
@@ -33,7 +34,7 @@ def build_app(aengine: EngineClient) -> FastAPI:
     metrics = EngineMetrics(engine, engine.model_name)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await aengine.attach(asyncio.get_running_loop())
         yield
         # After the streams drained: uvicorn may end the process by re-raising SIGTERM.
@@ -56,7 +57,7 @@ def build_app(aengine: EngineClient) -> FastAPI:
     chat = ChatResponder(translator, runner, writer, metrics)
     tokens = TokenizeRoutes(translator)
     # Route names as they were when these were functions: OpenAPI's operation ids keep them.
-    routes = [
+    routes: list[tuple[str, str, Callable[..., Any], str]] = [
         ("GET", "/health", ops.health, "health"),
         ("GET", "/ready", ops.ready, "ready"),
         ("POST", "/pdpool/v1/kv/release", ops.release_kv, "release_kv"),
@@ -68,5 +69,7 @@ def build_app(aengine: EngineClient) -> FastAPI:
         ("POST", "/detokenize", tokens.detokenize, "detokenize"),
     ]
     for method, path, endpoint, name in routes:
-        app.add_api_route(path, endpoint, methods=[method], name=name)
+        # response_model=None: FastAPI takes no response model from the endpoints' return
+        # annotations (they return dicts or responses, written as they are).
+        app.add_api_route(path, endpoint, methods=[method], name=name, response_model=None)
     return app

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import Any, AsyncGenerator, Awaitable, Callable, Optional, Sequence, TypeVar
 
 from fastapi import Request
 
@@ -23,10 +23,10 @@ from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import ChoiceRequest
 
 T = TypeVar("T")
-LogprobsFormatter = Callable[[list[TokenLogprob]], dict]
-Outputs = AsyncIterator[RequestOutput]
+LogprobsFormatter = Callable[[list[TokenLogprob]], dict[str, Any]]
+Outputs = AsyncGenerator[RequestOutput, None]
 # An answer's outputs, choice by choice as they come: (choice, output or the error that ended it).
-Pumped = AsyncIterator[tuple["Choice", "RequestOutput | Exception"]]
+Pumped = AsyncGenerator[tuple["Choice", "RequestOutput | Exception"], None]
 
 
 async def until_disconnect(http_req: Request, work: Awaitable[T], metrics: EngineMetrics) -> T:
@@ -36,7 +36,7 @@ async def until_disconnect(http_req: Request, work: Awaitable[T], metrics: Engin
     disconnect is counted. Call only once the body has been read."""
     task = asyncio.ensure_future(work)
 
-    async def disconnected():
+    async def disconnected() -> None:
         while (await http_req.receive())["type"] != "http.disconnect":
             pass
 
@@ -86,10 +86,10 @@ class Choice:
         self.request_id = spec.request_id
         self.first, self.stream, self.format_logprobs = first, stream, format_logprobs
         self.text: list[str] = []
-        self.logprobs: list[dict] = []
+        self.logprobs: list[dict[str, Any]] = []
         self.last: RequestOutput = first
 
-    def absorb(self, out: RequestOutput) -> Optional[dict]:
+    def absorb(self, out: RequestOutput) -> Optional[dict[str, Any]]:
         """Records one output; returns the logprobs of its tokens, if asked."""
         self.last = out
         self.text.append(out.new_text)
@@ -103,14 +103,16 @@ class Choice:
 class ChoiceRunner:
     """Runs the engine requests of an answer's choices and observes their latencies."""
 
-    def __init__(self, aengine: EngineClient, metrics: EngineMetrics):
+    def __init__(self, aengine: EngineClient, metrics: EngineMetrics) -> None:
         self.aengine, self.metrics = aengine, metrics
 
     def _submit(self, spec: ChoiceRequest, t_arrival: float) -> Outputs:
         """The output iterator of one engine request (added when first awaited)."""
         return self._observed(self.aengine.generate(spec), t_arrival)
 
-    async def _observed(self, batches: AsyncIterator[list[RequestOutput]], t_arrival: float):
+    async def _observed(
+        self, batches: AsyncGenerator[list[RequestOutput], None], t_arrival: float
+    ) -> Outputs:
         """Few outputs per batch of those waiting, after every one of them is observed in the
         latency metrics as of the step that made it (so a reader that falls behind does not
         skew them). A first output that is an error becomes the HTTP error, not a latency."""
@@ -135,12 +137,14 @@ class ChoiceRunner:
         t_arrival = time.monotonic()
         streams = [self._submit(spec, t_arrival) for spec in specs]
         try:  # all at once, so that they share steps
-            firsts = await asyncio.gather(
+            results = await asyncio.gather(
                 *(first_output(s) for s in streams), return_exceptions=True
             )
-            failed = [f for f in firsts if isinstance(f, BaseException)]
-            if failed:
-                raise failed[0]
+            firsts: list[RequestOutput] = []
+            for first in results:
+                if isinstance(first, BaseException):
+                    raise first
+                firsts.append(first)
         except BaseException:
             for stream in streams:
                 await stream.aclose()
@@ -162,7 +166,7 @@ class ChoiceRunner:
     async def run_to_end(self, http_req: Request, choices: list[Choice]) -> None:
         """Collects a non-streaming answer; a client that goes away aborts it."""
 
-        async def collect(c: Choice):
+        async def collect(c: Choice) -> None:
             async for out in self.outputs(c):
                 c.absorb(out)
                 if out.finish_reason == "error":
@@ -175,8 +179,9 @@ class ChoiceRunner:
                     tasks, timeout=0.5, return_when=asyncio.FIRST_EXCEPTION
                 )
                 for t in done:
-                    if t.exception() is not None:
-                        raise t.exception()
+                    exc = t.exception()
+                    if exc is not None:
+                        raise exc
                 if not pending:
                     return
                 if await http_req.is_disconnected():
@@ -185,19 +190,19 @@ class ChoiceRunner:
         finally:
             await self.close(choices, tasks)
 
-    def pump(self, choices: list[Choice]) -> tuple[Pumped, list[asyncio.Future]]:
+    def pump(self, choices: list[Choice]) -> tuple[Pumped, list[asyncio.Task[None]]]:
         """Every choice's outputs as (choice, output), in the order they come, and the tasks
         that pump them (for `close`); a choice that fails gives (choice, exception) and
         stops. One choice is read in place: no task and no second queue per token."""
         if len(choices) == 1:
             return self._read_one(choices[0]), []
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[tuple[Choice, RequestOutput | Exception]] = asyncio.Queue()
 
-        async def pump_one(c: Choice):
+        async def pump_one(c: Choice) -> None:
             async for item in self._read_one(c):
                 queue.put_nowait(item)
 
-        async def read_queue():
+        async def read_queue() -> Pumped:
             while True:
                 yield await queue.get()
 
@@ -210,7 +215,7 @@ class ChoiceRunner:
         except Exception as exc:
             yield c, exc
 
-    async def close(self, choices: list[Choice], tasks: list[asyncio.Future]) -> None:
+    async def close(self, choices: list[Choice], tasks: Sequence[asyncio.Future[Any]]) -> None:
         for t in tasks:
             if not t.done():
                 t.cancel()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -60,11 +60,11 @@ def validation_message(exc: RequestValidationError) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _on_validation(_req, exc: RequestValidationError):
+    async def _on_validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _on_http(_req, exc: StarletteHTTPException):
+    async def _on_http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(
             str(exc.detail),
             exc.status_code,
@@ -72,10 +72,10 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(ApiError)
-    async def _on_api(_req, exc: ApiError):
+    async def _on_api(_req: Request, exc: ApiError) -> JSONResponse:
         return error_response(str(exc), exc.status, exc.err_type, exc.param)
 
     @app.exception_handler(Exception)
-    async def _on_any(_req, exc: Exception):
+    async def _on_any(_req: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return error_response(f"internal error: {exc}", 500, "InternalServerError")

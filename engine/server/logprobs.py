@@ -13,8 +13,9 @@ default `raw_logprobs`), before min_tokens masking, temperature, top-k and top-p
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from pdpool.engine.engine_state import ServerTokenizer
 from pdpool.engine.outputs import TokenLogprob
 
 # JSON has no -inf; vLLM clamps the same way.
@@ -24,7 +25,7 @@ _FLOOR = -9999.0
 class TokenText:
     """Token id -> the text shown for it (or vLLM's `token_id:<id>`), cached."""
 
-    def __init__(self, tokenizer, as_ids: bool = False):
+    def __init__(self, tokenizer: ServerTokenizer, as_ids: bool = False) -> None:
         self.tokenizer, self.as_ids = tokenizer, as_ids
         self._cache: dict[int, str] = {}
 
@@ -41,13 +42,18 @@ def _lp(value: float) -> float:
     return max(value, _FLOOR)
 
 
-def completion_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], dict]:
+def completion_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], dict[str, Any]]:
     """Formats the logprobs of one choice chunk by chunk; text_offset carries over."""
     offset = 0
 
-    def fmt(lps: list[TokenLogprob]) -> dict:
+    def fmt(lps: list[TokenLogprob]) -> dict[str, Any]:
         nonlocal offset
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
         for lp in lps:
             token = text_of(lp.token_id)
             out["tokens"].append(token)
@@ -62,17 +68,19 @@ def completion_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], d
     return fmt
 
 
-def merge_completion(parts: list[dict]) -> Optional[dict]:
+def merge_completion(parts: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     if not parts:
         return None
-    merged = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    merged: dict[str, list[Any]] = {
+        k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
     for part in parts:
         for k in merged:
             merged[k].extend(part[k])
     return merged
 
 
-def _chat_entry(text_of: TokenText, token_id: int, logprob: float) -> dict:
+def _chat_entry(text_of: TokenText, token_id: int, logprob: float) -> dict[str, Any]:
     token = text_of(token_id)
     return {
         "token": token,
@@ -81,8 +89,8 @@ def _chat_entry(text_of: TokenText, token_id: int, logprob: float) -> dict:
     }
 
 
-def chat_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], dict]:
-    def fmt(lps: list[TokenLogprob]) -> dict:
+def chat_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], dict[str, Any]]:
+    def fmt(lps: list[TokenLogprob]) -> dict[str, Any]:
         return {
             "content": [
                 {
@@ -96,7 +104,7 @@ def chat_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], dict]:
     return fmt
 
 
-def merge_chat(parts: list[dict]) -> Optional[dict]:
+def merge_chat(parts: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     if not parts:
         return None
     return {"content": [c for part in parts for c in part["content"]]}

@@ -3,8 +3,14 @@ process in tests)."""
 
 from __future__ import annotations
 
+import functools
+from typing import Callable, Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
+
+from pdpool.engine.engine_state import EngineView
+from pdpool.engine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -101,10 +107,10 @@ VLLM_METRICS = {
 class _VllmCounters:
     """Counters the engine keeps itself, exported as counters (not gauges) at scrape time."""
 
-    def __init__(self, view, labels: dict[str, str]) -> None:
+    def __init__(self, view: EngineView, labels: dict[str, str]) -> None:
         self.view, self.labels = view, labels
 
-    def collect(self):
+    def collect(self) -> Iterator[CounterMetricFamily]:
         state = self.view.state()
         for name, doc, value in (
             (
@@ -129,14 +135,14 @@ class _VllmCounters:
 
 
 class EngineMetrics:
-    def __init__(self, view, model_name: str):
+    def __init__(self, view: EngineView, model_name: str) -> None:
         """`view`: the engine's facts and state (engine_state.LiveEngineView or the mirror
         of an engine process); every gauge reads its state at scrape time."""
         self.registry = r = CollectorRegistry()
         labels = {"model_name": model_name}
         state = view.state
 
-        def gauge(name: str, doc: str, fn) -> None:
+        def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
             g = Gauge(name, doc, list(labels), registry=r)
             g.labels(**labels).set_function(fn)
 
@@ -151,7 +157,7 @@ class EngineMetrics:
         gauge("pdpool_kv_cache_usage_perc", "Fraction of KV blocks in use.", lambda: state().usage)
         self._labels = labels
 
-        def counter(name: str, doc: str, extra=()):
+        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
             return Counter(name, doc, list(labels) + list(extra), registry=r)
 
         self.prompt_tokens = counter("pdpool_prompt_tokens", "Prompt tokens processed.")
@@ -203,9 +209,13 @@ class EngineMetrics:
             list(labels) + ["threshold_source"],
             registry=r,
         )
+
+        def rejections(source: str) -> float:
+            return state().threshold_rejections[source]
+
         for source in ("request", "global"):
             rej.labels(threshold_source=source, **labels).set_function(
-                lambda s=source: state().threshold_rejections[s]
+                functools.partial(rejections, source)
             )
         kv_stat = Gauge(
             "pdpool_kv_connector",
@@ -214,8 +224,14 @@ class EngineMetrics:
             list(labels) + ["stat"],
             registry=r,
         )
+
+        def connector_stat(stat: str) -> float:
+            return state().connector[stat]
+
         for stat in state().connector:
-            kv_stat.labels(stat=stat, **labels).set_function(lambda s=stat: state().connector[s])
+            kv_stat.labels(stat=stat, **labels).set_function(
+                functools.partial(connector_stat, stat)
+            )
         gauge(
             "pdpool_requests_aborted_total",
             "Requests aborted (client gone, cancelled).",
@@ -245,17 +261,21 @@ class EngineMetrics:
             list(labels) + ["source"],
             registry=r,
         )
+
+        def prompt_tokens_from(source: str) -> float:
+            return state().stats[f"prompt_tokens_{source}"]
+
         for source in ("local", "pulled", "computed"):
             by_source.labels(source=source, **labels).set_function(
-                lambda s=source: state().stats[f"prompt_tokens_{s}"]
+                functools.partial(prompt_tokens_from, source)
             )
 
-    def _vllm_series(self, view, model_name: str) -> None:
+    def _vllm_series(self, view: EngineView, model_name: str) -> None:
         r, state = self.registry, view.state
         vl = self.vllm_labels = {"model_name": model_name, "engine": "0"}
         names = list(vl)
 
-        def gauge(name: str, doc: str, fn) -> None:
+        def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
             Gauge(name, doc, names, registry=r, multiprocess_mode="mostrecent").labels(
                 **vl
             ).set_function(fn)
@@ -328,7 +348,9 @@ class EngineMetrics:
             registry=r,
         ).labels(**vl)
 
-    def observe_output(self, out, first: bool, since: float, e2e: float | None = None) -> None:
+    def observe_output(
+        self, out: RequestOutput, first: bool, since: float, e2e: float | None = None
+    ) -> None:
         lab = self._labels
         if first:
             self._ttft_series.observe(since)

@@ -4,6 +4,7 @@ model list, Prometheus metrics, and the release of a KV lease this engine grante
 from __future__ import annotations
 
 import time
+from typing import Any, Union
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -17,9 +18,8 @@ from pdpool.protocol import RequestError, parse_json_body
 
 
 class OpsRoutes:
-    """One engine's operational routes (the paths are bound in api.build_app)."""
-
-    # The endpoints have no return annotations: FastAPI would take them as response models.
+    """One engine's operational routes (the paths are bound in api.build_app, with
+    response_model=None: FastAPI takes no response model from their return annotations)."""
 
     def __init__(
         self,
@@ -30,7 +30,7 @@ class OpsRoutes:
         self.aengine, self.engine = aengine, aengine.view
         self.metrics, self.translator = metrics, translator
 
-    async def health(self):
+    async def health(self) -> Union[Response, dict[str, str]]:
         """Liveness: the process and its engine loop (thread or process) are alive."""
         if not self.aengine.alive:  # readiness with no stall limit: only why it stopped
             why = self.aengine.readiness(float("inf")) or "the engine loop has stopped"
@@ -39,7 +39,7 @@ class OpsRoutes:
             return error_response(f"engine failure: {self.engine.fault}", 503, "ServiceUnavailable")
         return {"status": "ok"}
 
-    async def ready(self):
+    async def ready(self) -> Union[Response, dict[str, str]]:
         """Readiness: as /health, and the engine loop has ticked within
         --ready-max-stall-s while it has work (a wedged step is not ready)."""
         problem = self.aengine.readiness(self.engine.config.ready_max_stall_s)
@@ -49,7 +49,7 @@ class OpsRoutes:
             return error_response(problem, 503, "ServiceUnavailable")
         return {"status": "ready"}
 
-    async def release_kv(self, request: Request):
+    async def release_kv(self, request: Request) -> Union[Response, dict[str, bool]]:
         """Ends a KV lease this engine granted, named by the kv_transfer_params it issued
         (a router whose prefill leg did not pull decode's prefix gives it back at once)."""
         try:
@@ -63,7 +63,7 @@ class OpsRoutes:
             )
         return {"released": await self.aengine.release_lease(params)}
 
-    async def models(self):
+    async def models(self) -> dict[str, Any]:
         return {
             "object": "list",
             "data": [
@@ -77,5 +77,5 @@ class OpsRoutes:
             ],
         }
 
-    async def prometheus(self):
+    async def prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

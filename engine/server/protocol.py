@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 from pdpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from pdpool.protocol import ChatFields, CompletionFields, KVTransferParams
+from pdpool.protocol import ChatFields, ChatMessageFields, CompletionFields, KVTransferParams
+
+if TYPE_CHECKING:
+    from pdpool.protocol import _GenerationFields as _MixedInto
+else:
+    _MixedInto = object  # at run time a plain mixin: pydantic sees the models' fields only
 
 # The fields, their strict types and ranges are defined once in pdpool.protocol (shared with
 # the sidecar and the gateway); validate bodies with pdpool.protocol.validate_request. Here:
@@ -14,7 +19,7 @@ from pdpool.protocol import ChatFields, CompletionFields, KVTransferParams
 # `return_tokens_as_token_ids` (logprob tokens as "token_id:<id>").
 
 
-class _SamplingFields:
+class _SamplingFields(_MixedInto):
     """Conversion to engine terms, mixed into the shared request models."""
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -43,12 +48,15 @@ class _SamplingFields:
         """How many top logprobs per token (None: no logprobs at all)."""
         return None
 
-    def kv_params_dict(self) -> Optional[dict]:
-        return self.kv_transfer_params.to_wire() if self.kv_transfer_params else None
+    def kv_params_dict(self) -> Optional[dict[str, Any]]:
+        # Both request models below parse the shared models' raw object as KVTransferParams.
+        params = cast(Optional[KVTransferParams], self.kv_transfer_params)
+        return params.to_wire() if params else None
 
 
 class CompletionRequest(_SamplingFields, CompletionFields):
-    kv_transfer_params: Optional[KVTransferParams] = None
+    # pydantic parses it (the shared models keep the raw object): a narrower field type.
+    kv_transfer_params: Optional[KVTransferParams] = None  # type: ignore[assignment]
     # As vLLM: `logprobs` is the sampled token's logprob plus the `logprobs` most likely.
 
     def _logprobs(self) -> Optional[int]:
@@ -60,10 +68,10 @@ class CompletionRequest(_SamplingFields, CompletionFields):
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             return list(p)
-        return [p]
+        return [cast(Union[str, list[int]], p)]  # not a batch: one string or token-id list
 
 
-def message_text(message) -> str:
+def message_text(message: ChatMessageFields) -> str:
     """A chat message's text (content parts are text only: pdpool.protocol checks that)."""
     if message.content is None:
         return ""
@@ -73,7 +81,8 @@ def message_text(message) -> str:
 
 
 class ChatCompletionRequest(_SamplingFields, ChatFields):
-    kv_transfer_params: Optional[KVTransferParams] = None
+    # pydantic parses it (the shared models keep the raw object): a narrower field type.
+    kv_transfer_params: Optional[KVTransferParams] = None  # type: ignore[assignment]
 
     def _logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None:
@@ -96,9 +105,13 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):
         )
 
 
+# A generation endpoint's request.
+GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
 def usage_dict(
     prompt_tokens: int, completion_tokens: int, cached_tokens: int, pulled_tokens: int = 0
-) -> dict:
+) -> dict[str, Any]:
     """OpenAI usage; `prompt_tokens_details.pdpool` splits the prompt by where its KV came
     from: this engine's prefix cache (local), a peer (pulled), or the model (computed)."""
     return {
@@ -118,7 +131,7 @@ def usage_dict(
 
 def error_body(
     message: str, err_type: str = "BadRequestError", code: int = 400, param: Optional[str] = None
-) -> dict:
+) -> dict[str, Any]:
     return {
         "error": {"message": message, "type": err_type, "param": param, "code": code},
         # vLLM also puts these at the top level; clients read either.

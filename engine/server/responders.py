@@ -5,12 +5,13 @@ Responder's, the writing is the ResponseWriter's."""
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from typing import Any, Generic, Optional, TypeVar, Union
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from pdpool.engine.outputs import RequestOutput
-from pdpool.engine.server.choices import ChoiceRunner, until_disconnect
+from pdpool.engine.server.choices import Choice, ChoiceRunner, until_disconnect
 from pdpool.engine.server.logprobs import (
     chat_formatter,
     completion_formatter,
@@ -18,16 +19,22 @@ from pdpool.engine.server.logprobs import (
     merge_completion,
 )
 from pdpool.engine.server.metrics import EngineMetrics
-from pdpool.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdpool.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+)
 from pdpool.engine.server.response_writer import ChoiceFormat, ResponseWriter
 from pdpool.engine.server.translator import RequestTranslator
 
+R = TypeVar("R", bound=GenerationRequest)
 
-class Responder(abc.ABC):
+
+class Responder(abc.ABC, Generic[R]):
     """Body -> prompts -> choices -> answer. From the body read until the first outputs the
     work races the client: one that goes away cancels it (see until_disconnect)."""
 
-    request_type: type
+    request_type: type[R]
     choice_format: type[ChoiceFormat]
 
     def __init__(
@@ -36,12 +43,13 @@ class Responder(abc.ABC):
         runner: ChoiceRunner,
         writer: ResponseWriter,
         metrics: EngineMetrics,
-    ):
+    ) -> None:
         self.translator, self.runner, self.writer = translator, runner, writer
         self.metrics = metrics
 
-    # No return annotation: FastAPI would take it as the response model.
-    async def create(self, http_req: Request):
+    # Bound in api.build_app with response_model=None: FastAPI takes no response model from
+    # the return annotation.
+    async def create(self, http_req: Request) -> Union[dict[str, Any], StreamingResponse]:
         req = await self.translator.parse(http_req, self.request_type)
         fmt = self.choice_format(self.translator.token_text(req))
         prompts = await until_disconnect(http_req, self.prompt_ids(req), self.metrics)
@@ -51,10 +59,12 @@ class Responder(abc.ABC):
         return await self.writer.write(http_req, req, fmt, prompts, choices)
 
     @abc.abstractmethod
-    async def prompt_ids(self, req) -> list[list[int]]:
+    async def prompt_ids(self, req: R) -> list[list[int]]:
         """The prompts of the request, as token ids (one list per prompt)."""
 
-    async def _start(self, http_req: Request, req, prompts: list[list[int]], fmt: ChoiceFormat):
+    async def _start(
+        self, http_req: Request, req: R, prompts: list[list[int]], fmt: ChoiceFormat
+    ) -> list[Choice]:
         specs = self.translator.choice_requests(req, prompts, http_req.headers.get("x-request-id"))
         return await self.runner.start(specs, fmt.logprobs_formatter)
 
@@ -66,8 +76,12 @@ class CompletionFormat(ChoiceFormat):
     merge_logprobs = staticmethod(merge_completion)
 
     def full_choice(
-        self, index: int, text: str, finish_reason: Optional[str], logprobs: Optional[dict]
-    ) -> dict:
+        self,
+        index: int,
+        text: str,
+        finish_reason: Optional[str],
+        logprobs: Optional[dict[str, Any]],
+    ) -> dict[str, Any]:
         return {
             "index": index,
             "text": text,
@@ -76,7 +90,9 @@ class CompletionFormat(ChoiceFormat):
             "stop_reason": None,
         }
 
-    def chunk_choice(self, index: int, out: RequestOutput, logprobs: Optional[dict]) -> dict:
+    def chunk_choice(
+        self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
+    ) -> dict[str, Any]:
         return {
             "index": index,
             "text": out.new_text,
@@ -85,7 +101,7 @@ class CompletionFormat(ChoiceFormat):
         }
 
 
-class CompletionResponder(Responder):
+class CompletionResponder(Responder[CompletionRequest]):
     request_type = CompletionRequest
     choice_format = CompletionFormat
 
@@ -101,8 +117,12 @@ class ChatFormat(ChoiceFormat):
     merge_logprobs = staticmethod(merge_chat)
 
     def full_choice(
-        self, index: int, text: str, finish_reason: Optional[str], logprobs: Optional[dict]
-    ) -> dict:
+        self,
+        index: int,
+        text: str,
+        finish_reason: Optional[str],
+        logprobs: Optional[dict[str, Any]],
+    ) -> dict[str, Any]:
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
@@ -111,7 +131,9 @@ class ChatFormat(ChoiceFormat):
             "stop_reason": None,
         }
 
-    def chunk_choice(self, index: int, out: RequestOutput, logprobs: Optional[dict]) -> dict:
+    def chunk_choice(
+        self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
+    ) -> dict[str, Any]:
         # a last chunk without new text has an empty delta
         content = {"content": out.new_text} if out.new_text or not out.finished else {}
         return {
@@ -121,7 +143,7 @@ class ChatFormat(ChoiceFormat):
             "finish_reason": out.finish_reason,
         }
 
-    def opening_choice(self, index: int) -> Optional[dict]:
+    def opening_choice(self, index: int) -> Optional[dict[str, Any]]:
         return {
             "index": index,
             "delta": {"role": "assistant", "content": ""},
@@ -130,7 +152,7 @@ class ChatFormat(ChoiceFormat):
         }
 
 
-class ChatResponder(Responder):
+class ChatResponder(Responder[ChatCompletionRequest]):
     request_type = ChatCompletionRequest
     choice_format = ChatFormat
 

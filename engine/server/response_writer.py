@@ -8,7 +8,7 @@ import abc
 import dataclasses
 import json
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncGenerator, Callable, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -18,7 +18,7 @@ from pdpool.engine.server.choices import Choice, ChoiceRunner, LogprobsFormatter
 from pdpool.engine.server.errors import ApiError, output_error
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
-from pdpool.engine.server.protocol import error_body, usage_dict
+from pdpool.engine.server.protocol import GenerationRequest, error_body, usage_dict
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -33,7 +33,7 @@ class ChoiceFormat(abc.ABC):
     # From logprobs.py: a formatter for one choice over the request's token texts (it may
     # carry state from chunk to chunk), and the merge of a choice's chunks for a whole answer.
     new_logprobs_formatter: Callable[[TokenText], LogprobsFormatter]
-    merge_logprobs: Callable[[list[dict]], Optional[dict]]
+    merge_logprobs: Callable[[list[dict[str, Any]]], Optional[dict[str, Any]]]
 
     def __init__(self, text_of: TokenText):
         self.text_of = text_of
@@ -43,24 +43,30 @@ class ChoiceFormat(abc.ABC):
 
     @abc.abstractmethod
     def full_choice(
-        self, index: int, text: str, finish_reason: Optional[str], logprobs: Optional[dict]
-    ) -> dict:
+        self,
+        index: int,
+        text: str,
+        finish_reason: Optional[str],
+        logprobs: Optional[dict[str, Any]],
+    ) -> dict[str, Any]:
         """One choice of a whole (non-streamed) answer."""
 
     @abc.abstractmethod
-    def chunk_choice(self, index: int, out: RequestOutput, logprobs: Optional[dict]) -> dict:
+    def chunk_choice(
+        self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
+    ) -> dict[str, Any]:
         """One choice of a streamed chunk."""
 
-    def opening_choice(self, index: int) -> Optional[dict]:
+    def opening_choice(self, index: int) -> Optional[dict[str, Any]]:
         """The chunk that opens a streamed choice before its tokens, if the endpoint has one."""
         return None
 
 
-def sse(obj: dict) -> str:
+def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def usage_of(choices: list[Choice]) -> dict:
+def usage_of(choices: list[Choice]) -> dict[str, Any]:
     # As vLLM: each prompt's tokens count once, every choice's completion tokens count.
     firsts = [c.last for c in choices if c.first_of_prompt]
     return usage_dict(
@@ -79,11 +85,11 @@ class ResponseHead:
     created: int
     model: str
 
-    def of(self, obj: str) -> dict:
+    def of(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) -> dict:
+def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) -> dict[str, Any]:
     return {
         **head.of(fmt.response_object),
         "choices": [
@@ -117,7 +123,9 @@ class StreamTokenIds:
         self.enabled, self.prompts, self.per_prompt = enabled, prompts, choices_per_prompt
         self.sent: set[int] = set()
 
-    def add(self, chunk: dict, index: int, out: Optional[RequestOutput]) -> dict:
+    def add(
+        self, chunk: dict[str, Any], index: int, out: Optional[RequestOutput]
+    ) -> dict[str, Any]:
         if not self.enabled:
             return chunk
         holder = chunk if out is None else chunk["choices"][0]
@@ -134,17 +142,17 @@ class ResponseWriter:
     chunk carries kv_transfer_params (and a usage chunk when asked for). An error that ends
     a choice is the answer's HTTP error, or an error event in the stream."""
 
-    def __init__(self, runner: ChoiceRunner, metrics: EngineMetrics, model_name: str):
+    def __init__(self, runner: ChoiceRunner, metrics: EngineMetrics, model_name: str) -> None:
         self.runner, self.metrics, self.model_name = runner, metrics, model_name
 
     async def write(
         self,
         http_req: Request,
-        req,
+        req: GenerationRequest,
         fmt: ChoiceFormat,
         prompts: list[list[int]],
         choices: list[Choice],
-    ):
+    ) -> Union[dict[str, Any], StreamingResponse]:
         head = ResponseHead(
             f"{fmt.id_prefix}-{choices[0].request_id}", int(time.time()), self.model_name
         )
@@ -167,7 +175,7 @@ class ResponseWriter:
         choices: list[Choice],
         token_ids: StreamTokenIds,
         include_usage: bool,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         pumped, tasks = self.runner.pump(choices)
         ended = False
         try:

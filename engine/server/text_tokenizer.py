@@ -26,7 +26,7 @@ def _token_text(value: Any) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-def _chat_template_source(model_dir: Path, config: dict) -> Optional[str]:
+def _chat_template_source(model_dir: Path, config: dict[str, Any]) -> Optional[str]:
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

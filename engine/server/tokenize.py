@@ -21,7 +21,7 @@ from pdpool.engine.server.translator import RequestTranslator
 from pdpool.protocol import RequestError, parse_json_body, validate_request
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool):
         raise RequestError(f"'{name}' must be a boolean", name)
@@ -29,19 +29,20 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 
 class TokenizeRoutes:
-    """The engine's tokenizer over HTTP (the paths are bound in api.build_app)."""
+    """The engine's tokenizer over HTTP (the paths are bound in api.build_app, with
+    response_model=None: FastAPI takes no response model from their return annotations)."""
 
     def __init__(self, translator: RequestTranslator):
         self.translator = translator
         self.engine = translator.engine
 
-    async def tokenize(self, request: Request):
+    async def tokenize(self, request: Request) -> dict[str, Any]:
         return await self.translator.decode_body(request, self._tokenize)
 
-    async def detokenize(self, request: Request):
+    async def detokenize(self, request: Request) -> dict[str, Any]:
         return await self.translator.decode_body(request, self._detokenize)
 
-    def _body(self, raw: bytes) -> dict:
+    def _body(self, raw: bytes) -> dict[str, Any]:
         body = parse_json_body(raw)
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")

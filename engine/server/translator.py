@@ -8,18 +8,27 @@ import dataclasses
 import functools
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from pdpool.engine.engine_state import EngineView
 from pdpool.engine.outputs import prompt_fit_problem
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.errors import ApiError, client_closed
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
-from pdpool.engine.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
+from pdpool.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    message_text,
+)
 from pdpool.protocol import RequestError, parse_json_body, validate_request
+
+T = TypeVar("T")
+R = TypeVar("R", bound=GenerationRequest)
 
 # At most this many choices (prompts x n) in one request: each is an engine request.
 MAX_CHOICES = 64
@@ -36,7 +45,7 @@ class ChoiceRequest:
     params: SamplingParams
     cache_salt: Optional[str]
     cache_hit_threshold: Optional[float]
-    kv_transfer_params: Optional[dict]
+    kv_transfer_params: Optional[dict[str, Any]]
 
 
 class RequestTranslator:
@@ -44,11 +53,13 @@ class RequestTranslator:
     tokenization) run on `prep_pool`, never on the event loop: /health and streams stay
     responsive meanwhile."""
 
-    def __init__(self, engine, metrics: EngineMetrics, prep_pool: ThreadPoolExecutor):
+    def __init__(
+        self, engine: EngineView, metrics: EngineMetrics, prep_pool: ThreadPoolExecutor
+    ) -> None:
         self.engine, self.metrics, self.prep_pool = engine, metrics, prep_pool
         self.max_body = engine.config.max_body_bytes
 
-    async def off_loop(self, fn, *args):
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.prep_pool, fn, *args)
 
     async def read_body(self, request: Request) -> bytes:
@@ -72,13 +83,13 @@ class RequestTranslator:
             raise client_closed()
         return b"".join(parts)
 
-    async def parse(self, request: Request, request_type: type):
+    async def parse(self, request: Request, request_type: type[R]) -> R:
         """The body as `request_type`, validated (pdpool.protocol) and naming this model."""
-        req = await self.decode_body(request, self._decode, request_type)
+        req: R = await self.decode_body(request, self._decode, request_type)
         self.check_model(req.model)
         return req
 
-    async def decode_body(self, request: Request, decode, *args):
+    async def decode_body(self, request: Request, decode: Callable[..., T], *args: Any) -> T:
         """`decode(body bytes, *args)` off the loop; its RequestError answered as an ApiError."""
         raw = await self.read_body(request)
         try:
@@ -91,8 +102,8 @@ class RequestTranslator:
         if name is not None and name != self.engine.model_name:
             raise ApiError(f"the model `{name}` does not exist", 404, "NotFoundError", "model")
 
-    def _decode(self, raw: bytes, request_type: type):
-        req = validate_request(parse_json_body(raw), request_type)
+    def _decode(self, raw: bytes, request_type: type[R]) -> R:
+        req: R = validate_request(parse_json_body(raw), request_type)
         vocab = self.engine.info.config["vocab_size"]
         for t in req.stop_token_ids or ():
             if t >= vocab:
@@ -101,9 +112,9 @@ class RequestTranslator:
                 )
         return req
 
-    def token_text(self, req) -> TokenText:
+    def token_text(self, req: GenerationRequest) -> TokenText:
         """How logprobs name tokens for this request (shared by its choices: one cache)."""
-        return TokenText(self.engine.tokenizer, req.return_tokens_as_token_ids)
+        return TokenText(self.engine.tokenizer, bool(req.return_tokens_as_token_ids))
 
     async def completion_prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
         try:
@@ -169,7 +180,7 @@ class RequestTranslator:
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
     def choice_requests(
-        self, req, prompts: list[list[int]], client_request_id: Optional[str]
+        self, req: GenerationRequest, prompts: list[list[int]], client_request_id: Optional[str]
     ) -> list[ChoiceRequest]:
         """n choices per prompt, index = prompt_index * n + i, each its own engine request.
         With a seed, choice i of every prompt samples with seed + i (as vLLM v1), so a

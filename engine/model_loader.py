@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from pdpool.engine.model_info import (  # noqa: F401 (re-exported)
     ModelLoadError,
     read_model_info,
 )
+
+if TYPE_CHECKING:
+    from pdpool.engine.models.base import PagedCausalLM
 
 # Published multimodal layouts: text weights under this prefix are the causal LM's `model.*`.
 LANGUAGE_MODEL_PREFIX = "model.language_model."
@@ -31,7 +35,7 @@ def resolve_dtype(config: dict, override: str | None) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> PagedCausalLM:
     from safetensors.torch import load_file
 
     module_name, cls_name = SUPPORTED[info.architecture].split(":")

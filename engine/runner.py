@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -12,6 +13,9 @@ from pdpool.engine.attention_metadata import AttentionMetadata
 from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.sampling import Sampler, TokenLogprob
 from pdpool.engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from pdpool.engine.models.base import PagedCausalLM
 
 
 @dataclass
@@ -34,13 +38,13 @@ FAIL_FORWARD_ENV = "PDPOOL_TEST_FAIL_FORWARD_FOR"
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PagedCausalLM,
         kv: KVCacheManager,
         kv_cache: torch.Tensor,
         device: torch.device,
         keep_logits: bool = False,
-        state=None,
-    ):
+        state: Any = None,
+    ) -> None:
         self.model = model
         self.state = state  # the model's recurrent-state pool, if it has one
         self.kv = kv
@@ -50,13 +54,16 @@ class ModelRunner:
         self.keep_logits = keep_logits  # tests compare logits with transformers
         self.fail_forward_for = os.environ.get(FAIL_FORWARD_ENV) or None
 
-    def prepare(self, out: SchedulerOutput):
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         # Lists become tensors through numpy: torch.tensor(list) costs ~0.1 us per element,
         # numpy a quarter of that, and the slot arithmetic is a few numpy calls per step.
         bs = self.kv.block_size
         num_groups = len(self.kv.groups)
-        ids, positions, q_lens, seq_lens = [], [], [], []
-        tables = [[] for _ in range(num_groups)]
+        ids: list[int] = []
+        positions: list[int] = []
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         for item in out.scheduled:
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
@@ -64,8 +71,8 @@ class ModelRunner:
             positions += range(start, start + n)
             q_lens.append(n)
             seq_lens.append(start + n)
-            for g, table in enumerate(self.kv.block_tables(req.request_id)):
-                tables[g].append(table)
+            for g, block_table in enumerate(self.kv.block_tables(req.request_id)):
+                tables[g].append(block_table)
         dev = self.device
         pos = np.array(positions, dtype=np.int64)
         rows = np.repeat(np.arange(len(q_lens)), q_lens)
@@ -167,7 +174,7 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor if device.type == "cpu" else tensor.to(device)
 
 
-def state_tensors(state) -> list[torch.Tensor]:
+def state_tensors(state: Any) -> list[torch.Tensor]:
     """Every tensor of a model's state pool (slots along dim 0), whatever its container."""
     if isinstance(state, torch.Tensor):
         return [state]

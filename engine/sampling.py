@@ -43,7 +43,7 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self):
+    def __init__(self) -> None:
         # Per-request generators keep a seeded request reproducible whatever its batch.
         self._generators: dict[str, torch.Generator] = {}
         self.fail_for = _fault_specs(os.environ.get(FAIL_SAMPLING_ENV))

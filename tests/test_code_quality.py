@@ -19,6 +19,16 @@ TYPED = [
     ("-p", "pdpool.engine.connector"),
     ("-p", "pdpool.sidecar"),
     ("-p", "pdpool.operator"),
+    ("-m", "pdpool.engine.engine_core"),
+    ("-m", "pdpool.engine.engine_process"),
+    ("-m", "pdpool.engine.async_engine"),
+    ("-m", "pdpool.engine.runner"),
+    ("-p", "pdpool.engine.server"),
+    ("-m", "pdpool.engine.core_channel"),
+    ("-m", "pdpool.engine.core_messages"),
+    ("-m", "pdpool.engine.outputs"),
+    ("-m", "pdpool.engine.engine_state"),
+    ("-m", "pdpool.engine.model_info"),
 ]
 PACKAGE_FOLDERS = {
     "engine": "engine",

@@ -11,14 +11,8 @@ from typing import Any, AsyncGenerator, Awaitable, Callable, Optional, Sequence,
 from fastapi import Request
 
 from pdpool.engine.async_engine import EngineClient, merge_deltas, mergeable_runs
-from pdpool.engine.outputs import (
-    EngineUnavailable,
-    KVTransferRefused,
-    RequestOutput,
-    RequestRejected,
-)
-from pdpool.engine.outputs import TokenLogprob
-from pdpool.engine.server.errors import ApiError, client_closed, output_error
+from pdpool.engine.outputs import RequestOutput, TokenLogprob
+from pdpool.engine.server.errors import client_closed, engine_error, output_error
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import ChoiceRequest
 
@@ -59,14 +53,8 @@ async def first_output(stream: Outputs) -> RequestOutput:
     own status) before any bytes."""
     try:
         first = await stream.__anext__()
-    except (RequestRejected, ValueError) as exc:
-        raise ApiError(str(exc))
-    except KVTransferRefused as exc:
-        raise ApiError(str(exc), 503, "KVTransferError", param="kv_transfer_params")
-    except EngineUnavailable as exc:
-        raise ApiError(str(exc), 503, "ServiceUnavailable")
-    except RuntimeError as exc:
-        raise ApiError(str(exc), 500, "InternalServerError")
+    except Exception as exc:
+        raise engine_error(exc) from exc
     if first.finish_reason == "error":
         raise output_error(first)
     return first
@@ -167,10 +155,13 @@ class ChoiceRunner:
         """Collects a non-streaming answer; a client that goes away aborts it."""
 
         async def collect(c: Choice) -> None:
-            async for out in self.outputs(c):
-                c.absorb(out)
-                if out.finish_reason == "error":
-                    raise output_error(out)
+            try:
+                async for out in self.outputs(c):
+                    c.absorb(out)
+                    if out.finish_reason == "error":
+                        raise output_error(out)
+            except Exception as exc:  # the engine failed it after its first output
+                raise engine_error(exc) from exc
 
         tasks = [asyncio.ensure_future(collect(c)) for c in choices]
         try:

@@ -11,7 +11,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdpool.engine.outputs import RequestOutput
+from pdpool.engine.outputs import (
+    EngineUnavailable,
+    KVTransferRefused,
+    RequestOutput,
+    RequestRejected,
+)
 from pdpool.engine.server.protocol import error_body
 
 log = logging.getLogger("pdpool.server")
@@ -48,6 +53,21 @@ def output_error(out: RequestOutput) -> ApiError:
     status = out.error_status or 503  # no status: a failed KV load (fail policy)
     err_type = {400: "BadRequestError", 500: "InternalServerError"}.get(status, "KVTransferError")
     return ApiError(out.error or "the request failed", status, err_type)
+
+
+def engine_error(exc: Exception) -> ApiError:
+    """The answer to an exception a request's engine stream raised: the request's own fault
+    (400), an untrusted KV handoff or an engine core that is gone (503, retryable), else 500.
+    One mapping for a failure before the first token, after it, or in a stream."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, (RequestRejected, ValueError)):
+        return ApiError(str(exc))
+    if isinstance(exc, KVTransferRefused):
+        return ApiError(str(exc), 503, "KVTransferError", param="kv_transfer_params")
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(str(exc), 503, "ServiceUnavailable")
+    return ApiError(str(exc), 500, "InternalServerError")
 
 
 def validation_message(exc: RequestValidationError) -> str:

@@ -13,9 +13,9 @@ from typing import Any, AsyncGenerator, Callable, Optional, Union
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from pdpool.engine.outputs import EngineUnavailable, RequestOutput
+from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.choices import Choice, ChoiceRunner, LogprobsFormatter
-from pdpool.engine.server.errors import ApiError, output_error
+from pdpool.engine.server.errors import engine_error, output_error
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.protocol import GenerationRequest, error_body, usage_dict
@@ -105,12 +105,7 @@ def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) 
 
 def error_event(failure: RequestOutput | Exception) -> str:
     """The stream's last event before [DONE] when a choice fails after its first token."""
-    if isinstance(failure, RequestOutput):
-        err = output_error(failure)
-    elif isinstance(failure, EngineUnavailable):
-        err = ApiError(str(failure), 503, "ServiceUnavailable")
-    else:
-        err = ApiError(str(failure), 500, "InternalServerError")
+    err = output_error(failure) if isinstance(failure, RequestOutput) else engine_error(failure)
     return sse(error_body(str(err), err.err_type, err.status))
 
 

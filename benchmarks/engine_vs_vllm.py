@@ -179,6 +179,19 @@ class Server:
             self.signal(signal.SIGKILL)
 
 
+async def sse_lines(response: httpx.Response):
+    """An SSE stream's lines, split at newlines only: httpx's aiter_lines also splits at
+    \x1c, \x85, \u2028 and the like, which JSON leaves unescaped in a token's text (vLLM's
+    events carry such text, and a split event is no longer JSON)."""
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if pending:
+        yield pending.decode()
+
+
 async def one(
     client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
 ) -> tuple[float, str, int, list[int], int]:
@@ -196,7 +209,7 @@ async def one(
     ttft, text, tokens, ids, events = None, [], 0, [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             ev = json.loads(line[6:])

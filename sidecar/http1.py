@@ -5,6 +5,11 @@ its overhead. httpx passes each chunk through several layers of async generators
 checks every pooled socket on each request; this client reads a chunk with two awaits on
 an asyncio stream and keeps idle keep-alive connections in a plain list per host.
 
+A body is read as it arrives, whatever has come in one read: one await per network read,
+not two per chunk, and events that arrived together leave together. Host names are
+resolved once and kept (resolver.py), so that a new connection never queues behind other
+requests' DNS lookups.
+
 Scope on purpose: http:// or https:// (TLS verified against the pool's SSL context, or
 the system's), requests with a byte body, responses framed by
 Content-Length or chunked encoding (what uvicorn and vLLM send), no redirects. Anything
@@ -14,9 +19,12 @@ else raises UpstreamProtocolError, which callers treat like a broken connection.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 from typing import Any, AsyncIterator, Optional
 from urllib.parse import urlsplit
+
+from .resolver import Resolver
 
 
 class UpstreamError(Exception):
@@ -32,6 +40,7 @@ class UpstreamProtocolError(UpstreamError):
 
 
 MAX_HEAD = 64 * 1024
+READ_SIZE = 65536
 # A pool key: (host, port, tls).
 _Key = tuple[str, int, bool]
 
@@ -44,6 +53,71 @@ class _Conn:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class ChunkedBody:
+    """Decodes a chunked transfer-coded body fed in pieces of any size: `feed` returns the
+    payload bytes they complete (never waiting for a whole chunk), `done` is set at the
+    last chunk, `extra` holds bytes that came after the body."""
+
+    def __init__(self) -> None:
+        self._pending = b""  # an incomplete size or trailer line
+        self._left = 0  # payload bytes of the current chunk still to come
+        self._crlf = 0  # bytes of the CRLF after a payload still to come
+        self._trailers = False
+        self.done = False
+        self.extra = b""
+
+    def feed(self, data: bytes) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending + data, b""
+        out: list[bytes] = []
+        pos, end = 0, len(data)
+        while pos < end and not self.done:
+            if self._left:
+                take = min(self._left, end - pos)
+                out.append(data[pos : pos + take])
+                pos += take
+                self._left -= take
+                self._crlf = 0 if self._left else 2
+            elif self._crlf:
+                pos = self._skip_crlf(data, pos)
+            else:
+                line_end = data.find(b"\r\n", pos)
+                if line_end < 0:
+                    self._keep_partial_line(data[pos:])
+                    break
+                self._line(data[pos:line_end])
+                pos = line_end + 2
+        if self.done:
+            self.extra += data[pos:]
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _skip_crlf(self, data: bytes, pos: int) -> int:
+        expected = b"\r\n"[2 - self._crlf :]
+        got = data[pos : pos + self._crlf]
+        if not expected.startswith(got):
+            raise UpstreamProtocolError("chunk not followed by CRLF")
+        self._crlf -= len(got)
+        return pos + len(got)
+
+    def _keep_partial_line(self, rest: bytes) -> None:
+        if len(rest) > MAX_HEAD:
+            raise UpstreamProtocolError("chunk size line too long")
+        self._pending = rest
+
+    def _line(self, line: bytes) -> None:
+        if self._trailers:
+            self.done = not line  # trailers end at an empty line
+            return
+        try:
+            size = int(line.split(b";", 1)[0], 16)
+        except ValueError:
+            raise UpstreamProtocolError(f"bad chunk size line {line[:40]!r}") from None
+        if size < 0:
+            raise UpstreamProtocolError(f"bad chunk size line {line[:40]!r}")
+        self._left = size
+        self._trailers = size == 0
 
 
 class Response:
@@ -59,7 +133,14 @@ class Response:
         self._done = False
         self._keep_alive = headers.get("connection", "").lower() != "close"
 
+    @property
+    def complete(self) -> bool:
+        """The whole body was read: set before the last piece is handed out, so that a
+        relay can end its own answer with that piece."""
+        return self._done
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body, as it arrives: every piece holds all that one network read brought."""
         if self._done:
             return
         if self._conn is None:
@@ -67,26 +148,24 @@ class Response:
         reader = self._conn.reader
         try:
             if "chunked" in self.headers.get("transfer-encoding", "").lower():
-                while True:
-                    line = await reader.readuntil(b"\r\n")
-                    size = int(line.split(b";", 1)[0], 16)
-                    if size == 0:
-                        while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                            pass  # trailers
-                        break
-                    data = await reader.readexactly(size + 2)
-                    yield data[:-2]
+                body = ChunkedBody()
+                while not body.done:
+                    payload = body.feed(await self._read(reader))
+                    if body.done:
+                        self._done = True
+                        self._keep_alive = self._keep_alive and not body.extra
+                    if payload:
+                        yield payload
             elif "content-length" in self.headers:
                 left = int(self.headers["content-length"])
                 while left > 0:
-                    data = await reader.read(min(left, 65536))
-                    if not data:
-                        raise UpstreamProtocolError("connection closed mid-body")
+                    data = await self._read(reader, min(left, READ_SIZE))
                     left -= len(data)
+                    self._done = left <= 0
                     yield data
             else:  # body until the server closes the connection
                 self._keep_alive = False
-                while data := await reader.read(65536):
+                while data := await reader.read(READ_SIZE):
                     yield data
         except (
             asyncio.IncompleteReadError,
@@ -97,6 +176,13 @@ class Response:
             self._keep_alive = False
             raise UpstreamProtocolError(f"broken response body: {exc!r}") from None
         self._done = True
+
+    @staticmethod
+    async def _read(reader: asyncio.StreamReader, size: int = READ_SIZE) -> bytes:
+        data = await reader.read(size)
+        if not data:
+            raise UpstreamProtocolError("connection closed mid-body")
+        return data
 
     async def aread(self) -> bytes:
         parts = [chunk async for chunk in self.aiter_raw()]
@@ -114,6 +200,23 @@ class Response:
             conn.close()
 
 
+@functools.lru_cache(maxsize=1024)
+def _parse_url(url: str) -> tuple[_Key, str, str]:
+    """(pool key, request target, Host header) of a URL: parsed once per URL, not per
+    request."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamProtocolError(f"unsupported url {url!r}")
+    tls = parts.scheme == "https"
+    key: _Key = (parts.hostname, parts.port or (443 if tls else 80), tls)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return key, target, parts.netloc
+
+
+# Request headers the pool writes itself.
+_OWN_HEADERS = frozenset(("host", "content-length", "transfer-encoding", "connection"))
+
+
 class Http1Pool:
     def __init__(
         self,
@@ -125,6 +228,7 @@ class Http1Pool:
         self.ssl_context = ssl_context  # for https:// (None: the system's trust store)
         self.max_idle_per_host = max_idle_per_host
         self._idle: dict[_Key, list[_Conn]] = {}
+        self.resolver = Resolver()
 
     async def _connect(self, key: _Key) -> _Conn:
         idle = self._idle.get(key)
@@ -135,18 +239,31 @@ class Http1Pool:
                 return conn
             conn.close()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(key[0], key[1], limit=MAX_HEAD, **self._tls(key)),
-                self.connect_timeout or None,
-            )
+            return await asyncio.wait_for(self._open(key), self.connect_timeout or None)
         except (OSError, asyncio.TimeoutError) as exc:
+            self.resolver.forget(key[0])  # the name may point elsewhere by now
             raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc!r}") from None
-        return _Conn(reader, writer)
+
+    async def _open(self, key: _Key) -> _Conn:
+        """A new connection to the host's first address that accepts one."""
+        host, port, _ = key
+        error: Optional[OSError] = None
+        for address in await self.resolver.addresses(host, port):
+            try:
+                reader, writer = await asyncio.open_connection(
+                    address, port, limit=MAX_HEAD, **self._tls(key)
+                )
+                return _Conn(reader, writer)
+            except OSError as exc:
+                error = exc
+        raise error or OSError(f"{host} has no address")
 
     def _tls(self, key: _Key) -> dict[str, Any]:
         if not key[2]:
             return {}
-        return {"ssl": self.ssl_context or ssl.create_default_context(), "server_hostname": key[0]}
+        if self.ssl_context is None:  # made once: loading the trust store takes milliseconds
+            self.ssl_context = ssl.create_default_context()
+        return {"ssl": self.ssl_context, "server_hostname": key[0]}
 
     def _release(self, key: _Key, conn: _Conn) -> None:
         idle = self._idle.setdefault(key, [])
@@ -160,19 +277,10 @@ class Http1Pool:
     ) -> Response:
         """Sends a request and reads the response head. A reused keep-alive connection
         that the server closed meanwhile is replaced once, transparently."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UpstreamProtocolError(f"unsupported url {url!r}")
-        tls = parts.scheme == "https"
-        key: _Key = (parts.hostname, parts.port or (443 if tls else 80), tls)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = [
-            f"{method} {target} HTTP/1.1",
-            f"host: {parts.netloc}",
-            f"content-length: {len(body)}",
-        ]
+        key, target, host = _parse_url(url)
+        head = [f"{method} {target} HTTP/1.1\r\nhost: {host}\r\ncontent-length: {len(body)}"]
         for name, value in (headers or {}).items():
-            if name.lower() not in ("host", "content-length", "transfer-encoding", "connection"):
+            if name.lower() not in _OWN_HEADERS:
                 head.append(f"{name}: {value}")
         payload = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         for attempt in (0, 1):

@@ -7,7 +7,13 @@ import socket
 
 import pytest
 
-from pdpool.sidecar.http1 import Http1Pool, UpstreamConnectError, UpstreamProtocolError
+from pdpool.sidecar.http1 import (
+    ChunkedBody,
+    Http1Pool,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+)
+from pdpool.sidecar.resolver import Resolver
 
 
 async def raw_server(handler):
@@ -50,7 +56,9 @@ async def test_chunked_and_content_length_bodies_and_keep_alive_reuse():
     async with server:
         r = await pool.send("POST", f"http://127.0.0.1:{port}/chunked", b"world!!")
         assert r.status_code == 200 and r.headers["x-test"] == "yes"
-        assert [c async for c in r.aiter_raw()] == [b"hello", b" ", b"world"]
+        # what arrived in one read comes out as one piece: chunk boundaries mean nothing
+        assert b"".join([c async for c in r.aiter_raw()]) == b"hello world"
+        assert r.complete
         await r.aclose()
         r = await pool.send(
             "POST",
@@ -137,8 +145,79 @@ async def test_closing_an_unfinished_stream_closes_the_connection():
     async with server:
         r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
         async for chunk in r.aiter_raw():
-            assert chunk == b"abc"
+            assert chunk.startswith(b"abc")
             break
         await r.aclose()
         await asyncio.wait_for(closed.wait(), 5)
     assert pool._idle.get(("127.0.0.1", port), []) == []
+
+
+def _feed_in_pieces(body: bytes, size: int) -> tuple[bytes, ChunkedBody]:
+    decoder = ChunkedBody()
+    out = b""
+    for i in range(0, len(body), size):
+        out += decoder.feed(body[i : i + size])
+    return out, decoder
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_chunked_body_decodes_whatever_the_reads_are(size):
+    body = b"5\r\nhello\r\n1;ext=1\r\n \r\nA\r\n0123456789\r\n0\r\nx-trailer: 1\r\n\r\n"
+    out, decoder = _feed_in_pieces(body, size)
+    assert out == b"hello 0123456789" and decoder.done and decoder.extra == b""
+    out, decoder = _feed_in_pieces(b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1", size)
+    assert out == b"abc" and decoder.done
+    assert decoder.extra == b"HTTP/1.1"  # not this body's: the connection is not reused
+
+
+def test_chunked_body_hands_out_a_payload_before_its_chunk_is_whole():
+    decoder = ChunkedBody()
+    assert decoder.feed(b"a\r\nfirst") == b"first"  # never held for the rest of the chunk
+    assert decoder.feed(b"-half\r\n") == b"-half" and not decoder.done
+
+
+@pytest.mark.parametrize("bad", [b"zz\r\n", b"-5\r\nabc", b"3\r\nabcXY"])
+def test_chunked_body_refuses_broken_framing(bad):
+    with pytest.raises(UpstreamProtocolError):
+        ChunkedBody().feed(bad)
+
+
+async def test_a_name_is_resolved_once_for_all_connections(monkeypatch):
+    lookups = []
+    loop = asyncio.get_running_loop()
+
+    async def slow_getaddrinfo(host, port, **kwargs):
+        lookups.append(host)
+        await asyncio.sleep(0.05)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(loop, "getaddrinfo", slow_getaddrinfo)
+    resolver = Resolver(ttl_s=60)
+    answers = await asyncio.gather(*(resolver.addresses("engine.local", 80) for _ in range(20)))
+    assert answers == [["127.0.0.1"]] * 20 and lookups == ["engine.local"]
+    assert await resolver.addresses("engine.local", 80) == ["127.0.0.1"]
+    assert await resolver.addresses("10.0.0.1", 80) == ["10.0.0.1"]  # never looked up
+    resolver.ttl_s = 0
+    resolver.forget("engine.local")
+    await resolver.addresses("engine.local", 80)
+    assert lookups == ["engine.local"] * 2
+    # expired: the old answer serves at once while one refresh runs in the background
+    for _ in range(3):
+        assert await resolver.addresses("engine.local", 80) == ["127.0.0.1"]
+    await asyncio.sleep(0.1)
+    assert lookups == ["engine.local"] * 3
+
+
+async def test_a_dns_name_upstream_is_reached_through_the_resolver():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    server, port = await raw_server(handler)
+    pool = Http1Pool()
+    async with server:
+        r = await pool.send("GET", f"http://localhost:{port}/", b"")
+        assert await r.aread() == b"ok"
+        await r.aclose()
+    await pool.aclose()

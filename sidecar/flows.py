@@ -47,7 +47,7 @@ class Flows:
 
     async def aggregated(self, ex: Exchange) -> None:
         ex.path_taken = "aggregated"
-        self.metrics.legs.labels("aggregated").inc()
+        self.metrics.legs_by("aggregated").inc()
         await self.decode.final(ex, legs.aggregated_leg(ex.body))
 
     async def prefill_first(self, ex: Exchange) -> None:
@@ -63,7 +63,7 @@ class Flows:
         # Only what is known now: a request never waits for the capability probe.
         if self.capability.known is False:
             return await self._decided_by_length(ex)
-        self.metrics.legs.labels("decode_first").inc()
+        self.metrics.legs_by("decode_first").inc()
         rejection = await self.decode.first(
             ex, legs.decode_first_leg(ex.body, self.settings.cache_hit_threshold)
         )
@@ -92,9 +92,9 @@ class Flows:
         """Decode-first for an engine that cannot reject (stock vLLM): long prompts are
         prefilled remotely, short ones decoded here (capability.py)."""
         if estimate_prompt_tokens(ex.body) >= self.settings.prefill_min_prompt_tokens:
-            self.metrics.length_decisions.labels("pd").inc()
+            self.metrics.length_decisions_by("pd").inc()
             return await self._remote_prefill_then_decode(ex, pull=None)
-        self.metrics.length_decisions.labels("decode").inc()
+        self.metrics.length_decisions_by("decode").inc()
         ex.path_taken = "decode"
         await self.decode.final(ex, legs.aggregated_leg(ex.body))
 

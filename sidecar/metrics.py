@@ -5,10 +5,30 @@ in-process tools) without clashing on the global registry."""
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["SidecarMetrics", "GatewayMetrics", "CONTENT_TYPE_LATEST"]
+
+M = TypeVar("M", Counter, Gauge)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children, each looked up once: prometheus_client's labels()
+    checks the values and takes a lock on every call, and the hot path asks for the same
+    few children on every request."""
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class SidecarMetrics:
@@ -102,6 +122,10 @@ class SidecarMetrics:
         self.prefill_seconds = Histogram(
             "pdpool_sidecar_prefill_leg_seconds", "Duration of successful prefill legs", registry=r
         )
+        # The children counted on every request.
+        self.requests_by = Children(self.requests)
+        self.legs_by = Children(self.legs)
+        self.length_decisions_by = Children(self.length_decisions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -228,7 +228,7 @@ class Sidecar:
             gone = await run_until_disconnect(self._guarded(self.flows.for_mode(mode), ex), receive)
         finally:
             self.metrics.in_flight.dec()
-        self.metrics.requests.labels(mode, "cancelled" if gone else ex.path_taken).inc()
+        self.metrics.requests_by(mode, "cancelled" if gone else ex.path_taken).inc()
 
     async def _read_exchange(
         self, scope: Scope, receive: Receive, send: Send
@@ -295,6 +295,7 @@ class Sidecar:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                ex.send = client_send  # what follows goes straight out: one call less per event
             await client_send(message)
 
         ex.send = tracking_send

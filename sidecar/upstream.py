@@ -23,7 +23,8 @@ class ClientShards:
     ) -> None:
         timeout = httpx.Timeout(None, connect=connect_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        verify = ssl_context if ssl_context is not None else True
+        # One context for all shards: each made its own (the trust store loaded 16 times).
+        verify = ssl_context if ssl_context is not None else ssl.create_default_context()
         self.clients = [
             httpx.AsyncClient(timeout=timeout, limits=limits, verify=verify) for _ in range(shards)
         ]

@@ -3,6 +3,7 @@
     python benchmarks/sidecar_overhead.py                      # vLLM stand-in upstream
     python benchmarks/sidecar_overhead.py --engine             # a real `pdpool serve`
     python benchmarks/sidecar_overhead.py --engine-rejects yes # one sidecar mode only
+    python benchmarks/sidecar_overhead.py --arrivals spread    # requests not in lock-step
 
 64 concurrent streaming clients (keep-alive, one connection each) send requests straight
 to the upstream and through `pdpool sidecar` (decode-first, threshold 0), in alternating
@@ -12,7 +13,12 @@ probes the engine in the background and is measured once it knows the answer) an
 stand-in, which ignores `cache_hit_threshold` as vLLM does, auto learns "cannot reject" and
 serves these short prompts by decode alone (relayed without inspection). Reported: time to
 first token and end-to-end latency p50/p99 of each path, what each sidecar adds, and its CPU
-per request; the same in benchmarks/results/sidecar_overhead[_engine].json.
+per request; the same in benchmarks/results/sidecar_overhead[_engine][_spread].json.
+
+By default all clients start together and every stream is as long, so requests come in
+bursts of 64 within a millisecond: the worst case for a proxy on one event loop, whose
+added TTFT is then mostly the queue of the burst's other requests. `--arrivals spread`
+staggers the clients over one stream's duration, as independent users would arrive.
 
 The default upstream is a STAND-IN that imitates vLLM's answers (tokens at a fixed pace),
 so that what is measured is the sidecar and not the engine's batching noise. The load
@@ -217,18 +223,22 @@ class Conn:
 
 
 async def run_round(
-    host: str, port: int, concurrency: int, per_client: int, body: bytes
+    host: str, port: int, concurrency: int, per_client: int, body: bytes, spread_s: float = 0.0
 ) -> tuple[list[float], list[float]]:
+    """Every client sends `per_client` requests back to back. With `spread_s` the clients
+    start that far apart in all (evenly): their requests then keep arriving spread out,
+    instead of all 64 in the same millisecond whenever the previous streams end."""
     ttfts, totals = [], []
     conns = [Conn(host, port) for _ in range(concurrency)]
 
-    async def client(conn: Conn) -> None:
+    async def client(i: int, conn: Conn) -> None:
+        await asyncio.sleep(spread_s * i / concurrency)
         for _ in range(per_client):
             first, total = await conn.post_stream("/v1/completions", body)
             ttfts.append(first)
             totals.append(total)
 
-    await asyncio.gather(*(client(c) for c in conns))
+    await asyncio.gather(*(client(i, c) for i, c in enumerate(conns)))
     for c in conns:
         c.writer.close()
     return ttfts, totals
@@ -300,6 +310,14 @@ def parse_args() -> argparse.Namespace:
         "through a sidecar of its own)",
     )
     ap.add_argument(
+        "--arrivals",
+        choices=("burst", "spread"),
+        default="burst",
+        help="burst: all clients start together, so their requests arrive in bursts of "
+        "--concurrency each time the streams end together (the worst case); spread: the "
+        "clients start evenly over one stream's duration (tokens x token interval)",
+    )
+    ap.add_argument(
         "--sidecar-nice",
         type=int,
         default=0,
@@ -365,6 +383,11 @@ def start_sidecar(
     return proc
 
 
+def spread_s(args: argparse.Namespace) -> float:
+    """How far apart the clients start (--arrivals spread: over one stream's duration)."""
+    return args.tokens * args.token_interval_ms / 1e3 if args.arrivals == "spread" else 0.0
+
+
 def measure(
     args: argparse.Namespace, targets: dict[str, tuple[int, int]], body: bytes
 ) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, float]]:
@@ -378,7 +401,14 @@ def measure(
         for name, (port, pid) in targets.items():
             cpu_before = cpu_seconds(pid)
             ttfts, totals = asyncio.run(
-                run_round("127.0.0.1", port, args.concurrency, args.requests_per_client, body)
+                run_round(
+                    "127.0.0.1",
+                    port,
+                    args.concurrency,
+                    args.requests_per_client,
+                    body,
+                    spread_s(args),
+                )
             )
             cpu[name] += cpu_seconds(pid) - cpu_before
             data[name][0].extend(ttfts)
@@ -459,13 +489,14 @@ def main() -> int:
     print(
         f"sidecar overhead: {args.concurrency} concurrent streams, upstream = {upstream_name}, "
         f"{os.cpu_count()} CPUs, machine load average {load:.1f}, sidecar nice "
-        f"{args.sidecar_nice}"
+        f"{args.sidecar_nice}, arrivals {args.arrivals}"
     )
     print("engine capability as the auto sidecar learned it: " + str(learned.get("sidecar auto")))
     print_table(rows, added, cpu_ms)
     print(f"(CPU: the sidecar's, per streamed request of {args.tokens} tokens + usage + [DONE])")
     os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, "sidecar_overhead" + ("_engine" if args.engine else "") + ".json")
+    suffix = ("_engine" if args.engine else "") + ("_spread" if args.arrivals == "spread" else "")
+    out = os.path.join(RESULTS, f"sidecar_overhead{suffix}.json")
     with open(out, "w") as fh:
         json.dump(
             {
@@ -474,6 +505,7 @@ def main() -> int:
                 "cpus": os.cpu_count(),
                 "load_average": load,
                 "sidecar_nice": args.sidecar_nice,
+                "arrivals": args.arrivals,
                 "engine_rejects": args.engine_rejects,
                 "capability_learned": learned,
                 "sidecar_cpu_ms_per_request": cpu_ms,

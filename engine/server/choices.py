@@ -124,9 +124,13 @@ class ChoiceRunner:
         becomes the answer's HTTP error, and closes the others."""
         t_arrival = time.monotonic()
         streams = [self._submit(spec, t_arrival) for spec in specs]
-        try:  # all at once, so that they share steps
-            results = await asyncio.gather(
-                *(first_output(s) for s in streams), return_exceptions=True
+        try:
+            results: list[RequestOutput | BaseException] = []
+            if len(specs) > 1 and specs[1].after_first_choice:
+                results.append(await first_output(streams[0]))
+            # the rest all at once, so that they share steps
+            results += await asyncio.gather(
+                *(first_output(s) for s in streams[len(results) :]), return_exceptions=True
             )
             firsts: list[RequestOutput] = []
             for first in results:

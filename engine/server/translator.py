@@ -46,6 +46,8 @@ class ChoiceRequest:
     cache_salt: Optional[str]
     cache_hit_threshold: Optional[float]
     kv_transfer_params: Optional[dict[str, Any]]
+    # Starts once the first choice has its first output (it loads the prompt's KV).
+    after_first_choice: bool = False
 
 
 class RequestTranslator:
@@ -197,10 +199,16 @@ class RequestTranslator:
             )
         for prompt_ids in prompts:
             self.refuse_if_unservable(prompt_ids, params.max_tokens)
-        if len(prompts) * n > 1 and req.kv_transfer_params is not None:
-            raise ApiError(
-                "kv_transfer_params: only with one prompt and n=1", param="kv_transfer_params"
-            )
+        kv_params = req.kv_params_dict()
+        if kv_params is not None and len(prompts) * n > 1:
+            # n choices of one prompt may load its prefill: the first loads it, the others
+            # start once it has (then the prompt is in this engine's prefix cache).
+            if len(prompts) > 1 or not kv_params.get("do_remote_prefill"):
+                raise ApiError(
+                    "kv_transfer_params: only with one prompt, and with n>1 only to load a "
+                    "remote prefill (do_remote_prefill)",
+                    param="kv_transfer_params",
+                )
         return [
             ChoiceRequest(
                 index=p * n + i,
@@ -213,7 +221,8 @@ class RequestTranslator:
                 ),
                 cache_salt=req.cache_salt,
                 cache_hit_threshold=req.cache_hit_threshold,
-                kv_transfer_params=req.kv_params_dict(),
+                kv_transfer_params=kv_params if i == 0 else None,
+                after_first_choice=kv_params is not None and i > 0,
             )
             for p, prompt_ids in enumerate(prompts)
             for i in range(n)

@@ -95,6 +95,30 @@ def test_pd_output_equals_one_engine_and_decode_computes_one_token(engines, n):
     wait_no_blocks(P, D)
 
 
+def test_n_choices_load_the_prefill_once_and_all_answer(engines):
+    """n>1 with a remote prefill: the first choice pulls the prompt's KV, the others start
+    once it is in the decode engine's prefix cache; every choice equals one engine's."""
+    P, D, A = engines["P"], engines["D"], engines["A"]
+    b = body(prompt_ids(100, seed=7))
+    ref = post(A.url, {**b, "n": 3})
+    bytes0 = connector_stat(D, "bytes_read")
+    out = decode_leg(D.url, {**b, "n": 3}, prefill_leg(P.url, b))
+    assert [c["text"] for c in out["choices"]] == [c["text"] for c in ref["choices"]]
+    # one pull of the prompt's full blocks (the last token is computed here)
+    assert connector_stat(D, "bytes_read") - bytes0 == -(-99 // BLOCK) * block_bytes(D)
+    wait_no_blocks(P, D)
+
+
+def test_kv_params_with_several_prompts_or_a_producer_n_are_refused(engines):
+    P = engines["P"]
+    several = {**body([[5, 6, 7], [8, 9, 10]]), "kv_transfer_params": {"do_remote_prefill": True}}
+    r = httpx.post(P.url + "/v1/completions", json=several, timeout=30)
+    assert r.status_code == 400 and "kv_transfer_params" in r.text
+    producer_n = {**body([5, 6, 7]), "n": 2, "kv_transfer_params": {"do_remote_decode": True}}
+    r = httpx.post(P.url + "/v1/completions", json=producer_n, timeout=30)
+    assert r.status_code == 400 and "kv_transfer_params" in r.text
+
+
 def test_decode_pulls_only_what_it_does_not_cache(engines):
     P, D, A = engines["P"], engines["D"], engines["A"]
     prefix = prompt_ids(64, seed=100)  # 4 blocks the decode engine will cache

@@ -5,8 +5,8 @@ The layout that makes it run at matmul speed: a tile holds up to 24 query rows (
 one query head of a KV head's group) of one sequence, and the rows lie on the vector lanes.
 Q is packed once per tile, transposed and pre-scaled, `qt[d][row]`. Then for every chunk of
 48 key positions:
-  scores   st[key][row] = sum_d K[key][d] * qt[d][row]: a register-blocked matmul (4 keys x
-           3 row vectors of accumulators with AVX2), each key element broadcast from the
+  scores   st[key][row] = sum_d K[key][d] * qt[d][row]: a register-blocked matmul (with AVX2,
+           12 accumulators: 12 / v keys x v row vectors), each key element broadcast from the
            cache where it lies (through the block table: no gather, no transpose of K);
   softmax  online, per row, all of it lane-wise (no horizontal reductions): running max m,
            sum l, rescale alpha = 2^(m_old - m_new); exp2 is a polynomial on 8 lanes;
@@ -15,7 +15,7 @@ Q is packed once per tile, transposed and pre-scaled, `qt[d][row]`. Then for eve
 Each K/V row is read once per tile for all its rows (all query heads of the group). Key
 chunks past a tile's last position (causal) or before its window are never read; only the
 chunks that cross the diagonal or the window edge are masked. A masked score is a large
-negative finite number (the code is compiled without -ffinite-math assumptions either way).
+negative finite number, so a row that has seen only masked keys never computes inf - inf.
 """
 
 SOURCE = r"""
@@ -44,8 +44,8 @@ ALWAYS_INLINE const float *key_row(const Keys *ks, const float *base, int64_t po
 
 /* ---------------------------------------------------------------- exp2 on lanes */
 /* 2^x for x <= 0: 2^round(x) from the exponent bits times e^(f ln 2), f in [-1/2, 1/2],
-   by its Taylor series to degree 7 (relative error ~5e-9). Below -126 the result is
-   2^-126: nothing next to a row maximum's 1. */
+   by its Taylor series to degree 7 (relative error ~5e-9). Below -126 the result is 0 (a
+   masked key's weight is exactly zero, and no denormal reaches the sums). */
 #define EXP_C2 0.5f
 #define EXP_C3 0.16666666666666666f
 #define EXP_C4 0.041666666666666664f
@@ -55,7 +55,7 @@ ALWAYS_INLINE const float *key_row(const Keys *ks, const float *base, int64_t po
 #define LN2 0.6931471805599453f
 
 ALWAYS_INLINE float exp2_scalar(float x) {
-    x = x < -126.0f ? -126.0f : x;
+    if (x < -126.0f) return 0.0f;
     const float n = __builtin_roundf(x), r = (x - n) * LN2;
     float p = EXP_C7;
     p = p * r + EXP_C6; p = p * r + EXP_C5; p = p * r + EXP_C4; p = p * r + EXP_C3;
@@ -79,6 +79,7 @@ ALWAYS_INLINE float exp2_scalar(float x) {
 #define PIN(x) __asm__("" : "+v"(x))
 
 ALWAYS_INLINE __m256 exp2_avx2(__m256 x) {
+    const __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(LN2));
@@ -92,7 +93,7 @@ ALWAYS_INLINE __m256 exp2_avx2(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_and_ps(kept, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 /* st[key][row] for `n` keys (a multiple of ACCS / nv) at rows[0..n): ACCS / nv keys x nv row

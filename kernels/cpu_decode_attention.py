@@ -23,7 +23,6 @@ compiler (or if the build fails) `available()` is False and the torch path runs.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
 
 import torch
@@ -213,9 +212,7 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def available() -> bool:
     """Whether the kernel may run here: not disabled, and built (on first call)."""
-    if os.environ.get(DISABLE_ENV, "1").strip() == "0":
-        return False
-    return _library() is not None
+    return native_build.available(DISABLE_ENV, _library)
 
 
 def usable_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

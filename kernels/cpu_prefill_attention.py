@@ -15,7 +15,6 @@ many-core engine keeps SDPA's parallelism. float32 only; head sizes up to 256 (3
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
 
 import torch
@@ -46,9 +45,7 @@ def _library(portable: bool = False) -> Optional[ctypes.CDLL]:
 
 def available() -> bool:
     """Whether the kernel may run here: not disabled, and built (on first call)."""
-    if os.environ.get(DISABLE_ENV, "1").strip() == "0":
-        return False
-    return _library() is not None
+    return native_build.available(DISABLE_ENV, _library)
 
 
 def usable_for(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -30,6 +30,14 @@ _lock = threading.Lock()
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 
 
+def available(disable_env: str, library: Callable[[], Optional[ctypes.CDLL]]) -> bool:
+    """Whether a kernel may run here: not disabled by `disable_env` set to "0", and
+    `library()` (its build, on first call) loaded."""
+    if os.environ.get(disable_env, "1").strip() == "0":
+        return False
+    return library() is not None
+
+
 def compiler() -> Optional[str]:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 

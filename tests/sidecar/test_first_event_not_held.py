@@ -20,7 +20,7 @@ import pytest
 
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
-from tests.support.vllm_standin import answer_lifespan, send_json
+from tests.support.vllm_standin import answer_lifespan, read_body, send_json
 
 GATE_S = 10.0  # generous: on a busy CI machine a request still takes milliseconds
 PROMPT = "w1 w2 w3 w4"
@@ -40,12 +40,7 @@ class GatedUpstream:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
             return await answer_lifespan(receive, send)
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         if scope["path"] == "/health":
             return await send_json(send, 200, {})
         if scope["path"] == "/v1/models":

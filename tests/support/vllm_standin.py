@@ -94,12 +94,7 @@ class VllmStandIn:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
             return await answer_lifespan(receive, send)
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         route = scope["path"]
         if route == "/health":
             return await send_json(send, 200, {})
@@ -295,6 +290,16 @@ class VllmStandIn:
             data = {"id": rid, "object": obj, "model": "standin", "choices": [], "usage": usage}
             await write(b"data: " + json.dumps(data).encode() + b"\n\n")
         await write(b"data: [DONE]\n\n", more=False)
+
+
+async def read_body(receive) -> bytes:
+    """An ASGI request's whole body."""
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
 
 
 async def answer_lifespan(receive, send) -> None:

@@ -344,12 +344,19 @@ class EngineProcess(EngineClient):
         self._restarting: Optional[asyncio.Task[None]] = None
         self._stopping = False
         self.fatal: Optional[str] = None  # set when the server must exit for its supervisor
+        # How the server is told to stop (serve_cli sets it; a SIGTERM elsewhere).
+        self.stop_server: Callable[[], None] = functools.partial(
+            signal.raise_signal, signal.SIGTERM
+        )
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._open(self._core)
 
     async def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Delivers the core's messages on `loop` (the server's) from now on."""
         self._loop = loop
+        channel = self._core.channel
+        if channel is not None and channel.closed:  # the core died before the server served
+            self._lost(self._core, "the engine core exited before the server started")
 
     def _open(self, core: CoreProcess) -> None:
         core.open(
@@ -519,4 +526,4 @@ class EngineProcess(EngineClient):
         self.fatal = why
         self._gone = why
         if not self._stopping:
-            signal.raise_signal(signal.SIGTERM)  # uvicorn drains and stops
+            self.stop_server()

@@ -194,14 +194,20 @@ def main(args: argparse.Namespace) -> int:
             if args.tls_cert_file
             else {}
         )
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level.lower(),
-            timeout_graceful_shutdown=5,
-            **tls,
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5,
+                **tls,
+            )
         )
+        # An engine that gives up stops the server as a signal would (drain, then stop),
+        # without a signal: the exit status then says why.
+        aengine.stop_server = lambda: setattr(server, "should_exit", True)
+        server.run()
     finally:
         aengine.shutdown()
     fatal = getattr(aengine, "fatal", None)

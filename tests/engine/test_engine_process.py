@@ -116,6 +116,19 @@ def test_a_dead_engine_core_fails_its_requests_then_serves_again(tiny_qwen3, tmp
         assert httpx.get(f"{eng.url}/ready", timeout=10).status_code == 200
 
 
+def test_a_core_that_cannot_start_again_makes_the_server_exit_for_its_supervisor(
+    tiny_qwen3, tmp_path
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_qwen3, model)
+    with engine_process(model, tmp_path) as eng:
+        (model / "model.safetensors").unlink()  # the next core cannot load
+        os.kill(_engine_child(eng.proc.pid), signal.SIGKILL)
+        assert eng.proc.wait(60) == 2
+        last = eng.log.read_text().strip().splitlines()[-1]
+        assert last.startswith("pdpool serve: the engine core could not start again"), last
+
+
 def test_the_server_process_does_not_load_torch(tiny_qwen3, tmp_path):
     with engine_process(tiny_qwen3, tmp_path) as eng:
         assert httpx.post(f"{eng.url}/v1/completions", json=BODY, timeout=60).status_code == 200

@@ -36,10 +36,17 @@ class ApiError(Exception):
         self.status, self.err_type, self.param = status, err_type, param
 
 
+RETRY_AFTER_S = "1"
+
+
 def error_response(
     message: str, status: int = 400, err_type: str = "BadRequestError", param: Optional[str] = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, err_type, status, param), status_code=status)
+    # A 503 is retryable (the engine core restarts, a KV handoff failed): say when to retry.
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    return JSONResponse(
+        error_body(message, err_type, status, param), status_code=status, headers=headers
+    )
 
 
 def client_closed() -> ApiError:

@@ -108,6 +108,7 @@ def test_a_dead_engine_core_fails_its_requests_then_serves_again(tiny_qwen3, tmp
             if after.status_code == 200:
                 break
             assert after.status_code == 503 and "engine core" in after.text, after.text
+            assert after.headers["retry-after"] == "1"
             assert time.monotonic() < deadline, "no new engine core within 60 s"
             time.sleep(0.5)
         assert eng.proc.poll() is None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import pickle
 import sys
 import tempfile
 import threading
@@ -23,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import print_table, write_json
 
-from pdpool.engine.core_channel import CoreChannel
+from pdpool.engine.core_channel import CoreChannel, decode, encode
 from pdpool.engine.core_messages import AddRequest
 from pdpool.engine.sampling_params import SamplingParams
 
@@ -54,7 +53,7 @@ def run_channel(count: int, prompt_tokens: int) -> tuple[float, int]:
     proc.start()
     sender = CoreChannel(a, lambda msgs: None, lambda why: None, "send").start()
     msgs = [_message(i, prompt_tokens) for i in range(count)]
-    size = len(pickle.dumps(msgs[0], protocol=pickle.HIGHEST_PROTOCOL)) * count
+    size = len(encode(msgs[0])) * count
     t0 = time.perf_counter()
     for msg in msgs:
         sender.send(msg)
@@ -71,7 +70,7 @@ def _zmq_receiver(path: str, count: int, done) -> None:
     sock.bind(path)
     done.send("bound")
     for _ in range(count):
-        pickle.loads(sock.recv())
+        decode(sock.recv())
     done.send(time.perf_counter())
 
 
@@ -87,10 +86,10 @@ def run_zmq(count: int, prompt_tokens: int) -> tuple[float, int]:
     sock = zmq.Context().socket(zmq.PUSH)
     sock.connect(path)
     msgs = [_message(i, prompt_tokens) for i in range(count)]
-    size = len(pickle.dumps(msgs[0], protocol=pickle.HIGHEST_PROTOCOL)) * count
+    size = len(encode(msgs[0])) * count
     t0 = time.perf_counter()
     for msg in msgs:
-        sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        sock.send(encode(msg), copy=False)
     end = done_r.recv()
     proc.join(10)
     sock.close(linger=0)

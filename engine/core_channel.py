@@ -33,6 +33,15 @@ DEFAULT_MAX_PENDING_BYTES = 64 << 20
 READ_BATCH = 256
 
 
+def encode(msg: Any) -> bytes:
+    """A message as it crosses the socket (here and in the start-up hand-shake)."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
 class ChannelClosed(RuntimeError):
     """The peer is gone (or the channel was closed here)."""
 
@@ -79,7 +88,7 @@ class CoreChannel:
         encoded (before anything is queued)."""
         if self._closed_why is not None:
             raise ChannelClosed(self._closed_why)
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode(msg)
         with self._room:
             self._pending += len(data)
         self._queue.put(data)
@@ -125,9 +134,9 @@ class CoreChannel:
     def _read_loop(self) -> None:
         try:
             while True:
-                batch = [pickle.loads(self.conn.recv_bytes())]
+                batch = [decode(self.conn.recv_bytes())]
                 while len(batch) < READ_BATCH and self.conn.poll(0):
-                    batch.append(pickle.loads(self.conn.recv_bytes()))
+                    batch.append(decode(self.conn.recv_bytes()))
                 self._on_messages(batch)
         except EOFError:
             self._close("the peer closed the channel")

@@ -27,7 +27,6 @@ class EngineFacts:
     model_name: str
     max_model_len: int
     kv_capacity_tokens: int
-    vocab_size: int
 
 
 # --- server -> core -----------------------------------------------------------------------

@@ -34,7 +34,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from pdpool.engine.async_engine import EngineClient, EngineLoop, NewRequest, add_to_engine
-from pdpool.engine.core_channel import ChannelClosed, CoreChannel
+from pdpool.engine.core_channel import ChannelClosed, CoreChannel, decode, encode
 from pdpool.engine.core_messages import (
     AbortRequest,
     AddRequest,
@@ -152,9 +152,7 @@ class _CoreInbox:
 
 
 def _first_message(conn: Connection, msg: object) -> None:
-    import pickle
-
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(encode(msg))
 
 
 def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -> None:
@@ -173,12 +171,7 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -
     except Exception as exc:
         _first_message(conn, CoreFailedToStart(str(exc) or type(exc).__name__))
         return
-    facts = EngineFacts(
-        engine.model_name,
-        engine.max_model_len,
-        engine.kv_capacity_tokens,
-        int(engine.info.config["vocab_size"]),
-    )
+    facts = EngineFacts(engine.model_name, engine.max_model_len, engine.kv_capacity_tokens)
     _first_message(conn, CoreReady(facts, engine_state(engine)))
     inbox = _CoreInbox(engine)
     channel = CoreChannel(conn, inbox.on_messages, inbox.on_closed, name="engine-core")
@@ -234,8 +227,6 @@ class CoreProcess:
 
     @staticmethod
     def _wait_first_message(proc: BaseProcess, conn: Connection) -> object:
-        import pickle
-
         deadline = time.monotonic() + START_TIMEOUT_S
         while not conn.poll(0.2):
             if not proc.is_alive():
@@ -245,7 +236,7 @@ class CoreProcess:
             if time.monotonic() > deadline:
                 raise EngineStartError(f"the engine core did not load in {START_TIMEOUT_S:.0f}s")
         try:
-            return pickle.loads(conn.recv_bytes())
+            return decode(conn.recv_bytes())
         except (EOFError, OSError):
             proc.join(5)
             raise EngineStartError(f"the engine core exited (code {proc.exitcode}) while loading")
@@ -341,7 +332,7 @@ class EngineProcess(EngineClient):
         self._last_heard = time.monotonic()
         self._gone: Optional[str] = None  # why no core serves now (None: one does)
         self._restarts: deque[float] = deque()
-        self._restarting: Optional[asyncio.Task[None]] = None
+        self._restarting: Optional[asyncio.Task[None]] = None  # held: a task needs a reference
         self._stopping = False
         self.fatal: Optional[str] = None  # set when the server must exit for its supervisor
         # How the server is told to stop (serve_cli sets it; a SIGTERM elsewhere).

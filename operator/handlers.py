@@ -21,7 +21,8 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from .builders import build_children, kv_secret
+from .builders import build_children
+from .pool_secrets import kv_secret
 from .children import PoolRef
 from .kube import Cluster
 from .names import DECODE, GATEWAY, GROUP, LABEL_POOL, PLURAL, PREFILL, VERSION

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .builders import build_children, kv_secret
+from .builders import build_children
+from .pool_secrets import kv_secret
 from .children import Manifest, PoolRef
 from .names import API_VERSION, KIND
 from .spec import SpecError, parse_pool_spec

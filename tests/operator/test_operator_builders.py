@@ -5,7 +5,9 @@ import json
 import pytest
 
 from pdpool.operator import commands
-from pdpool.operator.builders import PoolRef, build_children, data_hash, kv_secret
+from pdpool.operator.builders import build_children, data_hash
+from pdpool.operator.children import PoolRef
+from pdpool.operator.pool_secrets import kv_secret
 from pdpool.operator.names import ANNOTATION_ROUTER_HASH
 from pdpool.operator.spec import parse_pool_spec
 

@@ -10,7 +10,8 @@ import re
 import pytest
 
 from pdpool.cli import build_parser
-from pdpool.operator.builders import PoolRef, build_children
+from pdpool.operator.builders import build_children
+from pdpool.operator.children import PoolRef
 from pdpool.operator.spec import parse_pool_spec
 
 REF = PoolRef("demo", "llm", "uid")

@@ -6,7 +6,8 @@ import copy
 import pytest
 from kubernetes import client
 
-from pdpool.operator.builders import PoolRef, build_children
+from pdpool.operator.builders import build_children
+from pdpool.operator.children import PoolRef
 from pdpool.operator.kube import collection_path, request
 from pdpool.operator.spec import SpecError, parse_pool_spec
 

@@ -191,7 +191,8 @@ def test_pod_monitor_scrapes_engines_sidecars_and_gateways(helm_bin):
         }
         assert monitor["spec"]["namespaceSelector"] == {"matchNames": [SYSTEM_NS]}
     # The ports it names are the containers' port names in every role's pods.
-    from pdpool.operator.builders import PoolRef, build_children
+    from pdpool.operator.builders import build_children
+    from pdpool.operator.children import PoolRef
     from pdpool.operator.spec import parse_pool_spec
 
     kids = build_children(

@@ -2,7 +2,9 @@
 
 import pytest
 
-from pdpool.operator.builders import PoolRef, build_children, kv_secret
+from pdpool.operator.builders import build_children
+from pdpool.operator.children import PoolRef
+from pdpool.operator.pool_secrets import kv_secret
 from pdpool.operator.kube import collection_path, object_path, pool_path
 from pdpool.operator.spec import parse_pool_spec
 

@@ -9,7 +9,8 @@ import pytest
 
 from pdpool.cli import build_parser
 from pdpool.kv_events import KVEventsConfig
-from pdpool.operator.builders import PoolRef, build_children
+from pdpool.operator.builders import build_children
+from pdpool.operator.children import PoolRef
 from pdpool.operator.spec import SpecError, parse_pool_spec
 from pdpool.sidecar.sidecar_cli import settings_from_args
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdpool.operator.builders import PoolRef, build_children
+from pdpool.operator.builders import build_children
+from pdpool.operator.children import PoolRef
 from pdpool.operator.spec import parse_pool_spec
 
 SPEC = {"model": {"path": "/models/qwen3"}, "engine": {"image": "engine:1"}}

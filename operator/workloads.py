@@ -1,0 +1,313 @@
+"""The pool's Deployments: the prefill and decode engine pods (a decode pod also runs the
+sidecar that routes to its engine) and the gateway pod.
+
+Each container gets its command from commands.py, its security and writable places from
+pod_security.py and its secrets' mounts from pool_secrets.py; pods.py wraps them into a
+probed, spread Deployment.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import commands
+from .children import Manifest, PoolRef
+from .names import (
+    ANNOTATION_ROUTER_HASH,
+    API_KEYS_DIR,
+    API_KEYS_FILE,
+    API_KEYS_KEY,
+    DECODE,
+    ENGINE_PORT,
+    GATEWAY,
+    KV_SECRET_DIR,
+    MODELS_MOUNT,
+    POOL_TLS_DIR,
+    PREFILL,
+    SIDECAR_PORT,
+    TLS_DIR,
+    router_config_name,
+    service_host,
+)
+from .pod_security import (
+    CACHE_MOUNT,
+    TMP_MOUNT,
+    cache_env,
+    container_security_context,
+    empty_dir,
+)
+from .pods import (
+    deployment,
+    downward_env,
+    http_probes,
+    pod_scheduling_fields,
+    pod_security_fields,
+    probe,
+    tcp_probe,
+    topology_spread,
+)
+from .pool_secrets import (
+    KV_SECRET_MODE,
+    engine_tls_args,
+    http_name,
+    kv_secret_ref,
+    kv_secret_volume,
+    pool_tls_client_args,
+    pool_tls_mounts,
+    pool_tls_volumes,
+    probe_scheme,
+)
+from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
+
+
+def engine_resources(role: RoleSpec) -> dict[str, Any]:
+    """The role's resources with `gpus` turned into an nvidia.com/gpu limit (and request)."""
+    resources: dict[str, Any] = json.loads(json.dumps(role.resources))  # deep copy (JSON)
+    if role.gpus:
+        for section in ("limits", "requests"):
+            resources.setdefault(section, {})[GPU_RESOURCE] = role.gpus
+    return resources
+
+
+def _model_volume(pool: PoolSpec) -> dict[str, Any]:
+    if pool.model.pvc:
+        return {"name": "models", "persistentVolumeClaim": {"claimName": pool.model.pvc}}
+    return {"name": "models", "emptyDir": {}}
+
+
+def _needs_model_volume(pool: PoolSpec) -> bool:
+    return bool(pool.model.pvc or pool.model.hugging_face_id)
+
+
+def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
+    env: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if pool.model.hf_token_secret:
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": pool.model.hf_token_secret, "key": "token"}},
+            }
+        )
+    return {
+        "name": "fetch-model",
+        "image": pool.engine.image,
+        "imagePullPolicy": pool.engine.image_pull_policy,
+        "command": commands.hf_download_args(pool.model),
+        "env": cache_env() + env,
+        "resources": dict(pool.model.download_resources),
+        "securityContext": container_security_context(pool),
+        "volumeMounts": [
+            {"name": "models", "mountPath": MODELS_MOUNT},
+            {"name": "tmp", "mountPath": TMP_MOUNT},
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+        ],
+    }
+
+
+def pool_peers(ref: PoolRef) -> tuple[str, ...]:
+    """The default KV peer allowlist: the pool's headless Services, whose names resolve to
+    the pool's own ready engine pods (and to nothing else)."""
+    return (
+        service_host(ref.name, PREFILL, ref.namespace),
+        service_host(ref.name, DECODE, ref.namespace),
+    )
+
+
+def _ucx_env(pool: PoolSpec) -> list[dict[str, Any]]:
+    ports = pool.engine.ucx_port_range()
+    return (
+        [] if ports is None else [{"name": "UCX_TCP_PORT_RANGE", "value": f"{ports[0]}-{ports[1]}"}]
+    )
+
+
+def _engine_container(
+    ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSpec, secret_ref: SecretKeyRef | None
+) -> dict[str, Any]:
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": TMP_MOUNT},
+        {"name": "cache", "mountPath": CACHE_MOUNT},
+    ]
+    if _needs_model_volume(pool):
+        mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
+    if secret_ref is not None:
+        mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
+    return {
+        "name": "engine",
+        "image": pool.engine.image,
+        "imagePullPolicy": pool.engine.image_pull_policy,
+        "command": commands.engine_args(pool, role_name, pool_peers(ref)) + engine_tls_args(pool),
+        "env": downward_env()
+        + commands.engine_env(pool)
+        + cache_env()
+        + _ucx_env(pool)
+        + list(pool.engine.env)
+        + list(role.env),
+        # Named https under pool TLS, so a PodMonitor scrapes it with the right scheme.
+        "ports": [
+            {"name": http_name(pool), "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"},
+        ]
+        + _kv_events_ports(pool),
+        "resources": engine_resources(role),
+        "securityContext": container_security_context(pool),
+        "volumeMounts": mounts + pool_tls_mounts(pool),
+        # Stock vLLM has no /ready.
+        **http_probes(
+            http_name(pool),
+            "/health" if pool.engine.kind == "vllm" else "/ready",
+            pool.engine.startup_timeout_s,
+            probe_scheme(pool),
+        ),
+    }
+
+
+def _kv_events_ports(pool: PoolSpec) -> list[dict[str, Any]]:
+    return [
+        {"name": name, "containerPort": port, "protocol": "TCP"}
+        for name, port in zip(("kv-events", "kv-replay"), pool.router.kv_events.ports())
+    ]
+
+
+def _sidecar_args(pool: PoolSpec) -> list[str]:
+    argv = commands.sidecar_args() + commands.sidecar_kv_events_args(pool)
+    if not pool.tls_secret:
+        return argv
+    local = f"http://127.0.0.1:{ENGINE_PORT}"
+    argv = [f"https://127.0.0.1:{ENGINE_PORT}" if a == local else a for a in argv]
+    return argv + [
+        "--tls-cert-file",
+        f"{POOL_TLS_DIR}/tls.crt",
+        "--tls-key-file",
+        f"{POOL_TLS_DIR}/tls.key",
+        *pool_tls_client_args(pool),
+    ]
+
+
+def _router_env(ref: PoolRef) -> list[dict[str, Any]]:
+    name = router_config_name(ref.name)
+    return [
+        {"name": var, "valueFrom": {"configMapKeyRef": {"name": name, "key": key}}}
+        for key, var in commands.ROUTER_ENV.items()
+    ]
+
+
+def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
+    port = "router-tls" if pool.tls_secret else "router"
+    return {
+        "name": "sidecar",
+        "image": pool.router.image,
+        "imagePullPolicy": pool.engine.image_pull_policy,
+        "command": _sidecar_args(pool),
+        "env": _router_env(ref),
+        "ports": [{"name": port, "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
+        "resources": dict(pool.router.resources),
+        "securityContext": container_security_context(pool),
+        # The engine's /tmp is not shared: the sidecar gets its own.
+        "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}] + pool_tls_mounts(pool),
+        "readinessProbe": probe(
+            "/ready",
+            port,
+            5,
+            3,  # its engine's readiness
+            scheme=probe_scheme(pool),
+        ),
+        "livenessProbe": tcp_probe(port, 10, 6),  # the process alone
+    }
+
+
+def engine_deployment(
+    ref: PoolRef, pool: PoolSpec, role_name: str, router_hash: str | None = None
+) -> Manifest:
+    role = pool.prefill if role_name == PREFILL else pool.decode
+    secret_ref = kv_secret_ref(ref, pool)
+    containers = [_engine_container(ref, pool, role_name, role, secret_ref)]
+    if role_name == DECODE:
+        containers.append(_sidecar_container(ref, pool))
+    # /dev/shm: memory-backed and sized (NCCL, UCX and torch workers use it); it counts
+    # against the pod's memory.
+    volumes = [
+        empty_dir("dshm", pool.engine.shm_size, memory=True),
+        empty_dir("tmp"),
+        empty_dir("cache", pool.engine.cache_size_limit),
+    ]
+    if role_name == DECODE:
+        volumes.append(empty_dir("sidecar-tmp"))
+    pod_spec: dict[str, Any] = {
+        "containers": containers,
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 60,
+        **pod_security_fields(pool),
+        **pod_scheduling_fields(pool, role),
+        "topologySpreadConstraints": topology_spread(ref, role_name, role),
+    }
+    if _needs_model_volume(pool):
+        volumes.append(_model_volume(pool))
+    if secret_ref is not None:
+        volumes.append(kv_secret_volume(secret_ref))
+    volumes += pool_tls_volumes(pool)
+    if pool.model.hugging_face_id:
+        pod_spec["initContainers"] = [_download_init_container(pool)]
+    annotations = {ANNOTATION_ROUTER_HASH: router_hash} if router_hash else {}
+    return deployment(ref, role_name, role.replicas, pod_spec, annotations)
+
+
+def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manifest:
+    decode = f"{service_host(ref.name, DECODE, ref.namespace)}:{SIDECAR_PORT}"
+    keys, tls = pool.gateway.api_keys_secret, pool.gateway.tls_secret
+    container: dict[str, Any] = {
+        "name": "gateway",
+        "image": pool.router.image,
+        "imagePullPolicy": pool.engine.image_pull_policy,
+        "command": commands.gateway_args(
+            decode, API_KEYS_FILE if keys else None, TLS_DIR if tls else None
+        )
+        + pool_tls_client_args(pool)
+        + commands.gateway_kv_events_args(pool),
+        # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
+        "ports": [
+            {"name": "https" if tls else "http", "containerPort": SIDECAR_PORT, "protocol": "TCP"}
+        ],
+        "resources": dict(pool.gateway.resources),
+        "securityContext": container_security_context(pool),
+        "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}],
+        "readinessProbe": probe(
+            "/ready", "https" if tls else "http", 5, 3, scheme="HTTPS" if tls else None
+        ),  # any sidecar ready
+        "livenessProbe": tcp_probe("https" if tls else "http", 10, 6),  # the process
+    }
+    volumes = [empty_dir("tmp")]
+    if keys is not None:
+        # Mounted whole (no subPath), so a rotated Secret reaches the file and the gateway
+        # re-reads it without a restart.
+        container["volumeMounts"].append(
+            {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}
+        )
+        volumes.append(
+            {
+                "name": "api-keys",
+                "secret": {
+                    "secretName": keys.name,
+                    "defaultMode": KV_SECRET_MODE,
+                    "items": [{"key": keys.key, "path": API_KEYS_KEY}],
+                },
+            }
+        )
+    container["volumeMounts"] += pool_tls_mounts(pool)
+    volumes += pool_tls_volumes(pool)
+    if tls is not None:
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append(
+            {"name": "tls", "secret": {"secretName": tls, "defaultMode": KV_SECRET_MODE}}
+        )
+    pod_spec = {
+        "containers": [container],
+        "volumes": volumes,
+        **pod_security_fields(pool),
+        **pod_scheduling_fields(pool, None),
+        "topologySpreadConstraints": topology_spread(ref, GATEWAY, None),
+    }
+    return deployment(
+        ref, GATEWAY, pool.gateway.replicas, pod_spec, {ANNOTATION_ROUTER_HASH: router_hash}
+    )

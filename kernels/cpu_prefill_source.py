@@ -368,18 +368,22 @@ static void tile(const Tile *t, const Keys *ks) {
    sequence b owns q rows [query_start[b], query_start[b+1]) at positions
    seq_lens[b] - q_len .. seq_lens[b] - 1; window <= 0: none. D <= MAX_DIM. With
    skip_single, sequences of one query are left alone (the decode kernel serves them: their
-   group of query heads fills too few lanes here). */
+   group of query heads fills too few lanes here). The tiles are numbered in loop order and
+   this call runs those whose number is `part` modulo `parts`: the calls for every part,
+   on as many threads, write disjoint rows of out. Dealing the tiles round-robin gives
+   each part its share of a prompt's early (short) and late (long) causal tiles. */
 void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const float *k,
                              const float *v, int64_t sb, int64_t sp, int64_t sh,
                              const int32_t *tables, int64_t table_width,
                              const int32_t *query_start, const int32_t *seq_lens,
                              int64_t batch, float *out, int64_t heads, int64_t kv_heads,
                              int64_t dim, int64_t block_size, float scale, int64_t window,
-                             int64_t skip_single) {
+                             int64_t skip_single, int64_t part, int64_t parts) {
     if (dim > MAX_DIM || kv_heads <= 0 || heads % kv_heads) return; /* refused by the caller */
     const int64_t group = heads / kv_heads;
     const int64_t slice = group < TILE_ROWS ? group : TILE_ROWS; /* query heads per tile */
     const int64_t per_tile = TILE_ROWS / slice;                  /* tokens per tile */
+    int64_t tile_index = 0;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t first = query_start[b], q_len = query_start[b + 1] - first;
         const int64_t start_pos = seq_lens[b] - q_len;
@@ -390,6 +394,7 @@ void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const f
             for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += slice) {
                 const int64_t nh = (kh + 1) * group - h0 < slice ? (kh + 1) * group - h0 : slice;
                 for (int64_t t0 = 0; t0 < q_len; t0 += per_tile) {
+                    if (tile_index++ % parts != part) continue;
                     const Tile t = {q + (first + t0) * sq_t + h0 * sq_h, sq_t, sq_h,
                                     out + ((first + t0) * heads + h0) * dim, heads * dim, dim,
                                     start_pos + t0, q_len - t0 < per_tile ? q_len - t0 : per_tile,

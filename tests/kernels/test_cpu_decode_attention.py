@@ -53,6 +53,11 @@ def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, m
     q, k_cache, v_cache, tables = _case(heads, kv_heads, dim, lens)
     assert native.usable_for(q, k_cache, v_cache)
     got = native.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window)
+    for threads in (2, 3):
+        shared = native.paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, dim**-0.5, window, threads=threads
+        )
+        torch.testing.assert_close(shared, got, rtol=0, atol=0)
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert not native.usable_for(q, k_cache, v_cache)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
@@ -91,15 +96,24 @@ def test_the_reference_uses_it_for_pure_decode_steps(monkeypatch):
     assert calls == [1]
 
 
-def test_declines_bf16_and_more_than_one_thread():
+def test_declines_bf16():
     q, k_cache, v_cache, _ = _case(4, 2, 32, [20])
     assert not native.usable_for(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert not native.usable_for(q, k_cache, v_cache)
-    finally:
-        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "lens,threads,bounds",
+    [
+        ([100] * 10, 3, [0, 4, 7, 10]),  # about equal positions per run
+        ([5000, 1, 1, 1], 2, [0, 1, 4]),
+        ([1, 1, 1, 5000], 2, [0, 4]),  # one sequence is never split
+        ([3], 4, [0, 1]),
+        ([], 2, [0, 0]),
+        ([10, 10], None, [0, 2]),  # too few positions to hand a run to another thread
+    ],
+)
+def test_batch_runs_per_thread(lens, threads, bounds):
+    assert native._batch_parts(lens, threads) == bounds
 
 
 def test_out_of_range_tables_and_lengths_are_refused_not_read():

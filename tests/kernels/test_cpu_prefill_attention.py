@@ -67,9 +67,18 @@ def _check(heads, kv_heads, dim, q_lens, seq_lens, monkeypatch, window=None, blo
     expected = _torch_path(
         q, k_cache, v_cache, tables, starts, seq_lens, scale, window, monkeypatch
     )
-    for portable in (False, True):
+    for portable, threads in ((False, 1), (True, 1), (False, 3)):
         got = native.paged_prefill_attention(
-            q, k_cache, v_cache, tables, starts, seq_lens, scale, window, portable=portable
+            q,
+            k_cache,
+            v_cache,
+            tables,
+            starts,
+            seq_lens,
+            scale,
+            window,
+            portable=portable,
+            threads=threads,
         )
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -177,15 +186,40 @@ def test_a_mixed_step_leaves_its_decodes_to_the_decode_kernel(window, monkeypatc
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_declines_bf16_and_more_than_one_thread():
+def test_declines_bf16():
     q, k_cache, v_cache, _, _ = _case(4, 2, 32, [20], [20])
     assert not native.usable_for(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16())
+
+
+def test_shares_its_tiles_over_torch_threads_when_there_are_enough(monkeypatch):
+    """By default a call with many tiles runs on as many threads as torch uses, one with
+    few tiles on one; the output is the one-thread output either way."""
+    q_lens = [300, 1, 700]
+    seq_lens = [300, 900, 1000]
+    q, k_cache, v_cache, tables, starts = _case(8, 2, 64, q_lens, seq_lens)
+    one = native.paged_prefill_attention(
+        q, k_cache, v_cache, tables, starts, seq_lens, 0.125, None, threads=1
+    )
+    parts_used = []
+    run_parts = native.cpu_parallel.run_parts
+    monkeypatch.setattr(
+        native.cpu_parallel,
+        "run_parts",
+        lambda run, parts: (parts_used.append(parts), run_parts(run, parts)),
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert not native.usable_for(q, k_cache, v_cache)
+        shared = native.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, seq_lens, 0.125, None
+        )
+        native.paged_prefill_attention(
+            q[:2], k_cache, v_cache, tables[:1], [0, 2], [2], 0.125, None
+        )
     finally:
         torch.set_num_threads(threads)
+    assert parts_used == [2, 1]
+    torch.testing.assert_close(shared, one, rtol=0, atol=0)
 
 
 def test_bad_tables_and_lengths_are_refused_not_read():

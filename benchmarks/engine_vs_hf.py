@@ -189,7 +189,7 @@ def measure(label: str, model_dir: Path, n: int, repeats: int) -> dict:
     useful = sum(outputs)
     t_engine, got_engine, steps = run_engine(model_dir, prompts, outputs, repeats)
     t_hf, got_hf = run_hf(model_dir, prompts, outputs, repeats)
-    same = sum(a == b for a, b in zip(got_engine, got_hf))
+    same = sum(a == b for a, b in zip(got_engine, got_hf, strict=True))
     rows = []
     for system, times in (
         ("pdpool engine (continuous batching)", t_engine),

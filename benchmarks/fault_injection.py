@@ -121,7 +121,7 @@ class Load:
                         return
                     words = " ".join(WORDS[(i + t + k) % len(WORDS)] for k in range(12))
                     messages.append({"role": "user", "content": f"turn {t}: {words}"})
-                    rec, answer = self.turn(client, messages)
+                    _rec, answer = self.turn(client, messages)
                     messages.append({"role": "assistant", "content": answer or "(none)"})
                     time.sleep(self.args.think_s)
 

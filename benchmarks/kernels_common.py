@@ -97,7 +97,7 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for n, r in enumerate(cells):
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
         if n == 0:
             print("  ".join("-" * w for w in widths))
 

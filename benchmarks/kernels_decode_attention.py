@@ -12,6 +12,7 @@ block size 16, block tables scattered at random over the cache.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from kernels_common import (  # noqa: F401
     BF16_PEAK_TFLOPS,
@@ -89,10 +90,19 @@ def main() -> int:
                 args.block_size,
             )
 
-            def run():
-                return paged_attention_triton(
-                    q, kc, vc, tables, starts, lens, scale, max_query_len=1, max_seq_len=context
-                )
+            # partial, not a closure: it holds this iteration's tensors.
+            run = partial(
+                paged_attention_triton,
+                q,
+                kc,
+                vc,
+                tables,
+                starts,
+                lens,
+                scale,
+                max_query_len=1,
+                max_seq_len=context,
+            )
 
             expected = paged_attention_reference(
                 q[:1], kc, vc, tables[:1], starts[:2], lens[:1], scale
@@ -105,7 +115,7 @@ def main() -> int:
                 torch_ms = time_ms(
                     torch,
                     device,
-                    lambda: paged_attention_reference(q, kc, vc, tables, starts, lens, scale),
+                    partial(paged_attention_reference, q, kc, vc, tables, starts, lens, scale),
                     warmup=1,
                     iters=3,
                 )

@@ -11,6 +11,7 @@ layer (16 key heads, 32 value heads, 128 x 128), states in a pool addressed by s
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from kernels_common import (
     HBM_PEAK_GBPS,
@@ -56,13 +57,13 @@ def main() -> int:
         ms = time_ms(
             torch,
             device,
-            lambda: gated_delta_rule_decode_triton(q, k, v, g, beta, pool, state_indices=indices),
+            partial(gated_delta_rule_decode_triton, q, k, v, g, beta, pool, state_indices=indices),
         )
         torch_ms = time_ms(
             torch,
             device,
-            lambda: gated_delta_rule_decode_reference(
-                q, k, v, g, beta, pool, state_indices=indices
+            partial(
+                gated_delta_rule_decode_reference, q, k, v, g, beta, pool, state_indices=indices
             ),
         )
         gbps = state_bytes / (ms * 1e-3) / 1e9

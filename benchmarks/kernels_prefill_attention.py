@@ -14,6 +14,7 @@ the core's matmul: benchmarks/kernels_cpu_prefill_attention.py.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from kernels_common import (
     BF16_PEAK_TFLOPS,
@@ -78,18 +79,19 @@ def main() -> int:
                 q = torch.randn(batch * seq_len, args.heads, head_dim, dtype=dtype, device=device)
                 flops = 4 * args.heads * head_dim * batch * causal_pairs(seq_len, prefix)
 
-                def run():
-                    return paged_attention_triton(
-                        q,
-                        kc,
-                        vc,
-                        tables,
-                        starts,
-                        lens,
-                        scale,
-                        max_query_len=seq_len,
-                        max_seq_len=total,
-                    )
+                # partial, not a closure: it holds this iteration's tensors.
+                run = partial(
+                    paged_attention_triton,
+                    q,
+                    kc,
+                    vc,
+                    tables,
+                    starts,
+                    lens,
+                    scale,
+                    max_query_len=seq_len,
+                    max_seq_len=total,
+                )
 
                 ms = time_ms(torch, device, run)
                 tflops = flops / (ms * 1e-3) / 1e12
@@ -103,8 +105,14 @@ def main() -> int:
                     sdpa_ms = time_ms(
                         torch,
                         device,
-                        lambda: F.scaled_dot_product_attention(
-                            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+                        partial(
+                            F.scaled_dot_product_attention,
+                            qs,
+                            ks,
+                            vs,
+                            is_causal=True,
+                            scale=scale,
+                            enable_gqa=True,
                         ),
                     )
                     sdpa_tflops = flops / (sdpa_ms * 1e-3) / 1e12

@@ -26,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -82,6 +83,12 @@ def timed_read(transport, peer, units) -> float:
     return elapsed
 
 
+def timed_copy(dst, src) -> float:
+    start = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - start
+
+
 def median_time(fn, runs: int) -> float:
     fn()  # warm-up
     return statistics.median(fn() for _ in range(runs))
@@ -135,17 +142,11 @@ def main() -> int:
             n_big, n_small = nbytes // BIG_UNIT, nbytes // SMALL_UNIT
             contiguous = {"big": (list(range(n_big)), list(range(n_big)))}
             scattered = {"small": (list(range(n_small))[::-1], list(range(0, 2 * n_small, 2)))}
-            t_contig = median_time(lambda: timed_read(transport, peer, contiguous), args.runs)
-            t_scatter = median_time(lambda: timed_read(transport, peer, scattered), args.runs)
+            t_contig = median_time(partial(timed_read, transport, peer, contiguous), args.runs)
+            t_scatter = median_time(partial(timed_read, transport, peer, scattered), args.runs)
             src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
             dst = torch.empty_like(src)
-
-            def copy():
-                start = time.perf_counter()
-                dst.copy_(src)
-                return time.perf_counter() - start
-
-            t_copy = median_time(copy, args.runs)
+            t_copy = median_time(partial(timed_copy, dst, src), args.runs)
             rows.append(
                 {
                     "size_mb": mb,

@@ -204,7 +204,7 @@ def run_mode(name: str, args, model_dir: str) -> dict:
     prefill_legs = sum(
         a.get('pdpool_sidecar_legs_total{leg="prefill"}', 0)
         - b.get('pdpool_sidecar_legs_total{leg="prefill"}', 0)
-        for a, b in zip(side_after, side_before)
+        for a, b in zip(side_after, side_before, strict=True)
     )
 
     def kv_delta(role, stat):

@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,7 +74,7 @@ def wait(predicate, timeout: float, interval: float = 0.05):
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> int:
@@ -97,13 +98,19 @@ def main() -> int:
         time.sleep(3)  # operator start-up (imports, discovery, first watch)
         cpu0, _ = proc_usage(op.proc.pid)
 
+        def has_children(name: str) -> bool:
+            return children_count(apps, core, "bench").get(name, 0) == 7
+
+        def is_ready(name: str) -> bool:
+            return (pools.get(name).get("status") or {}).get("phase") == "Ready"
+
         # 1. Sequential: one pool at a time on an idle operator.
         latencies = []
         for i in range(args.sequential):
             name = f"seq-{i}"
             t0 = time.monotonic()
             pools.create(pool_manifest(name))
-            t1 = wait(lambda: children_count(apps, core, "bench").get(name, 0) == 7, 60)
+            t1 = wait(partial(has_children, name), 60)
             latencies.append((t1 - t0) * 1000)
         results["apply_to_children_p50_ms"] = statistics.median(latencies)
         results["apply_to_children_p95_ms"] = pct(latencies, 0.95)
@@ -115,7 +122,7 @@ def main() -> int:
             t0 = time.monotonic()
             for role in ("prefill", "decode", "gateway"):
                 pools.mark_ready(name, role)
-            t1 = wait(lambda: (pools.get(name).get("status") or {}).get("phase") == "Ready", 60)
+            t1 = wait(partial(is_ready, name), 60)
             ready_latencies.append((t1 - t0) * 1000)
         results["ready_to_status_p50_ms"] = statistics.median(ready_latencies)
 

@@ -315,14 +315,15 @@ class LocalCluster:
             return json.loads(resp.read() or b"{}")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.work / f"{name}.log", "wb")
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        # The child holds its own copy of the log's descriptor: this one closes at once.
+        with open(self.work / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self._procs.append((name, proc))
 
     def _wait_ready(self, timeout: float) -> None:

@@ -79,10 +79,12 @@ class EngineProcess:
             *self.flags,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self._fh = open(self.log, "a")  # a restart on the same port keeps the earlier log
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        # Appended: a restart on the same port keeps the earlier log. The child holds its own
+        # copy of the descriptor.
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def wait(self, timeout: float = 120.0) -> "EngineProcess":
         for _ in range(3):
@@ -93,7 +95,6 @@ class EngineProcess:
                 # The free port was taken by someone else before the engine bound it.
                 if "address already in use" not in self.log.read_text():
                     raise
-                self._fh.close()
                 self.port = free_port()
                 self.url = f"http://127.0.0.1:{self.port}"
                 self.log = self.log.with_name(f"engine-{self.port}.log")
@@ -105,7 +106,6 @@ class EngineProcess:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
             self.proc.wait(15)
-        self._fh.close()
 
     def restart(self, timeout: float = 120.0) -> "EngineProcess":
         """The same engine again, on the same ports, after `kill`."""
@@ -121,7 +121,6 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
-        self._fh.close()
 
     def metric(self, name: str) -> float:
         """Sum of a Prometheus sample over its label sets."""

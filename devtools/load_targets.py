@@ -160,16 +160,16 @@ class UpTarget:
         from pdpool.sidecar.topology import pdpool_command
 
         self.state_file.unlink(missing_ok=True)
-        self._out = open(self.log_dir / "up.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            pdpool_command(*self.argv),
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+        with open(self.log_dir / "up.log", "ab") as out:  # the child holds its own copy
+            self.proc = subprocess.Popen(
+                pdpool_command(*self.argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
         self._wait_state(timeout_s)
         return self
 
@@ -245,7 +245,6 @@ class UpTarget:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        self._out.close()
 
 
 # --- serving, and coming back ----------------------------------------------------------

@@ -193,21 +193,21 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "OperatorProcess":
-        log = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [
-                *PDPOOL,
-                "operator",
-                "--kubeconfig",
-                str(self.kubeconfig),
-                *(self.extra or ("--all-namespaces",)),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        with open(self.log_path, "ab") as log:  # the child holds its own copy
+            self.proc = subprocess.Popen(
+                [
+                    *PDPOOL,
+                    "operator",
+                    "--kubeconfig",
+                    str(self.kubeconfig),
+                    *(self.extra or ("--all-namespaces",)),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:

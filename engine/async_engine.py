@@ -177,8 +177,9 @@ class EngineClient(abc.ABC):
     def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamItem]]] = {}
 
-    async def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Called once the server's event loop runs, before it serves."""
+    async def attach(self, loop: asyncio.AbstractEventLoop) -> None:  # noqa: B027
+        """Called once the server's event loop runs, before it serves. A hook: an engine
+        with nothing to start there keeps this one, which does nothing."""
 
     @abc.abstractmethod
     async def _send_add(self, spec: NewRequest) -> None:

@@ -17,6 +17,7 @@ program, spawned together).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -170,10 +171,8 @@ class CoreChannel:
         if self._reader.is_alive() and threading.current_thread() is not self._reader:
             self._reader.join(2.0)
         self._close("closed")
-        try:
+        with contextlib.suppress(OSError):
             self.conn.close()
-        except OSError:
-            pass
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

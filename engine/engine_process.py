@@ -21,6 +21,7 @@ StopCore.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import multiprocessing
@@ -145,10 +146,8 @@ class _CoreInbox:
             self._reply(RequestRefused.of(msg.request_id, exc))
 
     def _reply(self, msg: object) -> None:
-        try:
+        with contextlib.suppress(ChannelClosed):
             self.channel.send(msg)
-        except ChannelClosed:
-            pass
 
 
 def _first_message(conn: Connection, msg: object) -> None:
@@ -237,9 +236,11 @@ class CoreProcess:
                 raise EngineStartError(f"the engine core did not load in {START_TIMEOUT_S:.0f}s")
         try:
             return decode(conn.recv_bytes())
-        except (EOFError, OSError):
+        except (EOFError, OSError) as exc:
             proc.join(5)
-            raise EngineStartError(f"the engine core exited (code {proc.exitcode}) while loading")
+            raise EngineStartError(
+                f"the engine core exited (code {proc.exitcode}) while loading"
+            ) from exc
 
     def open(
         self, on_messages: Callable[[list[Any]], None], on_closed: Callable[[str], None]
@@ -257,10 +258,8 @@ class CoreProcess:
     def stop(self, grace_s: float = 15.0) -> None:
         """Asks the core to stop, then makes sure it has (terminate, then kill)."""
         if self.proc.is_alive() and self.channel is not None:
-            try:
+            with contextlib.suppress(ChannelClosed):
                 self.channel.send(StopCore())
-            except ChannelClosed:
-                pass
             self.proc.join(grace_s)
         self._end(self.proc)
         if self.channel is not None:
@@ -385,10 +384,8 @@ class EngineProcess(EngineClient):
             self._put([(spec.request_id, exc)])
 
     def abort(self, request_id: str) -> None:
-        try:
+        with contextlib.suppress(EngineUnavailable):  # the core is gone, and its requests
             self._send(AbortRequest(request_id))
-        except EngineUnavailable:
-            pass  # the core is gone, and its requests with it
 
     async def release_lease(self, params: dict[str, Any]) -> bool:
         call_id, self._next_call = self._next_call, self._next_call + 1

@@ -51,7 +51,7 @@ def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> Pag
         try:
             state.update(load_file(str(shard), device="cpu"))
         except Exception as exc:  # safetensors' own error type: a truncated or foreign file
-            raise ModelLoadError(f"{shard.name} is not a readable safetensors file: {exc}")
+            raise ModelLoadError(f"{shard.name} is not a readable safetensors file: {exc}") from exc
     state = text_weights(state)
     if getattr(model, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

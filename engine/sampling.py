@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from pdpool.engine.outputs import RequestError, TokenLogprob  # noqa: F401 (re-exported)
+from pdpool.engine.outputs import RequestError, TokenLogprob  # re-exported
 from pdpool.engine.sampling_params import SamplingParams
 
 # Test-only fault injection: `SUBSTRING[@K][,...]`: a request whose id contains SUBSTRING
@@ -127,7 +127,7 @@ class Sampler:
             top_i = top_i.tolist() if k_max else None
             for j, b in enumerate(rows):
                 k = params[b].logprobs
-                top = list(zip(top_i[j][:k], top_v[j][:k])) if k else []
+                top = list(zip(top_i[j][:k], top_v[j][:k], strict=True)) if k else []
                 logprobs[b] = TokenLogprob(tokens[b], sampled[j], top)
             return
         except Exception:
@@ -159,5 +159,5 @@ def _token_logprob(row: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
     top: list[tuple[int, float]] = []
     if num_top > 0:
         values, ids = torch.topk(row, num_top)
-        top = list(zip(ids.tolist(), values.tolist()))
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token, float(row[token]), top)

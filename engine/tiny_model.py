@@ -163,7 +163,7 @@ def write_tiny_model(out_dir: str | Path, spec: TinyModelSpec) -> Path:
     # Random init with std 0.02 makes every logit ~equal; larger weights give the tiny
     # model decisive (and therefore comparable) greedy choices.
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 * 4)
     if spec.arch == "qwen3_5":

@@ -15,11 +15,11 @@ from .ops import (
 )
 
 __all__ = [
-    "write_kv",
-    "paged_attention",
-    "causal_conv1d_update",
     "causal_conv1d_prefill",
+    "causal_conv1d_update",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
+    "paged_attention",
     "use_triton",
+    "write_kv",
 ]

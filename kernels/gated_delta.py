@@ -59,10 +59,8 @@ def _conv1d_update_kernel(
     chan_ok = chans < channels
     x_row = x_ptr + batch.to(tl.int64) * stride_xb + chans * stride_xc
     o_row = out_ptr + batch.to(tl.int64) * stride_ob + chans * stride_oc
-    if HAS_INDICES:
-        slot = tl.load(indices_ptr + batch).to(tl.int64)
-    else:
-        slot = batch.to(tl.int64)
+    # HAS_INDICES is a constexpr: the kernel is compiled with one branch or the other.
+    slot = tl.load(indices_ptr + batch).to(tl.int64) if HAS_INDICES else batch.to(tl.int64)
     if slot < 0:  # padding row
         for t in range(seq_len):
             tl.store(
@@ -212,10 +210,7 @@ def _gated_delta_decode_kernel(
     vdims = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = vdims < DV
     o_row = out_ptr + batch * stride_ob + v_head * stride_oh + vdims
-    if HAS_INDICES:
-        slot = tl.load(indices_ptr + batch).to(tl.int64)
-    else:
-        slot = batch
+    slot = tl.load(indices_ptr + batch).to(tl.int64) if HAS_INDICES else batch  # constexpr
     if slot < 0:  # padding row
         tl.store(
             o_row, tl.zeros([BLOCK_V], dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=v_ok

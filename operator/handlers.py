@@ -100,7 +100,9 @@ def reconcile(
         if refused_by_api_server(exc.status, _api_message(exc)):
             _fail(body, namespace, name, generation, "ApplyFailed", _api_message(exc))
             return
-        raise kopf.TemporaryError(f"applying children failed: {_api_message(exc)}", delay=5)
+        raise kopf.TemporaryError(
+            f"applying children failed: {_api_message(exc)}", delay=5
+        ) from exc
     refresh_status(namespace, name, observed_generation=generation)
 
 

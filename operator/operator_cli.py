@@ -79,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _render(args: argparse.Namespace) -> int:
     import sys
+    from pathlib import Path
 
     import yaml
 
@@ -88,7 +89,7 @@ def _render(args: argparse.Namespace) -> int:
     from .spec import SpecError
 
     try:
-        text = sys.stdin.read() if args.filename == "-" else open(args.filename).read()
+        text = sys.stdin.read() if args.filename == "-" else Path(args.filename).read_text()
         docs = list(yaml.safe_load_all(text))
     except OSError as exc:
         raise CliError(f"{args.filename}: {exc.strerror}") from None

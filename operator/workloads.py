@@ -148,8 +148,8 @@ def _engine_container(
         "ports": [
             {"name": http_name(pool), "containerPort": ENGINE_PORT, "protocol": "TCP"},
             {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"},
-        ]
-        + _kv_events_ports(pool),
+            *_kv_events_ports(pool),
+        ],
         "resources": engine_resources(role),
         "securityContext": container_security_context(pool),
         "volumeMounts": mounts + pool_tls_mounts(pool),
@@ -164,9 +164,12 @@ def _engine_container(
 
 
 def _kv_events_ports(pool: PoolSpec) -> list[dict[str, Any]]:
+    ports = pool.router.kv_events.ports()
+    if not ports:  # KV events off
+        return []
     return [
         {"name": name, "containerPort": port, "protocol": "TCP"}
-        for name, port in zip(("kv-events", "kv-replay"), pool.router.kv_events.ports())
+        for name, port in zip(("kv-events", "kv-replay"), ports, strict=True)
     ]
 
 
@@ -176,7 +179,8 @@ def _sidecar_args(pool: PoolSpec) -> list[str]:
         return argv
     local = f"http://127.0.0.1:{ENGINE_PORT}"
     argv = [f"https://127.0.0.1:{ENGINE_PORT}" if a == local else a for a in argv]
-    return argv + [
+    return [
+        *argv,
         "--tls-cert-file",
         f"{POOL_TLS_DIR}/tls.crt",
         "--tls-key-file",
@@ -205,7 +209,7 @@ def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
         "resources": dict(pool.router.resources),
         "securityContext": container_security_context(pool),
         # The engine's /tmp is not shared: the sidecar gets its own.
-        "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}] + pool_tls_mounts(pool),
+        "volumeMounts": [{"name": "sidecar-tmp", "mountPath": TMP_MOUNT}, *pool_tls_mounts(pool)],
         "readinessProbe": probe(
             "/ready",
             port,

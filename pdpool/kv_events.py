@@ -138,7 +138,8 @@ def _event_from_wire(raw: Any) -> Optional[KVCacheEvent]:
         names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": ("block_hashes", "medium")}.get(
             kind, ()
         )
-        as_map = dict(zip(names, raw[1:]))
+        # Not strict: a release may add trailing fields that this reader does not know.
+        as_map = dict(zip(names, raw[1:], strict=False))
         get = as_map.get
     else:
         return None

@@ -164,6 +164,11 @@ def _empty(v: Any) -> bool:
     return v is None or v is False or v == "" or v == [] or v == {}
 
 
+def _none_or_number(neutral: float) -> Callable[[Any], bool]:
+    """Absent, or the number that asks for nothing (a penalty of 0, a factor of 1)."""
+    return lambda v: v is None or ((_is_int(v) or isinstance(v, float)) and v == neutral)
+
+
 # Fields we do not implement: refused unless their value asks for nothing (the predicate).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or (_is_int(v) and v == 1),
@@ -176,12 +181,12 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "suffix": _empty,
     "echo": _empty,
-    "presence_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 0,
-    "frequency_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 0,
-    "repetition_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 1,
-    "min_p": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 0,
+    "presence_penalty": _none_or_number(0),
+    "frequency_penalty": _none_or_number(0),
+    "repetition_penalty": _none_or_number(1),
+    "min_p": _none_or_number(0),
     "use_beam_search": _empty,
-    "length_penalty": lambda v: v is None or (_is_int(v) or isinstance(v, float)) and v == 1,
+    "length_penalty": _none_or_number(1),
     "guided_json": _empty,
     "guided_regex": _empty,
     "guided_choice": _empty,

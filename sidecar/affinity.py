@@ -91,4 +91,4 @@ def route_order(
     cap = math.ceil(balance * (sum(load(b) for b in alive) + 1) / len(alive))
     chosen = next((b for b in alive if load(b) < cap), alive[0])
     rest = [b for b in alive if b != chosen]
-    return [chosen] + rest + dead, chosen == alive[0]
+    return [chosen, *rest, *dead], chosen == alive[0]

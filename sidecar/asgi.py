@@ -8,6 +8,7 @@ that goes away while nothing is being sent, and the hot path stays a few functio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
@@ -96,7 +97,7 @@ async def serve_lifespan(
         if message["type"] == "lifespan.startup":
             try:
                 await startup()
-            except Exception as exc:  # noqa: BLE001 - reported to the server
+            except Exception as exc:  # reported to the server
                 await send({"type": "lifespan.startup.failed", "message": str(exc)})
                 return
             await send({"type": "lifespan.startup.complete"})
@@ -205,8 +206,6 @@ async def run_until_disconnect(flow: Awaitable[None], receive: Receive) -> bool:
         flow_task.result()  # re-raise a flow's exception
         return False
     flow_task.cancel()
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await flow_task
-    except asyncio.CancelledError:
-        pass
     return True

@@ -46,7 +46,7 @@ _Key = tuple[str, int, bool]
 
 
 class _Conn:
-    __slots__ = ("reader", "writer", "reused")
+    __slots__ = ("reader", "reused", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer, self.reused = reader, writer, False

@@ -33,7 +33,7 @@ def check_event_ports(
         return None, None
     port = int(port)
     replay = None if replay_port is None else int(replay_port)
-    for name, value in zip(names, (port, replay)):
+    for name, value in zip(names, (port, replay), strict=True):
         if value is not None and not 0 < value < 65536:
             raise ValueError(f"{name} must be in 1..65535, got {value}")
     if replay == port:

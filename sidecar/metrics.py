@@ -10,7 +10,7 @@ from typing import Generic, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["SidecarMetrics", "GatewayMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics", "SidecarMetrics"]
 
 M = TypeVar("M", Counter, Gauge)
 

@@ -184,7 +184,7 @@ class PrefillLegs:
             self.outliers.forget(current)
             try:
                 await asyncio.gather(*(self._probe(e) for e in current))
-            except Exception:  # noqa: BLE001 - a probe bug must not end the loop
+            except Exception:  # a probe bug must not end the loop
                 log.exception("prefill probe failed")
 
     async def _probe(self, endpoint: str) -> None:

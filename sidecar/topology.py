@@ -8,6 +8,7 @@ engine restart is something the sidecar and gateway must ride out); stop() ends 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -49,7 +50,7 @@ def _generator_fingerprint() -> str:
     spec = importlib.util.find_spec("pdpool.engine")
     digest = hashlib.sha256()
     if spec and spec.submodule_search_locations:
-        folder = list(spec.submodule_search_locations)[0]
+        folder = next(iter(spec.submodule_search_locations))
         for name in sorted(os.listdir(folder)):
             if name.startswith("tiny_model") and name.endswith(".py"):
                 with open(os.path.join(folder, name), "rb") as fh:
@@ -78,10 +79,8 @@ def ensure_tiny_model(
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"pdpool tiny-model failed: {done.stderr.strip()[-500:]}")
-    try:
+    with contextlib.suppress(OSError):  # another process won the race: use its copy
         os.rename(tmp, out)
-    except OSError:  # another process won the race: use its copy
-        pass
     return out
 
 
@@ -380,10 +379,10 @@ class Topology:
         if prefills:
             for sc in sidecars:
                 sc.argv += common
-        gw = common + ["--kv-threshold", str(s.cache_hit_threshold)]
+        gw = [*common, "--kv-threshold", str(s.cache_hit_threshold)]
         if s.kv_load_cost is not None:
             gw += ["--kv-load-cost", str(s.kv_load_cost)]
-        for dec, sc in zip(decodes, sidecars):
+        for dec, sc in zip(decodes, sidecars, strict=True):
             gw += ["--kv-events", f"127.0.0.1:{sc.port}={self._publish_kv_events(dec)}"]
         return gw
 
@@ -414,16 +413,15 @@ class Topology:
 
     # ------------------------------------------------------------------ running
     def _spawn(self, child: Child) -> None:
-        log = open(child.log_path, "ab")
-        child.proc = subprocess.Popen(
-            child.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env={**os.environ, **child.env} if child.env else None,
-        )
-        log.close()
+        with open(child.log_path, "ab") as log:  # the child holds its own copy
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, **child.env} if child.env else None,
+            )
         child.pid = child.proc.pid
 
     def start(self, timeout_s: float = 180.0) -> None:
@@ -551,10 +549,8 @@ def _process(child: Child) -> subprocess.Popen[bytes]:
 def _signal(child: Child, sig: int) -> None:
     if child.proc is None or child.proc.poll() is not None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(child.proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def healthy(url: str, timeout: float = 1.0, ca_file: Optional[str] = None) -> bool:

@@ -96,7 +96,9 @@ class RecurrentBatch:
         if meta.state_slots is None or meta.state_has_initial is None:
             raise ValueError("a Qwen3.5 batch needs state_slots and state_has_initial")
         decode_seqs, prefill_seqs, starts = [], [], [0]
-        for b, (n, has_initial) in enumerate(zip(meta.query_lens, meta.state_has_initial)):
+        for b, (n, has_initial) in enumerate(
+            zip(meta.query_lens, meta.state_has_initial, strict=True)
+        ):
             (decode_seqs if n == 1 and has_initial else prefill_seqs).append(b)
             starts.append(starts[-1] + n)
         if starts[-1] != num_tokens:

@@ -143,7 +143,7 @@ class ChoiceRunner:
             raise
         return [
             Choice(spec, first, stream, new_logprobs_formatter())
-            for spec, first, stream in zip(specs, firsts, streams)
+            for spec, first, stream in zip(specs, firsts, streams, strict=True)
         ]
 
     async def outputs(self, c: Choice) -> Outputs:

@@ -206,7 +206,7 @@ class EngineMetrics:
         rej = Gauge(
             "pdpool_cache_threshold_rejections_total",
             "Requests rejected below their cache-hit threshold.",
-            list(labels) + ["threshold_source"],
+            [*labels, "threshold_source"],
             registry=r,
         )
 
@@ -221,7 +221,7 @@ class EngineMetrics:
             "pdpool_kv_connector",
             "KV connector counters (bytes_read, "
             "tokens_pulled, loads_ok, loads_failed, leases_active, ...).",
-            list(labels) + ["stat"],
+            [*labels, "stat"],
             registry=r,
         )
 
@@ -258,7 +258,7 @@ class EngineMetrics:
             "pdpool_prompt_tokens_by_source_total",
             "Prompt tokens by where their KV came from: this engine's prefix "
             "cache (local), a peer (pulled, verified), the model (computed).",
-            list(labels) + ["source"],
+            [*labels, "source"],
             registry=r,
         )
 
@@ -321,7 +321,7 @@ class EngineMetrics:
         self.vllm_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            names + ["finished_reason"],
+            [*names, "finished_reason"],
             registry=r,
         )
         for reason in VLLM_FINISH_REASONS:

@@ -80,9 +80,9 @@ class RequestTranslator:
                 if size > self.max_body:
                     raise too_large
                 parts.append(chunk)
-        except ClientDisconnect:
+        except ClientDisconnect as exc:
             self.metrics.client_disconnected("body")
-            raise client_closed()
+            raise client_closed() from exc
         return b"".join(parts)
 
     async def parse(self, request: Request, request_type: type[R]) -> R:
@@ -97,7 +97,7 @@ class RequestTranslator:
         try:
             return await self.off_loop(decode, raw, *args)
         except RequestError as exc:
-            raise ApiError(str(exc), exc.status, param=exc.param)
+            raise ApiError(str(exc), exc.status, param=exc.param) from exc
 
     def check_model(self, name: object) -> None:
         """404 unless `name` is absent or this engine's served model name."""
@@ -122,7 +122,7 @@ class RequestTranslator:
         try:
             prompts = req.prompt_inputs()
         except ValueError as exc:
-            raise ApiError(str(exc), param="prompt")
+            raise ApiError(str(exc), param="prompt") from exc
         return await self.off_loop(lambda: [self.prompt_tokens(p) for p in prompts])
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[list[int]]:
@@ -166,7 +166,7 @@ class RequestTranslator:
                 msgs, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except ValueError as exc:  # no template, or the template refused the messages
-            raise ApiError(str(exc), param="messages")
+            raise ApiError(str(exc), param="messages") from exc
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def refuse_if_unservable(self, prompt_ids: list[int], max_tokens: int) -> None:
@@ -190,7 +190,7 @@ class RequestTranslator:
         try:
             params = req.sampling_params(default_max_tokens=16)
         except ValueError as exc:
-            raise ApiError(str(exc))
+            raise ApiError(str(exc)) from exc
         n = params.n
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(
@@ -200,15 +200,18 @@ class RequestTranslator:
         for prompt_ids in prompts:
             self.refuse_if_unservable(prompt_ids, params.max_tokens)
         kv_params = req.kv_params_dict()
-        if kv_params is not None and len(prompts) * n > 1:
-            # n choices of one prompt may load its prefill: the first loads it, the others
-            # start once it has (then the prompt is in this engine's prefix cache).
-            if len(prompts) > 1 or not kv_params.get("do_remote_prefill"):
-                raise ApiError(
-                    "kv_transfer_params: only with one prompt, and with n>1 only to load a "
-                    "remote prefill (do_remote_prefill)",
-                    param="kv_transfer_params",
-                )
+        # n choices of one prompt may load its prefill: the first loads it, the others start
+        # once it has (then the prompt is in this engine's prefix cache).
+        if (
+            kv_params is not None
+            and len(prompts) * n > 1
+            and (len(prompts) > 1 or not kv_params.get("do_remote_prefill"))
+        ):
+            raise ApiError(
+                "kv_transfer_params: only with one prompt, and with n>1 only to load a "
+                "remote prefill (do_remote_prefill)",
+                param="kv_transfer_params",
+            )
         return [
             ChoiceRequest(
                 index=p * n + i,

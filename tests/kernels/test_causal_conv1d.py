@@ -134,7 +134,7 @@ def test_update_triton_through_ops(device, monkeypatch):
 
 
 def test_conv_ops_reject_bad_inputs():
-    weight, bias, gen = _conv(2, 8, 4, F32)
+    weight, bias, _gen = _conv(2, 8, 4, F32)
     x = torch.randn(2, 8, 1)
     with pytest.raises(ValueError, match="needs >= 3"):
         ops.causal_conv1d_update(x, torch.zeros(2, 8, 2), weight, bias)
@@ -152,7 +152,7 @@ def test_conv_ops_reject_bad_inputs():
 def test_update_full_size_gpu(dtype):
     """Qwen3.5-sized conv channels (2*16*128 + 32*128), batch 128 out of a 200-row pool."""
     channels = 2 * 16 * 128 + 32 * 128
-    weight, bias, gen = _conv(128, channels, 4, dtype, "cuda")
+    weight, bias, _gen = _conv(128, channels, 4, dtype, "cuda")
     x = torch.randn(128, channels, device="cuda", dtype=dtype)
     pool = torch.randn(200, channels, 3, device="cuda", dtype=dtype)
     indices = torch.randperm(200, device="cuda")[:128]

@@ -180,7 +180,7 @@ def test_gdn_ops_reject_bad_inputs():
         ops.gated_delta_rule_prefill(q, k, v, g, beta, state[:1])
     with pytest.raises(ValueError, match="one token per request"):
         ops.gated_delta_rule_decode(q, k, v, g, beta, state)
-    with pytest.raises(ValueError, match="g .* must be"):
+    with pytest.raises(ValueError, match=r"g .* must be"):
         ops.gated_delta_rule_decode(q[:, 0], k[:, 0], v[:, 0], g[:, 0, :2], beta[:, 0], state)
     with pytest.raises(ValueError, match="state_indices has 1 entries"):
         ops.gated_delta_rule_decode(
@@ -213,7 +213,7 @@ def test_decode_full_size_gpu(dtype):
 @requires_cuda
 def test_prefill_full_size_gpu():
     """The CUDA prefill path (fla-core when installed) against the recurrent reference."""
-    q, k, v, g, beta, state = _inputs(1, 3000, 16, 32, 128, 128, BF16, "cuda")
+    q, k, v, g, beta, _state = _inputs(1, 3000, 16, 32, 128, 128, BF16, "cuda")
     cu = torch.tensor([0, 1000, 1100, 3000], dtype=torch.int32, device="cuda")
     init = torch.randn(3, 32, 128, 128, device="cuda") * 0.1
     out, final = ops.gated_delta_rule_prefill(q, k, v, g, beta, init, cu_seqlens=cu)

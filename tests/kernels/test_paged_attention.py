@@ -22,13 +22,13 @@ def force_triton(monkeypatch):
 
 def _batch(device, dtype, block_size, num_kv_heads, group, head_dim, q_lens, context_lens, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    seq_lens = [q + c for q, c in zip(q_lens, context_lens)]
+    seq_lens = [q + c for q, c in zip(q_lens, context_lens, strict=True)]
     num_blocks = sum((s + block_size - 1) // block_size for s in seq_lens) + 3
     _, k_cache, v_cache = paged_cache(
         num_blocks, 2, block_size, num_kv_heads, head_dim, dtype, device
     )
     tables = batch_tables(seq_lens, block_size, num_blocks, device, gen)
-    starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, dtype=dtype, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, tables, starts, lens

@@ -33,18 +33,18 @@ def naive_attention(q, keys, values, q_positions, scale, window):
 )
 def test_reference_matches_naive_definition(q_lens, context_lens, group, window, dtype):
     block_size, num_kv_heads, head_dim = 8, 2, 16
-    seq_lens = [q + c for q, c in zip(q_lens, context_lens)]
+    seq_lens = [q + c for q, c in zip(q_lens, context_lens, strict=True)]
     num_blocks = sum((s + block_size - 1) // block_size for s in seq_lens) + 2
     _, k_cache, v_cache = paged_cache(
         num_blocks, 1, block_size, num_kv_heads, head_dim, dtype, "cpu", layer=0
     )
     tables = batch_tables(seq_lens, block_size, num_blocks, "cpu", torch.Generator().manual_seed(1))
-    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim).to(dtype)
     out = paged_attention_reference(
         q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int32), 0.3, window
     )
-    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
         if q_len == 0:
             continue
         slots = [

@@ -25,7 +25,7 @@ def _check_against_naive(
     k_cache=None,
     v_cache=None,
 ):
-    seq_lens = [q + c for q, c in zip(q_lens, context_lens)]
+    seq_lens = [q + c for q, c in zip(q_lens, context_lens, strict=True)]
     num_blocks = sum((s + block_size - 1) // block_size for s in seq_lens) + 2
     if k_cache is None:
         _, k_cache, v_cache = paged_cache(
@@ -34,13 +34,13 @@ def _check_against_naive(
     tables = batch_tables(
         seq_lens, block_size, k_cache.shape[0], "cpu", torch.Generator().manual_seed(3)
     )
-    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim).to(dtype)
     out = paged_attention_reference(
         q, k_cache, v_cache, tables, starts, torch.tensor(seq_lens, dtype=torch.int32), 0.25, window
     )
     assert out.shape == q.shape and out.dtype == dtype
-    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
         if q_len == 0:
             continue
         slots = [
@@ -65,7 +65,9 @@ def test_decode_groups_partition_by_length():
     assert sorted(b for g in groups for b in g) == decodes
     maxima = [max(lens[b] for b in g) for g in groups]
     minima = [min(lens[b] for b in g) for g in groups]
-    assert all(hi <= lo for hi, lo in zip(maxima, minima[1:])), "groups follow the length order"
+    assert all(hi <= lo for hi, lo in zip(maxima, minima[1:], strict=False)), (
+        "groups follow the length order"
+    )
     similar = [100, 101, 103, 99, 102, 100]
     assert reference._decode_groups(list(range(6)), similar, 16) == [list(range(6))]
     assert reference._decode_groups([], [], 16) == []

@@ -96,13 +96,13 @@ def test_pdpool_engine_command_advertises_the_pod_ip():
     decode = container(kids[("Deployment", "demo-decode")], "engine")
     argv = prefill["command"]
     assert argv[:3] == ["pdpool", "serve", "/models/qwen3"]
-    flags = dict(zip(argv[3::2], argv[4::2]))
+    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
     assert flags["--kv-host"] == "$(POD_IP)" and flags["--kv-role"] == "producer"
     assert flags["--host"] == "0.0.0.0" and flags["--kv-port"] == "5600"
     assert flags["--global-cache-hit-threshold"] == "0"
     # Default peers: the pool's own pods (its headless Services), not the private ranges.
     assert flags["--kv-peer-allowlist"] == "demo-prefill.llm.svc,demo-decode.llm.svc"
-    decode_flags = dict(zip(decode["command"][3::2], decode["command"][4::2]))
+    decode_flags = dict(zip(decode["command"][3::2], decode["command"][4::2], strict=False))
     assert decode_flags["--kv-role"] == "consumer"
     assert decode_flags["--global-cache-hit-threshold"] == "0.7"
     pod_ip = env_map(prefill)["POD_IP"]
@@ -162,7 +162,7 @@ def test_decode_pod_has_the_sidecar_reading_the_router_config_map():
     assert sidecar["image"] == "slim:1"
     argv = sidecar["command"]
     assert argv[:2] == ["pdpool", "sidecar"]
-    flags = dict(zip(argv[2::2], argv[3::2]))
+    flags = dict(zip(argv[2::2], argv[3::2], strict=False))
     assert flags["--host"] == "0.0.0.0" and flags["--port"] == "8080"
     assert flags["--decode-url"] == "http://127.0.0.1:8000"
     config = kids[("ConfigMap", "demo-router")]["data"]

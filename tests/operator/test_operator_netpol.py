@@ -36,7 +36,7 @@ NAMESPACES = {
 
 def pool_pod(pool, role, ns="llm"):
     return Pod(
-        f"{pool}-{role}" if pool == "demo" else f"{pool}-{role}",
+        f"{pool}-{role}",
         ns,
         {"pdpool.io/pool": pool, "pdpool.io/role": role, "app.kubernetes.io/name": "pdpool"},
         ip="10.1.0.1",
@@ -159,7 +159,7 @@ def format_table(table):
         "from \\ to".ljust(16)
         + " ".join(f"{t.replace('demo-', '')[:3]}:{p}".ljust(8) for t, _k, p in TARGETS)
     ]
-    for name, label in zip(names, short):
+    for name, label in zip(names, short, strict=True):
         lines.append(
             label.ljust(16)
             + " ".join(("yes" if name in table[(t, p)] else "-").ljust(8) for t, _, p in TARGETS)

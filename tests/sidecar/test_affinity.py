@@ -10,7 +10,7 @@ def test_turns_of_a_conversation_share_a_key():
         {"role": "system", "content": "You are terse. " * 10},
         {"role": "user", "content": "tell me about ships " * 10},
     ]
-    turn2 = history + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    turn2 = [*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     assert affinity_key({"messages": history}) == affinity_key({"messages": turn2})
     other = [
         {"role": "system", "content": "You are terse. " * 10},
@@ -45,6 +45,6 @@ def test_route_order_prefers_owner_spills_when_overloaded_and_skips_unhealthy():
     order, preferred = route_order(ring, "conv-1", busy.get, lambda b: True)
     assert order[0] == walk[1] and not preferred and set(order) == set(walk)
     order, preferred = route_order(ring, "conv-1", idle.get, lambda b: b != owner)
-    assert order == walk[1:] + [owner] and preferred
+    assert order == [*walk[1:], owner] and preferred
     order, preferred = route_order(ring, "conv-1", idle.get, lambda b: False)
     assert order == walk and not preferred

@@ -157,7 +157,7 @@ def wait_for(predicate, timeout_s: float) -> float:
 
 
 def test_frozen_prefill_engine_is_ejected_within_seconds(topo, model):
-    p0, p1 = topo.by_role("prefill")
+    p0, _p1 = topo.by_role("prefill")
     sidecars = topo.by_role("sidecar")
     label = f'endpoint="127.0.0.1:{p0.port}"'
     results = []
@@ -223,7 +223,7 @@ def test_frozen_decode_engine_is_ejected_and_its_stream_moves_on(topo, model):
         t_freeze.append(time.monotonic())
 
     try:
-        text, usage, _ = stream_with_fault(
+        text, _usage, _ = stream_with_fault(
             topo, "/v1/completions", {**body, "stream": True}, freeze
         )
         print(

@@ -59,7 +59,7 @@ def direct_chat(url, model, messages, max_tokens):
 
 def test_greedy_outputs_match_one_aggregated_engine(client, urls):
     model = model_name(urls["gateway"])
-    for i, prompt in enumerate(["The quick brown fox " * 12, "Once upon a time " * 20]):
+    for prompt in ["The quick brown fox " * 12, "Once upon a time " * 20]:
         expected = direct_completion(urls["prefill"], model, prompt=prompt, max_tokens=8)
         got = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
         assert got.choices[0].text == expected

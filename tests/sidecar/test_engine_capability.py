@@ -98,7 +98,7 @@ async def test_engine_that_cannot_reject_is_disaggregated_by_length(servers, set
 
 
 async def test_length_is_configurable(servers):
-    decode, prefill, sidecar, side = await _topology(
+    _decode, prefill, _sidecar, side = await _topology(
         servers, honours=False, engine_rejects="no", prefill_min_prompt_tokens=1
     )
     async with httpx.AsyncClient() as c:
@@ -107,7 +107,7 @@ async def test_length_is_configurable(servers):
 
 
 async def test_engine_that_rejects_is_probed_and_keeps_decode_first(servers):
-    decode, prefill, sidecar, side = await _topology(servers, honours=True)
+    decode, _prefill, sidecar, side = await _topology(servers, honours=True)
     await _wait_known(sidecar)
     assert sidecar.capability.known is True and decode.state.probes == 1
     async with httpx.AsyncClient() as c:

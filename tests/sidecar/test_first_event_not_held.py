@@ -161,7 +161,7 @@ async def test_first_event_reaches_the_client_while_the_upstream_pauses(servers,
     it owes, the probe's included): the client has that first event during the pause."""
     upstream = GatedUpstream()
     upstream.models_gate.set()
-    sidecar, side = await _sidecar(servers, upstream, engine_rejects)
+    _, side = await _sidecar(servers, upstream, engine_rejects)
     first_seen = asyncio.Event()
     async with httpx.AsyncClient(timeout=60) as c:
         task = asyncio.ensure_future(

@@ -33,7 +33,7 @@ def conversation(i, turns):
             {"role": "user", "content": f"question {t}"},
             {"role": "assistant", "content": f"answer {t}"},
         ]
-    return msgs + [{"role": "user", "content": "next"}]
+    return [*msgs, {"role": "user", "content": "next"}]
 
 
 async def test_conversations_stick_to_one_sidecar_and_spread_across_them(servers):

@@ -24,7 +24,7 @@ async def raw_server(handler):
 async def read_request(reader):
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.split(b"\r\n")
-    length = int([h for h in lines if h.lower().startswith(b"content-length")][0].split(b":")[1])
+    length = int(next(h for h in lines if h.lower().startswith(b"content-length")).split(b":")[1])
     return head, await reader.readexactly(length)
 
 

@@ -142,7 +142,7 @@ def test_engines_silent_so_far_are_known_empty_and_a_cold_burst_spreads():
     pubs = [publisher() for _ in range(2)]
     router = KVRouter(BS, expect_s=60.0)
     try:
-        for name, (_, port, replay_port) in zip("ab", pubs):
+        for name, (_, port, replay_port) in zip("ab", pubs, strict=True):
             router.subscribe(name, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}")
         assert router.index.knows("a") and router.index.knows("b")
         prompts = [[p * 100 + i for i in range(64)] for p in range(4)]

@@ -140,7 +140,7 @@ def test_a_burst_on_a_new_prefix_goes_to_one_engine():
     system = [rng.randrange(3, 500) for _ in range(160)]
     in_flight = {"a": 0, "b": 0, "c": 0}
     chosen = []
-    for i in range(6):
+    for _ in range(6):
         d = router.decide(
             ["a", "b", "c"], system + [rng.randrange(3, 500) for _ in range(20)], in_flight.get
         )

@@ -50,7 +50,7 @@ def expected_text(words, n):
 
 
 async def test_warm_prompt_is_served_by_decode_alone(servers):
-    decode, (prefill,), sidecar, side = await topology(servers)
+    decode, (prefill,), _sidecar, side = await topology(servers)
     prompt = HISTORY
     decode.state.store(prompt.split())
     async with httpx.AsyncClient() as c:
@@ -64,7 +64,7 @@ async def test_warm_prompt_is_served_by_decode_alone(servers):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_cold_prompt_is_rejected_prefilled_remotely_and_decoded(servers, stream):
-    decode, (prefill,), sidecar, side = await topology(servers)
+    decode, (prefill,), _sidecar, side = await topology(servers)
     body = (
         {
             "prompt": HISTORY,
@@ -112,7 +112,7 @@ async def test_cold_prompt_is_rejected_prefilled_remotely_and_decoded(servers, s
 
 
 async def test_streamed_chat_is_rejected_after_role_chunk_and_completed(servers):
-    decode, (prefill,), sidecar, side = await topology(servers)
+    _decode, (_prefill,), _sidecar, side = await topology(servers)
     messages = [{"role": "user", "content": HISTORY}]
     async with httpx.AsyncClient() as c:
         r = await c.post(
@@ -134,7 +134,7 @@ async def test_streamed_chat_is_rejected_after_role_chunk_and_completed(servers)
 
 
 async def test_turn_with_long_new_message_pulls_history_from_decode(servers):
-    decode, (prefill,), sidecar, side = await topology(servers, cache_hit_threshold=0.8)
+    decode, (prefill,), _sidecar, side = await topology(servers, cache_hit_threshold=0.8)
     decode.state.store(HISTORY.split())
     long_turn = HISTORY + " " + " ".join(f"n{i}" for i in range(40))
     async with httpx.AsyncClient() as c:
@@ -155,7 +155,7 @@ async def test_turn_with_long_new_message_pulls_history_from_decode(servers):
 
 
 async def test_no_pull_when_disabled(servers):
-    decode, (prefill,), sidecar, side = await topology(
+    decode, (prefill,), _sidecar, side = await topology(
         servers, pull_from_decode=False, cache_hit_threshold=0.8
     )
     decode.state.store(HISTORY.split())
@@ -168,7 +168,7 @@ async def test_no_pull_when_disabled(servers):
 
 
 async def test_prefill_down_retries_next_then_falls_back_to_decode(servers):
-    decode, (p0, p1), sidecar, side = await topology(servers, n_prefill=2)
+    decode, (p0, p1), _sidecar, side = await topology(servers, n_prefill=2)
     p0.state.fail_status = 500
     async with httpx.AsyncClient() as c:
         results = [
@@ -196,7 +196,7 @@ async def test_prefill_down_retries_next_then_falls_back_to_decode(servers):
 
 async def test_unreachable_and_hanging_prefill_fall_back_in_bounded_time(servers):
     dead = f"127.0.0.1:{free_port()}"
-    decode, (hanging,), sidecar, side = await topology(servers, prefill_timeout=0.5)
+    _decode, (hanging,), sidecar, side = await topology(servers, prefill_timeout=0.5)
     sidecar.endpoints._static.insert(0, dead)
     hanging.state.hang = True
     started = time.monotonic()
@@ -209,7 +209,7 @@ async def test_unreachable_and_hanging_prefill_fall_back_in_bounded_time(servers
 
 
 async def test_prefiller_header_must_name_a_known_prefill_engine(servers):
-    decode, (p0, p1), sidecar, side = await topology(servers, n_prefill=2)
+    decode, (p0, p1), _sidecar, side = await topology(servers, n_prefill=2)
     async with httpx.AsyncClient() as c:
         bad = await c.post(
             side.url + "/v1/completions",
@@ -237,7 +237,7 @@ async def test_prefiller_header_must_name_a_known_prefill_engine(servers):
 
 async def test_prefiller_header_list_as_llm_d(servers):
     """llm-d's comma-separated list (or repeated header lines): every entry must be allowed."""
-    decode, (p0, p1), sidecar, side = await topology(servers, n_prefill=2)
+    _decode, (p0, p1), _sidecar, side = await topology(servers, n_prefill=2)
     ok1, ok0 = f"127.0.0.1:{p1.state.port}", f"127.0.0.1:{p0.state.port}"
     body = {"prompt": HISTORY, "max_tokens": 2}
     async with httpx.AsyncClient() as c:
@@ -278,7 +278,7 @@ async def test_prefiller_header_list_as_llm_d(servers):
 
 
 async def test_client_kv_transfer_params_never_reach_an_engine(servers):
-    decode, (prefill,), sidecar, side = await topology(servers)
+    decode, (prefill,), _sidecar, side = await topology(servers)
     evil = {
         "do_remote_prefill": True,
         "remote_engine_id": "x",
@@ -311,7 +311,7 @@ async def test_client_kv_transfer_params_never_reach_an_engine(servers):
     ],
 )
 async def test_malformed_bodies_get_openai_400s(servers, content, status):
-    decode, _, sidecar, side = await topology(servers)
+    decode, _, _sidecar, side = await topology(servers)
     async with httpx.AsyncClient() as c:
         r = await c.post(
             side.url + "/v1/chat/completions",
@@ -325,7 +325,7 @@ async def test_malformed_bodies_get_openai_400s(servers, content, status):
 
 
 async def test_engine_4xx_passes_through(servers):
-    decode, _, sidecar, side = await topology(servers)
+    decode, _, _sidecar, side = await topology(servers)
     decode.state.fail_status = 422
     async with httpx.AsyncClient() as c:
         r = await c.post(side.url + "/v1/completions", json={"prompt": "x"})
@@ -333,17 +333,19 @@ async def test_engine_4xx_passes_through(servers):
 
 
 async def test_client_disconnect_mid_stream_cancels_decode(servers):
-    decode, _, sidecar, side = await topology(servers)
+    decode, _, _sidecar, side = await topology(servers)
     decode.state.store(HISTORY.split())
     decode.state.token_delay_s = 0.05
-    async with httpx.AsyncClient() as c:
-        async with c.stream(
+    async with (
+        httpx.AsyncClient() as c,
+        c.stream(
             "POST",
             side.url + "/v1/completions",
             json={"prompt": HISTORY, "max_tokens": 200, "stream": True},
-        ) as r:
-            async for _ in r.aiter_raw():
-                break  # first chunk, then hang up
+        ) as r,
+    ):
+        async for _ in r.aiter_raw():
+            break  # first chunk, then hang up
     for _ in range(100):
         if decode.state.cancelled:
             break
@@ -404,7 +406,7 @@ async def test_decode_down_is_503_and_a_restarted_decode_is_retried(servers):
 
 @pytest.mark.parametrize("mode", ["prefill-first", "aggregated"])
 async def test_other_modes(servers, mode):
-    decode, (prefill,), sidecar, side = await topology(servers, mode=mode)
+    decode, (prefill,), _sidecar, side = await topology(servers, mode=mode)
     decode.state.store(HISTORY.split())
     async with httpx.AsyncClient() as c:
         r = await c.post(
@@ -423,7 +425,7 @@ async def test_other_modes(servers, mode):
 
 
 async def test_decode_dying_before_the_first_token_is_retried(servers):
-    decode, _, sidecar, side = await topology(servers)
+    decode, _, _sidecar, side = await topology(servers)
     decode.state.store(HISTORY.split())
     decode.state.drop_streams = 2
     async with httpx.AsyncClient() as c:
@@ -437,7 +439,7 @@ async def test_decode_dying_before_the_first_token_is_retried(servers):
 
 
 async def test_decode_dying_for_good_is_an_openai_503(servers):
-    decode, _, sidecar, side = await topology(servers, decode_retry_s=0.3)
+    decode, _, _sidecar, side = await topology(servers, decode_retry_s=0.3)
     decode.state.store(HISTORY.split())
     decode.state.drop_streams = 1000
     async with httpx.AsyncClient() as c:
@@ -452,7 +454,7 @@ async def test_a_stream_that_arrives_in_one_read_reaches_the_client_whole(server
     """Decode's whole answer in one network read: the events after the one that decides
     decode-first are relayed too (an accepted stream), or searched for kv params (a
     rejected one)."""
-    decode, (prefill,), sidecar, side = await topology(servers)
+    decode, (prefill,), _sidecar, side = await topology(servers)
     decode.state.coalesce = True
     words = HISTORY.split()
     if warm:

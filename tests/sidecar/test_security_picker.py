@@ -89,7 +89,6 @@ def test_picker_spreads_ties_and_honours_preferred():
 
 def test_picker_releases_on_error():
     picker = LoadPicker()
-    with pytest.raises(RuntimeError):
-        with picker.track("a:1"):
-            raise RuntimeError()
+    with pytest.raises(RuntimeError), picker.track("a:1"):
+        raise RuntimeError()
     assert picker.in_flight("a:1") == 0

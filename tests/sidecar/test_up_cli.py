@@ -89,7 +89,7 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
             client.completions.create(
                 model=model, prompt="same conversation " * 20 + "turn " * turn, max_tokens=2
             )
-        grew = [sidecar_requests(u) - b for u, b in zip(sidecars, before)]
+        grew = [sidecar_requests(u) - b for u, b in zip(sidecars, before, strict=True)]
         assert sorted(grew) == [0, 3]
         body_done = True
     finally:

@@ -43,7 +43,7 @@ def hf_greedy(model, prompt: list[int], max_new: int):
 def run_engine_recording_first_logits(engine, prompts, params):
     """Runs prompts concurrently; returns output tokens and each one's first-token logits."""
     ids = [f"p{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
+    for rid, p in zip(ids, prompts, strict=True):
         engine.add_request(rid, p, params)
     tokens = {rid: [] for rid in ids}
     first_logits = {}
@@ -57,7 +57,7 @@ def run_engine_recording_first_logits(engine, prompts, params):
 
 def compare(hf_model, prompts, engine_tokens, engine_first_logits, max_new) -> ParityReport:
     report = ParityReport()
-    for i, (prompt, got) in enumerate(zip(prompts, engine_tokens)):
+    for i, (prompt, got) in enumerate(zip(prompts, engine_tokens, strict=True)):
         ref, ref_logits = hf_greedy(hf_model, prompt, max_new)
         diff = (engine_first_logits[i] - ref_logits[0]).abs().max().item()
         report.max_logit_diff = max(report.max_logit_diff, diff)
@@ -67,7 +67,7 @@ def compare(hf_model, prompts, engine_tokens, engine_first_logits, max_new) -> P
         report.compared += 1
         if got == ref:
             continue
-        step = next(j for j, (a, b) in enumerate(zip(got, ref)) if a != b)
+        step = next(j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b)
         top2 = ref_logits[step].topk(2).values
         gap = (top2[0] - top2[1]).item()
         assert gap < LOGIT_ATOL, (

@@ -7,6 +7,7 @@ same code an engine runs, minus the model.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -130,10 +131,8 @@ class PeerProcess:
     def request_stop(self):
         """Ask the peer to close its transport and exit (without waiting)."""
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(OSError):
                 self.conn.send(("stop",))
-            except OSError:
-                pass
 
     def stop(self):
         self.request_stop()

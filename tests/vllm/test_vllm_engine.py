@@ -88,10 +88,10 @@ def stack(tiny_qwen3, vllm_bin, tmp_path_factory):
                 "--prefill-timeout",
                 "120",
             )
-            fh = open(logs / f"sidecar-{mode}.log", "wb")
-            proc = subprocess.Popen(
-                argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            with open(logs / f"sidecar-{mode}.log", "wb") as fh:  # the child holds its copy
+                proc = subprocess.Popen(
+                    argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+                )
             extra[mode] = (proc, f"http://127.0.0.1:{port}")
         for proc, url in extra.values():
             wait_healthy(url, proc, timeout=60)

@@ -34,25 +34,25 @@ def engines(vllm_bin, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-qwen3_5-logs")
     ours = EngineProcess(model, logs, "--dtype", "bfloat16")
     port = free_port()
-    log = open(logs / "vllm.log", "wb")
-    theirs = subprocess.Popen(
-        [
-            vllm_bin,
-            "serve",
-            str(model),
-            "--port",
-            str(port),
-            "--served-model-name",
-            model.name,
-            *VLLM_ARGS,
-            "--dtype",
-            "bfloat16",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, **VLLM_ENV},
-    )
+    with open(logs / "vllm.log", "wb") as log:  # the child holds its own copy
+        theirs = subprocess.Popen(
+            [
+                vllm_bin,
+                "serve",
+                str(model),
+                "--port",
+                str(port),
+                "--served-model-name",
+                model.name,
+                *VLLM_ARGS,
+                "--dtype",
+                "bfloat16",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **VLLM_ENV},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, theirs, timeout=600, log=logs / "vllm.log")
@@ -90,7 +90,9 @@ def test_default_tiny_qwen3_5_runs_on_vllm(engines):
         ours = greedy_ids(engines["ours"], engines["model"], prompt)
         assert len(theirs) == len(ours) == 16
         agree += theirs[0] == ours[0]
-        same_prefix.append(next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), 16))
+        same_prefix.append(
+            next((i for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if a != b), 16)
+        )
     print(f"\nbfloat16 Qwen3.5: greedy tokens equal for the first {same_prefix} of 16")
     assert agree >= 2, same_prefix
     assert httpx.get(engines["vllm"] + "/health", timeout=10).status_code == 200

@@ -4,24 +4,27 @@
     python benchmarks/engine_vs_vllm.py --shapes small --rounds 1
     python benchmarks/engine_vs_vllm.py --shapes long,burst   # long prompts, no prefix reuse
 
+Results: benchmarks/results/engine_vs_vllm.json, one entry per shape (a run replaces the
+shapes it ran and keeps the others).
+
 Workload: 64 concurrent streaming greedy /v1/completions (token-id prompts of 16-256 tokens,
 outputs of 8-128 tokens with ignore_eos; one seeded random draw shared by both engines).
 Each engine runs alone: the other server is SIGSTOPped during a round; rounds alternate
 (ours, vLLM, ours, ...) and the best of N counts. Reported: output tokens/s (all output
-tokens / wall time of the round), TTFT p50/p90 of that round, output tokens per CPU second
-of the server's processes (steadier than wall time when the machine is shared), tokens per
-streamed event (both servers send what waits for a reader that fell behind in one event),
-and how many of the 64 greedy outputs are equal between the engines, as token ids and as
-text (float32 both; vLLM on CPU with --enforce-eager). On these random token-id prompts
-vLLM's streamed text is not always tokenizer.decode(its own token ids) (its incremental
-detokenizer starts from the prompt's bytes), so the token ids are the comparison that
-counts; ours is decode(ids).
+tokens / wall time of the round) and their ratio (pdpool / vLLM), TTFT p50/p90 of that
+round, output tokens per CPU second of the server's processes (steadier than wall time when
+the machine is shared), tokens per streamed event (both servers send what waits for a reader
+that fell behind in one event), and how many of the 64 greedy outputs are equal between the
+engines, as token ids and as text (float32 both; vLLM on CPU with --enforce-eager). On these
+random token-id prompts vLLM's streamed text is not always tokenizer.decode(its own token
+ids) (its incremental detokenizer starts from the prompt's bytes), so the token ids are the
+comparison that counts; ours is decode(ids).
 Shapes: small = 2 layers, hidden 64, head_dim 32; large = 4 layers, hidden 512, head_dim 64.
-Both engines get their defaults, which now follow one policy: on this 2-core machine one
-core computes and one is left to the HTTP side. vLLM binds its OpenMP to one core and keeps
-one for its frontend process; pdpool serve gives torch (in its engine process) every usable
-core but one (its HTTP server process keeps it; --cpu-threads overrides). `--vllm-bind 0-1`
-changes vLLM's.
+Both engines get their defaults. vLLM binds its OpenMP to one core and keeps the other for
+its frontend process. pdpool serve gives torch (in its engine process) every usable core but
+one for decode steps, and every core for steps of 256 or more prompt tokens, through which
+its HTTP process idles (engine/cpu_threads.py; --cpu-threads and --cpu-prefill-threads
+override). `--vllm-bind 0-1` gives vLLM both cores.
 Both keep their prefix caches on (both defaults), and every round sends the same prompts:
 after the first round the full prompt blocks are cache hits in both engines, so the best
 round measures mostly decode (and TTFT mostly queueing behind the other requests).
@@ -371,10 +374,29 @@ def bench_shape(shape: str, args) -> dict:
         "all_tok_per_cpu_s": {
             k: [round(x["tok_per_cpu_s"], 1) for x in v] for k, v in rounds.items()
         },
+        "ratio": round(best["pdpool"]["tok_s"] / max(best["vllm"]["tok_s"], 1e-9), 3),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
         "equal_texts": same,
         "equal_token_ids": same_ids,
         "requests": len(work),
     }
+
+
+def write_results(results: list[dict]) -> None:
+    """Into engine_vs_vllm.json, replacing the shapes run and keeping the others' last run."""
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, "engine_vs_vllm.json")
+    try:
+        with open(path) as fh:
+            kept = [r for r in json.load(fh) if r.get("shape") not in {x["shape"] for x in results}]
+    except (OSError, ValueError):
+        kept = []
+    order = list(WORKLOADS)
+    merged = sorted(
+        kept + results, key=lambda r: order.index(r["shape"]) if r["shape"] in order else 99
+    )
+    with open(path, "w") as fh:
+        json.dump(merged, fh, indent=2)
 
 
 def main() -> int:
@@ -399,22 +421,21 @@ def main() -> int:
     for shape in args.shapes.split(","):
         results.append(bench_shape(shape, args))
     print(
-        "\n| shape | engine | output tok/s (best of %d) | TTFT p50 | TTFT p90 | TTFT p99 "
+        "\n| shape | engine | output tok/s (best of %d) | ratio | TTFT p50 | TTFT p90 | TTFT p99 "
         "| equal token ids | equal texts |" % args.rounds
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for res in results:
         for eng in ("pdpool", "vllm"):
             b = res["best"][eng]
             print(
-                f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | {b['ttft_p50'] * 1000:.0f} ms "
+                f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | "
+                f"{res['ratio'] if eng == 'pdpool' else 1:.2f} | {b['ttft_p50'] * 1000:.0f} ms "
                 f"| {b['ttft_p90'] * 1000:.0f} ms | {b['ttft_p99'] * 1000:.0f} ms "
                 f"| {res['equal_token_ids']}/{res['requests']} "
                 f"| {res['equal_texts']}/{res['requests']} |"
             )
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "engine_vs_vllm.json"), "w") as fh:
-        json.dump(results, fh, indent=2)
+    write_results(results)
     return 0
 
 

@@ -2,9 +2,11 @@
 
     python benchmarks/kernels_cpu_prefill_attention.py                 # 512-4096 tokens
     python benchmarks/kernels_cpu_prefill_attention.py --prompts 1024 --prefix 0 --repeats 3
+    python benchmarks/kernels_cpu_prefill_attention.py --threads 2    # kernel and matmul on 2
 
 One sequence per call, its prompt of N new tokens over a cached prefix of P tokens (0: a
-prompt from scratch), on one torch thread (the kernel's policy), shape of the engine_vs_vllm
+prompt from scratch), on --threads torch threads (the kernel deals its tiles over as many),
+shape of the engine_vs_vllm
 "large" model by default (8 query heads on 4 KV heads of 64, block size 16, block tables
 scattered over the cache). FLOPs count the causal work only: 4 * H * D per visible
 (query, key) pair. Columns:
@@ -16,7 +18,7 @@ scattered over the cache). FLOPs count the causal work only: 4 * H * D per visib
   matmul   torch.mm of [N, H*D] x [H*D, 3*H*D] (a QKV projection over the same tokens).
 Times are the minimum over the repeats (wall clock; the process's CPU time is in the JSON
 too: on a shared machine it is the steadier figure). Results go to
-benchmarks/results/kernels_cpu_prefill_attention.json.
+benchmarks/results/kernels_cpu_prefill_attention.json (_Nthreads.json for N > 1).
 """
 
 from __future__ import annotations
@@ -156,13 +158,18 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads, and the kernel's (results file _Nthreads)",
+    )
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--no-torch", action="store_true", help="skip the slow torch paths")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not kernel.usable_for(*setup(16, 0, args.heads, args.kv_heads, args.head_dim, 16)[:3]):
-        sys.exit("the kernel does not run here (no C compiler, or --threads > 1)")
+        sys.exit("the kernel does not run here (no C compiler, or PDPOOL_CPU_PREFILL_KERNEL=0)")
     points, rows = [], []
     for prefix in map(int, args.prefix.split(",")):
         for prompt in map(int, args.prompts.split(",")):
@@ -189,7 +196,7 @@ def main() -> int:
         f"GFLOP/s from the best of {args.repeats} (wall); load average {os.getloadavg()[0]:.1f}",
     )
     write_json(
-        "kernels_cpu_prefill_attention",
+        "kernels_cpu_prefill_attention" + ("" if args.threads == 1 else f"_{args.threads}threads"),
         {
             "shape": {
                 "heads": args.heads,

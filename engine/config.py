@@ -28,6 +28,8 @@ class EngineConfig:
     seed: int = 0
     # torch threads on CPU (None: torch's default; `pdpool serve` passes cpu_threads.py's)
     cpu_threads: Optional[int] = None
+    # torch threads for steps computing many prompt tokens (None: cpu_threads)
+    cpu_prefill_threads: Optional[int] = None
     # KV connector (P/D transfer)
     kv_connector: str = "none"
     kv_role: str = "both"
@@ -64,6 +66,8 @@ class EngineConfig:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("--cpu-threads must be >= 1")
+        if self.cpu_prefill_threads is not None and self.cpu_prefill_threads < 1:
+            raise ValueError("--cpu-prefill-threads must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -6,6 +6,11 @@ of the model waits for a worker that the server thread has just taken the core f
 small model's step becomes a queue of such waits. So the model gets every usable core but
 one, and the server keeps that one: as vLLM on CPU, which reserves a core per engine for
 its frontend and scheduler process. --cpu-threads, or else OMP_NUM_THREADS, overrides it.
+
+A step that computes many prompt tokens is different: its matmuls are large enough to split
+over every core, and while it runs the server (in its own process by default) has little
+to do. Such steps get every core (`serving_prefill_threads`); `StepThreads` switches torch
+between the two counts as the steps come. --cpu-prefill-threads overrides it.
 """
 
 from __future__ import annotations
@@ -52,3 +57,61 @@ def serving_cpu_threads(cores: Optional[int] = None, environ=os.environ) -> Opti
         return None
     cores = usable_cores() if cores is None else cores
     return max(1, cores - 1)
+
+
+def serving_prefill_threads(
+    cores: Optional[int] = None, environ=os.environ, engine_process: bool = True
+) -> Optional[int]:
+    """Torch threads for a step with many tokens to compute (prompt chunks): every core when
+    the engine runs in a process of its own, whose server process idles through such a
+    step; the decode count otherwise. None when OMP_NUM_THREADS is set."""
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = usable_cores() if cores is None else cores
+    return cores if engine_process else max(1, cores - 1)
+
+
+# A step computing at least this many tokens runs on the prefill thread count: its matmuls
+# have rows enough to split (at 256 tokens a layer's projections are ~100 M multiply-adds,
+# milliseconds on one core, where a parallel region costs microseconds). Smaller steps are
+# decodes, whose matmuls are too small to share and whose threads would wait on the
+# server's process for a core.
+WIDE_STEP_TOKENS = 256
+
+
+def step_thread_count(tokens: int, decode: int, prefill: int) -> int:
+    """The thread count for a step that computes `tokens` tokens."""
+    return prefill if tokens >= WIDE_STEP_TOKENS else decode
+
+
+class StepThreads:
+    """Sets torch's thread count before each step (only when it changes: a change costs a
+    few microseconds, a step milliseconds)."""
+
+    def __init__(self, decode: Optional[int], prefill: Optional[int]) -> None:
+        self.decode = decode or torch_threads()
+        self.prefill = prefill or self.decode
+        self.current = torch_threads()
+
+    def describe(self) -> str:
+        if self.prefill == self.decode:
+            return f"{self.decode} threads"
+        return f"{self.decode} threads ({self.prefill} for steps of {WIDE_STEP_TOKENS}+ tokens)"
+
+    def before_step(self, tokens: int) -> None:
+        wanted = step_thread_count(tokens, self.decode, self.prefill)
+        if wanted != self.current:
+            set_torch_threads(wanted)
+            self.current = wanted
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def set_torch_threads(count: int) -> None:
+    import torch
+
+    torch.set_num_threads(count)

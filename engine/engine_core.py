@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from pdpool.engine.config import EngineConfig
+from pdpool.engine.cpu_threads import StepThreads
 from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder, find_stop
 from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.models.base import head_dim_of
@@ -58,8 +59,11 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.info.name
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(self.info.config, config.dtype)
-        if self.device.type == "cpu" and config.cpu_threads:
-            torch.set_num_threads(config.cpu_threads)
+        self.step_threads: Optional[StepThreads] = None
+        if self.device.type == "cpu":
+            if config.cpu_threads:
+                torch.set_num_threads(config.cpu_threads)
+            self.step_threads = StepThreads(config.cpu_threads, config.cpu_prefill_threads)
         torch.manual_seed(config.seed)
         self.model = load_model(self.info, self.dtype, self.device)
         if tokenizer is None:
@@ -151,7 +155,7 @@ class LLMEngine:
             self.model_name,
             self.device,
             self.dtype,
-            f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else "",
+            f", {self.step_threads.describe()}" if self.step_threads is not None else "",
             num_blocks,
             bs,
             max_len,
@@ -359,6 +363,8 @@ class LLMEngine:
         self.last_step_idle = not out.scheduled
         if not out.scheduled:
             return outputs
+        if self.step_threads is not None:
+            self.step_threads.before_step(out.num_scheduled_tokens)
         try:
             result = self.runner.execute(out)
             self._forward_succeeded()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Optional
 
 from pdpool.cli import CliError
 
@@ -42,6 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="torch threads on CPU (default: $OMP_NUM_THREADS if set, else every usable "
         "core but one, which the HTTP server keeps; a cgroup CPU limit counts)",
+    )
+    p.add_argument(
+        "--cpu-prefill-threads",
+        type=int,
+        default=None,
+        help="torch threads on CPU for steps that compute 256 or more prompt tokens "
+        "(default: --cpu-threads if given, else $OMP_NUM_THREADS if set, else every usable "
+        "core with the engine in its own process, one fewer without)",
     )
     p.add_argument("--kv-connector", default="none", choices=["none", "nixl"])
     p.add_argument("--kv-role", default="both", choices=["producer", "consumer", "both"])
@@ -116,6 +125,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+def prefill_threads(args: argparse.Namespace) -> Optional[int]:
+    """--cpu-prefill-threads; else --cpu-threads (one count for every step); else the
+    policy's."""
+    from pdpool.engine.cpu_threads import serving_prefill_threads
+
+    if args.cpu_prefill_threads is not None:
+        return args.cpu_prefill_threads
+    if args.cpu_threads is not None:
+        return args.cpu_threads
+    return serving_prefill_threads(engine_process=args.engine_process)
+
+
 def config_from_args(args: argparse.Namespace):
     from pdpool.engine.config import EngineConfig, parse_size
     from pdpool.engine.cpu_threads import serving_cpu_threads
@@ -142,6 +163,7 @@ def config_from_args(args: argparse.Namespace):
         global_cache_hit_threshold=args.global_cache_hit_threshold,
         seed=args.seed,
         cpu_threads=serving_cpu_threads() if args.cpu_threads is None else args.cpu_threads,
+        cpu_prefill_threads=prefill_threads(args),
         kv_connector=args.kv_connector,
         kv_role=args.kv_role,
         kv_host=args.kv_host,

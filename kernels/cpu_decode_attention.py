@@ -7,9 +7,9 @@ once, where it lies, block by block: for each sequence and KV head, the scores o
 heads that share it (up to 4 at a time, each key row read from memory once for all; with AVX2,
 eight positions at once, their sums reduced together), a softmax per head, then the weighted
 sum of the values into output rows held in registers (the head size is a compile-time
-constant for 32, 64 and 128; any size up to 256 runs). One thread (the
-engine's CPU default when the cores are few); the caller uses it only when torch runs one
-thread, so a many-core engine keeps SDPA's parallelism. float32 only.
+constant for 32, 64 and 128; any size up to 256 runs). A batch with enough key positions
+is cut into runs of about equal positions, one per torch thread, run at once
+(cpu_parallel.py). float32 only.
 Measured on one layer, one thread, 34 decodes of 16-384 positions (the mix of
 benchmarks/engine_vs_vllm.py): 8 query heads on 4 KV heads of 64, 0.37 ms (shared key
 loads, one reduction per dot product: 0.52 ms; one query head per key load: 0.68-0.96 ms);

@@ -66,12 +66,12 @@ def paged_attention_reference(
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
     pure_decode = len(decodes) == len(lens) == q.shape[0]
     if pure_decode and cpu_decode_attention.usable_for(q, k_cache, v_cache):
-        # A pure decode step on one CPU thread: read the paged cache in place.
+        # A pure decode step on CPU: read the paged cache in place.
         return cpu_decode_attention.paged_decode_attention(
             q, k_cache, v_cache, block_tables, lens, scale, sliding_window
         )
     if not pure_decode and cpu_prefill_attention.usable_for(q, k_cache, v_cache):
-        # Prefill chunks on one CPU thread: one flash-style call for the whole batch, the
+        # Prefill chunks on CPU: one flash-style call for the whole batch, the
         # cache read in place; the decodes beside them go to the decode kernel (half the
         # time of the prefill kernel's mostly empty tiles for 16 decodes of 1000-3000).
         return _cpu_kernels(

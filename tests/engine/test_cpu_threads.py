@@ -1,5 +1,7 @@
-"""`pdpool serve` on CPU leaves one core to its HTTP server unless told otherwise: the
-policy's arithmetic, the cgroup limit it reads, and a real server that applies it."""
+"""`pdpool serve` on CPU leaves one core to its HTTP server for decode steps and gives steps
+with many prompt tokens every core, unless told otherwise: the policy's arithmetic, the
+cgroup limit it reads, the switch between the two counts as steps come, and a real server
+that applies it."""
 
 from __future__ import annotations
 
@@ -7,10 +9,19 @@ import argparse
 import re
 
 import pytest
+import torch
 
 from devtools.engine_procs import EngineProcess
 from pdpool.engine import serve_cli
-from pdpool.engine.cpu_threads import cgroup_quota_cores, serving_cpu_threads, usable_cores
+from pdpool.engine.cpu_threads import (
+    WIDE_STEP_TOKENS,
+    StepThreads,
+    cgroup_quota_cores,
+    serving_cpu_threads,
+    serving_prefill_threads,
+    step_thread_count,
+    usable_cores,
+)
 
 
 @pytest.mark.parametrize("cores,threads", [(1, 1), (2, 1), (3, 2), (16, 15)])
@@ -18,8 +29,36 @@ def test_all_cores_but_one_for_the_model(cores, threads):
     assert serving_cpu_threads(cores, environ={}) == threads
 
 
+@pytest.mark.parametrize("cores,in_process,threads", [(1, 1, 1), (2, 2, 1), (16, 16, 15)])
+def test_every_core_for_prompt_steps_when_the_engine_has_its_own_process(
+    cores, in_process, threads
+):
+    assert serving_prefill_threads(cores, environ={}) == in_process
+    assert serving_prefill_threads(cores, environ={}, engine_process=False) == threads
+
+
 def test_omp_num_threads_decides_when_set():
     assert serving_cpu_threads(8, environ={"OMP_NUM_THREADS": "3"}) is None
+    assert serving_prefill_threads(8, environ={"OMP_NUM_THREADS": "3"}) is None
+
+
+def test_steps_switch_between_the_two_counts():
+    assert step_thread_count(WIDE_STEP_TOKENS - 1, 1, 2) == 1
+    assert step_thread_count(WIDE_STEP_TOKENS, 1, 2) == 2
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        threads = StepThreads(1, 2)
+        seen = []
+        for tokens in (3000, 2048, 16, 1, WIDE_STEP_TOKENS):
+            threads.before_step(tokens)
+            seen.append(torch.get_num_threads())
+        assert seen == [2, 2, 1, 1, 2]
+        torch.set_num_threads(1)
+        unset = StepThreads(None, None)  # keeps torch's count for every step
+        assert unset.prefill == unset.decode == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(
@@ -56,13 +95,56 @@ def test_serve_passes_the_policy_unless_cpu_threads_is_given(monkeypatch):
     assert serve_cli.config_from_args(_args("--cpu-threads", "3")).cpu_threads == 3
 
 
+def test_serve_passes_the_prefill_policy_unless_a_count_is_given(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    prefill = lambda *argv: serve_cli.config_from_args(_args(*argv)).cpu_prefill_threads  # noqa: E731
+    assert prefill() == usable_cores()
+    assert prefill("--no-engine-process") == max(1, usable_cores() - 1)
+    assert prefill("--cpu-threads", "3") == 3  # one count for every step
+    assert prefill("--cpu-threads", "3", "--cpu-prefill-threads", "4") == 4
+
+
 def test_a_served_engine_runs_with_the_policys_threads(tiny_qwen3, tmp_path, monkeypatch):
     # EngineProcess pins OMP_NUM_THREADS=1 for tests; an explicit --cpu-threads wins over it,
     # and the engine says what it applied.
-    eng = EngineProcess(tiny_qwen3, tmp_path, "--cpu-threads", "2", "--log-level", "info")
+    eng = EngineProcess(
+        tiny_qwen3,
+        tmp_path,
+        "--cpu-threads",
+        "2",
+        "--cpu-prefill-threads",
+        "3",
+        "--log-level",
+        "info",
+    )
     try:
         eng.wait()
     finally:
         eng.stop()
     line = next(x for x in eng.log.read_text().splitlines() if "engine ready" in x)
-    assert re.search(r"\b2 threads\b", line), line
+    assert re.search(r"\b2 threads \(3 for steps of 256\+ tokens\)", line), line
+
+
+def test_an_engine_runs_prompt_steps_wide_and_decode_steps_narrow(tiny_qwen3):
+    from pdpool.engine.config import EngineConfig
+    from pdpool.engine.engine_core import LLMEngine
+    from pdpool.engine.sampling_params import SamplingParams
+
+    before = torch.get_num_threads()
+    try:
+        engine = LLMEngine(
+            EngineConfig(model=str(tiny_qwen3), device="cpu", cpu_threads=1, cpu_prefill_threads=2)
+        )
+        seen = []
+        execute = engine.runner.execute
+
+        def recording(out):
+            seen.append((out.num_scheduled_tokens, torch.get_num_threads()))
+            return execute(out)
+
+        engine.runner.execute = recording
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        engine.generate([list(range(3, 3 + WIDE_STEP_TOKENS + 40))], params)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [(WIDE_STEP_TOKENS + 40, 2), (1, 1), (1, 1)]

@@ -54,6 +54,17 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
+        """Raises ValueError, naming the flag, for the first setting that makes no sense."""
+        self._check_memory()
+        self._check_batching()
+        self.global_cache_hit_threshold = (
+            validate_threshold(self.global_cache_hit_threshold, "--global-cache-hit-threshold")
+            or 0.0
+        )
+        self._check_kv_transfer()
+        self._check_server()
+
+    def _check_memory(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -62,6 +73,8 @@ class EngineConfig:
             raise ValueError("--num-kv-blocks must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError("--kv-cache-memory must be positive")
+
+    def _check_batching(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be >= 1")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -80,10 +93,8 @@ class EngineConfig:
             raise ValueError(
                 "without chunked prefill, --max-num-batched-tokens must be >= --max-model-len"
             )
-        self.global_cache_hit_threshold = (
-            validate_threshold(self.global_cache_hit_threshold, "--global-cache-hit-threshold")
-            or 0.0
-        )
+
+    def _check_kv_transfer(self) -> None:
         if self.kv_connector not in ("none", "nixl"):
             raise ValueError(f"--kv-connector must be none or nixl, got {self.kv_connector!r}")
         if self.kv_role not in ("producer", "consumer", "both"):
@@ -102,6 +113,8 @@ class EngineConfig:
             load_secret(self.kv_secret_file)  # a bad secret stops the start, not a request
         if self.kv_pull_threshold < 0:
             raise ValueError("--kv-pull-threshold must be >= 0")
+
+    def _check_server(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1KiB")
         if self.kv_events_config:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,24 +36,29 @@ def resolve_dtype(config: dict, override: str | None) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> PagedCausalLM:
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors shards, on the CPU."""
     from safetensors.torch import load_file
 
-    module_name, cls_name = SUPPORTED[info.architecture].split(":")
-    cls = getattr(__import__(module_name, fromlist=[cls_name]), cls_name)
-    with torch.device("meta"):
-        model = cls(info.config)
-    model = model.to_empty(device=device)
-    shards = sorted(info.path.glob("*.safetensors"))
+    shards = sorted(path.glob("*.safetensors"))
     if not shards:
-        raise ModelLoadError(f"no *.safetensors files in {info.path}")
+        raise ModelLoadError(f"no *.safetensors files in {path}")
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
         try:
             state.update(load_file(str(shard), device="cpu"))
         except Exception as exc:  # safetensors' own error type: a truncated or foreign file
             raise ModelLoadError(f"{shard.name} is not a readable safetensors file: {exc}") from exc
-    state = text_weights(state)
+    return state
+
+
+def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> PagedCausalLM:
+    module_name, cls_name = SUPPORTED[info.architecture].split(":")
+    cls = getattr(__import__(module_name, fromlist=[cls_name]), cls_name)
+    with torch.device("meta"):
+        model = cls(info.config)
+    model = model.to_empty(device=device)
+    state = text_weights(_read_checkpoint(info.path))
     if getattr(model, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     params = dict(model.named_parameters())

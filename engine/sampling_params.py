@@ -13,6 +13,15 @@ MAX_LOGPROBS = 20
 MAX_N = 16
 
 
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """An int or float that is not a bool, nor NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -36,38 +45,41 @@ class SamplingParams:
         """Raises ValueError naming the offending field. The ranges are the HTTP API's
         (pdpool.protocol), so that direct engine users are held to the same; token ids are
         checked against `vocab_size` when given."""
-        for name in ("max_tokens", "top_k", "min_tokens", "n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"{name} must be a number, got {value!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int)
-            or not SEED_MIN <= self.seed <= SEED_MAX
-        ):
-            raise ValueError(
-                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
-            )
+        self._check_types()
         if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
                 f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
                 f"{MAX_TEMPERATURE}], got {self.temperature}"
             )
+        self._check_stop_token_ids(vocab_size)
+        self._check_ranges()
+        self._check_stop()
+
+    def _check_types(self) -> None:
+        for name in ("max_tokens", "top_k", "min_tokens", "n"):
+            value = getattr(self, name)
+            if not _is_integer(value):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and (
+            not _is_integer(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
+            )
+
+    def _check_stop_token_ids(self, vocab_size: Optional[int]) -> None:
         for t in self.stop_token_ids:
-            if (
-                isinstance(t, bool)
-                or not isinstance(t, int)
-                or t < 0
-                or (vocab_size is not None and t >= vocab_size)
-            ):
+            if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise ValueError(
                     f"stop_token_ids must be token ids in [0, "
                     f"{vocab_size or 'vocab size'}), got {t!r}"
                 )
+
+    def _check_ranges(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -85,6 +97,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+
+    def _check_stop(self) -> None:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of them")
         if len(self.stop) > MAX_STOP_STRINGS:

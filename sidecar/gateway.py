@@ -16,7 +16,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Iterator, Optional, Union
+from typing import Any, Awaitable, Iterable, Iterator, Optional, Union
 
 import httpx
 
@@ -603,55 +603,14 @@ class Gateway:
         try:
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
             if resp.status_code != 200:
-                if resp.status_code in RETRY_STATUSES and not last:
-                    return "server_error", f"answered {resp.status_code}"
-                try:
-                    content = await resp.aread()
-                except RETRYABLE as exc:
-                    return "broken", repr(exc)
-                if client["started"]:
-                    message = content.decode("utf-8", "replace")[:300]
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "more_body": False,
-                            "body": sse_error_event(resp.status_code, message),
-                        }
-                    )
-                    return None
-                await _send_whole(send, resp, content, backend)
-                return None
+                return await _relay_refusal(send, resp, backend, client, last)
             splitter = EventSplitter()
             try:
                 async for chunk in resp.aiter_raw():
                     leg.last_byte = loop.time()
-                    out: list[bytes] = []
-                    broken = None
-                    for event in splitter.feed(chunk):
-                        data = event_json(event)
-                        if data is DONE:
-                            state.done = True
-                            out.append(b"data: [DONE]\n\n")
-                            continue
-                        if not isinstance(data, dict):
-                            continue  # comments, keep-alives
-                        if "error" in data and not data.get("choices"):
-                            broken = str(data.get("error"))[:200]  # the sidecar's engine died
-                            break
-                        relayed = state.observe(data, continuation)
-                        if relayed is not None:
-                            out.append(json_event(relayed))
+                    out, broken = _relayed_events(splitter.feed(chunk), state, continuation)
                     if out:
-                        if not client["started"]:
-                            client["started"] = True
-                            headers = {
-                                k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP
-                            }
-                            headers[BACKEND_HEADER] = backend
-                            await send_start(send, 200, headers)
-                        await send(
-                            {"type": "http.response.body", "body": b"".join(out), "more_body": True}
-                        )
+                        await _relay_body(send, resp, backend, client, b"".join(out))
                     if broken is not None:
                         return "stream_error", broken
             except RETRYABLE as exc:
@@ -663,6 +622,66 @@ class Gateway:
         self.outliers.success(backend)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
+
+
+async def _relay_refusal(
+    send: Send, resp: Response, backend: str, client: dict[str, bool], last: bool
+) -> Attempt:
+    """A leg answered other than 200: retried elsewhere when it may be (and this is not the
+    last leg), else shown to the client: whole when nothing was sent yet, or as an error
+    event ending a stream already started."""
+    if resp.status_code in RETRY_STATUSES and not last:
+        return "server_error", f"answered {resp.status_code}"
+    try:
+        content = await resp.aread()
+    except RETRYABLE as exc:
+        return "broken", repr(exc)
+    if client["started"]:
+        message = content.decode("utf-8", "replace")[:300]
+        await send(
+            {
+                "type": "http.response.body",
+                "more_body": False,
+                "body": sse_error_event(resp.status_code, message),
+            }
+        )
+        return None
+    await _send_whole(send, resp, content, backend)
+    return None
+
+
+def _relayed_events(
+    events: Iterable[bytes], state: "migration.StreamState", continuation: bool
+) -> tuple[list[bytes], Optional[str]]:
+    """The events of one upstream chunk as the client gets them, and the error when the
+    chunk carries one that ends the leg (the sidecar's engine died)."""
+    out: list[bytes] = []
+    for event in events:
+        data = event_json(event)
+        if data is DONE:
+            state.done = True
+            out.append(b"data: [DONE]\n\n")
+            continue
+        if not isinstance(data, dict):
+            continue  # comments, keep-alives
+        if "error" in data and not data.get("choices"):
+            return out, str(data.get("error"))[:200]
+        relayed = state.observe(data, continuation)
+        if relayed is not None:
+            out.append(json_event(relayed))
+    return out, None
+
+
+async def _relay_body(
+    send: Send, resp: Response, backend: str, client: dict[str, bool], body: bytes
+) -> None:
+    """Relays a piece of the stream; the first one starts the client's response."""
+    if not client["started"]:
+        client["started"] = True
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
+        headers[BACKEND_HEADER] = backend
+        await send_start(send, 200, headers)
+    await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
 async def _send_whole(send: Send, resp: Response, content: bytes, backend: str) -> None:

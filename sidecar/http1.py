@@ -156,16 +156,8 @@ class Response:
                         self._keep_alive = self._keep_alive and not body.extra
                     if payload:
                         yield payload
-            elif "content-length" in self.headers:
-                left = int(self.headers["content-length"])
-                while left > 0:
-                    data = await self._read(reader, min(left, READ_SIZE))
-                    left -= len(data)
-                    self._done = left <= 0
-                    yield data
-            else:  # body until the server closes the connection
-                self._keep_alive = False
-                while data := await reader.read(READ_SIZE):
+            else:
+                async for data in self._unchunked(reader):
                     yield data
         except (
             asyncio.IncompleteReadError,
@@ -176,6 +168,21 @@ class Response:
             self._keep_alive = False
             raise UpstreamProtocolError(f"broken response body: {exc!r}") from None
         self._done = True
+
+    async def _unchunked(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+        """A body of a known length (complete as its last piece is handed out) or, without
+        one, all that comes until the server closes the connection."""
+        if "content-length" in self.headers:
+            left = int(self.headers["content-length"])
+            while left > 0:
+                data = await self._read(reader, min(left, READ_SIZE))
+                left -= len(data)
+                self._done = left <= 0
+                yield data
+        else:
+            self._keep_alive = False
+            while data := await reader.read(READ_SIZE):
+                yield data
 
     @staticmethod
     async def _read(reader: asyncio.StreamReader, size: int = READ_SIZE) -> bytes:

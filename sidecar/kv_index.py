@@ -114,34 +114,44 @@ class KVIndex:
                 st.ours.clear()
                 st.expected.clear()
                 st.known = True
-                continue
-            group = ev.group_idx
-            if isinstance(ev, BlockStored):
-                if (
-                    st.group is None
-                    and group is not None
-                    and ev.kv_cache_spec_kind in (None, "full_attention")
-                ):
-                    st.group = group
-                if group is not None and st.group is not None and group != st.group:
-                    continue
-                for k in self._our_keys(st, ev):
-                    st.blocks[k] = None
-                    st.blocks.move_to_end(k)
-                    st.expected.pop(k, None)
-                while len(st.blocks) > self.max_blocks:
-                    st.blocks.popitem(last=False)
-                while len(st.ours) > self.max_blocks:
-                    st.ours.popitem(last=False)
+            elif isinstance(ev, BlockStored):
+                self._stored(st, ev)
             elif isinstance(ev, BlockRemoved):
-                if group is not None and st.group is not None and group != st.group:
-                    continue
-                for h in ev.block_hashes:
-                    k = hash_key(h)
-                    digest = st.ours.pop(k, None)
-                    ours = hash_key(digest) if digest is not None else k
-                    st.blocks.pop(ours, None)
-                    st.expected.pop(ours, None)
+                self._removed(st, ev)
+
+    @staticmethod
+    def _other_group(st: EngineBlocks, group: Optional[int]) -> bool:
+        """The event is of a KV cache group other than the one this index follows."""
+        return group is not None and st.group is not None and group != st.group
+
+    def _stored(self, st: EngineBlocks, ev: BlockStored) -> None:
+        group = ev.group_idx
+        if (
+            st.group is None
+            and group is not None
+            and ev.kv_cache_spec_kind in (None, "full_attention")
+        ):
+            st.group = group
+        if self._other_group(st, group):
+            return
+        for k in self._our_keys(st, ev):
+            st.blocks[k] = None
+            st.blocks.move_to_end(k)
+            st.expected.pop(k, None)
+        while len(st.blocks) > self.max_blocks:
+            st.blocks.popitem(last=False)
+        while len(st.ours) > self.max_blocks:
+            st.ours.popitem(last=False)
+
+    def _removed(self, st: EngineBlocks, ev: BlockRemoved) -> None:
+        if self._other_group(st, ev.group_idx):
+            return
+        for h in ev.block_hashes:
+            k = hash_key(h)
+            digest = st.ours.pop(k, None)
+            ours = hash_key(digest) if digest is not None else k
+            st.blocks.pop(ours, None)
+            st.expected.pop(ours, None)
 
     @staticmethod
     def _our_keys(st: EngineBlocks, ev: BlockStored) -> list[int]:

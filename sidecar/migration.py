@@ -95,23 +95,7 @@ class StreamState:
         if not continuation and not self.identity:
             self.identity = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
         if isinstance(choice, dict):
-            if not continuation and "prompt_token_ids" in choice:
-                self.prompt_ids = list(choice["prompt_token_ids"] or [])
-            ids = choice.get("token_ids") or []
-            text = (
-                choice.get("text")
-                if "text" in choice
-                else (choice.get("delta") or {}).get("content")
-            )
-            if text:
-                self.committed += self.pending + list(ids)
-                self.pending = []
-            else:
-                self.pending += list(ids)
-            if choice.get("finish_reason") is not None:
-                self.finished = True
-                self.committed += self.pending
-                self.pending = []
+            self._record_choice(choice, continuation)
         usage = chunk.get("usage")
         if isinstance(usage, dict) and not choices:
             if not self.include_usage:
@@ -123,6 +107,26 @@ class StreamState:
         if continuation:
             return self._client_chunk({"choices": [self._client_choice(choice)]}, True)
         return self._strip(chunk)
+
+    def _record_choice(self, choice: dict[str, Any], continuation: bool) -> None:
+        """Token ids whose text reached the client are committed; those whose text is held
+        back (an incomplete character, a possible stop string) stay pending until text or
+        the finish comes."""
+        if not continuation and "prompt_token_ids" in choice:
+            self.prompt_ids = list(choice["prompt_token_ids"] or [])
+        ids = choice.get("token_ids") or []
+        text = (
+            choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        )
+        if text:
+            self.committed += self.pending + list(ids)
+            self.pending = []
+        else:
+            self.pending += list(ids)
+        if choice.get("finish_reason") is not None:
+            self.finished = True
+            self.committed += self.pending
+            self.pending = []
 
     def _strip(self, chunk: dict[str, Any]) -> dict[str, Any]:
         if self.client_wants_ids:

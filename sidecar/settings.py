@@ -67,6 +67,15 @@ class SidecarSettings:
         return client_context(self.tls_ca_file, self.tls_any_name)
 
     def validate(self) -> "SidecarSettings":
+        """Checks every setting (ValueError names the first that makes no sense) and turns
+        the ones a config file may give as text into their types."""
+        self._check_routing()
+        self._check_durations()
+        self._check_prefill()
+        self._check_kv_events()
+        return self
+
+    def _check_routing(self) -> None:
         if isinstance(self.max_body_bytes, str):  # "32MiB" from a config file
             from pdpool.units import parse_size
 
@@ -85,6 +94,8 @@ class SidecarSettings:
         if int(self.kv_pull_threshold) < 0:
             raise ValueError("kv_pull_threshold must be >= 0")
         self.kv_pull_threshold = int(self.kv_pull_threshold)
+
+    def _check_durations(self) -> None:
         for name in (
             "prefill_timeout",
             "decode_retry_s",
@@ -96,6 +107,8 @@ class SidecarSettings:
         ):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0")
+
+    def _check_prefill(self) -> None:
         from .capability import ENGINE_REJECTS
 
         if self.engine_rejects not in ENGINE_REJECTS:
@@ -105,6 +118,8 @@ class SidecarSettings:
         self.prefill_min_prompt_tokens = int(self.prefill_min_prompt_tokens)
         if int(self.outlier_failures) < 1:
             raise ValueError("outlier_failures must be >= 1")
+
+    def _check_kv_events(self) -> None:
         if int(self.kv_block_size) < 1:
             raise ValueError("kv_block_size must be >= 1")
         if isinstance(self.prefill_kv_events, list):  # TARGET=SPEC items from a file
@@ -120,7 +135,6 @@ class SidecarSettings:
             self.prefill_kv_events_replay_port,
             ("prefill_kv_events_port", "prefill_kv_events_replay_port"),
         )
-        return self
 
 
 def load_config_file(path: str) -> dict[str, Any]:

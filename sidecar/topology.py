@@ -362,13 +362,7 @@ class Topology:
         sidecar subscribes to the prefill engines', the gateway (its flags are returned)
         to the decode engines'."""
         s = self.spec
-        block_size = 128 if s.engine == "vllm" else 16
-        for i, arg in enumerate(s.engine_args):
-            if arg.startswith("--block-size="):
-                block_size = int(arg.split("=", 1)[1])
-            elif arg == "--block-size" and i + 1 < len(s.engine_args):
-                block_size = int(s.engine_args[i + 1])
-        common = ["--kv-block-size", str(block_size)]
+        common = ["--kv-block-size", str(self._engine_block_size())]
         tokenizer = os.path.join(s.model, "tokenizer.json")
         if os.path.exists(tokenizer):
             common += ["--kv-tokenizer", tokenizer]
@@ -385,6 +379,17 @@ class Topology:
         for dec, sc in zip(decodes, sidecars, strict=True):
             gw += ["--kv-events", f"127.0.0.1:{sc.port}={self._publish_kv_events(dec)}"]
         return gw
+
+    def _engine_block_size(self) -> int:
+        """The engines' KV block size: their --block-size, else their default."""
+        args = self.spec.engine_args
+        block_size = 128 if self.spec.engine == "vllm" else 16
+        for i, arg in enumerate(args):
+            if arg.startswith("--block-size="):
+                block_size = int(arg.split("=", 1)[1])
+            elif arg == "--block-size" and i + 1 < len(args):
+                block_size = int(args[i + 1])
+        return block_size
 
     @staticmethod
     def _publish_kv_events(engine: Child) -> str:

@@ -107,8 +107,7 @@ class VllmStandIn:
         else:
             self.state.received.append((route, req, headers))
         if self.state.hang:
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await _until_disconnect(receive)
             self.state.cancelled += 1
             return
         if self.state.fail_status:
@@ -126,12 +125,7 @@ class VllmStandIn:
             )
         # Like vLLM, abort the generation when the client (the sidecar) goes away.
         work = asyncio.ensure_future(self._generate(route, req, headers, send))
-
-        async def client_gone():
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        watcher = asyncio.ensure_future(client_gone())
+        watcher = asyncio.ensure_future(_until_disconnect(receive))
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if work in done:
             watcher.cancel()
@@ -199,29 +193,9 @@ class VllmStandIn:
         await self._reply(send, req, chat, rid, out, "length", usage, kv_out, words)
 
     async def _reply(self, send, req, chat, rid, out, finish, usage, kv_out, words):
-        obj = "chat.completion" if chat else "text_completion"
         if not req.get("stream"):
-            choice = (
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": " ".join(out)},
-                    "finish_reason": finish,
-                }
-                if chat
-                else {"index": 0, "text": " ".join(out), "finish_reason": finish}
-            )
-            return await send_json(
-                send,
-                200,
-                {
-                    "id": rid,
-                    "object": obj,
-                    "model": "standin",
-                    "choices": [choice],
-                    "usage": usage,
-                    "kv_transfer_params": kv_out,
-                },
-            )
+            return await _reply_whole(send, chat, rid, out, finish, usage, kv_out)
+        obj = "chat.completion" if chat else "text_completion"
         await send(
             {
                 "type": "http.response.start",
@@ -234,37 +208,11 @@ class VllmStandIn:
             raise RuntimeError("stand-in engine crashed mid-stream")
         obj += ".chunk" if chat else ""
         ids = bool(req.get("return_token_ids"))
-        prompt_ids = [token_id(w) for w in words]
-        pending: list[bytes] = []
-
-        async def write(body: bytes, more: bool = True) -> None:
-            if self.state.coalesce and more:
-                pending.append(body)
-                return
-            await send(
-                {"type": "http.response.body", "more_body": more, "body": b"".join(pending) + body}
-            )
-            pending.clear()
-
-        async def event(choice_part, finish_reason=None, extra=None, token_ids=None):
-            choice = {"index": 0, **choice_part, "finish_reason": finish_reason}
-            if ids and token_ids is not None:
-                choice["token_ids"] = token_ids
-                if not chat and prompt_ids is not None:
-                    choice["prompt_token_ids"] = prompt_ids
-            data = {
-                "id": rid,
-                "object": obj,
-                "model": "standin",
-                "choices": [choice],
-                **(extra or {}),
-            }
-            await write(b"data: " + json.dumps(data).encode() + b"\n\n")
-
+        stream = _StreamWriter(send, self.state, rid, obj, chat, ids, [token_id(w) for w in words])
         if chat:
-            await event(
+            await stream.event(
                 {"delta": {"role": "assistant", "content": ""}},
-                extra={"prompt_token_ids": prompt_ids} if ids else None,
+                extra={"prompt_token_ids": stream.prompt_ids} if ids else None,
             )
         for i, word in enumerate(out):
             if self.state.token_delay_s:
@@ -275,21 +223,86 @@ class VllmStandIn:
             last = i == len(out) - 1
             # A token-id prompt goes on from earlier text: its first word gets a space too.
             text = (" " if i or isinstance(req.get("prompt"), list) else "") + word
-            await event(
+            await stream.event(
                 {"delta": {"content": text}} if chat else {"text": text},
                 finish if last else None,
                 {"kv_transfer_params": kv_out} if last else None,
                 token_ids=[token_id(word)],
             )
-            prompt_ids = None
+            stream.prompt_ids = None
         if not out:
-            await event(
+            await stream.event(
                 {"delta": {}} if chat else {"text": ""}, finish, {"kv_transfer_params": kv_out}
             )
         if (req.get("stream_options") or {}).get("include_usage"):
             data = {"id": rid, "object": obj, "model": "standin", "choices": [], "usage": usage}
-            await write(b"data: " + json.dumps(data).encode() + b"\n\n")
-        await write(b"data: [DONE]\n\n", more=False)
+            await stream.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+        await stream.write(b"data: [DONE]\n\n", more=False)
+
+
+class _StreamWriter:
+    """Writes the SSE events of one streamed answer; while the stand-in coalesces, they are
+    held and sent together with the last."""
+
+    def __init__(self, send, state, rid, obj, chat, ids, prompt_ids):
+        self.send, self.state = send, state
+        self.rid, self.obj, self.chat, self.ids = rid, obj, chat, ids
+        self.prompt_ids = prompt_ids  # sent with the first token only
+        self.pending: list[bytes] = []
+
+    async def write(self, body: bytes, more: bool = True) -> None:
+        if self.state.coalesce and more:
+            self.pending.append(body)
+            return
+        await self.send(
+            {"type": "http.response.body", "more_body": more, "body": b"".join(self.pending) + body}
+        )
+        self.pending.clear()
+
+    async def event(self, choice_part, finish_reason=None, extra=None, token_ids=None):
+        choice = {"index": 0, **choice_part, "finish_reason": finish_reason}
+        if self.ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+            if not self.chat and self.prompt_ids is not None:
+                choice["prompt_token_ids"] = self.prompt_ids
+        data = {
+            "id": self.rid,
+            "object": self.obj,
+            "model": "standin",
+            "choices": [choice],
+            **(extra or {}),
+        }
+        await self.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+
+async def _reply_whole(send, chat, rid, out, finish, usage, kv_out):
+    """A non-streamed answer."""
+    choice = (
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": " ".join(out)},
+            "finish_reason": finish,
+        }
+        if chat
+        else {"index": 0, "text": " ".join(out), "finish_reason": finish}
+    )
+    await send_json(
+        send,
+        200,
+        {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "model": "standin",
+            "choices": [choice],
+            "usage": usage,
+            "kv_transfer_params": kv_out,
+        },
+    )
+
+
+async def _until_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(receive) -> bytes:

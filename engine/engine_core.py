@@ -15,7 +15,7 @@ import torch
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.cpu_threads import StepThreads
 from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder, find_stop
-from pdpool.engine.kv.manager import KVCacheManager
+from pdpool.engine.kv.facts import KVCacheSpec
 from pdpool.engine.models.base import head_dim_of
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
 from pdpool.engine.outputs import (  # noqa: F401 (re-exported)
@@ -34,6 +34,7 @@ from pdpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 if TYPE_CHECKING:  # imported where used, for the engines that use them
     from pdpool.engine.connector.base import KVConnector, LoadResult
     from pdpool.engine.kv.groups import KVGroup
+    from pdpool.engine.kv.manager import KVCacheManager
     from pdpool.kv_events import KVEventPublisher
 
 log = logging.getLogger("pdpool.engine")
@@ -103,31 +104,36 @@ class LLMEngine:
             if allocate_state is not None
             else None
         )
-        self.kv = KVCacheManager(
-            num_blocks, bs, config.enable_prefix_caching, num_slots, self.groups, num_snapshots
+        kv_spec = KVCacheSpec(
+            num_blocks,
+            bs,
+            config.enable_prefix_caching,
+            num_slots,
+            tuple(self.groups),
+            num_snapshots,
         )
-        self.kv_events = self._start_kv_events()
-        # Every group needs its own blocks for the same tokens.
-        self.kv_capacity_tokens = self.kv.pool.num_usable_blocks // len(self.groups) * bs
-        max_len = min(mc.get("max_position_embeddings", 4096), self.kv_capacity_tokens)
-        if config.max_model_len:
-            max_len = min(max_len, config.max_model_len)
-        self.max_model_len = max_len
-        self.connector = self._build_connector()
-        self.scheduler = Scheduler(
+        self.connector = self._build_connector(kv_spec)
+        # The scheduler owns the KV cache manager: every block's lifetime is decided there.
+        self.scheduler = Scheduler.for_cache(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
-                max_model_len=max_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 prefix_aware_admission=config.prefix_aware_admission,
                 global_cache_hit_threshold=config.global_cache_hit_threshold,
             ),
-            self.kv,
+            kv_spec,
             self.connector,
         )
+        self.kv_events = self._start_kv_events()
+        self.kv_capacity_tokens = self.scheduler.kv_capacity_tokens
+        max_len = min(mc.get("max_position_embeddings", 4096), self.kv_capacity_tokens)
+        if config.max_model_len:
+            max_len = min(max_len, config.max_model_len)
+        self.max_model_len = max_len
+        self.scheduler.config.max_model_len = max_len
         self.runner = ModelRunner(
-            self.model, self.kv, self.kv_cache, self.device, keep_logits, self.state
+            self.model, kv_spec.layout, self.kv_cache, self.device, keep_logits, self.state
         )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -243,7 +249,13 @@ class LLMEngine:
             "kv_groups": [g.name for g in self.groups],
         }
 
-    def _build_connector(self) -> KVConnector:
+    @property
+    def kv(self) -> KVCacheManager:
+        """The scheduler's KV cache manager, for tests and benchmarks that inspect the
+        cache. The engine never calls through it: the scheduler owns every block."""
+        return self.scheduler.kv
+
+    def _build_connector(self, kv_spec: KVCacheSpec) -> KVConnector:
         if self.config.kv_connector == "none":
             from pdpool.engine.connector.base import KVConnector
 
@@ -253,7 +265,7 @@ class LLMEngine:
 
         return NixlConnector(
             self.config,
-            self.kv,
+            kv_spec.layout,
             self.kv_cache,
             self.kv_layout(),
             self.state,
@@ -269,17 +281,17 @@ class LLMEngine:
             return None
         publisher = KVEventPublisher(cfg)
         publisher.record(AllBlocksCleared())  # a (re)started engine holds nothing
-        self.kv.attach_events(publisher)
+        self.scheduler.publish_kv_events(publisher)
         return publisher
 
     def close(self) -> None:
-        self.connector.close()
+        self.scheduler.close()
         if self.kv_events is not None:
             self.kv_events.close()
 
     def idle_tick(self) -> None:
         """Connector housekeeping while no request runs (notifications, held blocks)."""
-        for result in self.connector.poll():
+        for result in self.scheduler.collect_transfers():
             self._apply_load_result(result)
 
     # --- requests -----------------------------------------------------------------------
@@ -351,7 +363,7 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        for loaded in self.connector.poll():
+        for loaded in self.scheduler.collect_transfers():
             failed = self._apply_load_result(loaded)
             if failed is not None:
                 outputs.append(failed)
@@ -447,7 +459,7 @@ class LLMEngine:
         else:
             for item in out.scheduled:
                 try:
-                    part = self.runner.execute(SchedulerOutput(scheduled=[item]))
+                    part = self.runner.execute(out.only(item))
                 except Exception as solo_exc:
                     failed.append((item.request, solo_exc))
                     continue
@@ -522,7 +534,6 @@ class LLMEngine:
                 (req.num_cached_tokens or 0),
                 logprobs=lps,
             )
-        req.kv_params_out = self.connector.request_finished(req, status)
         self.scheduler.finish_request(req, status)
         output = self._final_output(req, delta, [token])
         output.logprobs = lps

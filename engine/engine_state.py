@@ -33,15 +33,16 @@ class EngineState:
 
 def engine_state(engine: LLMEngine) -> EngineState:
     """A snapshot of `engine` (an LLMEngine); call it on the engine's thread."""
-    sched, pool = engine.scheduler, engine.kv.pool
+    sched = engine.scheduler
+    cache = sched.kv_usage()
     return EngineState(
         running=len(sched.running),
         waiting=len(sched.waiting),
-        blocks_used=pool.num_used_blocks,
-        blocks_total=pool.num_blocks,
-        usage=pool.usage(),
-        prefix_queries=pool.queries,
-        prefix_hits=pool.hits,
+        blocks_used=cache.blocks_used,
+        blocks_total=cache.blocks_total,
+        usage=cache.usage,
+        prefix_queries=cache.prefix_queries,
+        prefix_hits=cache.prefix_hits,
         preemptions=sched.num_preemptions,
         threshold_rejections=dict(sched.num_threshold_rejections),
         connector=dict(engine.connector.stats()),

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pdpool.engine.attention_metadata import AttentionMetadata
-from pdpool.engine.kv.manager import KVCacheManager
+from pdpool.engine.kv.facts import KVLayout
 from pdpool.engine.sampling import Sampler, TokenLogprob
 from pdpool.engine.scheduler import SchedulerOutput
 
@@ -39,7 +39,7 @@ class ModelRunner:
     def __init__(
         self,
         model: PagedCausalLM,
-        kv: KVCacheManager,
+        shape: KVLayout,
         kv_cache: torch.Tensor,
         device: torch.device,
         keep_logits: bool = False,
@@ -47,7 +47,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.state = state  # the model's recurrent-state pool, if it has one
-        self.kv = kv
+        self.block_size = shape.block_size
+        self.num_groups = shape.num_groups
         self.kv_cache = kv_cache
         self.device = device
         self.sampler = Sampler()
@@ -57,13 +58,14 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         # Lists become tensors through numpy: torch.tensor(list) costs ~0.1 us per element,
         # numpy a quarter of that, and the slot arithmetic is a few numpy calls per step.
-        bs = self.kv.block_size
-        num_groups = len(self.kv.groups)
+        bs = self.block_size
+        num_groups = self.num_groups
+        view = out.kv_view  # the scheduler's copy of this step's blocks and slots
         ids: list[int] = []
         positions: list[int] = []
         q_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        tables: list[list[tuple[int, ...]]] = [[] for _ in range(num_groups)]
         for item in out.scheduled:
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
@@ -71,7 +73,7 @@ class ModelRunner:
             positions += range(start, start + n)
             q_lens.append(n)
             seq_lens.append(start + n)
-            for g, block_table in enumerate(self.kv.block_tables(req.request_id)):
+            for g, block_table in enumerate(view.block_tables[req.request_id]):
                 tables[g].append(block_table)
         dev = self.device
         pos = np.array(positions, dtype=np.int64)
@@ -97,7 +99,7 @@ class ModelRunner:
         )
         if self.state is not None:
             meta.state_slots = torch.tensor(
-                [self.kv.state_slot(s.request.request_id) for s in out.scheduled],
+                [view.state_slots[s.request.request_id] for s in out.scheduled],
                 dtype=torch.int64,
                 device=dev,
             )
@@ -115,8 +117,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        restores = self.kv.take_pending_restores()
-        self.copy_state_slots(restores)
+        self.copy_state_slots(list(out.kv_view.state_restores))
         input_ids, positions, meta = self.prepare(out)
         if self.fail_forward_for and any(
             self.fail_forward_for in s.request.request_id for s in out.scheduled
@@ -159,7 +160,7 @@ class ModelRunner:
         )
 
 
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
+def _pad_tables(tables: list[tuple[int, ...]]) -> np.ndarray:
     """The block tables as one int32 array, rows padded with block 0 to the longest."""
     width = max((len(t) for t in tables), default=0) or 1
     flat: list[int] = []

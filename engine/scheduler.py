@@ -1,4 +1,5 @@
-"""Who runs this step, with how many tokens, and who is preempted.
+"""Who runs this step, with how many tokens, and who is preempted; and the one owner of
+every KV block's lifetime.
 
 A pure decision-maker over request state and the KV cache manager: no model, no tensors,
 so it can be tested on its own. Continuous batching in the style of vLLM v1: every request
@@ -6,6 +7,12 @@ has `num_computed_tokens`; a step gives running requests (decodes and unfinished
 prefills) their tokens first, then admits waiting ones, all under one token budget. When
 blocks run out, the most recently admitted running request is preempted: its blocks are
 freed and it goes back to the head of the waiting line to be recomputed.
+
+Only this module calls the KV cache manager (tests/engine/test_kv_owner_contract.py keeps
+it so). The runner gets a per-step copy of the block tables (`SchedulerOutput.kv_view`);
+the connector is told block ids and state slots at allocation and at finish, answers with
+the blocks to keep for a peer (held here under a lease id), and reports when transfers and
+leases end (`collect_transfers`); the engine core asks for capacity and usage facts.
 """
 
 from __future__ import annotations
@@ -15,12 +22,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from pdpool.engine.connector.base import (
+    AllocatedKV,
+    BlockHold,
+    CachedPrefix,
+    FinishedKV,
+    KVConnector,
+    LoadResult,
+)
 from pdpool.engine.kv.block_pool import Block
+from pdpool.engine.kv.facts import KVCacheSpec, KVCacheUsage, KVStepView
 from pdpool.engine.kv.manager import KVCacheManager, cdiv
 from pdpool.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from pdpool.engine.connector.base import KVConnector
+    from pdpool.kv_events import KVEventPublisher
 
 log = logging.getLogger("pdpool.scheduler")
 
@@ -48,10 +64,16 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Finished without running: below their cache-hit threshold.
     rejected: list[Request] = field(default_factory=list)
+    # The scheduled requests' blocks and state slots, for the runner.
+    kv_view: KVStepView = field(default_factory=KVStepView)
 
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    def only(self, item: ScheduledRequest) -> SchedulerOutput:
+        """This step for one of its requests alone (to re-run it on its own)."""
+        return SchedulerOutput([item], kv_view=self.kv_view.only(item.request.request_id))
 
 
 @dataclass
@@ -61,12 +83,13 @@ class ThresholdDecision:
     ratio: float
 
 
+NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, connector: Optional["KVConnector"] = None
+        self, config: SchedulerConfig, kv: KVCacheManager, connector: Optional[KVConnector] = None
     ):
-        from pdpool.engine.connector.base import KVConnector
-
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
@@ -74,8 +97,39 @@ class Scheduler:
         self.running: list[Request] = []
         # Requests whose KV is being read from another engine (blocks allocated).
         self.loading: dict[str, Request] = {}
+        # Aborted requests whose READ was still in flight: their blocks, until it ends.
+        self.reading_after_abort: dict[str, list[Block]] = {}
+        # Snapshot slots reserved for a load's state at its last block boundary:
+        # request id -> (slot, that block's hash), until the load ends.
+        self.incoming_snapshots: dict[str, tuple[int, bytes]] = {}
         self.num_preemptions = 0
         self.num_threshold_rejections = {"request": 0, "global": 0}
+
+    @classmethod
+    def for_cache(
+        cls, config: SchedulerConfig, spec: KVCacheSpec, connector: Optional[KVConnector] = None
+    ) -> Scheduler:
+        """A scheduler owning a new KV cache manager of `spec`."""
+        return cls(config, KVCacheManager.from_spec(spec), connector)
+
+    # --- facts for the engine core ------------------------------------------------------
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The most tokens one request can hold in the KV cache."""
+        return self.kv.capacity_tokens
+
+    def kv_usage(self) -> KVCacheUsage:
+        return self.kv.usage()
+
+    def publish_kv_events(self, publisher: KVEventPublisher) -> None:
+        """Publishes the cache's changes from now on (vLLM's KV-events format)."""
+        self.kv.attach_events(publisher)
+
+    def close(self) -> None:
+        """Closes the connector; whatever it still held for peers goes back."""
+        self.connector.close()
+        for lease_id in self.kv.lease_holds():
+            self.kv.end_lease_hold(lease_id)
 
     # --- queue management ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -83,17 +137,30 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """Ends a request wherever it is and returns its blocks to the pool."""
+        """Ends a request wherever it is. The connector answers the response's
+        kv_transfer_params and may keep some blocks for a peer; the rest go back to the
+        pool, unless a READ still writes into them."""
         if request.is_finished:
             return
+        still_reading = False
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         elif self.loading.pop(request.request_id, None) is not None:
-            self.connector.request_aborted(request)
+            still_reading = self.connector.request_aborted(request)
         request.status = status
+        handoff = self.connector.request_finished(
+            request, status, self._finished_kv(request, status)
+        )
+        request.kv_params_out = handoff.params
+        if handoff.hold is not None:
+            self._hold_for_peer(handoff.hold, self.kv.blocks_of(request, handoff.hold.num_tokens))
+        if still_reading:
+            self.reading_after_abort[request.request_id] = self.kv.detach(request)
+            return
         self.kv.free(request)
+        self._settle_incoming_snapshot(request.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -116,6 +183,22 @@ class Scheduler:
         self.kv.cache_full_blocks(request, request.num_computed_tokens)
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    def collect_transfers(self) -> list[LoadResult]:
+        """What the connector finished since the last call. The KV side is settled here:
+        ended leases and aborted reads give their blocks back, a pulled boundary snapshot
+        is published. The loads returned are the engine's to apply (`finish_loading`)."""
+        report = self.connector.poll()
+        for result in report.loads:
+            self._settle_incoming_snapshot(
+                result.request_id, publish=result.boundary_snapshot_arrived
+            )
+        for request_id in report.reads_ended:
+            self.kv.release(self.reading_after_abort.pop(request_id, []))
+            self._settle_incoming_snapshot(request_id)
+        for lease_id in report.leases_ended:
+            self.kv.end_lease_hold(lease_id)
+        return report.loads
 
     def update_after_forward(self, out: SchedulerOutput) -> list[tuple[int, int]]:
         """The forward computed what was scheduled: requests advance, the KV manager
@@ -143,8 +226,12 @@ class Scheduler:
         ):
             charged = self._admit(self.waiting[0], out, budget)
             if charged is None:
-                break  # the head of the line does not fit: nobody behind it jumps ahead
+                # The head of the line does not fit: nobody behind it jumps ahead.
+                if not self.running:
+                    self._preempt_waiting_holder(out, spare=self.waiting[0])
+                break
             budget -= charged
+        out.kv_view = self.kv.step_view([s.request.request_id for s in out.scheduled])
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -159,6 +246,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
+                if self._preempt_waiting_holder(out):
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -189,7 +278,7 @@ class Scheduler:
         if decision is not None:
             self.waiting.popleft()
             self._reject(req, decision, num_local)
-            req.kv_params_out = self.connector.describe_rejected(req, hits, num_local)
+            self._describe_rejected(req, hits, num_local)
             out.rejected.append(req)
             return 0
         if num_external:
@@ -207,7 +296,7 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_local  # loaded tokens are added when they arrive
         self.connector.update_state_after_alloc(
-            req, self.kv.block_tables(req.request_id), num_local, num_external
+            req, self._allocated_for_load(req, num_local + num_external), num_local, num_external
         )
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[req.request_id] = req
@@ -229,12 +318,17 @@ class Scheduler:
             if not self.config.enable_chunked_prefill:
                 return None
             num_new = budget if self.config.prefix_aware_admission else max(budget - num_cached, 0)
+            if num_new == 0 and budget == self.config.max_num_batched_tokens:
+                # Cached tokens alone fill a whole step's budget: a token a step still
+                # moves it on (else it would wait at the head of the line forever).
+                num_new = 1
             charged = budget
         num_new = self._align_chunk(req, num_cached, num_new)
         if num_new <= 0:
             return None
         if (
             not self.config.prefix_aware_admission
+            and hits is not None  # not back from a load, holding its blocks already
             and cdiv(req.num_tokens, self.kv.block_size) > self.kv.num_free_blocks
         ):
             return None
@@ -296,6 +390,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _preempt_waiting_holder(
+        self, out: SchedulerOutput, spare: Optional[Request] = None
+    ) -> bool:
+        """Blocks are short while requests in the waiting line hold some (back from a
+        remote load): they cannot run before their turn, and running requests (or the head
+        of the line, when nothing runs) would wait on them forever. The last of them gives
+        its blocks back (what it cached stays cached) and is recomputed; `spare` is the
+        request that asks. False when no waiting request holds blocks."""
+        for req in reversed(self.waiting):
+            if req is not spare and self.kv.holds(req):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.num_preemptions += 1
+                self.num_preemptions += 1
+                out.preempted.append(req)
+                return True
+        return False
+
     def _reject(self, req: Request, d: ThresholdDecision, num_cached: int) -> None:
         req.status = RequestStatus.FINISHED_CACHE_THRESHOLD
         if req.num_cached_tokens is None:
@@ -311,3 +423,58 @@ class Scheduler:
             num_cached,
             req.num_tokens,
         )
+
+    # --- what the connector is told, and what it asks to keep ---------------------------
+    def _allocated_for_load(self, req: Request, end: int) -> AllocatedKV:
+        """The blocks (and state slots) that the pulled tokens, up to `end`, go into. A
+        recurrent model also gets a snapshot slot for the peer's state at the last block
+        boundary, unless that state is cached here already."""
+        tables = self.kv.block_tables(req.request_id)
+        if not self.kv.has_state:
+            return AllocatedKV(tables)
+        boundary = end // self.kv.block_size
+        snapshot = None
+        if boundary and not self.kv.has_snapshot(req.block_hashes[boundary - 1]):
+            slot = self.kv.reserve_snapshot_slot()
+            if slot is not None:
+                snapshot = (slot, req.block_hashes[boundary - 1])
+                self.incoming_snapshots[req.request_id] = snapshot
+        return AllocatedKV(tables, self.kv.state_slot(req.request_id), snapshot)
+
+    def _settle_incoming_snapshot(self, request_id: str, publish: bool = False) -> None:
+        """A load ended: its reserved snapshot slot is published (the state arrived) and
+        unpinned either way."""
+        reserved = self.incoming_snapshots.pop(request_id, None)
+        if reserved is None:
+            return
+        slot, block_hash = reserved
+        if publish:
+            self.kv.publish_snapshot(block_hash, slot)
+        self.kv.release_snapshot_slot(slot)
+
+    def _finished_kv(self, req: Request, status: RequestStatus) -> FinishedKV:
+        handed = req.transfer_state_slot
+        boundary_snapshot = None
+        if handed is not None and status in NORMAL_FINISH:
+            # The snapshot at the last block boundary before the handed-over state.
+            boundary = (req.num_prompt_tokens - 1) // self.kv.block_size
+            if boundary:
+                boundary_snapshot = self.kv.snapshot_at(req.block_hashes[boundary - 1])
+        return FinishedKV(self.kv.block_tables(req.request_id), handed, boundary_snapshot)
+
+    def _describe_rejected(self, req: Request, hits: list[list[Block]], num_cached: int) -> None:
+        snapshot = None
+        if self.kv.has_state and num_cached:
+            snapshot = self.kv.snapshot_at(req.block_hashes[num_cached // self.kv.block_size - 1])
+        prefix = CachedPrefix(
+            [[b.block_id for b in blocks] for blocks in hits], num_cached, snapshot
+        )
+        handoff = self.connector.describe_rejected(req, prefix)
+        req.kv_params_out = handoff.params
+        if handoff.hold is not None:
+            n = cdiv(handoff.hold.num_tokens, self.kv.block_size)
+            self._hold_for_peer(handoff.hold, [blocks[:n] for blocks in hits])
+
+    def _hold_for_peer(self, hold: BlockHold, tables: list[list[Block]]) -> None:
+        """Keeps blocks and state slots for a peer until the connector ends the lease."""
+        self.kv.hold_for_lease(hold.lease_id, tables, hold.state_slots)

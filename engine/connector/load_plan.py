@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdpool.engine.connector.lease_token import LeaseToken
-from pdpool.engine.kv.block_pool import Block
 
 # Per transport region, the (local, remote) unit ids a READ moves.
 ReadUnits = dict[str, tuple[list[int], list[int]]]
@@ -35,7 +34,8 @@ class LoadPlan:
     # local snapshot slot and published under that block's hash once it has arrived, so a
     # later turn can hit this prefix here: (local slot, remote slot, block hash).
     boundary_snapshot: Optional[tuple[int, Any, bytes]] = None
-    orphan_blocks: Optional[list[Block]] = None  # request aborted mid-READ
+    # The request was aborted mid-READ: its blocks stay allocated until the READ ends.
+    aborted: bool = False
 
     @property
     def read_id(self) -> int:

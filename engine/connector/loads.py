@@ -17,7 +17,7 @@ from pdpool.engine.connector.load_plan import LoadPlan, plan_read
 from pdpool.engine.connector.nixl_transport import NixlTransport, TransferState
 from pdpool.engine.connector.peer_leases import PeerLeases
 from pdpool.engine.connector.peering import PeerAgents
-from pdpool.engine.kv.manager import KVCacheManager
+from pdpool.engine.kv.facts import KVLayout
 from pdpool.engine.request import Request
 
 log = logging.getLogger("pdpool.connector")
@@ -29,7 +29,7 @@ class Loads:
     def __init__(
         self,
         config: EngineConfig,
-        kv: KVCacheManager,
+        shape: KVLayout,
         transport: NixlTransport,
         layout: dict,
         allowlist: Allowlist,
@@ -37,9 +37,8 @@ class Loads:
         counters: dict[str, int],
     ) -> None:
         self.config = config
-        self.kv = kv
-        self.block_size = kv.block_size
-        self.sliding = [g.is_sliding for g in kv.groups]
+        self.block_size = shape.block_size
+        self.sliding = list(shape.sliding)
         self.transport = transport
         self.allowlist = allowlist
         self.peer_leases = peer_leases
@@ -49,6 +48,7 @@ class Loads:
         self._waiting: dict[str, LoadPlan] = {}  # planned, READ not started
         self._reading: dict[str, LoadPlan] = {}  # READ in flight
         self._failed: list[LoadResult] = []
+        self._aborted_reads_ended: list[str] = []
 
     def __len__(self) -> int:
         return len(self._reading) + len(self._waiting)
@@ -81,21 +81,28 @@ class Loads:
                     self.transport.transfer(p.read_id).peer for p in self._reading.values()
                 }
                 self.peers.forget((plan.host, plan.port), reading_from)
-            if plan.orphan_blocks is not None:
-                self.kv.release(plan.orphan_blocks)
-                self._drop_boundary_snapshot(plan)
+            if plan.aborted:
+                self._aborted_reads_ended.append(rid)
                 continue
             results.append(self._result(plan, error, arrived))
         return results
 
-    def abort(self, request: Request) -> None:
+    def take_aborted_reads_ended(self) -> list[str]:
+        """Aborted requests whose READ has ended since the last call."""
+        ended, self._aborted_reads_ended = self._aborted_reads_ended, []
+        return ended
+
+    def abort(self, request: Request) -> bool:
+        """Forgets an aborted request's load; True when its READ is still in flight."""
         waiting = self._waiting.pop(request.request_id, None)
         if waiting is not None:
             self._abandon(waiting)
         plan = self._reading.get(request.request_id)
-        if plan is not None:
-            # The READ may still write into these blocks: keep them until it ends.
-            plan.orphan_blocks = self.kv.detach(request)
+        if plan is None:
+            return False
+        # The READ may still write into the request's blocks: they stay until it ends.
+        plan.aborted = True
+        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -164,7 +171,6 @@ class Loads:
         if plan.opening is not None:
             plan.opening.cancel()
         self.peer_leases.release(plan.host, plan.port, plan.token)
-        self._drop_boundary_snapshot(plan)
 
     def _result(self, plan: LoadPlan, error: Optional[str], arrived: bool = False) -> LoadResult:
         """`arrived`: the READ completed, so the verified prefix of the blocks is here."""
@@ -178,7 +184,10 @@ class Loads:
                 "prompt's tokens"
             )
         restart = False
-        self._drop_boundary_snapshot(plan, publish=arrived and error is None)
+        snapshot = plan.boundary_snapshot
+        snapshot_arrived = (
+            arrived and error is None and snapshot is not None and snapshot[1] is not None
+        )
         if plan.wants_state and (error is not None or not loaded):
             # Blocks without the state at their end are useless to a recurrent model.
             loaded, restart = 0, True
@@ -193,13 +202,4 @@ class Loads:
                 loaded,
             )
         self.counters["tokens_pulled"] += loaded
-        return LoadResult(plan.request_id, loaded, error, restart)
-
-    def _drop_boundary_snapshot(self, plan: LoadPlan, publish: bool = False) -> None:
-        if plan.boundary_snapshot is None:
-            return
-        slot, remote, block_hash = plan.boundary_snapshot
-        plan.boundary_snapshot = None
-        if publish and remote is not None:
-            self.kv.publish_snapshot(block_hash, slot)
-        self.kv.release_snapshot_slot(slot)
+        return LoadResult(plan.request_id, loaded, error, restart, snapshot_arrived)

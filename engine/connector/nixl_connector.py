@@ -45,7 +45,15 @@ from typing import Any, Optional
 
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.connector.allowlist import parse_allowlist
-from pdpool.engine.connector.base import KVConnector, LoadResult
+from pdpool.engine.connector.base import (
+    AllocatedKV,
+    BlockHold,
+    CachedPrefix,
+    FinishedKV,
+    Handoff,
+    KVConnector,
+    TransferReport,
+)
 from pdpool.engine.connector.handshake import HandshakeServer, document_for
 from pdpool.engine.connector.lease_desk import LeaseDesk
 from pdpool.engine.connector.lease_token import SECRET_ENV, LeaseToken, LeaseTokenError
@@ -55,10 +63,9 @@ from pdpool.engine.connector.load_plan import LoadPlan, state_slots_of
 from pdpool.engine.connector.loads import HANDSHAKE_TIMEOUT_S, Loads
 from pdpool.engine.connector.nixl_transport import NixlTransport
 from pdpool.engine.connector.peer_leases import PeerLeases
-from pdpool.engine.kv.block_pool import Block
+from pdpool.engine.kv.facts import KVLayout
 from pdpool.engine.kv.hashing import prefix_hash
-from pdpool.engine.kv.leases import Lease
-from pdpool.engine.kv.manager import KVCacheManager, cdiv
+from pdpool.engine.kv.leases import Lease, LeaseTable
 from pdpool.engine.request import Request, RequestStatus
 
 log = logging.getLogger("pdpool.connector")
@@ -82,7 +89,7 @@ class NixlConnector(KVConnector):
     def __init__(
         self,
         config: EngineConfig,
-        kv: KVCacheManager,
+        shape: KVLayout,
         kv_cache,
         layout: dict,
         state=None,
@@ -90,20 +97,21 @@ class NixlConnector(KVConnector):
         secret: Optional[bytes] = None,
     ):
         self.config = config
-        self.kv = kv
-        self.block_size = kv.block_size
+        self.shape = shape
+        self.block_size = shape.block_size
         self.role = config.kv_role
         self.engine_id = engine_id or f"pdpool-{uuid.uuid4().hex[:12]}"
         # New at every start: a lease granted by an earlier life of this engine is void.
         self.epoch = uuid.uuid4().hex
         self.secret = secret
-        self.leases = kv.configure_leases(
+        # Lease metadata only: the scheduler holds the leased blocks until a lease ends.
+        self.leases = LeaseTable(
             self.epoch, config.kv_producer_timeout, config.kv_load_timeout + HANDSHAKE_TIMEOUT_S
         )
         self.allowlist = parse_allowlist(config.kv_peer_allowlist)
         self.transport = NixlTransport(self.engine_id)
         self.transport.register_region("kv", kv_cache)
-        if kv.has_state:
+        if shape.has_state:
             # Recurrent states (running slots and snapshots) travel with the blocks.
             from pdpool.engine.runner import state_tensors
 
@@ -120,7 +128,7 @@ class NixlConnector(KVConnector):
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.peer_leases = PeerLeases(self.allowlist, self.counters)
         self.loads = Loads(
-            config, kv, self.transport, layout, self.allowlist, self.peer_leases, self.counters
+            config, shape, self.transport, layout, self.allowlist, self.peer_leases, self.counters
         )
         self._announce()
 
@@ -189,11 +197,11 @@ class NixlConnector(KVConnector):
     def will_load_state(self, request: Request) -> bool:
         p = request.kv_transfer_params
         return bool(
-            self.kv.has_state
+            self.shape.has_state
             and p
             and not request.kv_consumed
             and getattr(request, "kv_lease", None) is not None
-            and state_slots_of(p.get("remote_block_ids"), len(self.kv.groups))
+            and state_slots_of(p.get("remote_block_ids"), self.shape.num_groups)
         )
 
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> int:
@@ -210,7 +218,9 @@ class NixlConnector(KVConnector):
         return gain
 
     def _gain(self, request: Request, p: dict, token: LeaseToken, num_local: int) -> int:
-        if self.kv.has_state and not state_slots_of(p.get("remote_block_ids"), len(self.kv.groups)):
+        if self.shape.has_state and not state_slots_of(
+            p.get("remote_block_ids"), self.shape.num_groups
+        ):
             return 0  # without the peer's state a recurrent model cannot resume
         if p.get("do_remote_prefill"):
             if self.role == "producer":
@@ -227,7 +237,7 @@ class NixlConnector(KVConnector):
     def update_state_after_alloc(
         self,
         request: Request,
-        block_tables: list[list[int]],
+        allocated: AllocatedKV,
         num_local_computed: int,
         num_external: int,
     ) -> None:
@@ -240,82 +250,87 @@ class NixlConnector(KVConnector):
         host, port = peer
         request.kv_consumed = True  # never pull twice for one request
         first = num_local_computed // self.block_size
-        last = cdiv(num_local_computed + num_external, self.block_size)
+        last = -(-(num_local_computed + num_external) // self.block_size)
         plan = LoadPlan(
             request.request_id,
             host,
             port,
             token,
-            [t[first:last] for t in block_tables],
+            [t[first:last] for t in allocated.block_tables],
             first,
             list(request.block_hashes),
             # check_request found the prompt's own prefix hash equal to this one
             token.prefix_hash,
             num_external,
         )
-        if self.kv.has_state:
+        if allocated.state_slot is not None:
             plan.wants_state = True
-            plan.state_pair = (self.kv.state_slot(request.request_id), None)
-            boundary = (num_local_computed + num_external) // self.block_size
-            if boundary and not self.kv.has_snapshot(request.block_hashes[boundary - 1]):
-                local = self.kv.reserve_snapshot_slot()
-                if local is not None:
-                    plan.boundary_snapshot = (local, None, request.block_hashes[boundary - 1])
+            plan.state_pair = (allocated.state_slot, None)
+            if allocated.boundary_snapshot is not None:
+                local, block_hash = allocated.boundary_snapshot
+                plan.boundary_snapshot = (local, None, block_hash)
         self.loads.plan(plan)
 
-    def request_finished(self, request: Request, status: RequestStatus) -> Optional[dict]:
+    def request_finished(
+        self, request: Request, status: RequestStatus, finished: FinishedKV
+    ) -> Handoff:
         self.peer_leases.drop(request.request_id)
         normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-        if not normal:
-            return None
-        if request.is_prefill_leg and self.role != "consumer":
-            # Hold the prompt's blocks under a lease for the decode engine's READ.
-            tables = self.kv.blocks_of(request, request.num_prompt_tokens)
-            slots = []
-            handed = request.transfer_state_slot
-            if handed is not None:
-                slots.append(handed)
-                # Also offer the snapshot at the last block boundary, for later turns.
-                boundary = (request.num_prompt_tokens - 1) // self.block_size
-                snap = self.kv.snapshot_at(request.block_hashes[boundary - 1]) if boundary else None
-                if snap is not None:
-                    slots.append(snap)
-            # The handed-over state is at the last prompt token but one (decode computes
-            # the last one itself).
-            lease = self.kv.grant_lease(
-                uuid.uuid4().hex,
-                request,
-                tables,
-                request.num_prompt_tokens,
-                tuple(slots),
-                request.num_prompt_tokens - 1,
-            )
-            if handed is not None:
-                # The lease holds the handed-over state now; drop the request's own pin.
-                request.transfer_state_slot = None
-                self.kv.release_snapshot_slot(handed)
-            return self._describe(request, lease, do_remote_prefill=True)
-        return None
+        if not normal or not request.is_prefill_leg or self.role == "consumer":
+            return Handoff()
+        # Hold the prompt's blocks under a lease for the decode engine's READ, with the
+        # handed-over state and the snapshot at the last block boundary (for later turns).
+        num_tokens = request.num_prompt_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        slots: tuple[int, ...] = ()
+        if finished.transfer_state_slot is not None:
+            slots = (finished.transfer_state_slot,)
+            if finished.boundary_snapshot_slot is not None:
+                slots += (finished.boundary_snapshot_slot,)
+        # The handed-over state is at the last prompt token but one (decode computes the
+        # last one itself).
+        lease = self.leases.grant_new(
+            uuid.uuid4().hex,
+            request,
+            [list(t[:num_blocks]) for t in finished.block_tables],
+            num_tokens,
+            self.block_size,
+            slots,
+            num_tokens - 1,
+        )
+        return Handoff(
+            self._describe(request, lease, do_remote_prefill=True),
+            BlockHold(lease.lease_id, num_tokens, slots),
+        )
 
-    def describe_rejected(
-        self, request: Request, hits: list[list[Block]], num_cached: int
-    ) -> Optional[dict]:
+    def describe_rejected(self, request: Request, prefix: CachedPrefix) -> Handoff:
         """The prefix this engine caches for a request it rejects, held under a short lease
         for a prefill engine to pull. Prefill legs are never rejected, so never described."""
+        num_cached = prefix.num_tokens
         if not num_cached or self.role == "producer":
-            return None
+            return Handoff()
         slots: tuple[int, ...] = ()
-        if self.kv.has_state:
-            slot = self.kv.snapshot_at(request.block_hashes[num_cached // self.block_size - 1])
-            if slot is None:
-                return None
-            slots = (slot,)
-        lease = self.kv.grant_lease(uuid.uuid4().hex, request, hits, num_cached, slots, num_cached)
-        return self._describe(request, lease, do_remote_prefill=False, num_tokens=num_cached)
+        if self.shape.has_state:
+            if prefix.snapshot_slot is None:
+                return Handoff()
+            slots = (prefix.snapshot_slot,)
+        lease = self.leases.grant_new(
+            uuid.uuid4().hex,
+            request,
+            [list(t) for t in prefix.block_tables],
+            num_cached,
+            self.block_size,
+            slots,
+            num_cached,
+        )
+        return Handoff(
+            self._describe(request, lease, do_remote_prefill=False, num_tokens=num_cached),
+            BlockHold(lease.lease_id, num_cached, slots),
+        )
 
-    def request_aborted(self, request: Request) -> None:
+    def request_aborted(self, request: Request) -> bool:
         self.peer_leases.drop(request.request_id)
-        self.loads.abort(request)
+        return self.loads.abort(request)
 
     def release_lease(self, params: Any) -> bool:
         """Ends a lease this engine granted, named by the params it issued (a router whose
@@ -332,12 +347,15 @@ class NixlConnector(KVConnector):
     def start_loads(self) -> None:
         self.loads.start()
 
-    def poll(self) -> list[LoadResult]:
-        results = self.loads.poll()
+    def poll(self) -> TransferReport:
+        loads = self.loads.poll()
         self.peer_leases.renew_due()
         self._collect_notifications()
-        self.kv.end_leases()
-        return results
+        return TransferReport(
+            loads,
+            self.loads.take_aborted_reads_ended(),
+            [lease.lease_id for lease in self.leases.take_ended()],
+        )
 
     def stats(self) -> dict[str, float]:
         return {
@@ -349,7 +367,7 @@ class NixlConnector(KVConnector):
         }
 
     def close(self) -> None:
-        self.kv.end_leases(everything=True)
+        self.leases.take_all()
         self.loads.close()
         self.peer_leases.close()
         self.server.close()

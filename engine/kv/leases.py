@@ -12,16 +12,20 @@ Lifecycle (see docs/nixl.md):
   granted/reading --release|notify|expiry--> ended   blocks and slots go back to the pool
 
 The table itself is only metadata behind a lock: the handshake server's threads open,
-renew and release leases, while the engine thread alone gives blocks back (`take_ended`),
-so the block pool stays single-threaded.
+renew and release leases. The blocks and slots a lease names are held by the scheduler
+(under the lease id); the connector reports the ended ones (`take_ended`) on the engine
+thread and the scheduler gives them back there, so the block pool stays single-threaded.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
+
+from pdpool.engine.kv.hashing import prefix_hash
+from pdpool.engine.request import Request
 
 # A read pinned by `open` outlives the consumer's own timeout by this much, so the blocks
 # cannot be reused while a read the consumer still trusts is in flight.
@@ -43,7 +47,6 @@ class Lease:
     tail_hash: Optional[bytes]  # chained hash of a final partial block, if any
     deadline: float  # monotonic
     state_tokens: Optional[int] = None  # the token count the pinned state slots are at
-    held: list[Any] = field(default_factory=list)  # the Block objects (engine thread only)
     read_until: float = 0.0
     opened: bool = False
     released: bool = False
@@ -89,6 +92,41 @@ class LeaseTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._leases)
+
+    def grant_new(
+        self,
+        lease_id: str,
+        request: Request,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        block_size: int,
+        state_slots: tuple[int, ...] = (),
+        state_tokens: Optional[int] = None,
+    ) -> Lease:
+        """Grants a lease over `block_ids` (per group, the blocks of the first `num_tokens`
+        tokens of `request`) and `state_slots`, bound to those tokens' hashes. The caller
+        holds the blocks and slots themselves until the lease ends."""
+        lease = Lease(
+            lease_id=lease_id,
+            epoch=self.epoch,
+            block_ids=block_ids,
+            state_slots=tuple(state_slots),
+            num_tokens=num_tokens,
+            hashes=list(request.block_hashes[: num_tokens // block_size]),
+            tail_hash=prefix_hash(
+                request.all_token_ids,
+                request.block_hashes,
+                num_tokens,
+                block_size,
+                request.hasher.extra_keys,
+            )
+            if num_tokens % block_size
+            else None,
+            deadline=time.monotonic() + self.hold_s,
+            state_tokens=state_tokens if state_slots else None,
+        )
+        self.grant(lease)
+        return lease
 
     def grant(self, lease: Lease) -> None:
         with self._lock:

@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from pdpool.engine.kv.block_pool import Block, BlockPool
+from pdpool.engine.kv.facts import KVCacheSpec, KVCacheUsage, KVStepView
 from pdpool.engine.kv.groups import KVGroup
-from pdpool.engine.kv.hashing import prefix_hash
-from pdpool.engine.kv.leases import Lease, LeaseTable
 from pdpool.engine.kv.state_cache import StateSnapshotCache
 from pdpool.engine.request import Request
 
@@ -60,8 +59,20 @@ class KVCacheManager:
         self._num_published: dict[str, int] = {}  # per request: blocks already published
         self.last_hit_lengths: dict[str, int] = {}
         self.events: Optional["KVEventPublisher"] = None  # set by attach_events
-        # Holds of blocks for other engines; the connector decides, the manager holds.
-        self.leases = LeaseTable(epoch="", hold_s=10.0, max_read_s=30.0)
+        # Blocks and state slots held for other engines, by lease id: the connector
+        # decides what to lease and when a lease ends, the manager holds.
+        self._lease_holds: dict[str, tuple[list[Block], tuple[int, ...]]] = {}
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec) -> KVCacheManager:
+        return cls(
+            spec.num_blocks,
+            spec.block_size,
+            spec.enable_caching,
+            spec.num_state_slots,
+            list(spec.groups),
+            spec.num_snapshot_slots,
+        )
 
     @property
     def enable_caching(self) -> bool:
@@ -74,6 +85,28 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens one request could hold if it had the whole cache (every group needs its
+        own blocks for the same tokens)."""
+        return self.pool.num_usable_blocks // len(self.groups) * self.block_size
+
+    def usage(self) -> KVCacheUsage:
+        pool = self.pool
+        return KVCacheUsage(
+            pool.num_used_blocks, pool.num_blocks, pool.usage(), pool.queries, pool.hits
+        )
+
+    def step_view(self, request_ids: list[str]) -> KVStepView:
+        """Copies of the block tables and state slots of `request_ids`, with the pending
+        state restores (taken: the runner makes them before this step's forward)."""
+        tables = {
+            rid: tuple(tuple([b.block_id for b in blocks]) for blocks in self.req_blocks[rid])
+            for rid in request_ids
+        }
+        slots = {rid: self.req_slot[rid] for rid in request_ids} if self.has_state else {}
+        return KVStepView(tables, slots, tuple(self.take_pending_restores()))
 
     def holds(self, request: Request) -> bool:
         """The request has blocks (running, or allocated for a remote load)."""
@@ -388,59 +421,32 @@ class KVCacheManager:
         return [b for blocks in tables for b in reversed(blocks)]
 
     # --- leases: blocks and state slots held for another engine ---------------------------
-    def configure_leases(self, epoch: str, hold_s: float, max_read_s: float) -> LeaseTable:
-        self.leases = LeaseTable(epoch, hold_s, max_read_s)
-        return self.leases
-
-    def grant_lease(
-        self,
-        lease_id: str,
-        request: Request,
-        tables: list[list[Block]],
-        num_tokens: int,
-        state_slots: tuple[int, ...] = (),
-        state_tokens: Optional[int] = None,
-    ) -> Lease:
-        """Holds `tables` (per group, the blocks of the first `num_tokens` tokens of
-        `request`) and pins `state_slots` under a new lease, bound to those tokens' hashes.
-        A slot handed in is pinned once more here; the lease's end drops that pin."""
-        import time
-
-        n_full = num_tokens // self.block_size
-        lease = Lease(
-            lease_id=lease_id,
-            epoch=self.leases.epoch,
-            block_ids=[[b.block_id for b in blocks] for blocks in tables],
-            state_slots=tuple(state_slots),
-            num_tokens=num_tokens,
-            hashes=list(request.block_hashes[:n_full]),
-            tail_hash=prefix_hash(
-                request.all_token_ids,
-                request.block_hashes,
-                num_tokens,
-                self.block_size,
-                request.hasher.extra_keys,
-            )
-            if num_tokens % self.block_size
-            else None,
-            deadline=time.monotonic() + self.leases.hold_s,
-            state_tokens=state_tokens if state_slots else None,
-            held=self.hold([b for blocks in tables for b in reversed(blocks)]),
-        )
+    def hold_for_lease(
+        self, lease_id: str, tables: list[list[Block]], state_slots: tuple[int, ...] = ()
+    ) -> None:
+        """Holds `tables` (per group, the leased blocks) and pins `state_slots` until
+        `end_lease_hold(lease_id)`. A slot handed in is pinned once more here."""
+        if lease_id in self._lease_holds:
+            raise ValueError(f"lease {lease_id} is held already")
+        blocks = self.hold([b for blocks in tables for b in reversed(blocks)])
         for slot in state_slots:
             self.snapshots.pin(slot)
-        self.leases.grant(lease)
-        return lease
+        self._lease_holds[lease_id] = (blocks, tuple(state_slots))
 
-    def end_leases(self, everything: bool = False) -> list[Lease]:
-        """Gives back what ended leases (released or expired; all when `everything`) hold."""
-        ended = self.leases.take_all() if everything else self.leases.take_ended()
-        for lease in ended:
-            self.release(lease.held)
-            lease.held = []
-            for slot in lease.state_slots:
-                self.snapshots.release(slot)
-        return ended
+    def end_lease_hold(self, lease_id: str) -> bool:
+        """Gives back what a lease held; False when it holds nothing (any more)."""
+        held = self._lease_holds.pop(lease_id, None)
+        if held is None:
+            return False
+        blocks, slots = held
+        self.release(blocks)
+        for slot in slots:
+            self.snapshots.release(slot)
+        return True
+
+    def lease_holds(self) -> list[str]:
+        """The ids of the leases holding blocks or slots now."""
+        return list(self._lease_holds)
 
     def hold(self, blocks: list[Block]) -> list[Block]:
         """An extra reference on blocks (e.g. a cached prefix described to a peer)."""

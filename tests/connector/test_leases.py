@@ -11,7 +11,7 @@ from pdpool.engine.connector import lease_token
 from pdpool.engine.connector.lease_token import LeaseToken, LeaseTokenError
 from pdpool.engine.connector.load_plan import verified_positions
 from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
-from pdpool.engine.kv.leases import LeaseRefused
+from pdpool.engine.kv.leases import LeaseRefused, LeaseTable
 from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.request import Request
 from pdpool.engine.sampling_params import SamplingParams
@@ -124,7 +124,6 @@ def request(tokens: list[int], rid: str = "r") -> Request:
 
 def manager_with_blocks(req: Request) -> KVCacheManager:
     kv = KVCacheManager(32, BS)
-    kv.configure_leases("ep", hold_s=5.0, max_read_s=2.0)
     assert kv.allocate_slots(req, req.num_tokens)
     return kv
 
@@ -132,33 +131,36 @@ def manager_with_blocks(req: Request) -> KVCacheManager:
 def test_lease_lifecycle_holds_then_gives_back():
     req = request(list(range(3, 43)))
     kv = manager_with_blocks(req)
-    tables = kv.req_blocks[req.request_id]
-    lease = kv.grant_lease("L", req, tables, 40)
+    leases = LeaseTable("ep", hold_s=5.0, max_read_s=2.0)
+    lease = leases.grant_new("L", req, kv.block_tables("r"), 40, BS)
+    kv.hold_for_lease("L", kv.blocks_of(req, 40))
     kv.free(req)
-    assert kv.pool.num_used_blocks == 3  # held by the lease alone
-    opened = kv.leases.open("L", "ep", read_timeout_s=1.0)
+    assert kv.pool.num_used_blocks == 3  # held for the lease alone
+    opened = leases.open("L", "ep", read_timeout_s=1.0)
     assert opened["hashes"] == [h.hex() for h in req.block_hashes[:2]]
     assert opened["tail_hash"] == prefix_hash(req.all_token_ids, req.block_hashes, 40, BS).hex()
+    assert lease.prefix_hash == prefix_hash(req.all_token_ids, req.block_hashes, 40, BS)
     with pytest.raises(LeaseRefused, match="already opened"):
-        kv.leases.open("L", "ep", 1.0)  # single use: a replay finds nothing
-    assert kv.end_leases() == []  # still pinned for the read
-    assert kv.leases.release("L") and not kv.leases.release("L")
-    assert [x.lease_id for x in kv.end_leases()] == ["L"]
-    assert kv.pool.num_used_blocks == 0 and lease.held == []
+        leases.open("L", "ep", 1.0)  # single use: a replay finds nothing
+    assert leases.take_ended() == []  # still pinned for the read
+    assert leases.release("L") and not leases.release("L")
+    assert [x.lease_id for x in leases.take_ended()] == ["L"]
+    assert kv.end_lease_hold("L") and not kv.end_lease_hold("L")
+    assert kv.pool.num_used_blocks == 0 and kv.lease_holds() == []
 
 
 def test_lease_refusals_and_expiry():
     req = request(list(range(3, 43)))
     kv = manager_with_blocks(req)
-    kv.grant_lease("L", req, kv.req_blocks[req.request_id], 40)
-    kv.free(req)
+    leases = LeaseTable("ep", hold_s=5.0, max_read_s=2.0)
+    leases.grant_new("L", req, kv.block_tables("r"), 40, BS)
     with pytest.raises(LeaseRefused, match="epoch"):
-        kv.leases.open("L", "other-epoch", 1.0)
+        leases.open("L", "other-epoch", 1.0)
     with pytest.raises(LeaseRefused, match="no live lease"):
-        kv.leases.open("nope", "ep", 1.0)
-    assert kv.leases.renew("L", "ep") > 4.0
-    ended = kv.leases.take_ended(now=time.monotonic() + 60)
-    assert [x.lease_id for x in ended] == ["L"] and kv.leases.counters["leases_expired"] == 1
+        leases.open("nope", "ep", 1.0)
+    assert leases.renew("L", "ep") > 4.0
+    ended = leases.take_ended(now=time.monotonic() + 60)
+    assert [x.lease_id for x in ended] == ["L"] and leases.counters["leases_expired"] == 1
 
 
 def lease_view(req: Request, num_tokens: int) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdpool.engine.connector.base import AllocatedKV, KVConnector
 from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.sampling_params import SamplingParams
@@ -116,6 +117,25 @@ def test_unaware_admission_charges_cached_tokens():
     assert out.scheduled == [] or out.num_scheduled_tokens < 2
 
 
+def test_unaware_admission_moves_on_when_the_cached_prefix_fills_the_budget():
+    """A cached prefix at least as long as the step's budget once left no room for a new
+    token: the request waited at the head of the line forever, and everyone behind it."""
+    s = sched(budget=4, prefix_aware_admission=False)
+    warm = make("warm", 9)
+    s.add_request(warm)
+    for _ in range(3):
+        run_step(s, s.schedule())
+    s.finish_request(warm, RequestStatus.FINISHED_STOPPED)
+    r, behind = make("r", 10, max_tokens=1), make("behind", 3, start=50, max_tokens=1)
+    s.add_request(r)
+    s.add_request(behind)
+    for _ in range(20):
+        run_step(s, s.schedule())
+        for done in [x for x in s.running if x.output_token_ids]:
+            s.finish_request(done, RequestStatus.FINISHED_LENGTH)
+    assert r.is_finished and behind.is_finished
+
+
 @pytest.mark.parametrize(
     "threshold,admitted", [(0.0, True), (0.5, True), (0.9, False), (1.0, False)]
 )
@@ -180,3 +200,83 @@ def test_token_ids_between_matches_a_slice_of_all_token_ids():
     for start in range(len(every) + 1):
         for end in range(start, len(every) + 2):
             assert r.token_ids_between(start, end) == every[start:end], (start, end)
+
+
+class PullsAll(KVConnector):
+    """Every request with kv_transfer_params pulls all but its last token from a peer."""
+
+    def get_num_new_matched_tokens(self, request, num_local_computed):
+        if not request.kv_transfer_params or request.kv_consumed:
+            return 0
+        return request.num_tokens - 1 - num_local_computed
+
+    def update_state_after_alloc(self, request, allocated: AllocatedKV, num_local, num_external):
+        request.kv_consumed = True
+
+
+def test_a_request_back_from_a_failed_load_cannot_starve_the_head_of_the_line():
+    """A pulled request waits with its blocks (its load failed) behind a request that was
+    preempted to the head of the line: nothing runs, the head cannot fit, and the blocks it
+    needs were held by the request behind it forever. The holder now gives them back."""
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8),
+        KVCacheManager(6, BS),
+        PullsAll(),
+    )
+    a = make("a", 13, start=100, max_tokens=1, kv_params={"do_remote_prefill": True})
+    b = make("b", 16, max_tokens=1)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s, s.schedule())  # a loads into 3 blocks, b computes its first chunk
+    assert a.request_id in s.loading and b in s.running
+    s.finish_loading(a, 0)  # nothing arrived: a is recomputed, holding its blocks
+    for _ in range(30):
+        out = s.schedule()
+        run_step(s, out)
+        for done in [x for x in s.running if x.output_token_ids]:
+            s.finish_request(done, RequestStatus.FINISHED_LENGTH)
+        if a.is_finished and b.is_finished:
+            break
+    assert a.is_finished and b.is_finished
+    assert a.num_preemptions == 1 and s.kv.pool.num_free_blocks == 6
+
+
+def test_unaware_admission_runs_a_request_back_from_a_load():
+    """The unaware baseline asked every admission for blocks for its whole sequence, even a
+    request back from a load that holds all but one of them already: it never ran."""
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=32, prefix_aware_admission=False),
+        KVCacheManager(6, BS),
+        PullsAll(),
+    )
+    a = make("a", 13, max_tokens=1, kv_params={"do_remote_prefill": True})
+    s.add_request(a)
+    assert s.schedule().scheduled == [] and a.request_id in s.loading
+    s.finish_loading(a, 12)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1)]
+
+
+def test_a_request_back_from_a_failed_load_cannot_starve_a_running_one():
+    """The running request needs the blocks a request waiting behind it holds: it preempted
+    itself, was admitted again for a chunk, and preempted itself again, forever. The
+    waiting holder gives its blocks back instead."""
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=4, max_num_seqs=8),
+        KVCacheManager(6, BS, enable_caching=False),
+        PullsAll(),
+    )
+    a = make("a", 13, start=100, max_tokens=1, kv_params={"do_remote_prefill": True})
+    b = make("b", 16, max_tokens=1)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s, s.schedule())
+    s.finish_loading(a, 0)
+    for _ in range(30):
+        run_step(s, s.schedule())
+        for done in [x for x in s.running if x.output_token_ids]:
+            s.finish_request(done, RequestStatus.FINISHED_LENGTH)
+        if a.is_finished and b.is_finished:
+            break
+    assert a.is_finished and b.is_finished
+    assert b.num_preemptions == 0 and s.kv.pool.num_free_blocks == 6

@@ -15,8 +15,13 @@ import torch
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.cpu_threads import StepThreads
 from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder, find_stop
-from pdpool.engine.kv.facts import KVCacheSpec
-from pdpool.engine.models.base import head_dim_of
+from pdpool.engine.engine_setup import (
+    KVMemory,
+    build_connector,
+    eos_token_ids,
+    pick_device,
+    start_kv_events,
+)
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
 from pdpool.engine.outputs import (  # noqa: F401 (re-exported)
     KVTransferRefused,
@@ -31,23 +36,11 @@ from pdpool.engine.runner import ModelRunner, StepResult
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
-if TYPE_CHECKING:  # imported where used, for the engines that use them
-    from pdpool.engine.connector.base import KVConnector, LoadResult
-    from pdpool.engine.kv.groups import KVGroup
+if TYPE_CHECKING:
+    from pdpool.engine.connector.base import LoadResult
     from pdpool.engine.kv.manager import KVCacheManager
-    from pdpool.kv_events import KVEventPublisher
 
 log = logging.getLogger("pdpool.engine")
-
-DEFAULT_KV_MEMORY_CPU = 256 << 20
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
-    return torch.device(name)
 
 
 class LLMEngine:
@@ -73,46 +66,13 @@ class LLMEngine:
             tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
         self.tokenizer = tokenizer
         self._fast_decoder = fast_decoder(tokenizer)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.info, tokenizer)
 
-        mc = self.info.config
-        self.groups = self._assign_kv_groups()
-        # kv_cache holds as many layer slots as the largest group has layers.
-        self.num_layers = max((g.num_layers for g in self.groups), default=1)
-        self.num_kv_heads: int = mc["num_key_value_heads"]
-        self.head_dim = head_dim_of(mc)
-        bs = config.block_size
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = torch.zeros(
-            num_blocks,
-            self.num_layers,
-            2,
-            bs,
-            self.num_kv_heads,
-            self.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        # Recurrent-state models (Qwen3.5): a running-state slot per schedulable request,
-        # plus as many slots again for prefix-cache snapshots.
-        allocate_state = getattr(self.model, "allocate_state", None)
-        has_state = allocate_state is not None
-        num_slots = config.max_num_seqs if has_state else 0
-        num_snapshots = config.max_num_seqs if has_state and config.enable_prefix_caching else 0
-        self.state = (
-            allocate_state(num_slots + num_snapshots, self.device)
-            if allocate_state is not None
-            else None
-        )
-        kv_spec = KVCacheSpec(
-            num_blocks,
-            bs,
-            config.enable_prefix_caching,
-            num_slots,
-            tuple(self.groups),
-            num_snapshots,
-        )
-        self.connector = self._build_connector(kv_spec)
+        self.memory = memory = KVMemory(config, self.info, self.model, self.dtype, self.device)
+        self.groups, self.num_layers = memory.groups, memory.num_layers
+        self.num_kv_heads, self.head_dim = memory.num_kv_heads, memory.head_dim
+        self.kv_cache, self.state = memory.cache, memory.state
+        self.connector = build_connector(config, memory)
         # The scheduler owns the KV cache manager: every block's lifetime is decided there.
         self.scheduler = Scheduler.for_cache(
             SchedulerConfig(
@@ -122,18 +82,22 @@ class LLMEngine:
                 prefix_aware_admission=config.prefix_aware_admission,
                 global_cache_hit_threshold=config.global_cache_hit_threshold,
             ),
-            kv_spec,
+            memory.spec,
             self.connector,
         )
-        self.kv_events = self._start_kv_events()
+        self.kv_events = start_kv_events(config)
+        if self.kv_events is not None:
+            self.scheduler.publish_kv_events(self.kv_events)
         self.kv_capacity_tokens = self.scheduler.kv_capacity_tokens
-        max_len = min(mc.get("max_position_embeddings", 4096), self.kv_capacity_tokens)
+        max_len = min(
+            self.info.config.get("max_position_embeddings", 4096), self.kv_capacity_tokens
+        )
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
         self.scheduler.config.max_model_len = max_len
         self.runner = ModelRunner(
-            self.model, kv_spec.layout, self.kv_cache, self.device, keep_logits, self.state
+            self.model, memory.spec.layout, self.kv_cache, self.device, keep_logits, self.state
         )
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -162,127 +126,25 @@ class LLMEngine:
             self.device,
             self.dtype,
             f", {self.step_threads.describe()}" if self.step_threads is not None else "",
-            num_blocks,
-            bs,
+            memory.num_blocks,
+            config.block_size,
             max_len,
         )
 
     # --- setup --------------------------------------------------------------------------
-    def _assign_kv_groups(self) -> list[KVGroup]:
-        """Groups the model's attention layers by kind and tells each layer its group and
-        its layer slot in kv_cache."""
-        from pdpool.engine.kv.groups import attention_groups
-        from pdpool.engine.models.layers import PagedAttention
-
-        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        groups, placement = attention_groups([m.sliding_window for m in layers])
-        for module, (group, slot) in zip(layers, placement):
-            module.group, module.layer_index = group, slot
-        return groups
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids = set()
-        gen_file = self.info.path / "generation_config.json"
-        if gen_file.is_file():
-            import json
-
-            eos = json.loads(gen_file.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
-
     @property
     def block_bytes(self) -> int:
-        return (
-            self.num_layers
-            * 2
-            * self.config.block_size
-            * self.num_kv_heads
-            * self.head_dim
-            * torch.finfo(self.dtype).bits
-            // 8
-        )
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks:
-            return self.config.num_kv_blocks
-        memory = self.config.kv_cache_memory
-        if memory is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                memory = int(free * 0.8)
-            else:
-                memory = DEFAULT_KV_MEMORY_CPU
-        n = memory // self.block_bytes
-        if n < 1:
-            raise ValueError(
-                f"--kv-cache-memory {memory} bytes holds no block "
-                f"(one block is {self.block_bytes} bytes)"
-            )
-        return int(n)
+        return self.memory.block_bytes
 
     def kv_layout(self) -> dict[str, Any]:
         """What must match for a KV block to mean the same thing in two engines."""
-        import hashlib
-        import json
-
-        keys = (
-            "architectures",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "vocab_size",
-            "layer_types",
-        )
-        model = json.dumps({k: self.info.config.get(k) for k in keys}, sort_keys=True)
-        return {
-            "model": hashlib.sha256(model.encode()).hexdigest()[:16],
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "block_size": self.config.block_size,
-            "kv_layout": "block-major[num_blocks,num_layers,2,block_size,kv_heads,head_dim]",
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "kv_groups": [g.name for g in self.groups],
-        }
+        return self.memory.layout()
 
     @property
     def kv(self) -> KVCacheManager:
         """The scheduler's KV cache manager, for tests and benchmarks that inspect the
         cache. The engine never calls through it: the scheduler owns every block."""
         return self.scheduler.kv
-
-    def _build_connector(self, kv_spec: KVCacheSpec) -> KVConnector:
-        if self.config.kv_connector == "none":
-            from pdpool.engine.connector.base import KVConnector
-
-            return KVConnector()
-        from pdpool.engine.connector.nixl_connector import NixlConnector
-        from pdpool.engine.connector.lease_token import load_secret
-
-        return NixlConnector(
-            self.config,
-            kv_spec.layout,
-            self.kv_cache,
-            self.kv_layout(),
-            self.state,
-            secret=load_secret(self.config.kv_secret_file),
-        )
-
-    def _start_kv_events(self) -> Optional[KVEventPublisher]:
-        """vLLM's --kv-events-config: a ZeroMQ publisher of this engine's cache changes."""
-        from pdpool.kv_events import AllBlocksCleared, KVEventPublisher, KVEventsConfig
-
-        cfg = KVEventsConfig.parse(self.config.kv_events_config)
-        if cfg is None or not cfg.active:
-            return None
-        publisher = KVEventPublisher(cfg)
-        publisher.record(AllBlocksCleared())  # a (re)started engine holds nothing
-        self.scheduler.publish_kv_events(publisher)
-        return publisher
 
     def close(self) -> None:
         self.scheduler.close()

@@ -409,6 +409,12 @@ class Example:
         return live
 
     def check(self) -> None:
+        self._check_reference_counts()
+        self._check_leases()
+        self._check_reads()
+        self._check_state_slots()
+
+    def _check_reference_counts(self) -> None:
         kv, pool, sched = self.kv, self.kv.pool, self.sched
         null = pool.null_block
         expected: Counter[int] = Counter()
@@ -424,7 +430,10 @@ class Example:
             free = block.block_id in pool._free
             assert block.ref_cnt == expected[block.block_id], (block, expected[block.block_id])
             assert free == (block.ref_cnt == 0), f"{block} free={free}"
-        # Leases: every live one is held, on blocks still holding what they held.
+
+    def _check_leases(self) -> None:
+        """Every live lease is held, on blocks still holding what they held."""
+        kv, null = self.kv, self.kv.pool.null_block
         for lease_id in self._live_leases():
             assert lease_id in kv._lease_holds, f"live lease {lease_id[:6]} not held"
         for lease_id, (blocks, _) in kv._lease_holds.items():
@@ -439,7 +448,10 @@ class Example:
             if lease_id not in kv._lease_holds:
                 del self.lease_content[lease_id]
                 self.peer.granted.pop(lease_id, None)
-        # A READ in flight writes into allocated blocks only.
+
+    def _check_reads(self) -> None:
+        """A READ in flight writes into allocated blocks only."""
+        pool, null = self.kv.pool, self.kv.pool.null_block
         for rid, load in self.peer.loads.items():
             if load.phase == "planned":
                 continue
@@ -448,8 +460,7 @@ class Example:
                     block = pool.blocks[block_id]
                     assert block is null or block.ref_cnt > 0, f"{rid} reads into {block}"
             if load.phase == "aborted":
-                assert rid in sched.reading_after_abort
-        self._check_state_slots()
+                assert rid in self.sched.reading_after_abort
 
     def _check_state_slots(self) -> None:
         kv, sched = self.kv, self.sched

@@ -34,7 +34,8 @@ from pdpool.engine.connector import lease_token
 from pdpool.engine.connector.handshake import lease_call
 from pdpool.engine.connector.load_plan import verified_positions
 from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
-from devtools.engine_procs import EngineProcess, connector_stat, free_port
+from devtools.engine_procs import EngineProcess, connector_stat
+from pdpool.ports import free_port
 from pdpool.sidecar.topology import ensure_tiny_model
 
 BLOCK = 16

@@ -20,13 +20,15 @@ import os
 import json
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdpool.ports import free_port
+from pdpool.tlsutil import make_ca_and_certificate, openssl
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = REPO / "scripts" / "k8s" / "build-binaries.sh"
@@ -55,72 +57,18 @@ def build_binaries(tools: list[str], bin_dir: Path = DEFAULT_BIN, timeout: float
     return bin_dir
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 def make_certificates(d: Path) -> None:
     """CA, an API server serving cert for 127.0.0.1/localhost, a service-account key pair."""
-    d.mkdir(parents=True, exist_ok=True)
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=pdpool-test-ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        cwd=d,
+    make_ca_and_certificate(
+        d,
+        "IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc",
+        ca_cn="pdpool-test-ca",
+        name="apiserver",
+        cn="kube-apiserver",
+        days=2,
     )
-    (d / "san.cnf").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n"
-        "extendedKeyUsage=serverAuth\n"
-    )
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=kube-apiserver",
-        "-keyout",
-        "apiserver.key",
-        "-out",
-        "apiserver.csr",
-        cwd=d,
-    )
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        "apiserver.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        "san.cnf",
-        "-out",
-        "apiserver.crt",
-        cwd=d,
-    )
-    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
-    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+    openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
+    openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
 
 def kubeconfig_text(server: str, ca_file: Path, token: str, user: str = "admin") -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Optional
 
 from pdpool.errors import CliError
 
@@ -22,6 +23,15 @@ COMMANDS = {
     "up": ("pdpool.sidecar.up_cli", "run the whole P/D topology as local processes"),
     "operator": ("pdpool.operator.operator_cli", "run the Kubernetes operator"),
 }
+
+
+def add_switch(
+    parser: argparse._ActionsContainer, flag: str, default: Optional[bool], help: str
+) -> None:
+    """An on/off option, spelled one way in every command: `--X` turns it on, `--no-X`
+    off (argparse's BooleanOptionalAction, as vLLM's switches). `default` None leaves it
+    unset, so that a config file's value stands unless a flag is given."""
+    parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:

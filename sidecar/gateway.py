@@ -48,8 +48,9 @@ from .gateway_kv import GatewayKVRouting
 from .legs import parse_client_body
 from .http1 import Http1Pool, Response, UpstreamError
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from .outlier import OutlierDetector
+from .outlier import EjectionRace, OutlierDetector
 from .sse import DONE, EventSplitter, event_json, json_event
+from .upstream import readiness
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -222,14 +223,13 @@ class Gateway:
         async def probe(backend: str) -> None:
             client = self.client
             assert client is not None, "startup() makes the client"
-            try:  # readiness (a wedged engine is not ready); /health for older sidecars
-                r = await client.get(
-                    f"{self.scheme}://{backend}/ready", timeout=self.settings.probe_timeout_s
+            try:  # a sidecar older than /ready answers it 404: its /health then
+                r = await readiness(
+                    client,
+                    f"{self.scheme}://{backend}",
+                    self.settings.probe_timeout_s,
+                    no_ready=lambda status: status == 404,
                 )
-                if r.status_code == 404:
-                    r = await client.get(
-                        f"{self.scheme}://{backend}/health", timeout=self.settings.probe_timeout_s
-                    )
                 ok = r.status_code == 200
             except httpx.HTTPError:
                 ok = False
@@ -367,34 +367,22 @@ class Gateway:
         when the backend is ejected meanwhile (a probe found it sick) while another one is
         healthy, or a started stream goes silent for `stall_timeout_s`. (With no other
         backend the request stays: its sidecar retries a restarting engine itself.)"""
-        task = asyncio.ensure_future(work)
-        event = self.outliers.ejected_event(backend)
-        waiter = None if event.is_set() else asyncio.ensure_future(event.wait())
         loop = asyncio.get_running_loop()
-        try:
+        race = EjectionRace(self.outliers, backend, work, *RETRYABLE, past_ejection=False)
+        async with race:
             while True:
-                waits = {task} if waiter is None else {task, waiter}
-                done, _ = await asyncio.wait(
-                    waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
-                )
-                if task in done:
-                    return task.result()
-                if waiter is not None and waiter in done:
+                outcome = await race.wait(1.0)
+                if outcome == "done":
+                    return race.result()
+                if outcome == "ejected":
                     if any(b != backend and b not in self.unhealthy for b in self.backends.current):
                         return "ejected"
-                    waiter = None
+                    race.stop_watching()
                 if (
                     leg.last_byte is not None
                     and loop.time() - leg.last_byte > self.settings.stall_timeout_s
                 ):
                     return "stalled"
-        finally:
-            if waiter is not None:
-                waiter.cancel()
-            if not task.done():
-                task.cancel()  # closes the upstream connection: the request is aborted
-                with contextlib.suppress(asyncio.CancelledError, *RETRYABLE):
-                    await task
 
     # ------------------------------------------------------------------ plain requests
     async def _try_backends(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pdpool.cli import add_switch
+
 from .server_cli import add_listen_arguments, serve
 
 if TYPE_CHECKING:
@@ -51,12 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2.0,
         help="base ejection time (times the recent ejections, at most 30 s)",
     )
-    p.add_argument(
-        "--no-migrate",
-        dest="migrate",
-        action="store_false",
-        help="do not continue broken streams on another sidecar",
-    )
+    add_switch(p, "--migrate", True, "continue broken streams on another sidecar")
     p.add_argument(
         "--stall-timeout-s",
         type=float,
@@ -82,10 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tls-ca-file", help="reach the sidecars over HTTPS, verified against this CA bundle"
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--tls-any-name",
-        action="store_true",
-        help="with --tls-ca-file: accept any certificate that CA signed, whatever "
+        False,
+        "with --tls-ca-file: accept any certificate that CA signed, whatever "
         "its name (a CA dedicated to the pool; sidecars are reached by pod IP)",
     )
     p.add_argument(
@@ -123,12 +121,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the model's tokenizer.json, to route string prompts precisely",
     )
-    p.add_argument(
-        "--no-kv-engine-tokenize",
-        dest="kv_engine_tokenize",
-        action="store_false",
-        help="do not ask a decode engine's /tokenize for prompts this gateway cannot tokenize "
-        "(chats; strings without --kv-tokenizer): those keep hash affinity",
+    add_switch(
+        p,
+        "--kv-engine-tokenize",
+        True,
+        "ask a decode engine's /tokenize for prompts this gateway cannot tokenize (chats; "
+        "strings without --kv-tokenizer); --no-kv-engine-tokenize: those keep hash affinity",
     )
     p.add_argument(
         "--kv-threshold",

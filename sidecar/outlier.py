@@ -12,15 +12,20 @@ An ejected endpoint comes back when a probe succeeds and its ejection time has p
 flapping endpoint stays out longer. The count of recent ejections resets once it has
 stayed in for `max_ejection_s`.
 
-Callers that wait on an endpoint can watch `ejected_event(endpoint)` and give up on it
-(and try elsewhere) as soon as it is ejected, instead of waiting out their own timeout.
+Callers that wait on an endpoint race their work against its ejection (`EjectionRace`)
+and give up on it (and try elsewhere) as soon as it is ejected, instead of waiting out
+their own timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import Callable, Iterable, Optional
+from types import TracebackType
+from typing import Any, Awaitable, Callable, Generic, Iterable, Literal, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 class OutlierDetector:
@@ -137,3 +142,66 @@ class OutlierDetector:
         ):
             for endpoint in [e for e in table if e not in keep]:
                 del table[endpoint]
+
+
+class EjectionRace(Generic[T]):
+    """Work on an endpoint, raced against the endpoint's ejection:
+
+        async with EjectionRace(outliers, endpoint, work, httpx.HTTPError) as race:
+            if await race.wait(timeout) == "done":
+                ...race.result()...
+
+    Leaving the block cancels work still running, which closes its upstream connection
+    (the engine aborts the request), and waits for it, ignoring `errors` it ends with.
+    `past_ejection`: an endpoint already ejected when the race starts counts as ejected at
+    once; else only an ejection while the work runs does."""
+
+    def __init__(
+        self,
+        outliers: OutlierDetector,
+        endpoint: str,
+        work: Awaitable[T],
+        *errors: type[BaseException],
+        past_ejection: bool = True,
+    ) -> None:
+        self.task: asyncio.Future[T] = asyncio.ensure_future(work)
+        self._errors = errors
+        event = outliers.ejected_event(endpoint)
+        self._ejected: Optional[asyncio.Future[Literal[True]]] = (
+            None if event.is_set() and not past_ejection else asyncio.ensure_future(event.wait())
+        )
+
+    async def __aenter__(self) -> "EjectionRace[T]":
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.stop_watching()
+        if not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *self._errors):
+                await self.task
+
+    async def wait(self, timeout: Optional[float]) -> Literal["done", "ejected", "timeout"]:
+        """Until the work is done (its outcome first when both happened), the endpoint is
+        ejected, or `timeout` has passed."""
+        waits: set[asyncio.Future[Any]] = {self.task}
+        if self._ejected is not None:
+            waits.add(self._ejected)
+        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self.task in done:
+            return "done"
+        return "ejected" if self._ejected in done else "timeout"
+
+    def stop_watching(self) -> None:
+        """Ejection no longer ends the race (the work has nowhere else to go)."""
+        if self._ejected is not None:
+            self._ejected.cancel()
+            self._ejected = None
+
+    def result(self) -> T:
+        return self.task.result()

@@ -9,7 +9,6 @@ here. Prefill legs go through httpx (the upstream client shards).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import KW_ONLY, dataclass, field
@@ -21,10 +20,11 @@ from . import legs
 from .discovery import EndpointSet
 from .exchange import Exchange, PrefillResult, json_or_none
 from .metrics import SidecarMetrics
-from .outlier import OutlierDetector
+from .outlier import EjectionRace, OutlierDetector
 from .picker import LoadPicker
 from .prefill_ranking import PrefillRanking
 from .settings import SidecarSettings
+from .upstream import readiness
 from .usage import json_usage
 
 log = logging.getLogger("pdpool.sidecar")
@@ -133,24 +133,13 @@ class PrefillLegs:
         Given up as soon as the engine is ejected (a probe found it wedged): the request
         moves on to the next engine instead of waiting out its timeout."""
         url = f"{self.settings.upstream_scheme}://{endpoint}{ex.route}"
-        call = asyncio.ensure_future(self.next_client().post(url, json=leg, headers=ex.headers))
-        ejected = asyncio.ensure_future(self.outliers.ejected_event(endpoint).wait())
+        call = self.next_client().post(url, json=leg, headers=ex.headers)
+        async with EjectionRace(self.outliers, endpoint, call, httpx.HTTPError) as race:
+            outcome = await race.wait(self.settings.prefill_timeout or None)
+        if outcome != "done":
+            return outcome
         try:
-            done, _ = await asyncio.wait(
-                {call, ejected},
-                timeout=self.settings.prefill_timeout or None,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            ejected.cancel()
-            if not call.done():
-                call.cancel()  # closes the connection: the engine aborts the request
-                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                    await call
-        if call not in done:
-            return "ejected" if ejected in done else "timeout"
-        try:
-            return call.result()
+            return race.result()
         except asyncio.CancelledError:
             return "timeout"
         except httpx.HTTPError:
@@ -193,9 +182,7 @@ class PrefillLegs:
         timeout = self.settings.probe_timeout_s or None
         base = f"{self.settings.upstream_scheme}://{endpoint}"
         try:
-            r = await self.next_client().get(base + "/ready", timeout=timeout)
-            if r.status_code not in (200, 503):
-                r = await self.next_client().get(base + "/health", timeout=timeout)
+            r = await readiness(self.next_client(), base, timeout)
             ok = r.status_code == 200
             if not ok:
                 log.warning(

@@ -51,7 +51,7 @@ from .prefill_ranking import PrefillRanking
 from .relay import RETRYABLE, DecodeRelay, UpstreamUnavailable
 from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
 from .settings import SidecarSettings
-from .upstream import ClientShards
+from .upstream import ClientShards, readiness
 
 log = logging.getLogger("pdpool.sidecar")
 
@@ -174,9 +174,10 @@ class Sidecar:
         /health."""
         try:
             timeout = self.settings.probe_timeout_s or 2.0
-            resp = await self.client.get(self.settings.decode_url + path, timeout=timeout)
-            if resp.status_code not in (200, 503) and path != "/health":
-                resp = await self.client.get(self.settings.decode_url + "/health", timeout=timeout)
+            if path == "/health":
+                resp = await self.client.get(self.settings.decode_url + path, timeout=timeout)
+            else:
+                resp = await readiness(self.client, self.settings.decode_url, timeout)
             ok = resp.status_code == 200
         except httpx.HTTPError:
             ok = False

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pdpool.cli import add_switch
+
 from .server_cli import add_listen_arguments, serve
 
 if TYPE_CHECKING:
@@ -44,11 +46,11 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="reach prefill engines over HTTPS and verify every upstream (the "
         "decode engine too, when --decode-url is https://) against this CA",
     )
-    g.add_argument(
+    add_switch(
+        g,
         "--tls-any-name",
-        action="store_const",
-        const=True,
-        help="with --tls-ca-file: accept any certificate that CA signed, whatever "
+        None,
+        "with --tls-ca-file: accept any certificate that CA signed, whatever "
         "its name (a CA dedicated to the pool; peers are reached by pod IP)",
     )
 
@@ -74,12 +76,8 @@ def _add_path_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         help="how long to retry an unreachable decode engine (default 5)",
     )
-    g.add_argument(
-        "--no-pull-from-decode",
-        dest="pull_from_decode",
-        action="store_const",
-        const=False,
-        help="do not let prefill pull decode's cached prefix",
+    add_switch(
+        g, "--pull-from-decode", None, "let prefill pull decode's cached prefix (default: yes)"
     )
     g.add_argument(
         "--kv-pull-threshold",

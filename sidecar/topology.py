@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,12 +24,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from pdpool.ports import free_port
+from pdpool.tlsutil import make_ca_and_certificate
 
 
 def pdpool_command(*args: str) -> list[str]:
@@ -585,64 +580,6 @@ def write_state(path: str, topology: Topology) -> None:
 
 
 def make_tls_files(directory: str) -> tuple[str, tuple[str, str]]:
-    """A CA and one server certificate for 127.0.0.1 and localhost (openssl), valid for a
-    week; the keys are readable by this user only. Returns (ca.crt, (tls.crt, tls.key))."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-
-    def run(*args: str) -> None:
-        done = subprocess.run(["openssl", *args], cwd=directory, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"openssl {args[0]} failed: {done.stderr.strip()[-500:]}")
-
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "7",
-        "-subj",
-        "/CN=pdpool-up-ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-    )
-    with open(os.path.join(directory, "san.cnf"), "w") as fh:
-        fh.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
-    run(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=pdpool-up",
-        "-keyout",
-        "tls.key",
-        "-out",
-        "tls.csr",
-    )
-    run(
-        "x509",
-        "-req",
-        "-in",
-        "tls.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "7",
-        "-extfile",
-        "san.cnf",
-        "-out",
-        "tls.crt",
-    )
-    for key in ("ca.key", "tls.key"):
-        os.chmod(os.path.join(directory, key), 0o600)
-    return (
-        os.path.join(directory, "ca.crt"),
-        (os.path.join(directory, "tls.crt"), os.path.join(directory, "tls.key")),
-    )
+    """`pdpool up --tls`'s CA and its one server certificate, for 127.0.0.1 and localhost,
+    valid for a week. Returns (ca.crt, (tls.crt, tls.key))."""
+    return make_ca_and_certificate(directory, ca_cn="pdpool-up-ca", cn="pdpool-up", days=7)

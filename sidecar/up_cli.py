@@ -11,6 +11,8 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn, Optional
 
+from pdpool.cli import add_switch
+
 if TYPE_CHECKING:  # the topology module is imported when `up` runs, not for --help
     from .topology import Topology, TopologySpec
 
@@ -34,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--mode", default="decode-first", choices=("decode-first", "prefill-first", "aggregated")
     )
     p.add_argument("--cache-hit-threshold", type=float, default=0.5)
-    p.add_argument("--no-pull-from-decode", dest="pull_from_decode", action="store_false")
+    add_switch(p, "--pull-from-decode", True, "let prefill pull decode's cached prefix")
     p.add_argument("--kv-connector", default="auto", choices=("auto", "nixl", "none"))
     p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     p.add_argument("--prefill-timeout", type=float, default=30.0)

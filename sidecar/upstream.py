@@ -1,4 +1,4 @@
-"""HTTP clients for the upstream legs.
+"""HTTP clients for the upstream legs, and how an upstream's health is asked.
 
 httpx's connection pool scans all of its connections (checking each socket) on every
 request, so one pool with many keep-alive connections costs O(connections) per request:
@@ -9,9 +9,29 @@ from __future__ import annotations
 
 import itertools
 import ssl
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
+
+
+def lacks_ready(status: int) -> bool:
+    """An engine without /ready (stock vLLM) answers it with anything but 200 or 503."""
+    return status not in (200, 503)
+
+
+async def readiness(
+    client: httpx.AsyncClient,
+    base: str,
+    timeout: Optional[float],
+    no_ready: Callable[[int], bool] = lacks_ready,
+) -> httpx.Response:
+    """`base`/ready's answer: ready is what a wedged server (whose loop is stuck) is not,
+    while its /health may still pass. A server without /ready (`no_ready` of the status it
+    answered) is judged by its /health. httpx.HTTPError when it cannot be reached."""
+    resp = await client.get(base + "/ready", timeout=timeout)
+    if no_ready(resp.status_code):
+        resp = await client.get(base + "/health", timeout=timeout)
+    return resp
 
 
 class ClientShards:

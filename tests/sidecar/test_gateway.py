@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 
+from pdpool.ports import free_port
 from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
@@ -65,9 +65,7 @@ async def test_conversations_stick_to_one_sidecar_and_spread_across_them(servers
 
 async def test_dead_sidecar_is_retried_elsewhere_and_marked_unhealthy(servers):
     pool = await backends(servers, 1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"
     gateway = Gateway(
         GatewaySettings(decode_urls=[dead, pool[0][1].host_port], health_interval_s=60)
     )
@@ -113,9 +111,7 @@ async def test_sidecar_whose_engine_is_down_is_skipped(servers):
 
 
 async def test_no_backend_reachable_is_an_openai_503(servers):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"
     gw = await servers(Gateway(GatewaySettings(decode_urls=[dead])))
     async with httpx.AsyncClient() as c:
         r = await c.post(gw.url + "/v1/completions", json={"prompt": "x"})

@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from pdpool.ports import free_port
 from pdpool.sidecar.apikeys import ApiKeyError, ApiKeys, parse_keys, presented_key
 from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
@@ -90,14 +91,11 @@ async def test_gateway_without_a_key_file_is_open(servers):
 def test_gateway_serves_https_with_the_given_certificate(tmp_path):
     """`pdpool gateway --tls-cert-file/--tls-key-file`: HTTPS that verifies against the CA;
     plain HTTP on that port gets nowhere; one flag without the other is refused."""
-    import socket
     import subprocess
     import sys
 
     ca_file, (cert_file, key_file) = make_tls_files(str(tmp_path / "tls"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     keys = tmp_path / "keys"
     keys.write_text(KEY_A + "\n")
     cli = [

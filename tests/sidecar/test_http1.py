@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from pdpool.ports import free_port
 from pdpool.sidecar.http1 import (
     ChunkedBody,
     Http1Pool,
@@ -95,9 +96,7 @@ async def test_stale_keep_alive_connection_is_replaced_once():
 
 
 async def test_refused_broken_and_garbage_answers_raise_upstream_errors():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()
     pool = Http1Pool(connect_timeout=1)
     with pytest.raises(UpstreamConnectError):
         await pool.send("GET", f"http://127.0.0.1:{dead}/", b"")

@@ -21,8 +21,8 @@ from pdpool.kv_events import (
     encode_batch,
     hash_key,
 )
+from pdpool.ports import free_ports
 from pdpool.sidecar.kv_index import KVIndex, request_block_keys
-from devtools.engine_procs import free_ports
 
 torch = pytest.importorskip("torch")
 

@@ -16,6 +16,7 @@ import pytest
 
 from pdpool.block_hash import chain_hashes
 from pdpool.kv_events import BlockStored, KVEventPublisher, KVEventsConfig
+from pdpool.ports import free_port
 from pdpool.sidecar.gateway import GatewaySettings
 from pdpool.sidecar.kv_feeds import KVFeeds, check_event_ports, wanted_subscriptions
 from pdpool.sidecar.kv_index import request_block_keys
@@ -24,7 +25,6 @@ from pdpool.sidecar.prefill_ranking import PrefillRanking
 from pdpool.sidecar.picker import LoadPicker
 from pdpool.sidecar.settings import SidecarSettings
 from pdpool.sidecar.topology import pdpool_command
-from devtools.engine_procs import free_port
 from tests.support.e2e_helpers import metric
 
 BS = 4

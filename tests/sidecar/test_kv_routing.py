@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from pdpool.ports import free_ports
 from pdpool.sidecar.kv_router import KVRouter
-from devtools.engine_procs import free_ports
 
 pytest.importorskip("torch")
 

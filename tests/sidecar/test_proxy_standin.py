@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
 import pytest
 
+from pdpool.ports import free_port
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
 
 from tests.support.vllm_standin import VllmStandIn, greedy_output
 
 HISTORY = " ".join(f"h{i}" for i in range(40))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def topology(servers, n_prefill=1, **settings):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-import subprocess
 
 import httpx
 import pytest
@@ -15,6 +14,7 @@ import uvicorn
 from pdpool.sidecar.gateway import Gateway, GatewaySettings
 from pdpool.sidecar.proxy import Sidecar
 from pdpool.sidecar.settings import SidecarSettings
+from pdpool.tlsutil import make_ca_and_certificate
 
 from tests.support.vllm_standin import VllmStandIn, answer_lifespan, send_json
 
@@ -22,55 +22,10 @@ PROMPT = "the history of the pool " * 20
 
 
 def make_ca(d, name, san="IP:127.0.0.1,DNS:localhost"):
-    def run(*args):
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    run(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        f"/CN={name}",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.crt",
+    """A CA called `name` and a leaf it signs for `san` (ca.crt, (leaf.crt, leaf.key))."""
+    return make_ca_and_certificate(
+        d, san, ca_name=name, ca_cn=name, name=f"{name}-leaf", cn="pool", days=1, server_auth=False
     )
-    (d / "san.cnf").write_text(f"subjectAltName={san}\n")
-    run(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=pool",
-        "-keyout",
-        f"{name}-leaf.key",
-        "-out",
-        f"{name}-leaf.csr",
-    )
-    run(
-        "x509",
-        "-req",
-        "-in",
-        f"{name}-leaf.csr",
-        "-CA",
-        f"{name}.crt",
-        "-CAkey",
-        f"{name}.key",
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-extfile",
-        "san.cnf",
-        "-out",
-        f"{name}-leaf.crt",
-    )
-    return d / f"{name}.crt", (str(d / f"{name}-leaf.crt"), str(d / f"{name}-leaf.key"))
 
 
 @pytest.fixture(scope="module")

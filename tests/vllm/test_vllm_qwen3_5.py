@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from devtools.engine_procs import EngineProcess, wait_healthy
-from pdpool.sidecar.topology import VLLM_ARGS, VLLM_ENV, free_port
+from pdpool.ports import free_port
+from pdpool.sidecar.topology import VLLM_ARGS, VLLM_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -5,7 +5,7 @@ Builds a random-weight checkpoint shaped like Qwen3-0.6B (28 layers, hidden 1024
 engine (`pdpool.engine.engine_core.LLMEngine`) on `--batch` requests of `--prompt-len` random
 tokens, and times the steps after every request has its first token, i.e. pure decode
 batches. Both paths run in one process, one engine after the other; `ops` reads the switch
-on every call. The target of issue 5 is Triton >= 3x torch at batch 64.
+on every call. The target: the Triton path at least 3x the torch path at batch 64.
 
     python benchmarks/engine_decode_triton.py                 # on a GPU
     python benchmarks/engine_decode_triton.py --smoke         # CPU: tiny model, torch path only

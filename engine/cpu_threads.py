@@ -11,6 +11,12 @@ A step that computes many prompt tokens is different: its matmuls are large enou
 over every core, and while it runs the server (in its own process by default) has little
 to do. Such steps get every core (`serving_prefill_threads`); `StepThreads` switches torch
 between the two counts as the steps come. --cpu-prefill-threads overrides it.
+
+Between two parallel regions GNU OpenMP's idle workers spin (300000 rounds by default,
+milliseconds) before they sleep. A spinning worker takes a core from whatever runs next:
+the attention kernels' own threads, the server. `pdpool serve` shortens the spin
+(`quiet_openmp_spin`) unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set: long-prompt steps
+measured 6-9% faster in-process, with less CPU time.
 """
 
 from __future__ import annotations
@@ -71,6 +77,20 @@ def serving_prefill_threads(
     return cores if engine_process else max(1, cores - 1)
 
 
+# Spin rounds of an idle OpenMP worker before it sleeps: ~0.1-0.3 ms, enough to catch the
+# next region of the same layer without holding a core through a kernel call.
+OPENMP_SPIN_ROUNDS = "20000"
+
+
+def quiet_openmp_spin(environ=os.environ) -> bool:
+    """Sets GOMP_SPINCOUNT for the engine processes this one starts (the OpenMP runtime
+    reads it when torch loads), unless the user set a wait policy. True if it set it."""
+    if environ.get("OMP_WAIT_POLICY") or environ.get("GOMP_SPINCOUNT"):
+        return False
+    environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_ROUNDS
+    return True
+
+
 # A step computing at least this many tokens runs on the prefill thread count: its matmuls
 # have rows enough to split (at 256 tokens a layer's projections are ~100 M multiply-adds,
 # milliseconds on one core, where a parallel region costs microseconds). Smaller steps are
@@ -92,6 +112,9 @@ class StepThreads:
         self.decode = decode or torch_threads()
         self.prefill = prefill or self.decode
         self.current = torch_threads()
+        from pdpool.kernels import cpu_parallel
+
+        cpu_parallel.allow_big_calls(self.prefill)
 
     def describe(self) -> str:
         if self.prefill == self.decode:

@@ -202,6 +202,10 @@ def main(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = config_from_args(args)
+    if config.device != "cuda":
+        from pdpool.engine.cpu_threads import quiet_openmp_spin
+
+        quiet_openmp_spin()
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise CliError("--tls-cert-file and --tls-key-file go together")
     import uvicorn

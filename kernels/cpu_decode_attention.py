@@ -296,6 +296,10 @@ def paged_decode_attention(
 # Below this many key positions in the batch one thread does it: ~0.1 us a position against
 # ~50 us to hand a part to another thread.
 MIN_POSITIONS_TO_SPLIT = 4096
+# A batch of this many key positions is a big call (cpu_parallel.kernel_threads): its K and
+# V (64 MiB at 4 KV heads of 64) take milliseconds to stream from memory, so it may use the
+# cores a decode step otherwise leaves to the server.
+BIG_CALL_POSITIONS = 32768
 
 
 def _batch_parts(seq_lens: list[int], threads: Optional[int]) -> list[int]:
@@ -304,7 +308,8 @@ def _batch_parts(seq_lens: list[int], threads: Optional[int]) -> list[int]:
     torch thread when the batch has enough positions to share."""
     total = sum(seq_lens)
     if threads is None:
-        threads = cpu_parallel.kernel_threads() if total >= MIN_POSITIONS_TO_SPLIT else 1
+        big = total >= BIG_CALL_POSITIONS
+        threads = cpu_parallel.kernel_threads(big) if total >= MIN_POSITIONS_TO_SPLIT else 1
     parts = min(max(1, threads), len(seq_lens))
     bounds, seen = [0], 0
     for b, n in enumerate(seq_lens[:-1]):

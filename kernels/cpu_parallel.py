@@ -19,9 +19,21 @@ _pool_workers = 0
 _pool_lock = threading.Lock()
 
 
-def kernel_threads() -> int:
-    """How many threads a kernel call may use: as many as torch's own ops use."""
-    return max(1, torch.get_num_threads())
+_threads_for_big_calls = 1
+
+
+def allow_big_calls(threads: int) -> None:
+    """Lets a call with a lot of work use up to `threads` threads even in a step that runs
+    torch on fewer (the engine passes the count its prompt steps use)."""
+    global _threads_for_big_calls
+    _threads_for_big_calls = max(1, threads)
+
+
+def kernel_threads(big: bool = False) -> int:
+    """How many threads a kernel call may use: as many as torch's own ops use, or for a
+    `big` call, what `allow_big_calls` allowed if that is more."""
+    threads = max(1, torch.get_num_threads())
+    return max(threads, _threads_for_big_calls) if big else threads
 
 
 def _workers(count: int) -> ThreadPoolExecutor:

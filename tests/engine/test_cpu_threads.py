@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +15,11 @@ import torch
 from devtools.engine_procs import EngineProcess
 from pdpool.engine import serve_cli
 from pdpool.engine.cpu_threads import (
+    OPENMP_SPIN_ROUNDS,
     WIDE_STEP_TOKENS,
     StepThreads,
     cgroup_quota_cores,
+    quiet_openmp_spin,
     serving_cpu_threads,
     serving_prefill_threads,
     step_thread_count,
@@ -104,9 +107,27 @@ def test_serve_passes_the_prefill_policy_unless_a_count_is_given(monkeypatch):
     assert prefill("--cpu-threads", "3", "--cpu-prefill-threads", "4") == 4
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(x) for x in text.split()]
+
+
+def test_openmp_workers_spin_briefly_unless_the_user_chose():
+    environ: dict[str, str] = {}
+    assert quiet_openmp_spin(environ) and environ == {"GOMP_SPINCOUNT": OPENMP_SPIN_ROUNDS}
+    for chosen in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "300000"}):
+        environ = dict(chosen)
+        assert not quiet_openmp_spin(environ) and environ == chosen
+
+
 def test_a_served_engine_runs_with_the_policys_threads(tiny_qwen3, tmp_path, monkeypatch):
     # EngineProcess pins OMP_NUM_THREADS=1 for tests; an explicit --cpu-threads wins over it,
     # and the engine says what it applied.
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     eng = EngineProcess(
         tiny_qwen3,
         tmp_path,
@@ -119,6 +140,10 @@ def test_a_served_engine_runs_with_the_policys_threads(tiny_qwen3, tmp_path, mon
     )
     try:
         eng.wait()
+        cores = _children(eng.proc.pid)
+        assert cores, "no engine core process under the server"
+        environ = Path(f"/proc/{cores[0]}/environ").read_bytes().split(b"\0")
+        assert f"GOMP_SPINCOUNT={OPENMP_SPIN_ROUNDS}".encode() in environ
     finally:
         eng.stop()
     line = next(x for x in eng.log.read_text().splitlines() if "engine ready" in x)

@@ -116,6 +116,23 @@ def test_batch_runs_per_thread(lens, threads, bounds):
     assert native._batch_parts(lens, threads) == bounds
 
 
+def test_a_big_batch_may_use_the_threads_allowed_beyond_torchs(monkeypatch):
+    """A decode step runs torch on fewer threads than a prompt step; a batch with enough K/V
+    to stream may still use the prompt steps' count."""
+    monkeypatch.setattr(native.cpu_parallel, "_threads_for_big_calls", 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        big = [native.BIG_CALL_POSITIONS // 4] * 4
+        middling = [native.MIN_POSITIONS_TO_SPLIT] * 4
+        assert native._batch_parts(big, None) == [0, 4]
+        native.cpu_parallel.allow_big_calls(2)
+        assert native._batch_parts(big, None) == [0, 2, 4]
+        assert native._batch_parts(middling, None) == [0, 4]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_out_of_range_tables_and_lengths_are_refused_not_read():
     q, k_cache, v_cache, tables = _case(4, 2, 32, [20, 40])
     bad = tables.clone()

@@ -65,7 +65,7 @@ class ModelRunner:
         positions: list[int] = []
         q_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[tuple[int, ...]]] = [[] for _ in range(num_groups)]
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         for item in out.scheduled:
             req, n = item.request, item.num_new_tokens
             start = req.num_computed_tokens
@@ -160,7 +160,7 @@ class ModelRunner:
         )
 
 
-def _pad_tables(tables: list[tuple[int, ...]]) -> np.ndarray:
+def _pad_tables(tables: list[list[int]]) -> np.ndarray:
     """The block tables as one int32 array, rows padded with block 0 to the longest."""
     width = max((len(t) for t in tables), default=0) or 1
     flat: list[int] = []

@@ -57,11 +57,12 @@ class KVCacheUsage:
 
 @dataclass(frozen=True)
 class KVStepView:
-    """One step's blocks and state slots, handed by the scheduler to the runner: fresh
-    copies made after every allocation of the step."""
+    """One step's blocks and state slots, handed by the scheduler to the runner: copies
+    made for this step after its allocations (lists, not tuples: this is built every step
+    and a list is the cheapest copy), so nothing a reader does reaches the manager."""
 
     # request id -> per KV group, its block ids
-    block_tables: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    block_tables: dict[str, list[list[int]]] = field(default_factory=dict)
     # request id -> its running recurrent-state slot (state models only)
     state_slots: dict[str, int] = field(default_factory=dict)
     # (snapshot slot, running slot) copies to make before the forward: prefix-hit resumes

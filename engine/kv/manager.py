@@ -102,7 +102,7 @@ class KVCacheManager:
         """Copies of the block tables and state slots of `request_ids`, with the pending
         state restores (taken: the runner makes them before this step's forward)."""
         tables = {
-            rid: tuple(tuple([b.block_id for b in blocks]) for blocks in self.req_blocks[rid])
+            rid: [[b.block_id for b in blocks] for blocks in self.req_blocks[rid]]
             for rid in request_ids
         }
         slots = {rid: self.req_slot[rid] for rid in request_ids} if self.has_state else {}

@@ -395,7 +395,7 @@ class Example:
         view = out.kv_view
         for item in out.scheduled:
             rid = item.request.request_id
-            assert [list(t) for t in view.block_tables[rid]] == self.kv.block_tables(rid)
+            assert view.block_tables[rid] == self.kv.block_tables(rid)
             for table in view.block_tables[rid]:
                 for block_id in table:
                     block = self.kv.pool.blocks[block_id]

@@ -145,13 +145,14 @@ def group_cpu_seconds(pgid: int) -> float:
 class Server:
     def __init__(self, name: str, argv: list[str], port: int, log: str, env=None):
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=open(log, "wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
+        with open(log, "wb") as out:  # the child keeps its own copy of the file
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
         self.log = log
 
     def wait(self, timeout: float = 900) -> float:
@@ -259,7 +260,8 @@ def bench_shape(shape: str, args) -> dict:
     spec = WORKLOADS[shape]
     model = model_for(spec.model)
     name = served_model_name(model)
-    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    with open(os.path.join(model, "config.json")) as fh:
+        vocab = json.load(fh)["vocab_size"]
 
     def work_of(round_: int):
         seed = args.seed + (round_ if spec.fresh else 0)
@@ -348,9 +350,10 @@ def bench_shape(shape: str, args) -> dict:
         ours.stop()
         theirs.stop()
     best = {k: max(v, key=lambda x: x["tok_s"]) for k, v in rounds.items()}
-    same = sum(a == b for a, b in zip(rounds["pdpool"][0]["texts"], rounds["vllm"][0]["texts"]))
+    ours, theirs_first = rounds["pdpool"][0], rounds["vllm"][0]
+    same = sum(a == b for a, b in zip(ours["texts"], theirs_first["texts"], strict=True))
     same_ids = sum(
-        a == b and len(a) > 0 for a, b in zip(rounds["pdpool"][0]["ids"], rounds["vllm"][0]["ids"])
+        a == b and len(a) > 0 for a, b in zip(ours["ids"], theirs_first["ids"], strict=True)
     )
     return {
         "shape": shape,

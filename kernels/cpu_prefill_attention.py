@@ -15,6 +15,7 @@ of the two cores' matmul. float32 only; head sizes up to 256 (32, 64 and
 from __future__ import annotations
 
 import ctypes
+import itertools
 from typing import Optional
 
 import torch
@@ -108,7 +109,7 @@ def _parts(
     group = heads // kv_heads
     slice_ = min(group, TILE_ROWS)
     per_tile = TILE_ROWS // slice_
-    q_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+    q_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
     tiles_per_head = sum(-(-n // per_tile) for n in q_lens if n > 1 or not skip_single)
     tiles = tiles_per_head * -(-group // slice_) * kv_heads
     if threads is not None:

@@ -15,6 +15,7 @@ axis, so K/V are never repeated per query head.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Optional
 
@@ -99,7 +100,7 @@ def paged_attention_reference(
                 sliding_window,
             ),
         )
-    for b, (seq_len, q_len) in enumerate(zip(lens, q_lens)):
+    for b, (seq_len, q_len) in enumerate(zip(lens, q_lens, strict=True)):
         if q_len <= 1:
             continue
         k, v = _gather_sequence(k_cache, v_cache, block_tables[b], seq_len)
@@ -167,11 +168,12 @@ def _decode_groups(
     best, best_cost = None, None
     for count in range(least, min(least + 3, len(order)) + 1):
         cuts = [len(order) * i // count for i in range(count + 1)]
-        cost = sum((hi - lo) * padded[hi - 1] for lo, hi in zip(cuts, cuts[1:]))
+        cost = sum((hi - lo) * padded[hi - 1] for lo, hi in itertools.pairwise(cuts))
         cost += (count - 1) * _GROUP_COST_POSITIONS
         if best_cost is None or cost < best_cost:
             best_cost = cost
-            best = [decodes] if count == 1 else [order[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
+            runs = [order[lo:hi] for lo, hi in itertools.pairwise(cuts)]
+            best = [decodes] if count == 1 else runs
     return best
 
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Optional
 
-from pdpool.cli import CliError
+from pdpool.cli import CliError, add_switch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,18 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument(
-        "--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false"
-    )
-    p.add_argument(
-        "--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True
-    )
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument(
-        "--no-prefix-aware-admission",
-        dest="prefix_aware_admission",
-        action="store_false",
-        help="admit as if nothing were cached (only to measure what awareness brings)",
+    add_switch(p, "--enable-chunked-prefill", True, "split long prompts over steps (default)")
+    add_switch(p, "--enable-prefix-caching", True, "reuse cached prompt blocks (default)")
+    add_switch(
+        p,
+        "--prefix-aware-admission",
+        True,
+        "count cached blocks when admitting (default); --no-prefix-aware-admission admits as "
+        "if nothing were cached (only to measure what awareness brings)",
     )
     p.add_argument("--global-cache-hit-threshold", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -114,11 +110,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ' true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}\'',
     )
-    p.add_argument(
+    add_switch(
+        p,
         "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the engine loop in a process of its own, as vLLM runs its EngineCore, so "
+        True,
+        "run the engine loop in a process of its own, as vLLM runs its EngineCore, so "
         "that HTTP and streaming never wait for the model's GIL (default); "
         "--no-engine-process keeps it on a thread of the server's process",
     )

@@ -77,6 +77,17 @@ def serving_prefill_threads(
     return cores if engine_process else max(1, cores - 1)
 
 
+def shared_prefill_threads(
+    engines: int, cores: Optional[int] = None, environ=os.environ
+) -> Optional[int]:
+    """Prompt-step threads for each of `engines` engines sharing this machine's cores (as
+    `pdpool up` runs them): an equal share, at least one; None when OMP_NUM_THREADS is set."""
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = usable_cores() if cores is None else cores
+    return max(1, cores // max(1, engines))
+
+
 # Spin rounds of an idle OpenMP worker before it sleeps: ~0.1-0.3 ms, enough to catch the
 # next region of the same layer without holding a core through a kernel call.
 OPENMP_SPIN_ROUNDS = "20000"

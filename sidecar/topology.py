@@ -132,6 +132,7 @@ class TopologySpec:
 
 
 ENGINES = ("pdpool", "vllm")
+THREAD_FLAGS = ("--cpu-threads", "--cpu-prefill-threads")
 # Stock vLLM on CPU, as tests/vllm and benchmarks/engine_vs_vllm.py run it (block size 128).
 VLLM_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -233,10 +234,23 @@ class Topology:
                 self.kv_secret_file,
             ]
         argv += self._serve_tls_args()
+        argv += self._thread_args()
         argv += self.spec.engine_args
         return Child(
             role, index, port, argv, self._log(role, index), kv_port=kv_port, scheme=self._scheme
         )
+
+    def _thread_args(self) -> list[str]:
+        """The engines share this machine's cores: each one's prompt steps get an equal
+        share (on their own, they would each take every core). Left out when the engine
+        arguments choose a thread count."""
+        from pdpool.engine.cpu_threads import shared_prefill_threads
+
+        chosen = any(a.split("=")[0] in THREAD_FLAGS for a in self.spec.engine_args)
+        threads = shared_prefill_threads(self.spec.prefill + self.spec.decode)
+        if self.spec.device == "cuda" or chosen or threads is None:
+            return []
+        return ["--cpu-prefill-threads", str(threads)]
 
     @property
     def _scheme(self) -> str:

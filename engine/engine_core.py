@@ -23,7 +23,7 @@ from pdpool.engine.engine_setup import (
     start_kv_events,
 )
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
-from pdpool.engine.outputs import (  # noqa: F401 (re-exported)
+from pdpool.engine.outputs import (
     KVTransferRefused,
     RequestError,
     RequestOutput,
@@ -237,40 +237,50 @@ class LLMEngine:
         self.last_step_idle = not out.scheduled
         if not out.scheduled:
             return outputs
-        if self.step_threads is not None:
-            self.step_threads.before_step(out.num_scheduled_tokens)
-        try:
-            result = self.runner.execute(out)
-            self._forward_succeeded()
-        except Exception as exc:
-            result, failed_outputs = self._execute_isolating(out, exc)
-            outputs += failed_outputs
+        result, failed_outputs = self._forward(out)
+        outputs += failed_outputs
         self.stats["steps"] += 1
         self.stats["computed_tokens"] += result.num_computed_tokens
         self.last_logits = result.logits
         self.runner.copy_state_slots(self.scheduler.update_after_forward(out))
         for item in out.scheduled:
-            req = item.request
-            if req.is_finished:
-                continue
-            error = result.errors.get(req.request_id)
-            if error is not None:
-                outputs.append(self._fail_request(req, "sampling", error))
-                continue
-            token = result.sampled.get(req.request_id)
-            if token is None:
-                continue
-            # A failure applying one request's token (detokenization, stop checks) ends that
-            # request only.
-            try:
-                if not req.output_token_ids:
-                    self._count_prompt_sources(req)
-                self.stats["generation_tokens"] += 1
-                req.append_output_token(token)
-                outputs.append(self._advance(req, token, result.logprobs.get(req.request_id)))
-            except Exception as exc:
-                outputs.append(self._fail_request(req, "output processing", exc))
+            output = self._apply_sampled(item.request, result)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _forward(self, out: SchedulerOutput) -> tuple[StepResult, list[RequestOutput]]:
+        """The model's forward for a scheduled step, and the outputs of requests it failed."""
+        if self.step_threads is not None:
+            self.step_threads.before_step(out.num_scheduled_tokens)
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:
+            return self._execute_isolating(out, exc)
+        self._forward_succeeded()
+        return result, []
+
+    def _apply_sampled(self, req: Request, result: StepResult) -> Optional[RequestOutput]:
+        """A scheduled request's share of the step: its sampled token applied, or its error;
+        None when it has nothing to say (finished already, or mid-prefill)."""
+        if req.is_finished:
+            return None
+        error = result.errors.get(req.request_id)
+        if error is not None:
+            return self._fail_request(req, "sampling", error)
+        token = result.sampled.get(req.request_id)
+        if token is None:
+            return None
+        # A failure applying one request's token (detokenization, stop checks) ends that
+        # request only.
+        try:
+            if not req.output_token_ids:
+                self._count_prompt_sources(req)
+            self.stats["generation_tokens"] += 1
+            req.append_output_token(token)
+            return self._advance(req, token, result.logprobs.get(req.request_id))
+        except Exception as exc:
+            return self._fail_request(req, "output processing", exc)
 
     # --- isolating failures -------------------------------------------------------------
     def _fail_request(self, req: Request, where: str, exc: Exception) -> RequestOutput:
@@ -434,7 +444,7 @@ class LLMEngine:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"gen-{id(self)}-{i}-{self.stats['steps']}" for i in range(len(prompts))]
         results: dict[str, list[int]] = {i: [] for i in ids}
-        for rid, prompt, p in zip(ids, prompts, plist):
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
             self.add_request(rid, prompt, p)
         while self.has_unfinished():
             for o in self.step():

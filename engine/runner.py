@@ -152,10 +152,10 @@ class ModelRunner:
             else None
         )
         return StepResult(
-            {r.request_id: t for r, t in zip(reqs, res.tokens) if t is not None},
+            {r.request_id: t for r, t in zip(reqs, res.tokens, strict=True) if t is not None},
             int(input_ids.shape[0]),
             kept,
-            {r.request_id: lp for r, lp in zip(reqs, res.logprobs) if lp is not None},
+            {r.request_id: lp for r, lp in zip(reqs, res.logprobs, strict=True) if lp is not None},
             {reqs[b].request_id: exc for b, exc in res.errors.items()},
         )
 
@@ -189,7 +189,6 @@ def state_tensors(state: Any) -> list[torch.Tensor]:
         t
         for item in items
         if isinstance(item, (torch.Tensor, dict, list, tuple))
-        or hasattr(item, "__dict__")
-        and not callable(item)
+        or (hasattr(item, "__dict__") and not callable(item))
         for t in state_tensors(item)
     ]

@@ -94,6 +94,37 @@ def verified_positions(
     return n
 
 
+def _usable_positions(remote_tables: list[list], first: int, valid: int, remote_units: int) -> int:
+    """How many of the first `valid` positions every remote table names a block for that
+    exists on the producer (a bad id cuts the plan there)."""
+    for remote in remote_tables:
+        for k in range(valid):
+            rid = remote[first + k] if first + k < len(remote) else None
+            if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < remote_units:
+                valid = k
+                break
+    return valid
+
+
+def _block_pairs(
+    local_tables: list[list[int]],
+    remote_tables: list[list[int]],
+    first: int,
+    valid: int,
+    sliding: list[bool],
+) -> tuple[list[int], list[int]]:
+    """(local ids, remote ids) to READ, group by group, for the first `valid` positions;
+    a sliding-window group skips its null blocks (outside the window) on either side."""
+    local_ids, remote_ids = [], []
+    for g, (local, remote) in enumerate(zip(local_tables, remote_tables, strict=True)):
+        for k in range(min(valid, len(local))):
+            if sliding[g] and (remote[first + k] == 0 or local[k] == 0):
+                continue
+            local_ids.append(local[k])
+            remote_ids.append(remote[first + k])
+    return local_ids, remote_ids
+
+
 def plan_read(
     plan: LoadPlan, lease: dict, remote_units: int, sliding: list[bool], block_size: int
 ) -> tuple[ReadUnits, bool]:
@@ -110,26 +141,19 @@ def plan_read(
         first, last, consumer_end, lease, plan.own_hashes, plan.own_prefix_hash, block_size
     )
     cut_by_content = valid < num_positions
-    for remote in remote_tables[: len(plan.local_tables)]:
-        for k in range(valid):
-            rid = remote[first + k] if first + k < len(remote) else None
-            if isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < remote_units:
-                valid = k
-                break
+    if len(remote_tables) < len(plan.local_tables):
+        raise ValueError(
+            f"the lease has {len(remote_tables)} block tables for {len(plan.local_tables)} groups"
+        )
+    remote_tables = remote_tables[: len(plan.local_tables)]
+    valid = _usable_positions(remote_tables, first, valid, remote_units)
     if plan.wants_state:
         # A state resumes exactly where it was taken: all blocks up to there, or nothing.
         whole = consumer_end == lease.get("state_tokens") and valid == num_positions
         if not slots or not whole:
             valid = 0
     plan.num_valid_positions = valid
-    local_ids, remote_ids = [], []
-    for g, (local, remote) in enumerate(zip(plan.local_tables, remote_tables)):
-        for k in range(min(valid, len(local))):
-            if sliding[g] and (remote[first + k] == 0 or local[k] == 0):
-                continue  # a null block (outside the window) on either side
-            local_ids.append(local[k])
-            remote_ids.append(remote[first + k])
-    units: ReadUnits = {"kv": (local_ids, remote_ids)}
+    units: ReadUnits = {"kv": _block_pairs(plan.local_tables, remote_tables, first, valid, sliding)}
     if plan.state_pair is not None and valid:
         plan.state_pair = (plan.state_pair[0], slots[0])
         units["state"] = ([plan.state_pair[0]], [slots[0]])

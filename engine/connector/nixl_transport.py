@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from pdpool.engine.connector.regions import (
     RegionError,
@@ -98,7 +98,7 @@ class _PacedBindings:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
-    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 (the binding's name)
+    def nixlAgent(self, name: str, config: Any) -> Any:
         config.pthrDelay = PROGRESS_THREAD_DELAY_US
         return self._real.nixlAgent(name, config)
 
@@ -188,7 +188,7 @@ class NixlTransport:
         reg = self._agent.register_memory(
             [
                 (a, layout.num_units * s, layout.device_id, "")
-                for a, s in zip(layout.base_addrs, layout.slice_bytes)
+                for a, s in zip(layout.base_addrs, layout.slice_bytes, strict=True)
             ],
             layout.mem_type,
         )
@@ -227,16 +227,7 @@ class NixlTransport:
         """
         self._check_open()
         regions = dict(regions)
-        mem_types = {r.mem_type for r in regions.values()}
-        if len(mem_types) > 1:
-            raise RegionError(f"peer regions mix memory types {sorted(mem_types)}")
-        for name, remote in regions.items():
-            local = self._regions.get(name)
-            if local is not None and local.slice_bytes != remote.slice_bytes:
-                raise RegionError(
-                    f"region {name!r}: peer unit layout {list(remote.slice_bytes)}"
-                    f" bytes differs from ours {list(local.slice_bytes)}"
-                )
+        mem_type = self._check_peer_regions(regions)
         try:
             name = _name(self._agent.add_remote_agent(agent_metadata))
         except Exception as exc:
@@ -257,7 +248,7 @@ class NixlTransport:
         dlist = None
         if descs:
             try:
-                dlist = self._agent.prep_xfer_dlist(name, descs, next(iter(mem_types)))
+                dlist = self._agent.prep_xfer_dlist(name, descs, mem_type)
             except Exception as exc:
                 self._agent.remove_remote_agent(name)
                 raise TransportError(
@@ -265,6 +256,21 @@ class NixlTransport:
                 ) from None
         self._peers[name] = _Peer(name, regions, offsets, dlist)
         return name
+
+    def _check_peer_regions(self, regions: Mapping[str, RegionLayout]) -> Optional[str]:
+        """A peer's regions must share one memory type (returned; None without regions)
+        and lay their units out as ours do."""
+        mem_types = {r.mem_type for r in regions.values()}
+        if len(mem_types) > 1:
+            raise RegionError(f"peer regions mix memory types {sorted(mem_types)}")
+        for name, remote in regions.items():
+            local = self._regions.get(name)
+            if local is not None and local.slice_bytes != remote.slice_bytes:
+                raise RegionError(
+                    f"region {name!r}: peer unit layout {list(remote.slice_bytes)}"
+                    f" bytes differs from ours {list(local.slice_bytes)}"
+                )
+        return next(iter(mem_types), None)
 
     def remove_peer(self, peer: str) -> None:
         """Forget a peer; its unfinished transfers end FAILED."""

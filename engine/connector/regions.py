@@ -59,7 +59,7 @@ class RegionLayout:
         """(address, length, device id) for every (tensor, unit), tensor-major."""
         return [
             (base + unit * size, size, self.device_id)
-            for base, size in zip(self.base_addrs, self.slice_bytes)
+            for base, size in zip(self.base_addrs, self.slice_bytes, strict=True)
             for unit in range(self.num_units)
         ]
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Optional
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
 
     def __init__(self, block_id: int):
         self.block_id = block_id

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 # imports) computes exactly the names engines publish.
 from pdpool.block_hash import hash_block
 
-__all__ = ["hash_block", "BlockHasher", "prefix_hash"]
+__all__ = ["BlockHasher", "hash_block", "prefix_hash"]
 
 
 class BlockHasher:

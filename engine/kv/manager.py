@@ -344,7 +344,7 @@ class KVCacheManager:
         bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
         kind = "sliding_window" if self.groups[g].is_sliding else "full_attention"
         run: list[int] = []
-        for i in stored + [-1]:  # one event per run of consecutive blocks
+        for i in [*stored, -1]:  # one event per run of consecutive blocks
             if run and i != run[-1] + 1:
                 first, last = run[0], run[-1]
                 # As vLLM: the salt is published with the block whose hash it went into.

@@ -146,9 +146,11 @@ def test_server_handles_clients_in_parallel():
 
 def test_server_refuses_clients_outside_its_allowlist():
     allow = parse_allowlist("10.0.0.0/8", include_loopback=False)
-    with HandshakeServer(document(), host="127.0.0.1", port=0, client_allowlist=allow) as server:
-        with pytest.raises(HandshakeError, match="connection closed"):
-            fetch_handshake("127.0.0.1", server.port, timeout=5)
+    with (
+        HandshakeServer(document(), host="127.0.0.1", port=0, client_allowlist=allow) as server,
+        pytest.raises(HandshakeError, match="connection closed"),
+    ):
+        fetch_handshake("127.0.0.1", server.port, timeout=5)
 
 
 def test_connection_refused_is_a_handshake_error():

@@ -246,7 +246,7 @@ def test_a_rejection_lease_is_released_explicitly(engines):
 
 def test_a_restarted_producer_heals_at_once(tiny_qwen3, logs, engines):
     Ds, A = engines["Ds"], engines["A"]
-    secret = [a for a in engines["Ds"].proc.args if a.endswith(".secret")][0]
+    secret = next(a for a in engines["Ds"].proc.args if a.endswith(".secret"))
     port, kv_port = free_port(), free_port()
     flags = (*NIXL, "--kv-role", "producer", "--kv-port", str(kv_port), "--kv-secret-file", secret)
     b1, b2, b3 = body(ids(70, seed=40)), body(ids(70, seed=41)), body(ids(70, seed=42))
@@ -321,7 +321,8 @@ def test_hostile_lease_ops_are_answered_and_harmless(engines):
 def cpu_seconds(pid: int) -> float:
     import os
 
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
@@ -332,5 +333,5 @@ def test_idle_engines_with_nixl_do_not_spin(engines):
     wait_idle(*nixl)
     before = [cpu_seconds(e.proc.pid) for e in nixl]
     time.sleep(3.0)
-    used = [cpu_seconds(e.proc.pid) - b for e, b in zip(nixl, before)]
+    used = [cpu_seconds(e.proc.pid) - b for e, b in zip(nixl, before, strict=True)]
     assert max(used) < 0.5, f"CPU seconds used in 3 s idle, per engine: {used}"

@@ -194,7 +194,7 @@ def test_content_check_counts_only_blocks_holding_our_tokens():
 def test_hasher_prefix_hash_commits_to_every_token():
     hasher = BlockHasher(BS)
     a = list(range(40))
-    b = a[:-1] + [999]
+    b = [*a[:-1], 999]
     ha, hb = hasher.hash_blocks(a, [], 2), hasher.hash_blocks(b, [], 2)
     assert prefix_hash(a, ha, 40, BS) != prefix_hash(b, hb, 40, BS)
     assert prefix_hash(a, ha, 39, BS) == prefix_hash(b, hb, 39, BS)

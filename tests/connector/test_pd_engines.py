@@ -166,7 +166,7 @@ def test_prefill_killed_before_the_pull(tiny_qwen3, logs, engines):
     "mangle",
     [
         lambda ids: [10_000 + i for i in ids],  # none valid
-        lambda ids: ids[:2] + [-1] + ids[3:],  # one missing
+        lambda ids: [*ids[:2], -1, *ids[3:]],  # one missing
         lambda ids: ids[:3],  # too few ids
         lambda ids: list(reversed(ids)),  # valid ids, wrong blocks
     ],

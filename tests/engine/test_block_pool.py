@@ -38,7 +38,7 @@ def test_hit_length_is_whole_blocks_and_leaves_one_token():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
     a = make("a", list(range(10)))  # blocks [0-3] [4-7] + partial
     assert admit(kv, a) == 0
-    b = make("b", list(range(10)) + [99])
+    b = make("b", [*list(range(10)), 99])
     assert kv.get_computed_blocks(b)[1] == 8
     c = make("c", list(range(8)))  # fully cached prompt: last block recomputed
     assert kv.get_computed_blocks(c)[1] == 4
@@ -56,7 +56,7 @@ def test_salt_isolates_tenants():
 
 def test_refcounts_shared_prefix_and_free():
     kv = KVCacheManager(num_blocks=16, block_size=BS)
-    a, b = make("a", list(range(9))), make("b", list(range(8)) + [50])
+    a, b = make("a", list(range(9))), make("b", [*list(range(8)), 50])
     admit(kv, a)
     admit(kv, b)
     shared = kv.req_blocks["a"][0][:2]
@@ -67,7 +67,7 @@ def test_refcounts_shared_prefix_and_free():
     kv.free(b)
     assert kv.pool.num_free_blocks == 16
     # Freed blocks keep their hashes: a later request still hits them.
-    assert kv.get_computed_blocks(make("c", list(range(8)) + [1]))[1] == 8
+    assert kv.get_computed_blocks(make("c", [*list(range(8)), 1]))[1] == 8
 
 
 def test_eviction_is_lru_and_tail_first():

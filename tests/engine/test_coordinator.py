@@ -70,7 +70,7 @@ def test_hit_length_for_each_combination(full_blocks, window_tail, state_at, exp
     if state_at is not None:
         for n in range(1, state_at + 1):
             kv.snapshots.publish(h[n - 1], kv.snapshots.take_slot())
-    probe = make("probe", tokens + [7])
+    probe = make("probe", [*tokens, 7])
     hits, cached = kv.get_computed_blocks(probe)
     assert cached == expected * BS
     if expected:
@@ -82,11 +82,11 @@ def test_hit_length_for_each_combination(full_blocks, window_tail, state_at, exp
 
 
 def test_per_group_hits_for_a_kv_consumer():
-    """A request whose state comes from a remote engine keeps its attention hit (seed 004)."""
+    """A request whose state comes from a remote engine keeps its attention hit."""
     kv = KVCacheManager(64, BS, num_state_slots=2, num_snapshot_slots=4)
     warm = make("warm", list(range(16)))
     compute(kv, warm, 16, snapshot=False)  # attention cached, no snapshot
-    probe = make("probe", list(range(16)) + [1, 2])
+    probe = make("probe", [*list(range(16)), 1, 2])
     assert kv.get_computed_blocks(probe)[1] == 0
     assert kv.get_computed_blocks(probe, skip_state=True)[1] == 16
     assert kv.last_hit_lengths == {"full": 16}
@@ -115,7 +115,7 @@ def test_snapshots_taken_on_block_boundaries_and_restored():
     compute(kv, a, 13)  # mid-block: none
     assert len(kv.snapshots) == 1
     kv.free(a)
-    b = make("b", list(range(13)) + [50])
+    b = make("b", [*list(range(13)), 50])
     hits, cached = kv.get_computed_blocks(b)
     assert cached == 8
     assert kv.allocate_slots(b, b.num_tokens - cached, hits)

@@ -4,6 +4,7 @@ fails what was in flight and /health says so; the server's death takes the engin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,10 +26,8 @@ def _children(pid: int) -> list[int]:
     # Every thread's: a restarted engine process is started from a worker thread.
     kids = []
     for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # the thread ended meanwhile
             kids += [int(p) for p in task.read_text().split()]
-        except FileNotFoundError:
-            pass  # the thread ended meanwhile
     return kids
 
 

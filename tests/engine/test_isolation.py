@@ -172,7 +172,7 @@ def test_http_one_failing_request_leaves_concurrent_streams_whole(server):
 
     solo, together = asyncio.run(go())
     *good, poisoned_stream, poisoned_plain = together
-    for (s_status, s_text, _), (g_status, g_text, g_events) in zip(solo, good):
+    for (s_status, s_text, _), (g_status, g_text, g_events) in zip(solo, good, strict=True):
         assert s_status == g_status == 200
         assert g_text == s_text and g_text
         assert g_events[-1]["choices"][0]["finish_reason"] == "length"

@@ -70,7 +70,7 @@ def check_token(
     values = [v for _, v in top]
     assert len(top) == k and values == sorted(values, reverse=True)
     ref_top = ref_row.topk(k).values.tolist()
-    for (i, v), r in zip(top, ref_top):
+    for (i, v), r in zip(top, ref_top, strict=True):
         assert abs(v - ref_row[i].item()) < ATOL and abs(v - r) < ATOL
 
 
@@ -114,7 +114,9 @@ def test_completion_logprobs_match_transformers(server, hf, sampling):
     if sampling["temperature"] == 0:  # greedy picks the top token
         assert all(
             lps_top[0] == t
-            for lps_top, t in zip((list(d) for d in full["top_logprobs"]), full["tokens"])
+            for lps_top, t in zip(
+                (list(d) for d in full["top_logprobs"]), full["tokens"], strict=True
+            )
         )
 
 

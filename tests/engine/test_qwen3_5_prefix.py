@@ -37,7 +37,7 @@ def test_qwen3_5_prefix_hit_skips_recomputation(tiny_qwen3_5):
             ),
             keep_logits=True,
         )
-        eng.generate([system + [7]], params)  # warm: snapshot at 64 tokens
+        eng.generate([[*system, 7]], params)  # warm: snapshot at 64 tokens
         before = eng.stats["computed_tokens"]
         tokens, first = run_engine_recording_first_logits(eng, prompts, params)
         runs[caching] = (tokens, first, eng.stats["computed_tokens"] - before, eng)

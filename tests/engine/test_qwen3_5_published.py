@@ -74,6 +74,6 @@ def test_published_checkpoint_gives_the_same_tokens(tiny_qwen3_5, published, cap
         tokens, logits = run_engine_recording_first_logits(engine, prompts, params)
         runs.append((tokens, logits))
     assert runs[0][0] == runs[1][0]
-    for a, b in zip(runs[0][1], runs[1][1]):
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
         assert torch.equal(a, b)
     assert "vision tower" in caplog.text and "model.visual.*" in caplog.text

@@ -98,7 +98,7 @@ def test_poison_bodies_get_400_while_three_streams_finish_unchanged(eng):
             started = [asyncio.Event() for _ in STREAMS]
             runs = [
                 asyncio.ensure_future(stream_text(c, eng.url, s, ev))
-                for s, ev in zip(STREAMS, started)
+                for s, ev in zip(STREAMS, started, strict=True)
             ]
             await asyncio.gather(*(ev.wait() for ev in started))
             answers = []
@@ -121,7 +121,7 @@ def test_poison_bodies_get_400_while_three_streams_finish_unchanged(eng):
     for body, status, data in answers:
         assert status == 400, (body, status, data)
         assert data["error"]["type"] == "BadRequestError" and data["error"]["message"], data
-    for ref, got in zip(reference, results):
+    for ref, got in zip(reference, results, strict=True):
         assert got[1] == "length" and ref[1] == "length"
         assert got[0] == ref[0]  # same text as without the poison bodies
         assert got[2] > last_poison  # the stream was still running meanwhile

@@ -175,8 +175,9 @@ def _completed(server) -> float:
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
     async def go():
-        async with httpx.AsyncClient(timeout=30) as c:
-            async with c.stream(
+        async with (
+            httpx.AsyncClient(timeout=30) as c,
+            c.stream(
                 "POST",
                 f"{server.url}/v1/completions",
                 json={
@@ -185,13 +186,14 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
                     "stream": True,
                     "ignore_eos": True,
                 },
-            ) as resp:
-                n = 0
-                async for line in resp.aiter_lines():
-                    if line.startswith("data:"):
-                        n += 1
-                    if n >= 3:
-                        break  # leave mid-stream
+            ) as resp,
+        ):
+            n = 0
+            async for line in resp.aiter_lines():
+                if line.startswith("data:"):
+                    n += 1
+                if n >= 3:
+                    break  # leave mid-stream
         # A non-streaming client that gives up early.
         async with httpx.AsyncClient(timeout=0.5) as c:
             with pytest.raises(httpx.TimeoutException):

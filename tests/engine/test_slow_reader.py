@@ -53,7 +53,7 @@ def test_runs_never_end_in_held_back_tokens_after_emitted_text():
     assert texts(outs[2:4]) == [["", ""]]
     failed = _out("", [9], True)
     failed.finish_reason = "error"
-    assert texts(outs[2:4] + [failed]) == [["", ""], [""]]  # sent before the error
+    assert texts([*outs[2:4], failed]) == [["", ""], [""]]  # sent before the error
     assert texts(outs[:2]) == [["a", "b"]]
     gateway = StreamState("/v1/completions", {"prompt": "x", "stream": True})
     for run in mergeable_runs(outs[:4]):

@@ -1,9 +1,10 @@
-"""The long run of the KV block-lifetime property test (tests/engine/test_kv_lifetimes.py).
+"""The long run of the KV block-lifetime property test (devtools/kv_lifetimes.py).
 
     python benchmarks/kv_lifetimes_fuzz.py                      # 5000 examples from seed 0
     python benchmarks/kv_lifetimes_fuzz.py --examples 20000 --seed 100000
 
-The suite runs a bounded number of examples; this runs as many as asked, in batches, with
+The suite (tests/engine/test_kv_lifetimes.py) runs a bounded number of examples; this runs
+as many as asked, in batches, with
 the same generator and the same invariants checked after every operation (a real Scheduler
 over a real KVCacheManager, the connector's scheduler-facing half scripted). It stops at the
 first example that breaks an invariant, names its seed and its last steps, and exits 1.
@@ -19,10 +20,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))  # tests
+sys.path.insert(0, str(Path(__file__).parent.parent))  # devtools
 from common import print_table, write_json
 
-from tests.engine import test_kv_lifetimes as lifetimes
+from devtools import kv_lifetimes as lifetimes
 
 
 def main() -> int:

@@ -21,39 +21,15 @@ measured 6-9% faster in-process, with less CPU time.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
-CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
-
-
-def usable_cores(cgroup_cpu_max: str = CGROUP_CPU_MAX) -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota
-    (a Kubernetes CPU limit) rounded up."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        cores = os.cpu_count() or 1
-    quota = cgroup_quota_cores(cgroup_cpu_max)
-    if quota is not None:
-        cores = min(cores, quota)
-    return max(1, cores)
-
-
-def cgroup_quota_cores(path: str = CGROUP_CPU_MAX) -> Optional[int]:
-    """The cgroup v2 CPU limit in whole cores (rounded up), None when there is none."""
-    try:
-        with open(path) as fh:
-            quota, period = fh.read().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    try:
-        return max(1, math.ceil(int(quota) / int(period)))
-    except (ValueError, ZeroDivisionError):
-        return None
+from pdpool.cpu_cores import (  # noqa: F401 (re-exported: the policy's inputs)
+    CGROUP_CPU_MAX,
+    cgroup_quota_cores,
+    engine_share_of_cores,
+    usable_cores,
+)
 
 
 def serving_cpu_threads(cores: Optional[int] = None, environ=os.environ) -> Optional[int]:
@@ -75,17 +51,6 @@ def serving_prefill_threads(
         return None
     cores = usable_cores() if cores is None else cores
     return cores if engine_process else max(1, cores - 1)
-
-
-def shared_prefill_threads(
-    engines: int, cores: Optional[int] = None, environ=os.environ
-) -> Optional[int]:
-    """Prompt-step threads for each of `engines` engines sharing this machine's cores (as
-    `pdpool up` runs them): an equal share, at least one; None when OMP_NUM_THREADS is set."""
-    if environ.get("OMP_NUM_THREADS"):
-        return None
-    cores = usable_cores() if cores is None else cores
-    return max(1, cores // max(1, engines))
 
 
 # Spin rounds of an idle OpenMP worker before it sleeps: ~0.1-0.3 ms, enough to catch the

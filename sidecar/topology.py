@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
+from pdpool.cpu_cores import engine_share_of_cores
 from pdpool.ports import free_port
 from pdpool.tlsutil import make_ca_and_certificate
 
@@ -244,10 +245,8 @@ class Topology:
         """The engines share this machine's cores: each one's prompt steps get an equal
         share (on their own, they would each take every core). Left out when the engine
         arguments choose a thread count."""
-        from pdpool.engine.cpu_threads import shared_prefill_threads
-
         chosen = any(a.split("=")[0] in THREAD_FLAGS for a in self.spec.engine_args)
-        threads = shared_prefill_threads(self.spec.prefill + self.spec.decode)
+        threads = engine_share_of_cores(self.spec.prefill + self.spec.decode)
         if self.spec.device == "cuda" or chosen or threads is None:
             return []
         return ["--cpu-prefill-threads", str(threads)]

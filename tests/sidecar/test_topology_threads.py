@@ -7,14 +7,14 @@ import shutil
 
 import pytest
 
-from pdpool.engine.cpu_threads import shared_prefill_threads, usable_cores
+from pdpool.cpu_cores import engine_share_of_cores, usable_cores
 from pdpool.sidecar.topology import Topology, TopologySpec
 
 
 @pytest.mark.parametrize("engines,cores,threads", [(1, 2, 2), (2, 2, 1), (3, 2, 1), (2, 16, 8)])
 def test_an_equal_share_of_the_cores(engines, cores, threads):
-    assert shared_prefill_threads(engines, cores, environ={}) == threads
-    assert shared_prefill_threads(engines, cores, environ={"OMP_NUM_THREADS": "4"}) is None
+    assert engine_share_of_cores(engines, cores, environ={}) == threads
+    assert engine_share_of_cores(engines, cores, environ={"OMP_NUM_THREADS": "4"}) is None
 
 
 def _engine_argvs(tmp_path, **spec):

@@ -24,12 +24,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from pdpool.cpu_cores import (  # noqa: F401 (re-exported: the policy's inputs)
-    CGROUP_CPU_MAX,
-    cgroup_quota_cores,
-    engine_share_of_cores,
-    usable_cores,
-)
+from pdpool.cpu_cores import usable_cores
 
 
 def serving_cpu_threads(cores: Optional[int] = None, environ=os.environ) -> Optional[int]:
@@ -47,10 +42,11 @@ def serving_prefill_threads(
     """Torch threads for a step with many tokens to compute (prompt chunks): every core when
     the engine runs in a process of its own, whose server process idles through such a
     step; the decode count otherwise. None when OMP_NUM_THREADS is set."""
+    if not engine_process:
+        return serving_cpu_threads(cores, environ)
     if environ.get("OMP_NUM_THREADS"):
         return None
-    cores = usable_cores() if cores is None else cores
-    return cores if engine_process else max(1, cores - 1)
+    return usable_cores() if cores is None else cores
 
 
 # Spin rounds of an idle OpenMP worker before it sleeps: ~0.1-0.3 ms, enough to catch the

@@ -18,13 +18,12 @@ from pdpool.engine.cpu_threads import (
     OPENMP_SPIN_ROUNDS,
     WIDE_STEP_TOKENS,
     StepThreads,
-    cgroup_quota_cores,
     quiet_openmp_spin,
     serving_cpu_threads,
     serving_prefill_threads,
     step_thread_count,
-    usable_cores,
 )
+from pdpool.cpu_cores import cgroup_quota_cores, usable_cores
 
 
 @pytest.mark.parametrize("cores,threads", [(1, 1), (2, 1), (3, 2), (16, 15)])

@@ -54,7 +54,7 @@ from typing import Optional
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pdpool.sidecar.topology import (
+from pdpool.up.topology import (
     VLLM_ARGS,
     VLLM_ENV,
     free_port,

@@ -31,7 +31,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, write_json
 
-from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
 
 WORDS = (
     "river stone cloud lantern harbor meadow copper violet orchard signal ember "

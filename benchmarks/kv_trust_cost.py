@@ -36,7 +36,7 @@ from pdpool.engine.connector.load_plan import verified_positions
 from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
 from devtools.engine_procs import EngineProcess, connector_stat
 from pdpool.ports import free_port
-from pdpool.sidecar.topology import ensure_tiny_model
+from pdpool.up.topology import ensure_tiny_model
 
 BLOCK = 16
 # One block of Qwen3-8B in bf16: 36 layers x (K, V) x 16 tokens x 8 KV heads x 128 dims x 2 B.

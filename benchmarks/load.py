@@ -65,7 +65,7 @@ from devtools.load_targets import (
     served_model,
     wait_blocks_idle,
 )
-from pdpool.sidecar.topology import ensure_tiny_model
+from pdpool.up.topology import ensure_tiny_model
 
 FAULTS = {
     "serve": (("engine-0", "engine-core"),),

@@ -27,7 +27,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODES = {

@@ -40,7 +40,7 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pdpool.ports import free_port
-from pdpool.sidecar.topology import ensure_tiny_model, healthy, pdpool_command
+from pdpool.up.topology import ensure_tiny_model, healthy, pdpool_command
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -71,7 +71,7 @@ class Shot:
 
     @property
     def migratable(self) -> bool:
-        """Whether the gateway can move this stream to another engine (sidecar/migration.py:
+        """Whether the gateway can move this stream to another engine (sidecar/gateway/migration.py:
         one choice, no logprobs)."""
         return self.streamed and self.body.get("n", 1) == 1 and not self.body.get("logprobs")
 

@@ -157,7 +157,7 @@ class UpTarget:
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout_s: float = 300.0) -> "UpTarget":
-        from pdpool.sidecar.topology import pdpool_command
+        from pdpool.up.topology import pdpool_command
 
         self.state_file.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

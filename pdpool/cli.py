@@ -18,9 +18,9 @@ from pdpool.errors import CliError
 COMMANDS = {
     "tiny-model": ("pdpool.engine.tiny_model_cli", "write a small random-weight HF checkpoint"),
     "serve": ("pdpool.engine.serve_cli", "run one engine with its OpenAI-compatible server"),
-    "sidecar": ("pdpool.sidecar.sidecar_cli", "run the P/D proxy in front of a decode engine"),
-    "gateway": ("pdpool.sidecar.gateway_cli", "run the gateway in front of decode sidecars"),
-    "up": ("pdpool.sidecar.up_cli", "run the whole P/D topology as local processes"),
+    "sidecar": ("pdpool.sidecar.proxy.cli", "run the P/D proxy in front of a decode engine"),
+    "gateway": ("pdpool.sidecar.gateway.cli", "run the gateway in front of decode sidecars"),
+    "up": ("pdpool.up.cli", "run the whole P/D topology as local processes"),
     "operator": ("pdpool.operator.operator_cli", "run the Kubernetes operator"),
 }
 

@@ -14,7 +14,7 @@ from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.choices import ChoiceRunner
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import ChoiceRequest
-from pdpool.sidecar.migration import StreamState
+from pdpool.sidecar.gateway.migration import StreamState
 
 
 def _out(text, ids, finished=False, lps=None, **kw) -> RequestOutput:

@@ -15,7 +15,7 @@ from tests.support.load_suite import ServeHolder, UpHolder
 def model_dir() -> str:
     if not engine_available():
         pytest.skip("pdpool engine (torch) is not installed")
-    from pdpool.sidecar.topology import ensure_tiny_model
+    from pdpool.up.topology import ensure_tiny_model
 
     return ensure_tiny_model("qwen3")
 

@@ -12,7 +12,7 @@ from pdpool.kv_events import KVEventsConfig
 from pdpool.operator.builders import build_children
 from pdpool.operator.children import PoolRef
 from pdpool.operator.spec import SpecError, parse_pool_spec
-from pdpool.sidecar.sidecar_cli import settings_from_args
+from pdpool.sidecar.proxy.cli import settings_from_args
 
 from test_operator_netpol import SOURCES, allowed
 

@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from pdpool.sidecar.affinity import HashRing, affinity_key, route_order
+from pdpool.sidecar.routing.affinity import HashRing, affinity_key, route_order
 
 
 def test_turns_of_a_conversation_share_a_key():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdpool.sidecar.discovery import EndpointSet, parse_service
+from pdpool.sidecar.net.discovery import EndpointSet, parse_service
 
 
 async def test_service_resolves_and_keeps_last_good_set_on_dns_errors():

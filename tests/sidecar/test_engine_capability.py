@@ -10,9 +10,9 @@ import asyncio
 import httpx
 import pytest
 
-from pdpool.sidecar.capability import estimate_prompt_tokens
-from pdpool.sidecar.proxy import Sidecar
-from pdpool.sidecar.settings import SidecarSettings
+from pdpool.sidecar.proxy.capability import estimate_prompt_tokens
+from pdpool.sidecar.proxy.app import Sidecar
+from pdpool.sidecar.proxy.settings import SidecarSettings
 
 from tests.support.vllm_standin import VllmStandIn
 

@@ -18,8 +18,8 @@ import json
 import httpx
 import pytest
 
-from pdpool.sidecar.proxy import Sidecar
-from pdpool.sidecar.settings import SidecarSettings
+from pdpool.sidecar.proxy.app import Sidecar
+from pdpool.sidecar.proxy.settings import SidecarSettings
 from tests.support.vllm_standin import answer_lifespan, read_body, send_json
 
 GATE_S = 10.0  # generous: on a busy CI machine a request still takes milliseconds

@@ -7,9 +7,9 @@ import asyncio
 import httpx
 
 from pdpool.ports import free_port
-from pdpool.sidecar.gateway import Gateway, GatewaySettings
-from pdpool.sidecar.proxy import Sidecar
-from pdpool.sidecar.settings import SidecarSettings
+from pdpool.sidecar.gateway.app import Gateway, GatewaySettings
+from pdpool.sidecar.proxy.app import Sidecar
+from pdpool.sidecar.proxy.settings import SidecarSettings
 
 from tests.support.vllm_standin import VllmStandIn
 

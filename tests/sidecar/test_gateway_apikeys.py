@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from pdpool.ports import free_port
-from pdpool.sidecar.apikeys import ApiKeyError, ApiKeys, parse_keys, presented_key
-from pdpool.sidecar.gateway import Gateway, GatewaySettings
-from pdpool.sidecar.proxy import Sidecar
-from pdpool.sidecar.settings import SidecarSettings
-from pdpool.sidecar.topology import make_tls_files
+from pdpool.sidecar.net.apikeys import ApiKeyError, ApiKeys, parse_keys, presented_key
+from pdpool.sidecar.gateway.app import Gateway, GatewaySettings
+from pdpool.sidecar.proxy.app import Sidecar
+from pdpool.sidecar.proxy.settings import SidecarSettings
+from pdpool.up.topology import make_tls_files
 
 from tests.support.vllm_standin import VllmStandIn
 

@@ -8,13 +8,13 @@ import socket
 import pytest
 
 from pdpool.ports import free_port
-from pdpool.sidecar.http1 import (
+from pdpool.sidecar.net.http1 import (
     ChunkedBody,
     Http1Pool,
     UpstreamConnectError,
     UpstreamProtocolError,
 )
-from pdpool.sidecar.resolver import Resolver
+from pdpool.sidecar.net.resolver import Resolver
 
 
 async def raw_server(handler):

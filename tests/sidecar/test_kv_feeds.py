@@ -1,4 +1,4 @@
-"""KV event subscriptions that follow discovery (sidecar/kv_feeds.py): the engines an
+"""KV event subscriptions that follow discovery (sidecar/routing/kv_feeds.py): the engines an
 EndpointSet lists are subscribed on the pool's event ports, vanished ones are dropped and
 forgotten; a real `pdpool gateway --decode-service --kv-events-port` routes by the events
 of a real publisher (pdpool.kv_events.KVEventPublisher, the engines' own)."""
@@ -17,14 +17,14 @@ import pytest
 from pdpool.block_hash import chain_hashes
 from pdpool.kv_events import BlockStored, KVEventPublisher, KVEventsConfig
 from pdpool.ports import free_port
-from pdpool.sidecar.gateway import GatewaySettings
-from pdpool.sidecar.kv_feeds import KVFeeds, check_event_ports, wanted_subscriptions
-from pdpool.sidecar.kv_index import request_block_keys
-from pdpool.sidecar.kv_router import KVRouter
-from pdpool.sidecar.prefill_ranking import PrefillRanking
-from pdpool.sidecar.picker import LoadPicker
-from pdpool.sidecar.settings import SidecarSettings
-from pdpool.sidecar.topology import pdpool_command
+from pdpool.sidecar.gateway.app import GatewaySettings
+from pdpool.sidecar.routing.kv_feeds import KVFeeds, check_event_ports, wanted_subscriptions
+from pdpool.sidecar.routing.kv_index import request_block_keys
+from pdpool.sidecar.routing.kv_router import KVRouter
+from pdpool.sidecar.routing.prefill_ranking import PrefillRanking
+from pdpool.sidecar.routing.picker import LoadPicker
+from pdpool.sidecar.proxy.settings import SidecarSettings
+from pdpool.up.topology import pdpool_command
 from tests.support.e2e_helpers import metric
 
 BS = 4
@@ -226,7 +226,7 @@ async def test_prefill_ranking_follows_the_prefill_set_with_only_the_port():
 
 def test_sidecar_flags_reach_the_settings():
     from pdpool.cli import build_parser
-    from pdpool.sidecar.sidecar_cli import settings_from_args
+    from pdpool.sidecar.proxy.cli import settings_from_args
 
     args = build_parser().parse_args(
         [

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdpool.sidecar import legs
+from pdpool.sidecar.proxy import legs
 
 
 def test_decode_first_leg_uses_pool_threshold_unless_request_has_one():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdpool.sidecar import migration
-from pdpool.sidecar.outlier import OutlierDetector
+from pdpool.sidecar.gateway import migration
+from pdpool.sidecar.routing.outlier import OutlierDetector
 
 
 class Clock:

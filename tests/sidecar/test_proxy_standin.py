@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from pdpool.ports import free_port
-from pdpool.sidecar.proxy import Sidecar
-from pdpool.sidecar.settings import SidecarSettings
+from pdpool.sidecar.proxy.app import Sidecar
+from pdpool.sidecar.proxy.settings import SidecarSettings
 
 from tests.support.vllm_standin import VllmStandIn, greedy_output
 

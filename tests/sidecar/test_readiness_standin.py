@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import httpx
 
-from pdpool.sidecar.gateway import Gateway, GatewaySettings
-from pdpool.sidecar.proxy import Sidecar
-from pdpool.sidecar.settings import SidecarSettings
+from pdpool.sidecar.gateway.app import Gateway, GatewaySettings
+from pdpool.sidecar.proxy.app import Sidecar
+from pdpool.sidecar.proxy.settings import SidecarSettings
 from tests.support.vllm_standin import answer_lifespan, send_json
 
 

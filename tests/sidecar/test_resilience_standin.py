@@ -13,9 +13,9 @@ import json
 import httpx
 import pytest
 
-from pdpool.sidecar.gateway import Gateway, GatewaySettings
-from pdpool.sidecar.proxy import Sidecar
-from pdpool.sidecar.settings import SidecarSettings
+from pdpool.sidecar.gateway.app import Gateway, GatewaySettings
+from pdpool.sidecar.proxy.app import Sidecar
+from pdpool.sidecar.proxy.settings import SidecarSettings
 
 from tests.support.vllm_standin import VllmStandIn, greedy_output, prompt_words
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pdpool.sidecar.picker import LoadPicker
-from pdpool.sidecar.security import (
+from pdpool.sidecar.routing.picker import LoadPicker
+from pdpool.sidecar.net.security import (
     ForbiddenTarget,
     allowed_target,
     allowed_targets,

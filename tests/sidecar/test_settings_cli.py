@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from pdpool.sidecar.settings import build_settings, load_config_file
-from pdpool.sidecar.topology import pdpool_command
+from pdpool.sidecar.proxy.settings import build_settings, load_config_file
+from pdpool.up.topology import pdpool_command
 
 
 def test_yaml_file_then_flags_override(tmp_path):
@@ -57,7 +57,7 @@ def test_the_operators_sidecar_command_line_parses():
     """The operator renders the sidecar's argv; every flag it uses must exist here."""
     commands = pytest.importorskip("pdpool.operator.commands")
     from pdpool.cli import build_parser
-    from pdpool.sidecar.sidecar_cli import settings_from_args
+    from pdpool.sidecar.proxy.cli import settings_from_args
 
     values = {
         "PDPOOL_ROUTER_MODE": "decode-first",

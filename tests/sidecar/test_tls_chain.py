@@ -11,9 +11,9 @@ import httpx
 import pytest
 import uvicorn
 
-from pdpool.sidecar.gateway import Gateway, GatewaySettings
-from pdpool.sidecar.proxy import Sidecar
-from pdpool.sidecar.settings import SidecarSettings
+from pdpool.sidecar.gateway.app import Gateway, GatewaySettings
+from pdpool.sidecar.proxy.app import Sidecar
+from pdpool.sidecar.proxy.settings import SidecarSettings
 from pdpool.tlsutil import make_ca_and_certificate
 
 from tests.support.vllm_standin import VllmStandIn, answer_lifespan, send_json

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from pdpool.cpu_cores import engine_share_of_cores, usable_cores
-from pdpool.sidecar.topology import Topology, TopologySpec
+from pdpool.up.topology import Topology, TopologySpec
 
 
 @pytest.mark.parametrize("engines,cores,threads", [(1, 2, 2), (2, 2, 1), (3, 2, 1), (2, 16, 8)])

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from pdpool.sidecar.topology import pdpool_command
+from pdpool.up.topology import pdpool_command
 
 from tests.support.e2e_helpers import engine_available
 

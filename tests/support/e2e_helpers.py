@@ -8,7 +8,7 @@ import shutil
 import httpx
 import pytest
 
-from pdpool.sidecar.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
 
 
 def engine_available() -> bool:

@@ -24,7 +24,7 @@ import pytest
 
 from devtools.engine_procs import EngineProcess, wait_healthy
 from tests.support.vllm_metric_names import check_vllm_names
-from pdpool.sidecar.topology import (
+from pdpool.up.topology import (
     Topology,
     TopologySpec,
     free_port,

@@ -15,7 +15,7 @@ import pytest
 
 from devtools.engine_procs import EngineProcess, wait_healthy
 from pdpool.ports import free_port
-from pdpool.sidecar.topology import VLLM_ARGS, VLLM_ENV
+from pdpool.up.topology import VLLM_ARGS, VLLM_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .asgi import Send
+from ..net.asgi import Send
 
 PATH_HEADER = "x-pdpool-path"
 

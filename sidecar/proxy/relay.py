@@ -17,12 +17,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, U
 import httpx
 
 from . import legs
-from .asgi import send_bytes, send_error, send_start, sse_error_event
+from ..net.asgi import send_bytes, send_error, send_start, sse_error_event
 from .exchange import Buffered, Exchange, json_or_none
-from .http1 import Http1Pool, Response, UpstreamError
-from .metrics import SidecarMetrics
+from ..net.http1 import Http1Pool, Response, UpstreamError
+from ..net.metrics import SidecarMetrics
 from .settings import SidecarSettings
-from .sse import DONE, EventSplitter, event_json
+from ..net.sse import DONE, EventSplitter, event_json
 from .usage import StreamUsageRewriter, count_computed, decode_answer_usage, json_usage
 
 # Failures after which the same request may be sent again: nothing was generated.

@@ -17,14 +17,14 @@ from typing import Any, Callable, Optional, Union
 import httpx
 
 from . import legs
-from .discovery import EndpointSet
+from ..net.discovery import EndpointSet
 from .exchange import Exchange, PrefillResult, json_or_none
-from .metrics import SidecarMetrics
-from .outlier import EjectionRace, OutlierDetector
-from .picker import LoadPicker
-from .prefill_ranking import PrefillRanking
+from ..net.metrics import SidecarMetrics
+from ..routing.outlier import EjectionRace, OutlierDetector
+from ..routing.picker import LoadPicker
+from ..routing.prefill_ranking import PrefillRanking
 from .settings import SidecarSettings
-from .upstream import readiness
+from ..net.upstream import readiness
 from .usage import json_usage
 
 log = logging.getLogger("pdpool.sidecar")

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import httpx
 
 from . import legs
-from .asgi import (
+from ..net.asgi import (
     BodyTooLarge,
     ClientGone,
     Message,
@@ -41,17 +41,17 @@ from .asgi import (
     serve_lifespan,
 )
 from .capability import EngineCapability
-from .discovery import EndpointSet
+from ..net.discovery import EndpointSet
 from .exchange import Exchange
 from .flows import Flow, Flows
-from .metrics import CONTENT_TYPE_LATEST, SidecarMetrics
-from .picker import LoadPicker
+from ..net.metrics import CONTENT_TYPE_LATEST, SidecarMetrics
+from ..routing.picker import LoadPicker
 from .prefill_legs import PrefillLegs, prefill_outliers
-from .prefill_ranking import PrefillRanking
+from ..routing.prefill_ranking import PrefillRanking
 from .relay import RETRYABLE, DecodeRelay, UpstreamUnavailable
-from .security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
+from ..net.security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
 from .settings import SidecarSettings
-from .upstream import ClientShards, readiness
+from ..net.upstream import ClientShards, readiness
 
 log = logging.getLogger("pdpool.sidecar")
 

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import httpx
 
-from .engine_tokenize import token_ids_of, tokenize_body
-from .kv_events_spec import split_spec
-from .kv_router import PD_HEADER, KVRouter
-from .metrics import GatewayMetrics
-from .security import normalize_host_port
+from ..routing.engine_tokenize import token_ids_of, tokenize_body
+from ..routing.kv_events_spec import split_spec
+from ..routing.kv_router import PD_HEADER, KVRouter
+from ..net.metrics import GatewayMetrics
+from ..net.security import normalize_host_port
 
 if TYPE_CHECKING:
-    from .gateway import GatewaySettings
-    from .kv_feeds import KVFeeds
+    from .app import GatewaySettings
+    from ..routing.kv_feeds import KVFeeds
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -48,7 +48,7 @@ class GatewayKVRouting:
         s = self.settings
         if s.kv_events_port is None:
             return None
-        from .kv_feeds import KVFeeds
+        from ..routing.kv_feeds import KVFeeds
 
         return KVFeeds(
             self.router,

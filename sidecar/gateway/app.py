@@ -24,9 +24,9 @@ from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 from pdpool.tlsutil import client_context
 
 from . import migration
-from .affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
-from .apikeys import OPEN_PATHS, ApiKeys, presented_key
-from .asgi import (
+from ..routing.affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
+from ..net.apikeys import OPEN_PATHS, ApiKeys, presented_key
+from ..net.asgi import (
     BodyTooLarge,
     ClientGone,
     Receive,
@@ -43,14 +43,14 @@ from .asgi import (
     serve_lifespan,
     sse_error_event,
 )
-from .discovery import EndpointSet
-from .gateway_kv import GatewayKVRouting
-from .legs import parse_client_body
-from .http1 import Http1Pool, Response, UpstreamError
-from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from .outlier import EjectionRace, OutlierDetector
-from .sse import DONE, EventSplitter, event_json, json_event
-from .upstream import readiness
+from ..net.discovery import EndpointSet
+from .kv_routing import GatewayKVRouting
+from ..proxy.legs import parse_client_body
+from ..net.http1 import Http1Pool, Response, UpstreamError
+from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from ..routing.outlier import EjectionRace, OutlierDetector
+from ..net.sse import DONE, EventSplitter, event_json, json_event
+from ..net.upstream import readiness
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -115,7 +115,7 @@ class GatewaySettings:
             raise ValueError("prefix chars must be >= 1 and balance >= 1.0")
         if self.outlier_failures < 1 or self.max_migrations < 0:
             raise ValueError("outlier failures must be >= 1 and max migrations >= 0")
-        from .kv_feeds import check_event_ports
+        from ..routing.kv_feeds import check_event_ports
 
         self.kv_events_port, self.kv_events_replay_port = check_event_ports(
             self.kv_events_port,

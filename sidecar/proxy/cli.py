@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pdpool.cli import add_switch
 
-from .server_cli import add_listen_arguments, serve
+from ..net.server_cli import add_listen_arguments, serve
 
 if TYPE_CHECKING:
     from .settings import SidecarSettings
@@ -174,6 +174,6 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .proxy import build_app
+    from .app import build_app
 
     return serve(args, lambda: build_app(settings_from_args(args)))

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 from pdpool.cli import add_switch
 
-from .server_cli import add_listen_arguments, serve
+from ..net.server_cli import add_listen_arguments, serve
 
 if TYPE_CHECKING:
-    from .gateway import Gateway
+    from .app import Gateway
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,8 +151,8 @@ def _build_gateway(args: argparse.Namespace) -> Gateway:
     from pdpool.errors import CliError
     from pdpool.units import parse_size
 
-    from .gateway import Gateway, GatewaySettings
-    from .kv_events_spec import parse_kv_events
+    from .app import Gateway, GatewaySettings
+    from ..routing.kv_events_spec import parse_kv_events
 
     try:
         settings = GatewaySettings(

@@ -19,8 +19,8 @@ from typing import Any, Awaitable, Callable, Optional
 from . import legs
 from .capability import EngineCapability, estimate_prompt_tokens
 from .exchange import Exchange
-from .kv_router import PD_HEADER as KV_PATH_HEADER
-from .metrics import SidecarMetrics
+from ..routing.kv_router import PD_HEADER as KV_PATH_HEADER
+from ..net.metrics import SidecarMetrics
 from .prefill_legs import PrefillLegs
 from .relay import DecodeRelay, relay_buffered
 from .settings import SidecarSettings

@@ -5,7 +5,7 @@
                    + load_cost_tokens * load(engine)    (in-flight / queued requests)
 
 `uncached = prompt_tokens - block_size * prefix_hit_blocks(engine)`, the hit read from the
-KV index (sidecar/kv_index.py) fed by each engine's ZeroMQ events. The pending tokens are the
+KV index (kv_index.py) fed by each engine's ZeroMQ events. The pending tokens are the
 blocks of requests routed to the engine that its events have not confirmed stored yet: their
 prefill is queued or running there. Those this request shares are left out (it waits for
 them rather than computing them again elsewhere). A request count alone weighs a queued

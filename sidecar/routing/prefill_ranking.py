@@ -38,7 +38,7 @@ class PrefillRanking:
         if events or events_port:
             from .kv_events_spec import split_spec
             from .kv_router import KVRouter
-            from .security import normalize_host_port
+            from ..net.security import normalize_host_port
 
             self.router = KVRouter(block_size, 0.0, load_cost_tokens, tokenizer_file)
             static = {normalize_host_port(t): spec for t, spec in events.items()}

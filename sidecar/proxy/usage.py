@@ -11,8 +11,8 @@ from typing import Any
 
 from . import legs
 from .exchange import json_or_none
-from .metrics import SidecarMetrics
-from .sse import EventSplitter, event_json, json_event, usage_of
+from ..net.metrics import SidecarMetrics
+from ..net.sse import EventSplitter, event_json, json_event, usage_of
 
 
 def json_usage(data: Any) -> Any:

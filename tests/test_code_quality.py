@@ -19,6 +19,7 @@ TYPED = [
     ("-p", "pdpool.engine.connector"),
     ("-p", "pdpool.sidecar"),
     ("-p", "pdpool.operator"),
+    ("-p", "pdpool.planner"),
     ("-m", "pdpool.engine.engine_core"),
     ("-m", "pdpool.engine.engine_process"),
     ("-m", "pdpool.engine.async_engine"),
@@ -35,6 +36,7 @@ PACKAGE_FOLDERS = {
     "sidecar": "sidecar",
     "operator": "operator",
     "kernels": "kernels",
+    "planner": "pdpool/planner",  # a subpackage: the pdpool/*.py links do not bring it
 }
 
 

@@ -1,0 +1,150 @@
+"""The planner's settings and its raw recommendation per role, before stabilization.
+
+Each role gets a pressure: how far its worst signal is from its target (1.0 = on target).
+  prefill: TTFT p90 of the prefill engines (and of the sidecars' prefill legs) / ttft target;
+           queued prompts per engine / waiting target.
+  decode:  ITL p90 / itl target; KV usage / kv target; queued requests per engine / waiting
+           target; and TTFT p90 / ttft target when there is no prefill role (decode then
+           computes every prompt).
+Latency grows with load, so the replicas that bring a pressure back to 1 are estimated as
+proportional (HPA's rule): ceil(n * pressure). Scale-down is asked only when every signal is
+well under target (pressure <= down_headroom), one engine at a time unless the proportional
+estimate asks for fewer, and an idle role (nothing served, queued or running in the window)
+asks for its floor."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .signals import RoleSignals, Signals
+
+ROLES = ("prefill", "decode")
+
+
+class PlannerConfigError(ValueError):
+    """Settings the planner cannot honour (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class RoleBounds:
+    min: int
+    max: int
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    prefill: RoleBounds
+    decode: RoleBounds
+    ttft_seconds: float = 1.0
+    itl_seconds: float = 0.05
+    # A pressure within 1 +- tolerance is on target (no change): HPA's 10 % band.
+    tolerance: float = 0.1
+    down_headroom: float = 0.7  # scale down only while every signal is <= 70 % of target
+    kv_usage_target: float = 0.85
+    waiting_per_engine: float = 4.0  # queued requests per engine that count as on target
+    # Stabilization windows (HPA's behaviour): a scale-up must be asked for over the whole
+    # up window (its lowest ask is taken), a scale-down over the whole down window (its
+    # highest ask): down is slower, so a dip between bursts does not drop engines.
+    up_window_s: float = 0.0
+    down_window_s: float = 120.0
+    max_step_up: int = 2  # replicas added per decision
+    max_step_down: int = 1  # replicas removed per decision
+    up_cooldown_s: float = 30.0  # after a scale-up, the next one waits (new engines warm up)
+    down_cooldown_s: float = 60.0  # after any change, a scale-down waits this long
+    scale_to_zero: bool = False  # prefill only: the sidecars prefill on decode meanwhile
+
+    def validate(self) -> "PlannerConfig":
+        for role in ROLES:
+            b = self.bounds(role)
+            if b.min < 0 or b.max < b.min:
+                raise PlannerConfigError(
+                    f"{role}: need 0 <= min <= max, got min {b.min} max {b.max}"
+                )
+        if self.decode.min < 1:
+            raise PlannerConfigError(
+                "decode min must be >= 1: a pool without decode engines serves nothing "
+                "(scale-to-zero applies to prefill only)"
+            )
+        if self.prefill.min == 0 and self.prefill.max > 0 and not self.scale_to_zero:
+            raise PlannerConfigError(
+                "prefill min 0 with max > 0 is scale-to-zero: turn scaleToZero on, or set min >= 1"
+            )
+        if self.ttft_seconds <= 0 or self.itl_seconds <= 0:
+            raise PlannerConfigError("targets ttftSeconds and itlSeconds must be > 0")
+        if self.max_step_up < 1 or self.max_step_down < 1:
+            raise PlannerConfigError("maximum steps must be >= 1")
+        if min(self.up_window_s, self.down_window_s, self.up_cooldown_s, self.down_cooldown_s) < 0:
+            raise PlannerConfigError("windows and cool-downs must be >= 0 seconds")
+        if not 0 < self.down_headroom < 1 or self.tolerance < 0:
+            raise PlannerConfigError("downHeadroom must be in (0, 1) and tolerance >= 0")
+        return self
+
+    def bounds(self, role: str) -> RoleBounds:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    replicas: int
+    reason: str
+    pressure: Optional[float] = None
+    drivers: dict[str, float] = field(default_factory=dict)  # signal -> its pressure
+
+
+def _ratio(value: Optional[float], target: float) -> Optional[float]:
+    return None if value is None else value / target
+
+
+def role_pressures(
+    role: str, s: RoleSignals, cfg: PlannerConfig, has_prefill: bool
+) -> dict[str, float]:
+    """Each signal's distance from target, 1.0 = on target; signals without data left out."""
+    engines = max(s.engines, 1)
+    found: dict[str, Optional[float]] = {
+        "waiting": s.waiting / (engines * cfg.waiting_per_engine),
+    }
+    if role == "prefill" or not has_prefill:
+        found["ttft"] = _ratio(s.ttft_p90, cfg.ttft_seconds)
+    if role == "decode":
+        found["itl"] = _ratio(s.itl_p90, cfg.itl_seconds)
+        found["kv_usage"] = s.kv_usage / cfg.kv_usage_target
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _floor(role: str, cfg: PlannerConfig) -> int:
+    b = cfg.bounds(role)
+    return b.min if cfg.scale_to_zero else min(max(b.min, 1), b.max)
+
+
+def recommend(role: str, replicas: int, sig: Signals, cfg: PlannerConfig) -> Recommendation:
+    """Replicas this role needs for the window's signals (not yet stabilized or clamped to a
+    step; clamped to the role's bounds)."""
+    bounds = cfg.bounds(role)
+    s = sig.prefill if role == "prefill" else sig.decode
+    if role == "prefill" and replicas == 0:
+        if sig.pool.prefill_unserved > 0 or sig.pool.threshold_rejections > 0:
+            return Recommendation(min(1, bounds.max), "prompts wait for a prefill engine")
+        return Recommendation(_floor(role, cfg), "no prefill demand")
+    if s.idle:
+        return Recommendation(_floor(role, cfg), "idle: nothing served, queued or running")
+    drivers = role_pressures(role, s, cfg, has_prefill=cfg.prefill.max > 0)
+    if role == "prefill" and sig.pool.prefill_leg_p90 is not None:
+        drivers["prefill_leg"] = sig.pool.prefill_leg_p90 / cfg.ttft_seconds
+    worst = max(drivers, key=lambda k: drivers[k])
+    pressure = drivers[worst]
+    n = max(replicas, 1)
+    if pressure > 1 + cfg.tolerance:
+        want = math.ceil(n * pressure)
+        reason = f"{worst} at {pressure:.2f}x target"
+    elif n > 1 and pressure <= cfg.down_headroom:
+        # Latency is not proportional to load when light (it nears the bare compute time),
+        # so one engine fewer, or fewer still when even a proportional estimate agrees.
+        want = max(min(n - 1, math.ceil(n * pressure / cfg.down_headroom)), 1)
+        reason = f"{worst} at {pressure:.2f}x target: {want} engines suffice"
+    else:
+        want = replicas
+        reason = f"on target ({worst} at {pressure:.2f}x)"
+    clamped = min(max(want, _floor(role, cfg)), bounds.max)
+    return Recommendation(clamped, reason, pressure, drivers)

@@ -1,0 +1,150 @@
+"""The planner on metric traces: closed-loop pools (trace_model.py) under ramps, spikes and
+prompt- or output-heavy mixes; the decisions, their hysteresis, no flapping."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+
+from pdpool.planner.policy import PlannerConfig, RoleBounds
+
+from .trace_model import Load, Pool
+
+
+def config(**over) -> PlannerConfig:
+    base = dict(
+        prefill=RoleBounds(1, 6),
+        decode=RoleBounds(1, 6),
+        ttft_seconds=0.5,
+        itl_seconds=0.05,
+        up_window_s=0.0,
+        down_window_s=60.0,
+        up_cooldown_s=10.0,
+        down_cooldown_s=30.0,
+    )
+    base.update(over)
+    return PlannerConfig(**base).validate()
+
+
+def direction_changes(series: list[int]) -> int:
+    """How often the replica count turned around (up after down or down after up)."""
+    steps = [b - a for a, b in pairwise(series) if b != a]
+    return sum(1 for a, b in pairwise(steps) if (a > 0) != (b > 0))
+
+
+def test_ramp_up_adds_engines_step_by_step_and_never_removes_any():
+    pool = Pool(config(), prefill=1, decode=1)
+    pool.run([Load(users=u, prompt_tokens=1024) for u in range(1, 41, 2) for _ in range(2)])
+    for role in ("prefill", "decode"):
+        series = pool.replicas(role)
+        assert all(b >= a for a, b in pairwise(series)), (role, series)
+        assert all(b - a <= 2 for a, b in pairwise(series)), series  # max step up
+    assert pool.replicas("prefill")[-1] >= 4 and pool.replicas("decode")[-1] >= 3
+    last = pool.decisions[-1]
+    assert "target" in last.prefill.reason
+
+
+def test_spike_scales_up_at_once_then_down_only_after_the_window_one_at_a_time():
+    pool = Pool(config(), prefill=1, decode=1)
+    quiet, spike = Load(users=2), Load(users=48, output_tokens=128)
+    pool.run([quiet] * 3 + [spike] * 4 + [quiet] * 20)
+    decode = pool.replicas("decode")
+    assert decode[3] > 1  # the spike's first tick already asks for more
+    peak_at = decode.index(max(decode))
+    assert max(decode) >= 4
+    # Held through the down window (60 s = 6 ticks after the spike ended at tick 7).
+    first_drop = next(i for i in range(peak_at, len(decode)) if decode[i] < max(decode))
+    assert first_drop >= 7 + 5
+    assert all(a - b <= 1 for a, b in pairwise(decode))  # max step down
+    assert decode[-1] == 1
+    assert direction_changes(decode) == 1  # up, then down: no flapping
+
+
+def test_ramp_down_returns_to_the_minimum_without_turning_back():
+    pool = Pool(config(), prefill=4, decode=4)
+    pool.run([Load(users=u, prompt_tokens=512) for u in range(30, 0, -2) for _ in range(2)])
+    pool.run([Load(users=0)] * 20)
+    for role in ("prefill", "decode"):
+        series = pool.replicas(role)
+        assert all(b <= a for a, b in pairwise(series)), (role, series)
+        assert series[-1] == 1, series
+    assert "idle" in pool.decisions[-1].decode.reason or pool.decisions[-1].decode.desired == 1
+
+
+@pytest.mark.parametrize(
+    ("load", "grows", "stays"),
+    [
+        (Load(users=12, prompt_tokens=4096, output_tokens=16), "prefill", "decode"),
+        (Load(users=12, prompt_tokens=64, output_tokens=512), "decode", "prefill"),
+    ],
+    ids=["prefill-heavy", "decode-heavy"],
+)
+def test_each_role_scales_on_its_own_bottleneck(load, grows, stays):
+    pool = Pool(config(), prefill=1, decode=1)
+    pool.run([load] * 15)
+    assert pool.replicas(grows)[-1] >= 3, pool.replicas(grows)
+    assert set(pool.replicas(stays)) == {1}, pool.replicas(stays)
+    reason = pool.decisions[3].role(grows).reason
+    assert ("ttft" if grows == "prefill" else "itl") in reason, reason
+
+
+def test_steady_load_near_target_holds_the_replicas():
+    pool = Pool(config(), prefill=2, decode=2)
+    # About 60 % busy on 2 engines: within the band where neither direction is justified.
+    pool.run([Load(users=20, prompt_tokens=512)] * 30)
+    for role in ("prefill", "decode"):
+        series = pool.replicas(role)
+        assert direction_changes(series) == 0, (role, series)
+        assert len(set(series[5:])) == 1, (role, series)
+
+
+def test_alternating_bursts_do_not_flap():
+    """Bursts shorter than the down window: the pool stays scaled up instead of
+    removing and re-adding engines on every lull."""
+    pool = Pool(config(), prefill=1, decode=1)
+    burst, lull = Load(users=40, output_tokens=128), Load(users=2)
+    pool.run(([burst] * 2 + [lull] * 3) * 6)
+    decode = pool.replicas("decode")
+    assert direction_changes(decode) == 0, decode
+    assert decode[-1] == max(decode)
+
+
+def test_up_cooldown_spaces_scale_ups_and_max_replicas_caps_them():
+    pool = Pool(config(up_cooldown_s=30.0, decode=RoleBounds(1, 3)), prefill=1, decode=1)
+    pool.run([Load(users=60, output_tokens=256)] * 12)
+    decode = pool.replicas("decode")
+    ups = [i for i, (a, b) in enumerate(pairwise(decode)) if b > a]
+    assert all(b - a >= 3 for a, b in pairwise(ups)), decode  # 30 s = 3 ticks apart
+    assert max(decode) == 3
+
+
+def test_the_first_scrape_decides_nothing():
+    pool = Pool(config(), prefill=1, decode=1)
+    first = pool.tick(Load(users=60, output_tokens=512))
+    assert not first.changed and "first scrape" in first.decode.reason
+    assert pool.tick(Load(users=60, output_tokens=512)).decode.desired > 1
+
+
+def test_scale_to_zero_is_off_by_default_and_prefill_comes_back_on_demand():
+    with pytest.raises(ValueError, match="scaleToZero"):
+        config(prefill=RoleBounds(0, 2))
+    pool = Pool(config(prefill=RoleBounds(0, 2), scale_to_zero=True), prefill=1, decode=1)
+    pool.run([Load(users=0)] * 12)
+    assert pool.replicas("prefill")[-1] == 0
+    assert pool.replicas("decode")[-1] == 1  # decode never goes to zero
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        (dict(decode=RoleBounds(0, 2)), "decode min must be >= 1"),
+        (dict(prefill=RoleBounds(3, 2)), "prefill: need 0 <= min <= max"),
+        (dict(ttft_seconds=0.0), "must be > 0"),
+        (dict(max_step_up=0), "maximum steps"),
+        (dict(down_window_s=-1.0), "windows and cool-downs"),
+    ],
+)
+def test_bad_settings_are_refused_with_a_reason(over, message):
+    with pytest.raises(ValueError, match=message):
+        config(**over)

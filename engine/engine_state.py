@@ -69,6 +69,7 @@ class ServerTokenizer(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = ...,
         tokenize: Literal[False] = ...,
+        continue_final_message: bool = ...,
     ) -> str: ...
 
 

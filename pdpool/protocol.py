@@ -201,8 +201,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "prediction": _empty,
     "truncate_prompt_tokens": lambda v: v is None,
     "include_stop_str_in_output": _empty,
-    "continue_final_message": _empty,
-    "add_generation_prompt": lambda v: v is None or v is True,
     "chat_template": _empty,
     "chat_template_kwargs": _empty,
     "documents": _empty,
@@ -255,6 +253,8 @@ class _GenerationFields(BaseModel):
 class CompletionFields(_GenerationFields):
     prompt: Union[Str, list[TokenId], list[Str], list[list[TokenId]]]
     logprobs: Optional[Annotated[Int, Field(ge=0)]] = None
+    # As vLLM: a text prompt gets the tokenizer's special tokens (a BOS) unless told not to.
+    add_special_tokens: Bool = True
 
 
 class ContentPart(BaseModel):
@@ -275,6 +275,11 @@ class ChatFields(_GenerationFields):
     max_completion_tokens: Optional[Annotated[Int, Field(ge=1)]] = None
     logprobs: Optional[Bool] = False
     top_logprobs: Optional[Annotated[Int, Field(ge=0)]] = None
+    # How the chat template renders the messages, with vLLM's defaults: the template already
+    # spells the special tokens, so the tokenizer adds none unless told to.
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
 
     def _limit(self) -> Optional[int]:
         return (
@@ -329,6 +334,12 @@ def check_ranges(req: _GenerationFields) -> None:
     if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:
         raise RequestError(
             f"seed + n - 1 must be at most {SEED_MAX} (choice i samples with seed + i)", "seed"
+        )
+    if isinstance(req, ChatFields) and req.add_generation_prompt and req.continue_final_message:
+        raise RequestError(
+            "continue_final_message and add_generation_prompt cannot both be true "
+            "(set add_generation_prompt to false to continue the final message)",
+            "continue_final_message",
         )
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):

@@ -6,7 +6,8 @@
 
 CompletionResponder and ChatResponder drive those steps for their endpoint; OpsRoutes serves
 health, readiness, models, metrics and the KV lease release; TokenizeRoutes serves /tokenize
-and /detokenize; errors.py writes every error."""
+and /detokenize; RenderRoutes and TokenGenerateRoute serve vLLM's Renderer API (render routes,
+/inference/v1/generate); errors.py writes every error."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from pdpool.engine.server.choices import ChoiceRunner
 from pdpool.engine.server.errors import install_error_handlers
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.ops import OpsRoutes
+from pdpool.engine.server.renderer import RenderRoutes
 from pdpool.engine.server.responders import ChatResponder, CompletionResponder
 from pdpool.engine.server.response_writer import ResponseWriter
+from pdpool.engine.server.token_generate import TokenGenerateRoute
 from pdpool.engine.server.tokenize import TokenizeRoutes
 from pdpool.engine.server.translator import RequestTranslator
 
@@ -56,6 +59,8 @@ def build_app(aengine: EngineClient) -> FastAPI:
     completions = CompletionResponder(translator, runner, writer, metrics)
     chat = ChatResponder(translator, runner, writer, metrics)
     tokens = TokenizeRoutes(translator)
+    render = RenderRoutes(translator)
+    token_generate = TokenGenerateRoute(translator, runner, metrics, engine.model_name)
     # Route names as they were when these were functions: OpenAPI's operation ids keep them.
     routes: list[tuple[str, str, Callable[..., Any], str]] = [
         ("GET", "/health", ops.health, "health"),
@@ -67,6 +72,9 @@ def build_app(aengine: EngineClient) -> FastAPI:
         ("POST", "/v1/chat/completions", chat.create, "chat"),
         ("POST", "/tokenize", tokens.tokenize, "tokenize"),
         ("POST", "/detokenize", tokens.detokenize, "detokenize"),
+        ("POST", "/v1/completions/render", render.completion, "render_completion"),
+        ("POST", "/v1/chat/completions/render", render.chat, "render_chat"),
+        ("POST", "/inference/v1/generate", token_generate.generate, "generate_tokens"),
     ]
     for method, path, endpoint, name in routes:
         # response_model=None: FastAPI takes no response model from the endpoints' return

@@ -74,6 +74,7 @@ class Choice:
         self.request_id = spec.request_id
         self.first, self.stream, self.format_logprobs = first, stream, format_logprobs
         self.text: list[str] = []
+        self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] = []
         self.last: RequestOutput = first
 
@@ -81,6 +82,7 @@ class Choice:
         """Records one output; returns the logprobs of its tokens, if asked."""
         self.last = out
         self.text.append(out.new_text)
+        self.token_ids.extend(out.new_token_ids)
         if not out.logprobs:
             return None
         lp = self.format_logprobs(out.logprobs)

@@ -72,12 +72,13 @@ class CompletionRequest(_SamplingFields, CompletionFields):
 
 
 def message_text(message: ChatMessageFields) -> str:
-    """A chat message's text (content parts are text only: pdpool.protocol checks that)."""
+    """A chat message's text (content parts are text only: pdpool.protocol checks that),
+    parts joined by newlines as vLLM joins them for a string-content chat template."""
     if message.content is None:
         return ""
     if isinstance(message.content, str):
         return message.content
-    return "".join(part.text for part in message.content)
+    return "\n".join(part.text for part in message.content)
 
 
 class ChatCompletionRequest(_SamplingFields, ChatFields):

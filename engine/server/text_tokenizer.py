@@ -96,12 +96,15 @@ class TextTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = False,
         tokenize: bool = False,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> Any:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template")
         import jinja2
 
+        if continue_final_message:
+            messages = _with_continue_tag(messages)
         try:
             text = self._template.render(
                 messages=messages,
@@ -111,7 +114,36 @@ class TextTokenizer:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc
+        if continue_final_message:
+            text = _cut_at_continue_tag(text)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+# continue_final_message as transformers does it: the final message is rendered with this tag
+# after its text, and the chat is cut where the tag is (so the template's end-of-turn is gone).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _with_continue_tag(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not messages or not isinstance(messages[-1].get("content"), str):
+        raise ChatTemplateError(
+            "continue_final_message is set but the final message has no text to continue"
+        )
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": last["content"] + CONTINUE_TAG}]
+
+
+def _cut_at_continue_tag(text: str) -> str:
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message is set but the final message does not appear in the chat "
+            "after applying the chat template"
+        )
+    # A template that keeps the tag's trailing space keeps spacing: cut exactly; else trim.
+    if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()
 
 
 def _clean_up_spaces(text: str) -> str:

@@ -2,13 +2,15 @@
 tokenizer or chat template (a gateway pod) can learn a request's token ids from the engine.
 
     POST /tokenize    {"prompt": str, "add_special_tokens"?: bool}
-                      {"messages": [...], "add_generation_prompt"?: bool}
+                      {"messages": [...], "add_generation_prompt"?: bool,
+                       "continue_final_message"?: bool, "add_special_tokens"?: bool}
                       -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"tokens": [int, ...]} -> {"prompt": str}
 
 Both take an optional "model" (404 unless it is this engine's). The defaults are those of this
-engine's own generation endpoints (a string prompt without special tokens, a chat with the
-generation prompt), so the ids equal those a completion of the same body is computed from."""
+engine's own generation endpoints, which are vLLM's (a string prompt with the tokenizer's
+special tokens, a chat with the generation prompt and none), so the ids equal those a
+completion of the same body is computed from."""
 
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ from fastapi import Request
 from pdpool.engine.server.protocol import ChatCompletionRequest
 from pdpool.engine.server.translator import RequestTranslator
 from pdpool.protocol import RequestError, parse_json_body, validate_request
+
+
+# The fields of a chat body that change its token ids (their defaults are the chat route's).
+CHAT_FLAGS = ("add_generation_prompt", "continue_final_message", "add_special_tokens")
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -54,15 +60,18 @@ class TokenizeRoutes:
         if ("prompt" in body) == ("messages" in body):
             raise RequestError("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
         if "messages" in body:
+            flags = {name: body[name] for name in CHAT_FLAGS if name in body}
             chat = validate_request(
-                {"messages": body["messages"]}, ChatCompletionRequest, refuse_unsupported=False
+                {"messages": body["messages"], **flags},
+                ChatCompletionRequest,
+                refuse_unsupported=False,
             )
-            ids = self.translator.chat_tokens(chat, _flag(body, "add_generation_prompt", True))
+            ids = self.translator.chat_tokens(chat)
         else:
             prompt = body["prompt"]
             if not isinstance(prompt, str):
                 raise RequestError("'prompt' must be a string", "prompt")
-            ids = self.translator.prompt_tokens(prompt, _flag(body, "add_special_tokens", False))
+            ids = self.translator.prompt_tokens(prompt, _flag(body, "add_special_tokens", True))
         strs = None
         if _flag(body, "return_token_strs", False):
             strs = self.engine.tokenizer.convert_ids_to_tokens(ids)

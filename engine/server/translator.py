@@ -105,7 +105,12 @@ class RequestTranslator:
             raise ApiError(f"the model `{name}` does not exist", 404, "NotFoundError", "model")
 
     def _decode(self, raw: bytes, request_type: type[R]) -> R:
-        req: R = validate_request(parse_json_body(raw), request_type)
+        return self.validated(parse_json_body(raw), request_type)
+
+    def validated(self, body: Any, request_type: type[R]) -> R:
+        """A decoded body as `request_type` (pdpool.protocol's checks and this model's
+        vocabulary); raises RequestError."""
+        req: R = validate_request(body, request_type)
         vocab = self.engine.info.config["vocab_size"]
         for t in req.stop_token_ids or ():
             if t >= vocab:
@@ -123,15 +128,20 @@ class RequestTranslator:
             prompts = req.prompt_inputs()
         except ValueError as exc:
             raise ApiError(str(exc), param="prompt") from exc
-        return await self.off_loop(lambda: [self.prompt_tokens(p) for p in prompts])
+        if any(p == "" for p in prompts):  # as vLLM, even where the tokenizer would add a BOS
+            raise ApiError("the prompt is empty", param="prompt")
+        return await self.off_loop(
+            lambda: [self.prompt_tokens(p, req.add_special_tokens) for p in prompts]
+        )
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[list[int]]:
         return [await self.off_loop(self.chat_tokens, req)]
 
-    # The tokenization of both endpoints, shared with /tokenize: a router that asks /tokenize
-    # gets the very token ids a generation request would be computed from.
+    # The tokenization of both endpoints, shared with /tokenize and the Renderer API
+    # (renderer.py): a router that asks them gets the very token ids a generation request
+    # would be computed from.
     def prompt_tokens(
-        self, prompt: Union[str, list[int]], add_special_tokens: bool = False
+        self, prompt: Union[str, list[int]], add_special_tokens: bool = True
     ) -> list[int]:
         if isinstance(prompt, str):
             self.refuse_if_surely_too_long(prompt)
@@ -155,19 +165,22 @@ class RequestTranslator:
                 param="prompt",
             )
 
-    def chat_tokens(
-        self, req: ChatCompletionRequest, add_generation_prompt: bool = True
-    ) -> list[int]:
+    def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages through the chat template, as the request's flags ask (vLLM's
+        add_generation_prompt, continue_final_message, add_special_tokens)."""
         tokenizer = self.engine.tokenizer
         msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
         self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
         try:
             text = tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, tokenize=False
+                msgs,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                tokenize=False,
             )
         except ValueError as exc:  # no template, or the template refused the messages
             raise ApiError(str(exc), param="messages") from exc
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
 
     def refuse_if_unservable(self, prompt_ids: list[int], max_tokens: int) -> None:
         """400 here, in the server, for a prompt the engine could never run: nothing of it
@@ -181,24 +194,33 @@ class RequestTranslator:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
 
+    def servable_params(
+        self, req: GenerationRequest, prompts: list[list[int]], default_max_tokens: int = 16
+    ) -> SamplingParams:
+        """The request's sampling parameters, once its prompts are known to be servable
+        here (400 otherwise): what the engine would run them with."""
+        try:
+            params = req.sampling_params(default_max_tokens=default_max_tokens)
+        except ValueError as exc:
+            raise ApiError(str(exc)) from exc
+        if len(prompts) * params.n > MAX_CHOICES:
+            raise ApiError(
+                f"n x the number of prompts must be at most {MAX_CHOICES}, "
+                f"got {len(prompts) * params.n}",
+                param="n",
+            )
+        for prompt_ids in prompts:
+            self.refuse_if_unservable(prompt_ids, params.max_tokens)
+        return params
+
     def choice_requests(
         self, req: GenerationRequest, prompts: list[list[int]], client_request_id: Optional[str]
     ) -> list[ChoiceRequest]:
         """n choices per prompt, index = prompt_index * n + i, each its own engine request.
         With a seed, choice i of every prompt samples with seed + i (as vLLM v1), so a
         choice equals a single request sent with that seed."""
-        try:
-            params = req.sampling_params(default_max_tokens=16)
-        except ValueError as exc:
-            raise ApiError(str(exc)) from exc
+        params = self.servable_params(req, prompts)
         n = params.n
-        if len(prompts) * n > MAX_CHOICES:
-            raise ApiError(
-                f"n x the number of prompts must be at most {MAX_CHOICES}, got {len(prompts) * n}",
-                param="n",
-            )
-        for prompt_ids in prompts:
-            self.refuse_if_unservable(prompt_ids, params.max_tokens)
         kv_params = req.kv_params_dict()
         # n choices of one prompt may load its prefill: the first loads it, the others start
         # once it has (then the prompt is in this engine's prefix cache).

@@ -52,6 +52,12 @@ def test_chat_template_matches_transformers(pair):
             assert text == theirs.apply_chat_template(
                 messages, add_generation_prompt=gen, tokenize=False
             )
+        # vLLM's continue_final_message: the last message left open for the model to go on
+        kept = ours.apply_chat_template(messages, continue_final_message=True)
+        assert kept == theirs.apply_chat_template(
+            messages, continue_final_message=True, tokenize=False
+        )
+        assert kept.endswith(messages[-1]["content"])
 
 
 def test_a_model_without_a_chat_template_is_a_clear_error(tiny_qwen3, tmp_path):

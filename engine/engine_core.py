@@ -434,6 +434,7 @@ class LLMEngine:
             req.error_status,
         )
         out.num_pulled_tokens = req.num_pulled_tokens
+        out.phases = req.phases
         return out
 
     # --- convenience for tests and benchmarks ------------------------------------------

@@ -48,6 +48,21 @@ class RequestOutput:
     num_pulled_tokens: int = 0
     # time.monotonic() when the step that made it ended (set on delivery; latency metrics).
     produced_at: float = 0.0
+    # On a final output: the core's RequestPhases (queue, KV load, prefill, decode times).
+    phases: Optional[RequestPhases] = None
+
+
+@dataclass
+class RequestPhases:
+    """When a request moved on in the engine core, in time.monotonic() (the same clock in
+    the server process): arrived, admitted (left the queue: to load KV from a peer or to
+    run), running (computing: its KV is here), its first token. The server turns them into
+    vLLM's phase histograms and a trace's spans."""
+
+    arrived: float
+    admitted: Optional[float] = None
+    running: Optional[float] = None
+    first_token: Optional[float] = None
 
 
 def prompt_fit_problem(

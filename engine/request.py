@@ -12,6 +12,7 @@ import time
 from typing import Any, Optional
 
 from pdpool.engine.kv.hashing import BlockHasher
+from pdpool.engine.outputs import RequestPhases
 from pdpool.engine.sampling_params import SamplingParams
 
 
@@ -52,6 +53,7 @@ class Request:
         self.cache_hit_threshold = cache_hit_threshold
         self.kv_transfer_params = kv_transfer_params
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.phases = RequestPhases(self.arrival_time)  # stamped by the scheduler
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Tokens found in the prefix cache (local, plus remote once a connector loads them)
@@ -98,6 +100,8 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     def append_output_token(self, token_id: int) -> None:
+        if not self.output_token_ids:
+            self.phases.first_token = time.monotonic()
         self.output_token_ids.append(token_id)
         self.update_block_hashes()
 

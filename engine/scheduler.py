@@ -18,6 +18,7 @@ leases end (`collect_transfers`); the engine core asks for capacity and usage fa
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -292,6 +293,8 @@ class Scheduler:
         if not self.kv.allocate_slots(req, num_external, hits):
             return False
         self.waiting.popleft()
+        if req.phases.admitted is None:
+            req.phases.admitted = time.monotonic()
         req.num_computed_tokens = num_local
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_local  # loaded tokens are added when they arrive
@@ -341,6 +344,7 @@ class Scheduler:
             self.kv.restore_state(req, num_cached)
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
+        _stamp_running(req)
         self.running.append(req)
         out.scheduled.append(ScheduledRequest(req, num_new))
         return charged
@@ -478,3 +482,13 @@ class Scheduler:
     def _hold_for_peer(self, hold: BlockHold, tables: list[list[Block]]) -> None:
         """Keeps blocks and state slots for a peer until the connector ends the lease."""
         self.kv.hold_for_lease(hold.lease_id, tables, hold.state_slots)
+
+
+def _stamp_running(req: Request) -> None:
+    """The first time a request runs (admitted now, unless it loaded KV first): a
+    preempted request keeps its first times."""
+    phases = req.phases
+    if phases.running is None:
+        phases.running = time.monotonic()
+        if phases.admitted is None:
+            phases.admitted = phases.running

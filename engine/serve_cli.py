@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Optional
+from typing import Any, Optional
 
+from pdpool import tracing
 from pdpool.cli import CliError, add_switch
 
 
@@ -119,6 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-engine-process keeps it on a thread of the server's process",
     )
     p.add_argument("--log-level", default="info")
+    tracing.add_argument(p)
 
 
 def prefill_threads(args: argparse.Namespace) -> Optional[int]:
@@ -209,8 +211,17 @@ def main(args: argparse.Namespace) -> int:
     from pdpool.engine.server.api import build_app
 
     aengine = start_engine(config, args.engine_process, args.log_level)
-    app = build_app(aengine)
+    app: Any = build_app(aengine)
     try:
+        # After the core process started: it never exports spans (the server emits them).
+        if tracing.configure_or_exit(args.otlp_traces_endpoint, "pdpool-engine"):
+            from pdpool.engine.server.request_spans import (
+                TraceContextMiddleware,
+                emit_request_spans,
+            )
+
+            app.state.metrics.on_finished = emit_request_spans
+            app = TraceContextMiddleware(app)
         tls = (
             {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file}
             if args.tls_cert_file

@@ -4,13 +4,13 @@ process in tests)."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from pdpool.engine.engine_state import EngineView
-from pdpool.engine.outputs import RequestOutput
+from pdpool.engine.outputs import RequestOutput, RequestPhases
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -348,6 +348,41 @@ class EngineMetrics:
             registry=r,
         ).labels(**vl)
 
+        def phase(name: str, doc: str) -> Any:
+            return Histogram(name, doc, names, buckets=VLLM_E2E_BUCKETS, registry=r).labels(**vl)
+
+        # vLLM's request phases (same names and buckets), and the KV load vLLM lacks: a
+        # P/D request's TTFT split in the engine (queue, KV pulled from a peer, prefill).
+        self.vllm_queue = phase(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+        )
+        self.vllm_prefill = phase(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+        )
+        self.vllm_decode = phase(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+        )
+        self.kv_load = phase(
+            "pdpool_kv_load_seconds",
+            "Time a request waited for its KV to arrive from a peer (admitted until running).",
+        )
+        # Called with every finished output and its e2e time (request_spans.py, when
+        # tracing is on).
+        self.on_finished: Optional[Callable[[RequestOutput, Optional[float]], None]] = None
+
+    def _observe_phases(self, out: RequestOutput, phases: RequestPhases) -> None:
+        if phases.admitted is not None:
+            self.vllm_queue.observe(phases.admitted - phases.arrived)
+        if phases.running is not None and phases.first_token is not None:
+            self.vllm_prefill.observe(phases.first_token - phases.running)
+            if out.num_pulled_tokens and phases.admitted is not None:
+                self.kv_load.observe(phases.running - phases.admitted)
+        if phases.first_token is not None:
+            self.vllm_decode.observe(max(out.produced_at - phases.first_token, 0.0))
+
     def observe_output(
         self, out: RequestOutput, first: bool, since: float, e2e: float | None = None
     ) -> None:
@@ -371,6 +406,10 @@ class EngineMetrics:
             ).inc()
             if e2e is not None:
                 self.vllm_e2e.observe(e2e)
+            if out.phases is not None:
+                self._observe_phases(out, out.phases)
+            if self.on_finished is not None:
+                self.on_finished(out, e2e)
 
     def client_disconnected(self, phase: str) -> None:
         """Counts a client that went away: phase is body, waiting or running."""

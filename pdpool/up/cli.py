@@ -5,6 +5,7 @@ Ctrl-C or SIGTERM stops every process it started."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -14,6 +15,8 @@ from typing import TYPE_CHECKING, NoReturn, Optional
 from pdpool.cli import add_switch
 
 if TYPE_CHECKING:  # the topology module is imported when `up` runs, not for --help
+    from pdpool.otlp_receiver import OtlpReceiver
+
     from .topology import Topology, TopologySpec
 
 
@@ -87,6 +90,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "gateway routes by them: cost = uncached prompt tokens + load, P/D "
         "decided up front (see docs/sidecar.md)",
     )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        help="every process (engines, stock vLLM too, sidecars, gateway) exports "
+        "OpenTelemetry traces to this OTLP URL (OTEL_* variables honoured)",
+    )
+    p.add_argument(
+        "--otel",
+        metavar="FILE",
+        help="traces without a collector: a small OTLP receiver in this process writes "
+        "every span to FILE (JSON lines; - for the console)",
+    )
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
     p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -125,6 +139,7 @@ def spec_from_args(args: argparse.Namespace) -> TopologySpec:
         prefill_min_prompt_tokens=args.prefill_min_prompt_tokens,
         tls=args.tls,
         kv_events=args.kv_events,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -150,6 +165,9 @@ def main(args: argparse.Namespace) -> int:
     from .topology import Topology, write_state
 
     spec = spec_from_args(args)
+    if args.otel and args.otlp_traces_endpoint:
+        raise CliError("--otel and --otlp-traces-endpoint: choose one")
+    receiver = start_span_receiver(args.otel, spec) if args.otel else None
     try:
         topology = Topology(spec)
     except RuntimeError as exc:  # openssl missing or failing (--tls)
@@ -189,3 +207,24 @@ def main(args: argparse.Namespace) -> int:
         return 0
     finally:
         topology.stop()
+        if receiver is not None:
+            receiver.stop()
+
+
+def start_span_receiver(path: str, spec: TopologySpec) -> OtlpReceiver:
+    """`--otel FILE`: an OTLP/HTTP receiver here, every child exporting to it (batches
+    sent every half second, so a trace shows up soon after its request)."""
+    from pdpool.errors import CliError
+    from pdpool.otlp_receiver import OtlpReceiver
+
+    try:
+        receiver = OtlpReceiver(None if path == "-" else path, echo=path == "-", keep=False).start()
+    except OSError as exc:
+        raise CliError(f"--otel {path}: {exc}") from None
+    spec.otlp_traces_endpoint = receiver.endpoint
+    spec.tracing_env = {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "500"),
+    }
+    print(f"pdpool up: spans to {path} (OTLP receiver {receiver.endpoint})", flush=True)
+    return receiver

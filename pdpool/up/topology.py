@@ -130,6 +130,11 @@ class TopologySpec:
     # gateway indexes them and routes by cost (sidecar/routing/kv_router.py).
     kv_events: bool = False
     kv_load_cost: Optional[float] = None  # gateway --kv-load-cost (None: its default)
+    # Tracing: every child (engines, stock vLLM too, sidecars, gateway) exports its spans
+    # here (--otlp-traces-endpoint), with these variables added to its environment
+    # (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_BSP_SCHEDULE_DELAY, ...).
+    otlp_traces_endpoint: Optional[str] = None
+    tracing_env: dict[str, str] = field(default_factory=dict)
 
 
 ENGINES = ("pdpool", "vllm")
@@ -362,6 +367,9 @@ class Topology:
         argv += self._serve_tls_args() + self._client_tls_args()
         gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0), scheme=self._scheme)
         self.children = prefills + decodes + sidecars + [gateway]
+        if s.otlp_traces_endpoint:  # vLLM's flag: stock vLLM engines take it as ours do
+            for child in self.children:
+                child.argv += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
 
     def _wire_kv_events(
         self, prefills: list[Child], decodes: list[Child], sidecars: list[Child]
@@ -433,7 +441,9 @@ class Topology:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env={**os.environ, **child.env} if child.env else None,
+                env={**os.environ, **self.spec.tracing_env, **child.env}
+                if child.env or self.spec.tracing_env
+                else None,
             )
         child.pid = child.proc.pid
 

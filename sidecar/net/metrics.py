@@ -12,7 +12,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics", "SidecarMetrics"]
 
-M = TypeVar("M", Counter, Gauge)
+M = TypeVar("M", Counter, Gauge, Histogram)
+# Phases of a request, from a few ms (a decode-first rejection) to a long prefill.
+PHASE_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
 
 
 class Children(Generic[M]):
@@ -122,10 +126,31 @@ class SidecarMetrics:
         self.prefill_seconds = Histogram(
             "pdpool_sidecar_prefill_leg_seconds", "Duration of successful prefill legs", registry=r
         )
+        # TTFT split without tracing: a P/D request's time to first token is about
+        # rejection + prefill + decode_first_token; the engines split further (their
+        # vllm:request_queue_time_seconds and pdpool_kv_load_seconds).
+        self.phase_seconds = Histogram(
+            "pdpool_sidecar_phase_seconds",
+            "Phases of a request: rejection (decode-first attempt until decode refused it), "
+            "prefill (the remote prefill leg, every attempt), decode_first_token (the "
+            "decode leg of a stream until its first bytes: KV transfer and first decode step)",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "pdpool_sidecar_ttft_seconds",
+            "Streamed requests: read until the answer's first bytes went to the client, by path",
+            ["path"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
         # The children counted on every request.
         self.requests_by = Children(self.requests)
         self.legs_by = Children(self.legs)
         self.length_decisions_by = Children(self.length_decisions)
+        self.phase = Children(self.phase_seconds)
+        self.ttft_by = Children(self.ttft_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

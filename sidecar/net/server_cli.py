@@ -8,8 +8,14 @@ import contextlib
 import gc
 from typing import Any, Callable
 
+from pdpool import tracing
 
-def add_listen_arguments(p: argparse.ArgumentParser, port: int) -> None:
+
+def add_listen_arguments(
+    p: argparse.ArgumentParser, port: int, service: str = "pdpool-gateway"
+) -> None:
+    """`service`: the OpenTelemetry service name of the server's spans (OTEL_SERVICE_NAME
+    wins)."""
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=port)
     p.add_argument(
@@ -17,6 +23,8 @@ def add_listen_arguments(p: argparse.ArgumentParser, port: int) -> None:
     )
     p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
     p.add_argument("--log-level", default="warning")
+    tracing.add_argument(p)
+    p.set_defaults(otlp_service_name=service)
 
 
 def serve(args: argparse.Namespace, build_app: Callable[[], Any]) -> int:
@@ -28,6 +36,7 @@ def serve(args: argparse.Namespace, build_app: Callable[[], Any]) -> int:
 
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise CliError("--tls-cert-file and --tls-key-file go together")
+    tracing.configure_or_exit(args.otlp_traces_endpoint, args.otlp_service_name)
     tls = (
         {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file}
         if args.tls_cert_file

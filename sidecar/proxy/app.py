@@ -18,10 +18,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import uuid
 from typing import Any, Optional
 
 import httpx
+
+from pdpool import tracing
 
 from . import legs
 from ..net.asgi import (
@@ -224,12 +227,23 @@ class Sidecar:
         ex = await self._read_exchange(scope, receive, send)
         if ex is None:
             return
+        if tracing.enabled():
+            ex.span = tracing.start(
+                "sidecar", tracing.from_headers(ex.headers), "server", _request_attributes(ex, mode)
+            )
         self.metrics.in_flight.inc()
+        gone = False
         try:
             gone = await run_until_disconnect(self._guarded(self.flows.for_mode(mode), ex), receive)
         finally:
             self.metrics.in_flight.dec()
-        self.metrics.requests_by(mode, "cancelled" if gone else ex.path_taken).inc()
+            path = "cancelled" if gone else ex.path_taken
+            if ex.span is not None:
+                ex.span.set_attribute("pdpool.path", path)
+                ex.span.end()
+        self.metrics.requests_by(mode, path).inc()
+        if ex.stream and ex.first_byte_at:
+            self.metrics.ttft_by(path).observe(ex.first_byte_at - ex.read_at)
 
     async def _read_exchange(
         self, scope: Scope, receive: Receive, send: Send
@@ -296,6 +310,7 @@ class Sidecar:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                ex.first_byte_at = time.perf_counter()
                 ex.send = client_send  # what follows goes straight out: one call less per event
             await client_send(message)
 
@@ -344,6 +359,15 @@ def _named_prefillers(scope: Scope) -> str:
         for k, v in scope["headers"]
         if k.decode("latin-1").lower() == PREFILLER_HEADER
     )
+
+
+def _request_attributes(ex: Exchange, mode: str) -> dict[str, Any]:
+    return {
+        tracing.GEN_AI_REQUEST_ID: ex.request_id,
+        "http.route": ex.route,
+        "pdpool.mode": mode,
+        "pdpool.stream": ex.stream,
+    }
 
 
 def _bad_request_message(exc: Exception) -> str:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_listen_arguments(p, port=8000)
+    add_listen_arguments(p, port=8000, service="pdpool-sidecar")
     p.add_argument("--config", help="YAML or JSON file of settings (flags override it)")
     _add_engine_arguments(p)
     _add_path_arguments(p)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,6 +26,10 @@ class Exchange:
     path_taken: str = "decode"
     prefill_usage: Any = None  # the prefill leg's usage (JSON), after a P/D run
     reply_headers: dict[str, str] = field(default_factory=dict)
+    # Tracing (pdpool.tracing): the request's span, parent of every leg's; None when off.
+    span: Any = None
+    read_at: float = field(default_factory=time.perf_counter)
+    first_byte_at: float = 0.0  # when the answer's first bytes went to the client
 
     def out_headers(self, content_type: str) -> dict[str, str]:
         return {

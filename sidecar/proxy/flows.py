@@ -57,6 +57,8 @@ class Flows:
         # The gateway's precise router (kv_router.py) may have decided the path already
         # from the engines' KV events: "pd" skips the decode-first attempt.
         hint = ex.headers.pop(KV_PATH_HEADER, None)
+        if hint and ex.span is not None:
+            ex.span.set_attribute("pdpool.kv_path_hint", hint)
         if hint == "pd":
             self.metrics.kv_path_hints.labels("pd", "honoured").inc()
             return await self._remote_prefill_then_decode(ex, pull=None)
@@ -74,9 +76,9 @@ class Flows:
         if rejection is None:
             return
         self.metrics.rejections.inc()
-        await self._remote_prefill_then_decode(ex, self._pull_params(rejection))
+        await self._remote_prefill_then_decode(ex, self._pull_params(ex, rejection))
 
-    def _pull_params(self, rejection: dict[str, Any]) -> Optional[dict[str, Any]]:
+    def _pull_params(self, ex: Exchange, rejection: dict[str, Any]) -> Optional[dict[str, Any]]:
         """What the prefill leg may pull of decode's cached prefix; when nothing, decode's
         lease on that prefix is ended now."""
         pull = (
@@ -85,7 +87,9 @@ class Flows:
             else None
         )
         if pull is None and isinstance(rejection, dict) and rejection.get("pdpool_lease"):
-            self.prefill.release_decode_lease(rejection)  # decode's prefix will not be pulled
+            self.prefill.release_decode_lease(
+                rejection, ex.span
+            )  # decode's prefix will not be pulled
         return pull
 
     async def _decided_by_length(self, ex: Exchange) -> None:
@@ -107,7 +111,7 @@ class Flows:
         if pull:
             # Whatever the prefill leg did, it no longer reads decode's prefix: end the
             # lease now instead of holding those blocks until it expires.
-            self.prefill.release_decode_lease(pull)
+            self.prefill.release_decode_lease(pull, ex.span)
         if result.client_error:
             ex.path_taken = "client_error"
             status, content = result.client_error

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional, Union
 
 import httpx
 
+from pdpool import tracing
+
 from . import legs
 from ..net.discovery import EndpointSet
 from .exchange import Exchange, PrefillResult, json_or_none
@@ -24,6 +26,7 @@ from ..routing.outlier import EjectionRace, OutlierDetector
 from ..routing.picker import LoadPicker
 from ..routing.prefill_ranking import PrefillRanking
 from .settings import SidecarSettings
+from .span_attributes import prefill_result_attributes
 from ..net.upstream import readiness
 from .usage import json_usage
 
@@ -38,6 +41,11 @@ def prefill_outliers(settings: SidecarSettings, metrics: SidecarMetrics) -> Outl
 
     def on_eject(endpoint: str, reason: str) -> None:
         log.warning("prefill engine %s ejected (%s)", endpoint, reason)
+        # No request owns an ejection: a span of its own (a trace of one span).
+        with tracing.span(
+            "ejection", None, attributes={"pdpool.endpoint": endpoint, "pdpool.reason": reason}
+        ):
+            pass
         metrics.prefill_ejections.labels(endpoint, reason).inc()
         metrics.prefill_ejected.labels(endpoint).set(1)
 
@@ -68,11 +76,25 @@ class PrefillLegs:
 
     async def run(self, ex: Exchange, leg: dict[str, Any]) -> PrefillResult:
         """Tries prefill engines in ranking order; an empty result means fallback."""
-        candidates = await self._candidates(ex)
+        started = time.perf_counter()
+        with tracing.child("prefill", ex.span) as span:
+            result = await self._run(ex, leg, span)
+            if span is not None:
+                tracing.set_attributes(span, prefill_result_attributes(result))
+        if result.kv is not None:
+            self.metrics.phase("prefill").observe(time.perf_counter() - started)
+        return result
+
+    async def _run(self, ex: Exchange, leg: dict[str, Any], span: Any) -> PrefillResult:
+        candidates = await self._candidates(ex, span)
         for endpoint in candidates:
             self.metrics.legs.labels("prefill").inc()
             started = time.perf_counter()
-            outcome, result = await self._attempt(ex, endpoint, leg)
+            with tracing.child(
+                "prefill_attempt", span, "client", {"pdpool.endpoint": endpoint}
+            ) as attempt:
+                outcome, result = await self._attempt(ex, endpoint, leg, attempt)
+                tracing.set_attributes(attempt, {"pdpool.outcome": outcome})
             self.metrics.prefill_attempts.labels(outcome).inc()
             if outcome in ENGINE_FAILURES:
                 self.outliers.failure(endpoint, outcome)
@@ -88,7 +110,7 @@ class PrefillLegs:
             self.metrics.prefill_attempts.labels("no_endpoint").inc()
         return PrefillResult()
 
-    async def _candidates(self, ex: Exchange) -> list[str]:
+    async def _candidates(self, ex: Exchange, span: Any = None) -> list[str]:
         # Ejected engines are skipped (also a trusted x-prefiller-host-port naming them);
         # when all are ejected, decode prefills itself (fallback).
         # Several named (llm-d's comma-separated list): the least loaded of them goes first.
@@ -104,14 +126,17 @@ class PrefillLegs:
             self.outliers.available(self.endpoints.current), preferred, ex.body
         )
         self.metrics.prefill_ranking.labels(ranked_by).inc()
+        tracing.set_attributes(
+            span, {"pdpool.prefill.ranked_by": ranked_by, "pdpool.prefill.candidates": candidates}
+        )
         return candidates
 
     async def _attempt(
-        self, ex: Exchange, endpoint: str, leg: dict[str, Any]
+        self, ex: Exchange, endpoint: str, leg: dict[str, Any], span: Any = None
     ) -> tuple[str, Optional[PrefillResult]]:
         """(outcome, the result when the answer goes on: "ok" or "client_error")."""
         with self.picker.track(endpoint):
-            answer = await self._post_unless_ejected(ex, endpoint, leg)
+            answer = await self._post_unless_ejected(ex, endpoint, leg, span)
         if isinstance(answer, str):
             return answer, None
         if answer.status_code == 429 or answer.status_code >= 500:
@@ -126,14 +151,15 @@ class PrefillLegs:
         return "ok", PrefillResult(kv=kv, usage=json_usage(data))
 
     async def _post_unless_ejected(
-        self, ex: Exchange, endpoint: str, leg: dict[str, Any]
+        self, ex: Exchange, endpoint: str, leg: dict[str, Any], span: Any = None
     ) -> Union[httpx.Response, str]:
         """The engine's answer, or why there is none ("ejected", "timeout", "connect_error").
 
         Given up as soon as the engine is ejected (a probe found it wedged): the request
         moves on to the next engine instead of waiting out its timeout."""
         url = f"{self.settings.upstream_scheme}://{endpoint}{ex.route}"
-        call = self.next_client().post(url, json=leg, headers=ex.headers)
+        headers = ex.headers if span is None else tracing.inject(span, ex.headers)
+        call = self.next_client().post(url, json=leg, headers=headers)
         async with EjectionRace(self.outliers, endpoint, call, httpx.HTTPError) as race:
             outcome = await race.wait(self.settings.prefill_timeout or None)
         if outcome != "done":
@@ -145,9 +171,16 @@ class PrefillLegs:
         except httpx.HTTPError:
             return "connect_error"
 
-    def release_decode_lease(self, params: dict[str, Any]) -> None:
+    def release_decode_lease(self, params: dict[str, Any], span: Any = None) -> None:
         """Ends decode's lease on its cached prefix in the background (it would expire on its
         own; ending it now frees those blocks sooner)."""
+
+        lease = params.get("pdpool_lease")
+        tracing.event(
+            span,
+            "decode_lease_released",
+            {"pdpool.kv.lease": lease.get("id", "") if isinstance(lease, dict) else ""},
+        )
 
         async def release() -> None:
             try:

@@ -16,12 +16,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar, U
 
 import httpx
 
+from pdpool import tracing
+
 from . import legs
 from ..net.asgi import send_bytes, send_error, send_start, sse_error_event
 from .exchange import Buffered, Exchange, json_or_none
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import SidecarMetrics
 from .settings import SidecarSettings
+from .span_attributes import leg_attributes, rejection_attributes
 from ..net.sse import DONE, EventSplitter, event_json
 from .usage import StreamUsageRewriter, count_computed, decode_answer_usage, json_usage
 
@@ -63,9 +66,24 @@ class DecodeRelay:
     async def first(self, ex: Exchange, leg: dict[str, Any]) -> Optional[dict[str, Any]]:
         """Decode-first: relays decode's answer unless it is a rejection, which never reaches
         the client; then returns the rejection's kv params ({} when none), else None."""
+        started = time.perf_counter()
+        if ex.span is None:
+            rejection = await self._first(ex, leg, None)
+        else:
+            attributes = leg_attributes(ex, leg)
+            with tracing.span("decode_first", ex.span, "client", attributes) as span:
+                rejection = await self._first(ex, leg, span)
+                tracing.set_attributes(span, rejection_attributes(rejection))
+        if rejection is not None:
+            self.metrics.phase("rejection").observe(time.perf_counter() - started)
+        return rejection
+
+    async def _first(
+        self, ex: Exchange, leg: dict[str, Any], span: Any
+    ) -> Optional[dict[str, Any]]:
         if ex.stream:
-            return await self._send(ex, leg, functools.partial(_stream_unless_rejected, ex))
-        resp = await self._send(ex, leg, _read_all)
+            return await self._send(ex, leg, functools.partial(_stream_unless_rejected, ex), span)
+        resp = await self._send(ex, leg, _read_all, span)
         data = json_or_none(resp.content) if resp.status_code == 200 else None
         if data is not None and legs.is_rejection(data):
             return legs.kv_params_of(data) or {}
@@ -78,29 +96,44 @@ class DecodeRelay:
         """The last decode leg; after a prefill leg its usage covers both legs."""
         if ex.path_taken != "aggregated":
             self.metrics.legs_by("decode").inc()
-        if ex.stream:
-            return await self._send(ex, leg, functools.partial(self._stream_through, ex))
-        resp = await self._send(ex, leg, _read_all)
-        content = resp.content
-        if resp.status_code == 200:
-            content = decode_answer_usage(self.metrics, content, ex.prefill_usage)
-        await relay_buffered(ex, resp.status_code, content, _content_type(resp))
+        attributes = None if ex.span is None else leg_attributes(ex, leg)
+        with tracing.child("decode", ex.span, "client", attributes) as span:
+            if ex.stream:
+                return await self._send(
+                    ex, leg, functools.partial(self._stream_through, ex), span, "decode"
+                )
+            resp = await self._send(ex, leg, _read_all, span)
+            content = resp.content
+            if resp.status_code == 200:
+                content = decode_answer_usage(self.metrics, content, ex.prefill_usage)
+            await relay_buffered(ex, resp.status_code, content, _content_type(resp))
 
     async def _send(
-        self, ex: Exchange, leg: dict[str, Any], use: Callable[[Response], Awaitable[T]]
+        self,
+        ex: Exchange,
+        leg: dict[str, Any],
+        use: Callable[[Response], Awaitable[T]],
+        span: Any = None,
+        phase: Optional[str] = None,
     ) -> T:
         """Sends a decode leg and hands its answer to `use`; both again while they fail before
         anything reached the client (the engine broke or restarted before the first token
-        was relayed). `use` handles failures after it started the client's answer."""
+        was relayed). `use` handles failures after it started the client's answer. `span`:
+        the leg's (its traceparent goes upstream); `phase`: observed until the answer's
+        headers (a stream's first bytes)."""
         assert self.pool is not None, "connect() runs at startup"
         pool, content = self.pool, json.dumps(leg).encode()
+        headers = ex.headers if span is None else tracing.inject(span, ex.headers)
         deadline = time.monotonic() + self.settings.decode_retry_s
-        delay = 0.05
+        delay, retries = 0.05, 0
         while True:
             try:
+                sent = time.perf_counter()
                 resp = await pool.send(
-                    "POST", self.settings.decode_url + ex.route, content, ex.headers
+                    "POST", self.settings.decode_url + ex.route, content, headers
                 )
+                if phase is not None:
+                    self.metrics.phase(phase).observe(time.perf_counter() - sent)
                 try:
                     return await use(resp)
                 finally:
@@ -109,6 +142,8 @@ class DecodeRelay:
                 if time.monotonic() + delay > deadline:
                     raise UpstreamUnavailable(f"decode engine failed: {exc!r}") from None
                 self.metrics.decode_retries.inc()
+                retries += 1
+                tracing.event(span, "retry", {"pdpool.retry": retries, "error": repr(exc)})
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 

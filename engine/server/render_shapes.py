@@ -64,6 +64,33 @@ def vllm_sampling_params(
     return out
 
 
+def _is_unset(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+# Request fields that change vLLM's sampling_params in ways this shape does not carry
+# (structured outputs, logit bias, forced tool calls): a render asking for them is refused
+# rather than answered without them. Their neutral values pass.
+UNRENDERED_FIELDS = {
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "structured_outputs": _is_unset,
+    "guided_json": _is_unset,
+    "guided_regex": _is_unset,
+    "guided_choice": _is_unset,
+    "guided_grammar": _is_unset,
+    "logit_bias": _is_unset,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+}
+
+
+def unrendered_field(extras: dict[str, Any]) -> Optional[str]:
+    """The first field of a request (its extras) that a render cannot carry, if any."""
+    return next(
+        (name for name, neutral in UNRENDERED_FIELDS.items() if not neutral(extras.get(name))),
+        None,
+    )
+
+
 def render_request_id(
     req: GenerationRequest, header_id: Optional[str], body_id: Optional[str], default: str
 ) -> str:
@@ -136,10 +163,7 @@ PASSED_SAMPLING_PARAMS = (
     "repetition_penalty",
     "min_p",
     "bad_words",
-    "logit_bias",
-    "allowed_token_ids",
     "include_stop_str_in_output",
-    "structured_outputs",
 )
 # Settings of how vLLM delivers or detokenizes an output: no effect on the tokens.
 IGNORED_SAMPLING_PARAMS = frozenset(
@@ -158,10 +182,6 @@ IGNORED_SAMPLING_PARAMS = frozenset(
 )
 # GenerateRequest fields that must be absent (null): what this engine does not serve.
 REFUSED_GENERATE_FIELDS = ("features", "content_parts", "ec_transfer_params")
-
-
-def _is_unset(value: Any) -> bool:
-    return value is None or value == [] or value == {}
 
 
 def _sampling_fields(params: Any) -> dict[str, Any]:

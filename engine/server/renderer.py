@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from fastapi import Request
 
+from pdpool.engine.server.errors import ApiError
 from pdpool.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,6 +27,7 @@ from pdpool.engine.server.render_shapes import (
     generate_request,
     render_request_id,
     rendered_ids,
+    unrendered_field,
     vllm_sampling_params,
 )
 from pdpool.engine.server.translator import RequestTranslator
@@ -53,6 +55,11 @@ class RenderRoutes:
     ) -> list[dict[str, Any]]:
         """One GenerateRequest per prompt, refused (400) as the generation route would
         refuse it: a prompt that cannot fit, bad sampling parameters."""
+        unrendered = unrendered_field(req.model_extra or {})
+        if unrendered is not None:
+            raise ApiError(
+                f"'{unrendered}' is not supported by the render routes", param=unrendered
+            )
         params = self.translator.servable_params(req, prompts)
         kv = req.kv_transfer_params
         sampling = vllm_sampling_params(

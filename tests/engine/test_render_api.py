@@ -174,6 +174,8 @@ BAD = [
     (COMPLETION, {"prompt": "a", "max_tokens": 10**6}, "prompt"),
     (COMPLETION, {"prompt": [10**6]}, "prompt"),
     (COMPLETION, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    (COMPLETION, {"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    (CHAT, {"messages": [TURNS[0]], "response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"messages": []}, "messages"),
     (
         CHAT,
@@ -186,6 +188,11 @@ BAD = [
     (GENERATE, {"token_ids": [1]}, "sampling_params"),
     (GENERATE, {"token_ids": [1], "sampling_params": {"prompt_logprobs": 1}}, "sampling_params"),
     (GENERATE, {"token_ids": [1], "sampling_params": {"logprobs": 1}}, "sampling_params"),
+    (
+        GENERATE,
+        {"token_ids": [1], "sampling_params": {"structured_outputs": {"json": {}}}},
+        "sampling_params",
+    ),
     (GENERATE, {"token_ids": [1], "sampling_params": {"top_p": 2}}, "top_p"),
     (GENERATE, {"token_ids": [1], "sampling_params": {}, "output_mode": "text"}, "output_mode"),
     (GENERATE, {"token_ids": [1], "sampling_params": {}, "features": {"a": 1}}, "features"),

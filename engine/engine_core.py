@@ -34,6 +34,7 @@ from pdpool.engine.outputs import (
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.runner import ModelRunner, StepResult
 from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.structured.grammar import GrammarCompiler, stop_ids_of
 from pdpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, memory.spec.layout, self.kv_cache, self.device, keep_logits, self.state
         )
+        self.grammars = GrammarCompiler(tokenizer, self.info.config["vocab_size"])
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = True
@@ -197,6 +199,7 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
             block_size=self.config.block_size,
         )
+        req.grammar = self._grammar_of(prompt_token_ids, params)
         refusal = self.connector.check_request(req)
         if refusal is not None and self.config.kv_load_failure_policy == "fail":
             raise KVTransferRefused(f"KV transfer refused: {refusal}")
@@ -206,6 +209,19 @@ class LLMEngine:
         )
         self.scheduler.add_request(req)
         return req
+
+    def _grammar_of(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+        """The request's grammar matcher (None when unguided), advanced over the tokens a
+        continuation says were generated already (the tail of its prompt)."""
+        spec = params.guided
+        if spec is None:
+            return None
+        done = list(spec.prefix_token_ids)
+        if done and prompt_token_ids[len(prompt_token_ids) - len(done) :] != done:
+            raise RequestRejected("guided prefix token ids must be the last tokens of the prompt")
+        return self.grammars.grammar_for(
+            spec, stop_ids_of(self.eos_token_ids, params.stop_token_ids)
+        )
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -278,6 +294,8 @@ class LLMEngine:
                 self._count_prompt_sources(req)
             self.stats["generation_tokens"] += 1
             req.append_output_token(token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                raise RuntimeError(f"the grammar refused the sampled token {token}")
             return self._advance(req, token, result.logprobs.get(req.request_id))
         except Exception as exc:
             return self._fail_request(req, "output processing", exc)
@@ -373,7 +391,8 @@ class LLMEngine:
         stopped_by_token = token in params.stop_token_ids or (
             token in req.eos_token_ids and not params.ignore_eos
         )
-        if stopped_by_token and len(req.output_token_ids) > params.min_tokens - 1:
+        ended = stopped_by_token or (req.grammar is not None and req.grammar.terminated)
+        if ended and len(req.output_token_ids) > params.min_tokens - 1:
             status = RequestStatus.FINISHED_STOPPED
         else:
             delta = detok.add_token(token)

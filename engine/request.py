@@ -73,6 +73,8 @@ class Request:
         self.kv_params_out: Optional[dict[str, Any]] = None
         # Recurrent-state models: the state slot a prefill leg keeps for the decode engine.
         self.transfer_state_slot: Optional[int] = None
+        # Guided decoding: the request's grammar matcher (structured/grammar.py), if any.
+        self.grammar: Any = None
         self.hasher = BlockHasher(block_size, extra_keys=(cache_salt,) if cache_salt else ())
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()

@@ -12,6 +12,7 @@ import torch
 from pdpool.engine.attention_metadata import AttentionMetadata
 from pdpool.engine.kv.facts import KVLayout
 from pdpool.engine.sampling import Sampler, TokenLogprob
+from pdpool.engine.structured.logits import GuidedMasks
 from pdpool.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.sampler = Sampler()
+        self.guided_masks = GuidedMasks(model.config["vocab_size"])
         self.keep_logits = keep_logits  # tests compare logits with transformers
         self.fail_forward_for = os.environ.get(FAIL_FORWARD_ENV) or None
 
@@ -123,20 +125,16 @@ class ModelRunner:
             self.fail_forward_for in s.request.request_id for s in out.scheduled
         ):
             raise RuntimeError(f"injected forward failure ({FAIL_FORWARD_ENV})")
+        rows, reqs = _sampling_rows(out)
+        # The guided rows' token masks fill while the model runs.
+        pending = self.guided_masks.start([r.grammar for r in reqs]) if reqs else None
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.state)
-        # Only requests whose scheduled tokens reach the end of what they know need a token;
-        # a chunk in the middle of a prompt produces none.
-        rows, reqs = [], []
-        end = 0
-        for item in out.scheduled:
-            end += item.num_new_tokens
-            req = item.request
-            if req.num_computed_tokens + item.num_new_tokens == req.num_tokens:
-                rows.append(end - 1)
-                reqs.append(req)
         if not rows:
             return StepResult({}, int(input_ids.shape[0]))
         logits = self.model.compute_logits(hidden[rows])
+        if pending is not None:
+            logits = logits.float()
+            pending.apply(logits)
         suppress = [
             list(r.eos_token_ids) + r.sampling_params.stop_token_ids
             if len(r.output_token_ids) < r.sampling_params.min_tokens
@@ -158,6 +156,20 @@ class ModelRunner:
             {r.request_id: lp for r, lp in zip(reqs, res.logprobs, strict=True) if lp is not None},
             {reqs[b].request_id: exc for b, exc in res.errors.items()},
         )
+
+
+def _sampling_rows(out: SchedulerOutput) -> tuple[list[int], list[Any]]:
+    """Only requests whose scheduled tokens reach the end of what they know need a token
+    (a chunk in the middle of a prompt produces none): their last rows, and themselves."""
+    rows, reqs = [], []
+    end = 0
+    for item in out.scheduled:
+        end += item.num_new_tokens
+        req = item.request
+        if req.num_computed_tokens + item.num_new_tokens == req.num_tokens:
+            rows.append(end - 1)
+            reqs.append(req)
+    return rows, reqs
 
 
 def _pad_tables(tables: list[list[int]]) -> np.ndarray:

@@ -18,6 +18,7 @@ import torch
 
 from pdpool.engine.outputs import RequestError, TokenLogprob  # re-exported
 from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.structured.logits import apply_logit_bias
 
 # Test-only fault injection: `SUBSTRING[@K][,...]`: a request whose id contains SUBSTRING
 # fails inside its own sampling once it has sampled K tokens (default 0: at its first).
@@ -84,6 +85,9 @@ class Sampler:
         raw = torch.log_softmax(logits[want], dim=-1) if want else None
         raw_row = {b: i for i, b in enumerate(want)}
         errors: dict[int, Exception] = {}
+        # As vLLM: logit_bias after the raw logprobs, before min_tokens and temperature.
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(logits, [p.logit_bias for p in params])
         for b, ids in enumerate(suppress):
             if ids:
                 if any(not 0 <= t < vocab for t in ids):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pdpool.engine.structured.spec import GuidedSpec
 from pdpool.protocol import MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_TEMPERATURE, SEED_MAX, SEED_MIN
 
 # As vLLM's --max-logprobs default: at most 20 top logprobs per token.
@@ -36,6 +37,10 @@ class SamplingParams:
     n: int = 1
     # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely.
     logprobs: Optional[int] = None
+    # Structured output (guided decoding): what the output must match.
+    guided: Optional[GuidedSpec] = None
+    # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits.
+    logit_bias: Optional[dict[int, float]] = None
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +57,7 @@ class SamplingParams:
                 f"{MAX_TEMPERATURE}], got {self.temperature}"
             )
         self._check_stop_token_ids(vocab_size)
+        self._check_logit_bias(vocab_size)
         self._check_ranges()
         self._check_stop()
 
@@ -78,6 +84,15 @@ class SamplingParams:
                     f"stop_token_ids must be token ids in [0, "
                     f"{vocab_size or 'vocab size'}), got {t!r}"
                 )
+
+    def _check_logit_bias(self, vocab_size: Optional[int]) -> None:
+        for t, bias in (self.logit_bias or {}).items():
+            if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise ValueError(
+                    f"logit_bias: token ids must be in [0, {vocab_size or 'vocab size'}), got {t!r}"
+                )
+            if not _is_number(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias: biases must be in [-100, 100], got {bias!r}")
 
     def _check_ranges(self) -> None:
         if not 1 <= self.n <= MAX_N:

@@ -170,15 +170,12 @@ def _none_or_number(neutral: float) -> Callable[[Any], bool]:
 
 
 # Fields we do not implement: refused unless their value asks for nothing (the predicate).
+# Structured outputs, tools and logit_bias are implemented: they ride the models' extras
+# (checked by the engine server, forwarded as they are by the sidecar and the gateway).
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "best_of": lambda v: v is None or (_is_int(v) and v == 1),
-    "logit_bias": _empty,
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "tools": _empty,
-    "tool_choice": lambda v: v is None or v == "none",
     "functions": _empty,
     "function_call": lambda v: v is None or v == "none",
-    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "suffix": _empty,
     "echo": _empty,
     "presence_penalty": _none_or_number(0),
@@ -187,12 +184,7 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "min_p": _none_or_number(0),
     "use_beam_search": _empty,
     "length_penalty": _none_or_number(1),
-    "guided_json": _empty,
-    "guided_regex": _empty,
-    "guided_choice": _empty,
-    "guided_grammar": _empty,
     "structural_tag": _empty,
-    "structured_outputs": _empty,
     "allowed_token_ids": lambda v: v is None,
     "bad_words": _empty,
     "prompt_embeds": _empty,

@@ -5,6 +5,7 @@ Responder's, the writing is the ResponseWriter's."""
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, Generic, Optional, TypeVar, Union
 
 from fastapi import Request
@@ -25,7 +26,11 @@ from pdpool.engine.server.protocol import (
     GenerationRequest,
 )
 from pdpool.engine.server.response_writer import ChoiceFormat, ResponseWriter
+from pdpool.engine.server.errors import ApiError
+from pdpool.engine.server.structured_request import constrain
 from pdpool.engine.server.translator import RequestTranslator
+from pdpool.engine.structured.spec import GuidedSpec
+from pdpool.protocol import RequestError
 
 R = TypeVar("R", bound=GenerationRequest)
 
@@ -66,7 +71,30 @@ class Responder(abc.ABC, Generic[R]):
         self, http_req: Request, req: R, prompts: list[list[int]], fmt: ChoiceFormat
     ) -> list[Choice]:
         specs = self.translator.choice_requests(req, prompts, http_req.headers.get("x-request-id"))
+        try:
+            params = constrain(
+                specs[0].params,
+                req.model_extra or {},
+                self.translator.engine.info.config["vocab_size"],
+                self.tool_spec(req),
+            )
+        except RequestError as exc:
+            raise ApiError(str(exc), exc.status, param=exc.param) from exc
+        if params is not specs[0].params:
+            specs = [
+                dataclasses.replace(
+                    s,
+                    params=dataclasses.replace(
+                        s.params, guided=params.guided, logit_bias=params.logit_bias
+                    ),
+                )
+                for s in specs
+            ]
         return await self.runner.start(specs, fmt.logprobs_formatter)
+
+    def tool_spec(self, req: R) -> Optional[GuidedSpec]:
+        """The constraint that the request's tool_choice implies (chat only)."""
+        return None
 
 
 class CompletionFormat(ChoiceFormat):

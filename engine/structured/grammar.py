@@ -1,0 +1,115 @@
+"""Each guided request's grammar in the engine core: compiled once per spec (xgrammar's
+compiler caches), a matcher per request that accepts the tokens it samples.
+
+xgrammar is vLLM's default structured-output backend: the same masks for the same request,
+so greedy guided outputs match stock vLLM's token for token.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import xgrammar as xgr
+
+from pdpool.engine.outputs import RequestRejected
+from pdpool.engine.structured.spec import GuidedSpec
+
+
+class GuidedDecodingError(RequestRejected):
+    """A spec that cannot be compiled, or prefix tokens the grammar refuses (answered 400)."""
+
+
+class RequestGrammar:
+    """One request's position in its grammar."""
+
+    __slots__ = ("matcher", "terminated")
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        self.terminated = False
+
+    def accept(self, token: int) -> bool:
+        """Advances over a sampled token; False if the grammar does not allow it."""
+        if self.terminated:
+            return True
+        if not self.matcher.accept_token(token):
+            return False
+        self.terminated = self.matcher.is_terminated()
+        return True
+
+
+class GrammarCompiler:
+    """Compiles specs against the model's vocabulary (built on first use: the tokenizer's
+    vocabulary is scanned once)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+            return self._compiler
+
+    def compile(self, spec: GuidedSpec) -> Any:
+        compiler = self._get()
+        try:
+            return _compile(compiler, spec)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a reason
+            raise GuidedDecodingError(f"the {_what(spec)} cannot be compiled: {exc}") from exc
+
+    def grammar_for(self, spec: GuidedSpec, stop_token_ids: list[int]) -> RequestGrammar:
+        """A fresh matcher for one request, advanced over the spec's prefix tokens."""
+        matcher = xgr.GrammarMatcher(
+            self.compile(spec), override_stop_tokens=stop_token_ids or None
+        )
+        grammar = RequestGrammar(matcher)
+        for i, token in enumerate(spec.prefix_token_ids):
+            if not grammar.accept(token):
+                raise GuidedDecodingError(
+                    f"the already generated token {token} (position {i}) does not match "
+                    f"the {_what(spec)}"
+                )
+        return grammar
+
+
+def _compile(compiler: Any, spec: GuidedSpec) -> Any:
+    # any_whitespace as vLLM's default (unless the request asks for compact JSON).
+    if spec.kind in ("json", "json_object"):
+        schema = spec.value if spec.kind == "json" else '{"type": "object"}'
+        return compiler.compile_json_schema(
+            schema,
+            any_whitespace=not spec.compact,
+            separators=(",", ":") if spec.compact else None,
+        )
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.value)
+    if spec.kind == "grammar":
+        if _looks_like_lark(spec.value):
+            return compiler.compile_lark(spec.value)
+        return compiler.compile_grammar(spec.value)
+    raise ValueError(f"unknown kind {spec.kind!r}")
+
+
+def _looks_like_lark(grammar: str) -> bool:
+    """EBNF rules say `::=`; Lark's say `:` (vLLM's grammar_is_likely_lark, simplified)."""
+    return "::=" not in grammar
+
+
+def _what(spec: GuidedSpec) -> str:
+    return {
+        "json": "JSON schema",
+        "json_object": "JSON object grammar",
+        "regex": "regex",
+        "grammar": "grammar",
+    }.get(spec.kind, "structured output")
+
+
+def stop_ids_of(eos_token_ids: tuple[int, ...], stop_token_ids: list[int]) -> list[int]:
+    return list(dict.fromkeys([*eos_token_ids, *stop_token_ids]))

@@ -1,0 +1,77 @@
+"""The logits hook of a step: every guided row's token mask filled for the batch at once
+(xgrammar's batch matcher, on a worker thread started before the model's forward, so the
+fill overlaps it) and applied in place before sampling, and `logit_bias` added. A batch
+without guided or biased rows costs one list scan."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional
+
+import torch
+import xgrammar as xgr
+
+from pdpool.engine.structured.grammar import RequestGrammar
+
+
+class PendingMask:
+    """A batch's bitmask being filled; `apply` waits for it and masks the logits."""
+
+    def __init__(self, future: Future[None], bitmask: torch.Tensor, rows: list[int]) -> None:
+        self.future, self.bitmask, self.rows = future, bitmask, rows
+
+    def apply(self, logits: torch.Tensor) -> None:
+        self.future.result()
+        bitmask = self.bitmask[: logits.shape[0]]
+        if bitmask.device != logits.device:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask, vocab_size=logits.shape[-1], indices=self.rows
+        )
+
+
+class GuidedMasks:
+    """Fills the token masks of the guided rows of each step."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdpool-grammar")
+        self._matchers = xgr.BatchGrammarMatcher(max_threads=2)
+        self._bitmask: Optional[torch.Tensor] = None
+
+    def start(self, grammars: list[Optional[RequestGrammar]]) -> Optional[PendingMask]:
+        """Starts filling the masks of the rows whose grammar has not ended; None when the
+        batch has none (nothing is allocated or started)."""
+        rows = [i for i, g in enumerate(grammars) if g is not None and not g.terminated]
+        if not rows:
+            return None
+        bitmask = self._buffer(len(grammars))
+        matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
+        future = self._pool.submit(
+            self._matchers.batch_fill_next_token_bitmask, matchers, bitmask, rows
+        )
+        return PendingMask(future, bitmask, rows)
+
+    def _buffer(self, batch: int) -> torch.Tensor:
+        """One bitmask buffer reused step after step (grown when a batch outgrows it)."""
+        if self._bitmask is None or self._bitmask.shape[0] < batch:
+            self._bitmask = xgr.allocate_token_bitmask(max(batch, 64), self.vocab_size)
+        return self._bitmask
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[Optional[dict[int, float]]]) -> None:
+    """Adds each row's {token id: bias} to its logits (one indexed add for the batch)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for b, bias in enumerate(biases):
+        if bias:
+            rows += [b] * len(bias)
+            cols += bias.keys()
+            vals += bias.values()
+    if rows:
+        logits.index_put_(
+            (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
+            torch.tensor(vals, dtype=logits.dtype, device=logits.device),
+            accumulate=True,
+        )

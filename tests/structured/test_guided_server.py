@@ -1,0 +1,182 @@
+"""Structured outputs on a real `pdpool serve` process, through the `openai` client: the
+tiny random model's unguided output is gibberish, so every parse and schema check below
+holds only because the engine masks the logits with the request's grammar."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from devtools.engine_procs import engine_process
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+        "rain": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["sun", "wind"]}, "maxItems": 3},
+    },
+    "required": ["city", "days", "rain"],
+    "additionalProperties": False,
+}
+MESSAGES = [{"role": "user", "content": "the weather, as JSON"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3, tmp_path_factory):
+    with engine_process(
+        tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512"
+    ) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def chat(client, model, **kw):
+    kw.setdefault("messages", MESSAGES)
+    kw.setdefault("max_tokens", 300)
+    return client.chat.completions.create(model=model, **kw)
+
+
+def test_unguided_output_is_not_json(client, model):
+    text = chat(client, model, temperature=0, max_tokens=40).choices[0].message.content
+    with pytest.raises(ValueError):
+        json.loads(text)
+
+
+def test_json_mode_always_parses(client, model):
+    for seed in range(3):
+        r = chat(client, model, response_format={"type": "json_object"}, seed=seed)
+        assert r.choices[0].finish_reason == "stop"
+        assert isinstance(parse(r.choices[0].message.content), dict)
+
+
+def parse(text: str):
+    # strict=False: a byte-level vocabulary spells control characters with single-byte
+    # tokens that xgrammar's string rule lets through (stock vLLM's xgrammar alike).
+    return json.loads(text, strict=False)
+
+
+def test_json_schema_validates_for_20_seeds(client, model):
+    # Compact JSON (vLLM's disable_any_whitespace): with free whitespace a random model
+    # wanders in blanks until max_tokens (tested greedy below with response_format).
+    so = {"json": SCHEMA, "disable_any_whitespace": True}
+    # n choices sample with seeds seed + i: seeds 0..19
+    choices = [
+        c
+        for seed in (0, 10)
+        for c in chat(
+            client, model, seed=seed, n=10, temperature=1.0, extra_body={"structured_outputs": so}
+        ).choices
+    ]
+    for c in choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(parse(c.message.content), SCHEMA)
+    assert len({c.message.content for c in choices}) > 1  # sampled, not one fixed answer
+
+
+def test_response_format_json_schema(client, model):
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    r = chat(client, model, response_format=fmt, seed=1, n=8, temperature=1.0, max_tokens=300)
+    done = [c for c in r.choices if c.finish_reason == "stop"]
+    assert done  # the others wander in free whitespace (see above)
+    for c in done:
+        jsonschema.validate(parse(c.message.content), SCHEMA)
+
+
+def test_guided_choice_completions(client, model):
+    choices = ["pdpool", "vllm", "sglang"]
+    for seed in range(4):
+        r = client.completions.create(
+            model=model,
+            prompt="best engine:",
+            max_tokens=20,
+            seed=seed,
+            extra_body={"guided_choice": choices},
+        )
+        assert r.choices[0].text in choices
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_structured_outputs_regex_and_grammar(client, model):
+    r = client.completions.create(
+        model=model,
+        prompt="a date:",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}},
+    )
+    assert len(r.choices[0].text) == 10 and r.choices[0].text.startswith("20")
+    r = chat(
+        client,
+        model,
+        temperature=0,
+        extra_body={"guided_grammar": 'root ::= "yes" | "no" | "maybe"'},
+    )
+    assert r.choices[0].message.content in ("yes", "no", "maybe")
+
+
+def test_compact_json_and_streamed_json(client, model):
+    so = {"json": SCHEMA, "disable_any_whitespace": True}
+    r = chat(client, model, seed=3, temperature=1.0, extra_body={"structured_outputs": so})
+    text = r.choices[0].message.content
+    assert " " not in text.replace(parse(text)["city"], "")
+    stream = chat(
+        client,
+        model,
+        seed=3,
+        temperature=1.0,
+        stream=True,
+        extra_body={"structured_outputs": so},
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == text
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                }
+            },
+            "invalid JSON schema",
+        ),
+        ({"guided_json": "{not json"}, "not valid JSON"),
+        ({"guided_choice": []}, "choices"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "only one kind"),
+        ({"guided_regex": "(unclosed"}, "regex cannot be compiled"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"logit_bias": {"99999": 5}}, "logit_bias"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_problem(client, model, extra, needle):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(client, model, max_tokens=5, extra_body=extra)
+    assert needle in str(err.value)
+
+
+def test_logit_bias_forces_a_token(client, model):
+    r = client.completions.create(
+        model=model,
+        prompt=[5, 6, 7],
+        max_tokens=6,
+        temperature=0,
+        logit_bias={"71": 100},
+    )
+    assert r.choices[0].text == "e" * 6  # token 71 of the tiny byte-level vocabulary

@@ -5,6 +5,7 @@ the full reconcile must work with exactly those permissions, and nothing beyond 
 granted.
 """
 
+import json
 import subprocess
 import uuid
 
@@ -136,6 +137,7 @@ def test_rendered_manifests_pass_server_side_validation(helm_bin, admin_api, set
             "RoleBinding": "rolebindings",
             "Deployment": "deployments",
             "PDInferencePool": "pdinferencepools",
+            "ConfigMap": "configmaps",
         }[doc["kind"]]
         ns = doc["metadata"].get("namespace")
         path = f"{prefix}/namespaces/{ns}/{plural}" if ns else f"{prefix}/{plural}"
@@ -166,6 +168,18 @@ def test_rendered_manifests_pass_server_side_validation(helm_bin, admin_api, set
             if any(s.startswith("watchNamespaces") for s in sets)
             else {SYSTEM_NS}
         )
+
+
+def test_grafana_dashboard_configmap_carries_the_repository_dashboard(helm_bin):
+    """The Grafana sidecar loads ConfigMaps labelled grafana_dashboard=1: the chart's holds
+    dashboards/pdpool.json as it is in the repository."""
+    (cm,) = [d for d in render(helm_bin) if d["kind"] == "ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(cm["data"]["pdpool.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "pdpool.json").read_text())
+    assert shipped["panels"] and all(p["targets"] for p in shipped["panels"])
+    off = render(helm_bin, "grafanaDashboard.enabled=false")
+    assert "ConfigMap" not in {d["kind"] for d in off}
 
 
 def test_default_install_is_namespaced(helm_bin):

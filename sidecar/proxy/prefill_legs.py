@@ -225,3 +225,7 @@ class PrefillLegs:
             ok = False
             log.warning("probe of prefill engine %s failed: %r", endpoint, exc)
         self.outliers.probe(endpoint, ok)
+        # Every known engine has its 0/1 series (a dashboard's "ejected" panel shows the
+        # healthy ones too, not only those ever ejected).
+        ejected = self.outliers.is_ejected(endpoint)
+        self.metrics.prefill_ejected.labels(endpoint).set(1 if ejected else 0)

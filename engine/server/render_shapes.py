@@ -242,13 +242,21 @@ def completion_body(body: Any, default_max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def generate_usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    return {
+def generate_usage(
+    prompt_tokens: int, completion_tokens: int, cached: int, compact: bool = False
+) -> dict[str, Any]:
+    """vLLM's UsageInfo as vLLM serves it with --enable-prompt-tokens-details; `compact`
+    leaves out the null fields, as vLLM's closing usage chunk of a stream does."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if not compact:
+        usage["prompt_tokens_details"].update(created_cache_tokens=None, multimodal_tokens=None)
+        usage["completion_tokens_details"] = None
+    return usage
 
 
 def generate_choice(

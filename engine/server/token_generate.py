@@ -122,7 +122,8 @@ class TokenGenerateRoute:
                     break
             if not remaining and include_usage:
                 total = sum(len(c.token_ids) for c in choices)
-                usage = generate_usage(prompt_len, total, choices[0].last.num_cached_tokens)
+                cached = choices[0].last.num_cached_tokens
+                usage = generate_usage(prompt_len, total, cached, compact=True)
                 yield sse(generate_chunk(request_id, {}, usage))
             yield DONE_EVENT
         finally:

@@ -7,9 +7,12 @@ refuse the same bad bodies. The render server loads no weights: it starts in ~20
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +21,8 @@ from devtools.engine_procs import EngineProcess, wait_healthy
 from pdpool.ports import free_port
 from tests.support.bos_checkpoint import with_bos_tokenizer
 from tests.support.render_cases import CHAT, COMPLETION, RENDER_CASES, TURNS
+
+GENERATE = "/inference/v1/generate"
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -88,3 +93,62 @@ def test_render_refuses_what_vllm_refuses(servers, path, body):
     assert ours.status_code == theirs.status_code, (ours.text, theirs.text)
     # (vLLM types its own schema errors "Bad Request", its other 400s "BadRequestError")
     assert ours.json()["error"]["message"] and theirs.json()["error"]["message"]
+
+
+# Run by the vLLM venv's python: each of our /inference/v1/generate answers (stdin, JSON) is
+# parsed by vLLM's own response model and written back as vLLM's server writes it (a whole
+# answer fully, a stream's token chunks without their null prompt fields, its usage chunk
+# without nulls); it prints the answers that do not come back unchanged.
+VLLM_ROUNDTRIP = """
+import json, sys
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+    GenerateTokensResponse, GenerateTokensStreamResponse)
+differ = []
+for kind, ours in json.load(sys.stdin):
+    if kind == "whole":
+        theirs = GenerateTokensResponse.model_validate(ours).model_dump(mode="json")
+    elif ours["choices"]:
+        chunk = GenerateTokensStreamResponse.model_validate(ours)
+        empty = {n for n in ("prompt_token_ids", "mm_placeholders", "metrics")
+                 if getattr(chunk, n) is None}
+        theirs = chunk.model_dump(mode="json", exclude=empty)
+    else:
+        theirs = GenerateTokensStreamResponse.model_validate(ours).model_dump(
+            mode="json", exclude_none=True)
+    if theirs != ours:
+        differ.append({"ours": ours, "vllm": theirs})
+print(json.dumps(differ))
+"""
+
+
+def test_generate_answers_in_vllms_response_models(servers, vllm_bin):
+    """/inference/v1/generate has no stock counterpart without a full `vllm serve`: our
+    answers (whole and streamed, n=2, usage, prompt ids) must survive vLLM's own models."""
+    (rendered,) = httpx.post(
+        servers["ours"] + COMPLETION,
+        json={"prompt": "Once upon", "max_tokens": 3, "n": 2, "seed": 1},
+        timeout=60,
+    ).json()
+    whole = httpx.post(
+        servers["ours"] + GENERATE, json={**rendered, "return_token_ids": True}, timeout=60
+    )
+    assert whole.status_code == 200, whole.text
+    answers = [("whole", whole.json())]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**rendered, "stream": True, "stream_options": options, "return_token_ids": True}
+    with httpx.stream("POST", servers["ours"] + GENERATE, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    answers += [("chunk", json.loads(event)) for event in events[:-1]]
+    python = str(Path(vllm_bin).parent / "python")
+    done = subprocess.run(
+        [python, "-c", VLLM_ROUNDTRIP],
+        input=json.dumps(answers),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **RENDER_ENV},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []

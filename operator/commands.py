@@ -3,15 +3,20 @@
 `pdpool` engines get our flags; `vllm` engines get stock vLLM flags with its NixlConnector,
 so the same pool shape runs either. Settings that the router ConfigMap owns reach the
 sidecar through environment variables (`$(VAR)` is expanded by the kubelet), so the
-ConfigMap is the single place they live.
+ConfigMap is the single place they live. One input besides the spec: the operator's
+default OTLP endpoint (PDPOOL_OTLP_TRACES_ENDPOINT, from the chart), for pools without
+spec.tracing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 from .names import DECODE, ENGINE_PORT, KV_SECRET_FILE, MODELS_MOUNT, PREFILL, SIDECAR_PORT
 from .spec import ModelSpec, PoolSpec
+
+TRACES_ENDPOINT_ENV = "PDPOOL_OTLP_TRACES_ENDPOINT"
 
 # ConfigMap key -> environment variable the sidecar's flags read.
 ROUTER_ENV = {
@@ -50,7 +55,21 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         argv = _vllm_args(pool, spec.tensor_parallel_size)
     else:
         argv = _pdpool_args(pool, role, default_peers)
-    return argv + _kv_events_config(pool) + list(pool.engine.extra_args) + list(spec.extra_args)
+    return (
+        argv
+        + _kv_events_config(pool)
+        + tracing_args(pool)
+        + list(pool.engine.extra_args)
+        + list(spec.extra_args)
+    )
+
+
+def tracing_args(pool: PoolSpec) -> list[str]:
+    """vLLM's --otlp-traces-endpoint, for every server of the pool (engines, stock vLLM
+    too, sidecars, gateway): the pool's spec.tracing, else the operator's default (the
+    chart's tracing.otlpTracesEndpoint, in PDPOOL_OTLP_TRACES_ENDPOINT)."""
+    endpoint = pool.otlp_traces_endpoint or os.environ.get(TRACES_ENDPOINT_ENV)
+    return ["--otlp-traces-endpoint", endpoint] if endpoint else []
 
 
 def _kv_events_config(pool: PoolSpec) -> list[str]:

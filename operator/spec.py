@@ -190,6 +190,9 @@ class PoolSpec:
     # HTTPS inside the pool (gateway -> sidecars -> engines): a Secret with tls.crt,
     # tls.key and ca.crt (cert-manager's layout), the CA dedicated to this pool.
     tls_secret: str | None = None
+    # spec.tracing.otlpTracesEndpoint: every server of the pool exports OpenTelemetry
+    # traces there (None: the operator's default, PDPOOL_OTLP_TRACES_ENDPOINT).
+    otlp_traces_endpoint: str | None = None
 
 
 def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
@@ -210,6 +213,7 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         disruption_budget=_disruption_budget(_section(spec, "disruptionBudget")),
         network_policy=_network_policy(_section(spec, "networkPolicy")),
         tls_secret=_section(spec, "tls").get("secretName") or None,
+        otlp_traces_endpoint=_section(spec, "tracing").get("otlpTracesEndpoint") or None,
     )
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.

@@ -174,7 +174,11 @@ def _kv_events_ports(pool: PoolSpec) -> list[dict[str, Any]]:
 
 
 def _sidecar_args(pool: PoolSpec) -> list[str]:
-    argv = commands.sidecar_args() + commands.sidecar_kv_events_args(pool)
+    argv = (
+        commands.sidecar_args()
+        + commands.sidecar_kv_events_args(pool)
+        + commands.tracing_args(pool)
+    )
     if not pool.tls_secret:
         return argv
     local = f"http://127.0.0.1:{ENGINE_PORT}"
@@ -268,7 +272,8 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
             decode, API_KEYS_FILE if keys else None, TLS_DIR if tls else None
         )
         + pool_tls_client_args(pool)
-        + commands.gateway_kv_events_args(pool),
+        + commands.gateway_kv_events_args(pool)
+        + commands.tracing_args(pool),
         # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [
             {"name": "https" if tls else "http", "containerPort": SIDECAR_PORT, "protocol": "TCP"}

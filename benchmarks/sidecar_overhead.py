@@ -4,6 +4,7 @@
     python benchmarks/sidecar_overhead.py --engine             # a real `pdpool serve`
     python benchmarks/sidecar_overhead.py --engine-rejects yes # one sidecar mode only
     python benchmarks/sidecar_overhead.py --arrivals spread    # requests not in lock-step
+    python benchmarks/sidecar_overhead.py --engine-rejects yes --tracing both  # off vs on
 
 64 concurrent streaming clients (keep-alive, one connection each) send requests straight
 to the upstream and through `pdpool sidecar` (decode-first, threshold 0), in alternating
@@ -39,6 +40,7 @@ import urllib.request
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pdpool.otlp_receiver import OtlpReceiver
 from pdpool.ports import free_port
 from pdpool.up.topology import ensure_tiny_model, healthy, pdpool_command
 
@@ -325,6 +327,13 @@ def parse_args() -> argparse.Namespace:
         help="niceness of the sidecar (negative: give it CPU first, as a pod "
         "with its own CPU request would have it; needs root)",
     )
+    ap.add_argument(
+        "--tracing",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the sidecars' OpenTelemetry tracing: on exports every span (OTLP/HTTP) to a "
+        "receiver in this process; both: a sidecar of each per mode, measured alike",
+    )
     ap.add_argument("--serve-standin", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.engine_rejects = list(dict.fromkeys(args.engine_rejects or MODES))
@@ -360,8 +369,10 @@ def start_upstream(args: argparse.Namespace, port: int) -> tuple[subprocess.Pope
 
 
 def start_sidecar(
-    port: int, upstream_port: int, engine_rejects: str, nice: int
+    port: int, upstream_port: int, engine_rejects: str, nice: int, traces: str | None = None
 ) -> subprocess.Popen:
+    tracing = ["--otlp-traces-endpoint", traces] if traces else []
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     proc = subprocess.Popen(
         pdpool_command(
             "sidecar",
@@ -377,11 +388,31 @@ def start_sidecar(
             "0",
             "--engine-rejects",
             engine_rejects,
-        )
+            *tracing,
+        ),
+        env=env,
     )
     if nice:
         os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
     return proc
+
+
+def start_sidecars(
+    args: argparse.Namespace,
+    up_port: int,
+    receiver: OtlpReceiver | None,
+    procs: list[subprocess.Popen],
+) -> dict[str, tuple[int, int]]:
+    """One sidecar per --engine-rejects mode (and per --tracing state): name -> (port,
+    pid); each process is added to `procs`."""
+    targets = {}
+    for mode in args.engine_rejects:
+        for traced in {"off": [False], "on": [True], "both": [False, True]}[args.tracing]:
+            port = free_port()
+            endpoint = receiver.endpoint if traced and receiver else None
+            procs.append(start_sidecar(port, up_port, mode, args.sidecar_nice, endpoint))
+            targets[f"sidecar {mode}{' traced' if traced else ''}"] = (port, procs[-1].pid)
+    return targets
 
 
 def spread_s(args: argparse.Namespace) -> float:
@@ -429,15 +460,15 @@ def summary(ttft: list[float], total: list[float]) -> dict:
 
 
 def print_table(rows: dict, added: dict, cpu_ms: dict) -> None:
-    print(f"{'path':<16}{'n':>6}{'TTFT p50':>11}{'TTFT p99':>11}{'E2E p50':>11}{'E2E p99':>11}")
+    print(f"{'path':<20}{'n':>6}{'TTFT p50':>11}{'TTFT p99':>11}{'E2E p50':>11}{'E2E p99':>11}")
     for name, r in rows.items():
         print(
-            f"{name:<16}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
+            f"{name:<20}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
             f"{r['e2e_p50_ms']:>9.2f}ms{r['e2e_p99_ms']:>9.2f}ms"
         )
     for name, a in added.items():
         print(
-            f"{'added ' + name.split(' ', 1)[1]:<16}{'':>6}{a['ttft_p50_ms']:>9.2f}ms"
+            f"{'added ' + name.split(' ', 1)[1]:<20}{'':>6}{a['ttft_p50_ms']:>9.2f}ms"
             f"{a['ttft_p99_ms']:>9.2f}ms{a['e2e_p50_ms']:>9.2f}ms{a['e2e_p99_ms']:>9.2f}ms"
             f"   CPU {cpu_ms[name]:.3f} ms/request"
         )
@@ -452,14 +483,14 @@ def main() -> int:
     up_port = free_port()
     targets: dict[str, tuple[int, int]] = {}
     learned = {}
+    receiver: OtlpReceiver | None = None
     try:
         upstream, prompt = start_upstream(args, up_port)
         procs.append(upstream)
         targets["direct"] = (up_port, upstream.pid)
-        for mode in args.engine_rejects:
-            port = free_port()
-            procs.append(start_sidecar(port, up_port, mode, args.sidecar_nice))
-            targets[f"sidecar {mode}"] = (port, procs[-1].pid)
+        if args.tracing != "off":
+            receiver = OtlpReceiver(keep=False).start()
+        targets.update(start_sidecars(args, up_port, receiver, procs))
         wait_healthy(f"http://127.0.0.1:{up_port}")
         for name, (port, _) in targets.items():
             wait_healthy(f"http://127.0.0.1:{port}")
@@ -472,6 +503,8 @@ def main() -> int:
             p.terminate()
         for p in procs:
             p.wait(20)
+        if receiver is not None:
+            receiver.stop()
 
     rows = {name: summary(*values) for name, values in data.items()}
     keys = ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
@@ -497,6 +530,7 @@ def main() -> int:
     print(f"(CPU: the sidecar's, per streamed request of {args.tokens} tokens + usage + [DONE])")
     os.makedirs(RESULTS, exist_ok=True)
     suffix = ("_engine" if args.engine else "") + ("_spread" if args.arrivals == "spread" else "")
+    suffix += "" if args.tracing == "off" else f"_tracing_{args.tracing}"
     out = os.path.join(RESULTS, f"sidecar_overhead{suffix}.json")
     with open(out, "w") as fh:
         json.dump(
@@ -508,6 +542,7 @@ def main() -> int:
                 "sidecar_nice": args.sidecar_nice,
                 "arrivals": args.arrivals,
                 "engine_rejects": args.engine_rejects,
+                "tracing": args.tracing,
                 "capability_learned": learned,
                 "sidecar_cpu_ms_per_request": cpu_ms,
                 "rows": rows,

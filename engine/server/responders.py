@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.choices import Choice, ChoiceRunner, until_disconnect
 from pdpool.engine.server.logprobs import (
+    TokenText,
     chat_formatter,
     completion_formatter,
     merge_chat,
@@ -28,6 +29,14 @@ from pdpool.engine.server.protocol import (
 from pdpool.engine.server.response_writer import ChoiceFormat, ResponseWriter
 from pdpool.engine.server.errors import ApiError
 from pdpool.engine.server.structured_request import constrain
+from pdpool.engine.server.tools import (
+    ToolRequest,
+    ToolStream,
+    forced_spec,
+    parse_calls,
+    tool_request_of,
+)
+from pdpool.engine.server.tools import finish_reason as tool_finish_reason
 from pdpool.engine.server.translator import RequestTranslator
 from pdpool.engine.structured.spec import GuidedSpec
 from pdpool.protocol import RequestError
@@ -56,12 +65,15 @@ class Responder(abc.ABC, Generic[R]):
     # the return annotation.
     async def create(self, http_req: Request) -> Union[dict[str, Any], StreamingResponse]:
         req = await self.translator.parse(http_req, self.request_type)
-        fmt = self.choice_format(self.translator.token_text(req))
+        fmt = self.new_format(req)
         prompts = await until_disconnect(http_req, self.prompt_ids(req), self.metrics)
         choices = await until_disconnect(
             http_req, self._start(http_req, req, prompts, fmt), self.metrics
         )
         return await self.writer.write(http_req, req, fmt, prompts, choices)
+
+    def new_format(self, req: R) -> ChoiceFormat:
+        return self.choice_format(self.translator.token_text(req))
 
     @abc.abstractmethod
     async def prompt_ids(self, req: R) -> list[list[int]]:
@@ -180,9 +192,58 @@ class ChatFormat(ChoiceFormat):
         }
 
 
+class ToolChatFormat(ChatFormat):
+    """Chat choices of a request with tools: the text parsed into tool_calls (tools.py)."""
+
+    def __init__(self, text_of: TokenText, tools: ToolRequest):
+        super().__init__(text_of)
+        self.tools = tools
+        self.streams: dict[int, ToolStream] = {}
+
+    def full_choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: Optional[str],
+        logprobs: Optional[dict[str, Any]],
+    ) -> dict[str, Any]:
+        choice = super().full_choice(index, text, finish_reason, logprobs)
+        if self.tools.choice == "none":
+            return choice
+        content, calls = parse_calls(text, self.tools)
+        choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+        choice["finish_reason"] = tool_finish_reason(self.tools, calls, finish_reason)
+        return choice
+
+    def chunk_choice(
+        self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
+    ) -> dict[str, Any]:
+        choice = super().chunk_choice(index, out, logprobs)
+        if self.tools.choice == "none":
+            return choice
+        stream = self.streams.setdefault(index, ToolStream(self.tools))
+        choice["delta"] = stream.delta(out.new_text, out.finished)
+        choice["finish_reason"] = tool_finish_reason(
+            self.tools, [{"name": n} for n in stream.names], out.finish_reason
+        )
+        return choice
+
+
 class ChatResponder(Responder[ChatCompletionRequest]):
     request_type = ChatCompletionRequest
     choice_format = ChatFormat
+
+    def new_format(self, req: ChatCompletionRequest) -> ChoiceFormat:
+        try:
+            tools = tool_request_of(req.model_extra or {})
+        except RequestError as exc:
+            raise ApiError(str(exc), exc.status, param=exc.param) from exc
+        if tools is None:
+            return super().new_format(req)
+        return ToolChatFormat(self.translator.token_text(req), tools)
+
+    def tool_spec(self, req: ChatCompletionRequest) -> Optional[GuidedSpec]:
+        return forced_spec(tool_request_of(req.model_extra or {}))
 
     async def prompt_ids(self, req: ChatCompletionRequest) -> list[list[int]]:
         return await self.translator.chat_prompt_ids(req)

@@ -19,6 +19,7 @@ from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.errors import ApiError, client_closed
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
+from pdpool.engine.server.tools import template_messages
 from pdpool.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -169,14 +170,20 @@ class RequestTranslator:
         """The messages through the chat template, as the request's flags ask (vLLM's
         add_generation_prompt, continue_final_message, add_special_tokens)."""
         tokenizer = self.engine.tokenizer
-        msgs = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        try:
+            msgs = template_messages(req.messages, message_text)
+        except ValueError as exc:  # a malformed tool call in the history
+            raise ApiError(str(exc), param="messages") from exc
         self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
+        # As vLLM: the tools go to the template (Qwen3's renders them Hermes-style).
+        tools = (req.model_extra or {}).get("tools") or None
         try:
             text = tokenizer.apply_chat_template(
                 msgs,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tokenize=False,
+                **({"tools": tools} if tools else {}),
             )
         except ValueError as exc:  # no template, or the template refused the messages
             raise ApiError(str(exc), param="messages") from exc

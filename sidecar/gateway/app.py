@@ -11,12 +11,11 @@ the client sees one uninterrupted stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Iterable, Iterator, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Awaitable, Iterable, Optional, Union
 
 import httpx
 
@@ -24,7 +23,6 @@ from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 from pdpool.tlsutil import client_context
 
 from . import migration
-from ..routing.affinity import DEFAULT_PREFIX_CHARS, HashRing, affinity_key, route_order
 from ..net.apikeys import OPEN_PATHS, ApiKeys, presented_key
 from ..net.asgi import (
     BodyTooLarge,
@@ -44,11 +42,13 @@ from ..net.asgi import (
     sse_error_event,
 )
 from ..net.discovery import EndpointSet
-from .kv_routing import GatewayKVRouting
-from ..proxy.legs import parse_client_body
+from ..net.client_body import parse_client_body
+from ..net.engine_tokenizer import EngineTokenizer
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from ..routing.outlier import EjectionRace, OutlierDetector
+from ..routing.core import PD_HEADER, Routing
+from ..routing.outlier import EjectionRace
+from ..routing.settings import RoutingSettings
 from ..net.sse import DONE, EventSplitter, event_json, json_event
 from ..net.upstream import readiness
 
@@ -67,20 +67,8 @@ Attempt = Optional[tuple[str, str]]
 
 
 @dataclass
-class GatewaySettings:
-    decode_urls: list[str] = field(default_factory=list)
-    decode_service: Optional[str] = None
-    refresh_s: float = 5.0
-    health_interval_s: float = 2.0
-    prefix_chars: int = DEFAULT_PREFIX_CHARS
-    balance: float = 1.25
+class GatewaySettings(RoutingSettings):
     connect_timeout: float = 2.0
-    probe_timeout_s: float = 3.0  # more than the sidecar's own check of its engine
-    # Outlier detection: this many failed requests in a row eject a sidecar (a failed
-    # health probe or a refused connection ejects it at once) for ejection_s x recent
-    # ejections; it comes back when a probe succeeds after that.
-    outlier_failures: int = 3
-    ejection_s: float = 2.0
     # Migration of broken streams (see migration.py).
     migrate: bool = True
     max_migrations: int = 3
@@ -92,36 +80,11 @@ class GatewaySettings:
     # Sidecars over TLS: reached at https:// and verified against this CA bundle.
     tls_ca_file: Optional[str] = None
     tls_any_name: bool = False  # see SidecarSettings.tls_any_name
-    # Precise KV-aware routing (kv_router.py): sidecar URL -> its engine's KV events
-    # endpoint ("tcp://host:5557" or "tcp://host:5557|tcp://host:5558" with replay).
-    kv_events: dict[str, str] = field(default_factory=dict)
-    kv_block_size: int = 16
-    kv_tokenizer: Optional[str] = None  # the model's tokenizer.json (string prompts)
-    # Prompts it cannot tokenize itself (chats; strings without kv_tokenizer) are tokenized
-    # by a decode engine's /tokenize (engine_tokenize.py): one round trip, affinity on failure.
-    kv_engine_tokenize: bool = True
-    kv_tokenize_timeout_s: float = 2.0
-    kv_threshold: float = 0.0  # below this predicted hit ratio: P/D up front
-    kv_load_cost: float = 64.0  # tokens of cost per in-flight request
-    # The same, following discovery: every listed sidecar's engine (same pod, same IP)
-    # publishes on these ports (kv_feeds.py).
-    kv_events_port: Optional[int] = None
-    kv_events_replay_port: Optional[int] = None
 
     def validate(self) -> "GatewaySettings":
-        if not self.decode_urls and not self.decode_service:
-            raise ValueError("give --decode-url (repeatable) or --decode-service")
-        if self.prefix_chars < 1 or self.balance < 1.0:
-            raise ValueError("prefix chars must be >= 1 and balance >= 1.0")
-        if self.outlier_failures < 1 or self.max_migrations < 0:
-            raise ValueError("outlier failures must be >= 1 and max migrations >= 0")
-        from ..routing.kv_feeds import check_event_ports
-
-        self.kv_events_port, self.kv_events_replay_port = check_event_ports(
-            self.kv_events_port,
-            self.kv_events_replay_port,
-            ("--kv-events-port", "--kv-events-replay-port"),
-        )
+        self.validate_routing()
+        if self.max_migrations < 0:
+            raise ValueError("max migrations must be >= 0")
         return self
 
 
@@ -138,13 +101,8 @@ class Gateway:
         self.settings = settings.validate()
         self.api_keys = ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
         self.metrics = GatewayMetrics()
-        self.backends = EndpointSet(
-            settings.decode_urls, settings.decode_service, settings.refresh_s
-        )
-        self.in_flight: dict[str, int] = {}
-        self.unhealthy: set[str] = set()
-        self._ring = HashRing([])
-        self.client: Optional[httpx.AsyncClient] = None  # health checks
+        self.routing = Routing(settings, self.metrics)
+        self.client: Optional[httpx.AsyncClient] = None  # health checks, /tokenize
         self.scheme = "https" if settings.tls_ca_file else "http"  # to the sidecars
         self.tls = (
             client_context(settings.tls_ca_file, settings.tls_any_name)
@@ -155,36 +113,6 @@ class Gateway:
             connect_timeout=settings.connect_timeout,  # proxied traffic
             ssl_context=self.tls,
         )
-        self._health_task: Optional[asyncio.Task[None]] = None
-        self.kv = (
-            GatewayKVRouting(
-                settings,
-                self.metrics,
-                load=lambda b: self.in_flight.get(b, 0),
-                healthy=lambda b: b not in self.unhealthy,
-                scheme=self.scheme,
-            )
-            if settings.kv_events or settings.kv_events_port
-            else None
-        )
-        self.outliers = OutlierDetector(
-            consecutive_failures=settings.outlier_failures,
-            probe_failures=1,
-            base_ejection_s=settings.ejection_s,
-            on_eject=self._on_eject,
-            on_readmit=self._on_readmit,
-        )
-
-    def _on_eject(self, backend: str, reason: str) -> None:
-        log.warning("decode sidecar %s ejected (%s)", backend, reason)
-        self.unhealthy.add(backend)
-        self.metrics.ejections.labels(backend, reason).inc()
-        self.metrics.ejected.labels(backend).set(1)
-        self.metrics.healthy.labels(backend).set(0)
-
-    def _on_readmit(self, backend: str) -> None:
-        self.unhealthy.discard(backend)
-        self.metrics.ejected.labels(backend).set(0)
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
@@ -193,76 +121,46 @@ class Gateway:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
             verify=self.tls if self.tls is not None else True,
         )
-        await self.backends.start()
-        await self.check_health()
-        if self.kv is not None:
-            self.kv.client = self.client
-            await self.kv.follow(self.backends.current)
-        self._health_task = asyncio.create_task(self._health_forever())
+        tokenizer = EngineTokenizer(
+            lambda: self.client,
+            self.scheme,
+            self.settings.kv_tokenize_timeout_s,
+            self.routing.healthy,
+            self.metrics,
+        )
+        await self.routing.start(self._probe, tokenizer)
 
     async def shutdown(self) -> None:
-        if self._health_task:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-        await self.backends.stop()
-        if self.kv is not None:
-            self.kv.close()
+        await self.routing.stop()
         await self.pool.aclose()
         if self.client:
             await self.client.aclose()
             self.client = None
 
-    def ring(self) -> HashRing:
-        current = self.backends.current
-        if sorted(set(current)) != self._ring.backends:
-            self._ring = HashRing(current)
-        return self._ring
+    async def _probe(self, backend: str) -> bool:
+        """A sidecar's readiness (one older than /ready answers it 404: its /health then)."""
+        assert self.client is not None, "startup() makes the client"
+        try:
+            r = await readiness(
+                self.client,
+                f"{self.scheme}://{backend}",
+                self.settings.probe_timeout_s,
+                no_ready=lambda status: status == 404,
+            )
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
 
     async def check_health(self) -> None:
-        async def probe(backend: str) -> None:
-            client = self.client
-            assert client is not None, "startup() makes the client"
-            try:  # a sidecar older than /ready answers it 404: its /health then
-                r = await readiness(
-                    client,
-                    f"{self.scheme}://{backend}",
-                    self.settings.probe_timeout_s,
-                    no_ready=lambda status: status == 404,
-                )
-                ok = r.status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            self._mark(backend, ok)
+        await self.routing.check_health()
 
-        await asyncio.gather(*(probe(b) for b in self.backends.current))
+    @property
+    def unhealthy(self) -> set[str]:
+        return self.routing.unhealthy
 
-    def _mark(self, backend: str, ok: bool) -> None:
-        """A probe's result: a failure ejects at once; success readmits once the
-        ejection time has passed."""
-        self.outliers.probe(backend, ok)
-        if not ok:
-            self.unhealthy.add(backend)
-        elif not self.outliers.is_ejected(backend):
-            self.unhealthy.discard(backend)
-        self.metrics.healthy.labels(backend).set(0 if backend in self.unhealthy else 1)
-
-    def _failed(self, backend: str, reason: str) -> None:
-        """A request to `backend` failed: a refused connection ejects at once, other
-        failures count towards `outlier_failures`."""
-        if reason == "connect_error":
-            self.outliers.eject(backend, reason)
-            self.unhealthy.add(backend)
-            self.metrics.healthy.labels(backend).set(0)
-        else:
-            self.outliers.failure(backend, reason)
-
-    async def _health_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
-            await self.check_health()
-            if self.kv is not None:  # the decode set may have changed
-                await self.kv.follow(self.backends.current)
+    @property
+    def backends(self) -> EndpointSet:
+        return self.routing.backends
 
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -288,7 +186,7 @@ class Gateway:
                 send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST
             )
         if route in ("/health", "/ready") and scope["method"] == "GET":
-            healthy = [b for b in self.backends.current if b not in self.unhealthy]
+            healthy = self.routing.healthy_backends()
             if healthy:
                 return await send_bytes(send, 200, json.dumps({"healthy": healthy}).encode())
             return await send_error(send, 503, "no healthy decode sidecar")
@@ -308,7 +206,7 @@ class Gateway:
             headers.pop("authorization", None)
             headers.pop("x-api-key", None)
         headers.setdefault("x-request-id", uuid.uuid4().hex)
-        key, body = "", None
+        body = None
         if scope["path"] in GENERATION_PATHS:
             # The same strict checks as the sidecar and the engine (pdpool.protocol): a
             # body none of them would accept never takes a backend's time.
@@ -322,20 +220,13 @@ class Gateway:
                     param=getattr(exc, "param", None),
                     headers={"x-request-id": headers["x-request-id"]},
                 )
-            key = affinity_key(body, self.settings.prefix_chars)
-        order, preferred = route_order(
-            self.ring(),
-            key,
-            lambda b: self.in_flight.get(b, 0),
-            lambda b: b not in self.unhealthy,
-            self.settings.balance,
-        )
-        if not order:
+        route = await self.routing.route(body, headers)
+        if not route.order:
             return await send_error(send, 503, "no decode sidecar configured")
-        headers.pop("x-pdpool-kv-path", None)  # only the gateway sets it
-        if self.kv is not None and body is not None:
-            order = await self.kv.reorder(body, order, headers)
-        self.metrics.affinity.labels("preferred" if preferred else "spilled").inc()
+        headers.pop(PD_HEADER, None)  # only the router sets it
+        if route.pd_path is not None:
+            headers[PD_HEADER] = route.pd_path
+        order = route.order
         if (
             self.settings.migrate
             and scope["method"] == "POST"
@@ -350,16 +241,6 @@ class Gateway:
             flow = self._try_backends(scope, raw, headers, order, send, buffered)
         await run_until_disconnect(flow, receive)
 
-    @contextlib.contextmanager
-    def _tracked(self, backend: str) -> Iterator[None]:
-        self.in_flight[backend] = self.in_flight.get(backend, 0) + 1
-        self.metrics.in_flight.labels(backend).inc()
-        try:
-            yield
-        finally:
-            self.in_flight[backend] -= 1
-            self.metrics.in_flight.labels(backend).dec()
-
     async def _supervised(
         self, backend: str, leg: _Leg, work: Awaitable[Attempt]
     ) -> Union[Attempt, str]:
@@ -368,14 +249,14 @@ class Gateway:
         healthy, or a started stream goes silent for `stall_timeout_s`. (With no other
         backend the request stays: its sidecar retries a restarting engine itself.)"""
         loop = asyncio.get_running_loop()
-        race = EjectionRace(self.outliers, backend, work, *RETRYABLE, past_ejection=False)
+        race = EjectionRace(self.routing.outliers, backend, work, *RETRYABLE, past_ejection=False)
         async with race:
             while True:
                 outcome = await race.wait(1.0)
                 if outcome == "done":
                     return race.result()
                 if outcome == "ejected":
-                    if any(b != backend and b not in self.unhealthy for b in self.backends.current):
+                    if self.routing.others_healthy(backend):
                         return "ejected"
                     race.stop_watching()
                 if (
@@ -402,7 +283,7 @@ class Gateway:
         for attempt, backend in enumerate(order):
             if attempt:
                 self.metrics.retries.inc()
-            with self._tracked(backend):
+            with self.routing.tracked(backend):
                 leg = _Leg()
                 outcome = await self._supervised(
                     backend,
@@ -422,7 +303,7 @@ class Gateway:
             if outcome is None:
                 return
             if leg.started:  # a relayed stream (not migratable) left its ejected backend
-                self._failed(backend, outcome if isinstance(outcome, str) else outcome[0])
+                self.routing.failed(backend, outcome if isinstance(outcome, str) else outcome[0])
                 return await send(
                     {
                         "type": "http.response.body",
@@ -432,7 +313,7 @@ class Gateway:
                 )
             reason = outcome[0] if isinstance(outcome, tuple) else outcome  # or ejected
             last_error = f"{backend}: {outcome[1] if isinstance(outcome, tuple) else outcome}"
-            self._failed(backend, reason)
+            self.routing.failed(backend, reason)
         await send_error(send, 503, last_error, code="no_backend")
 
     async def _attempt(
@@ -462,7 +343,7 @@ class Gateway:
                     return "broken", f"broke mid-answer: {exc!r}"
                 self.metrics.requests.labels(backend, str(resp.status_code)).inc()
                 if resp.status_code < 500:
-                    self.outliers.success(backend)
+                    self.routing.served(backend)
                 await _send_whole(send, resp, content, backend)
                 return None
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
@@ -484,12 +365,6 @@ class Gateway:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ------------------------------------------------------------------ migrating streams
-    def _next_backend(self, order: list[str], failed: list[str]) -> str:
-        """Healthy backends not yet failed first (in the request's ring order), then the
-        rest: a lone decode path that restarts is tried again."""
-        ranked = sorted(order, key=lambda b: (b in self.unhealthy, failed.count(b)))
-        return ranked[0]
-
     async def _migrating_stream(
         self,
         scope: Scope,
@@ -516,12 +391,12 @@ class Gateway:
                 payload = json.dumps(state.continuation()).encode()
             else:
                 break
-            backend = self._next_backend(order, failed) if attempt else order[0]
+            backend = self.routing.next_backend(order, failed) if attempt else order[0]
             if attempt:
                 self.metrics.retries.inc()
                 if backend in failed:
                     await asyncio.sleep(min(0.25 * attempt, 2.0))
-            with self._tracked(backend):
+            with self.routing.tracked(backend):
                 leg = _Leg()
                 outcome = await self._supervised(
                     backend,
@@ -551,7 +426,7 @@ class Gateway:
                 reason,
                 "; continuing elsewhere" if client["started"] else "",
             )
-            self._failed(backend, reason)
+            self.routing.failed(backend, reason)
             failed.append(backend)
         if not client["started"]:
             return await send_error(send, 503, last_error, code="no_backend")
@@ -607,7 +482,7 @@ class Gateway:
             await resp.aclose()
         if not state.done:
             return "broken", "stream ended without [DONE]"
-        self.outliers.success(backend)
+        self.routing.served(backend)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
 

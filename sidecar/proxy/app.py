@@ -27,6 +27,7 @@ import httpx
 from pdpool import tracing
 
 from . import legs
+from ..net.client_body import parse_client_body
 from ..net.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -262,9 +263,9 @@ class Sidecar:
             return None
         with_id = {"x-request-id": request_id}
         try:
-            body = await off_loop_if_large(legs.parse_client_body, raw, scope["path"])
+            body = await off_loop_if_large(parse_client_body, raw, scope["path"])
             targets = allowed_targets(_named_prefillers(scope), self.endpoints.current)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError, legs.BadRequest
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, BadRequest
             param = getattr(exc, "param", None)
             await self._refuse(send, 400, _bad_request_message(exc), param, with_id)
             return None

@@ -2,6 +2,7 @@
 
 import pytest
 
+from pdpool.sidecar.net.client_body import BadRequest, validate_client_body
 from pdpool.sidecar.proxy import legs
 
 
@@ -136,8 +137,8 @@ def test_decode_leg_restores_client_settings_and_forwards_params_verbatim():
     ],
 )
 def test_validation_rejects(body, param):
-    with pytest.raises(legs.BadRequest) as err:
-        legs.validate_client_body(body)
+    with pytest.raises(BadRequest) as err:
+        validate_client_body(body)
     assert err.value.param == param
 
 

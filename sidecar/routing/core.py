@@ -1,0 +1,191 @@
+"""The routing core: which decode backend serves a request, and which backends are fit to.
+
+It owns the decode set (discovery), each backend's in-flight count, health and ejection
+(outlier.py), prefix affinity (affinity.py) and precise KV-aware routing with the up-front
+P/D decision (kv_routing.py). No HTTP or gRPC here: the front-ends (the HTTP gateway and
+the ext_proc endpoint picker) do the talking, hand this core what they see (probe results,
+failed and served requests) and ask it for a `Route`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterator, Optional
+
+from ..net.discovery import EndpointSet
+from ..net.metrics import GatewayMetrics
+from .affinity import HashRing, affinity_key, route_order
+from .kv_router import PD_HEADER
+from .kv_routing import EngineTokenize, KVRouting
+from .outlier import OutlierDetector
+from .settings import RoutingSettings
+
+log = logging.getLogger("pdpool.routing")
+
+# PD_HEADER: the header that tells a decode sidecar which P/D path was chosen.
+__all__ = ["PD_HEADER", "Route", "Routing"]
+
+
+@dataclass(frozen=True)
+class Route:
+    """Backends to try, best first; whether the first is the prompt's affinity owner; the
+    P/D path for the sidecar (None: its own decode-first decision) and the predicted hit."""
+
+    order: list[str]
+    preferred: bool
+    pd_path: Optional[str] = None
+    hit_ratio: Optional[float] = None
+
+
+class Routing:
+    def __init__(self, settings: RoutingSettings, metrics: GatewayMetrics) -> None:
+        settings.validate_routing()
+        self.settings, self.metrics = settings, metrics
+        self.backends = EndpointSet(
+            settings.decode_urls, settings.decode_service, settings.refresh_s
+        )
+        self.in_flight: dict[str, int] = {}
+        self.unhealthy: set[str] = set()
+        self._ring = HashRing([])
+        self.kv = (
+            KVRouting(settings, metrics, load=self.load, healthy=self.healthy)
+            if settings.kv_routing
+            else None
+        )
+        self.outliers = OutlierDetector(
+            consecutive_failures=settings.outlier_failures,
+            probe_failures=1,
+            base_ejection_s=settings.ejection_s,
+            on_eject=self._on_eject,
+            on_readmit=self._on_readmit,
+        )
+        self._health_task: Optional[asyncio.Task[None]] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(
+        self,
+        probe: Callable[[str], Awaitable[bool]],
+        engine_tokenize: Optional[EngineTokenize] = None,
+    ) -> None:
+        """Discovers the backends, probes them once, then keeps probing in the background
+        with `probe` (the front-end's readiness check: True when the backend is fit)."""
+        self._probe = probe
+        if self.kv is not None:
+            self.kv.engine_tokenize = engine_tokenize
+        await self.backends.start()
+        await self.check_health()
+        if self.kv is not None:
+            await self.kv.follow(self.backends.current)
+        self._health_task = asyncio.create_task(self._health_forever())
+
+    async def stop(self) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.backends.stop()
+        if self.kv is not None:
+            self.kv.close()
+
+    # ------------------------------------------------------------------ health
+    def load(self, backend: str) -> int:
+        return self.in_flight.get(backend, 0)
+
+    def healthy(self, backend: str) -> bool:
+        return backend not in self.unhealthy
+
+    def healthy_backends(self) -> list[str]:
+        return [b for b in self.backends.current if b not in self.unhealthy]
+
+    def others_healthy(self, backend: str) -> bool:
+        return any(b != backend and b not in self.unhealthy for b in self.backends.current)
+
+    async def check_health(self) -> None:
+        async def probe(backend: str) -> None:
+            self.mark(backend, await self._probe(backend))
+
+        await asyncio.gather(*(probe(b) for b in self.backends.current))
+
+    async def _health_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            await self.check_health()
+            if self.kv is not None:  # the decode set may have changed
+                await self.kv.follow(self.backends.current)
+
+    def mark(self, backend: str, ok: bool) -> None:
+        """A probe's result: a failure ejects at once; success readmits once the
+        ejection time has passed."""
+        self.outliers.probe(backend, ok)
+        if not ok:
+            self.unhealthy.add(backend)
+        elif not self.outliers.is_ejected(backend):
+            self.unhealthy.discard(backend)
+        self.metrics.healthy.labels(backend).set(0 if backend in self.unhealthy else 1)
+
+    def failed(self, backend: str, reason: str) -> None:
+        """A request to `backend` failed: a refused connection ejects at once, other
+        failures count towards `outlier_failures`."""
+        if reason == "connect_error":
+            self.outliers.eject(backend, reason)
+            self.unhealthy.add(backend)
+            self.metrics.healthy.labels(backend).set(0)
+        else:
+            self.outliers.failure(backend, reason)
+
+    def served(self, backend: str) -> None:
+        self.outliers.success(backend)
+
+    def _on_eject(self, backend: str, reason: str) -> None:
+        log.warning("decode backend %s ejected (%s)", backend, reason)
+        self.unhealthy.add(backend)
+        self.metrics.ejections.labels(backend, reason).inc()
+        self.metrics.ejected.labels(backend).set(1)
+        self.metrics.healthy.labels(backend).set(0)
+
+    def _on_readmit(self, backend: str) -> None:
+        self.unhealthy.discard(backend)
+        self.metrics.ejected.labels(backend).set(0)
+
+    # ------------------------------------------------------------------ routing
+    def ring(self) -> HashRing:
+        current = self.backends.current
+        if sorted(set(current)) != self._ring.backends:
+            self._ring = HashRing(current)
+        return self._ring
+
+    async def route(self, body: Optional[Any], headers: dict[str, str]) -> Route:
+        """Where a request goes: prefix affinity by load, reordered by KV cost when the
+        engines' caches are known. `body` is a parsed generation request (None for any
+        other route); `headers` are the client's (for an engine's /tokenize)."""
+        key = affinity_key(body, self.settings.prefix_chars) if body is not None else ""
+        order, preferred = route_order(
+            self.ring(), key, self.load, self.healthy, self.settings.balance
+        )
+        if order:
+            self.metrics.affinity.labels("preferred" if preferred else "spilled").inc()
+        if not order or self.kv is None or not isinstance(body, dict):
+            return Route(order, preferred)
+        choice = await self.kv.choose(body, order, headers)
+        if choice is None:
+            return Route(order, preferred)
+        return Route(choice.order, preferred, choice.path, choice.hit_ratio)
+
+    def next_backend(self, order: list[str], failed: list[str]) -> str:
+        """Healthy backends not yet failed first (in the request's order), then the rest:
+        a lone decode path that restarts is tried again."""
+        ranked = sorted(order, key=lambda b: (b in self.unhealthy, failed.count(b)))
+        return ranked[0]
+
+    @contextlib.contextmanager
+    def tracked(self, backend: str) -> Iterator[None]:
+        """Counts a request in flight on `backend` for as long as the block runs."""
+        self.in_flight[backend] = self.in_flight.get(backend, 0) + 1
+        self.metrics.in_flight.labels(backend).inc()
+        try:
+            yield
+        finally:
+            self.in_flight[backend] -= 1
+            self.metrics.in_flight.labels(backend).dec()

@@ -8,6 +8,7 @@ Prometheus binary)."""
 from __future__ import annotations
 
 import secrets
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -167,3 +168,30 @@ def test_without_traceparent_one_new_trace_per_request(topo, receiver):
     roots = [s for s in trace if s["parent_span_id"] is None]
     assert [s["name"] for s in roots] == ["sidecar"]
     assert sidecar["attributes"]["pdpool.stream"] is True
+
+
+def test_every_dashboard_query_has_data_in_a_real_prometheus(topo, tmp_path):
+    from devtools.prometheus_run import (
+        Prometheus,
+        panel_queries,
+        prometheus_binary,
+        run_load,
+        scrape_targets,
+    )
+
+    binary = prometheus_binary()
+    if binary is None:
+        pytest.skip("no Prometheus binary: run scripts/prometheus/build-prometheus.sh")
+    prom = Prometheus(binary, tmp_path / "prometheus", scrape_targets(topo))
+    try:
+        prom.wait_ready()
+        prom.wait_targets_up(len(topo.children))
+        run_load(topo.gateway.url, model_name(topo.gateway.url))
+        time.sleep(3)  # a few scrapes after the load
+        missing = []
+        for title, legend, expr in panel_queries():
+            if not prom.query(expr):
+                missing.append(f"{title} / {legend}: {expr}")
+        assert not missing, "queries without data:\n" + "\n".join(missing)
+    finally:
+        prom.stop()

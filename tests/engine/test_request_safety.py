@@ -29,7 +29,7 @@ POISON = [
     {"prompt": "hi", "max_tokens": "16"},
     {"prompt": [True, False]},
     {"prompt": "hi", "best_of": 3},
-    {"prompt": "hi", "logit_bias": {"5": 100}},
+    {"prompt": "hi", "logit_bias": {"5": 1000}},
 ]
 POISON_RAW = [  # (route, body) sent as raw bytes
     ("/v1/completions", b"[" * 5000 + b"]" * 5000),

@@ -158,9 +158,10 @@ HOSTILE = [
     ("wrong-model", None, c(model="no-such-model"), 404),
     # --- features this server does not implement ------------------------------------------
     ("best-of", None, c(best_of=2), 400),
-    ("logit-bias", None, c(logit_bias={"1": 5}), 400),
-    ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), 400),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
+    # implemented, so refused only for bad values
+    ("logit-bias-out-of-range", None, c(logit_bias={"1": 500}), 400),
+    ("response-format-unknown", CHAT, chat(response_format={"type": "xml"}), 400),
+    ("tools-without-function", CHAT, chat(tools=[{"type": "function"}]), 400),
     ("tool-choice", CHAT, chat(tool_choice="required"), 400),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), 400),
     ("function-call", CHAT, chat(function_call="auto"), 400),
@@ -169,7 +170,7 @@ HOSTILE = [
     ("presence-penalty", None, c(presence_penalty=0.5), 400),
     ("frequency-penalty", None, c(frequency_penalty=0.5), 400),
     ("repetition-penalty", None, c(repetition_penalty=1.2), 400),
-    ("guided-json", None, c(guided_json={"type": "object"}), 400),
+    ("guided-json-not-a-schema", None, c(guided_json={"type": "objekt"}), 400),
     ("beam-search", None, c(use_beam_search=True), 400),
     # --- sizes ----------------------------------------------------------------------------
     ("body-40mb", None, b'{"prompt": "' + b"a" * (40 * MIB) + b'"}', 413),

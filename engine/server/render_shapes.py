@@ -11,7 +11,7 @@ source); tests/vllm compares the render answers with `vllm launch render` field 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.protocol import ChatCompletionRequest, GenerationRequest
@@ -71,7 +71,7 @@ def _is_unset(value: Any) -> bool:
 # Request fields that change vLLM's sampling_params in ways this shape does not carry
 # (structured outputs, logit bias, forced tool calls): a render asking for them is refused
 # rather than answered without them. Their neutral values pass.
-UNRENDERED_FIELDS = {
+UNRENDERED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v is None or v == {"type": "text"},
     "structured_outputs": _is_unset,
     "guided_json": _is_unset,

@@ -18,6 +18,7 @@ import json
 from typing import Any
 
 from . import commands
+from .autoscaling import hpa
 from .children import Manifest, PoolRef, child_metadata
 from .names import (
     DECODE,
@@ -52,7 +53,16 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         engine_deployment(ref, pool, PREFILL),
         engine_deployment(ref, pool, DECODE, router_hash=config_hash),
         gateway_deployment(ref, pool, router_hash=config_hash),
+        *autoscalers(ref, pool),
     ]
+
+
+def autoscalers(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
+    """`autoscaling.mode: hpa`: one HorizontalPodAutoscaler per engine role (after the
+    Deployments they scale). The planner mode adds no object: the operator scales."""
+    if pool.autoscaling is None or pool.autoscaling.mode != "hpa":
+        return []
+    return [hpa(ref, pool, PREFILL), hpa(ref, pool, DECODE)]
 
 
 def data_hash(data: dict[str, str]) -> str:

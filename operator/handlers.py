@@ -5,7 +5,9 @@
   (observedGeneration, conditions);
 - a child Deployment changed -> recompute the owning pool's status;
 - a spec the operator cannot honour -> Ready=False with the reason, a Warning Event, and
-  no retry loop (the next spec change is handled normally).
+  no retry loop (the next spec change is handled normally);
+- an autoscaled pool (`autoscaling.mode: planner`) -> a timer runs the planner
+  (autoscaler.py) every intervalSeconds.
 Deletion needs no handler: children carry owner references and the garbage collector
 removes them (so no finalizer can block a delete while the operator is down).
 """
@@ -21,6 +23,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
+from .autoscaler import DEFAULT_METRICS_URL, Autoscaler
 from .builders import build_children
 from .pool_secrets import kv_secret
 from .children import PoolRef
@@ -31,6 +34,9 @@ from .status import RoleState, carried_spec_error, compute_status, now_iso, stat
 
 log = logging.getLogger("pdpool.operator")
 _state: dict[str, Cluster | None] = {"cluster": None}
+_autoscaler: dict[str, Autoscaler] = {}
+_settings = {"metrics_url": DEFAULT_METRICS_URL}
+AUTOSCALE_TICK_S = 2.0  # how often the timer looks; each pool acts on its own interval
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
@@ -40,6 +46,18 @@ def cluster() -> Cluster:
     if current is None:
         current = _state["cluster"] = Cluster.from_environment()
     return current
+
+
+def configure_autoscaler(metrics_url_template: str) -> None:
+    """Where the planner reads each pod's metrics ({scheme}, {ip}, {port}, {pod},
+    {namespace}); set by `pdpool operator --metrics-url-template` before kopf starts."""
+    _settings["metrics_url"] = metrics_url_template
+
+
+def autoscaler() -> Autoscaler:
+    if "current" not in _autoscaler:
+        _autoscaler["current"] = Autoscaler(cluster(), _settings["metrics_url"])
+    return _autoscaler["current"]
 
 
 def _namespaced(namespace: str | None) -> str:
@@ -94,8 +112,10 @@ def reconcile(
     ref = PoolRef(name, namespace, uid)
     try:
         ensure_kv_secret(ref, pool)
+        autoscaler().hold_bounds(ref, pool, only_existing=True)
         for manifest in build_children(ref, pool):
             cluster().apply(manifest)
+        autoscaler().hold_bounds(ref, pool, only_existing=False)
     except ApiException as exc:
         if refused_by_api_server(exc.status, _api_message(exc)):
             _fail(body, namespace, name, generation, "ApplyFailed", _api_message(exc))
@@ -115,6 +135,24 @@ def ensure_kv_secret(ref: PoolRef, pool: PoolSpec) -> None:
         log.info(
             "pool %s/%s: created Secret %s", ref.namespace, ref.name, manifest["metadata"]["name"]
         )
+
+
+def _autoscaled(spec: kopf.Spec, **_: Any) -> bool:
+    scaling = spec.get("autoscaling") or {}
+    return bool(scaling) and scaling.get("enabled", True) is not False
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=AUTOSCALE_TICK_S, when=_autoscaled)
+def autoscale(name: str, namespace: str | None, uid: str, spec: kopf.Spec, **_: Any) -> None:
+    namespace = _namespaced(namespace)
+    try:
+        pool = parse_pool_spec(name, dict(spec))
+    except SpecError:
+        return  # reconcile reports it
+    try:
+        autoscaler().tick(PoolRef(name, namespace, uid), pool)
+    except ApiException as exc:
+        log.warning("autoscaling %s/%s: %s", namespace, name, _api_message(exc))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_POOL: kopf.PRESENT})

@@ -20,6 +20,10 @@ KINDS = {
     ("apps/v1", "Deployment"): ("/apis/apps/v1", "deployments"),
     ("policy/v1", "PodDisruptionBudget"): ("/apis/policy/v1", "poddisruptionbudgets"),
     ("networking.k8s.io/v1", "NetworkPolicy"): ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): (
+        "/apis/autoscaling/v2",
+        "horizontalpodautoscalers",
+    ),
 }
 
 
@@ -164,6 +168,28 @@ class Cluster:
             {"status": status},
             "application/merge-patch+json",
         )
+
+    def apply_as(self, manifest: dict[str, Any], field_manager: str) -> dict[str, Any]:
+        """Server-side apply under another field manager (the autoscaler's replicas)."""
+        return self._call(
+            "PATCH",
+            object_path(manifest),
+            manifest,
+            "application/apply-patch+yaml",
+            [("fieldManager", field_manager), ("force", "true")],
+        )
+
+    def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        found = self._call(
+            "GET",
+            f"/api/v1/namespaces/{namespace}/pods",
+            query=[("labelSelector", label_selector)],
+        )
+        items: list[dict[str, Any]] = found.get("items", [])
+        return items
+
+    def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        self._call("POST", f"/api/v1/namespaces/{namespace}/events", event, "application/json")
 
     def list_deployments(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         found = self._call(

@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="serve a liveness endpoint at :PORT/healthz (0: off)",
     )
+    parser.add_argument(
+        "--metrics-url-template",
+        default="{scheme}://{ip}:{port}/metrics",
+        help="where the autoscaling planner reads a pod's metrics: {scheme}, {ip}, {port}, "
+        "{pod}, {namespace} are filled in (default: the pod IP's /metrics)",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
     render = actions.add_parser(
@@ -58,12 +64,20 @@ def main(args: argparse.Namespace) -> int:
         if not os.path.isfile(args.kubeconfig):
             raise CliError(f"kubeconfig {args.kubeconfig} does not exist")
         os.environ["KUBECONFIG"] = args.kubeconfig
+    try:
+        args.metrics_url_template.format(
+            scheme="http", ip="10.0.0.1", port=1, pod="p", namespace="n"
+        )
+    except (KeyError, IndexError, ValueError) as exc:
+        raise CliError(f"--metrics-url-template: unknown or malformed field {exc}") from None
     if not 0 <= args.health_port <= 65535:
         raise CliError(f"--health-port {args.health_port} is not a port")
 
     import kopf
 
-    from . import handlers  # noqa: F401  (registers the handlers with kopf)
+    from . import handlers  # (importing registers the handlers with kopf)
+
+    handlers.configure_autoscaler(args.metrics_url_template)
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     namespaces = args.namespace or []

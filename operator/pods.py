@@ -124,20 +124,20 @@ def pod_scheduling_fields(pool: PoolSpec, role: RoleSpec | None) -> dict[str, An
 def deployment(
     ref: PoolRef,
     role_name: str,
-    replicas: int,
+    replicas: int | None,
     pod_spec: dict[str, Any],
     annotations: dict[str, str],
 ) -> Manifest:
+    """replicas None: left out, for an autoscaled role (the planner or an HPA owns it)."""
     template_meta: dict[str, Any] = {"labels": labels(ref.name, role_name)}
     if annotations:
         template_meta["annotations"] = annotations
+    spec: dict[str, Any] = {} if replicas is None else {"replicas": replicas}
+    spec["selector"] = {"matchLabels": selector_labels(ref.name, role_name)}
+    spec["template"] = {"metadata": template_meta, "spec": pod_spec}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": child_metadata(ref, child_name(ref.name, role_name), role_name),
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": selector_labels(ref.name, role_name)},
-            "template": {"metadata": template_meta, "spec": pod_spec},
-        },
+        "spec": spec,
     }

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .names import API_KEYS_KEY, ENGINE_PORT, KV_SECRET_KEY, SIDECAR_PORT
+
+if TYPE_CHECKING:
+    from .autoscaling_spec import AutoscalingSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
@@ -193,6 +196,8 @@ class PoolSpec:
     # spec.tracing.otlpTracesEndpoint: every server of the pool exports OpenTelemetry
     # traces there (None: the operator's default, PDPOOL_OTLP_TRACES_ENDPOINT).
     otlp_traces_endpoint: str | None = None
+    # spec.autoscaling (autoscaling_spec.py); None: replicas are the roles' own counts.
+    autoscaling: "AutoscalingSpec | None" = None
 
 
 def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
@@ -214,13 +219,24 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         network_policy=_network_policy(_section(spec, "networkPolicy")),
         tls_secret=_section(spec, "tls").get("secretName") or None,
         otlp_traces_endpoint=_section(spec, "tracing").get("otlpTracesEndpoint") or None,
+        autoscaling=parse_autoscaling(spec),
     )
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.
         raise SpecError("spec.router.mode prefill-first needs prefill.replicas >= 1")
     if pool.router.kv_events.enabled:
         _check_kv_event_ports(pool.router.kv_events, pool.engine)
+    scaling = pool.autoscaling
+    if pool.router.mode == "prefill-first" and scaling and scaling.bounds("prefill").min < 1:
+        raise SpecError("spec.router.mode prefill-first needs autoscaling.prefill.min >= 1")
     return pool
+
+
+def parse_autoscaling(spec: dict[str, Any]) -> "AutoscalingSpec | None":
+    # Imported here: autoscaling_spec.py reads this module's SpecError and QUANTITY.
+    from .autoscaling_spec import parse_autoscaling as parse
+
+    return parse(spec)
 
 
 def _section(spec: dict[str, Any], key: str, required: bool = False) -> dict[str, Any]:

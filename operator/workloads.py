@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from . import commands
+from .autoscaling import engine_drain, sidecar_drain
 from .children import Manifest, PoolRef
 from .names import (
     ANNOTATION_ROUTER_HASH,
@@ -258,7 +259,14 @@ def engine_deployment(
     if pool.model.hugging_face_id:
         pod_spec["initContainers"] = [_download_init_container(pool)]
     annotations = {ANNOTATION_ROUTER_HASH: router_hash} if router_hash else {}
-    return deployment(ref, role_name, role.replicas, pod_spec, annotations)
+    if pool.autoscaling is None:
+        return deployment(ref, role_name, role.replicas, pod_spec, annotations)
+    # Autoscaled: the replicas are the planner's (or an HPA's); a leaving pod drains first.
+    containers[0]["lifecycle"] = engine_drain(pool, role_name)
+    if role_name == DECODE:
+        containers[1]["lifecycle"] = sidecar_drain(pool)
+    pod_spec["terminationGracePeriodSeconds"] = pool.autoscaling.drain_seconds
+    return deployment(ref, role_name, None, pod_spec, annotations)
 
 
 def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manifest:

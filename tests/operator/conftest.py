@@ -18,6 +18,7 @@ from devtools.devcluster import DEFAULT_BIN, LocalCluster, build_binaries
 from devtools.operator_kube import OperatorProcess, Pools, api_client, install_crd
 
 TOOLS = ["etcd", "kube-apiserver", "kube-controller-manager", "helm"]
+WORKLOAD_TOOLS = [*TOOLS, "kube-scheduler", "kwok"]
 
 
 def _build(tools):
@@ -35,6 +36,24 @@ def helm_bin():
 def k8s(tmp_path_factory):
     bin_dir = _build(TOOLS)
     cluster = LocalCluster(work=tmp_path_factory.mktemp("k8s"), bin_dir=bin_dir)
+    try:
+        cluster.start()
+        install_crd(api_client(cluster.server, cluster.ca_file, cluster.admin_token))
+        cluster.start_controllers()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def real_k8s(tmp_path_factory):
+    """A second cluster with workloads: deployment, replicaset, serviceaccount and
+    disruption controllers, kube-scheduler, and kwok playing the kubelet of two fake GPU
+    nodes (pods go Running and Ready at once). Shared by the modules that need pods."""
+    bin_dir = _build(WORKLOAD_TOOLS)
+    cluster = LocalCluster(
+        work=tmp_path_factory.mktemp("k8s-real"), bin_dir=bin_dir, workloads=True
+    )
     try:
         cluster.start()
         install_crd(api_client(cluster.server, cluster.ca_file, cluster.admin_token))

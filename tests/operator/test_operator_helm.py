@@ -39,6 +39,8 @@ EXPECTED_RULES = {
     ("networking.k8s.io", "networkpolicies"): {"create", "patch"},
     ("", "secrets"): {"create"},
     ("", "events"): {"create"},
+    ("", "pods"): {"list"},  # the autoscaling planner reads their metrics
+    ("autoscaling", "horizontalpodautoscalers"): {"create", "patch"},
 }
 
 

@@ -10,7 +10,6 @@ must be admitted, scheduled and ready, and the pool Ready; then scaled and delet
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 import uuid
@@ -19,29 +18,10 @@ import pytest
 import yaml
 from kubernetes import client
 
-from devtools.devcluster import DEFAULT_BIN, LocalCluster, build_binaries
-from devtools.operator_kube import CHART, OperatorProcess, Pools, api_client, install_crd, wait_for
+from devtools.operator_kube import CHART, OperatorProcess, Pools, api_client, wait_for
 
 pytestmark = pytest.mark.timeout(3000)
-TOOLS = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "helm"]
 RELEASE = "pdw"
-
-
-@pytest.fixture(scope="module")
-def real_k8s(tmp_path_factory):
-    if not all((DEFAULT_BIN / t).exists() for t in TOOLS) and shutil.which("go") is None:
-        pytest.skip("go is not installed: cannot build the cluster binaries")
-    bin_dir = build_binaries(TOOLS)
-    cluster = LocalCluster(
-        work=tmp_path_factory.mktemp("k8s-real"), bin_dir=bin_dir, workloads=True
-    )
-    try:
-        cluster.start()
-        install_crd(api_client(cluster.server, cluster.ca_file, cluster.admin_token))
-        cluster.start_controllers()
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def helm(k8s, *args):

@@ -70,8 +70,16 @@ Each rule names the call that needs it; nothing else is granted.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [create]
-# Warning events on pools whose spec cannot be honoured
+# Warning events on pools whose spec cannot be honoured; Normal ones on each autoscaling change
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# autoscaling (planner): the pool's pods, whose /metrics the planner reads
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+# autoscaling (mode hpa): a HorizontalPodAutoscaler per role (server-side apply)
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [create, patch]
 {{- end -}}

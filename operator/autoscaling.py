@@ -1,0 +1,201 @@
+"""Pure builders of what autoscaling adds to a pool: the drain of a leaving engine
+(preStop hooks), the replicas the planner applies, the HorizontalPodAutoscalers of
+`mode: hpa`, the metrics targets of a pool's pods and the status of the last decision.
+
+Drain: when a pod is deleted (scale-down), it leaves its Service's endpoints at once, so
+the gateway (decode) or the sidecars (prefill) drop it at their next DNS refresh (5 s); its
+preStop hooks first hold the containers for DRAIN_HOLD_S (no SIGTERM yet: requests routed
+meanwhile are still served), then wait until nothing is in flight: for a decode pod the
+sidecar's requests (a request between its prefill and decode legs still needs the engine),
+the engine's running and queued requests and its KV leases (a prefill engine's computed
+blocks stay until decode has read them). Only then does SIGTERM come, and the servers'
+graceful shutdown finds nothing left to finish. terminationGracePeriodSeconds
+(autoscaling.drainSeconds) bounds the whole."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pdpool.planner.scrape import Target
+from pdpool.planner.stabilize import Decision
+
+from .autoscaling_spec import AutoscalingSpec
+from .children import Manifest, PoolRef, child_metadata
+from .names import DECODE, ENGINE_PORT, PREFILL, SIDECAR_PORT, child_name
+from .spec import PoolSpec
+
+AUTOSCALER_FIELD_MANAGER = "pdpool-autoscaler"
+DRAIN_HOLD_S = 15  # > the routers' DNS refresh (5 s) + a probe, with margin
+# Runs in the engine and sidecar images (both have python3): hold, then poll the local
+# /metrics until every watched series is 0 (or the endpoint stops answering).
+# Arguments: HOLD_S LIMIT_S URL=SERIES[,SERIES...] ...; a SERIES is `name` or
+# `name|label="value"` (a labelled gauge such as the KV connector's leases).
+DRAIN_SCRIPT = """\
+import ssl, sys, time, urllib.request
+hold, limit = float(sys.argv[1]), float(sys.argv[2])
+checks = [(u, [s.split("|") for s in n.split(",")]) for u, n in
+          (a.split("=", 1) for a in sys.argv[3:])]
+ctx = ssl._create_unverified_context()
+def busy(url, series):
+    try:
+        text = urllib.request.urlopen(url, timeout=2, context=ctx).read().decode()
+    except Exception:
+        return False
+    total = 0.0
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        for want in series:
+            if line[:1] != "#" and name == want[0] and (len(want) == 1 or want[1] in line):
+                total += float(line.rsplit(" ", 1)[1])
+    return total > 0
+time.sleep(hold)
+end = time.time() + limit
+while time.time() < end and any(busy(u, s) for u, s in checks):
+    time.sleep(1)
+"""
+ENGINE_BUSY = "vllm:num_requests_running,vllm:num_requests_waiting"
+LEASES = 'pdpool_kv_connector|stat="leases_active"'
+
+
+def _local(pool: PoolSpec, port: int) -> str:
+    scheme = "https" if pool.tls_secret else "http"
+    return f"{scheme}://127.0.0.1:{port}/metrics"
+
+
+def _hook(scaling: AutoscalingSpec, *checks: str) -> dict[str, Any]:
+    limit = max(scaling.drain_seconds - DRAIN_HOLD_S - 5, 1)
+    command = ["python3", "-c", DRAIN_SCRIPT, str(DRAIN_HOLD_S), str(limit), *checks]
+    return {"preStop": {"exec": {"command": command}}}
+
+
+def engine_drain(pool: PoolSpec, role_name: str) -> dict[str, Any]:
+    """The engine container's lifecycle: held until its pod has nothing in flight."""
+    assert pool.autoscaling is not None
+    engine = ENGINE_BUSY + ("," + LEASES if pool.engine.kind == "pdpool" else "")
+    checks = [f"{_local(pool, ENGINE_PORT)}={engine}"]
+    if role_name == DECODE:
+        checks.append(f"{_local(pool, SIDECAR_PORT)}=pdpool_sidecar_in_flight")
+    return _hook(pool.autoscaling, *checks)
+
+
+def sidecar_drain(pool: PoolSpec) -> dict[str, Any]:
+    assert pool.autoscaling is not None
+    return _hook(pool.autoscaling, f"{_local(pool, SIDECAR_PORT)}=pdpool_sidecar_in_flight")
+
+
+def replicas_manifest(ref: PoolRef, role_name: str, replicas: int) -> Manifest:
+    """What the planner server-side applies (field manager pdpool-autoscaler): the
+    Deployment's replicas alone. The pool's own apply leaves replicas out, so the two
+    never fight over the field."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": child_name(ref.name, role_name), "namespace": ref.namespace},
+        "spec": {"replicas": replicas},
+    }
+
+
+def bounded(scaling: AutoscalingSpec, role_name: str, current: int | None) -> int:
+    """A Deployment's replicas brought within the role's bounds (its min when new)."""
+    b = scaling.bounds(role_name)
+    return b.min if current is None else min(max(current, b.min), b.max)
+
+
+def _hpa_behavior(scaling: AutoscalingSpec) -> dict[str, Any]:
+    cfg = scaling.planner
+    return {
+        "scaleUp": {
+            "stabilizationWindowSeconds": math.ceil(cfg.up_window_s),
+            "policies": [
+                {
+                    "type": "Pods",
+                    "value": cfg.max_step_up,
+                    "periodSeconds": max(math.ceil(cfg.up_cooldown_s), 1),
+                }
+            ],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": math.ceil(cfg.down_window_s),
+            "policies": [
+                {
+                    "type": "Pods",
+                    "value": cfg.max_step_down,
+                    "periodSeconds": max(math.ceil(cfg.down_cooldown_s), 1),
+                }
+            ],
+        },
+    }
+
+
+def hpa(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
+    """`mode: hpa`: an autoscaling/v2 HorizontalPodAutoscaler per role, on a per-pod
+    metric of the engines (Pods type, served by a metrics adapter), with the pool's
+    bounds and behavior. The planner stays off for the pool."""
+    assert pool.autoscaling is not None
+    scaling = pool.autoscaling
+    metric = scaling.prefill_metric if role_name == PREFILL else scaling.decode_metric
+    b = scaling.bounds(role_name)
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": child_metadata(ref, child_name(ref.name, role_name), role_name),
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": child_name(ref.name, role_name),
+            },
+            "minReplicas": max(b.min, 1),
+            "maxReplicas": max(b.max, 1),
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": metric.name},
+                        "target": {"type": "AverageValue", "averageValue": metric.average_value},
+                    },
+                }
+            ],
+            "behavior": _hpa_behavior(scaling),
+        },
+    }
+
+
+def scrape_targets(
+    pods: list[dict[str, Any]], url_template: str, tls: bool = False
+) -> list[Target]:
+    """The metrics endpoints of a pool's running pods: every engine, and every decode
+    pod's sidecar. `url_template` has {scheme}, {ip}, {port}, {pod}, {namespace}."""
+    scheme = "https" if tls else "http"
+    targets = []
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        role = (meta.get("labels") or {}).get("pdpool.io/role")
+        ip, name = status.get("podIP"), meta.get("name", "")
+        if role not in (PREFILL, DECODE) or status.get("phase") != "Running" or not ip:
+            continue
+        if meta.get("deletionTimestamp"):
+            continue  # draining: its load is leaving with it
+        ports = [(role, ENGINE_PORT)] + ([("sidecar", SIDECAR_PORT)] if role == DECODE else [])
+        for kind, port in ports:
+            url = url_template.format(
+                scheme=scheme, ip=ip, port=port, pod=name, namespace=meta.get("namespace", "")
+            )
+            targets.append(Target(kind, f"{name}:{port}", url))
+    return targets
+
+
+def decision_status(decision: Decision, when: str, last_scale: str | None) -> dict[str, Any]:
+    """`status.autoscaling`: the last decision, its inputs and its reasons."""
+    out: dict[str, Any] = {
+        "mode": "planner",
+        "lastDecisionTime": when,
+        "prefill": decision.prefill.as_dict(),
+        "decode": decision.decode.as_dict(),
+        "reason": decision.summary(),
+        "inputs": decision.inputs.as_dict(),
+    }
+    if last_scale:
+        out["lastScaleTime"] = last_scale
+    return out

@@ -1,0 +1,142 @@
+"""`spec.autoscaling`: read once into the planner's settings (pdpool/planner) and the way
+they are applied: the operator's own planner (`mode: planner`) or HorizontalPodAutoscalers
+on the engines' vLLM metrics (`mode: hpa`), never both.
+
+    autoscaling:
+      mode: planner                   # or hpa
+      prefill: {min: 1, max: 4}
+      decode:  {min: 1, max: 4}
+      targets: {ttftSeconds: 1.0, itlSeconds: 0.05, kvCacheUsage: 0.85, waitingPerEngine: 4}
+      behavior: {intervalSeconds: 15, scaleUpStabilizationSeconds: 0,
+                 scaleDownStabilizationSeconds: 120, maxStepUp: 2, maxStepDown: 1,
+                 upCooldownSeconds: 30, downCooldownSeconds: 60}
+      scaleToZero: false              # prefill only
+      drainSeconds: 300               # grace of a leaving engine (preStop + streams)
+      hpa: {prefillMetric: {name, averageValue}, decodeMetric: {name, averageValue}}
+
+Pure: no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdpool.planner.policy import PlannerConfig, PlannerConfigError, RoleBounds
+
+from .spec import QUANTITY, SpecError
+
+MODES = ("planner", "hpa")
+WHERE = "spec.autoscaling"
+# Per-pod metrics an HPA scales on, as a metrics adapter (Prometheus Adapter) exposes the
+# engines' own series: a queue for prefill, KV usage for decode (latency histograms need
+# adapter rules of their own; name them here if you have them).
+DEFAULT_HPA_METRICS = {
+    "prefill": ("vllm:num_requests_waiting", "4"),
+    "decode": ("vllm:kv_cache_usage_perc", "850m"),
+}
+
+
+@dataclass(frozen=True)
+class HpaMetric:
+    name: str
+    average_value: str
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    mode: str
+    planner: PlannerConfig
+    interval_s: float
+    drain_seconds: int
+    prefill_metric: HpaMetric
+    decode_metric: HpaMetric
+
+    def bounds(self, role: str) -> RoleBounds:
+        return self.planner.bounds(role)
+
+
+def _obj(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{where}.{key} must be an object")
+    return value
+
+
+def _number(d: dict[str, Any], key: str, default: float, where: str, minimum: float = 0.0) -> float:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
+        raise SpecError(f"{where}.{key} must be a number >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _count(d: dict[str, Any], key: str, default: int, where: str, minimum: int = 0) -> int:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(f"{where}.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _bounds(a: dict[str, Any], role: str) -> RoleBounds:
+    where = f"{WHERE}.{role}"
+    r = _obj(a, role, WHERE)
+    if "max" not in r:
+        raise SpecError(f"{where}.max is required")
+    return RoleBounds(_count(r, "min", 1, where), _count(r, "max", 0, where))
+
+
+def _metric(h: dict[str, Any], role: str) -> HpaMetric:
+    where = f"{WHERE}.hpa.{role}Metric"
+    m = _obj(h, f"{role}Metric", f"{WHERE}.hpa")
+    name, value = DEFAULT_HPA_METRICS[role]
+    name = m.get("name", name)
+    value = str(m.get("averageValue", value))
+    if not isinstance(name, str) or not name or "/" in name or "%" in name:
+        raise SpecError(f"{where}.name must be a metric name without '/' or '%', got {name!r}")
+    if not QUANTITY.match(value):
+        raise SpecError(f"{where}.averageValue: {value!r} is not a quantity")
+    return HpaMetric(name, value)
+
+
+def parse_autoscaling(spec: dict[str, Any]) -> AutoscalingSpec | None:
+    """`spec.autoscaling` -> settings; None when absent or `enabled: false`."""
+    a = _obj(spec, "autoscaling", "spec")
+    if not a or a.get("enabled", True) is False:
+        return None
+    mode = a.get("mode", "planner")
+    if mode not in MODES:
+        raise SpecError(f"{WHERE}.mode must be one of {', '.join(MODES)}, got {mode!r}")
+    targets = _obj(a, "targets", WHERE)
+    behavior = _obj(a, "behavior", WHERE)
+    tw, bw = f"{WHERE}.targets", f"{WHERE}.behavior"
+    scale_to_zero = a.get("scaleToZero", False)
+    if not isinstance(scale_to_zero, bool):
+        raise SpecError(f"{WHERE}.scaleToZero must be a boolean")
+    try:
+        planner = PlannerConfig(
+            prefill=_bounds(a, "prefill"),
+            decode=_bounds(a, "decode"),
+            ttft_seconds=_number(targets, "ttftSeconds", 1.0, tw, minimum=0.001),
+            itl_seconds=_number(targets, "itlSeconds", 0.05, tw, minimum=0.0001),
+            kv_usage_target=_number(targets, "kvCacheUsage", 0.85, tw, minimum=0.01),
+            waiting_per_engine=_number(targets, "waitingPerEngine", 4.0, tw, minimum=0.1),
+            up_window_s=_number(behavior, "scaleUpStabilizationSeconds", 0.0, bw),
+            down_window_s=_number(behavior, "scaleDownStabilizationSeconds", 120.0, bw),
+            max_step_up=_count(behavior, "maxStepUp", 2, bw, minimum=1),
+            max_step_down=_count(behavior, "maxStepDown", 1, bw, minimum=1),
+            up_cooldown_s=_number(behavior, "upCooldownSeconds", 30.0, bw),
+            down_cooldown_s=_number(behavior, "downCooldownSeconds", 60.0, bw),
+            scale_to_zero=scale_to_zero,
+        ).validate()
+    except PlannerConfigError as exc:
+        raise SpecError(f"{WHERE}: {exc}") from None
+    hpa = _obj(a, "hpa", WHERE)
+    return AutoscalingSpec(
+        mode=mode,
+        planner=planner,
+        interval_s=_number(behavior, "intervalSeconds", 15.0, bw, minimum=1.0),
+        drain_seconds=_count(a, "drainSeconds", 300, WHERE, minimum=10),
+        prefill_metric=_metric(hpa, "prefill"),
+        decode_metric=_metric(hpa, "decode"),
+    )

@@ -197,3 +197,56 @@ def topo_connector(urls) -> str:
     """'none' when the engines run without a KV connector (no nixl installed)."""
     text = httpx.get(urls["decode"] + "/metrics", timeout=5).text
     return "nixl" if 'stat="bytes_read"' in text else "none"
+
+
+def test_guided_requests_on_the_pd_path(client, urls):
+    """A JSON-schema request and a named tool call prefilled on one engine and decoded on
+    another: the grammar lives on the decode side (the prefill leg's one token does not
+    matter), and the answer is the aggregated engine's greedy guided answer."""
+    import json
+
+    import jsonschema
+
+    model = model_name(urls["gateway"])
+    schema = {
+        "type": "object",
+        "properties": {"lake": {"type": "string", "maxLength": 10}, "deep": {"type": "boolean"}},
+        "required": ["lake", "deep"],
+    }
+    messages = [
+        {"role": "system", "content": "Guided on the P/D path. " + SYSTEM},
+        {"role": "user", "content": "Name a lake, as JSON. " * 8},
+    ]
+    body = {
+        "messages": messages,
+        "max_tokens": 120,
+        "temperature": 0,
+        "structured_outputs": {"json": schema, "disable_any_whitespace": True},
+    }
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=messages,
+        max_tokens=120,
+        temperature=0,
+        extra_body={"structured_outputs": body["structured_outputs"]},
+    )
+    pd_path = "pd" if topo_connector(urls) != "none" else "fallback"
+    assert raw.headers.get("x-pdpool-path") == pd_path
+    text = raw.parse().choices[0].message.content
+    jsonschema.validate(json.loads(text, strict=False), schema)
+    alone = httpx.post(
+        urls["prefill"] + "/v1/chat/completions", json={"model": model, **body}, timeout=120
+    )
+    assert text == alone.json()["choices"][0]["message"]["content"]
+
+    tools = [{"type": "function", "function": {"name": "dive", "parameters": schema}}]
+    call = client.chat.completions.create(
+        model=model,
+        messages=[*messages[:1], {"role": "user", "content": "Dive into a lake. " * 9}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "dive"}},
+        max_tokens=120,
+        temperature=0,
+    )
+    args = json.loads(call.choices[0].message.tool_calls[0].function.arguments, strict=False)
+    jsonschema.validate(args, schema)

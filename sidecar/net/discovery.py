@@ -1,7 +1,10 @@
-"""Where the prefill engines are: a fixed list, or the DNS of a headless Service.
+"""Where the prefill engines are: a fixed list, the DNS of a headless Service, or a file.
 
 A headless Service resolves to one A record per ready pod, so resolving it again every
-few seconds follows scale-ups, scale-downs and restarts without a Kubernetes client."""
+few seconds follows scale-ups, scale-downs and restarts without a Kubernetes client.
+`file:PATH` in place of a Service names a file of HOST:PORT lines, re-read every half
+second: how `pdpool up --autoscale` tells the gateway and the sidecars which local
+processes serve now (it rewrites the file atomically on each change)."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import logging
 import socket
 from typing import Iterable, Optional
 
-from .security import normalize_host_port
+from .security import ForbiddenTarget, normalize_host_port
 
 log = logging.getLogger("pdpool.sidecar.discovery")
+FILE_PREFIX = "file:"
+FILE_REFRESH_S = 0.5  # a local file is cheap to read, and a removed endpoint must go fast
 
 
 def parse_service(value: str) -> tuple[str, int]:
@@ -32,8 +37,13 @@ class EndpointSet:
         self, static: Iterable[str] = (), service: Optional[str] = None, refresh_s: float = 5.0
     ) -> None:
         self._static = [normalize_host_port(s) for s in static]
-        self._service = parse_service(service) if service else None
-        self._refresh_s = refresh_s
+        self._file = (
+            service[len(FILE_PREFIX) :] if service and service.startswith(FILE_PREFIX) else None
+        )
+        if self._file == "":
+            raise ValueError("file: needs a path (file:/path/to/endpoints)")
+        self._service = parse_service(service) if service and self._file is None else None
+        self._refresh_s = min(refresh_s, FILE_REFRESH_S) if self._file else refresh_s
         self._resolved: list[str] = []
         self._task: Optional[asyncio.Task[None]] = None
 
@@ -41,7 +51,20 @@ class EndpointSet:
     def current(self) -> list[str]:
         return self._static + [e for e in self._resolved if e not in self._static]
 
+    def _read_file(self, path: str) -> None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                lines = [line.strip() for line in fh]
+            self._resolved = sorted(
+                {normalize_host_port(x) for x in lines if x and not x.startswith("#")}
+            )
+        except (OSError, ValueError, ForbiddenTarget) as exc:
+            log.warning("cannot read endpoints file %s: %s", path, exc)  # keep the last set
+
     async def resolve_once(self) -> None:
+        if self._file:
+            self._read_file(self._file)
+            return
         if not self._service:
             return
         host, port = self._service
@@ -64,7 +87,7 @@ class EndpointSet:
             await asyncio.sleep(self._refresh_s)
 
     async def start(self) -> None:
-        if self._service:
+        if self._service or self._file:
             await self.resolve_once()
             self._task = asyncio.create_task(self._refresh_forever())
 

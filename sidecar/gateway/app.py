@@ -11,18 +11,22 @@ the client sees one uninterrupted stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Iterable, Optional, Union
 
 import httpx
 
+from pdpool import tracing
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 from pdpool.tlsutil import client_context
 
 from . import migration
+from .request_trace import CURRENT, GatewayRequest, answer_started, record_outcome
 from ..net.apikeys import OPEN_PATHS, ApiKeys, presented_key
 from ..net.asgi import (
     BodyTooLarge,
@@ -220,7 +224,33 @@ class Gateway:
                     param=getattr(exc, "param", None),
                     headers={"x-request-id": headers["x-request-id"]},
                 )
-        route = await self.routing.route(body, headers)
+        if body is None:
+            return await self._forward(scope, receive, send, raw, headers, body)
+        req = GatewayRequest(self.metrics, headers, scope["path"], body.get("stream") is True)
+        CURRENT.set(req)  # this request's task (and the flow's, a copy of its context)
+        try:
+            await self._forward(scope, receive, send, raw, headers, body, req)
+        finally:
+            req.finish()
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        raw: bytes,
+        headers: dict[str, str],
+        body: Optional[dict[str, Any]],
+        req: Optional[GatewayRequest] = None,
+    ) -> None:
+        """Routes the request and runs its flow (a generation has its `req`)."""
+        started = time.perf_counter()
+        if req is None:
+            route = await self.routing.route(body, headers)
+        else:
+            with req.routing() as span:
+                route = await self.routing.route(body, headers)
+                req.routed(span, route, started)
         if not route.order:
             return await send_error(send, 503, "no decode sidecar configured")
         headers.pop(PD_HEADER, None)  # only the router sets it
@@ -283,7 +313,7 @@ class Gateway:
         for attempt, backend in enumerate(order):
             if attempt:
                 self.metrics.retries.inc()
-            with self.routing.tracked(backend):
+            with self.routing.tracked(backend), _attempt_span(backend, attempt) as span:
                 leg = _Leg()
                 outcome = await self._supervised(
                     backend,
@@ -293,13 +323,14 @@ class Gateway:
                         backend,
                         path,
                         raw,
-                        fwd,
+                        fwd if span is None else tracing.inject(span, fwd),
                         send,
                         buffered,
                         leg,
                         last=attempt + 1 == len(order),
                     ),
                 )
+                record_outcome(span, outcome)
             if outcome is None:
                 return
             if leg.started:  # a relayed stream (not migratable) left its ejected backend
@@ -356,6 +387,7 @@ class Gateway:
     async def _relay(self, resp: Response, send: Send, backend: str) -> None:
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
         headers[BACKEND_HEADER] = backend
+        answer_started(headers)
         await send_start(send, resp.status_code, headers)
         try:
             async for chunk in resp.aiter_raw():
@@ -396,7 +428,10 @@ class Gateway:
                 self.metrics.retries.inc()
                 if backend in failed:
                     await asyncio.sleep(min(0.25 * attempt, 2.0))
-            with self.routing.tracked(backend):
+            with (
+                self.routing.tracked(backend),
+                _attempt_span(backend, attempt, continuation) as span,
+            ):
                 leg = _Leg()
                 outcome = await self._supervised(
                     backend,
@@ -405,7 +440,7 @@ class Gateway:
                         backend,
                         route,
                         payload,
-                        fwd,
+                        fwd if span is None else tracing.inject(span, fwd),
                         state,
                         send,
                         client,
@@ -414,6 +449,7 @@ class Gateway:
                         last=attempt + 1 == attempts,
                     ),
                 )
+                record_outcome(span, outcome)
             if outcome is None:
                 if continuation:
                     self.metrics.migrations.labels("ok").inc()
@@ -487,6 +523,14 @@ class Gateway:
         return None
 
 
+def _attempt_span(backend: str, number: int, continuation: bool = False) -> Any:
+    """The current request's span for one attempt on a backend (None: not traced)."""
+    req = CURRENT.get()
+    return (
+        req.attempt(backend, number, continuation) if req is not None else contextlib.nullcontext()
+    )
+
+
 async def _relay_refusal(
     send: Send, resp: Response, backend: str, client: dict[str, bool], last: bool
 ) -> Attempt:
@@ -543,6 +587,7 @@ async def _relay_body(
         client["started"] = True
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
         headers[BACKEND_HEADER] = backend
+        answer_started(headers)
         await send_start(send, 200, headers)
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
@@ -551,5 +596,6 @@ async def _send_whole(send: Send, resp: Response, content: bytes, backend: str) 
     """An upstream answer read whole, relayed with its headers and the backend that gave it."""
     headers = {k: v for k, v in resp.headers.items() if k.lower() not in RELAY_DROP}
     headers[BACKEND_HEADER] = backend
+    answer_started(headers)
     content_type = headers.pop("content-type", "application/json")
     await send_bytes(send, resp.status_code, content, headers, content_type=content_type)

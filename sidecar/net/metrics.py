@@ -214,6 +214,24 @@ class GatewayMetrics:
             ["backend"],
             registry=r,
         )
+        self.phase_seconds = Histogram(
+            "pdpool_gateway_phase_seconds",
+            "Phases of a request in the gateway: route (the routing decision, KV index "
+            "and tokenization included)",
+            ["phase"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "pdpool_gateway_ttft_seconds",
+            "Streamed requests: read until the answer's first bytes went to the client, by "
+            "the P/D path the sidecar took (decode, pd, fallback, aggregated)",
+            ["path"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.phase = Children(self.phase_seconds)
+        self.ttft_by = Children(self.ttft_seconds)
         # outcome: ok (the stream went on elsewhere), failed (no path could continue it).
         self.migrations = Counter(
             "pdpool_gateway_migrations",

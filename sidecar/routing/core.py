@@ -124,6 +124,8 @@ class Routing:
         elif not self.outliers.is_ejected(backend):
             self.unhealthy.discard(backend)
         self.metrics.healthy.labels(backend).set(0 if backend in self.unhealthy else 1)
+        # Every backend has its 0/1 series from its first probe on (not only once ejected).
+        self.metrics.ejected.labels(backend).set(1 if self.outliers.is_ejected(backend) else 0)
 
     def failed(self, backend: str, reason: str) -> None:
         """A request to `backend` failed: a refused connection ejects at once, other

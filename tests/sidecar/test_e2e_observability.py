@@ -92,14 +92,24 @@ def test_pd_request_makes_one_trace_with_the_expected_tree(topo, receiver):
     assert r.headers["x-pdpool-path"] == "pd"
 
     def complete(spans):
-        return sum(s["name"] == "llm_request" for s in spans) >= 3 and any(
-            s["name"] == "sidecar" for s in spans
-        )
+        names = [s["name"] for s in spans]
+        return names.count("llm_request") >= 3 and {"gateway", "sidecar"} <= set(names)
 
     spans = trace_of(receiver, trace_id, complete)
     kids = children(spans)
     # The client's span is the parent of the first span we made: the trace is the client's.
-    (sidecar,) = kids[client_span]
+    (gateway,) = kids[client_span]
+    assert gateway["name"] == "gateway" and gateway["service"] == "pdpool-gateway"
+    assert gateway["attributes"]["pdpool.path"] == "pd"
+    route, attempt = (
+        only(kids[gateway["span_id"]], "route"),
+        only(kids[gateway["span_id"]], "attempt"),
+    )
+    sidecar_url = topo.by_role("sidecar")[0].url.split("://")[1]
+    assert route["attributes"]["pdpool.route.backend"] == sidecar_url
+    assert attempt["attributes"]["pdpool.backend"] == sidecar_url
+    assert attempt["attributes"]["pdpool.outcome"] == "ok"
+    (sidecar,) = kids[attempt["span_id"]]
     assert sidecar["name"] == "sidecar" and sidecar["service"] == "pdpool-sidecar"
     attrs = sidecar["attributes"]
     assert attrs["pdpool.path"] == "pd" and attrs["gen_ai.request.id"] == "traced-1"
@@ -163,10 +173,15 @@ def test_without_traceparent_one_new_trace_per_request(topo, receiver):
         if s["name"] == "sidecar" and s["attributes"]["gen_ai.request.id"] == "untraced-1"
     ]
     trace = trace_of(
-        receiver, sidecar["trace_id"], lambda t: sum(s["name"] == "llm_request" for s in t) >= 3
+        receiver,
+        sidecar["trace_id"],
+        lambda t: (
+            sum(s["name"] == "llm_request" for s in t) >= 3
+            and any(s["name"] == "gateway" for s in t)
+        ),
     )
     roots = [s for s in trace if s["parent_span_id"] is None]
-    assert [s["name"] for s in roots] == ["sidecar"]
+    assert [s["name"] for s in roots] == ["gateway"]
     assert sidecar["attributes"]["pdpool.stream"] is True
 
 

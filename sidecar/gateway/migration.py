@@ -13,6 +13,12 @@ chat chunks, one id) with usage covering the whole request.
 Tokens whose text the engine had not yet emitted (an incomplete UTF-8 sequence is held
 back) are not part of the continuation's prompt: they are generated again, so their text
 is not lost. Pure helpers here; the I/O is in gateway.py.
+
+A guided stream (response_format, structured_outputs, guided_*) goes on under the same
+constraint: the continuation carries it as `structured_outputs` plus the tokens already sent
+(`guided_prefix_token_ids`, pdpool's extension), over which the engine advances the grammar
+before it samples. Streams with tools are not migrated: a completion cannot go on parsing
+tool calls in the chat's shape.
 """
 
 from __future__ import annotations
@@ -42,6 +48,29 @@ _NOT_CONTINUED = (
     "continue_final_message",
 )
 TOKEN_IDS = "return_token_ids"
+
+
+# Constraint fields a continuation keeps as they are (both routes take them).
+_GUIDED = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+GUIDED_PREFIX = "guided_prefix_token_ids"
+
+
+def guided_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The body's output constraint as /v1/completions takes it ({} when unguided)."""
+    fields = {k: body[k] for k in _GUIDED if body.get(k) is not None}
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "json_object":
+        fields["structured_outputs"] = {"json_object": True}
+    elif isinstance(rf, dict) and rf.get("type") == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema", {})
+        fields["structured_outputs"] = {"json": schema}
+    return fields
 
 
 def can_migrate(route: str, body: Any) -> bool:
@@ -195,6 +224,10 @@ class StreamState:
         self.base_committed = len(self.committed)
         self.legs += 1
         body = {k: v for k, v in self.body.items() if k not in _NOT_CONTINUED}
+        guided = guided_fields(self.body)
+        if guided:
+            body.update(guided)
+            body[GUIDED_PREFIX] = list(self.committed)
         body["prompt"] = list(self.prompt_ids) + list(self.committed)
         body["max_tokens"] = self.remaining()
         if isinstance(body.get("min_tokens"), int):

@@ -146,6 +146,44 @@ def test_stream_survives_its_decode_engine_or_sidecar_being_killed(topo, model):
         topo.wait_healthy(120)
 
 
+def test_guided_stream_survives_its_decode_engine_being_killed(topo, model):
+    """A JSON-schema stream migrated mid-way goes on under its grammar, advanced over the
+    tokens already sent: the client gets the uninterrupted greedy answer, valid JSON."""
+    import jsonschema
+
+    schema = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 999},
+        "minItems": 120,
+        "maxItems": 120,
+    }
+    body = {
+        "model": model,
+        "prompt": "Numbers of the lighthouse keeper " * 6,
+        "max_tokens": 700,
+        "temperature": 0,
+        "structured_outputs": {"json": schema, "disable_any_whitespace": True},
+    }
+    ref = reference(topo, "/v1/completions", body)
+    killed = []
+
+    def kill(decode):
+        os.kill(decode.pid, signal.SIGKILL)
+        killed.append(decode)
+
+    topo.wait_healthy(120)
+    before = metric(topo.gateway.url, "pdpool_gateway_migrations_total", 'outcome="ok"')
+    text, _, _ = stream_with_fault(topo, "/v1/completions", {**body, "stream": True}, kill)
+    try:
+        assert metric(topo.gateway.url, "pdpool_gateway_migrations_total", 'outcome="ok"') > before
+        assert text == ref["choices"][0]["text"]
+        jsonschema.validate(json.loads(text), schema)
+    finally:
+        killed[0].proc.wait(10)
+        topo.restart(killed[0])
+        topo.wait_healthy(120)
+
+
 def wait_for(predicate, timeout_s: float) -> float:
     """Seconds until predicate() held; fails after timeout_s."""
     t0 = time.monotonic()

@@ -102,9 +102,10 @@ def main() -> int:
         prom.wait_ready()
         prom.wait_targets_up(len(topo.children))
         model = httpx.get(topo.gateway.url + "/v1/models").json()["data"][0]["id"]
-        start = time.time()
+        start, rounds = time.time(), 0
         while time.time() - start < args.seconds:
-            run_load(topo.gateway.url, model)
+            run_load(topo.gateway.url, model, tag=f"r{rounds}-")
+            rounds += 1
         time.sleep(5)
         render(prom, start - 10, time.time(), Path(args.out))
     finally:

@@ -132,17 +132,19 @@ def scrape_targets(topology: Any) -> dict[str, list[str]]:
     return targets
 
 
-def run_load(gateway_url: str, model: str, workers: int = 3, per_worker: int = 6) -> None:
+def run_load(
+    gateway_url: str, model: str, workers: int = 3, per_worker: int = 6, tag: str = ""
+) -> None:
     """A little of everything the dashboard shows: cold prompts (decode-first rejected,
     then P/D), warm ones (decode alone, prefix hits), streams (TTFT, phases) and whole
-    answers, from a few clients at once."""
+    answers, from a few clients at once. `tag` makes this round's cold prompts new."""
     from concurrent.futures import ThreadPoolExecutor
 
     def work(w: int) -> None:
         with httpx.Client(timeout=120) as c:
             for i in range(per_worker):
                 cold = i % 2 == 0
-                prompt = (f"load {w}-{i} cold words " if cold else f"warm prefix {w} ") * 12
+                prompt = (f"load {tag}{w}-{i} cold words " if cold else f"warm prefix {w} ") * 12
                 body = {"model": model, "prompt": prompt, "max_tokens": 6, "stream": i % 3 != 2}
                 c.post(gateway_url + "/v1/completions", json=body).raise_for_status()
 

@@ -348,8 +348,8 @@ class EngineMetrics:
             registry=r,
         ).labels(**vl)
 
-        def phase(name: str, doc: str) -> Any:
-            return Histogram(name, doc, names, buckets=VLLM_E2E_BUCKETS, registry=r).labels(**vl)
+        def phase(name: str, doc: str, buckets: Sequence[float] = VLLM_E2E_BUCKETS) -> Any:
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**vl)
 
         # vLLM's request phases (same names and buckets), and the KV load vLLM lacks: a
         # P/D request's TTFT split in the engine (queue, KV pulled from a peer, prefill).
@@ -368,6 +368,7 @@ class EngineMetrics:
         self.kv_load = phase(
             "pdpool_kv_load_seconds",
             "Time a request waited for its KV to arrive from a peer (admitted until running).",
+            _LATENCY_BUCKETS,
         )
         # Called with every finished output and its e2e time (request_spans.py, when
         # tracing is on).

@@ -100,7 +100,7 @@ class DecodeRelay:
         with tracing.child("decode", ex.span, "client", attributes) as span:
             if ex.stream:
                 return await self._send(
-                    ex, leg, functools.partial(self._stream_through, ex), span, "decode"
+                    ex, leg, functools.partial(self._stream_through, ex), span, "decode_first_token"
                 )
             resp = await self._send(ex, leg, _read_all, span)
             content = resp.content

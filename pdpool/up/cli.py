@@ -16,7 +16,9 @@ from pdpool.cli import add_switch
 
 if TYPE_CHECKING:  # the topology module is imported when `up` runs, not for --help
     from pdpool.otlp_receiver import OtlpReceiver
+    from pdpool.planner.policy import PlannerConfig
 
+    from .autoscale import LocalAutoscaler
     from .topology import Topology, TopologySpec
 
 
@@ -103,7 +105,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
     p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
+    add_autoscale_arguments(p)
     p.add_argument("--ready-timeout", type=float, default=300.0)
+
+
+def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "autoscaling",
+        "--autoscale: the planner adds and removes engines from their metrics and the "
+        "TTFT/ITL targets; --prefill and --decode are then the minimums",
+    )
+    g.add_argument("--autoscale", action="store_true", help="scale prefill and decode engines")
+    g.add_argument("--prefill-max", type=int, help="most prefill engines (default: --prefill)")
+    g.add_argument("--decode-max", type=int, help="most decode engines (default: --decode)")
+    g.add_argument("--ttft-target-ms", type=float, default=1000.0, help="p90 TTFT target")
+    g.add_argument("--itl-target-ms", type=float, default=50.0, help="p90 ITL target")
+    g.add_argument("--autoscale-interval-s", type=float, default=2.0, help="one decision per")
+    g.add_argument(
+        "--scale-down-window-s",
+        type=float,
+        default=30.0,
+        help="an engine is removed only after this long asking for fewer",
+    )
+
+
+def planner_config_from_args(args: argparse.Namespace) -> PlannerConfig:
+    """The planner's settings the autoscaling flags describe; CliError when they cannot."""
+    from pdpool.errors import CliError
+    from pdpool.planner.policy import PlannerConfig, PlannerConfigError, RoleBounds
+
+    if args.kv_events:
+        raise CliError("--autoscale with --kv-events is not supported (the event feeds are fixed)")
+    if args.autoscale_interval_s <= 0 or args.scale_down_window_s < 0:
+        raise CliError("--autoscale-interval-s must be > 0 and --scale-down-window-s >= 0")
+    try:
+        return PlannerConfig(
+            prefill=RoleBounds(
+                args.prefill, args.prefill if args.prefill_max is None else args.prefill_max
+            ),
+            decode=RoleBounds(
+                args.decode, args.decode if args.decode_max is None else args.decode_max
+            ),
+            ttft_seconds=args.ttft_target_ms / 1000.0,
+            itl_seconds=args.itl_target_ms / 1000.0,
+            down_window_s=args.scale_down_window_s,
+            up_cooldown_s=2 * args.autoscale_interval_s,
+            down_cooldown_s=args.scale_down_window_s / 2,
+        ).validate()
+    except PlannerConfigError as exc:
+        raise CliError(f"--autoscale: {exc} (--prefill/--decode are the minimums)") from None
 
 
 def spec_from_args(args: argparse.Namespace) -> TopologySpec:
@@ -140,15 +190,20 @@ def spec_from_args(args: argparse.Namespace) -> TopologySpec:
         tls=args.tls,
         kv_events=args.kv_events,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        discovery_files=args.autoscale,
     )
 
 
-def supervise(topology: Topology, state_file: Optional[str]) -> NoReturn:
-    """Restarts children that exit, until interrupted."""
+def supervise(
+    topology: Topology, state_file: Optional[str], autoscaler: Optional[LocalAutoscaler] = None
+) -> NoReturn:
+    """Restarts children that exit (and applies the planner's decisions), until interrupted."""
     from .topology import write_state
 
     while True:
         time.sleep(0.5)
+        if autoscaler is not None:
+            autoscaler.tick()
         for child in topology.supervise_once():
             print(
                 f"pdpool up: {child.name} exited; restarted it (restart #{child.restarts})",
@@ -165,6 +220,7 @@ def main(args: argparse.Namespace) -> int:
     from .topology import Topology, write_state
 
     spec = spec_from_args(args)
+    planner = planner_config_from_args(args) if args.autoscale else None
     if args.otel and args.otlp_traces_endpoint:
         raise CliError("--otel and --otlp-traces-endpoint: choose one")
     receiver = start_span_receiver(args.otel, spec) if args.otel else None
@@ -201,7 +257,15 @@ def main(args: argparse.Namespace) -> int:
                 f"(curl --cacert, SSL_CERT_FILE)",
                 flush=True,
             )
-        supervise(topology, args.state_file)
+        autoscaler = None
+        if planner is not None:
+            from .autoscale import LocalAutoscaler
+
+            autoscaler = LocalAutoscaler(
+                topology, planner, args.autoscale_interval_s, args.state_file
+            )
+            autoscaler.write_state()
+        supervise(topology, args.state_file, autoscaler)
     except KeyboardInterrupt:
         print("pdpool up: stopping", flush=True)
         return 0

@@ -93,6 +93,9 @@ class Child:
     restarts: int = 0
     proc: Optional[subprocess.Popen[bytes]] = field(default=None, repr=False)
     scheme: str = "http"  # https with `pdpool up --tls`
+    # serving; starting (added by the autoscaler, not yet routed to); draining (no longer
+    # routed to, finishing its requests before it is stopped: never restarted)
+    state: str = "serving"
 
     @property
     def url(self) -> str:
@@ -134,6 +137,9 @@ class TopologySpec:
     # here (--otlp-traces-endpoint), with these variables added to its environment
     # (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_BSP_SCHEDULE_DELAY, ...).
     otlp_traces_endpoint: Optional[str] = None
+    # The gateway and the sidecars find their upstreams in files (file: discovery), so that
+    # engines can be added and removed while serving (pdpool up --autoscale, autoscale.py).
+    discovery_files: bool = False
     tracing_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -323,53 +329,121 @@ class Topology:
         s = self.spec
         prefills = [self._engine("prefill", i) for i in range(s.prefill)]
         decodes = [self._engine("decode", i) for i in range(s.decode)]
-        sidecars = []
-        for i, dec in enumerate(decodes):
-            port = free_port()
-            argv = pdpool_command(
-                "sidecar",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--decode-url",
-                dec.url,
-                "--mode",
-                s.mode,
-                "--cache-hit-threshold",
-                str(s.cache_hit_threshold),
-                "--prefill-timeout",
-                str(s.prefill_timeout),
-                "--decode-retry-s",
-                str(s.decode_retry_s),
-            )
-            for p in prefills:
-                argv += ["--prefill-url", f"127.0.0.1:{p.port}"]
-            if not s.pull_from_decode:
-                argv.append("--no-pull-from-decode")
-            # Stock vLLM ignores cache_hit_threshold: the sidecar decides by length.
-            rejects = s.engine_rejects or ("no" if s.engine == "vllm" else "yes")
-            argv += ["--engine-rejects", rejects]
-            if s.prefill_min_prompt_tokens is not None:
-                argv += ["--prefill-min-prompt-tokens", str(s.prefill_min_prompt_tokens)]
-            argv += self._serve_tls_args() + self._client_tls_args()
-            sidecars.append(
-                Child("sidecar", i, port, argv, self._log("sidecar", i), scheme=self._scheme)
-            )
+        sidecars = [self.sidecar(i, dec, prefills) for i, dec in enumerate(decodes)]
         gw_port = s.port or free_port()
         argv = pdpool_command(
             "gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--health-interval-s", "1"
         )
-        for sc in sidecars:
+        if s.discovery_files:
+            argv += ["--decode-service", f"file:{self.discovery_file('sidecar')}"]
+        for sc in sidecars if not s.discovery_files else []:
             argv += ["--decode-url", f"127.0.0.1:{sc.port}"]
         if s.kv_events:
             argv += self._wire_kv_events(prefills, decodes, sidecars)
         argv += self._serve_tls_args() + self._client_tls_args()
         gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0), scheme=self._scheme)
         self.children = prefills + decodes + sidecars + [gateway]
-        if s.otlp_traces_endpoint:  # vLLM's flag: stock vLLM engines take it as ours do
-            for child in self.children:
-                child.argv += ["--otlp-traces-endpoint", s.otlp_traces_endpoint]
+        for child in self.children:
+            self._finish(child)
+
+    def _finish(self, child: Child) -> Child:
+        """What every child gets, also one the autoscaler adds later."""
+        if self.spec.otlp_traces_endpoint:  # vLLM's flag: stock vLLM engines take it as ours
+            child.argv += ["--otlp-traces-endpoint", self.spec.otlp_traces_endpoint]
+        return child
+
+    def sidecar(self, index: int, dec: Child, prefills: list[Child]) -> Child:
+        """The sidecar in front of decode engine `dec`."""
+        s = self.spec
+        port = free_port()
+        argv = pdpool_command(
+            "sidecar",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--decode-url",
+            dec.url,
+            "--mode",
+            s.mode,
+            "--cache-hit-threshold",
+            str(s.cache_hit_threshold),
+            "--prefill-timeout",
+            str(s.prefill_timeout),
+            "--decode-retry-s",
+            str(s.decode_retry_s),
+        )
+        if s.discovery_files:
+            argv += ["--prefill-service", f"file:{self.discovery_file('prefill')}"]
+        for p in prefills if not s.discovery_files else []:
+            argv += ["--prefill-url", f"127.0.0.1:{p.port}"]
+        if not s.pull_from_decode:
+            argv.append("--no-pull-from-decode")
+        # Stock vLLM ignores cache_hit_threshold: the sidecar decides by length.
+        rejects = s.engine_rejects or ("no" if s.engine == "vllm" else "yes")
+        argv += ["--engine-rejects", rejects]
+        if s.prefill_min_prompt_tokens is not None:
+            argv += ["--prefill-min-prompt-tokens", str(s.prefill_min_prompt_tokens)]
+        argv += self._serve_tls_args() + self._client_tls_args()
+        return Child("sidecar", index, port, argv, self._log("sidecar", index), scheme=self._scheme)
+
+    # ------------------------------------------------------------------ changing the set
+    def discovery_file(self, role: str) -> str:
+        """With discovery_files: the file listing the serving prefill engines (`prefill`)
+        or decode sidecars (`sidecar`), one HOST:PORT a line."""
+        return os.path.join(self.log_dir, f"{role}-endpoints.txt")
+
+    def write_discovery(self) -> None:
+        """Rewrites both files (atomically) from the children serving now."""
+        if not self.spec.discovery_files:
+            return
+        for role in ("prefill", "sidecar"):
+            path = self.discovery_file(role)
+            lines = [f"127.0.0.1:{c.port}\n" for c in self.by_role(role) if c.state == "serving"]
+            with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                fh.writelines(lines)
+            os.replace(path + ".tmp", path)
+
+    def add_engine(self, role: str) -> list[Child]:
+        """Starts one more engine of `role` (a decode engine with its sidecar), in state
+        starting: not routed to until mark_serving()."""
+        index = 1 + max((c.index for c in self.by_role(role)), default=-1)
+        engine = self._finish(self._engine(role, index))
+        added = [engine]
+        if role == "decode":
+            sc_index = 1 + max((c.index for c in self.by_role("sidecar")), default=-1)
+            added.append(self._finish(self.sidecar(sc_index, engine, self.by_role("prefill"))))
+        for child in added:
+            child.state = "starting"
+            self.children.insert(len(self.children) - 1, child)  # the gateway stays last
+            self._spawn(child)
+        return added
+
+    def mark_serving(self, children: list[Child]) -> None:
+        for child in children:
+            child.state = "serving"
+        self.write_discovery()
+
+    def retire(self, children: list[Child]) -> None:
+        """No longer routed to (they finish what they have): the files drop them."""
+        for child in children:
+            child.state = "draining"
+        self.write_discovery()
+
+    def remove(self, children: list[Child], grace_s: float = 30.0) -> None:
+        """Stops retired children (SIGTERM: their servers finish what is left) and forgets
+        them."""
+        for child in children:
+            _signal(child, signal.SIGTERM)
+        for child in children:
+            if child.proc is not None:
+                try:
+                    child.proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    _signal(child, signal.SIGKILL)
+                    child.proc.wait(5)
+            if child in self.children:
+                self.children.remove(child)
 
     def _wire_kv_events(
         self, prefills: list[Child], decodes: list[Child], sidecars: list[Child]
@@ -449,6 +523,7 @@ class Topology:
 
     def start(self, timeout_s: float = 180.0) -> None:
         try:
+            self.write_discovery()
             for child in self.children:
                 self._spawn(child)
             self.wait_healthy(timeout_s)
@@ -511,7 +586,9 @@ class Topology:
         """Restarts children that died; returns those restarted."""
         restarted = []
         for child in self.children:
-            if not self._stopping and child.proc and child.proc.poll() is not None:
+            if child.state == "draining" or self._stopping:
+                continue
+            if child.proc and child.proc.poll() is not None:
                 child.restarts += 1
                 self._spawn(child)
                 restarted.append(child)
@@ -549,6 +626,7 @@ class Topology:
                     "kv_port": c.kv_port,
                     "pid": c.pid,
                     "restarts": c.restarts,
+                    "state": c.state,
                     "log": c.log_path,
                 }
                 for c in self.children

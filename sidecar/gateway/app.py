@@ -55,6 +55,9 @@ from ..routing.outlier import EjectionRace
 from ..routing.settings import RoutingSettings
 from ..net.sse import DONE, EventSplitter, event_json, json_event
 from ..net.upstream import readiness
+from ..routing.admission import FlowControl, Shed, Slot, shed_body
+from ..routing.saturation import ENGINE_METRICS_PATH
+from ..routing.tenants import Tenant
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -87,6 +90,11 @@ class GatewaySettings(RoutingSettings):
 
     def validate(self) -> "GatewaySettings":
         self.validate_routing()
+        if self.tenants_file and self.api_keys_file and not self.tenant_header:
+            raise ValueError(
+                "--tenants-file lists the API keys: give it or --api-keys-file, not both "
+                "(or name the tenant by --tenant-header)"
+            )
         if self.max_migrations < 0:
             raise ValueError("max migrations must be >= 0")
         return self
@@ -106,6 +114,18 @@ class Gateway:
         self.api_keys = ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
         self.metrics = GatewayMetrics()
         self.routing = Routing(settings, self.metrics)
+        # Flow control (routing/admission.py); None: off, and no step of it on the hot path.
+        self.flow = (
+            FlowControl(
+                settings.tenants_file,
+                settings.tenant_header,
+                self.routing.healthy_backends,
+                self.metrics.registry,
+                settings.default_max_tokens,
+            )
+            if settings.tenants_file
+            else None
+        )
         self.client: Optional[httpx.AsyncClient] = None  # health checks, /tokenize
         self.scheme = "https" if settings.tls_ca_file else "http"  # to the sidecars
         self.tls = (
@@ -133,8 +153,12 @@ class Gateway:
             self.metrics,
         )
         await self.routing.start(self._probe, tokenizer)
+        if self.flow is not None:
+            await self.flow.start(self._engine_metrics)
 
     async def shutdown(self) -> None:
+        if self.flow is not None:
+            await self.flow.stop()
         await self.routing.stop()
         await self.pool.aclose()
         if self.client:
@@ -154,6 +178,18 @@ class Gateway:
         except httpx.HTTPError:
             return False
         return r.status_code == 200
+
+    async def _engine_metrics(self, backend: str) -> Optional[str]:
+        """A sidecar's passthrough of its engine's /metrics (flow control's saturation)."""
+        assert self.client is not None, "startup() makes the client"
+        try:
+            r = await self.client.get(
+                f"{self.scheme}://{backend}{ENGINE_METRICS_PATH}",
+                timeout=self.settings.probe_timeout_s,
+            )
+        except httpx.HTTPError:
+            return None
+        return r.text if r.status_code == 200 else None
 
     async def check_health(self) -> None:
         await self.routing.check_health()
@@ -185,6 +221,11 @@ class Gateway:
                 code="invalid_api_key",
                 headers={"www-authenticate": "Bearer"},
             )
+        tenant = None
+        if self.flow is not None and route not in OPEN_PATHS:
+            tenant = self.flow.tenant(header_dict(scope))
+            if tenant is None:
+                return await self._unknown_tenant(send)
         if route == "/metrics" and scope["method"] == "GET":
             return await send_bytes(
                 send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST
@@ -194,9 +235,28 @@ class Gateway:
             if healthy:
                 return await send_bytes(send, 200, json.dumps({"healthy": healthy}).encode())
             return await send_error(send, 503, "no healthy decode sidecar")
-        await self._proxy(scope, receive, send)
+        await self._proxy(scope, receive, send, tenant)
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _unknown_tenant(self, send: Send) -> None:
+        assert self.flow is not None
+        if self.flow.tenant_header is not None:
+            return await send_error(
+                send,
+                401,
+                f"the {self.flow.tenant_header} header must name a tenant of the tenants file",
+                code="unknown_tenant",
+            )
+        return await send_error(
+            send,
+            401,
+            "a valid API key is required (Authorization: Bearer <key>)",
+            code="invalid_api_key",
+            headers={"www-authenticate": "Bearer"},
+        )
+
+    async def _proxy(
+        self, scope: Scope, receive: Receive, send: Send, tenant: Optional[Tenant] = None
+    ) -> None:
         try:
             raw = await read_body(receive, self.settings.max_body_bytes, scope)
         except ClientGone:
@@ -206,7 +266,8 @@ class Gateway:
                 send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes"
             )
         headers = header_dict(scope)
-        if self.api_keys is not None:  # the client's key goes no further than the gateway
+        if self.api_keys is not None or (self.flow is not None and not self.flow.tenant_header):
+            # the client's key goes no further than the gateway
             headers.pop("authorization", None)
             headers.pop("x-api-key", None)
         headers.setdefault("x-request-id", uuid.uuid4().hex)
@@ -226,12 +287,39 @@ class Gateway:
                 )
         if body is None:
             return await self._forward(scope, receive, send, raw, headers, body)
+        slot = None
+        if tenant is not None:  # flow control: wait for the request's turn
+            slot = await self._admission(tenant, headers, body, receive, send)
+            if slot is None:
+                return
         req = GatewayRequest(self.metrics, headers, scope["path"], body.get("stream") is True)
         CURRENT.set(req)  # this request's task (and the flow's, a copy of its context)
         try:
             await self._forward(scope, receive, send, raw, headers, body, req)
         finally:
             req.finish()
+            if slot is not None:
+                slot.release()
+
+    async def _admission(
+        self, tenant: Tenant, headers: dict[str, str], body: Any, receive: Receive, send: Send
+    ) -> Optional[Slot]:
+        """The request's slot in the pool once it is admitted; None when it was answered
+        429 (with Retry-After) or its client left while it waited (out of the queue)."""
+        assert self.flow is not None
+        flow, got = self.flow, []
+
+        async def wait_turn() -> None:
+            got.append(await flow.acquire(tenant, headers, body))
+
+        try:
+            await run_until_disconnect(wait_turn(), receive)
+        except Shed as shed:
+            message, code, retry = shed_body(shed)
+            retry["x-request-id"] = headers["x-request-id"]
+            await send_error(send, 429, message, code=code, headers=retry)
+            return None
+        return got[0] if got else None
 
     async def _forward(
         self,

@@ -76,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="file of API keys, one per line (>= 16 characters): clients must "
         "send one (Authorization: Bearer KEY); re-read when it changes",
     )
+    add_flow_arguments(p)
     p.add_argument(
         "--tls-ca-file", help="reach the sidecars over HTTPS, verified against this CA bundle"
     )
@@ -143,6 +144,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_flow_arguments(p: argparse.ArgumentParser) -> None:
+    """Flow control's flags (every front-end over the routing core takes them)."""
+    p.add_argument(
+        "--tenants-file",
+        help="flow control: YAML of tenants (keys, weight, priority, limits; see "
+        "docs/flow-control.md): fair queues per tenant in priority bands when the pool is "
+        "saturated, 429 + Retry-After when a request cannot wait; implies API keys (the "
+        "file's); re-read when it changes",
+    )
+    p.add_argument(
+        "--tenant-header",
+        help="with --tenants-file: the tenant is named by this request header (a pool "
+        "behind another gateway that authenticates) instead of the API key",
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     return serve(args, lambda: _build_gateway(args))
 
@@ -169,6 +186,8 @@ def _build_gateway(args: argparse.Namespace) -> Gateway:
             default_max_tokens=args.default_max_tokens,
             max_body_bytes=parse_size(args.max_body_bytes),
             api_keys_file=args.api_keys_file,
+            tenants_file=args.tenants_file,
+            tenant_header=args.tenant_header,
             tls_ca_file=args.tls_ca_file,
             tls_any_name=args.tls_any_name,
             kv_events=parse_kv_events(args.kv_events, "--kv-events"),

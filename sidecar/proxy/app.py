@@ -49,6 +49,7 @@ from ..net.discovery import EndpointSet
 from .exchange import Exchange
 from .flows import Flow, Flows
 from ..net.metrics import CONTENT_TYPE_LATEST, SidecarMetrics
+from ..routing.saturation import ENGINE_METRICS_PATH
 from ..routing.picker import LoadPicker
 from .prefill_legs import PrefillLegs, prefill_outliers
 from ..routing.prefill_ranking import PrefillRanking
@@ -149,6 +150,9 @@ class Sidecar:
             await self._generation(scope, receive, send)
         elif route == "/metrics" and method == "GET":
             await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+        elif route == ENGINE_METRICS_PATH and method == "GET":
+            # the engine's own /metrics (the gateway's flow control reads its saturation)
+            await self._pass_through({**scope, "path": "/metrics"}, receive, send)
         elif route == "/health" and method == "GET":
             await self._health(send)
         elif route == "/ready" and method == "GET":

@@ -40,6 +40,11 @@ class RoutingSettings:
     # publishes on these ports (kv_feeds.py).
     kv_events_port: Optional[int] = None
     kv_events_replay_port: Optional[int] = None
+    # Flow control (admission.py): tenants' fair queues in priority bands, 429 when a request
+    # cannot wait. None: off, requests go straight to routing. A tenant is its API key, or
+    # the value of tenant_header (pools behind another gateway that authenticates).
+    tenants_file: Optional[str] = None
+    tenant_header: Optional[str] = None
 
     @property
     def kv_routing(self) -> bool:
@@ -52,6 +57,8 @@ class RoutingSettings:
             raise ValueError("prefix chars must be >= 1 and balance >= 1.0")
         if self.outlier_failures < 1:
             raise ValueError("outlier failures must be >= 1")
+        if self.tenant_header and not self.tenants_file:
+            raise ValueError("--tenant-header needs --tenants-file")
         from .kv_feeds import check_event_ports
 
         self.kv_events_port, self.kv_events_replay_port = check_event_ports(

@@ -1,0 +1,102 @@
+"""The one admission point of flow control, for every front-end (the HTTP gateway, the
+ext_proc endpoint picker): who the tenant is, and `admit`, which holds the request's slot
+in the pool for as long as it runs.
+
+    flow = FlowControl(tenants_file, tenant_header, routing.healthy_backends, registry)
+    await flow.start(fetch_engine_metrics)        # fetch(backend) -> Prometheus text or None
+    tenant = flow.tenant(headers)                 # None: 401 (no valid key / unknown tenant)
+    try:
+        async with flow.admit(tenant, headers, body):
+            ...route and serve the request...
+    except Shed as shed:                          # 429, Retry-After: shed.retry_after_s
+        ...
+
+Without a tenants file there is no FlowControl at all: the front-end's path is as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator, Callable, Optional
+
+from prometheus_client import CollectorRegistry
+
+from ..net.apikeys import presented_key
+from .flow_control import FlowController, FlowRequest, Shed, Slot, estimate_tokens
+from .flow_metrics import FlowMetrics
+from .saturation import Fetch, Saturation
+from .tenants import PoolLimits, Tenant, TenantsFile
+
+__all__ = ["FlowControl", "Shed", "Slot", "shed_body"]
+
+
+class FlowControl:
+    def __init__(
+        self,
+        tenants_file: str,
+        tenant_header: Optional[str],
+        healthy_backends: Callable[[], list[str]],
+        registry: Optional[CollectorRegistry] = None,
+        default_max_tokens: int = 16,
+        scrape_interval_s: float = 0.25,
+    ) -> None:
+        self.tenants = TenantsFile(tenants_file)  # raises TenantsError for a bad file
+        self.tenant_header = tenant_header.lower() if tenant_header else None
+        self.default_max_tokens = default_max_tokens
+        self.metrics = FlowMetrics(registry)
+        self.saturation = Saturation(
+            healthy_backends, interval_s=scrape_interval_s, on_change=self._on_engines_read
+        )
+        self.controller = FlowController(self.tenants.current, self._saturated, self.metrics)
+
+    async def start(self, fetch: Optional[Fetch] = None) -> None:
+        """Starts reading the engines' metrics through `fetch` (None: the router's pending
+        view alone)."""
+        self.saturation.fetch = fetch
+        await self.saturation.start()
+
+    async def stop(self) -> None:
+        await self.saturation.stop()
+
+    def _saturated(self, admitted: int, pool: PoolLimits) -> bool:
+        saturated = self.saturation.saturated(admitted, pool)
+        self.metrics.saturated.set(1 if saturated else 0)
+        return saturated
+
+    def _on_engines_read(self) -> None:
+        self.controller.dispatch()
+
+    def tenant(self, headers: dict[str, str]) -> Optional[Tenant]:
+        """The request's tenant (header names lower-case): by the operator's tenant header
+        when one is named, else by its API key; None when there is none."""
+        config = self.tenants.current()
+        if self.tenant_header is not None:
+            name = headers.get(self.tenant_header)
+            return config.tenants.get(name.strip()) if name else None
+        return config.tenant_for_key(presented_key(headers))
+
+    def request(self, tenant: Tenant, headers: dict[str, str], body: Any) -> FlowRequest:
+        priority = self.tenants.current().priority_of(tenant, headers)
+        return FlowRequest(tenant, priority, estimate_tokens(body, self.default_max_tokens))
+
+    async def acquire(self, tenant: Tenant, headers: dict[str, str], body: Any) -> Slot:
+        """`admit` without the block: the slot, to `release()` when the request is over."""
+        return await self.controller.acquire(self.request(tenant, headers, body))
+
+    @contextlib.asynccontextmanager
+    async def admit(
+        self, tenant: Tenant, headers: dict[str, str], body: Any
+    ) -> AsyncIterator[Slot]:
+        """Waits for the request's turn (Shed when it cannot have one) and holds its slot
+        until the block ends; a cancelled wait (the client left) leaves the queue at once.
+        `slot.release(used_tokens)` inside the block corrects the token estimate."""
+        slot = await self.acquire(tenant, headers, body)
+        try:
+            yield slot
+        finally:
+            slot.release()
+
+
+def shed_body(shed: Shed) -> tuple[str, str, dict[str, str]]:
+    """(message, code, headers) of the 429 a front-end answers for `shed`."""
+    return shed.message, shed.reason, {"retry-after": str(shed.retry_after_s)}

@@ -1,0 +1,357 @@
+"""Flow control: per-tenant queues inside priority bands, released as the pool frees up.
+
+While the pool is not saturated (saturation.py) and nothing waits, a request is admitted at
+once (one comparison on the hot path). Otherwise it waits in its tenant's queue in its band
+and is released when capacity frees:
+- strict priority between bands: a higher band's request always goes first (a lower band
+  is served only while every higher one is empty, or its tenants are at maxConcurrency);
+- weighted fair shares within a band: the tenant with the fewest requests admitted per unit
+  of weight goes next (oldest request first among equals), so a tenant flooding the pool
+  holds at most its share of it and a quiet tenant's request waits only for the next
+  release, whatever the flood;
+- per-tenant limits: maxConcurrency (a tenant at it waits), maxQueued, queueTimeoutSeconds,
+  tokensPerMinute (prompt + max_tokens estimate, charged at arrival, corrected by the
+  usage when the front-end knows it);
+- shedding: a request that cannot wait (its tenant's queue full, its wait past its TTL, its
+  tenant over its tokens per minute, or the pool's queues full) raises `Shed` (the
+  front-end answers 429 with Retry-After); when all queues together are full, the newest
+  request of the lowest band below the newcomer's is shed to make room, else the newcomer;
+- a request whose client left (its task cancelled) leaves its queue at once.
+No HTTP here: the gateway and the endpoint picker both call `FlowControl.admit` (admission.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .flow_metrics import FlowMetrics
+from .tenants import PoolLimits, Tenant, TenantsConfig
+
+WINDOW_S = 60.0  # tokensPerMinute's window
+MAX_RETRY_AFTER_S = 60
+
+
+class Shed(Exception):
+    """The request cannot be served now: 429, retry after `retry_after_s`."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+        self.retry_after_s = max(1, min(MAX_RETRY_AFTER_S, math.ceil(retry_after_s)))
+
+
+@dataclass(frozen=True)
+class FlowRequest:
+    tenant: Tenant
+    priority: int
+    tokens: int  # estimate: prompt + max_tokens
+
+
+@dataclass(eq=False)
+class _Entry:
+    request: FlowRequest
+    arrived: float
+    future: asyncio.Future[None]
+    charge: Optional[list[float]]  # [time, tokens] in the tenant's window
+
+
+@dataclass
+class _TenantState:
+    in_flight: int = 0
+    queued: int = 0
+    window: deque[list[float]] = field(default_factory=deque)
+
+
+class Slot:
+    """An admitted request's hold on the pool; `release` once it is over."""
+
+    def __init__(self, flow: FlowController, entry: _Entry) -> None:
+        self._flow, self._entry, self._released = flow, entry, False
+
+    def release(self, used_tokens: Optional[int] = None) -> None:
+        if not self._released:
+            self._released = True
+            self._flow._release(self._entry, used_tokens)
+
+
+def estimate_tokens(body: Any, default_max_tokens: int = 16) -> int:
+    """Prompt + output tokens a generation request may cost, before tokenizing: 4
+    characters a token for text, the length of token-id lists, max_tokens for the output."""
+    if not isinstance(body, dict):
+        return 0
+    prompt = body.get("prompt")
+    chars, ids = 0, 0
+    if isinstance(prompt, str):
+        chars = len(prompt)
+    elif isinstance(prompt, list):
+        for p in prompt:
+            chars += len(p) if isinstance(p, str) else 0
+            ids += len(p) if isinstance(p, list) else int(isinstance(p, int))
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        chars += len(content) if isinstance(content, str) else len(str(content or ""))
+        ids += 4  # the template's tokens around each message
+    out = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
+    return ids + math.ceil(chars / 4) + (out if isinstance(out, int) else default_max_tokens)
+
+
+class FlowController:
+    def __init__(
+        self,
+        config: Callable[[], TenantsConfig],
+        saturated: Callable[[int, PoolLimits], bool],
+        metrics: Optional[FlowMetrics] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config, self.saturated, self.clock = config, saturated, clock
+        self.metrics = metrics or FlowMetrics()
+        self.admitted = 0  # requests holding a slot
+        self.queued = 0
+        self._bands: dict[int, dict[str, deque[_Entry]]] = {}
+        self._tenants: dict[str, _TenantState] = {}
+        self._release_gap_s = 0.5  # EWMA of the time between releases, for Retry-After
+        self._last_release: Optional[float] = None
+
+    def state(self, name: str) -> _TenantState:
+        st = self._tenants.get(name)
+        if st is None:
+            st = self._tenants[name] = _TenantState()
+        return st
+
+    # ------------------------------------------------------------------ admission
+    async def acquire(self, request: FlowRequest) -> Slot:
+        """A slot for `request`, once the pool has room for it; Shed when it cannot wait.
+        Cancelling the caller (the client left) takes the request out of its queue."""
+        cfg = self.config()
+        now = self.clock()
+        entry = _Entry(request, now, asyncio.get_running_loop().create_future(), None)
+        entry.charge = self._charge(request, now)
+        if (
+            not self.queued
+            and self._may_start(request.tenant)
+            and not self.saturated(self.admitted, cfg.pool)
+        ):
+            self._grant(entry, now)
+            return Slot(self, entry)
+        self._enqueue(entry, cfg.pool)
+        self.dispatch()
+        return await self._wait(entry)
+
+    def _may_start(self, tenant: Tenant) -> bool:
+        return (
+            not tenant.max_concurrency or self.state(tenant.name).in_flight < tenant.max_concurrency
+        )
+
+    def _charge(self, request: FlowRequest, now: float) -> Optional[list[float]]:
+        """Tokens per minute: the estimate counted now, or Shed with when it would fit."""
+        limit = request.tenant.tokens_per_minute
+        if not limit:
+            return None
+        st = self.state(request.tenant.name)
+        while st.window and now - st.window[0][0] >= WINDOW_S:
+            st.window.popleft()
+        used = sum(c[1] for c in st.window)
+        if request.tokens > limit:
+            self._shed_count(request, "tokens_per_minute")
+            raise Shed(
+                "tokens_per_minute",
+                f"the request (~{request.tokens} tokens) exceeds tenant "
+                f"{request.tenant.name!r}'s {limit} tokens per minute",
+                WINDOW_S,
+            )
+        if used + request.tokens > limit:
+            freed, wait = used + request.tokens - limit, WINDOW_S
+            for at, tokens in st.window:  # the oldest charges leave the window first
+                freed -= tokens
+                if freed <= 0:
+                    wait = at + WINDOW_S - now
+                    break
+            self._shed_count(request, "tokens_per_minute")
+            raise Shed(
+                "tokens_per_minute",
+                f"tenant {request.tenant.name!r} is over its {limit} tokens per minute",
+                wait,
+            )
+        charge = [now, float(request.tokens)]
+        st.window.append(charge)
+        return charge
+
+    def _enqueue(self, entry: _Entry, pool: PoolLimits) -> None:
+        request = entry.request
+        tenant, st = request.tenant, self.state(request.tenant.name)
+        if st.queued >= tenant.max_queued:
+            self._refuse(
+                entry,
+                "queue_full",
+                f"tenant {tenant.name!r} has {st.queued} requests queued (its maxQueued)",
+            )
+        if self.queued >= pool.max_queued and not self._displace_below(request.priority):
+            self._refuse(entry, "queue_full", f"the pool's queues are full ({self.queued})")
+        queue = self._bands.setdefault(request.priority, {}).setdefault(tenant.name, deque())
+        queue.append(entry)
+        st.queued += 1
+        self.queued += 1
+        self.metrics.queue_length(tenant.name, str(request.priority)).inc()
+
+    def _refuse(self, entry: _Entry, reason: str, message: str) -> None:
+        self._refund(entry)
+        self._shed_count(entry.request, reason)
+        raise Shed(reason, message, self._retry_after(entry.request.priority))
+
+    def _displace_below(self, priority: int) -> bool:
+        """Sheds the newest request of the lowest band below `priority` (its most served
+        tenant's); False when no band is lower."""
+        lower = sorted(
+            b for b, tenants in self._bands.items() if b < priority and any(tenants.values())
+        )
+        if not lower:
+            return False
+        tenants = self._bands[lower[0]]
+        name = max(
+            (n for n, q in tenants.items() if q),
+            key=lambda n: self.state(n).in_flight / self._weight(tenants[n]),
+        )
+        victim = tenants[name].pop()
+        self._dequeued(victim)
+        self._refund(victim)
+        self._shed_count(victim.request, "displaced")
+        victim.future.set_exception(
+            Shed(
+                "displaced",
+                "shed for higher-priority requests (queues full)",
+                self._retry_after(lower[0]),
+            )
+        )
+        return True
+
+    @staticmethod
+    def _weight(queue: deque[_Entry]) -> float:
+        return queue[0].request.tenant.weight
+
+    # ------------------------------------------------------------------ release
+    def dispatch(self) -> None:
+        """Admits queued requests while the pool has room: highest band first, the least
+        served tenant (per weight) within it."""
+        pool = self.config().pool
+        while self.queued and not self.saturated(self.admitted, pool):
+            entry = self._pick()
+            if entry is None:
+                return  # every waiting tenant is at its maxConcurrency
+            self._dequeued(entry)
+            self._grant(entry, self.clock())
+            entry.future.set_result(None)
+
+    def _pick(self) -> Optional[_Entry]:
+        for band in sorted(self._bands, reverse=True):
+            best: Optional[tuple[float, float, deque[_Entry]]] = None
+            for name, queue in self._bands[band].items():
+                if not queue or not self._may_start(queue[0].request.tenant):
+                    continue
+                key = (self.state(name).in_flight / self._weight(queue), queue[0].arrived, queue)
+                if best is None or key[:2] < best[:2]:
+                    best = key
+            if best is not None:
+                return best[2].popleft()
+        return None
+
+    def _dequeued(self, entry: _Entry) -> None:
+        """Bookkeeping for an entry just taken out of its deque."""
+        request = entry.request
+        self.state(request.tenant.name).queued -= 1
+        self.queued -= 1
+        self.metrics.queue_length(request.tenant.name, str(request.priority)).dec()
+        band = self._bands.get(request.priority, {})
+        if not band.get(request.tenant.name):
+            band.pop(request.tenant.name, None)
+            if not band:
+                self._bands.pop(request.priority, None)
+
+    def _grant(self, entry: _Entry, now: float) -> None:
+        request = entry.request
+        self.admitted += 1
+        self.state(request.tenant.name).in_flight += 1
+        band = str(request.priority)
+        self.metrics.admitted(request.tenant.name, band).inc()
+        self.metrics.wait_seconds(request.tenant.name, band).observe(now - entry.arrived)
+        self.metrics.in_flight(request.tenant.name).inc()
+
+    def _release(self, entry: _Entry, used_tokens: Optional[int]) -> None:
+        request = entry.request
+        self.admitted -= 1
+        self.state(request.tenant.name).in_flight -= 1
+        self.metrics.in_flight(request.tenant.name).dec()
+        if used_tokens is not None and entry.charge is not None:
+            entry.charge[1] = float(used_tokens)  # the usage replaces the estimate
+        now = self.clock()
+        if self._last_release is not None:
+            self._release_gap_s += 0.2 * (now - self._last_release - self._release_gap_s)
+        self._last_release = now
+        self.dispatch()
+
+    # ------------------------------------------------------------------ waiting
+    async def _wait(self, entry: _Entry) -> Slot:
+        request = entry.request
+        try:
+            done, _ = await asyncio.wait({entry.future}, timeout=request.tenant.queue_timeout_s)
+        except asyncio.CancelledError:
+            self._abandon(entry)
+            raise
+        if done:
+            entry.future.result()  # raises Shed when it was displaced
+            return Slot(self, entry)
+        self._remove(entry)
+        self._refund(entry)
+        self._shed_count(request, "queue_timeout")
+        raise Shed(
+            "queue_timeout",
+            f"waited {request.tenant.queue_timeout_s:g} s in tenant "
+            f"{request.tenant.name!r}'s queue (its queueTimeoutSeconds)",
+            self._retry_after(request.priority),
+        )
+
+    def _abandon(self, entry: _Entry) -> None:
+        """The client left: its slot back if it was just granted, else out of its queue."""
+        band = str(entry.request.priority)
+        self.metrics.abandoned(entry.request.tenant.name, band).inc()
+        if entry.future.done():
+            if entry.future.exception() is None:
+                Slot(self, entry).release()
+            return
+        entry.future.cancel()
+        self._remove(entry)
+        self._refund(entry)
+
+    def _remove(self, entry: _Entry) -> None:
+        queue = self._bands.get(entry.request.priority, {}).get(entry.request.tenant.name)
+        if queue is not None and entry in queue:
+            queue.remove(entry)
+            self._dequeued(entry)
+
+    def _refund(self, entry: _Entry) -> None:
+        if entry.charge is not None:
+            entry.charge[1] = 0.0
+
+    def _shed_count(self, request: FlowRequest, reason: str) -> None:
+        self.metrics.shed(request.tenant.name, str(request.priority), reason).inc()
+
+    def _retry_after(self, priority: int) -> float:
+        """About when a place frees for this band: the requests queued at it or above,
+        one per recent gap between releases."""
+        ahead = sum(
+            len(q)
+            for band, tenants in self._bands.items()
+            if band >= priority
+            for q in tenants.values()
+        )
+        return (ahead + 1) * self._release_gap_s
+
+    def queue_length(self, tenant: str) -> int:
+        return self.state(tenant).queued
+
+    def in_flight(self, tenant: str) -> int:
+        return self.state(tenant).in_flight

@@ -1,0 +1,315 @@
+"""Flow control's scheduler, tenants file and saturation, without HTTP (pure asyncio).
+
+The pool's capacity is a plain number here (`Pool.capacity` slots), so every test drives
+admissions and releases step by step and asserts the order, not timings."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from pdpool.sidecar.routing.flow_control import FlowController, FlowRequest, Shed, estimate_tokens
+from pdpool.sidecar.routing.saturation import EngineLoad, Saturation, engine_load
+from pdpool.sidecar.routing.tenants import (
+    OBJECTIVE_HEADER,
+    PRIORITY_HEADER,
+    PoolLimits,
+    Tenant,
+    TenantsConfig,
+    TenantsError,
+    TenantsFile,
+    parse_tenants,
+)
+
+KEY_A, KEY_B = "key-of-tenant-a-0001", "key-of-tenant-b-0002"
+
+
+class Pool:
+    """A pool of `capacity` slots and a controllable clock."""
+
+    def __init__(self, capacity: int, **pool: int) -> None:
+        self.capacity, self.now = capacity, 1000.0
+        self.config = TenantsConfig(tenants={}, pool=PoolLimits(**pool))
+        self.flow = FlowController(
+            lambda: self.config,
+            lambda admitted, _: admitted >= self.capacity,
+            clock=lambda: self.now,
+        )
+        self.log: list[str] = []  # admissions, in order
+
+    def submit(self, tenant: Tenant, priority: int | None = None, tokens: int = 10) -> asyncio.Task:
+        request = FlowRequest(tenant, tenant.priority if priority is None else priority, tokens)
+
+        async def run():
+            slot = await self.flow.acquire(request)
+            self.log.append(tenant.name)
+            return slot
+
+        return asyncio.ensure_future(run())
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def tenant(name: str, **kw) -> Tenant:
+    return Tenant(name=name, **kw)
+
+
+async def test_admitted_at_once_while_the_pool_has_room():
+    pool = Pool(capacity=2)
+    a = tenant("a")
+    first, second = pool.submit(a), pool.submit(a)
+    await settle()
+    assert first.done() and second.done()
+    third = pool.submit(a)
+    await settle()
+    assert not third.done() and pool.flow.queue_length("a") == 1
+    first.result().release()
+    await settle()
+    assert third.done() and pool.flow.queue_length("a") == 0
+    m = pool.flow.metrics
+    assert m.admitted("a", "0")._value.get() == 3
+
+
+async def test_a_quiet_tenant_waits_only_for_the_next_release_under_a_10x_flood():
+    """The noisy tenant has 10x the quiet one's requests queued at all times; every quiet
+    request is admitted at the first release after it arrives (its wait is bounded by one
+    service time, whatever the flood), and the noisy one keeps the rest of the pool."""
+    pool = Pool(capacity=4, max_queued=1000)
+    noisy, quiet = tenant("noisy", max_queued=500), tenant("quiet")
+    held = [pool.submit(noisy) for _ in range(40)]  # 4 admitted, 36 queued
+    await settle()
+    running = [t.result() for t in held if t.done()]
+    assert len(running) == 4
+    for _ in range(10):
+        q = pool.submit(quiet)
+        await settle()
+        assert not q.done()  # saturated: it waits...
+        before = len(pool.log)
+        running.pop(0).release()  # ...for one release
+        await settle()
+        assert q.done() and pool.log[before] == "quiet"
+        q.result().release()  # quiet served; the freed slot goes to the noisy queue
+        await settle()
+        running = [t.result() for t in held if t.done() and t.result() not in running] + running
+        running = [s for s in running if not s._released][:4]
+    assert pool.log.count("quiet") == 10
+
+
+async def test_weights_share_a_band():
+    pool = Pool(capacity=4)
+    light, heavy = tenant("light", weight=1.0), tenant("heavy", weight=3.0)
+    blocker = [pool.submit(tenant("x")) for _ in range(4)]
+    await settle()
+    tasks = [pool.submit(light) for _ in range(8)] + [pool.submit(heavy) for _ in range(8)]
+    await settle()
+    for b in blocker:
+        b.result().release()
+    await settle()
+    assert sorted(pool.log[4:]) == ["heavy", "heavy", "heavy", "light"]
+    for t in tasks:
+        t.cancel()
+
+
+async def test_a_higher_band_is_always_admitted_first():
+    pool = Pool(capacity=1)
+    low, high = tenant("low", priority=0), tenant("high", priority=5)
+    holder = pool.submit(low)
+    await settle()
+    lows = [pool.submit(low) for _ in range(5)]
+    await settle()
+    highs = [pool.submit(high) for _ in range(3)]
+    await settle()
+    slot = holder.result()
+    for _ in range(8):
+        slot.release()
+        await settle()
+        slot = next(t.result() for t in lows + highs if t.done() and not t.result()._released)
+    assert pool.log[1:] == ["high"] * 3 + ["low"] * 5
+
+
+async def test_queue_timeout_sheds_with_retry_after_and_leaves_no_entry():
+    pool = Pool(capacity=0)
+    t = tenant("a", queue_timeout_s=0.05)
+    with pytest.raises(Shed) as shed:
+        await pool.flow.acquire(FlowRequest(t, 0, 10))
+    assert shed.value.reason == "queue_timeout" and shed.value.retry_after_s >= 1
+    assert pool.flow.queued == 0 and pool.flow.queue_length("a") == 0
+    assert pool.flow.metrics.shed("a", "0", "queue_timeout")._value.get() == 1
+    assert pool.flow.metrics.queue_length("a", "0")._value.get() == 0
+
+
+async def test_limits_shed_with_429_reasons():
+    pool = Pool(capacity=0)
+    a = tenant("a", max_queued=1)
+    first = pool.submit(a)
+    await settle()
+    with pytest.raises(Shed) as full:
+        await pool.flow.acquire(FlowRequest(a, 0, 10))
+    assert full.value.reason == "queue_full" and "maxQueued" in full.value.message
+    first.cancel()
+    # tokens per minute: charged at arrival, Retry-After when the window has room again
+    pool = Pool(capacity=10)
+    b = tenant("b", tokens_per_minute=100)
+    (await pool.flow.acquire(FlowRequest(b, 0, 60))).release()
+    pool.now += 20
+    with pytest.raises(Shed) as over:
+        await pool.flow.acquire(FlowRequest(b, 0, 60))
+    assert over.value.reason == "tokens_per_minute" and over.value.retry_after_s == 40
+    with pytest.raises(Shed, match="exceeds"):
+        await pool.flow.acquire(FlowRequest(b, 0, 101))
+    pool.now += 40
+    (await pool.flow.acquire(FlowRequest(b, 0, 60))).release(used_tokens=5)  # usage corrects
+    (await pool.flow.acquire(FlowRequest(b, 0, 60))).release()
+
+
+async def test_max_concurrency_holds_a_tenant_back_while_others_go():
+    pool = Pool(capacity=10)
+    capped, other = tenant("capped", max_concurrency=1), tenant("other")
+    first, second = pool.submit(capped), pool.submit(capped)
+    await settle()
+    third = pool.submit(other)
+    await settle()
+    assert first.done() and not second.done() and third.done()
+    first.result().release()
+    await settle()
+    assert second.done()
+
+
+async def test_full_queues_shed_the_lowest_band_first():
+    pool = Pool(capacity=0, max_queued=2)
+    low, high = tenant("low", priority=0), tenant("high", priority=3)
+    lows = [pool.submit(low) for _ in range(2)]
+    await settle()
+    h = pool.submit(high)
+    await settle()
+    assert lows[1].done() and isinstance(lows[1].exception(), Shed)
+    assert lows[1].exception().reason == "displaced" and not lows[0].done()
+    with pytest.raises(Shed) as same:  # nothing lower than the lowest: the newcomer goes
+        await pool.flow.acquire(FlowRequest(low, 0, 1))
+    assert same.value.reason == "queue_full"
+    assert pool.flow.metrics.shed("low", "0", "displaced")._value.get() == 1
+    lows[0].cancel()
+    h.cancel()
+
+
+async def test_a_client_that_leaves_is_removed_from_its_queue_at_once():
+    pool = Pool(capacity=1)
+    a = tenant("a")
+    holder = pool.submit(a)
+    waiting = pool.submit(a)
+    await settle()
+    assert pool.flow.queue_length("a") == 1
+    waiting.cancel()
+    await settle()
+    assert pool.flow.queue_length("a") == 0 and pool.flow.queued == 0
+    assert pool.flow.metrics.abandoned("a", "0")._value.get() == 1
+    holder.result().release()
+    assert pool.flow.admitted == 0 and pool.flow.in_flight("a") == 0
+
+
+def test_estimates_and_engine_metrics():
+    assert estimate_tokens({"prompt": "x" * 40, "max_tokens": 8}) == 18
+    assert estimate_tokens({"prompt": [1, 2, 3]}, default_max_tokens=16) == 19
+    assert estimate_tokens({"messages": [{"role": "user", "content": "abcd"}]}) == 4 + 1 + 16
+    text = (
+        "# HELP vllm:num_requests_waiting x\n"
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        "vllm:num_requests_running 2.0\n"
+    )
+    load = engine_load(text, 5.0)
+    assert load == EngineLoad(3.0, 0.25, 5.0)
+    assert engine_load("pdpool_x 1\n", 0) is None
+    limits = PoolLimits(queue_depth_threshold=3, kv_cache_usage_threshold=0.9)
+    now = [10.0]
+    sat = Saturation(lambda: ["a", "b"], clock=lambda: now[0])
+    assert not sat.saturated(0, limits)  # nothing known
+    sat.loads = {"a": EngineLoad(3, 0.1, 10.0), "b": EngineLoad(0, 0.95, 10.0)}
+    assert sat.saturated(0, limits)  # every engine saturated
+    sat.loads["b"] = EngineLoad(0, 0.5, 10.0)
+    assert not sat.saturated(0, limits)
+    assert sat.saturated(8, PoolLimits(max_in_flight_per_backend=4))  # the pending view
+    now[0] = 100.0  # stale metrics say nothing
+    sat.loads["b"] = EngineLoad(9, 1, 10.0)
+    assert not sat.saturated(0, limits)
+    assert not Saturation(lambda: []).saturated(10**6, PoolLimits(max_in_flight_per_backend=1))
+
+
+GOOD = f"""
+tenants:
+  - name: a
+    keys: ["{KEY_A}"]
+    weight: 2
+    priority: 1
+    maxPriority: 4
+    maxConcurrency: 3
+    maxQueued: 5
+    queueTimeoutSeconds: 2.5
+    tokensPerMinute: 1000
+  - name: b
+    keys: ["{KEY_B}"]
+objectives:
+  - {{name: critical, priority: 9}}
+pool: {{maxInFlightPerBackend: 4, queueDepthThreshold: 2, kvCacheUsageThreshold: 0.7}}
+"""
+
+
+def test_tenants_file_parsing_and_priorities():
+    cfg = parse_tenants(GOOD)
+    a = cfg.tenant_for_key(KEY_A)
+    assert a is not None and a.name == "a" and a.weight == 2.0 and a.max_concurrency == 3
+    assert cfg.tenant_for_key(KEY_B).name == "b" and cfg.tenant_for_key("x" * 20) is None
+    assert cfg.pool == PoolLimits(4, 2, 0.7, 1000)
+    assert cfg.priority_of(a, {}) == 1
+    assert cfg.priority_of(a, {PRIORITY_HEADER: "3"}) == 3
+    assert cfg.priority_of(a, {PRIORITY_HEADER: "99"}) == 4  # bounded by maxPriority
+    assert cfg.priority_of(a, {PRIORITY_HEADER: "-2"}) == -2  # lower is always allowed
+    assert cfg.priority_of(a, {PRIORITY_HEADER: "high"}) == 1
+    assert cfg.priority_of(a, {OBJECTIVE_HEADER: "critical"}) == 4
+    assert cfg.priority_of(cfg.tenants["b"], {OBJECTIVE_HEADER: "critical"}) == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("", "the file: must be a mapping"),
+        ("tenants: []", "tenants: a non-empty list"),
+        ("tenants: [{keys: []}]", r"tenants\[0\].name"),
+        ("tenants: [{name: a, wieght: 2}]", r"tenants\[0\]: unknown field\(s\) wieght"),
+        ("tenants: [{name: a, weight: 0}]", r"tenants\[0\].weight: must be > 0"),
+        ("tenants: [{name: a, maxQueued: -1}]", r"maxQueued: must be >= 0"),
+        ("tenants: [{name: a, maxConcurrency: 1.5}]", "must be an integer"),
+        ("tenants: [{name: a, keys: [short]}]", "shorter than 16"),
+        ("tenants: [{name: a}, {name: a}]", "appears twice"),
+        (f"tenants: [{{name: a, keys: [{KEY_A}]}}, {{name: b, keys: [{KEY_A}]}}]", "also belongs"),
+        ("tenants: [{name: a, priority: 3, maxPriority: 1}]", "maxPriority: must be >= 3"),
+        ("tenants: [{name: a}]\npool: {kvCacheUsageThreshold: 2}", "must be <= 1"),
+        ("tenants: [{name: a}]\nextra: 1", "unknown field"),
+        ("tenants: [", "not valid YAML"),
+    ],
+)
+def test_tenants_file_errors_name_the_field(text, error):
+    with pytest.raises(TenantsError, match=error):
+        parse_tenants(text)
+
+
+def test_tenants_file_is_reread_when_it_changes(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(GOOD)
+    source = TenantsFile(str(path), recheck_s=0)
+    assert set(source.current().tenants) == {"a", "b"}
+    path.write_text(f"tenants: [{{name: c, keys: ['{KEY_A}']}}]\n")
+    os.utime(path, (time.time() + 5, time.time() + 5))
+    assert set(source.current().tenants) == {"c"}
+    assert source.current().tenant_for_key(KEY_A).name == "c"
+    path.write_text("tenants: [{name: c, weight: -1}]\n")  # broken: the last good one stays
+    os.utime(path, (time.time() + 10, time.time() + 10))
+    assert set(source.current().tenants) == {"c"}
+    with pytest.raises(TenantsError, match=r"tenants.yaml: tenants\[0\].weight"):
+        TenantsFile(str(path))

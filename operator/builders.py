@@ -20,6 +20,7 @@ from typing import Any
 from . import commands
 from .autoscaling import hpa
 from .children import Manifest, PoolRef, child_metadata
+from .inference_pool import inference_pool_children
 from .names import (
     DECODE,
     ENGINE_PORT,
@@ -54,6 +55,7 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         engine_deployment(ref, pool, DECODE, router_hash=config_hash),
         gateway_deployment(ref, pool, router_hash=config_hash),
         *autoscalers(ref, pool),
+        *inference_pool_children(ref, pool),
     ]
 
 

@@ -268,3 +268,21 @@ def hf_download_args(model: ModelSpec) -> list[str]:
 
 def _num(x: float) -> str:
     return format(x, "g")
+
+
+def epp_args(decode_service: str, grpc_port: int, health_port: int, metrics_port: int) -> list[str]:
+    """`pdpool epp`: the ext_proc endpoint picker over the decode sidecars' Service."""
+    return [
+        "pdpool",
+        "epp",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(grpc_port),
+        "--health-port",
+        str(health_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--decode-service",
+        decode_service,
+    ]

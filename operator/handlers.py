@@ -27,6 +27,7 @@ from .autoscaler import DEFAULT_METRICS_URL, Autoscaler
 from .builders import build_children
 from .pool_secrets import kv_secret
 from .children import PoolRef
+from .inference_pool import GIE_GROUP, GIE_VERSION, inference_pool_parents
 from .kube import Cluster
 from .names import DECODE, GATEWAY, GROUP, LABEL_POOL, PLURAL, PREFILL, VERSION
 from .spec import PoolSpec, SpecError, parse_pool_spec
@@ -110,13 +111,20 @@ def reconcile(
         _fail(body, namespace, name, generation, "InvalidSpec", str(exc))
         return
     ref = PoolRef(name, namespace, uid)
+    applying: dict[str, Any] = {"kind": "Secret", "apiVersion": "v1"}
     try:
         ensure_kv_secret(ref, pool)
         autoscaler().hold_bounds(ref, pool, only_existing=True)
         for manifest in build_children(ref, pool):
+            applying = manifest
             cluster().apply(manifest)
         autoscaler().hold_bounds(ref, pool, only_existing=False)
     except ApiException as exc:
+        if exc.status == 404:  # the API server does not serve that kind: its CRD is missing
+            kind = f"{applying['kind']} ({applying['apiVersion']})"
+            message = f"the API server does not serve {kind}: install its CRDs"
+            _fail(body, namespace, name, generation, "ApplyFailed", message)
+            return
         if refused_by_api_server(exc.status, _api_message(exc)):
             _fail(body, namespace, name, generation, "ApplyFailed", _api_message(exc))
             return
@@ -202,9 +210,42 @@ def refresh_status(
         )
         if observed_generation is not None:
             status["observedGeneration"] = observed_generation
+        gie = ((body.get("spec") or {}).get("inferencePool")) or {}
+        if gie.get("enabled") is True:
+            status["inferencePool"] = _inference_pool_status(namespace, name)
         # merge_conditions kept the old transition times, so an unchanged state compares equal.
         if status_changed(current, status):
             cluster().patch_pool_status(namespace, name, status)
+
+
+@kopf.on.event(GIE_GROUP, GIE_VERSION, "inferencepools", labels={LABEL_POOL: kopf.PRESENT})
+def inference_pool_changed(
+    namespace: str | None, labels: kopf.Labels, type: str | None, **_: Any
+) -> None:
+    """A Gateway accepted (or refused) the pool's InferencePool: shown in the pool's status."""
+    if type is None:
+        return
+    namespace = _namespaced(namespace)
+    try:
+        refresh_status(namespace, labels[LABEL_POOL])
+    except ApiException as exc:
+        log.warning("status refresh of %s/%s failed: %s", namespace, labels[LABEL_POOL], exc)
+
+
+def _inference_pool_status(namespace: str, name: str) -> dict[str, Any]:
+    """The InferencePool's name and its parents' conditions (none until a Gateway takes it)."""
+    try:
+        live = cluster().get(
+            {
+                "apiVersion": f"{GIE_GROUP}/{GIE_VERSION}",
+                "kind": "InferencePool",
+                "metadata": {"namespace": namespace, "name": name},
+            }
+        )
+    except ApiException as exc:
+        log.debug("reading InferencePool %s/%s: %s", namespace, name, exc)
+        live = None
+    return {"name": name, "parents": inference_pool_parents(live)}
 
 
 def _fail(

@@ -24,6 +24,15 @@ KINDS = {
         "/apis/autoscaling/v2",
         "horizontalpodautoscalers",
     ),
+    ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts"),
+    ("inference.networking.k8s.io/v1", "InferencePool"): (
+        "/apis/inference.networking.k8s.io/v1",
+        "inferencepools",
+    ),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): (
+        "/apis/gateway.networking.k8s.io/v1",
+        "httproutes",
+    ),
 }
 
 
@@ -156,6 +165,18 @@ class Cluster:
 
         try:
             return self._call("GET", pool_path(namespace, name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def get(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        """The live object `manifest` names (apiVersion, kind, namespace, name); None when
+        it does not exist."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self._call("GET", object_path(manifest))
         except ApiException as exc:
             if exc.status == 404:
                 return None

@@ -43,7 +43,8 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
       range, from the pool's own engine pods only (decode pods hold the sidecar that calls
       prefill; the gateway never needs an engine); 8000 also from the metrics scrapers
       (`networkPolicy.metricsFrom`), as engines serve /metrics there;
-    - decode sidecars (8080): from the pool's gateway pods and the metrics scrapers;
+    - decode sidecars (8080): from the pool's gateway pods and the metrics scrapers, and
+      with `inferencePool` from whoever may reach the gateway (the Gateway's data plane);
     - the gateway (8080): from `networkPolicy.clientsFrom`, default anyone;
     - with `router.kvEvents`: the event ports of decode pods from the gateway, of prefill
       pods from decode pods (their sidecars subscribe).
@@ -69,6 +70,10 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
     if clients is not None:
         gateway_rule["from"] = [dict(p) for p in clients] + metrics
     decode_rules = [{"from": [gateway_pods, *metrics], "ports": [_np_port(SIDECAR_PORT)]}]
+    if pool.inference_pool is not None:
+        # An InferencePool's Gateway (Envoy in its own namespace) connects to the sidecars
+        # directly: they are the pool's entry points then, open as the gateway is.
+        decode_rules.append(dict(gateway_rule))
     events = [_np_port(p) for p in pool.router.kv_events.ports()]
     if events:
         decode_rules.append({"from": [gateway_pods], "ports": events})

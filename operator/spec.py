@@ -16,6 +16,7 @@ from .names import API_KEYS_KEY, ENGINE_PORT, KV_SECRET_KEY, SIDECAR_PORT
 
 if TYPE_CHECKING:
     from .autoscaling_spec import AutoscalingSpec
+    from .inference_pool_spec import InferencePoolSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
@@ -193,11 +194,13 @@ class PoolSpec:
     # HTTPS inside the pool (gateway -> sidecars -> engines): a Secret with tls.crt,
     # tls.key and ca.crt (cert-manager's layout), the CA dedicated to this pool.
     tls_secret: str | None = None
+    # spec.autoscaling (autoscaling_spec.py); None: replicas are the roles' own counts.
+    autoscaling: "AutoscalingSpec | None" = None
     # spec.tracing.otlpTracesEndpoint: every server of the pool exports OpenTelemetry
     # traces there (None: the operator's default, PDPOOL_OTLP_TRACES_ENDPOINT).
     otlp_traces_endpoint: str | None = None
-    # spec.autoscaling (autoscaling_spec.py); None: replicas are the roles' own counts.
-    autoscaling: "AutoscalingSpec | None" = None
+    # spec.inferencePool (inference_pool_spec.py); None: no InferencePool, no EPP.
+    inference_pool: "InferencePoolSpec | None" = None
 
 
 def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
@@ -218,8 +221,9 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         disruption_budget=_disruption_budget(_section(spec, "disruptionBudget")),
         network_policy=_network_policy(_section(spec, "networkPolicy")),
         tls_secret=_section(spec, "tls").get("secretName") or None,
-        otlp_traces_endpoint=_section(spec, "tracing").get("otlpTracesEndpoint") or None,
         autoscaling=parse_autoscaling(spec),
+        otlp_traces_endpoint=_section(spec, "tracing").get("otlpTracesEndpoint") or None,
+        inference_pool=parse_inference_pool(spec),
     )
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.
@@ -235,6 +239,13 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
 def parse_autoscaling(spec: dict[str, Any]) -> "AutoscalingSpec | None":
     # Imported here: autoscaling_spec.py reads this module's SpecError and QUANTITY.
     from .autoscaling_spec import parse_autoscaling as parse
+
+    return parse(spec)
+
+
+def parse_inference_pool(spec: dict[str, Any]) -> "InferencePoolSpec | None":
+    # Imported here: inference_pool_spec.py reads this module's SpecError and defaults.
+    from .inference_pool_spec import parse_inference_pool as parse
 
     return parse(spec)
 

@@ -41,6 +41,10 @@ EXPECTED_RULES = {
     ("", "events"): {"create"},
     ("", "pods"): {"list"},  # the autoscaling planner reads their metrics
     ("autoscaling", "horizontalpodautoscalers"): {"create", "patch"},
+    # spec.inferencePool: the EPP's account, the InferencePool (its status read back), a route
+    ("", "serviceaccounts"): {"create", "patch"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "list", "watch", "create", "patch"},
+    ("gateway.networking.k8s.io", "httproutes"): {"create", "patch"},
 }
 
 

@@ -82,4 +82,15 @@ Each rule names the call that needs it; nothing else is granted.
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [create, patch]
+# spec.inferencePool: the EPP's ServiceAccount (it mounts no token and has no role), the
+# InferencePool (get: its parents' conditions for the pool's status) and the HTTPRoute
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [create, patch]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [create, patch]
 {{- end -}}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Fetches the pinned Gateway API Inference Extension CRDs (InferencePool, ...) and the
+# Gateway API standard CRDs (Gateway, HTTPRoute, ...) as published in their Go modules, from
+# the Go module proxy, into a cache folder outside the repository. Idempotent.
+#
+#   scripts/gie/fetch-crds.sh          # prints the folder holding the CRD YAML files
+set -euo pipefail
+
+GIE_VERSION=${PDPOOL_GIE_VERSION:-v1.6.0}
+GATEWAY_API_VERSION=${PDPOOL_GATEWAY_API_VERSION:-v1.4.1}
+OUT=${PDPOOL_GIE_CRDS:-$HOME/.cache/pdpool/gie-crds}/$GIE_VERSION-$GATEWAY_API_VERSION
+
+if [[ -f $OUT/.done ]]; then
+  echo "$OUT"
+  exit 0
+fi
+command -v go >/dev/null || { echo "fetch-crds: go is not installed" >&2; exit 3; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+go mod init pdpool.local/gie-crds >/dev/null 2>&1
+module_dir() {  # module_dir MODULE VERSION: where the Go module cache holds it
+  GOFLAGS=-mod=mod go mod download -json "$1@$2" \
+    | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d.get("Dir") or sys.exit(d.get("Error")))'
+}
+gie=$(module_dir sigs.k8s.io/gateway-api-inference-extension "$GIE_VERSION")
+gwapi=$(module_dir sigs.k8s.io/gateway-api "$GATEWAY_API_VERSION")
+mkdir -p "$OUT.tmp"
+cp "$gie"/config/crd/bases/*.yaml "$gwapi"/config/crd/standard/*.yaml "$OUT.tmp/"
+chmod -R u+w "$OUT.tmp"
+rm -rf "$OUT"
+mv "$OUT.tmp" "$OUT"
+touch "$OUT/.done"
+echo "$OUT"

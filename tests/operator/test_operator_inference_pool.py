@@ -1,0 +1,340 @@
+"""spec.inferencePool: the pool as a Gateway API Inference Extension InferencePool with
+`pdpool epp` as its endpoint picker. Pure builders first, then the real API server with
+GIE's published CRDs (pinned, fetched by scripts/gie/fetch-crds.sh)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from kubernetes import client
+
+from devtools.operator_kube import OperatorProcess, pool_manifest, wait_for
+from pdpool.operator.builders import build_children
+from pdpool.operator.children import PoolRef
+from pdpool.operator.inference_pool import inference_pool_parents
+from pdpool.operator.kube import collection_path, request
+from pdpool.operator.spec import SpecError, parse_pool_spec
+
+REF = PoolRef(name="demo", namespace="llm", uid="uid-123")
+BASE = {
+    "model": {"path": "/models/qwen3"},
+    "engine": {"image": "engine:1"},
+    "router": {"image": "slim:1"},
+}
+GIE = dict(
+    BASE,
+    inferencePool={
+        "enabled": True,
+        "failureMode": "FailOpen",
+        "parentRefs": [{"name": "inference-gateway", "namespace": "gateways"}],
+    },
+)
+
+
+def kids(spec, ref=REF):
+    return {
+        (m["kind"], m["metadata"]["name"]): m
+        for m in build_children(ref, parse_pool_spec(ref.name, spec))
+    }
+
+
+# --- pure ----------------------------------------------------------------------------------
+
+
+def test_off_by_default_renders_nothing_of_gie():
+    assert not [k for k in kids(BASE) if k[1] == "demo-epp" or k[0] == "InferencePool"]
+    off = dict(BASE, inferencePool={"enabled": False, "failureMode": "FailOpen"})
+    assert kids(off).keys() == kids(BASE).keys()
+
+
+def test_the_inference_pool_selects_the_decode_sidecars_and_names_the_epp():
+    objects = kids(GIE)
+    pool = objects[("InferencePool", "demo")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    decode = objects[("Deployment", "demo-decode")]
+    labels = decode["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    sidecar = next(
+        c for c in decode["spec"]["template"]["spec"]["containers"] if c["name"] == "sidecar"
+    )
+    assert pool["spec"]["targetPorts"] == [{"number": sidecar["ports"][0]["containerPort"]}]
+    picker = pool["spec"]["endpointPickerRef"]
+    service = objects[("Service", "demo-epp")]
+    assert picker["kind"] == "Service" and picker["name"] == "demo-epp"
+    assert picker["port"]["number"] in [p["port"] for p in service["spec"]["ports"]]
+    assert picker["failureMode"] == "FailOpen"
+    # The EPP Service reaches the EPP pods.
+    epp = objects[("Deployment", "demo-epp")]
+    assert (
+        service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    )
+    # Every GIE object is owned by the pool (garbage-collected with it).
+    for kind in ("InferencePool", "HTTPRoute"):
+        (owner,) = objects[(kind, "demo")]["metadata"]["ownerReferences"]
+        assert owner["kind"] == "PDInferencePool" and owner["controller"] is True
+
+
+def test_the_epp_runs_pdpool_epp_over_the_decode_service_with_no_api_token():
+    objects = kids(dict(GIE, router={"image": "slim:1", "kvEvents": {"enabled": True}}))
+    pod = objects[("Deployment", "demo-epp")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    argv = container["command"]
+    assert argv[:2] == ["pdpool", "epp"]
+    assert argv[argv.index("--decode-service") + 1] == "demo-decode.llm.svc:8080"
+    assert "--kv-events-port" in argv  # the same precise routing as the gateway
+    assert container["image"] == "slim:1"
+    assert pod["automountServiceAccountToken"] is False
+    assert objects[("ServiceAccount", "demo-epp")]["automountServiceAccountToken"] is False
+    assert container["readinessProbe"]["grpc"]["port"] in [
+        p["containerPort"] for p in container["ports"]
+    ]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_the_http_route_sends_its_gateways_traffic_to_the_inference_pool():
+    route = kids(GIE)[("HTTPRoute", "demo")]
+    assert route["spec"]["parentRefs"] == [{"name": "inference-gateway", "namespace": "gateways"}]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "demo"}
+    ]
+    no_parents = dict(GIE, inferencePool={"enabled": True})
+    assert ("HTTPRoute", "demo") not in kids(no_parents)
+    assert (
+        kids(no_parents)[("InferencePool", "demo")]["spec"]["endpointPickerRef"]["failureMode"]
+        == "FailClose"
+    )
+
+
+def test_network_policies_open_the_epp_and_the_sidecars_to_the_gateways_data_plane():
+    objects = kids(GIE)
+    epp_policy = objects[("NetworkPolicy", "demo-epp")]["spec"]
+    assert {"namespaceSelector": {}} in epp_policy["ingress"][0]["from"]
+    decode_rules = objects[("NetworkPolicy", "demo-decode-sidecar")]["spec"]["ingress"]
+    assert any("from" not in rule for rule in decode_rules)  # any source, as the gateway
+    plain = kids(BASE)[("NetworkPolicy", "demo-decode-sidecar")]["spec"]["ingress"]
+    assert all("from" in rule for rule in plain)
+    # Children are in a safe order: the EPP's policy before its Deployment.
+    order = [
+        (m["kind"], m["metadata"]["name"])
+        for m in build_children(REF, parse_pool_spec("demo", GIE))
+    ]
+    assert order.index(("NetworkPolicy", "demo-epp")) < order.index(("Deployment", "demo-epp"))
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"enabled": "yes"}, "enabled must be true or false"),
+        ({"enabled": True, "failureMode": "Sometimes"}, "failureMode must be one of"),
+        ({"enabled": True, "parentRefs": [{"namespace": "x"}]}, r"parentRefs\[0\] needs a name"),
+        ({"enabled": True, "parentRefs": [{"name": "g", "color": 1}]}, "unknown fields: color"),
+        ({"enabled": True, "epp": {"replicas": 0}}, "epp.replicas must be an integer >= 1"),
+    ],
+)
+def test_bad_sections_are_refused_with_the_field_named(section, message):
+    with pytest.raises(SpecError, match=message):
+        parse_pool_spec("demo", dict(BASE, inferencePool=section))
+
+
+def test_parents_conditions_are_read_from_the_inference_pool_status():
+    live = {
+        "status": {
+            "parents": [
+                {
+                    "parentRef": {"name": "gw", "kind": "Gateway"},
+                    "controllerName": "example.com/gateway",
+                    "conditions": [
+                        {
+                            "type": "Accepted",
+                            "status": "True",
+                            "reason": "Accepted",
+                            "message": "",
+                            "lastTransitionTime": "2026-01-01T00:00:00Z",
+                        },
+                    ],
+                }
+            ]
+        }
+    }
+    assert inference_pool_parents(live) == [
+        {
+            "parentRef": {"name": "gw", "kind": "Gateway"},
+            "conditions": [
+                {"type": "Accepted", "status": "True", "reason": "Accepted", "message": ""}
+            ],
+        }
+    ]
+    assert inference_pool_parents(None) == [] and inference_pool_parents({}) == []
+
+
+def test_operator_render_shows_the_gie_objects(tmp_path):
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            pool_manifest("demo", **{k: v for k, v in GIE.items() if k == "inferencePool"})
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pdpool.cli", "operator", "render", "-f", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    kinds = {d["kind"] for d in yaml.safe_load_all(done.stdout) if d}
+    assert {"InferencePool", "HTTPRoute", "ServiceAccount"} <= kinds
+
+
+# --- the real API server with GIE's CRDs ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gie_crds(k8s):
+    from devtools.gie_crds import fetch_crds, install_crds
+    from devtools.operator_kube import api_client
+
+    if shutil.which("go") is None:
+        pytest.skip("go is not installed: cannot fetch the GIE CRDs from the Go module proxy")
+    folder = fetch_crds()  # a failure fails the tests (the proxy serves the pinned versions)
+    api = api_client(k8s.server, k8s.ca_file, k8s.admin_token)
+    install_crds(api, folder)
+    api.close()
+    return folder
+
+
+@pytest.fixture
+def restricted(admin_api, namespace):
+    core = client.CoreV1Api(admin_api)
+    core.patch_namespace(
+        namespace,
+        {"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
+    )
+    try:
+        core.create_namespaced_service_account(namespace, {"metadata": {"name": "default"}})
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
+    return namespace
+
+
+def test_the_api_server_accepts_every_gie_child_and_admits_the_epp_as_restricted(
+    gie_crds, admin_api, restricted
+):
+    ref = PoolRef("demo", restricted, "00000000-0000-0000-0000-000000000001")
+    children = build_children(ref, parse_pool_spec("demo", GIE))
+    core = client.CoreV1Api(admin_api)
+    # The EPP's ServiceAccount first: the ServiceAccount admission plugin wants it to exist.
+    # (without its owner reference: no such pool exists, the garbage collector would take it)
+    account = next(m for m in children if m["kind"] == "ServiceAccount")
+    unowned = {
+        **account,
+        "metadata": {k: v for k, v in account["metadata"].items() if k != "ownerReferences"},
+    }
+    request(admin_api, "POST", collection_path(account), unowned, "application/json")
+    epp = next(
+        m for m in children if m["kind"] == "Deployment" and m["metadata"]["name"] == "demo-epp"
+    )
+    template = epp["spec"]["template"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "demo-epp", "labels": template["metadata"]["labels"]},
+        "spec": template["spec"],
+    }
+    request(
+        core.api_client,
+        "POST",
+        f"/api/v1/namespaces/{restricted}/pods",
+        pod,
+        "application/json",
+        [("dryRun", "All")],
+    )
+    for manifest in children:
+        if manifest is account:
+            continue
+        request(
+            admin_api,
+            "POST",
+            collection_path(manifest),
+            manifest,
+            "application/json",
+            [("dryRun", "All")],
+        )
+    # The InferencePool's own schema refuses what GIE forbids (a bad failureMode).
+    bad = next(m for m in children if m["kind"] == "InferencePool")
+    bad = {
+        **bad,
+        "spec": {
+            **bad["spec"],
+            "endpointPickerRef": {**bad["spec"]["endpointPickerRef"], "failureMode": "Maybe"},
+        },
+    }
+    with pytest.raises(client.ApiException) as refused:
+        request(
+            admin_api, "POST", collection_path(bad), bad, "application/json", [("dryRun", "All")]
+        )
+    assert refused.value.status == 422
+
+
+@pytest.fixture(scope="module")
+def gie_operator(k8s, gie_crds, tmp_path_factory):
+    """An operator started after GIE's CRDs exist (it watches InferencePools)."""
+    op = OperatorProcess(k8s.kubeconfig, tmp_path_factory.mktemp("operator-gie") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    print("operator log (tail):\n" + op.log()[-4000:])
+
+
+def test_the_operator_applies_the_inference_pool_and_shows_its_parents(
+    gie_operator, pools, admin_api
+):
+    pools.create(pool_manifest("gie", inferencePool={"enabled": True}))
+    custom = client.CustomObjectsApi(admin_api)
+    args = ("inference.networking.k8s.io", "v1", pools.namespace, "inferencepools", "gie")
+
+    def inference_pool():
+        try:
+            return custom.get_namespaced_custom_object(*args)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    live = wait_for(inference_pool, 60, what="the InferencePool")
+    assert live["spec"]["endpointPickerRef"]["name"] == "gie-epp"
+    assert live["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+    assert "gie-epp" in pools.deployments("gie") or any(
+        d.metadata.name == "gie-epp"
+        for d in client.AppsV1Api(admin_api).list_namespaced_deployment(pools.namespace).items
+    )
+    # A Gateway controller accepts the pool: the pool's status shows it.
+    parent = {
+        "parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "gw"},
+        "controllerName": "example.com/gateway-controller",
+        "conditions": [
+            {
+                "type": "Accepted",
+                "status": "True",
+                "reason": "Accepted",
+                "message": "ok",
+                "lastTransitionTime": "2026-11-25T00:00:00Z",
+                "observedGeneration": 1,
+            },
+        ],
+    }
+    custom.patch_namespaced_custom_object_status(*args, {"status": {"parents": [parent]}})
+
+    def shown():
+        status = (pools.get("gie").get("status") or {}).get("inferencePool") or {}
+        return status if status.get("parents") else None
+
+    status = wait_for(shown, 60, what="the InferencePool's parents in the pool's status")
+    assert status["name"] == "gie"
+    assert status["parents"][0]["parentRef"]["name"] == "gw"
+    assert status["parents"][0]["conditions"][0]["type"] == "Accepted"

@@ -5,6 +5,7 @@ The whole tree with real engines: test_e2e_observability.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 
 from pdpool import tracing
 from pdpool.otlp_receiver import OtlpReceiver
+from pdpool.up.topology import pdpool_command
 
 from tests.sidecar.test_proxy_standin import HISTORY, topology
 
@@ -76,3 +78,23 @@ async def test_tracing_on_gives_each_leg_its_own_span_in_the_client_trace(server
     assert [by_id[p]["name"] for p in parents] == ["decode_first", "decode", "prefill_attempt"]
     (root,) = [s for s in spans if s["name"] == "sidecar"]
     assert root["parent_span_id"] == CLIENT_SPAN and root["attributes"]["pdpool.path"] == "pd"
+
+
+def test_an_unknown_otlp_protocol_is_a_one_line_error():
+    done = subprocess.run(
+        pdpool_command(
+            "sidecar",
+            "--port",
+            "0",
+            "--decode-url",
+            "http://127.0.0.1:1",
+            "--otlp-traces-endpoint",
+            "http://127.0.0.1:1",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "carrier-pigeon"},
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "carrier-pigeon" in done.stderr

@@ -118,6 +118,7 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
         (["--decode", "0"], "--decode >= 1"),
         (["--cache-hit-threshold", "2"], "[0, 1]"),
         (["--model", "/nonexistent/model"], ""),
+        (["--otel", "-", "--otlp-traces-endpoint", "http://127.0.0.1:1"], "choose one"),
     ],
 )
 def test_up_bad_arguments_exit_with_one_line(argv, needle, tmp_path):

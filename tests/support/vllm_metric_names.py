@@ -18,6 +18,9 @@ VLLM_032 = {
     "vllm:time_to_first_token_seconds": ("histogram", ()),
     "vllm:inter_token_latency_seconds": ("histogram", ()),
     "vllm:e2e_request_latency_seconds": ("histogram", ()),
+    "vllm:request_queue_time_seconds": ("histogram", ()),
+    "vllm:request_prefill_time_seconds": ("histogram", ()),
+    "vllm:request_decode_time_seconds": ("histogram", ()),
 }
 
 

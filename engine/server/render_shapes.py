@@ -33,7 +33,9 @@ def vllm_sampling_params(
 ) -> dict[str, Any]:
     """vLLM's serialized SamplingParams for a request: what its to_sampling_params sets,
     without the fields still at their defaults (vLLM always writes the penalties, the
-    temperature, the stop lists and a few internal flags)."""
+    temperature, the stop lists and a few internal flags). A chat that offers tools keeps
+    special tokens in its text, as vLLM's Hermes tool parser (Qwen3's) asks, to find the
+    <tool_call> blocks."""
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     out: dict[str, Any] = {} if req.n == 1 else {"n": req.n}
     out.update(
@@ -55,6 +57,8 @@ def vllm_sampling_params(
         "logprobs": (logprobs, None),
     }
     out.update({name: value for name, (value, default) in optional.items() if value != default})
+    if offers_tools(req.model_extra or {}):
+        out["skip_special_tokens"] = False
     out["output_kind"] = OUTPUT_KIND_DELTA if req.stream else OUTPUT_KIND_FINAL_ONLY
     out["skip_clone"] = True
     if kv_transfer_params is not None:
@@ -89,6 +93,11 @@ def unrendered_field(extras: dict[str, Any]) -> Optional[str]:
         (name for name, neutral in UNRENDERED_FIELDS.items() if not neutral(extras.get(name))),
         None,
     )
+
+
+def offers_tools(extras: dict[str, Any]) -> bool:
+    """Whether a request offers the model tools it may call (tool_choice not "none")."""
+    return bool(extras.get("tools")) and extras.get("tool_choice") != "none"
 
 
 def render_request_id(

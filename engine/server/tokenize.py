@@ -3,7 +3,8 @@ tokenizer or chat template (a gateway pod) can learn a request's token ids from 
 
     POST /tokenize    {"prompt": str, "add_special_tokens"?: bool}
                       {"messages": [...], "add_generation_prompt"?: bool,
-                       "continue_final_message"?: bool, "add_special_tokens"?: bool}
+                       "continue_final_message"?: bool, "add_special_tokens"?: bool,
+                       "tools"?: [...]}
                       -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize  {"tokens": [int, ...]} -> {"prompt": str}
 
@@ -24,7 +25,7 @@ from pdpool.protocol import RequestError, parse_json_body, validate_request
 
 
 # The fields of a chat body that change its token ids (their defaults are the chat route's).
-CHAT_FLAGS = ("add_generation_prompt", "continue_final_message", "add_special_tokens")
+CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "tools")
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -60,9 +61,9 @@ class TokenizeRoutes:
         if ("prompt" in body) == ("messages" in body):
             raise RequestError("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
         if "messages" in body:
-            flags = {name: body[name] for name in CHAT_FLAGS if name in body}
+            fields = {name: body[name] for name in CHAT_FIELDS if name in body}
             chat = validate_request(
-                {"messages": body["messages"], **flags},
+                {"messages": body["messages"], **fields},
                 ChatCompletionRequest,
                 refuse_unsupported=False,
             )

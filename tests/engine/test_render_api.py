@@ -16,7 +16,7 @@ from tests.support.bos_checkpoint import with_bos_tokenizer
 from tests.support.render_cases import CHAT, COMPLETION, RENDER_CASES, SYSTEM, TURNS
 
 GENERATE = "/inference/v1/generate"
-CHAT_FLAGS = ("add_generation_prompt", "continue_final_message", "add_special_tokens")
+CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "tools")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_render_gives_the_ids_the_completion_routes_feed_the_model(server, path,
     ids = rendered_ids(server, path, body)
     assert ids == fed_ids(server, path, body)
     if path == CHAT or isinstance(body["prompt"], str):  # /tokenize agrees for one text
-        ask = {k: v for k, v in body.items() if k in ("prompt", "messages", *CHAT_FLAGS)}
+        ask = {k: v for k, v in body.items() if k in ("prompt", "messages", *CHAT_FIELDS)}
         assert post(server, "/tokenize", ask).json()["tokens"] == ids[0]
 
 

@@ -44,6 +44,15 @@ def test_sampling_params_are_written_as_vllm_serializes_them():
     assert "top_p" not in greedy and "min_p" not in greedy
     assert (greedy["max_tokens"], greedy["logprobs"], greedy["output_kind"]) == (5, 0, 1)
     assert greedy["extra_args"] == {"kv_transfer_params": {"do_remote_decode": True}}
+    assert "skip_special_tokens" not in greedy
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for choice, kept in (("auto", False), ("none", None)):
+        offered = validate_request(
+            {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice},
+            ChatCompletionRequest,
+        )
+        # vLLM's Hermes tool parser keeps <tool_call> in the text when tools may be called
+        assert vllm_sampling_params(offered, 16, None, None).get("skip_special_tokens") == kept
 
 
 def test_a_batch_is_numbered_and_one_prompt_keeps_the_id():

@@ -90,6 +90,29 @@ RENDER_CASES: list[tuple[str, str, dict[str, Any]]] = [
         },
     ),
     (
+        "tools",
+        CHAT,
+        {
+            "messages": [SYSTEM, TURNS[0]],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "lookup",
+                        "description": "Look a word up.",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"word": {"type": "string"}},
+                            "required": ["word"],
+                        },
+                    },
+                }
+            ],
+            "tool_choice": "auto",
+            "max_tokens": 8,
+        },
+    ),
+    (
         "chat-sampling",
         CHAT,
         {

@@ -39,6 +39,8 @@ def servers(vllm_bin, tiny_qwen3, tmp_path_factory):
     port = free_port()
     argv = [vllm_bin, "launch", "render", str(model), "--port", str(port)]
     argv += ["--served-model-name", model.name, "--max-model-len", MAX_MODEL_LEN]
+    # Qwen3's tool calls, as vLLM serves them (the tools case needs a parser for "auto")
+    argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     with open(logs / "vllm-render.log", "wb") as log:  # the child holds its own copy
         theirs = subprocess.Popen(
             argv,

@@ -66,6 +66,9 @@ class StandInState:
     drop_streams: int = 0  # next N streams: send the head, then die (an engine crash)
     die_after_tokens: Optional[int] = None  # next stream: die after this many tokens
     coalesce: bool = False  # a stream's events in one write (as a busy network delivers)
+    # What its /metrics reports under vLLM's names (flow control reads saturation from them).
+    waiting_reported: int = 0
+    kv_usage_reported: float = 0.0
     cancelled: int = 0
     pulled_tokens: int = 0  # tokens this engine pulled from a peer
     computed_tokens: int = 0
@@ -98,6 +101,16 @@ class VllmStandIn:
         route = scope["path"]
         if route == "/health":
             return await send_json(send, 200, {})
+        if route == "/metrics":
+            st = self.state
+            labels = '{engine="0",model_name="standin"}'
+            text = (
+                f"vllm:num_requests_waiting{labels} {st.waiting_reported}\n"
+                f"vllm:kv_cache_usage_perc{labels} {st.kv_usage_reported}\n"
+            )
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": text.encode()})
+            return
         if route == "/v1/models":
             return await send_json(send, 200, {"object": "list", "data": [{"id": "standin"}]})
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}

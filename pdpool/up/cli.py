@@ -103,6 +103,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="traces without a collector: a small OTLP receiver in this process writes "
         "every span to FILE (JSON lines; - for the console)",
     )
+    p.add_argument(
+        "--tenants-file",
+        help="flow control at the gateway: YAML of tenants (API keys, weight, priority, "
+        "limits; docs/flow-control.md); requests that cannot wait get 429 + Retry-After",
+    )
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
     p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
     add_autoscale_arguments(p)
@@ -191,6 +196,7 @@ def spec_from_args(args: argparse.Namespace) -> TopologySpec:
         kv_events=args.kv_events,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         discovery_files=args.autoscale,
+        tenants_file=os.path.abspath(args.tenants_file) if args.tenants_file else None,
     )
 
 

@@ -133,6 +133,8 @@ class TopologySpec:
     # gateway indexes them and routes by cost (sidecar/routing/kv_router.py).
     kv_events: bool = False
     kv_load_cost: Optional[float] = None  # gateway --kv-load-cost (None: its default)
+    # Flow control: the gateway's --tenants-file (tenants' fair queues, 429 when shed).
+    tenants_file: Optional[str] = None
     # Tracing: every child (engines, stock vLLM too, sidecars, gateway) exports its spans
     # here (--otlp-traces-endpoint), with these variables added to its environment
     # (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_BSP_SCHEDULE_DELAY, ...).
@@ -340,6 +342,8 @@ class Topology:
             argv += ["--decode-url", f"127.0.0.1:{sc.port}"]
         if s.kv_events:
             argv += self._wire_kv_events(prefills, decodes, sidecars)
+        if s.tenants_file:
+            argv += ["--tenants-file", s.tenants_file]
         argv += self._serve_tls_args() + self._client_tls_args()
         gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0), scheme=self._scheme)
         self.children = prefills + decodes + sidecars + [gateway]

@@ -20,6 +20,10 @@ COMMANDS = {
     "serve": ("pdpool.engine.serve_cli", "run one engine with its OpenAI-compatible server"),
     "sidecar": ("pdpool.sidecar.proxy.cli", "run the P/D proxy in front of a decode engine"),
     "gateway": ("pdpool.sidecar.gateway.cli", "run the gateway in front of decode sidecars"),
+    "epp": (
+        "pdpool.sidecar.epp.cli",
+        "run the Gateway API Inference Extension endpoint picker (Envoy ext_proc)",
+    ),
     "up": ("pdpool.up.cli", "run the whole P/D topology as local processes"),
     "operator": ("pdpool.operator.operator_cli", "run the Kubernetes operator"),
 }

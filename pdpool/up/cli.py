@@ -111,7 +111,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", help="where each process writes its log (default: a temp dir)")
     p.add_argument("--state-file", help="write ports, pids and URLs here as JSON once ready")
     add_autoscale_arguments(p)
+    add_gateway_arguments(p)
     p.add_argument("--ready-timeout", type=float, default=300.0)
+
+
+def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("front door (docs/gateway-api.md)")
+    g.add_argument(
+        "--gateway",
+        default="ours",
+        choices=("ours", "envoy"),
+        help="ours: pdpool gateway; envoy: real Envoy (scripts/envoy/install.sh) asking "
+        "pdpool epp, the Gateway API Inference Extension endpoint picker, on the same port",
+    )
+    g.add_argument("--envoy-bin", help="the envoy binary (default: PDPOOL_ENVOY_BIN, the cache)")
+    g.add_argument(
+        "--epp-failure-mode",
+        default="close",
+        choices=("open", "close"),
+        help="when the picker is down: close answers 5xx, open serves round-robin",
+    )
+    g.add_argument(
+        "--epp-arg",
+        dest="epp_args",
+        action="append",
+        default=[],
+        metavar="=--FLAG",
+        help="an extra `pdpool epp` flag (repeatable; write --epp-arg=--flag)",
+    )
 
 
 def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
@@ -197,6 +224,10 @@ def spec_from_args(args: argparse.Namespace) -> TopologySpec:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         discovery_files=args.autoscale,
         tenants_file=os.path.abspath(args.tenants_file) if args.tenants_file else None,
+        gateway=args.gateway,
+        envoy_bin=args.envoy_bin,
+        epp_failure_mode=args.epp_failure_mode,
+        epp_args=args.epp_args,
     )
 
 

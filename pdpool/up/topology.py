@@ -28,6 +28,8 @@ from pdpool.cpu_cores import engine_share_of_cores
 from pdpool.ports import free_port
 from pdpool.tlsutil import make_ca_and_certificate
 
+from .envoy_gateway import swap_in_envoy
+
 
 def pdpool_command(*args: str) -> list[str]:
     # Not `-m pdpool.cli`: that runs cli.py as __main__, a second copy of the module whose
@@ -143,6 +145,12 @@ class TopologySpec:
     # engines can be added and removed while serving (pdpool up --autoscale, autoscale.py).
     discovery_files: bool = False
     tracing_env: dict[str, str] = field(default_factory=dict)
+    # The front door: ours (pdpool gateway) or envoy (real Envoy asking `pdpool epp`, the
+    # Gateway API Inference Extension endpoint picker: envoy_gateway.py).
+    gateway: str = "ours"
+    envoy_bin: Optional[str] = None  # default: envoy_gateway.find_envoy()
+    epp_failure_mode: str = "close"  # Envoy's ext_proc failure_mode_allow: open or close
+    epp_args: list[str] = field(default_factory=list)  # more `pdpool epp` flags
 
 
 ENGINES = ("pdpool", "vllm")
@@ -349,6 +357,8 @@ class Topology:
         self.children = prefills + decodes + sidecars + [gateway]
         for child in self.children:
             self._finish(child)
+        if s.gateway == "envoy":  # after _finish: the picker takes the gateway's flags
+            self.children = swap_in_envoy(self, self.children)
 
     def _finish(self, child: Child) -> Child:
         """What every child gets, also one the autoscaler adds later."""
@@ -505,7 +515,13 @@ class Topology:
 
     @property
     def gateway(self) -> Child:
-        return self.by_role("gateway")[0]
+        """The front door: our gateway, or Envoy (--gateway envoy)."""
+        return (self.by_role("gateway") or self.by_role("envoy"))[0]
+
+    @property
+    def router(self) -> Child:
+        """The child that routes (our gateway, or the endpoint picker behind Envoy)."""
+        return (self.by_role("gateway") or self.by_role("epp"))[0]
 
     def by_role(self, role: str) -> list[Child]:
         return [c for c in self.children if c.role == role]
@@ -566,7 +582,7 @@ class Topology:
         while True:
             try:
                 with urllib.request.urlopen(
-                    self.gateway.url + "/health", timeout=2, context=context
+                    self.router.url + "/health", timeout=2, context=context
                 ) as r:
                     seen = len(json.loads(r.read()).get("healthy", []))
             except (urllib.error.URLError, OSError, ValueError):

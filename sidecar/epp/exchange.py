@@ -1,0 +1,170 @@
+"""One request's ext_proc stream: what the endpoint picker answers to each message Envoy
+sends (FULL_DUPLEX_STREAMED bodies), from the request headers to the response's end.
+
+Request path: headers are held until the body has arrived (routing reads the prompt), then
+the routed header answer and the body, unchanged, go back together; a request without a
+body (GET /health, /v1/models) is routed at its headers. Response path: the sidecar Envoy
+reached is read back (`upstream.address`), every body chunk is passed on as it comes, and
+the request counts as served or failed at its end; Envoy's own 503 for an endpoint it
+could not reach becomes a clear error and ejects that endpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
+
+from ..net.client_body import BadRequest, parse_client_body
+from ..routing.core import PD_HEADER
+from . import protocol
+
+if TYPE_CHECKING:
+    from .server import EndpointPicker
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Headers only the picker sets: a client's copy never reaches a sidecar.
+OWNED_HEADERS = (PD_HEADER, protocol.DESTINATION_HEADER)
+
+Answers = list[ext.ProcessingResponse]
+
+
+class Exchange:
+    def __init__(self, picker: "EndpointPicker") -> None:
+        self.picker = picker
+        self.headers: dict[str, str] = {}
+        self.body = bytearray()
+        self.endpoint: Optional[str] = None
+        self.status: Optional[int] = None
+        self.routed = False
+        self._tracked = contextlib.ExitStack()
+        self._started = time.perf_counter()
+
+    # ------------------------------------------------------------------ dispatch
+    async def handle(self, request: ext.ProcessingRequest) -> Answers:
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            return await self._request_headers(request)
+        if kind == "request_body":
+            return await self._request_body(request)
+        if kind == "request_trailers":  # a body ended by trailers: route it now
+            answers = [] if self.routed else await self._route(request, body_ended=True)
+            return [*answers, protocol.trailers(request_side=True)]
+        if kind == "response_headers":
+            return self._response_headers(request)
+        if kind == "response_body":
+            return self._response_body(request.response_body)
+        if kind == "response_trailers":
+            self._finish()
+            return [protocol.trailers(request_side=False)]
+        return []
+
+    def close(self) -> None:
+        """The stream ended (the request is over, or Envoy or the client gave up on it: not
+        the endpoint's failure)."""
+        self._tracked.close()
+
+    # ------------------------------------------------------------------ request path
+    async def _request_headers(self, request: ext.ProcessingRequest) -> Answers:
+        self.headers = protocol.header_map(request.request_headers)
+        self._started = time.perf_counter()
+        if request.request_headers.end_of_stream:
+            return await self._route(request, body_ended=False)
+        return []
+
+    async def _request_body(self, request: ext.ProcessingRequest) -> Answers:
+        part = request.request_body
+        self.body += part.body
+        limit = self.picker.settings.max_body_bytes
+        if len(self.body) > limit:
+            return [protocol.immediate(413, f"request body exceeds {limit} bytes")]
+        if part.end_of_stream or part.end_of_stream_without_message:
+            return await self._route(request, body_ended=True)
+        return []  # the body is answered whole once routed
+
+    async def _route(self, request: ext.ProcessingRequest, body_ended: bool) -> Answers:
+        raw = bytes(self.body)
+        parsed, refusal = self._parse(raw)
+        if refusal is not None:
+            return [refusal]
+        rejection = await self.picker.admit(parsed, self.headers)
+        if rejection is not None:
+            return [rejection]
+        allowed = protocol.subset_hint(request)
+        if self.picker.settings.test_endpoint_selection:
+            chosen = protocol.test_selection(self.headers)
+            allowed = chosen if chosen is not None else allowed
+        pick = await self.picker.pick(parsed, self.headers, allowed)
+        if pick.endpoint is None:
+            return [protocol.immediate(503, pick.reason, code="no_backend")]
+        self.endpoint, self.routed = pick.endpoint, True
+        self._tracked.enter_context(self.picker.routing.tracked(pick.endpoint))
+        ours = {PD_HEADER: pick.pd_path} if pick.pd_path is not None else {}
+        answers = [
+            protocol.routed_headers(
+                pick.endpoint,
+                ours,
+                remove=OWNED_HEADERS,
+                body_bytes=len(raw) if body_ended else None,
+            )
+        ]
+        if body_ended:
+            answers += protocol.request_body(raw)
+        self.picker.observe_decision(time.perf_counter() - self._started)
+        return answers
+
+    def _parse(self, raw: bytes) -> tuple[Optional[Any], Optional[ext.ProcessingResponse]]:
+        """The generation body as the engines read it (a 400 when none would accept it);
+        None for other routes."""
+        path = self.headers.get(":path", "").split("?", 1)[0]
+        if path not in GENERATION_PATHS or self.headers.get(":method") != "POST":
+            return None, None
+        try:
+            return parse_client_body(raw, path), None
+        except BadRequest as exc:
+            return None, protocol.immediate(400, str(exc), param=exc.param)
+
+    # ------------------------------------------------------------------ response path
+    def _response_headers(self, request: ext.ProcessingRequest) -> Answers:
+        headers = protocol.header_map(request.response_headers)
+        self.status = int(headers.get(":status", "0") or 0)
+        served = protocol.upstream_address(request)
+        if self.endpoint is not None and served is None and self.status >= 500:
+            # Envoy's own reply: it could not reach (or lost) the endpoint picked.
+            self.picker.routing.failed(self.endpoint, "connect_error")
+            self.picker.count(self.endpoint, 503)
+            return [
+                protocol.immediate(
+                    503,
+                    f"decode sidecar {self.endpoint} could not be reached through the gateway",
+                    code="no_backend",
+                )
+            ]
+        if served is not None and served != self.endpoint and self.endpoint is not None:
+            # Not where it was sent (a gateway that does its own load balancing): count it there.
+            self._tracked.close()
+            self._tracked = contextlib.ExitStack()
+            self._tracked.enter_context(self.picker.routing.tracked(served))
+            self.endpoint = served
+        if self.endpoint is not None:
+            self.picker.count(self.endpoint, self.status)
+        if request.response_headers.end_of_stream:
+            self._finish()
+        return [protocol.response_headers(self.endpoint)]
+
+    def _response_body(self, part: ext.HttpBody) -> Answers:
+        ended = part.end_of_stream or part.end_of_stream_without_message
+        if ended:
+            self._finish()
+        return [protocol.response_body(part.body, ended)]
+
+    def _finish(self) -> None:
+        """The response is complete: the endpoint served, or failed with a 5xx."""
+        if self.endpoint is None or self.status is None:
+            return
+        if self.status < 500:
+            self.picker.routing.served(self.endpoint)
+        else:
+            self.picker.routing.failed(self.endpoint, "server_error")
+        self._tracked.close()

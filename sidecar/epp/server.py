@@ -1,0 +1,195 @@
+"""`pdpool epp`: the Gateway API Inference Extension endpoint picker, an Envoy ext_proc gRPC
+server over the same routing core as our HTTP gateway (sidecar/routing/core.py).
+
+Any GIE gateway (Envoy Gateway, kgateway, Istio, GKE, or plain Envoy as `pdpool up
+--gateway envoy` runs it) asks it, per request, which decode sidecar serves; the sidecar
+then runs the P/D flow itself (decode-first, prefill legs, KV leases). The picker serves
+gRPC (ext_proc and the standard health service) on --grpc-port, and HTTP /health and
+/metrics on --port."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterable, Optional
+
+import grpc
+import httpx
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Histogram
+
+from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
+from pdpool.tlsutil import client_context
+
+from ..net.asgi import Receive, Scope, Send, send_bytes, send_error, serve_lifespan
+from ..net.engine_tokenizer import EngineTokenizer
+from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from ..net.upstream import readiness
+from ..routing.core import Routing
+from ..routing.settings import RoutingSettings
+from . import protocol
+from .exchange import Exchange
+
+log = logging.getLogger("pdpool.epp")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+@dataclass
+class EppSettings(RoutingSettings):
+    grpc_host: str = "0.0.0.0"
+    grpc_port: int = 9002
+    connect_timeout: float = 2.0  # health probes and /tokenize to the sidecars
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    # GIE's conformance header (protocol.TEST_SELECTION_HEADER) restricts the choice: for
+    # tests only, a client must not steer routing in production.
+    test_endpoint_selection: bool = False
+    tls_ca_file: Optional[str] = None  # sidecars over HTTPS, verified against this CA
+    tls_any_name: bool = False
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The endpoint for a request (None: nothing can serve it, `reason` says why) and the
+    P/D path the decode sidecar is told (None: its own decode-first decision)."""
+
+    endpoint: Optional[str]
+    pd_path: Optional[str] = None
+    reason: str = ""
+
+
+class EndpointPicker:
+    def __init__(self, settings: EppSettings) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.routing = Routing(settings, self.metrics)
+        self.decision_seconds = Histogram(
+            "pdpool_epp_decision_seconds",
+            "From a request's headers reaching the picker to its routed answer",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            registry=self.metrics.registry,
+        )
+        self.scheme = "https" if settings.tls_ca_file else "http"
+        self.tls = (
+            client_context(settings.tls_ca_file, settings.tls_any_name)
+            if settings.tls_ca_file
+            else None
+        )
+        self.client: Optional[httpx.AsyncClient] = None
+        self.grpc_server: Optional[grpc.aio.Server] = None
+        self.health = health.aio.HealthServicer()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def startup(self) -> None:
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=self.settings.connect_timeout),
+            verify=self.tls if self.tls is not None else True,
+        )
+        tokenizer = EngineTokenizer(
+            lambda: self.client,
+            self.scheme,
+            self.settings.kv_tokenize_timeout_s,
+            self.routing.healthy,
+            self.metrics,
+        )
+        await self.routing.start(self._probe, tokenizer)
+        server = grpc.aio.server()
+        ext_grpc.add_ExternalProcessorServicer_to_server(_Servicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        address = f"{self.settings.grpc_host}:{self.settings.grpc_port}"
+        if server.add_insecure_port(address) == 0:
+            raise OSError(f"cannot listen for gRPC on {address}")
+        await server.start()
+        for service in ("", EXT_PROC_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.grpc_server = server
+
+    async def shutdown(self) -> None:
+        if self.grpc_server is not None:
+            await self.health.enter_graceful_shutdown()
+            await self.grpc_server.stop(grace=2.0)
+        await self.routing.stop()
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def _probe(self, backend: str) -> bool:
+        assert self.client is not None, "startup() makes the client"
+        try:
+            r = await readiness(
+                self.client,
+                f"{self.scheme}://{backend}",
+                self.settings.probe_timeout_s,
+                no_ready=lambda status: status == 404,
+            )
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    # ------------------------------------------------------------------ decisions
+    async def admit(
+        self, body: Optional[Any], headers: dict[str, str]
+    ) -> Optional[ext.ProcessingResponse]:
+        """Admission, before routing: None admits the request, else the answer that refuses
+        it (protocol.too_many_requests for one shed). Flow control hooks in here; without it
+        every request is admitted."""
+        return None
+
+    async def pick(
+        self, body: Optional[Any], headers: dict[str, str], allowed: Optional[Iterable[str]]
+    ) -> Pick:
+        """The routing core's choice among the endpoints the gateway allows, healthy first."""
+        route = await self.routing.route(body, headers)
+        order = protocol.restrict(route.order, allowed)
+        fit = [b for b in order if self.routing.healthy(b)]
+        if fit:
+            pd_path = route.pd_path if fit[0] == route.order[0] else None
+            return Pick(fit[0], pd_path)
+        if not route.order:
+            return Pick(None, reason="no decode sidecar is known")
+        if allowed is not None and not order:
+            return Pick(None, reason="no decode sidecar in the gateway's subset is known")
+        return Pick(None, reason="no healthy decode sidecar can take the request")
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def observe_decision(self, seconds: float) -> None:
+        self.decision_seconds.observe(seconds)
+
+    # ------------------------------------------------------------------ HTTP (health, metrics)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await serve_lifespan(receive, send, self.startup, self.shutdown)
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics":
+            return await send_bytes(
+                send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST
+            )
+        if scope["path"] in ("/health", "/ready"):
+            healthy = self.routing.healthy_backends()
+            if healthy:
+                return await send_bytes(send, 200, json.dumps({"healthy": healthy}).encode())
+            return await send_error(send, 503, "no healthy decode sidecar")
+        await send_error(send, 404, f"no route {scope['path']} (ext_proc is served over gRPC)")
+
+
+class _Servicer(ext_grpc.ExternalProcessorServicer):
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ext.ProcessingRequest], context: Any
+    ) -> AsyncIterator[ext.ProcessingResponse]:
+        exchange = Exchange(self.picker)
+        try:
+            async for request in request_iterator:
+                for answer in await exchange.handle(request):
+                    yield answer
+                    if answer.HasField("immediate_response"):
+                        return
+        finally:
+            exchange.close()

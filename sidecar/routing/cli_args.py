@@ -1,0 +1,111 @@
+"""The routing core's flags (sidecar/routing/settings.py), for a front-end's command line:
+one spelling and one meaning wherever routing runs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pdpool.cli import add_switch
+
+
+def add_routing_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--decode-url",
+        dest="decode_urls",
+        action="append",
+        default=[],
+        help="a decode sidecar (repeatable): HOST:PORT or http://HOST:PORT",
+    )
+    p.add_argument(
+        "--decode-service", help="HOST:PORT of a headless Service whose DNS lists the decode pods"
+    )
+    p.add_argument(
+        "--prefix-chars", type=int, default=256, help="prompt characters hashed for prefix affinity"
+    )
+    p.add_argument(
+        "--balance",
+        type=float,
+        default=1.25,
+        help="load bound: a sidecar takes at most this times the average load",
+    )
+    p.add_argument("--health-interval-s", type=float, default=2.0)
+    p.add_argument(
+        "--probe-timeout-s",
+        type=float,
+        default=3.0,
+        help="health probe timeout; a failed probe ejects the sidecar",
+    )
+    p.add_argument(
+        "--outlier-failures", type=int, default=3, help="failed requests in a row that eject"
+    )
+    p.add_argument(
+        "--ejection-s",
+        type=float,
+        default=2.0,
+        help="base ejection time (times the recent ejections, at most 30 s)",
+    )
+    _add_kv_arguments(p)
+
+
+def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT[|REPLAY]",
+        help="precise KV-aware routing: the decode sidecar URL and its engine's KV events "
+        "endpoint (vLLM --kv-events-config) (repeatable)",
+    )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="precise routing that follows --decode-service: each sidecar's engine (same "
+        "pod IP) publishes its KV events on this port",
+    )
+    p.add_argument("--kv-events-replay-port", type=int, default=None)
+    p.add_argument("--kv-block-size", type=int, default=16, help="the engines' KV block size")
+    p.add_argument("--kv-tokenizer", default=None, help="the model's tokenizer.json")
+    add_switch(
+        p,
+        "--kv-engine-tokenize",
+        True,
+        "ask a decode engine's /tokenize (through its sidecar) for prompts not tokenized here",
+    )
+    p.add_argument(
+        "--kv-threshold",
+        type=float,
+        default=0.0,
+        help="predicted hit ratio below which requests go P/D up front",
+    )
+    p.add_argument(
+        "--kv-load-cost",
+        type=float,
+        default=64.0,
+        help="cost of one in-flight request on a sidecar, in prompt tokens",
+    )
+
+
+def routing_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """RoutingSettings' fields from the parsed flags (raises ValueError on a bad --kv-events)."""
+    from .kv_events_spec import parse_kv_events
+
+    return {
+        "decode_urls": args.decode_urls,
+        "decode_service": args.decode_service,
+        "prefix_chars": args.prefix_chars,
+        "balance": args.balance,
+        "health_interval_s": args.health_interval_s,
+        "probe_timeout_s": args.probe_timeout_s,
+        "outlier_failures": args.outlier_failures,
+        "ejection_s": args.ejection_s,
+        "kv_events": parse_kv_events(args.kv_events, "--kv-events"),
+        "kv_block_size": args.kv_block_size,
+        "kv_tokenizer": args.kv_tokenizer,
+        "kv_engine_tokenize": args.kv_engine_tokenize,
+        "kv_threshold": args.kv_threshold,
+        "kv_load_cost": args.kv_load_cost,
+        "kv_events_port": args.kv_events_port,
+        "kv_events_replay_port": args.kv_events_replay_port,
+    }

@@ -47,7 +47,7 @@ class FlowControl:
         self.saturation = Saturation(
             healthy_backends, interval_s=scrape_interval_s, on_change=self._on_engines_read
         )
-        self.controller = FlowController(self.tenants.current, self._saturated, self.metrics)
+        self.controller = FlowController(self.tenants.current, self, self.metrics)
 
     async def start(self, fetch: Optional[Fetch] = None) -> None:
         """Starts reading the engines' metrics through `fetch` (None: the router's pending
@@ -58,10 +58,14 @@ class FlowControl:
     async def stop(self) -> None:
         await self.saturation.stop()
 
-    def _saturated(self, admitted: int, pool: PoolLimits) -> bool:
-        saturated = self.saturation.saturated(admitted, pool)
-        self.metrics.saturated.set(1 if saturated else 0)
-        return saturated
+    # The controller's view of saturation (flow_control.SaturationView), metered.
+    def level(self, admitted: int, pool: PoolLimits) -> int:
+        level = self.saturation.level(admitted, pool)
+        self.metrics.saturated.set(level)
+        return level
+
+    def bound(self, pool: PoolLimits) -> int:
+        return self.saturation.bound(pool)
 
     def _on_engines_read(self) -> None:
         self.controller.dispatch()

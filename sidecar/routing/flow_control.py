@@ -1,14 +1,15 @@
 """Flow control: per-tenant queues inside priority bands, released as the pool frees up.
 
-While the pool is not saturated (saturation.py) and nothing waits, a request is admitted at
-once (one comparison on the hot path). Otherwise it waits in its tenant's queue in its band
-and is released when capacity frees:
+While the pool has room (saturation.py) and nothing waits, a request is admitted at once
+(one comparison on the hot path). Otherwise it waits in its tenant's queue in its band and
+is released when capacity frees:
 - strict priority between bands: a higher band's request always goes first (a lower band
   is served only while every higher one is empty, or its tenants are at maxConcurrency);
 - weighted fair shares within a band: the tenant with the fewest requests admitted per unit
   of weight goes next (oldest request first among equals), so a tenant flooding the pool
-  holds at most its share of it and a quiet tenant's request waits only for the next
-  release, whatever the flood;
+  holds at most its share of it; at the pending view's bound (FULL, not HARD) a tenant
+  below its weighted share of the bound (at least one request) is admitted without waiting
+  for a release, so a quiet tenant does not wait for a flood's requests to end;
 - per-tenant limits: maxConcurrency (a tenant at it waits), maxQueued, queueTimeoutSeconds,
   tokensPerMinute (prompt + max_tokens estimate, charged at arrival, corrected by the
   usage when the front-end knows it);
@@ -27,13 +28,20 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from .flow_metrics import FlowMetrics
+from .saturation import FULL, HARD, ROOM
 from .tenants import PoolLimits, Tenant, TenantsConfig
 
 WINDOW_S = 60.0  # tokensPerMinute's window
 MAX_RETRY_AFTER_S = 60
+
+
+class SaturationView(Protocol):
+    def level(self, admitted: int, limits: PoolLimits) -> int: ...
+
+    def bound(self, limits: PoolLimits) -> int: ...
 
 
 class Shed(Exception):
@@ -64,6 +72,7 @@ class _Entry:
 class _TenantState:
     in_flight: int = 0
     queued: int = 0
+    weight: float = 1.0  # the tenant's, as its latest request saw it
     window: deque[list[float]] = field(default_factory=deque)
 
 
@@ -104,11 +113,11 @@ class FlowController:
     def __init__(
         self,
         config: Callable[[], TenantsConfig],
-        saturated: Callable[[int, PoolLimits], bool],
+        saturation: SaturationView,
         metrics: Optional[FlowMetrics] = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config, self.saturated, self.clock = config, saturated, clock
+        self.config, self.saturation, self.clock = config, saturation, clock
         self.metrics = metrics or FlowMetrics()
         self.admitted = 0  # requests holding a slot
         self.queued = 0
@@ -134,7 +143,7 @@ class FlowController:
         if (
             not self.queued
             and self._may_start(request.tenant)
-            and not self.saturated(self.admitted, cfg.pool)
+            and self.saturation.level(self.admitted, cfg.pool) == ROOM
         ):
             self._grant(entry, now)
             return Slot(self, entry)
@@ -195,6 +204,7 @@ class FlowController:
         queue = self._bands.setdefault(request.priority, {}).setdefault(tenant.name, deque())
         queue.append(entry)
         st.queued += 1
+        st.weight = tenant.weight
         self.queued += 1
         self.metrics.queue_length(tenant.name, str(request.priority)).inc()
 
@@ -238,10 +248,16 @@ class FlowController:
         """Admits queued requests while the pool has room: highest band first, the least
         served tenant (per weight) within it."""
         pool = self.config().pool
-        while self.queued and not self.saturated(self.admitted, pool):
+        while self.queued:
+            level = self.saturation.level(self.admitted, pool)
+            if level == HARD:
+                return
             entry = self._pick()
             if entry is None:
                 return  # every waiting tenant is at its maxConcurrency
+            if level == FULL and not self._below_share(entry.request.tenant, pool):
+                return
+            entry = self._bands[entry.request.priority][entry.request.tenant.name].popleft()
             self._dequeued(entry)
             self._grant(entry, self.clock())
             entry.future.set_result(None)
@@ -256,8 +272,18 @@ class FlowController:
                 if best is None or key[:2] < best[:2]:
                     best = key
             if best is not None:
-                return best[2].popleft()
+                return best[2][0]
         return None
+
+    def _below_share(self, tenant: Tenant, pool: PoolLimits) -> bool:
+        """Whether `tenant` holds less than its weighted share of the pending view's bound,
+        among the tenants with requests admitted or waiting (every one may hold one)."""
+        in_flight = self.state(tenant.name).in_flight
+        if in_flight == 0:
+            return True
+        active = {n: s.weight for n, s in self._tenants.items() if s.in_flight or s.queued}
+        active[tenant.name] = tenant.weight
+        return in_flight < self.saturation.bound(pool) * tenant.weight / sum(active.values())
 
     def _dequeued(self, entry: _Entry) -> None:
         """Bookkeeping for an entry just taken out of its deque."""

@@ -60,5 +60,7 @@ class FlowMetrics:
             Gauge("pdpool_flow_in_flight", "Admitted requests not finished", ["tenant"], registry=r)
         )
         self.saturated = Gauge(
-            "pdpool_flow_pool_saturated", "1 while the pool counts as saturated", registry=r
+            "pdpool_flow_pool_saturated",
+            "The pool's saturation: 0 room, 1 full (pending bound), 2 engines saturated",
+            registry=r,
         )

@@ -1,15 +1,18 @@
 """Whether the pool can take one more request now, from what the engines themselves report.
 
-Two views, either one saturates the pool:
+Two views:
 - the engines' own metrics (vLLM's names): an engine is saturated when its
   `vllm:num_requests_waiting` reaches the queue-depth threshold or its
   `vllm:kv_cache_usage_perc` the KV threshold (GIE's saturation detector, same defaults);
   the pool is saturated when every healthy engine with fresh metrics is, and every healthy
   engine has them. They are read through each decode sidecar's `/metrics/engine`
-  (its engine's `/metrics`, passed through) every `interval_s`;
-- the router's pending view: the requests admitted and not yet finished, against
+  (its engine's `/metrics`, passed through) every `interval_s`. This is HARD: nothing more
+  is admitted until an engine drains;
+- the router's pending view: the requests admitted and not yet finished, against the bound
   `maxInFlightPerBackend` times the healthy backends. It moves at once, where scraped
-  metrics lag a burst by up to one interval.
+  metrics lag a burst by up to one interval. At the bound the pool is FULL: only a tenant
+  below its weighted share of the bound is admitted (flow_control.py), so a tenant that
+  took the whole pool while alone cannot make a newcomer wait for its requests to end.
 No healthy backend: not saturated (the front-end answers 503 as it would without flow
 control, rather than queueing for a pool that is not there).
 No HTTP here: the front-end hands in `fetch(backend) -> text or None`.
@@ -34,6 +37,7 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 
 Fetch = Callable[[str], Awaitable[Optional[str]]]
+ROOM, FULL, HARD = 0, 1, 2  # saturation levels
 
 
 @dataclass(frozen=True)
@@ -88,14 +92,22 @@ class Saturation:
         self.loads: dict[str, EngineLoad] = {}
         self._task: Optional[asyncio.Task[None]] = None
 
-    def saturated(self, admitted: int, limits: PoolLimits) -> bool:
+    def level(self, admitted: int, limits: PoolLimits) -> int:
+        """ROOM, FULL (the pending view's bound) or HARD (the engines report saturation)."""
         healthy = self.healthy_backends()
         if not healthy:
-            return False
-        per_backend = limits.max_in_flight_per_backend
-        if per_backend and admitted >= per_backend * len(healthy):
-            return True
-        return self.engines_saturated(healthy, limits)
+            return ROOM
+        if self.engines_saturated(healthy, limits):
+            return HARD
+        bound = limits.max_in_flight_per_backend * len(healthy)
+        return FULL if bound and admitted >= bound else ROOM
+
+    def bound(self, limits: PoolLimits) -> int:
+        """The pending view's bound: admitted requests the healthy backends take (0: none)."""
+        return limits.max_in_flight_per_backend * len(self.healthy_backends())
+
+    def saturated(self, admitted: int, limits: PoolLimits) -> bool:
+        return self.level(admitted, limits) != ROOM
 
     def engines_saturated(self, healthy: list[str], limits: PoolLimits) -> bool:
         now = self.clock()

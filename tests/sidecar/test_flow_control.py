@@ -12,7 +12,14 @@ import time
 import pytest
 
 from pdpool.sidecar.routing.flow_control import FlowController, FlowRequest, Shed, estimate_tokens
-from pdpool.sidecar.routing.saturation import EngineLoad, Saturation, engine_load
+from pdpool.sidecar.routing.saturation import (
+    FULL,
+    HARD,
+    ROOM,
+    EngineLoad,
+    Saturation,
+    engine_load,
+)
 from pdpool.sidecar.routing.tenants import (
     OBJECTIVE_HEADER,
     PRIORITY_HEADER,
@@ -28,17 +35,23 @@ KEY_A, KEY_B = "key-of-tenant-a-0001", "key-of-tenant-b-0002"
 
 
 class Pool:
-    """A pool of `capacity` slots and a controllable clock."""
+    """A pool of `capacity` slots and a controllable clock. `hard`: at capacity the pool
+    admits nothing (the engines report saturation); else at capacity it is only FULL (the
+    pending view's bound: tenants below their share still go)."""
 
-    def __init__(self, capacity: int, **pool: int) -> None:
-        self.capacity, self.now = capacity, 1000.0
+    def __init__(self, capacity: int, hard: bool = True, **pool: int) -> None:
+        self.capacity, self.hard, self.now = capacity, hard, 1000.0
         self.config = TenantsConfig(tenants={}, pool=PoolLimits(**pool))
-        self.flow = FlowController(
-            lambda: self.config,
-            lambda admitted, _: admitted >= self.capacity,
-            clock=lambda: self.now,
-        )
+        self.flow = FlowController(lambda: self.config, self, clock=lambda: self.now)
         self.log: list[str] = []  # admissions, in order
+
+    def level(self, admitted: int, limits: PoolLimits) -> int:
+        if admitted < self.capacity:
+            return ROOM
+        return HARD if self.hard else FULL
+
+    def bound(self, limits: PoolLimits) -> int:
+        return self.capacity
 
     def submit(self, tenant: Tenant, priority: int | None = None, tokens: int = 10) -> asyncio.Task:
         request = FlowRequest(tenant, tenant.priority if priority is None else priority, tokens)
@@ -99,6 +112,35 @@ async def test_a_quiet_tenant_waits_only_for_the_next_release_under_a_10x_flood(
         running = [t.result() for t in held if t.done() and t.result() not in running] + running
         running = [s for s in running if not s._released][:4]
     assert pool.log.count("quiet") == 10
+
+
+async def test_at_the_pending_bound_a_tenant_below_its_share_goes_at_once():
+    """FULL, not HARD: a tenant that took the whole bound while alone keeps it, but a
+    newcomer below its weighted share is admitted without waiting for a release, and the
+    flood gets nothing more until it is back under its own share."""
+    pool = Pool(capacity=4, hard=False)
+    noisy, quiet = tenant("noisy"), tenant("quiet")
+    flood = [pool.submit(noisy) for _ in range(20)]
+    await settle()
+    assert pool.log == ["noisy"] * 4  # alone: the whole bound, the rest wait
+    quiet_tasks = [pool.submit(quiet) for _ in range(3)]
+    await settle()
+    assert [t.done() for t in quiet_tasks] == [True, True, False]  # its share: 4 * 1/2
+    running = [t.result() for t in flood if t.done()]
+    running[0].release()  # noisy holds 3 > its share 2 and the pool is over the bound
+    await settle()
+    assert pool.log.count("noisy") == 4 and not quiet_tasks[2].done()
+    running[1].release()
+    await settle()
+    assert pool.log.count("noisy") == 4 and not quiet_tasks[2].done()  # 4 admitted: FULL
+    running[2].release()  # 3 admitted: room; the least served goes (noisy 1, quiet 2)
+    await settle()
+    assert pool.log.count("noisy") == 5 and not quiet_tasks[2].done()
+    quiet_tasks[0].result().release()  # now quiet 1, noisy 2
+    await settle()
+    assert quiet_tasks[2].done() and pool.log.count("noisy") == 5
+    for t in flood + quiet_tasks:
+        t.cancel()
 
 
 async def test_weights_share_a_band():

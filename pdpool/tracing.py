@@ -210,6 +210,12 @@ def child(
     return span(name, parent, kind, attributes)
 
 
+def moment(name: str, attributes: Mapping[str, Any]) -> None:
+    """Something no request owns (an ejection): a span of its own, a trace of one span."""
+    if _tracer is not None:
+        _tracer.start_span(name, attributes=dict(attributes)).end()
+
+
 def inject(span_: Any, headers: Mapping[str, str]) -> dict[str, str]:
     """`headers` with the `traceparent` that makes `span_` the parent upstream (the same
     headers when there is no span)."""

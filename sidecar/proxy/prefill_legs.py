@@ -41,11 +41,7 @@ def prefill_outliers(settings: SidecarSettings, metrics: SidecarMetrics) -> Outl
 
     def on_eject(endpoint: str, reason: str) -> None:
         log.warning("prefill engine %s ejected (%s)", endpoint, reason)
-        # No request owns an ejection: a span of its own (a trace of one span).
-        with tracing.span(
-            "ejection", None, attributes={"pdpool.endpoint": endpoint, "pdpool.reason": reason}
-        ):
-            pass
+        tracing.moment("ejection", {"pdpool.endpoint": endpoint, "pdpool.reason": reason})
         metrics.prefill_ejections.labels(endpoint, reason).inc()
         metrics.prefill_ejected.labels(endpoint).set(1)
 

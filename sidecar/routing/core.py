@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator, Optional
 
+from pdpool import tracing
+
 from ..net.discovery import EndpointSet
 from ..net.metrics import GatewayMetrics
 from .affinity import HashRing, affinity_key, route_order
@@ -142,6 +144,7 @@ class Routing:
 
     def _on_eject(self, backend: str, reason: str) -> None:
         log.warning("decode backend %s ejected (%s)", backend, reason)
+        tracing.moment("ejection", {"pdpool.backend": backend, "pdpool.reason": reason})
         self.unhealthy.add(backend)
         self.metrics.ejections.labels(backend, reason).inc()
         self.metrics.ejected.labels(backend).set(1)

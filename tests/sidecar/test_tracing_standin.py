@@ -98,3 +98,19 @@ def test_an_unknown_otlp_protocol_is_a_one_line_error():
     )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and "carrier-pigeon" in done.stderr
+
+
+def test_an_ejection_is_a_span_of_its_own(traced):
+    from pdpool.sidecar.net.metrics import SidecarMetrics
+    from pdpool.sidecar.proxy.prefill_legs import prefill_outliers
+    from pdpool.sidecar.proxy.settings import SidecarSettings
+
+    outliers = prefill_outliers(SidecarSettings(decode_url="http://127.0.0.1:1"), SidecarMetrics())
+    outliers.eject("10.0.0.7:8000", "timeout")
+    spans = traced.wait_for(lambda s: any(x["name"] == "ejection" for x in s), timeout_s=10)
+    (ejection,) = [s for s in spans if s["name"] == "ejection"]
+    assert ejection["parent_span_id"] is None
+    assert ejection["attributes"] == {
+        "pdpool.endpoint": "10.0.0.7:8000",
+        "pdpool.reason": "timeout",
+    }

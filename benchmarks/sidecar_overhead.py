@@ -5,6 +5,7 @@
     python benchmarks/sidecar_overhead.py --engine-rejects yes # one sidecar mode only
     python benchmarks/sidecar_overhead.py --arrivals spread    # requests not in lock-step
     python benchmarks/sidecar_overhead.py --engine-rejects yes --tracing both  # off vs on
+    python benchmarks/sidecar_overhead.py --engine-rejects yes --baseline-commit REV  # vs before
 
 64 concurrent streaming clients (keep-alive, one connection each) send requests straight
 to the upstream and through `pdpool sidecar` (decode-first, threshold 0), in alternating
@@ -334,8 +335,14 @@ def parse_args() -> argparse.Namespace:
         help="the sidecars' OpenTelemetry tracing: on exports every span (OTLP/HTTP) to a "
         "receiver in this process; both: a sidecar of each per mode, measured alike",
     )
+    ap.add_argument(
+        "--baseline-commit",
+        help="also measure, alike, a sidecar of this git revision (its tree exported to a "
+        "temporary folder and imported from there): what the changes since cost",
+    )
     ap.add_argument("--serve-standin", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.baseline_root = export_baseline(args.baseline_commit) if args.baseline_commit else None
     args.engine_rejects = list(dict.fromkeys(args.engine_rejects or MODES))
     return args
 
@@ -369,10 +376,17 @@ def start_upstream(args: argparse.Namespace, port: int) -> tuple[subprocess.Pope
 
 
 def start_sidecar(
-    port: int, upstream_port: int, engine_rejects: str, nice: int, traces: str | None = None
+    port: int,
+    upstream_port: int,
+    engine_rejects: str,
+    nice: int,
+    traces: str | None = None,
+    import_root: str | None = None,
 ) -> subprocess.Popen:
     tracing = ["--otlp-traces-endpoint", traces] if traces else []
     env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+    if import_root:  # the baseline's `pdpool` package comes first
+        env["PYTHONPATH"] = import_root
     proc = subprocess.Popen(
         pdpool_command(
             "sidecar",
@@ -391,6 +405,7 @@ def start_sidecar(
             *tracing,
         ),
         env=env,
+        cwd=import_root,  # `python -c` puts the working folder first on sys.path
     )
     if nice:
         os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
@@ -412,7 +427,29 @@ def start_sidecars(
             endpoint = receiver.endpoint if traced and receiver else None
             procs.append(start_sidecar(port, up_port, mode, args.sidecar_nice, endpoint))
             targets[f"sidecar {mode}{' traced' if traced else ''}"] = (port, procs[-1].pid)
+        if args.baseline_root:
+            port = free_port()
+            procs.append(
+                start_sidecar(port, up_port, mode, args.sidecar_nice, None, args.baseline_root)
+            )
+            targets[f"sidecar {mode} baseline"] = (port, procs[-1].pid)
     return targets
+
+
+def export_baseline(revision: str) -> str:
+    """The repository at `revision` as an import root: its folders laid out as the
+    `pdpool` package (setup.py's mapping), in a temporary folder."""
+    import tempfile
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = tempfile.mkdtemp(prefix="pdpool-baseline-")
+    archive = subprocess.run(
+        ["git", "-C", repo, "archive", revision], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+    for name, folder in (("engine", "engine"), ("kernels", "kernels"), ("sidecar", "sidecar")):
+        os.symlink(os.path.join(root, folder), os.path.join(root, "pdpool", name))
+    return root
 
 
 def spread_s(args: argparse.Namespace) -> float:
@@ -543,6 +580,7 @@ def main() -> int:
                 "arrivals": args.arrivals,
                 "engine_rejects": args.engine_rejects,
                 "tracing": args.tracing,
+                "baseline_commit": args.baseline_commit,
                 "capability_learned": learned,
                 "sidecar_cpu_ms_per_request": cpu_ms,
                 "rows": rows,

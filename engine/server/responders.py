@@ -37,7 +37,7 @@ from pdpool.engine.server.tools import (
     tool_request_of,
 )
 from pdpool.engine.server.tools import finish_reason as tool_finish_reason
-from pdpool.engine.server.translator import RequestTranslator
+from pdpool.engine.server.translator import ChoiceRequest, RequestTranslator
 from pdpool.engine.structured.spec import GuidedSpec
 from pdpool.protocol import RequestError
 
@@ -83,6 +83,11 @@ class Responder(abc.ABC, Generic[R]):
         self, http_req: Request, req: R, prompts: list[list[int]], fmt: ChoiceFormat
     ) -> list[Choice]:
         specs = self.translator.choice_requests(req, prompts, http_req.headers.get("x-request-id"))
+        specs = self._constrained(req, specs)
+        return await self.runner.start(specs, fmt.logprobs_formatter)
+
+    def _constrained(self, req: R, specs: list[ChoiceRequest]) -> list[ChoiceRequest]:
+        """The choices under the body's output constraint and logit_bias (400 for bad ones)."""
         try:
             params = constrain(
                 specs[0].params,
@@ -92,17 +97,17 @@ class Responder(abc.ABC, Generic[R]):
             )
         except RequestError as exc:
             raise ApiError(str(exc), exc.status, param=exc.param) from exc
-        if params is not specs[0].params:
-            specs = [
-                dataclasses.replace(
-                    s,
-                    params=dataclasses.replace(
-                        s.params, guided=params.guided, logit_bias=params.logit_bias
-                    ),
-                )
-                for s in specs
-            ]
-        return await self.runner.start(specs, fmt.logprobs_formatter)
+        if params is specs[0].params:
+            return specs
+        return [
+            dataclasses.replace(
+                s,
+                params=dataclasses.replace(
+                    s.params, guided=params.guided, logit_bias=params.logit_bias
+                ),
+            )
+            for s in specs
+        ]
 
     def tool_spec(self, req: R) -> Optional[GuidedSpec]:
         """The constraint that the request's tool_choice implies (chat only)."""

@@ -21,7 +21,8 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
 def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+    """vLLM's: 16 hex digits of a random UUID."""
+    return f"chatcmpl-tool-{uuid.uuid4().int & (2**64 - 1):016x}"
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,15 @@ decode engine behind our sidecar, our gateway; P/D through vLLM's NixlConnector)
   cannot reject) and prefill-first give the same greedy text as one vLLM engine, streaming
   and not, completions and chat, through the official `openai` client;
 - P/D really moved the KV (the decode engine counts prompt tokens from external transfer);
-- vLLM's /metrics has the names, types and labels our engine copies.
+- vLLM's /metrics has the names, types and labels our engine copies;
+- vLLM engines join a traced request's trace (`--otlp-traces-endpoint`, as every child of
+  `pdpool up` gets it): their llm_request spans hang under our sidecar's legs.
 vLLM starts in 45-165 s here, so each server starts once for the module.
 """
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import time
 
@@ -23,6 +26,7 @@ import openai
 import pytest
 
 from devtools.engine_procs import EngineProcess, wait_healthy
+from pdpool.otlp_receiver import OtlpReceiver
 from tests.support.vllm_metric_names import check_vllm_names
 from pdpool.up.topology import (
     Topology,
@@ -46,7 +50,13 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_qwen3, vllm_bin, tmp_path_factory):
+def receiver():
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_qwen3, vllm_bin, tmp_path_factory, receiver):
     logs = tmp_path_factory.mktemp("vllm-logs")
     ours = EngineProcess(tiny_qwen3, logs, "--num-kv-blocks", "256")
     topo = Topology(
@@ -60,6 +70,11 @@ def stack(tiny_qwen3, vllm_bin, tmp_path_factory):
             log_dir=str(logs),
             prefill_min_prompt_tokens=MIN_PD_TOKENS,
             prefill_timeout=120.0,
+            otlp_traces_endpoint=receiver.endpoint,
+            tracing_env={
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_BSP_SCHEDULE_DELAY": "200",
+            },
         )
     )
     extra: dict[str, tuple[subprocess.Popen, str]] = {}
@@ -219,3 +234,32 @@ def test_vllm_metric_names_are_what_our_engine_copies(stack):
     complete(one_vllm(stack), model, SHORT[0], stream=False)
     check_vllm_names(httpx.get(one_vllm(stack) + "/metrics", timeout=10).text)
     check_vllm_names(httpx.get(stack["ours"].url + "/metrics", timeout=10).text)
+
+
+def test_vllm_engines_join_the_trace(stack, receiver):
+    trace_id = secrets.token_hex(16)
+    prompt = "A traced prompt that nobody has sent before, long enough for P/D: " + "q" * 40
+    body = {"model": stack["model"], "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(
+        stack["topology"].gateway.url + "/v1/completions",
+        json=body,
+        headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"},
+        timeout=300,
+    )
+    assert r.status_code == 200 and r.headers["x-pdpool-path"] == "pd"
+
+    def mine(spans):
+        return [s for s in spans if s["trace_id"] == trace_id]
+
+    def complete(spans):  # vLLM's spans and their parents (other processes export apart)
+        ids = {s["span_id"] for s in mine(spans)}
+        engines = [s for s in mine(spans) if s["name"] == "llm_request"]
+        return len(engines) >= 2 and all(s["parent_span_id"] in ids for s in engines)
+
+    spans = mine(receiver.wait_for(complete, timeout_s=60))
+    by_id = {s["span_id"]: s for s in spans}
+    parents = {by_id[s["parent_span_id"]]["name"] for s in spans if s["name"] == "llm_request"}
+    assert parents == {"prefill_attempt", "decode"}  # vLLM's spans, under our legs
+    for s in spans:
+        if s["name"] == "llm_request":
+            assert s["attributes"]["gen_ai.usage.prompt_tokens"] > 16

@@ -237,7 +237,10 @@ def gateway_kv_events_args(pool: PoolSpec) -> list[str]:
 
 
 def gateway_args(
-    decode_service: str, api_keys_file: str | None = None, tls_dir: str | None = None
+    decode_service: str,
+    api_keys_file: str | None = None,
+    tls_dir: str | None = None,
+    tenants_file: str | None = None,
 ) -> list[str]:
     argv = [
         "pdpool",
@@ -251,6 +254,7 @@ def gateway_args(
     ]
     if tls_dir:
         argv += ["--tls-cert-file", f"{tls_dir}/tls.crt", "--tls-key-file", f"{tls_dir}/tls.key"]
+    argv += ["--tenants-file", tenants_file] if tenants_file else []
     return argv + (["--api-keys-file", api_keys_file] if api_keys_file else [])
 
 

@@ -32,6 +32,10 @@ KV_SECRET_FILE = f"{KV_SECRET_DIR}/{KV_SECRET_KEY}"
 API_KEYS_KEY = "api-keys"
 API_KEYS_DIR = "/etc/pdpool/api-keys"
 API_KEYS_FILE = f"{API_KEYS_DIR}/{API_KEYS_KEY}"
+# The gateway's tenants file (spec.gateway.tenantsSecret: flow control), mounted read-only.
+TENANTS_KEY = "tenants.yaml"
+TENANTS_DIR = "/etc/pdpool/tenants"
+TENANTS_FILE = f"{TENANTS_DIR}/{TENANTS_KEY}"
 # The gateway's serving certificate (spec.gateway.tlsSecret, a kubernetes.io/tls Secret).
 TLS_DIR = "/etc/pdpool/tls"
 # The pool's internal certificate (spec.tls.secretName: tls.crt, tls.key, ca.crt).

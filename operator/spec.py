@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .names import API_KEYS_KEY, ENGINE_PORT, KV_SECRET_KEY, SIDECAR_PORT
+from .names import API_KEYS_KEY, ENGINE_PORT, KV_SECRET_KEY, SIDECAR_PORT, TENANTS_KEY
 
 if TYPE_CHECKING:
     from .autoscaling_spec import AutoscalingSpec
@@ -152,6 +152,9 @@ class GatewaySpec:
     api_keys_secret: "SecretKeyRef | None" = None
     # A kubernetes.io/tls Secret (tls.crt, tls.key): the gateway serves HTTPS with it.
     tls_secret: str | None = None
+    # A Secret holding the tenants file (flow control: keys, weights, priorities, limits;
+    # docs/flow-control.md); None: no flow control. It lists the keys: not with api_keys.
+    tenants_secret: "SecretKeyRef | None" = None
 
 
 @dataclass(frozen=True)
@@ -418,6 +421,11 @@ def _gateway(g: dict[str, Any]) -> GatewaySpec:
     service_type = g.get("serviceType", "ClusterIP")
     if service_type not in ("ClusterIP", "NodePort", "LoadBalancer"):
         raise SpecError(f"spec.gateway.serviceType {service_type!r} is not supported")
+    tenants = _secret_ref(g, "tenantsSecret", "spec.gateway", TENANTS_KEY)
+    if tenants is not None and g.get("apiKeysSecret") is not None:
+        raise SpecError(
+            "spec.gateway: tenantsSecret lists the API keys; give it or apiKeysSecret, not both"
+        )
     return GatewaySpec(
         replicas=_int(g, "replicas", 1, "spec.gateway", minimum=0),
         port=_int(g, "port", 8080, "spec.gateway", minimum=1, maximum=65535),
@@ -425,6 +433,7 @@ def _gateway(g: dict[str, Any]) -> GatewaySpec:
         resources=_resources(g, "spec.gateway") or dict(DEFAULT_GATEWAY_RESOURCES),
         api_keys_secret=_secret_ref(g, "apiKeysSecret", "spec.gateway", API_KEYS_KEY),
         tls_secret=g.get("tlsSecret") or None,
+        tenants_secret=tenants,
     )
 
 

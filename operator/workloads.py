@@ -27,6 +27,9 @@ from .names import (
     POOL_TLS_DIR,
     PREFILL,
     SIDECAR_PORT,
+    TENANTS_DIR,
+    TENANTS_FILE,
+    TENANTS_KEY,
     TLS_DIR,
     router_config_name,
     service_host,
@@ -277,7 +280,10 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
         "command": commands.gateway_args(
-            decode, API_KEYS_FILE if keys else None, TLS_DIR if tls else None
+            decode,
+            API_KEYS_FILE if keys else None,
+            TLS_DIR if tls else None,
+            TENANTS_FILE if pool.gateway.tenants_secret else None,
         )
         + pool_tls_client_args(pool)
         + commands.gateway_kv_events_args(pool)
@@ -308,6 +314,21 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
                     "secretName": keys.name,
                     "defaultMode": KV_SECRET_MODE,
                     "items": [{"key": keys.key, "path": API_KEYS_KEY}],
+                },
+            }
+        )
+    tenants = pool.gateway.tenants_secret
+    if tenants is not None:  # mounted whole too: the gateway re-reads a changed file
+        container["volumeMounts"].append(
+            {"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}
+        )
+        volumes.append(
+            {
+                "name": "tenants",
+                "secret": {
+                    "secretName": tenants.name,
+                    "defaultMode": KV_SECRET_MODE,
+                    "items": [{"key": tenants.key, "path": TENANTS_KEY}],
                 },
             }
         )

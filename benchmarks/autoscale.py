@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import contextlib
 import os
+import random
 import signal
 import stat
 import subprocess
@@ -71,7 +73,8 @@ def levels(users: int) -> list[int]:
 async def one_request(client, url, model, phase, prompt_words, max_tokens) -> Result:
     body = {
         "model": model,
-        "prompt": "autoscaling " * prompt_words,
+        # A unique head: no two prompts share KV blocks (one token per "a ").
+        "prompt": f"{random.randrange(10**9)} " + "a " * prompt_words,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
@@ -163,9 +166,24 @@ def up_command(args, variant: str, state_file: str, log_dir: str) -> list[str]:
 
 
 def run_variant(args, variant: str, work: Path, env: dict) -> Run:
-    state_file = str(work / f"{variant}.json")
-    log_dir = str(work / f"logs-{variant}")
-    with open(work / f"{variant}.out", "wb") as out:
+    """One variant; started again once if `pdpool up` fails to start (two processes of a
+    busy machine can race for the same free port)."""
+    try:
+        return run_once(args, variant, work, env, "")
+    except StartFailed as exc:
+        print(f"{variant}: {exc}; starting it again", file=sys.stderr)
+        return run_once(args, variant, work, env, "-retry")
+
+
+class StartFailed(RuntimeError):
+    pass
+
+
+def run_once(args, variant: str, work: Path, env: dict, suffix: str) -> Run:
+    variant_dir = variant + suffix
+    state_file = str(work / f"{variant_dir}.json")
+    log_dir = str(work / f"logs-{variant_dir}")
+    with open(work / f"{variant_dir}.out", "wb") as out:
         proc = subprocess.Popen(
             up_command(args, variant, state_file, log_dir),
             stdout=out,
@@ -176,7 +194,8 @@ def run_variant(args, variant: str, work: Path, env: dict) -> Run:
         try:
             return measure(args, proc, state_file, out.name)
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
 
 
@@ -185,7 +204,7 @@ def measure(args, proc: subprocess.Popen, state_file: str, out_name: str) -> Run
     deadline = time.monotonic() + 600
     while not os.path.exists(state_file):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"pdpool up did not start: see {out_name}")
+            raise StartFailed(f"pdpool up did not start: see {out_name}")
         time.sleep(0.5)
     with open(state_file) as fh:
         url = json.load(fh)["gateway_url"]

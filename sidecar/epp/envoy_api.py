@@ -59,7 +59,14 @@ SCHEMA: dict[str, dict[str, list[tuple[int, str, str, bool, str | None]]]] = {
             (1, "headers", f".{CORE}.HeaderMap", False, None),
             (3, "end_of_stream", "bool", False, None),
         ],
-        "HttpBody": [(1, "body", "bytes", False, None), (2, "end_of_stream", "bool", False, None)],
+        # end_of_stream_without_message: the body ended with no more bytes to send (streamed
+        # modes); grpc_message_compressed only concerns gRPC bodies.
+        "HttpBody": [
+            (1, "body", "bytes", False, None),
+            (2, "end_of_stream", "bool", False, None),
+            (3, "end_of_stream_without_message", "bool", False, None),
+            (4, "grpc_message_compressed", "bool", False, None),
+        ],
         "HttpTrailers": [(1, "trailers", f".{CORE}.HeaderMap", False, None)],
         "ProcessingRequest": [
             (2, "request_headers", f".{EXT_PROC}.HttpHeaders", False, "request"),
@@ -79,6 +86,8 @@ SCHEMA: dict[str, dict[str, list[tuple[int, str, str, bool, str | None]]]] = {
         "StreamedBodyResponse": [
             (1, "body", "bytes", False, None),
             (2, "end_of_stream", "bool", False, None),
+            (3, "end_of_stream_without_message", "bool", False, None),
+            (4, "grpc_message_compressed", "bool", False, None),
         ],
         "BodyMutation": [
             (1, "body", "bytes", False, "mutation"),

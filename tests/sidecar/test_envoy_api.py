@@ -98,3 +98,11 @@ def test_fields_it_does_not_declare_survive_a_round_trip():
 def test_the_service_handler_names_envoys_method():
     handler = api.ext_proc_handler(lambda requests, context: requests)
     assert handler.service_name() == "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def test_a_body_ended_without_a_message_reads_back():
+    # Envoy's HttpBody(end_of_stream=True, end_of_stream_without_message=True) as a
+    # response body
+    request = api.ProcessingRequest.FromString(bytes.fromhex("2a0410011801"))
+    assert request.response_body.end_of_stream
+    assert request.response_body.end_of_stream_without_message

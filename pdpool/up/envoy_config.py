@@ -57,7 +57,8 @@ def _ext_proc_filter(failure_mode: str) -> dict[str, Any]:
                 "response_trailer_mode": "SEND",
             },
             "message_timeout": "1000s",
-            "response_attributes": ["upstream.address"],
+            # where Envoy sent it, and whether the answer is the upstream's or Envoy's own
+            "response_attributes": ["upstream.address", "response.code_details"],
             "metadata_options": {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}},
         },
     }

@@ -14,8 +14,6 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
-
 from ..net.client_body import BadRequest, parse_client_body
 from ..routing.core import PD_HEADER
 from . import protocol
@@ -27,7 +25,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Headers only the picker sets: a client's copy never reaches a sidecar.
 OWNED_HEADERS = (PD_HEADER, protocol.DESTINATION_HEADER)
 
-Answers = list[ext.ProcessingResponse]
+Answers = list[Any]  # ProcessingResponse messages
 
 
 class Exchange:
@@ -42,7 +40,7 @@ class Exchange:
         self._started = time.perf_counter()
 
     # ------------------------------------------------------------------ dispatch
-    async def handle(self, request: ext.ProcessingRequest) -> Answers:
+    async def handle(self, request: Any) -> Answers:
         kind = request.WhichOneof("request")
         if kind == "request_headers":
             return await self._request_headers(request)
@@ -66,24 +64,24 @@ class Exchange:
         self._tracked.close()
 
     # ------------------------------------------------------------------ request path
-    async def _request_headers(self, request: ext.ProcessingRequest) -> Answers:
+    async def _request_headers(self, request: Any) -> Answers:
         self.headers = protocol.header_map(request.request_headers)
         self._started = time.perf_counter()
         if request.request_headers.end_of_stream:
             return await self._route(request, body_ended=False)
         return []
 
-    async def _request_body(self, request: ext.ProcessingRequest) -> Answers:
+    async def _request_body(self, request: Any) -> Answers:
         part = request.request_body
         self.body += part.body
         limit = self.picker.settings.max_body_bytes
         if len(self.body) > limit:
             return [protocol.immediate(413, f"request body exceeds {limit} bytes")]
-        if part.end_of_stream or part.end_of_stream_without_message:
+        if part.end_of_stream:
             return await self._route(request, body_ended=True)
         return []  # the body is answered whole once routed
 
-    async def _route(self, request: ext.ProcessingRequest, body_ended: bool) -> Answers:
+    async def _route(self, request: Any, body_ended: bool) -> Answers:
         raw = bytes(self.body)
         parsed, refusal = self._parse(raw)
         if refusal is not None:
@@ -114,7 +112,7 @@ class Exchange:
         self.picker.observe_decision(time.perf_counter() - self._started)
         return answers
 
-    def _parse(self, raw: bytes) -> tuple[Optional[Any], Optional[ext.ProcessingResponse]]:
+    def _parse(self, raw: bytes) -> tuple[Optional[Any], Optional[Any]]:
         """The generation body as the engines read it (a 400 when none would accept it);
         None for other routes."""
         path = self.headers.get(":path", "").split("?", 1)[0]
@@ -126,11 +124,11 @@ class Exchange:
             return None, protocol.immediate(400, str(exc), param=exc.param)
 
     # ------------------------------------------------------------------ response path
-    def _response_headers(self, request: ext.ProcessingRequest) -> Answers:
+    def _response_headers(self, request: Any) -> Answers:
         headers = protocol.header_map(request.response_headers)
         self.status = int(headers.get(":status", "0") or 0)
         served = protocol.upstream_address(request)
-        if self.endpoint is not None and served is None and self.status >= 500:
+        if self.endpoint is not None and self.status >= 500 and protocol.envoy_reply(request):
             # Envoy's own reply: it could not reach (or lost) the endpoint picked.
             self.picker.routing.failed(self.endpoint, "connect_error")
             self.picker.count(self.endpoint, 503)
@@ -153,8 +151,8 @@ class Exchange:
             self._finish()
         return [protocol.response_headers(self.endpoint)]
 
-    def _response_body(self, part: ext.HttpBody) -> Answers:
-        ended = part.end_of_stream or part.end_of_stream_without_message
+    def _response_body(self, part: Any) -> Answers:
+        ended = part.end_of_stream
         if ended:
             self._finish()
         return [protocol.response_body(part.body, ended)]

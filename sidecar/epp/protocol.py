@@ -12,14 +12,12 @@ body goes on byte for byte."""
 from __future__ import annotations
 
 import json
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from ..net.asgi import error_body
+from . import envoy_api as ext
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
@@ -30,6 +28,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 TEST_SELECTION_HEADER = "test-epp-endpoint-selection"
 # The endpoint Envoy reports it connected to (the ext_proc filter's response_attributes).
 UPSTREAM_ATTRIBUTE = "upstream.address"
+DETAILS_ATTRIBUTE = "response.code_details"  # "via_upstream" unless Envoy answered itself
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 # The sidecar that answered, on the client's response (as our HTTP gateway sets it).
 SERVED_HEADER = "x-pdpool-backend"
@@ -37,7 +36,7 @@ SERVED_HEADER = "x-pdpool-backend"
 BODY_CHUNK_BYTES = 62_000
 
 
-def header_map(headers: ext.HttpHeaders) -> dict[str, str]:
+def header_map(headers: Any) -> dict[str, str]:
     """Envoy's headers as a dict of lowercase names (pseudo-headers kept: ":path" etc.)."""
     out: dict[str, str] = {}
     for h in headers.headers.headers:
@@ -46,7 +45,7 @@ def header_map(headers: ext.HttpHeaders) -> dict[str, str]:
     return out
 
 
-def subset_hint(request: ext.ProcessingRequest) -> Optional[list[str]]:
+def subset_hint(request: Any) -> Optional[list[str]]:
     """The endpoints the gateway allows for this request (None: no restriction)."""
     namespace = request.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
     if namespace is None or SUBSET_KEY not in namespace.fields:
@@ -73,7 +72,7 @@ def restrict(order: list[str], allowed: Optional[Iterable[str]]) -> list[str]:
     return [b for b in order if b in keep]
 
 
-def upstream_address(request: ext.ProcessingRequest) -> Optional[str]:
+def upstream_address(request: Any) -> Optional[str]:
     """Where Envoy sent the request (from `upstream.address`), None when it never connected
     (its own local reply) or the attribute is not configured."""
     attrs = request.attributes.get(ATTRIBUTES_NAMESPACE)
@@ -82,10 +81,19 @@ def upstream_address(request: ext.ProcessingRequest) -> Optional[str]:
     return attrs.fields[UPSTREAM_ATTRIBUTE].string_value or None
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+def envoy_reply(request: Any) -> bool:
+    """Whether the response is Envoy's own (it could not reach or lost the upstream), not
+    the upstream's: `response.code_details` says "via_upstream" for the upstream's."""
+    attrs = request.attributes.get(ATTRIBUTES_NAMESPACE)
+    if attrs is None or DETAILS_ATTRIBUTE not in attrs.fields:
+        return upstream_address(request) is None
+    return str(attrs.fields[DETAILS_ATTRIBUTE].string_value) != "via_upstream"
+
+
+def _header(key: str, value: str) -> Any:
+    return ext.HeaderValueOption(
+        header=ext.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=ext.OVERWRITE_IF_EXISTS_OR_ADD,
     )
 
 
@@ -101,7 +109,7 @@ def routed_headers(
     set_headers: Mapping[str, str],
     remove: Iterable[str] = (),
     body_bytes: Optional[int] = None,
-) -> ext.ProcessingResponse:
+) -> Any:
     """The answer to the request headers once an endpoint is picked: the destination header
     (and any of ours, e.g. the P/D path), headers only we may set removed, Content-Length
     restated for a streamed body (Envoy drops it in streamed mode), the route cache cleared
@@ -127,7 +135,7 @@ def _chunks(raw: bytes) -> list[bytes]:
     return [raw[i : i + BODY_CHUNK_BYTES] for i in range(0, len(raw), BODY_CHUNK_BYTES)]
 
 
-def request_body(raw: bytes, end_of_stream: bool = True) -> list[ext.ProcessingResponse]:
+def request_body(raw: bytes, end_of_stream: bool = True) -> list[Any]:
     """The request body handed back unchanged, in chunks Envoy accepts; the last one ends
     the stream."""
     pieces = _chunks(raw)
@@ -147,7 +155,7 @@ def request_body(raw: bytes, end_of_stream: bool = True) -> list[ext.ProcessingR
     ]
 
 
-def response_body(chunk: bytes, end_of_stream: bool) -> ext.ProcessingResponse:
+def response_body(chunk: bytes, end_of_stream: bool) -> Any:
     """One chunk of the response passed on as it came (one answer per chunk Envoy sent)."""
     return ext.ProcessingResponse(
         response_body=ext.BodyResponse(
@@ -162,7 +170,7 @@ def response_body(chunk: bytes, end_of_stream: bool) -> ext.ProcessingResponse:
     )
 
 
-def response_headers(served: Optional[str]) -> ext.ProcessingResponse:
+def response_headers(served: Optional[str]) -> Any:
     """The answer to the response headers: the sidecar that served, for the client."""
     mutation = ext.HeaderMutation(set_headers=[_header(SERVED_HEADER, served)] if served else [])
     return ext.ProcessingResponse(
@@ -170,7 +178,7 @@ def response_headers(served: Optional[str]) -> ext.ProcessingResponse:
     )
 
 
-def trailers(request_side: bool) -> ext.ProcessingResponse:
+def trailers(request_side: bool) -> Any:
     if request_side:
         return ext.ProcessingResponse(request_trailers=ext.TrailersResponse())
     return ext.ProcessingResponse(response_trailers=ext.TrailersResponse())
@@ -182,12 +190,12 @@ def immediate(
     code: Optional[str] = None,
     param: Optional[str] = None,
     headers: Optional[Mapping[str, str]] = None,
-) -> ext.ProcessingResponse:
+) -> Any:
     """Answers the client now, without an upstream (400 bad body, 429 shed, 503 none fit)."""
     all_headers = {"content-type": "application/json", **(headers or {})}
     return ext.ProcessingResponse(
         immediate_response=ext.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=ext.HttpStatus(code=status),
             headers=ext.HeaderMutation(set_headers=[_header(k, v) for k, v in all_headers.items()]),
             body=json.dumps(error_body(status, message, param, code)).encode(),
             details=message[:200],
@@ -195,9 +203,7 @@ def immediate(
     )
 
 
-def too_many_requests(
-    message: str, retry_after_s: Optional[float] = None
-) -> ext.ProcessingResponse:
+def too_many_requests(message: str, retry_after_s: Optional[float] = None) -> Any:
     """429 for a request shed by admission (flow control), with Retry-After when known."""
     headers = {"retry-after": str(max(1, round(retry_after_s)))} if retry_after_s else None
     return immediate(429, message, code="rate_limit_exceeded", headers=headers)

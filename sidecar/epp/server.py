@@ -16,8 +16,6 @@ from typing import Any, AsyncIterator, Iterable, Optional
 
 import grpc
 import httpx
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
@@ -30,6 +28,7 @@ from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from ..net.upstream import readiness
 from ..routing.core import Routing
 from ..routing.settings import RoutingSettings
+from . import envoy_api as ext
 from . import protocol
 from .exchange import Exchange
 
@@ -97,7 +96,7 @@ class EndpointPicker:
         )
         await self.routing.start(self._probe, tokenizer)
         server = grpc.aio.server()
-        ext_grpc.add_ExternalProcessorServicer_to_server(_Servicer(self), server)
+        server.add_generic_rpc_handlers((ext.ext_proc_handler(_Servicer(self).Process),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = f"{self.settings.grpc_host}:{self.settings.grpc_port}"
         if server.add_insecure_port(address) == 0:
@@ -129,9 +128,7 @@ class EndpointPicker:
         return r.status_code == 200
 
     # ------------------------------------------------------------------ decisions
-    async def admit(
-        self, body: Optional[Any], headers: dict[str, str]
-    ) -> Optional[ext.ProcessingResponse]:
+    async def admit(self, body: Optional[Any], headers: dict[str, str]) -> Optional[Any]:
         """Admission, before routing: None admits the request, else the answer that refuses
         it (protocol.too_many_requests for one shed). Flow control hooks in here; without it
         every request is admitted."""
@@ -177,13 +174,13 @@ class EndpointPicker:
         await send_error(send, 404, f"no route {scope['path']} (ext_proc is served over gRPC)")
 
 
-class _Servicer(ext_grpc.ExternalProcessorServicer):
+class _Servicer:
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
 
     async def Process(
-        self, request_iterator: AsyncIterator[ext.ProcessingRequest], context: Any
-    ) -> AsyncIterator[ext.ProcessingResponse]:
+        self, request_iterator: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Any]:
         exchange = Exchange(self.picker)
         try:
             async for request in request_iterator:

@@ -1,0 +1,164 @@
+"""The endpoint picker's ext_proc message handling as pure functions (no Envoy, no sockets):
+what it reads from Envoy's messages and the answers it builds; and the Envoy bootstrap
+`pdpool up --gateway envoy` renders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdpool.sidecar.epp import protocol
+from pdpool.up.envoy_config import envoy_bootstrap
+from pdpool.up.envoy_gateway import picker_argv
+
+ext = protocol.ext
+
+
+def _headers(**values: str):
+    return ext.HttpHeaders(
+        headers=ext.HeaderMap(
+            headers=[ext.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+        )
+    )
+
+
+def _subset(value) -> object:
+    request = ext.ProcessingRequest()
+    request.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update(
+        {protocol.SUBSET_KEY: value}
+    )
+    return request
+
+
+def _set_headers(mutation) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def test_routed_headers_name_the_endpoint_in_the_header_and_envoy_lb_metadata():
+    answer = protocol.routed_headers(
+        "10.0.0.7:8000",
+        {"x-pdpool-kv-path": "pd"},
+        remove=["x-pdpool-kv-path", "x-other"],
+        body_bytes=42,
+    )
+    common = answer.request_headers.response
+    assert common.clear_route_cache
+    assert _set_headers(common.header_mutation) == {
+        "x-gateway-destination-endpoint": "10.0.0.7:8000",
+        "x-pdpool-kv-path": "pd",
+        "content-length": "42",
+    }
+    # A header we set is not also removed; a client's copy of one we own is.
+    assert list(common.header_mutation.remove_headers) == ["x-other"]
+    meta = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert meta.fields["x-gateway-destination-endpoint"].string_value == "10.0.0.7:8000"
+
+
+@pytest.mark.parametrize("size", [0, 10, protocol.BODY_CHUNK_BYTES, 150_001])
+def test_the_request_body_goes_back_byte_for_byte_in_chunks_envoy_accepts(size):
+    raw = bytes((i * 7) % 256 for i in range(size))
+    answers = protocol.request_body(raw)
+    pieces = [a.request_body.response.body_mutation.streamed_response for a in answers]
+    assert b"".join(p.body for p in pieces) == raw
+    assert all(len(p.body) <= protocol.BODY_CHUNK_BYTES for p in pieces)
+    assert [p.end_of_stream for p in pieces] == [False] * (len(pieces) - 1) + [True]
+
+
+def test_response_chunks_are_passed_on_as_they_came():
+    answer = protocol.response_body(b"data: {}\n\n", end_of_stream=True)
+    streamed = answer.response_body.response.body_mutation.streamed_response
+    assert (streamed.body, streamed.end_of_stream) == (b"data: {}\n\n", True)
+
+
+def test_header_map_reads_raw_values_lowercased():
+    headers = protocol.header_map(_headers(**{":path": "/v1/completions", "X-Test": "a"}))
+    assert headers == {":path": "/v1/completions", "x-test": "a"}
+
+
+def test_subset_hint_as_a_list_or_a_string_and_none_without_it():
+    assert protocol.subset_hint(_subset(["10.0.0.1:80", "10.0.0.2:80"])) == [
+        "10.0.0.1:80",
+        "10.0.0.2:80",
+    ]
+    assert protocol.subset_hint(_subset("10.0.0.1:80, 10.0.0.3:80")) == [
+        "10.0.0.1:80",
+        "10.0.0.3:80",
+    ]
+    assert protocol.subset_hint(ext.ProcessingRequest()) is None
+
+
+def test_restrict_keeps_the_routing_order_within_the_allowed_endpoints():
+    order = ["b:1", "a:1", "c:1"]
+    assert protocol.restrict(order, None) == order
+    assert protocol.restrict(order, ["c:1", "a:1"]) == ["a:1", "c:1"]
+    assert protocol.restrict(order, ["z:1"]) == []
+    assert protocol.test_selection({protocol.TEST_SELECTION_HEADER: "a:1, b:1"}) == ["a:1", "b:1"]
+    assert protocol.test_selection({}) is None
+
+
+def test_upstream_address_from_envoy_attributes():
+    request = ext.ProcessingRequest()
+    request.attributes[protocol.ATTRIBUTES_NAMESPACE].update(
+        {protocol.UPSTREAM_ATTRIBUTE: "10.0.0.9:8000"}
+    )
+    assert protocol.upstream_address(request) == "10.0.0.9:8000"
+    assert protocol.upstream_address(ext.ProcessingRequest()) is None
+
+
+def test_immediate_answers_are_openai_errors_and_429_says_when_to_retry():
+    answer = protocol.immediate(503, "no healthy decode sidecar", code="no_backend")
+    immediate = answer.immediate_response
+    assert immediate.status.code == 503
+    assert json.loads(immediate.body)["error"] == {
+        "message": "no healthy decode sidecar",
+        "type": "service_unavailable_error",
+        "param": None,
+        "code": "no_backend",
+    }
+    shed = protocol.too_many_requests("queue full", retry_after_s=2.4).immediate_response
+    assert shed.status.code == 429
+    assert _set_headers(shed.headers)["retry-after"] == "2"
+
+
+def test_envoy_bootstrap_is_gie_s_filter_chain():
+    config = envoy_bootstrap(8080, 19000, 9002, [("127.0.0.1", 8001)], failure_mode="open")
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = manager["typed_config"]["http_filters"]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    ext_proc = filters[1]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is True
+    modes = ext_proc["processing_mode"]
+    assert modes["request_body_mode"] == modes["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    original = clusters["original_destination_cluster"]
+    assert original["type"] == "ORIGINAL_DST"
+    assert original["original_dst_lb_config"]["http_header_name"] == protocol.DESTINATION_HEADER
+    closed = envoy_bootstrap(8080, 19000, 9002, [], failure_mode="close")
+    closed_filters = closed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    ext_closed = closed_filters[0]["typed_config"]["http_filters"][1]["typed_config"]
+    assert ext_closed["failure_mode_allow"] is False
+    with pytest.raises(ValueError, match="failure mode"):
+        envoy_bootstrap(8080, 19000, 9002, [], failure_mode="sometimes")
+
+
+def test_the_picker_takes_the_gateway_s_routing_flags():
+    gateway = ["pdpool", "gateway", "--host", "127.0.0.1", "--port", "8080", "--decode-url", "a:1"]
+    assert picker_argv(gateway, 9100, 9101) == [
+        "pdpool",
+        "epp",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9100",
+        "--decode-url",
+        "a:1",
+        "--grpc-host",
+        "127.0.0.1",
+        "--grpc-port",
+        "9101",
+    ]

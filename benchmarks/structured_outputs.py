@@ -11,7 +11,9 @@ unguided requests ignore EOS (64 tokens each); guided ones carry `structured_out
 when the grammar does or at 64 tokens. Both engines use xgrammar. Each engine runs alone (the
 other SIGSTOPped), rounds alternate, the best round counts. Reported per fraction: output
 tok/s of each engine, the ratio pdpool / vLLM, and each engine's throughput relative to its
-own unguided run (the cost of guiding). Results: benchmarks/results/structured_outputs.json.
+own unguided run (the cost of guiding); also output tokens per CPU second of each server's
+processes, steadier than wall time on a shared machine (`_cpu` columns).
+Results: benchmarks/results/structured_outputs.json.
 """
 
 from __future__ import annotations
@@ -117,17 +119,29 @@ def servers(model: str, args) -> tuple[Server, Server]:
     return ours, theirs
 
 
-def best_rounds(ours: Server, theirs: Server, name: str, bodies: list[dict], rounds: int) -> dict:
-    """The best tok/s of each engine over alternating rounds, each engine alone."""
-    best = {"pdpool": 0.0, "vllm": 0.0}
+def one_round(s: Server, other: Server, name: str, bodies: list[dict]) -> tuple[float, float]:
+    """(output tok/s, output tokens per CPU second of the server) with the other stopped."""
+    other.signal(signal.SIGSTOP)
+    try:
+        cpu0 = s.cpu_seconds()
+        res = asyncio.run(run_round(s.url, name, bodies))
+        cpu = s.cpu_seconds() - cpu0
+    finally:
+        other.signal(signal.SIGCONT)
+    return res["tok_s"], res["output_tokens"] / max(cpu, 1e-9)
+
+
+def best_rounds(ours: Server, theirs: Server, name: str, work: dict, rounds: int) -> dict:
+    """Per fraction, the best tok/s and tok per CPU-s of each engine; the fractions and the
+    engines interleave in every round, so that a busy moment of the machine is shared."""
+    best: dict = {f: {} for f in work}
     for _ in range(rounds):
-        for s, other in ((ours, theirs), (theirs, ours)):
-            other.signal(signal.SIGSTOP)
-            try:
-                res = asyncio.run(run_round(s.url, name, bodies))
-            finally:
-                other.signal(signal.SIGCONT)
-            best[s.name] = max(best[s.name], res["tok_s"])
+        for fraction, bodies in work.items():
+            for s, other in ((ours, theirs), (theirs, ours)):
+                tok_s, per_cpu = one_round(s, other, name, bodies)
+                row = best[fraction]
+                row[s.name] = max(row.get(s.name, 0.0), tok_s)
+                row[f"{s.name}_cpu"] = max(row.get(f"{s.name}_cpu", 0.0), per_cpu)
     return best
 
 
@@ -150,19 +164,23 @@ def main() -> int:
         warm = workload(4, 1.0, args.seed + 1, vocab)
         for s in (ours, theirs):
             asyncio.run(run_round(s.url, name, warm))
-        for fraction in (float(f) for f in args.fractions.split(",")):
-            bodies = workload(args.requests, fraction, args.seed, vocab)
-            best = best_rounds(ours, theirs, name, bodies, args.rounds)
-            rows.append({"guided": f"{fraction:.0%}", **{k: best[k] for k in best}})
+        work = {
+            float(f): workload(args.requests, float(f), args.seed, vocab)
+            for f in args.fractions.split(",")
+        }
+        for fraction, best in best_rounds(ours, theirs, name, work, args.rounds).items():
+            rows.append({"guided": f"{fraction:.0%}", **best})
     finally:
         ours.stop()
         theirs.stop()
     base = rows[0] if rows and rows[0]["guided"] == "0%" else None
     for r in rows:
-        r["ratio"] = r["pdpool"] / r["vllm"] if r["vllm"] else float("nan")
+        r["ratio"] = r["pdpool"] / r["vllm"]
+        r["ratio_cpu"] = r["pdpool_cpu"] / r["vllm_cpu"]
         if base:
-            r["pdpool_vs_unguided"] = r["pdpool"] / base["pdpool"]
-            r["vllm_vs_unguided"] = r["vllm"] / base["vllm"]
+            r["ours_vs_0%"] = r["pdpool"] / base["pdpool"]
+            r["ours_cpu_vs_0%"] = r["pdpool_cpu"] / base["pdpool_cpu"]
+            r["vllm_cpu_vs_0%"] = r["vllm_cpu"] / base["vllm_cpu"]
     print_table(rows, f"output tok/s, {args.requests} concurrent requests (best of {args.rounds})")
     write_json("structured_outputs", {"rows": rows, "args": vars(args)})
     return 0

@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..net.client_body import BadRequest, parse_client_body
+from ..routing.admission import Slot
 from ..routing.core import PD_HEADER
 from . import protocol
 
@@ -37,6 +38,7 @@ class Exchange:
         self.status: Optional[int] = None
         self.routed = False
         self._tracked = contextlib.ExitStack()
+        self._slot: Optional[Slot] = None  # flow control's hold on the pool, until the end
         self._started = time.perf_counter()
 
     # ------------------------------------------------------------------ dispatch
@@ -62,6 +64,12 @@ class Exchange:
         """The stream ended (the request is over, or Envoy or the client gave up on it: not
         the endpoint's failure)."""
         self._tracked.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._slot is not None:
+            self._slot.release()
+            self._slot = None
 
     # ------------------------------------------------------------------ request path
     async def _request_headers(self, request: Any) -> Answers:
@@ -86,9 +94,11 @@ class Exchange:
         parsed, refusal = self._parse(raw)
         if refusal is not None:
             return [refusal]
-        rejection = await self.picker.admit(parsed, self.headers)
-        if rejection is not None:
-            return [rejection]
+        admission = await self.picker.admit(parsed, self.headers)
+        if isinstance(admission, Slot):
+            self._slot = admission
+        elif admission is not None:
+            return [admission]
         allowed = protocol.subset_hint(request)
         if self.picker.settings.test_endpoint_selection:
             chosen = protocol.test_selection(self.headers)
@@ -166,3 +176,4 @@ class Exchange:
         else:
             self.picker.routing.failed(self.endpoint, "server_error")
         self._tracked.close()
+        self._release()

@@ -26,7 +26,9 @@ from ..net.asgi import Receive, Scope, Send, send_bytes, send_error, serve_lifes
 from ..net.engine_tokenizer import EngineTokenizer
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from ..net.upstream import readiness
+from ..routing.admission import FlowControl, Shed, Slot
 from ..routing.core import Routing
+from ..routing.saturation import ENGINE_METRICS_PATH
 from ..routing.settings import RoutingSettings
 from . import envoy_api as ext
 from . import protocol
@@ -80,6 +82,17 @@ class EndpointPicker:
         self.client: Optional[httpx.AsyncClient] = None
         self.grpc_server: Optional[grpc.aio.Server] = None
         self.health = health.aio.HealthServicer()
+        # Flow control (routing/admission.py, as in the gateway); None: off.
+        self.flow = (
+            FlowControl(
+                settings.tenants_file,
+                settings.tenant_header,
+                self.routing.healthy_backends,
+                self.metrics.registry,
+            )
+            if settings.tenants_file
+            else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
@@ -95,6 +108,8 @@ class EndpointPicker:
             self.metrics,
         )
         await self.routing.start(self._probe, tokenizer)
+        if self.flow is not None:
+            await self.flow.start(self._engine_metrics)
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((ext.ext_proc_handler(_Servicer(self).Process),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -110,9 +125,23 @@ class EndpointPicker:
         if self.grpc_server is not None:
             await self.health.enter_graceful_shutdown()
             await self.grpc_server.stop(grace=2.0)
+        if self.flow is not None:
+            await self.flow.stop()
         await self.routing.stop()
         if self.client is not None:
             await self.client.aclose()
+
+    async def _engine_metrics(self, backend: str) -> Optional[str]:
+        """A sidecar's passthrough of its engine's /metrics (flow control's saturation)."""
+        assert self.client is not None, "startup() makes the client"
+        try:
+            r = await self.client.get(
+                f"{self.scheme}://{backend}{ENGINE_METRICS_PATH}",
+                timeout=self.settings.probe_timeout_s,
+            )
+        except httpx.HTTPError:
+            return None
+        return r.text if r.status_code == 200 else None
 
     async def _probe(self, backend: str) -> bool:
         assert self.client is not None, "startup() makes the client"
@@ -129,10 +158,25 @@ class EndpointPicker:
 
     # ------------------------------------------------------------------ decisions
     async def admit(self, body: Optional[Any], headers: dict[str, str]) -> Optional[Any]:
-        """Admission, before routing: None admits the request, else the answer that refuses
-        it (protocol.too_many_requests for one shed). Flow control hooks in here; without it
-        every request is admitted."""
-        return None
+        """Admission, before routing: None admits the request, a flow-control `Slot` admits
+        it and is held until its exchange ends, anything else is the answer that refuses
+        it (401 without a tenant, 429 with Retry-After for one shed). Without a tenants file
+        every request is admitted; a cancelled wait (the stream ended) leaves its queue."""
+        if self.flow is None:
+            return None
+        tenant = self.flow.tenant(headers)
+        if tenant is None:
+            return protocol.immediate(
+                401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_api_key"
+            )
+        if body is None:  # not a generation: nothing to queue
+            return None
+        try:
+            slot: Slot = await self.flow.acquire(tenant, headers, body)
+        except Shed as shed:
+            retry = {"retry-after": str(shed.retry_after_s)}
+            return protocol.immediate(429, shed.message, code=shed.reason, headers=retry)
+        return slot
 
     async def pick(
         self, body: Optional[Any], headers: dict[str, str], allowed: Optional[Iterable[str]]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from pdpool.cli import add_switch
 
 from ..net.server_cli import add_listen_arguments, serve
+from ..routing.cli_args import add_flow_arguments
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -141,22 +142,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=64.0,
         help="cost of one in-flight request on a sidecar, in prompt tokens",
-    )
-
-
-def add_flow_arguments(p: argparse.ArgumentParser) -> None:
-    """Flow control's flags (every front-end over the routing core takes them)."""
-    p.add_argument(
-        "--tenants-file",
-        help="flow control: YAML of tenants (keys, weight, priority, limits; see "
-        "docs/flow-control.md): fair queues per tenant in priority bands when the pool is "
-        "saturated, 429 + Retry-After when a request cannot wait; implies API keys (the "
-        "file's); re-read when it changes",
-    )
-    p.add_argument(
-        "--tenant-header",
-        help="with --tenants-file: the tenant is named by this request header (a pool "
-        "behind another gateway that authenticates) instead of the API key",
     )
 
 

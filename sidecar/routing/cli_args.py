@@ -46,6 +46,23 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
         help="base ejection time (times the recent ejections, at most 30 s)",
     )
     _add_kv_arguments(p)
+    add_flow_arguments(p)
+
+
+def add_flow_arguments(p: argparse.ArgumentParser) -> None:
+    """Flow control's flags (docs/flow-control.md)."""
+    p.add_argument(
+        "--tenants-file",
+        help="flow control: YAML of tenants (keys, weight, priority, limits; see "
+        "docs/flow-control.md): fair queues per tenant in priority bands when the pool is "
+        "saturated, 429 + Retry-After when a request cannot wait; implies API keys (the "
+        "file's); re-read when it changes",
+    )
+    p.add_argument(
+        "--tenant-header",
+        help="with --tenants-file: the tenant is named by this request header (a pool "
+        "behind another gateway that authenticates) instead of the API key",
+    )
 
 
 def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,4 +125,6 @@ def routing_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_load_cost": args.kv_load_cost,
         "kv_events_port": args.kv_events_port,
         "kv_events_replay_port": args.kv_events_replay_port,
+        "tenants_file": args.tenants_file,
+        "tenant_header": args.tenant_header,
     }

@@ -262,8 +262,9 @@ def _call_bodies(text: str) -> list[tuple[str, bool]]:
         end = text.find(END, start)
         if end < 0:
             raw = text[start + len(START) :]
-            raw = raw[: len(raw) - _partial_overlap(raw, END)]
-            bodies.append((raw.strip(), False))
+            raw = raw[: len(raw) - _partial_overlap(raw, END)].strip()
+            # valid JSON before its closing tag: the body is whole, the tag still to come
+            bodies.append((raw, _is_json(raw)))
             break
         bodies.append((text[start + len(START) : end].strip(), True))
         pos = end + len(END)
@@ -271,14 +272,24 @@ def _call_bodies(text: str) -> list[tuple[str, bool]]:
 
 
 def _arguments_text(body: str, complete: bool) -> Optional[str]:
-    """The arguments' JSON text as far as it is known; a complete call's is re-serialized
-    as the whole answer serializes it (so that the deltas add up to it)."""
+    """The arguments' text as far as it came (vLLM's hermes streaming): what follows
+    `"arguments":`, less the brace that closes the call once the call is complete."""
+    found = re.search(r'"arguments"\s*:\s*', body)
+    if found is None:
+        return None
+    raw = body[found.end() :]
     if complete:
-        try:
-            return json.dumps(json.loads(body)["arguments"], ensure_ascii=False)
-        except (ValueError, KeyError, TypeError):
-            return None
-    return None
+        raw = raw.rstrip()
+        raw = raw[:-1].rstrip() if raw.endswith("}") else raw
+    return raw
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return bool(text)
 
 
 def _partial_overlap(text: str, tag: str) -> int:

@@ -26,7 +26,14 @@ from .names import (
 )
 from .pod_security import TMP_MOUNT, container_security_context, empty_dir
 from .pods import deployment, pod_scheduling_fields, pod_security_fields, topology_spread
-from .pool_secrets import pool_tls_client_args, pool_tls_mounts, pool_tls_volumes
+from .pool_secrets import (
+    pool_tls_client_args,
+    pool_tls_mounts,
+    pool_tls_volumes,
+    tenants_args,
+    tenants_mounts,
+    tenants_volumes,
+)
 from .spec import PoolSpec
 
 GIE_GROUP = "inference.networking.k8s.io"
@@ -142,7 +149,8 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
         "command": commands.epp_args(decode, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT)
         + pool_tls_client_args(pool)
         + commands.gateway_kv_events_args(pool)
-        + commands.tracing_args(pool),
+        + commands.tracing_args(pool)
+        + tenants_args(pool),
         "ports": [
             {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
             {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
@@ -150,7 +158,11 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
         ],
         "resources": dict(gie.epp_resources),
         "securityContext": container_security_context(pool),
-        "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}, *pool_tls_mounts(pool)],
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": TMP_MOUNT},
+            *pool_tls_mounts(pool),
+            *tenants_mounts(pool),
+        ],
         # gRPC health: SERVING once a decode sidecar is ready (the gateway's /ready rule).
         "readinessProbe": {
             "grpc": {"port": EPP_HEALTH_PORT},
@@ -167,7 +179,7 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
         "serviceAccountName": epp_name(ref.name),
         "automountServiceAccountToken": False,
         "containers": [container],
-        "volumes": [empty_dir("tmp"), *pool_tls_volumes(pool)],
+        "volumes": [empty_dir("tmp"), *pool_tls_volumes(pool), *tenants_volumes(pool)],
         **pod_security_fields(pool),
         **pod_scheduling_fields(pool, None),
         "topologySpreadConstraints": topology_spread(ref, EPP, None),

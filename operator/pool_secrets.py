@@ -12,7 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from .children import Manifest, PoolRef, child_metadata
-from .names import KV_SECRET_KEY, POOL_TLS_DIR, kv_secret_name
+from .names import (
+    KV_SECRET_KEY,
+    POOL_TLS_DIR,
+    TENANTS_DIR,
+    TENANTS_FILE,
+    TENANTS_KEY,
+    kv_secret_name,
+)
 from .spec import PoolSpec, SecretKeyRef
 
 # --- KV-signing Secret ---------------------------------------------------------------------
@@ -104,3 +111,34 @@ def pool_tls_client_args(pool: PoolSpec) -> list[str]:
     if not pool.tls_secret:
         return []
     return ["--tls-ca-file", f"{POOL_TLS_DIR}/ca.crt", "--tls-any-name"]
+
+
+# --- the tenants file (flow control) -------------------------------------------------------
+
+
+def tenants_args(pool: PoolSpec) -> list[str]:
+    """`--tenants-file` for the pool's front-ends (the gateway, the endpoint picker)."""
+    return ["--tenants-file", TENANTS_FILE] if pool.gateway.tenants_secret else []
+
+
+def tenants_mounts(pool: PoolSpec) -> list[dict[str, Any]]:
+    if pool.gateway.tenants_secret is None:
+        return []
+    return [{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}]
+
+
+def tenants_volumes(pool: PoolSpec) -> list[dict[str, Any]]:
+    """Mounted whole (no subPath), so a changed Secret reaches the file, which is re-read."""
+    ref = pool.gateway.tenants_secret
+    if ref is None:
+        return []
+    return [
+        {
+            "name": "tenants",
+            "secret": {
+                "secretName": ref.name,
+                "defaultMode": KV_SECRET_MODE,
+                "items": [{"key": ref.key, "path": TENANTS_KEY}],
+            },
+        }
+    ]

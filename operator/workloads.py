@@ -27,9 +27,7 @@ from .names import (
     POOL_TLS_DIR,
     PREFILL,
     SIDECAR_PORT,
-    TENANTS_DIR,
     TENANTS_FILE,
-    TENANTS_KEY,
     TLS_DIR,
     router_config_name,
     service_host,
@@ -61,6 +59,8 @@ from .pool_secrets import (
     pool_tls_mounts,
     pool_tls_volumes,
     probe_scheme,
+    tenants_mounts,
+    tenants_volumes,
 )
 from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
 
@@ -317,21 +317,8 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
                 },
             }
         )
-    tenants = pool.gateway.tenants_secret
-    if tenants is not None:  # mounted whole too: the gateway re-reads a changed file
-        container["volumeMounts"].append(
-            {"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}
-        )
-        volumes.append(
-            {
-                "name": "tenants",
-                "secret": {
-                    "secretName": tenants.name,
-                    "defaultMode": KV_SECRET_MODE,
-                    "items": [{"key": tenants.key, "path": TENANTS_KEY}],
-                },
-            }
-        )
+    container["volumeMounts"] += tenants_mounts(pool)
+    volumes += tenants_volumes(pool)
     container["volumeMounts"] += pool_tls_mounts(pool)
     volumes += pool_tls_volumes(pool)
     if tls is not None:

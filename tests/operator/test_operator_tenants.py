@@ -23,11 +23,11 @@ HF = {
 }
 
 
-def gateway_pod(spec):
+def gateway_pod(spec, name="demo-gateway"):
     for m in build_children(REF, parse_pool_spec(REF.name, spec)):
-        if m["kind"] == "Deployment" and m["metadata"]["name"] == "demo-gateway":
+        if m["kind"] == "Deployment" and m["metadata"]["name"] == name:
             return m["spec"]["template"]["spec"]
-    raise AssertionError("no gateway Deployment")
+    raise AssertionError(f"no Deployment {name}")
 
 
 def test_the_tenants_secret_becomes_the_gateways_tenants_file():
@@ -55,6 +55,26 @@ def test_the_tenants_secret_becomes_the_gateways_tenants_file():
     assert other_key["volumes"][-1]["secret"]["items"] == [{"key": "flow", "path": "tenants.yaml"}]
     plain = gateway_pod(HF)["containers"][0]["command"]
     assert "--tenants-file" not in plain
+
+
+def test_the_endpoint_picker_gets_the_same_tenants_file():
+    gie = {"enabled": True, "gatewayRefs": [{"name": "inference-gateway"}]}
+    spec = dict(HF, gateway={"tenantsSecret": {"name": "llm-tenants"}}, inferencePool=gie)
+    names = [
+        m["metadata"]["name"]
+        for m in build_children(REF, parse_pool_spec(REF.name, spec))
+        if m["kind"] == "Deployment"
+    ]
+    epp = next(n for n in names if n.endswith("epp"))
+    pod = gateway_pod(spec, epp)
+    argv = pod["containers"][0]["command"]
+    assert argv[argv.index("--tenants-file") + 1] == "/etc/pdpool/tenants/tenants.yaml"
+    assert any(v["name"] == "tenants" for v in pod["volumes"])
+    from pdpool.sidecar.epp.cli import add_arguments as epp_arguments
+
+    parser = argparse.ArgumentParser()
+    epp_arguments(parser)
+    assert parser.parse_args(argv[2:]).tenants_file == "/etc/pdpool/tenants/tenants.yaml"
 
 
 def test_tenants_and_api_keys_secrets_are_exclusive():

@@ -27,6 +27,11 @@ The old single-turn workload stays one flag set away:
     --prefix-tokens 256 --user-tokens 32 --turns 1 --max-tokens 8 --concurrency 4
     --kv-blocks 512 --model <tiny qwen3 folder>
 
+precise-envoy: the same precise routing behind real Envoy (`pdpool up --gateway envoy`:
+Envoy's ext_proc asks `pdpool epp`, the Gateway API Inference Extension endpoint picker, over
+the same routing core; scripts/envoy/install.sh installs Envoy), with the picker's own time
+per request (epp_ms_p50/p99).
+
 Strategies: round-robin (the client sends to the sidecars in turn), hash affinity (the
 gateway as before), precise (the gateway with --kv-events: cost = uncached tokens + pending
 prefill tokens + load, sidecar/routing/kv_router.py), all with aggregated sidecars; then precise
@@ -228,6 +233,7 @@ def run_strategy(
         engine_args=["--num-kv-blocks", str(args.kv_blocks)],
         kv_events=name.startswith("precise"),
         kv_load_cost=args.load_cost,
+        gateway="envoy" if name.endswith("envoy") else "ours",
     )
     topo = Topology(spec)
     topo.start(timeout_s=300)
@@ -254,6 +260,7 @@ def run_strategy(
                 'hint="decode",outcome="mispredicted"',
             )
         }
+        picker = epp_decision_ms(topo.router.url) if spec.gateway == "envoy" else {}
     finally:
         topo.stop()
     ttfts = sorted(run.ttfts)
@@ -271,8 +278,32 @@ def run_strategy(
         "tok_s": run.tokens / run.wall_s,
         "wall_s": run.wall_s,
         "preemptions": int(preempted),
+        **picker,
     }
     return row, run.trace
+
+
+def epp_decision_ms(url: str) -> dict:
+    """The endpoint picker's own time per request (from the request's headers reaching it
+    to its routed answer: reading the body, parsing, routing), p50/p99 interpolated in the
+    buckets of its pdpool_epp_decision_seconds histogram."""
+    buckets: list[tuple[float, float]] = []
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("pdpool_epp_decision_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float(le), float(line.rsplit(" ", 1)[1])))
+    total = buckets[-1][1] if buckets else 0.0
+
+    def quantile(q: float) -> float:
+        lower, below = 0.0, 0.0
+        for le, count in buckets:
+            if count >= q * total and le != float("inf"):
+                share = (q * total - below) / (count - below) if count > below else 1.0
+                return 1000 * (lower + share * (le - lower))
+            lower, below = (le, count) if le != float("inf") else (lower, below)
+        return 1000 * lower
+
+    return {"epp_ms_p50": quantile(0.5), "epp_ms_p99": quantile(0.99)} if total else {}
 
 
 def index_cost(n_blocks: int = 1_000_000, per_event: int = 16) -> dict:
@@ -340,6 +371,7 @@ def main() -> None:
             ("round-robin", "aggregated"),
             ("affinity", "aggregated"),
             ("precise", "aggregated"),
+            ("precise-envoy", "aggregated"),
             ("precise", "decode-first"),
         ):
             if args.only and f"{name}/{mode}" not in args.only.split(","):

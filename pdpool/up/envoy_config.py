@@ -17,6 +17,7 @@ from typing import Any
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 FAILURE_MODES = ("open", "close")
 _TYPES = "type.googleapis.com/envoy.extensions"
 
@@ -86,6 +87,28 @@ def _routes() -> list[dict[str, Any]]:
         },
         {"match": {"prefix": "/"}, "route": {"cluster": "pool", **long_lived}},
     ]
+
+
+def _picker_health_checks() -> dict[str, Any]:
+    """The picker's gRPC health checked every half second, and no request sent to it while
+    it fails (no panic routing). Failing open needs this: in FULL_DUPLEX_STREAMED mode
+    Envoy streams the body to the picker without waiting, so a picker whose death is found
+    only by a connection attempt gets body chunks Envoy cannot take back, and the request
+    fails (500) even with failure_mode_allow. Known unhealthy, the picker gets no stream and
+    the request goes on at once."""
+    return {
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "0.5s",
+                "no_traffic_interval": "0.5s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
+            }
+        ],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+    }
 
 
 def envoy_bootstrap(
@@ -162,6 +185,7 @@ def envoy_bootstrap(
                     "epp",
                     [(host, epp_grpc_port)],
                     typed_extension_protocol_options=http2,
+                    **_picker_health_checks(),
                 ),
             ],
         },

@@ -40,21 +40,22 @@ def find_envoy(explicit: Optional[str] = None) -> Optional[str]:
     return shutil.which("envoy")
 
 
-def picker_argv(gateway_argv: list[str], http_port: int, grpc_port: int) -> list[str]:
-    """`pdpool epp`'s command line from the gateway's: the same routing flags, its HTTP
-    (health, metrics) port and its gRPC port in place of the gateway's port."""
+def picker_argv(gateway_argv: list[str], ports: tuple[int, int, int]) -> list[str]:
+    """`pdpool epp`'s command line from the gateway's: the same routing flags, on its own
+    (ext_proc, gRPC health, HTTP metrics) ports in place of the gateway's port."""
+    grpc, health, metrics = ports
     at = gateway_argv.index("gateway")
     out = [*gateway_argv[:at], "epp"]
     rest = gateway_argv[at + 1 :]
     i = 0
     while i < len(rest):
         if rest[i] == "--port":
-            out += ["--port", str(http_port)]
+            out += ["--port", str(grpc)]
             i += 2
             continue
         out.append(rest[i])
         i += 1
-    return [*out, "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port)]
+    return [*out, "--health-port", str(health), "--metrics-port", str(metrics)]
 
 
 def swap_in_envoy(topology: "Topology", children: list["Child"]) -> list["Child"]:
@@ -69,8 +70,8 @@ def swap_in_envoy(topology: "Topology", children: list["Child"]) -> list["Child"
     if envoy is None:
         raise RuntimeError(f"no envoy binary found: {INSTALL_HINT}")
     gateway = next(c for c in children if c.role == "gateway")
-    http_port, grpc_port = free_port(), free_port()
-    argv = picker_argv(gateway.argv, http_port, grpc_port) + list(spec.epp_args)
+    grpc_port, http_port = free_port(), free_port()
+    argv = picker_argv(gateway.argv, (grpc_port, free_port(), http_port)) + list(spec.epp_args)
     epp = Child("epp", 0, http_port, argv, topology._log("epp", 0))
     sidecars = [("127.0.0.1", c.port) for c in children if c.role == "sidecar"]
     bootstrap = envoy_bootstrap(

@@ -15,12 +15,11 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # --host/--port: HTTP /health and /metrics; --grpc-port: ext_proc and gRPC health.
-    add_listen_arguments(p, port=9003, service="pdpool-epp")
-    p.add_argument("--grpc-host", default="0.0.0.0")
-    p.add_argument(
-        "--grpc-port", type=int, default=9002, help="the ext_proc gRPC port (GIE's default 9002)"
-    )
+    # GIE's ports: ext_proc on --port (9002), the gRPC health service on --health-port
+    # (9003, also on --port), HTTP /metrics and /health on --metrics-port (9090).
+    add_listen_arguments(p, port=9002, service="pdpool-epp")
+    p.add_argument("--health-port", type=int, default=9003, help="gRPC health service port")
+    p.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics and /health port")
     add_routing_arguments(p)
     p.add_argument(
         "--max-body-bytes", default="32MiB", help="request bodies above this size get 413"
@@ -39,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return serve(args, lambda: _build(args))
+    # The HTTP server (metrics, health) is the one `serve` runs; gRPC starts with it.
+    http = argparse.Namespace(**{**vars(args), "port": args.metrics_port})
+    return serve(http, lambda: _build(args))
 
 
 def _build(args: argparse.Namespace) -> EndpointPicker:
@@ -51,8 +52,9 @@ def _build(args: argparse.Namespace) -> EndpointPicker:
     try:
         settings = EppSettings(
             **routing_settings_kwargs(args),
-            grpc_host=args.grpc_host,
-            grpc_port=args.grpc_port,
+            grpc_host=args.host,
+            grpc_port=args.port,
+            health_port=args.health_port,
             max_body_bytes=parse_size(args.max_body_bytes),
             tls_ca_file=args.tls_ca_file,
             tls_any_name=args.tls_any_name,

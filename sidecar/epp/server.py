@@ -4,8 +4,8 @@ server over the same routing core as our HTTP gateway (sidecar/routing/core.py).
 Any GIE gateway (Envoy Gateway, kgateway, Istio, GKE, or plain Envoy as `pdpool up
 --gateway envoy` runs it) asks it, per request, which decode sidecar serves; the sidecar
 then runs the P/D flow itself (decode-first, prefill legs, KV leases). The picker serves
-gRPC (ext_proc and the standard health service) on --grpc-port, and HTTP /health and
-/metrics on --port."""
+gRPC on --port (ext_proc and the standard health service; the health service also on
+--health-port) and HTTP /health and /metrics on --metrics-port, as GIE's pickers do."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 class EppSettings(RoutingSettings):
     grpc_host: str = "0.0.0.0"
     grpc_port: int = 9002
+    health_port: Optional[int] = 9003  # the gRPC health service here too (GIE's layout)
     connect_timeout: float = 2.0  # health probes and /tokenize to the sidecars
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
     # GIE's conformance header (protocol.TEST_SELECTION_HEADER) restricts the choice: for
@@ -70,7 +71,21 @@ class EndpointPicker:
         self.decision_seconds = Histogram(
             "pdpool_epp_decision_seconds",
             "From a request's headers reaching the picker to its routed answer",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            buckets=(
+                *(0.00025 * i for i in range(1, 9)),  # 0.25 ms steps up to 2 ms
+                0.003,
+                0.004,
+                0.005,
+                0.0075,
+                0.01,
+                0.015,
+                0.02,
+                0.03,
+                0.05,
+                0.1,
+                0.25,
+                1.0,
+            ),
             registry=self.metrics.registry,
         )
         self.scheme = "https" if settings.tls_ca_file else "http"
@@ -113,9 +128,11 @@ class EndpointPicker:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((ext.ext_proc_handler(_Servicer(self).Process),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        address = f"{self.settings.grpc_host}:{self.settings.grpc_port}"
-        if server.add_insecure_port(address) == 0:
-            raise OSError(f"cannot listen for gRPC on {address}")
+        ports = {self.settings.grpc_port, self.settings.health_port} - {None}
+        for port in ports:
+            address = f"{self.settings.grpc_host}:{port}"
+            if server.add_insecure_port(address) == 0:
+                raise OSError(f"cannot listen for gRPC on {address}")
         await server.start()
         for service in ("", EXT_PROC_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -152,11 +152,12 @@ def test_bad_bodies_are_refused_by_the_picker(topo, model):
 
 def _second_envoy(topo, tmp_path, failure_mode: str):
     """Another Envoy, in front of the same picker and sidecars, in the given failure mode."""
-    grpc_port = int(topo.router.argv[topo.router.argv.index("--grpc-port") + 1])
+    grpc_port = int(topo.router.argv[topo.router.argv.index("--port") + 1])
     port = free_port()
     sidecars = [("127.0.0.1", s.port) for s in topo.by_role("sidecar")]
     config = tmp_path / f"envoy-{failure_mode}.json"
-    bootstrap = envoy_bootstrap(port, free_port(), grpc_port, sidecars, failure_mode)
+    admin = free_port()
+    bootstrap = envoy_bootstrap(port, admin, grpc_port, sidecars, failure_mode)
     config.write_text(json.dumps(bootstrap))
     log = open(tmp_path / f"envoy-{failure_mode}.log", "wb")  # noqa: SIM115 (the child's)
     proc = subprocess.Popen(
@@ -168,11 +169,25 @@ def _second_envoy(topo, tmp_path, failure_mode: str):
     deadline = time.monotonic() + 30
     while not healthy(url) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return proc, url
+    return proc, url, f"http://127.0.0.1:{admin}"
+
+
+def _wait_picker_unhealthy(admin_url: str) -> None:
+    """Until Envoy's health checks have found the picker down (at most a few seconds)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        clusters = httpx.get(admin_url + "/clusters", timeout=5).text
+        if any(
+            line.startswith("epp::") and "health_flags::/failed_active_hc" in line
+            for line in clusters.splitlines()
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError("Envoy did not find the picker down")
 
 
 def test_picker_down_fail_close_gives_5xx_and_fail_open_serves(topo, model, tmp_path):
-    opened, open_url = _second_envoy(topo, tmp_path, "open")
+    opened, open_url, open_admin = _second_envoy(topo, tmp_path, "open")
     epp = topo.router
     try:
         assert _complete(open_url, {"model": model, "prompt": "up"}).status_code == 200
@@ -180,6 +195,9 @@ def test_picker_down_fail_close_gives_5xx_and_fail_open_serves(topo, model, tmp_
         epp.proc.wait(10)
         closed = _complete(topo.gateway.url, {"model": model, "prompt": "down"}, timeout=20)
         assert 500 <= closed.status_code < 600
+        # (Before Envoy's health checks find the picker down, a request whose body already
+        # streamed to it fails even failing open: see pdpool/up/envoy_config.py.)
+        _wait_picker_unhealthy(open_admin)
         served = _complete(open_url, {"model": model, "prompt": "down"}, timeout=20)
         assert served.status_code == 200, (served.headers, served.text)
         assert served.json()["choices"][0]["text"]

@@ -148,17 +148,7 @@ def test_envoy_bootstrap_is_gie_s_filter_chain():
 
 def test_the_picker_takes_the_gateway_s_routing_flags():
     gateway = ["pdpool", "gateway", "--host", "127.0.0.1", "--port", "8080", "--decode-url", "a:1"]
-    assert picker_argv(gateway, 9100, 9101) == [
-        "pdpool",
-        "epp",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "9100",
-        "--decode-url",
-        "a:1",
-        "--grpc-host",
-        "127.0.0.1",
-        "--grpc-port",
-        "9101",
+    assert picker_argv(gateway, (9100, 9101, 9102)) == [
+        *("pdpool", "epp", "--host", "127.0.0.1", "--port", "9100", "--decode-url", "a:1"),
+        *("--health-port", "9101", "--metrics-port", "9102"),
     ]

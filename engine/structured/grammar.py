@@ -40,13 +40,16 @@ class RequestGrammar:
 
 
 class GrammarCompiler:
-    """Compiles specs against the model's vocabulary (built on first use: the tokenizer's
-    vocabulary is scanned once)."""
+    """Compiles specs against the model's vocabulary (scanned once, in the background from
+    start-up on)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._compiler: Any = None
         self._lock = threading.Lock()
+        # Reading a large vocabulary takes a second or two: done at start-up, off the step
+        # loop, so that the first guided request does not stall every stream.
+        threading.Thread(target=self._get, name="pdpool-grammar-vocab", daemon=True).start()
 
     def _get(self) -> Any:
         with self._lock:

@@ -5,12 +5,15 @@
 
 The quiet tenant sends `--quiet-rps` streamed completions a second (Poisson arrivals); the
 noisy tenant bursts to `--noisy-factor` times that rate (`--burst-s` on, `--pause-s` off).
-Four runs, each on a fresh `pdpool up --prefill 0 --decode N --mode aggregated`:
-  alone, off     the quiet tenant by itself, no tenants file (today's gateway)
-  noisy, off     both tenants, no tenants file
-  alone, on      the quiet tenant by itself, with the tenants file
-  noisy, on      both tenants, with the tenants file (maxInFlightPerBackend = --bound;
-                 the noisy tenant may queue --noisy-max-queued for --queue-timeout-s)
+Two `pdpool up --prefill 0 --decode N --mode aggregated`, without and with the tenants
+file; on each, --rounds rounds of two phases of --seconds (alternating, so the drift of
+this shared machine's other load reaches both alike):
+  alone-off      the quiet tenant by itself, no tenants file (today's gateway)
+  noisy-off      both tenants, no tenants file
+  alone-on       the quiet tenant by itself, with the tenants file
+  noisy-on       both tenants, with the tenants file (maxInFlightPerBackend = --bound;
+                 the noisy tenant may queue --noisy-max-queued for --queue-timeout-s,
+                 and hold --noisy-max-concurrency at once when given)
 Reported: the quiet tenant's TTFT p50/p99 (first streamed token), the noisy tenant's 429
 share, and every request that ended without an answer or a 429 ("lost": must be 0).
 The goal: with flow control on, the quiet tenant's p99 within 1.5x of its p99 alone.
@@ -82,7 +85,8 @@ def tenants_yaml(args: argparse.Namespace) -> str:
         "tenants:\n"
         f"  - {{name: quiet, keys: ['{QUIET_KEY}'], weight: 1}}\n"
         f"  - {{name: noisy, keys: ['{NOISY_KEY}'], weight: 1, "
-        f"maxQueued: {args.noisy_max_queued}, queueTimeoutSeconds: {args.queue_timeout_s}}}\n"
+        f"maxQueued: {args.noisy_max_queued}, queueTimeoutSeconds: {args.queue_timeout_s}, "
+        f"maxConcurrency: {args.noisy_max_concurrency}}}\n"
         f"pool: {{maxInFlightPerBackend: {args.bound}, "
         f"queueDepthThreshold: {args.queue_depth}}}\n"
     )
@@ -218,9 +222,11 @@ def summary(run: Run) -> dict:
     }
 
 
-def run_one(
-    name: str, model: str, args: argparse.Namespace, tenants: Optional[str], noisy: bool
-) -> Run:
+def run_topology(
+    label: str, model: str, args: argparse.Namespace, tenants: Optional[str]
+) -> list[Run]:
+    """One `pdpool up`; the quiet tenant alone and with the noisy one, alternating for
+    --rounds rounds (this machine's other load drifts: both see the same drift)."""
     spec = TopologySpec(
         model=model,
         prefill=0,
@@ -229,14 +235,17 @@ def run_one(
         tenants_file=tenants,
         engine_args=list(args.engine_arg),
     )
+    alone, noisy = Run(f"alone-{label}"), Run(f"noisy-{label}")
     with Topology(spec) as topo:
-        outcomes = drive(topo.gateway.url, args, noisy)
-        flow = flow_metrics(topo.gateway.url) if tenants else {}
-    run = Run(name, outcomes, flow)
-    lost = [o for o in outcomes if o.status not in (200, 429)]
-    for o in lost[:5]:
-        print(f"  lost ({name}): {o.tenant} status {o.status} {o.error}", file=sys.stderr)
-    return run
+        for _ in range(args.rounds):
+            alone.outcomes += drive(topo.gateway.url, args, noisy=False)
+            noisy.outcomes += drive(topo.gateway.url, args, noisy=True)
+        noisy.flow = flow_metrics(topo.gateway.url) if tenants else {}
+    for run in (alone, noisy):
+        lost = [o for o in run.outcomes if o.status not in (200, 429)]
+        for o in lost[:5]:
+            print(f"  lost ({run.name}): {o.tenant} status {o.status} {o.error}", file=sys.stderr)
+    return [alone, noisy]
 
 
 def main() -> int:
@@ -244,7 +253,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", help="checkpoint (default: the tiny test model)")
-    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--seconds", type=float, default=8.0, help="of each phase")
     p.add_argument("--quiet-rps", type=float, default=2.0)
     p.add_argument("--noisy-factor", type=float, default=10.0)
     p.add_argument("--burst-s", type=float, default=3.0)
@@ -257,36 +266,36 @@ def main() -> int:
         "--queue-depth", type=int, default=4, help="queueDepthThreshold (engine waiting)"
     )
     p.add_argument("--noisy-max-queued", type=int, default=8)
+    p.add_argument(
+        "--noisy-max-concurrency",
+        type=int,
+        default=0,
+        help="the noisy tenant's maxConcurrency (0: none, the pool's bound and shares only)",
+    )
     p.add_argument("--queue-timeout-s", type=float, default=2.0)
     p.add_argument("--engine-arg", action="append", default=[])
-    p.add_argument(
-        "--only", help="comma-separated run names (alone-off,noisy-off,alone-on,noisy-on)"
-    )
+    p.add_argument("--rounds", type=int, default=3, help="alone / noisy phases, alternating")
+    p.add_argument("--only", help="off or on: one topology only")
     args = p.parse_args()
     model = args.model or ensure_tiny_model("qwen3")
     with tempfile.TemporaryDirectory() as tmp:
         tenants = os.path.join(tmp, "tenants.yaml")
         with open(tenants, "w") as f:
             f.write(tenants_yaml(args))
-        plan = [
-            ("alone-off", None, False),
-            ("noisy-off", None, True),
-            ("alone-on", tenants, False),
-            ("noisy-on", tenants, True),
-        ]
-        wanted = set(args.only.split(",")) if args.only else None
         runs = [
-            run_one(name, model, args, file, noisy)
-            for name, file, noisy in plan
-            if wanted is None or name in wanted
+            run
+            for label, file in (("off", None), ("on", tenants))
+            if not args.only or label in args.only.split(",")
+            for run in run_topology(label, model, args, file)
         ]
     rows = [summary(r) for r in runs]
-    alone = next((r for r in rows if r["run"] == "alone-off"), None)
-    for r in rows:
-        base = alone["quiet_ttft_p99_ms"] if alone else None
-        r["p99_vs_alone"] = (
-            r["quiet_ttft_p99_ms"] / base if base and r["quiet_ttft_p99_ms"] else None
-        )
+    by_name = {r["run"]: r for r in rows}
+    for r in rows:  # against the quiet tenant alone on the same topology, same rounds
+        base = by_name.get("alone-" + r["run"].split("-")[1], {}).get("quiet_ttft_p99_ms")
+        off = by_name.get("alone-off", {}).get("quiet_ttft_p99_ms")
+        p99 = r["quiet_ttft_p99_ms"]
+        r["p99_vs_alone"] = p99 / base if base and p99 else None
+        r["p99_vs_alone_off"] = p99 / off if off and p99 else None
     print_table(rows, "flow control: the quiet tenant's TTFT (ms) and the noisy tenant's 429s")
     flows = {r.name: r.flow for r in runs if r.flow}
     write_json("flow_control", {"args": vars(args), "rows": rows, "gateway_flow_metrics": flows})

@@ -13,6 +13,7 @@ import yaml
 from kubernetes import client
 
 from devtools.operator_kube import OperatorProcess, pool_manifest, wait_for
+from pdpool.cli import build_parser
 from pdpool.operator.builders import build_children
 from pdpool.operator.children import PoolRef
 from pdpool.operator.inference_pool import inference_pool_parents
@@ -93,6 +94,16 @@ def test_the_epp_runs_pdpool_epp_over_the_decode_service_with_no_api_token():
         p["containerPort"] for p in container["ports"]
     ]
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    # The real CLI takes the rendered command, with the ports the objects name.
+    args = build_parser().parse_args(argv[1:])
+    assert args._module is not None and args.decode_service == "demo-decode.llm.svc:8080"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (args.port, args.health_port, args.metrics_port) == (
+        ports["grpc"],
+        ports["grpc-health"],
+        ports["metrics"],
+    )
+    assert args.kv_events_port is not None
 
 
 def test_the_http_route_sends_its_gateways_traffic_to_the_inference_pool():

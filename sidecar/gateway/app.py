@@ -16,6 +16,7 @@ import json
 import logging
 import time
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Awaitable, Iterable, Optional, Union
 
@@ -69,6 +70,8 @@ RETRY_STATUSES = (502, 503)
 BACKEND_HEADER = "x-pdpool-backend"
 # Headers the gateway's own server sets again (or that describe the upstream connection).
 RELAY_DROP = frozenset({"content-length", "transfer-encoding", "connection", "date", "server"})
+# The request's flow-control slot, where flow control is on (for its usage).
+FLOW_SLOT: ContextVar[Optional[Slot]] = ContextVar("pdpool_flow_slot", default=None)
 # How one upstream attempt ended: None when the client was answered, else (reason, message).
 Attempt = Optional[tuple[str, str]]
 
@@ -292,6 +295,7 @@ class Gateway:
             slot = await self._admission(tenant, headers, body, receive, send)
             if slot is None:
                 return
+            FLOW_SLOT.set(slot)  # the flow's task (a copy of this context) sees it
         req = GatewayRequest(self.metrics, headers, scope["path"], body.get("stream") is True)
         CURRENT.set(req)  # this request's task (and the flow's, a copy of its context)
         try:
@@ -463,6 +467,8 @@ class Gateway:
                 self.metrics.requests.labels(backend, str(resp.status_code)).inc()
                 if resp.status_code < 500:
                     self.routing.served(backend)
+                if self.flow is not None:
+                    _record_usage(content)
                 await _send_whole(send, resp, content, backend)
                 return None
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
@@ -678,6 +684,20 @@ async def _relay_body(
         answer_started(headers)
         await send_start(send, 200, headers)
     await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def _record_usage(content: bytes) -> None:
+    """Flow control's token budget: a whole answer's usage replaces the request's estimate
+    (streams keep the estimate)."""
+    slot = FLOW_SLOT.get()
+    if slot is None or not slot.counts_tokens:
+        return
+    try:
+        used = json.loads(content)["usage"]["total_tokens"]
+    except (ValueError, KeyError, TypeError):
+        return
+    if isinstance(used, int):
+        slot.record_usage(used)
 
 
 async def _send_whole(send: Send, resp: Response, content: bytes, backend: str) -> None:

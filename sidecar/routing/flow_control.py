@@ -82,6 +82,16 @@ class Slot:
     def __init__(self, flow: FlowController, entry: _Entry) -> None:
         self._flow, self._entry, self._released = flow, entry, False
 
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the tenant has a tokens-per-minute budget (the usage is worth reading)."""
+        return self._entry.charge is not None
+
+    def record_usage(self, used_tokens: int) -> None:
+        """The request's real usage replaces its estimate in the tenant's window."""
+        if self._entry.charge is not None:
+            self._entry.charge[1] = float(used_tokens)
+
     def release(self, used_tokens: Optional[int] = None) -> None:
         if not self._released:
             self._released = True

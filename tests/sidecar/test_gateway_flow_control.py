@@ -140,3 +140,28 @@ async def test_the_engines_own_metrics_saturate_the_pool(servers, tmp_path):
         engine.state.waiting_reported = 0  # drained: the next scrape releases it
         answer = await asyncio.wait_for(held, 10)
     assert answer.status_code == 200 and flow.controller.queue_length("a") == 0
+
+
+async def test_tokens_per_minute_counts_the_real_usage_of_whole_answers(servers, tmp_path):
+    """The estimate (4 characters a token + max_tokens) is charged at admission, then
+    replaced by the answer's usage: the stand-in counts a word a token, so a one-word
+    80-character prompt estimated at 22 tokens uses 3, and a second one fits in 30."""
+    engine = VllmStandIn("decode-0")
+    e = await servers(engine)
+    side = await servers(Sidecar(SidecarSettings(decode_url=e.url, mode="aggregated")))
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"tenants: [{{name: a, keys: ['{KEY_A}'], tokensPerMinute: 30}}]\n")
+    gw = await servers(
+        Gateway(GatewaySettings(decode_urls=[side.host_port], tenants_file=str(path)))
+    )
+    body = {"prompt": "x" * 80, "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=30) as c:
+        url = gw.url + "/v1/completions"
+        first = await c.post(url, json=body, headers=auth(KEY_A))
+        second = await c.post(url, json=body, headers=auth(KEY_A))
+        streamed = await c.post(url, json={**body, "stream": True}, headers=auth(KEY_A))
+        over = await c.post(url, json={**body, "stream": True}, headers=auth(KEY_A))
+    assert first.json()["usage"]["total_tokens"] == 3
+    assert first.status_code == second.status_code == streamed.status_code == 200
+    assert over.status_code == 429 and over.json()["error"]["code"] == "tokens_per_minute"
+    assert 1 <= int(over.headers["retry-after"]) <= 60

@@ -23,9 +23,12 @@ from devtools.prometheus_run import (
     DASHBOARD,
     VARIABLES,
     Prometheus,
+    auth,
     prometheus_binary,
     run_load,
     scrape_targets,
+    shed_one,
+    write_tenants,
 )
 from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
 
@@ -94,6 +97,7 @@ def main() -> int:
         model=ensure_tiny_model("qwen3"),
         log_dir=str(work / "logs"),
         engine_args=["--max-model-len", "2048", "--num-kv-blocks", "512"],
+        tenants_file=write_tenants(work / "tenants.yaml"),
     )
     topo = Topology(spec)
     topo.start(240)
@@ -101,10 +105,11 @@ def main() -> int:
     try:
         prom.wait_ready()
         prom.wait_targets_up(len(topo.children))
-        model = httpx.get(topo.gateway.url + "/v1/models").json()["data"][0]["id"]
+        model = httpx.get(topo.gateway.url + "/v1/models", headers=auth()).json()["data"][0]["id"]
         start, rounds = time.time(), 0
         while time.time() - start < args.seconds:
             run_load(topo.gateway.url, model, tag=f"r{rounds}-")
+            shed_one(topo.gateway.url, model)
             rounds += 1
         time.sleep(5)
         render(prom, start - 10, time.time(), Path(args.out))

@@ -132,6 +132,35 @@ def scrape_targets(topology: Any) -> dict[str, list[str]]:
     return targets
 
 
+# Flow control on, so the per-tenant panels have data: a tenant the load runs as, one
+# limited to a token a minute (its requests are shed with 429), and a pool bound of one
+# request in flight per backend (the load's concurrent clients queue).
+TENANT_KEY, LIMITED_KEY = "observability-load-key-0001", "observability-limited-key-01"
+TENANTS = {
+    "tenants": [
+        {"name": "load", "keys": [TENANT_KEY]},
+        {"name": "limited", "keys": [LIMITED_KEY], "tokensPerMinute": 1},
+    ],
+    "pool": {"maxInFlightPerBackend": 1},
+}
+
+
+def write_tenants(path: Path) -> str:
+    path.write_text(json.dumps(TENANTS))  # JSON is YAML
+    return str(path)
+
+
+def auth(key: str = TENANT_KEY) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def shed_one(gateway_url: str, model: str) -> int:
+    """One request of the limited tenant: its status (429 when shed)."""
+    body = {"model": model, "prompt": "over the limit " * 8, "max_tokens": 4}
+    r = httpx.post(gateway_url + "/v1/completions", json=body, headers=auth(LIMITED_KEY))
+    return r.status_code
+
+
 def run_load(
     gateway_url: str, model: str, workers: int = 3, per_worker: int = 6, tag: str = ""
 ) -> None:
@@ -141,7 +170,7 @@ def run_load(
     from concurrent.futures import ThreadPoolExecutor
 
     def work(w: int) -> None:
-        with httpx.Client(timeout=120) as c:
+        with httpx.Client(timeout=120, headers=auth()) as c:
             for i in range(per_worker):
                 cold = i % 2 == 0
                 prompt = (f"load {tag}{w}-{i} cold words " if cold else f"warm prefix {w} ") * 12

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from devtools.prometheus_run import auth, write_tenants
 from pdpool.otlp_receiver import OtlpReceiver
 
 from tests.support.e2e_helpers import cleanup, model_name, start_topology
@@ -35,6 +36,9 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def topo(receiver, tmp_path_factory):
+    # Flow control on (a tenants file): the dashboard's per-tenant panels need it, and every
+    # request here carries its tenant's key.
+    tenants = write_tenants(tmp_path_factory.mktemp("tenants") / "tenants.yaml")
     t = start_topology(
         tmp_path_factory,
         prefill=1,
@@ -42,20 +46,30 @@ def topo(receiver, tmp_path_factory):
         cache_hit_threshold=0.5,
         otlp_traces_endpoint=receiver.endpoint,
         tracing_env=TRACING_ENV,
+        tenants_file=tenants,
     )
     yield t
     cleanup(t, keep_logs=False)
 
 
+def model_of(topo) -> str:
+    return model_name(topo.by_role("sidecar")[0].url)  # the gateway asks for a key
+
+
 def completion(topo, prompt: str, headers: dict[str, str], stream: bool = False) -> httpx.Response:
     body = {
-        "model": model_name(topo.gateway.url),
+        "model": model_of(topo),
         "prompt": prompt,
         "max_tokens": 8,
         "temperature": 0,
         "stream": stream,
     }
-    r = httpx.post(topo.gateway.url + "/v1/completions", json=body, headers=headers, timeout=120)
+    r = httpx.post(
+        topo.gateway.url + "/v1/completions",
+        json=body,
+        headers={**headers, **auth()},
+        timeout=120,
+    )
     r.raise_for_status()
     return r
 
@@ -192,6 +206,7 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(topo, tmp_path):
         prometheus_binary,
         run_load,
         scrape_targets,
+        shed_one,
     )
 
     binary = prometheus_binary()
@@ -201,7 +216,8 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(topo, tmp_path):
     try:
         prom.wait_ready()
         prom.wait_targets_up(len(topo.children))
-        run_load(topo.gateway.url, model_name(topo.gateway.url))
+        run_load(topo.gateway.url, model_of(topo), per_worker=4)
+        assert shed_one(topo.gateway.url, model_of(topo)) == 429
         time.sleep(3)  # a few scrapes after the load
         missing = []
         for title, legend, expr in panel_queries():

@@ -152,3 +152,104 @@ def test_the_picker_takes_the_gateway_s_routing_flags():
         *("pdpool", "epp", "--host", "127.0.0.1", "--port", "9100", "--decode-url", "a:1"),
         *("--health-port", "9101", "--metrics-port", "9102"),
     ]
+
+
+# ---------------------------------------------------------------- one request's exchange
+# The picker's real Exchange and routing core, fed Envoy's messages (no Envoy, no sockets:
+# the decode set is static and never probed, so every sidecar counts as healthy).
+SIDECARS = ["127.0.0.1:7001", "127.0.0.1:7002"]
+
+
+def _request_headers(**extra: str):
+    values = {":path": "/v1/completions", ":method": "POST", **extra}
+    return ext.ProcessingRequest(request_headers=_headers(**values))
+
+
+def _body(chunk: bytes, end: bool):
+    return ext.ProcessingRequest(request_body=ext.HttpBody(body=chunk, end_of_stream=end))
+
+
+def _picker(**settings):
+    from pdpool.sidecar.epp.server import EndpointPicker, EppSettings
+
+    return EndpointPicker(EppSettings(decode_urls=SIDECARS, **settings))
+
+
+async def test_a_streamed_body_is_routed_once_whole_and_handed_back_unchanged():
+    from pdpool.sidecar.epp.exchange import Exchange
+
+    picker = _picker()
+    ex = Exchange(picker)
+    raw = b'{"prompt": [1, 2, 3], "max_tokens": 2}' + b" " * 70_000
+    assert await ex.handle(_request_headers(**{"x-pdpool-kv-path": "pd"})) == []
+    assert await ex.handle(_body(raw[:30_000], end=False)) == []  # held until whole
+    answers = await ex.handle(_body(raw[30_000:], end=True))
+    routed = answers[0].request_headers.response
+    endpoint = _set_headers(routed.header_mutation)[protocol.DESTINATION_HEADER]
+    assert endpoint in SIDECARS
+    # the client's own P/D header is dropped: only the router sets it
+    assert "x-pdpool-kv-path" in routed.header_mutation.remove_headers
+    pieces = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
+    assert b"".join(p.body for p in pieces) == raw and pieces[-1].end_of_stream
+    assert picker.routing.load(endpoint) == 1  # in flight until the response ends
+    status = ext.ProcessingRequest(response_headers=_headers(**{":status": "200"}))
+    status.attributes[protocol.ATTRIBUTES_NAMESPACE].update(
+        {protocol.UPSTREAM_ATTRIBUTE: endpoint, protocol.DETAILS_ATTRIBUTE: "via_upstream"}
+    )
+    served = await ex.handle(status)
+    assert _set_headers(served[0].response_headers.response.header_mutation) == {
+        protocol.SERVED_HEADER: endpoint
+    }
+    end = ext.ProcessingRequest(response_body=ext.HttpBody(body=b"{}", end_of_stream=True))
+    echoed = (await ex.handle(end))[0].response_body.response.body_mutation.streamed_response
+    assert (echoed.body, echoed.end_of_stream) == (b"{}", True)
+    assert picker.routing.load(endpoint) == 0
+    ex.close()
+
+
+async def test_bad_bodies_get_400_and_the_subset_hint_limits_the_choice():
+    from pdpool.sidecar.epp.exchange import Exchange
+
+    picker = _picker()
+    bad = Exchange(picker)
+    await bad.handle(_request_headers())
+    refused = (await bad.handle(_body(b'{"prompt": "x", "max_tokens": -1}', end=True)))[0]
+    assert refused.immediate_response.status.code == 400
+    assert json.loads(refused.immediate_response.body)["error"]["param"] == "max_tokens"
+    for only in SIDECARS:
+        ex = Exchange(picker)
+        await ex.handle(_request_headers())
+        last = _body(b'{"prompt": "hello", "max_tokens": 2}', end=True)
+        last.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update(
+            {protocol.SUBSET_KEY: [only]}
+        )
+        routed = (await ex.handle(last))[0].request_headers.response.header_mutation
+        assert _set_headers(routed)[protocol.DESTINATION_HEADER] == only
+        ex.close()
+    nowhere = Exchange(picker)
+    await nowhere.handle(_request_headers())
+    last = _body(b'{"prompt": "hello", "max_tokens": 2}', end=True)
+    last.metadata_context.filter_metadata[protocol.SUBSET_NAMESPACE].update(
+        {protocol.SUBSET_KEY: ["10.9.9.9:80"]}
+    )
+    assert (await nowhere.handle(last))[0].immediate_response.status.code == 503
+
+
+async def test_envoy_s_own_5xx_for_the_picked_endpoint_becomes_a_clear_503_and_ejects_it():
+    from pdpool.sidecar.epp.exchange import Exchange
+
+    picker = _picker()
+    ex = Exchange(picker)
+    await ex.handle(_request_headers())
+    answers = await ex.handle(_body(b'{"prompt": "hi", "max_tokens": 2}', end=True))
+    endpoint = _set_headers(answers[0].request_headers.response.header_mutation)[
+        protocol.DESTINATION_HEADER
+    ]
+    local = ext.ProcessingRequest(response_headers=_headers(**{":status": "503"}))
+    local.attributes[protocol.ATTRIBUTES_NAMESPACE].update(
+        {protocol.DETAILS_ATTRIBUTE: "upstream_reset_before_response_started{connection_failure}"}
+    )
+    reply = (await ex.handle(local))[0].immediate_response
+    assert reply.status.code == 503 and endpoint in json.loads(reply.body)["error"]["message"]
+    assert not picker.routing.healthy(endpoint)
+    ex.close()

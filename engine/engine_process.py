@@ -125,7 +125,8 @@ class _CoreInbox:
     def on_messages(self, msgs: list[Any]) -> None:
         for msg in msgs:
             if isinstance(msg, AddRequest):
-                self.loop.submit(functools.partial(self._add, msg))
+                if self._grammar_compiles(msg):
+                    self.loop.submit(functools.partial(self._add, msg))
             elif isinstance(msg, AbortRequest):
                 self.loop.submit(functools.partial(self.engine.abort_request, msg.request_id))
             elif isinstance(msg, ReleaseLease):
@@ -138,6 +139,19 @@ class _CoreInbox:
     def on_closed(self, why: str) -> None:
         self.server_gone.set()
         self.stop.set()
+
+    def _grammar_compiles(self, msg: AddRequest) -> bool:
+        """Compiles a guided request's grammar here, off the step loop (the compiler caches
+        it for the request's add); a spec that cannot compile is refused from here."""
+        spec = msg.params.guided
+        if spec is None:
+            return True
+        try:
+            self.engine.grammars.compile(spec)
+        except Exception as exc:
+            self._reply(RequestRefused.of(msg.request_id, exc))
+            return False
+        return True
 
     def _add(self, msg: AddRequest) -> None:
         try:

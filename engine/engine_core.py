@@ -391,8 +391,10 @@ class LLMEngine:
         stopped_by_token = token in params.stop_token_ids or (
             token in req.eos_token_ids and not params.ignore_eos
         )
-        ended = stopped_by_token or (req.grammar is not None and req.grammar.terminated)
-        if ended and len(req.output_token_ids) > params.min_tokens - 1:
+        # A grammar that has ended allows no further token: it ends the request even short
+        # of min_tokens (its end token was let through for that reason).
+        grammar_ended = req.grammar is not None and req.grammar.terminated
+        if grammar_ended or (stopped_by_token and len(req.output_token_ids) >= params.min_tokens):
             status = RequestStatus.FINISHED_STOPPED
         else:
             delta = detok.add_token(token)

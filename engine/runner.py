@@ -141,6 +141,8 @@ class ModelRunner:
             else None
             for r in reqs
         ]
+        if pending is not None:
+            _grammar_may_end(logits, reqs, suppress)
         res = self.sampler.sample(
             logits, [r.request_id for r in reqs], [r.sampling_params for r in reqs], suppress
         )
@@ -204,3 +206,15 @@ def state_tensors(state: Any) -> list[torch.Tensor]:
         or (hasattr(item, "__dict__") and not callable(item))
         for t in state_tensors(item)
     ]
+
+
+def _grammar_may_end(logits: torch.Tensor, reqs: list[Any], suppress: list[Any]) -> None:
+    """A guided row whose grammar allows nothing but the end keeps its end tokens despite
+    min_tokens: the grammar is complete, and banning the end would leave no token at all."""
+    for i, (r, ids) in enumerate(zip(reqs, suppress, strict=True)):
+        if ids is None or r.grammar is None:
+            continue
+        allowed = torch.isfinite(logits[i])
+        allowed[[t for t in ids if 0 <= t < allowed.shape[0]]] = False
+        if not bool(allowed.any()):
+            suppress[i] = None

@@ -180,3 +180,16 @@ def test_logit_bias_forces_a_token(client, model):
         logit_bias={"71": 100},
     )
     assert r.choices[0].text == "e" * 6  # token 71 of the tiny byte-level vocabulary
+
+
+def test_min_tokens_yields_to_a_grammar_that_has_ended(client, model):
+    # The choice is complete after a few tokens; min_tokens asks for more. The grammar then
+    # allows only the end, so the end wins (no 500, no token outside the grammar).
+    out = client.completions.create(
+        model=model,
+        prompt="pick one",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"guided_choice": ["yes", "no"], "min_tokens": 15},
+    ).choices[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"

@@ -89,6 +89,9 @@ class KVRouter:
             self._tokenizer = Tokenizer.from_file(tokenizer_file)
         self._feeds: dict[str, _Feed] = {}
         self._stop = threading.Event()
+        # Decisions off the loop run one at a time: each sees the expectations (pending
+        # work) of the one before, so a burst of simultaneous new prompts spreads.
+        self._deciding = asyncio.Lock()
 
     # --- feeding the index ---------------------------------------------------------------
     def subscribe(self, backend: str, endpoint: str, replay_endpoint: Optional[str] = None) -> None:
@@ -151,7 +154,8 @@ class KVRouter:
     ) -> RouteDecision:
         """`decide`, off the event loop for a long prompt (it hashes every block)."""
         if len(token_ids) > INLINE_PROMPT_TOKENS:
-            return await asyncio.to_thread(self.decide, order, token_ids, *args)
+            async with self._deciding:
+                return await asyncio.to_thread(self.decide, order, token_ids, *args)
         return self.decide(order, token_ids, *args)
 
     def prompt_token_ids(self, body: Any) -> Optional[list[int]]:

@@ -7,7 +7,10 @@ Each role gets a pressure: how far its worst signal is from its target (1.0 = on
            target; and TTFT p90 / ttft target when there is no prefill role (decode then
            computes every prompt).
 Latency grows with load, so the replicas that bring a pressure back to 1 are estimated as
-proportional (HPA's rule): ceil(n * pressure). Scale-down is asked only when every signal is
+proportional (HPA's rule): ceil(n * pressure). A scale-up remembers the load per engine
+(running + queued requests) that needed it; a later scale-down must leave the load at most
+down_headroom of that per engine (without it, the latency headroom a scale-up just bought
+would remove the engine again at the same load). Scale-down is asked only when every signal is
 well under target (pressure <= down_headroom), one engine at a time unless the proportional
 estimate asks for fewer, and an idle role (nothing served, queued or running in the window)
 asks for its floor."""
@@ -118,9 +121,31 @@ def _floor(role: str, cfg: PlannerConfig) -> int:
     return b.min if cfg.scale_to_zero else min(max(b.min, 1), b.max)
 
 
-def recommend(role: str, replicas: int, sig: Signals, cfg: PlannerConfig) -> Recommendation:
+def demand(s: RoleSignals) -> float:
+    """The role's load in requests: those running and those queued."""
+    return s.running + s.waiting
+
+
+def _fitting(
+    want: int, load: float, saturated_per_engine: Optional[float], cfg: PlannerConfig
+) -> int:
+    """Engines that carry `load` within the headroom, given the load per engine that last
+    needed a scale-up (None: never saturated, nothing to hold on to)."""
+    if not saturated_per_engine:
+        return want
+    return max(want, math.ceil(load / (cfg.down_headroom * saturated_per_engine)))
+
+
+def recommend(
+    role: str,
+    replicas: int,
+    sig: Signals,
+    cfg: PlannerConfig,
+    saturated_per_engine: Optional[float] = None,
+) -> Recommendation:
     """Replicas this role needs for the window's signals (not yet stabilized or clamped to a
-    step; clamped to the role's bounds)."""
+    step; clamped to the role's bounds). `saturated_per_engine`: the load per engine when
+    the role last had to scale up; a scale-down must leave the load well under it."""
     bounds = cfg.bounds(role)
     s = sig.prefill if role == "prefill" else sig.decode
     if role == "prefill" and replicas == 0:
@@ -142,7 +167,10 @@ def recommend(role: str, replicas: int, sig: Signals, cfg: PlannerConfig) -> Rec
         # Latency is not proportional to load when light (it nears the bare compute time),
         # so one engine fewer, or fewer still when even a proportional estimate agrees.
         want = max(min(n - 1, math.ceil(n * pressure / cfg.down_headroom)), 1)
+        want = min(_fitting(want, demand(s), saturated_per_engine, cfg), n)
         reason = f"{worst} at {pressure:.2f}x target: {want} engines suffice"
+        if want == n:
+            reason = f"{worst} at {pressure:.2f}x target, but the load would not fit {n - 1}"
     else:
         want = replicas
         reason = f"on target ({worst} at {pressure:.2f}x)"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from .metrics import Snapshot
-from .policy import ROLES, PlannerConfig, Recommendation, recommend
+from .policy import ROLES, PlannerConfig, Recommendation, demand, recommend
 from .signals import Signals, signals
 
 
@@ -22,6 +22,7 @@ class RoleState:
     last_up: Optional[float] = None
     last_change: Optional[float] = None
     since: Optional[float] = None  # the first tick this state has seen
+    saturated_per_engine: Optional[float] = None  # load per engine at the last scale-up
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _step(cfg: PlannerConfig, n: int, want: int) -> int:
 def plan_role(
     cfg: PlannerConfig, role: str, st: RoleState, now: float, sig: Signals
 ) -> tuple[RoleState, RoleDecision]:
-    rec = recommend(role, st.replicas, sig, cfg)
+    rec = recommend(role, st.replicas, sig, cfg, st.saturated_per_engine)
     keep = max(cfg.up_window_s, cfg.down_window_s)
     history = (*(h for h in st.history if now - h[0] <= keep), (now, rec.replicas))
     since = st.since if st.since is not None else now
@@ -134,12 +135,17 @@ def plan_role(
     if desired == st.replicas:
         return st, decision
     up = desired > st.replicas
+    saturated = st.saturated_per_engine
+    if up and st.replicas > 0:
+        load = demand(sig.prefill if role == "prefill" else sig.decode) / st.replicas
+        saturated = load or saturated  # the latest saturation (none measured: keep the last)
     return (
         replace(
             st,
             replicas=desired,
             last_change=now,
             last_up=now if up else st.last_up,
+            saturated_per_engine=saturated or None,
         ),
         decision,
     )

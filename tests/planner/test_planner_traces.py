@@ -148,3 +148,22 @@ def test_scale_to_zero_is_off_by_default_and_prefill_comes_back_on_demand():
 def test_bad_settings_are_refused_with_a_reason(over, message):
     with pytest.raises(ValueError, match=message):
         config(**over)
+
+
+def test_an_engine_a_scale_up_bought_is_kept_while_the_load_that_needed_it_stays():
+    """Below an engine's batch limit latency barely moves with load, so two engines can
+    sit at half the ITL target with a load one engine could not carry: the load per engine
+    that needed the scale-up must fit n-1 engines before one is removed."""
+    from pdpool.planner.policy import recommend
+    from pdpool.planner.signals import PoolSignals, RoleSignals, Signals
+
+    def signals(running):
+        idle = RoleSignals(1, 0, 0, 0.0, None, None, 0, 0.0, 0.0)
+        busy = RoleSignals(2, running, 0, 0.2, 0.05, 0.025, 40, 0.0, 900.0)
+        return Signals(idle, busy, PoolSignals(0, 0, 0, None), 10.0)
+
+    cfg = config()
+    assert recommend("decode", 2, signals(8), cfg).replicas == 1  # nothing remembered
+    held = recommend("decode", 2, signals(8), cfg, saturated_per_engine=6.0)
+    assert held.replicas == 2 and "would not fit 1" in held.reason
+    assert recommend("decode", 2, signals(3), cfg, saturated_per_engine=6.0).replicas == 1

@@ -261,7 +261,7 @@ def main() -> int:
     p.add_argument("--prompt-words", type=int, default=96)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--bound", type=int, default=4, help="maxInFlightPerBackend")
+    p.add_argument("--bound", type=int, default=2, help="maxInFlightPerBackend")
     p.add_argument(
         "--queue-depth", type=int, default=4, help="queueDepthThreshold (engine waiting)"
     )

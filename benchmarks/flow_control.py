@@ -1,7 +1,7 @@
 """Flow control through `pdpool up`: a quiet tenant at steady load, a noisy one bursting.
 
     python benchmarks/flow_control.py [--seconds 20] [--quiet-rps 2] [--noisy-factor 10]
-                                      [--bound 4] [--max-tokens 32] [--model DIR]
+                                      [--bound 2] [--max-tokens 32] [--model DIR]
 
 The quiet tenant sends `--quiet-rps` streamed completions a second (Poisson arrivals); the
 noisy tenant bursts to `--noisy-factor` times that rate (`--burst-s` on, `--pause-s` off).

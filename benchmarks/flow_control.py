@@ -1,6 +1,6 @@
 """Flow control through `pdpool up`: a quiet tenant at steady load, a noisy one bursting.
 
-    python benchmarks/flow_control.py [--seconds 20] [--quiet-rps 2] [--noisy-factor 10]
+    python benchmarks/flow_control.py [--seconds 8] [--rounds 3] [--quiet-rps 2] [--noisy-factor 10]
                                       [--bound 2] [--max-tokens 32] [--model DIR]
 
 The quiet tenant sends `--quiet-rps` streamed completions a second (Poisson arrivals); the

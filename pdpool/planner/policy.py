@@ -4,8 +4,8 @@ Each role gets a pressure: how far its worst signal is from its target (1.0 = on
   prefill: TTFT p90 of the prefill engines (and of the sidecars' prefill legs) / ttft target;
            queued prompts per engine / waiting target.
   decode:  ITL p90 / itl target; KV usage / kv target; queued requests per engine / waiting
-           target; and TTFT p90 / ttft target when there is no prefill role (decode then
-           computes every prompt).
+           target; TTFT p90 / ttft target (its queue delays every first token, also after
+           a prefill leg).
 Latency grows with load, so the replicas that bring a pressure back to 1 are estimated as
 proportional (HPA's rule): ceil(n * pressure). A scale-up remembers the load per engine
 (running + queued requests) that needed it; a later scale-down must leave the load at most
@@ -100,16 +100,15 @@ def _ratio(value: Optional[float], target: float) -> Optional[float]:
     return None if value is None else value / target
 
 
-def role_pressures(
-    role: str, s: RoleSignals, cfg: PlannerConfig, has_prefill: bool
-) -> dict[str, float]:
+def role_pressures(role: str, s: RoleSignals, cfg: PlannerConfig) -> dict[str, float]:
     """Each signal's distance from target, 1.0 = on target; signals without data left out."""
     engines = max(s.engines, 1)
     found: dict[str, Optional[float]] = {
         "waiting": s.waiting / (engines * cfg.waiting_per_engine),
     }
-    if role == "prefill" or not has_prefill:
-        found["ttft"] = _ratio(s.ttft_p90, cfg.ttft_seconds)
+    # A decode engine's first token waits for its queue (and, after a prefill leg, for the
+    # KV pull): the client's TTFT includes it, whichever role computed the prompt.
+    found["ttft"] = _ratio(s.ttft_p90, cfg.ttft_seconds)
     if role == "decode":
         found["itl"] = _ratio(s.itl_p90, cfg.itl_seconds)
         found["kv_usage"] = s.kv_usage / cfg.kv_usage_target
@@ -154,7 +153,7 @@ def recommend(
         return Recommendation(_floor(role, cfg), "no prefill demand")
     if s.idle:
         return Recommendation(_floor(role, cfg), "idle: nothing served, queued or running")
-    drivers = role_pressures(role, s, cfg, has_prefill=cfg.prefill.max > 0)
+    drivers = role_pressures(role, s, cfg)
     if role == "prefill" and sig.pool.prefill_leg_p90 is not None:
         drivers["prefill_leg"] = sig.pool.prefill_leg_p90 / cfg.ttft_seconds
     worst = max(drivers, key=lambda k: drivers[k])

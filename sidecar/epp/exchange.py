@@ -113,7 +113,7 @@ class Exchange:
             protocol.routed_headers(
                 pick.endpoint,
                 ours,
-                remove=OWNED_HEADERS,
+                remove=OWNED_HEADERS + self.picker.client_key_headers,
                 body_bytes=len(raw) if body_ended else None,
             )
         ]

@@ -15,20 +15,16 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Optional
 
 import grpc
-import httpx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
-from pdpool.tlsutil import client_context
 
 from ..net.asgi import Receive, Scope, Send, send_bytes, send_error, serve_lifespan
-from ..net.engine_tokenizer import EngineTokenizer
+from ..net.backends import Backends
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from ..net.upstream import readiness
 from ..routing.admission import FlowControl, Shed, Slot
 from ..routing.core import Routing
-from ..routing.saturation import ENGINE_METRICS_PATH
 from ..routing.settings import RoutingSettings
 from . import envoy_api as ext
 from . import protocol
@@ -88,13 +84,9 @@ class EndpointPicker:
             ),
             registry=self.metrics.registry,
         )
-        self.scheme = "https" if settings.tls_ca_file else "http"
-        self.tls = (
-            client_context(settings.tls_ca_file, settings.tls_any_name)
-            if settings.tls_ca_file
-            else None
+        self.sidecars = Backends(
+            settings.tls_ca_file, settings.tls_any_name, settings.probe_timeout_s
         )
-        self.client: Optional[httpx.AsyncClient] = None
         self.grpc_server: Optional[grpc.aio.Server] = None
         self.health = health.aio.HealthServicer()
         # Flow control (routing/admission.py, as in the gateway); None: off.
@@ -108,23 +100,20 @@ class EndpointPicker:
             if settings.tenants_file
             else None
         )
+        # A client's API key names its tenant and goes no further than the picker (as in
+        # the gateway); behind another gateway that names tenants by header, it is kept.
+        self.client_key_headers: tuple[str, ...] = (
+            ("authorization", "x-api-key")
+            if self.flow is not None and self.flow.tenant_header is None
+            else ()
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=self.settings.connect_timeout),
-            verify=self.tls if self.tls is not None else True,
+        s = self.settings
+        await self.sidecars.start(
+            self.routing, self.flow, self.metrics, s.connect_timeout, s.kv_tokenize_timeout_s
         )
-        tokenizer = EngineTokenizer(
-            lambda: self.client,
-            self.scheme,
-            self.settings.kv_tokenize_timeout_s,
-            self.routing.healthy,
-            self.metrics,
-        )
-        await self.routing.start(self._probe, tokenizer)
-        if self.flow is not None:
-            await self.flow.start(self._engine_metrics)
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((ext.ext_proc_handler(_Servicer(self).Process),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -145,33 +134,7 @@ class EndpointPicker:
         if self.flow is not None:
             await self.flow.stop()
         await self.routing.stop()
-        if self.client is not None:
-            await self.client.aclose()
-
-    async def _engine_metrics(self, backend: str) -> Optional[str]:
-        """A sidecar's passthrough of its engine's /metrics (flow control's saturation)."""
-        assert self.client is not None, "startup() makes the client"
-        try:
-            r = await self.client.get(
-                f"{self.scheme}://{backend}{ENGINE_METRICS_PATH}",
-                timeout=self.settings.probe_timeout_s,
-            )
-        except httpx.HTTPError:
-            return None
-        return r.text if r.status_code == 200 else None
-
-    async def _probe(self, backend: str) -> bool:
-        assert self.client is not None, "startup() makes the client"
-        try:
-            r = await readiness(
-                self.client,
-                f"{self.scheme}://{backend}",
-                self.settings.probe_timeout_s,
-                no_ready=lambda status: status == 404,
-            )
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
+        await self.sidecars.stop()
 
     # ------------------------------------------------------------------ decisions
     async def admit(self, body: Optional[Any], headers: dict[str, str]) -> Optional[Any]:

@@ -24,7 +24,6 @@ import httpx
 
 from pdpool import tracing
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
-from pdpool.tlsutil import client_context
 
 from . import migration
 from .request_trace import CURRENT, GatewayRequest, answer_started, record_outcome
@@ -48,16 +47,14 @@ from ..net.asgi import (
 )
 from ..net.discovery import EndpointSet
 from ..net.client_body import parse_client_body
-from ..net.engine_tokenizer import EngineTokenizer
+from ..net.backends import Backends
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from ..routing.core import PD_HEADER, Routing
 from ..routing.outlier import EjectionRace
 from ..routing.settings import RoutingSettings
 from ..net.sse import DONE, EventSplitter, event_json, json_event
-from ..net.upstream import readiness
 from ..routing.admission import FlowControl, Shed, Slot, shed_body
-from ..routing.saturation import ENGINE_METRICS_PATH
 from ..routing.tenants import Tenant
 
 log = logging.getLogger("pdpool.gateway")
@@ -129,13 +126,10 @@ class Gateway:
             if settings.tenants_file
             else None
         )
-        self.client: Optional[httpx.AsyncClient] = None  # health checks, /tokenize
-        self.scheme = "https" if settings.tls_ca_file else "http"  # to the sidecars
-        self.tls = (
-            client_context(settings.tls_ca_file, settings.tls_any_name)
-            if settings.tls_ca_file
-            else None
+        self.sidecars = Backends(
+            settings.tls_ca_file, settings.tls_any_name, settings.probe_timeout_s
         )
+        self.scheme, self.tls = self.sidecars.scheme, self.sidecars.tls
         self.pool = Http1Pool(
             connect_timeout=settings.connect_timeout,  # proxied traffic
             ssl_context=self.tls,
@@ -143,56 +137,17 @@ class Gateway:
 
     # ------------------------------------------------------------------ lifecycle
     async def startup(self) -> None:
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=self.settings.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
-            verify=self.tls if self.tls is not None else True,
+        s = self.settings
+        await self.sidecars.start(
+            self.routing, self.flow, self.metrics, s.connect_timeout, s.kv_tokenize_timeout_s
         )
-        tokenizer = EngineTokenizer(
-            lambda: self.client,
-            self.scheme,
-            self.settings.kv_tokenize_timeout_s,
-            self.routing.healthy,
-            self.metrics,
-        )
-        await self.routing.start(self._probe, tokenizer)
-        if self.flow is not None:
-            await self.flow.start(self._engine_metrics)
 
     async def shutdown(self) -> None:
         if self.flow is not None:
             await self.flow.stop()
         await self.routing.stop()
         await self.pool.aclose()
-        if self.client:
-            await self.client.aclose()
-            self.client = None
-
-    async def _probe(self, backend: str) -> bool:
-        """A sidecar's readiness (one older than /ready answers it 404: its /health then)."""
-        assert self.client is not None, "startup() makes the client"
-        try:
-            r = await readiness(
-                self.client,
-                f"{self.scheme}://{backend}",
-                self.settings.probe_timeout_s,
-                no_ready=lambda status: status == 404,
-            )
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
-
-    async def _engine_metrics(self, backend: str) -> Optional[str]:
-        """A sidecar's passthrough of its engine's /metrics (flow control's saturation)."""
-        assert self.client is not None, "startup() makes the client"
-        try:
-            r = await self.client.get(
-                f"{self.scheme}://{backend}{ENGINE_METRICS_PATH}",
-                timeout=self.settings.probe_timeout_s,
-            )
-        except httpx.HTTPError:
-            return None
-        return r.text if r.status_code == 200 else None
+        await self.sidecars.stop()
 
     async def check_health(self) -> None:
         await self.routing.check_health()

@@ -71,30 +71,41 @@ def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="URL=ENDPOINT[|REPLAY]",
-        help="precise KV-aware routing: the decode sidecar URL and its engine's KV events "
-        "endpoint (vLLM --kv-events-config) (repeatable)",
+        help="precise KV-aware routing: the decode sidecar URL and its engine's KV "
+        "events endpoint (vLLM --kv-events-config), e.g. "
+        "http://10.0.0.5:8000=tcp://10.0.0.5:5557|tcp://10.0.0.5:5558 "
+        "(repeatable; sidecars without one keep hash affinity)",
     )
     p.add_argument(
         "--kv-events-port",
         type=int,
         default=None,
-        help="precise routing that follows --decode-service: each sidecar's engine (same "
-        "pod IP) publishes its KV events on this port",
+        help="precise KV-aware routing that follows --decode-service: each sidecar's engine "
+        "(same pod IP) publishes its KV events on this port (its --kv-events-config "
+        "tcp://*:PORT)",
     )
-    p.add_argument("--kv-events-replay-port", type=int, default=None)
+    p.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=None,
+        help="with --kv-events-port: the engines' replay port",
+    )
     p.add_argument("--kv-block-size", type=int, default=16, help="the engines' KV block size")
     p.add_argument("--kv-tokenizer", default=None, help="the model's tokenizer.json")
     add_switch(
         p,
         "--kv-engine-tokenize",
         True,
-        "ask a decode engine's /tokenize (through its sidecar) for prompts not tokenized here",
+        "ask a decode engine's /tokenize (through its sidecar) for prompts not tokenized "
+        "here (chats; strings without --kv-tokenizer); --no-kv-engine-tokenize: those keep "
+        "hash affinity",
     )
     p.add_argument(
         "--kv-threshold",
         type=float,
         default=0.0,
-        help="predicted hit ratio below which requests go P/D up front",
+        help="predicted hit ratio below which requests go P/D up front (the pool's "
+        "cache-hit threshold)",
     )
     p.add_argument(
         "--kv-load-cost",

@@ -46,6 +46,9 @@ async def test_the_picker_queues_sheds_and_releases_like_the_gateway(tmp_path):
     flow = picker.flow
     first, answers = await exchange(picker)
     assert answers[0].WhichOneof("response") == "request_headers"  # routed: admitted
+    # The client's key named its tenant; it goes no further (Envoy removes it).
+    removed = answers[0].request_headers.response.header_mutation.remove_headers
+    assert {"authorization", "x-api-key"} <= set(removed)
     assert flow.controller.admitted == 1
     second = Exchange(picker)
     await second.handle(request_headers(KEY))
@@ -71,3 +74,10 @@ async def test_the_picker_queues_sheds_and_releases_like_the_gateway(tmp_path):
     assert flow.controller.queue_length("a") == 0
     second.close()
     assert flow.controller.admitted == 0
+
+
+async def test_without_flow_control_the_client_key_is_forwarded():
+    picker = EndpointPicker(EppSettings(decode_urls=["127.0.0.1:1"]))
+    _, answers = await exchange(picker)
+    removed = answers[0].request_headers.response.header_mutation.remove_headers
+    assert "authorization" not in removed

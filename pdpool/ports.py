@@ -1,30 +1,69 @@
 """Free TCP ports on 127.0.0.1 for the processes this machine starts: `pdpool up`'s
 children, the dev tools' clusters and engines, the tests' servers.
 
-A port is free when it is asked for; another process may take it before it is bound, so
-callers that can retry on "address already in use" do.
+Ports are chosen outside the kernel's ephemeral range (ip_local_port_range). A port the
+kernel hands out for an outgoing connection, or to a library that binds port 0 (UCX under
+NIXL, ZeroMQ, Envoy), comes from that range, so it can never take a port chosen here
+between the choice and the child binding it. Choices are random and never repeated within
+a process; another process may still take one, so callers that can retry on "address
+already in use" do.
 """
 
 from __future__ import annotations
 
+import random
 import socket
+
+LOWEST = 10000  # below: well-known and registered services' usual homes
+DEFAULT_EPHEMERAL = (32768, 60999)
+_handed_out: set[int] = set()
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    try:
+        with open(path) as fh:
+            lo, hi = (int(x) for x in fh.read().split()[:2])
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+    return lo, hi
+
+
+def candidate_ports(ephemeral: tuple[int, int]) -> list[int]:
+    """Ports from LOWEST up that the kernel never hands out on its own."""
+    lo, hi = ephemeral
+    return [p for p in range(LOWEST, 65536) if not lo <= p <= hi]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free ports (held together while chosen: never the same twice; not port+1,
-    which another process may hold)."""
-    socks = [socket.socket() for _ in range(n)]
+    """n distinct free ports (held together while chosen: never the same twice)."""
+    candidates = candidate_ports(ephemeral_range())
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for s in socks:
+        for port in random.sample(candidates, min(len(candidates), 50 * n + 100)):
+            if len(ports) == n:
+                break
+            if port in _handed_out:
+                continue
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(port)
+        while len(ports) < n:  # no room outside the ephemeral range: let the kernel choose
+            s = socket.socket()
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+            socks.append(s)
+            ports.append(s.getsockname()[1])
     finally:
         for s in socks:
             s.close()
+    _handed_out.update(ports)
+    return ports

@@ -15,7 +15,7 @@ Backends:
   sim     llm-d-inference-sim (scripts/llm-d-sim/build-sim.sh) behind `pdpool up --engine
           vllm` (benchmarks/sim_engine.py): each replica has its own capacity, as GPUs.
 
-    python benchmarks/autoscale.py --backend sim --users 12 --step-s 8
+    python benchmarks/autoscale.py --backend sim --users 12 --step-s 8 --interval-s 1
     python benchmarks/autoscale.py --backend pdpool --users 6 --step-s 10
 """
 
@@ -50,6 +50,7 @@ PDPOOL = [sys.executable, "-c", "import sys; from pdpool.cli import main; sys.ex
 @dataclass
 class Result:
     phase: str
+    users: int = 0  # the load level it was sent at
     status: int = 0
     ttft: Optional[float] = None
     itl: Optional[float] = None
@@ -63,6 +64,12 @@ class Run:
     engine_seconds: float = 0.0
     events: list[dict] = field(default_factory=list)
     max_engines: int = 0
+    # (seconds since the load began, what happened): load levels and engine counts
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def mark(self, what: str) -> None:
+        self.timeline.append((round(time.monotonic() - self.started, 1), what))
 
 
 def levels(users: int) -> list[int]:
@@ -70,7 +77,7 @@ def levels(users: int) -> list[int]:
     return up + up[-2::-1]
 
 
-async def one_request(client, url, model, phase, prompt_words, max_tokens) -> Result:
+async def one_request(client, url, model, phase, users, prompt_words, max_tokens) -> Result:
     body = {
         "model": model,
         # A unique head: no two prompts share KV blocks (one token per "a ").
@@ -79,7 +86,7 @@ async def one_request(client, url, model, phase, prompt_words, max_tokens) -> Re
         "ignore_eos": True,
         "stream": True,
     }
-    res = Result(phase)
+    res = Result(phase, users)
     start = time.monotonic()
     first = last = None
     try:
@@ -107,35 +114,50 @@ async def ramp(url, model, args, run: Run) -> None:
         for phase, words, max_tokens in phases:
             for n in levels(args.users):
                 stop = time.monotonic() + args.step_s
+                run.mark(f"load: {phase}, {n} users")
 
-                async def user(phase=phase, words=words, max_tokens=max_tokens, stop=stop):
+                async def user(phase=phase, n=n, words=words, max_tokens=max_tokens, stop=stop):
                     while time.monotonic() < stop:
                         run.results.append(
-                            await one_request(client, url, model, phase, words, max_tokens)
+                            await one_request(client, url, model, phase, n, words, max_tokens)
                         )
 
                 await asyncio.gather(*(user() for _ in range(n)))
 
 
-def count_engines(state_file: str) -> tuple[int, list[dict]]:
+def count_engines(state_file: str) -> tuple[list[dict], list[dict]]:
+    """The engine processes alive (any state) and the scale events, from the state file."""
     try:
         with open(state_file) as fh:
             state = json.load(fh)
     except (OSError, ValueError):
-        return 0, []
+        return [], []
     engines = [c for c in state["children"] if c["role"] in ("prefill", "decode")]
-    return len(engines), (state.get("autoscaling") or {}).get("events", [])
+    return engines, (state.get("autoscaling") or {}).get("events", [])
+
+
+def engine_counts(engines: list[dict]) -> str:
+    parts = []
+    for role in ("prefill", "decode"):
+        states = [c.get("state", "serving") for c in engines if c["role"] == role]
+        extra = len(states) - states.count("serving")
+        parts.append(f"{role} {states.count('serving')}" + (f"(+{extra})" if extra else ""))
+    return "engines: " + ", ".join(parts)
 
 
 def sampler(state_file: str, run: Run, stop: threading.Event) -> None:
-    last = time.monotonic()
+    last, shown = time.monotonic(), ""
     while not stop.is_set():
         time.sleep(0.25)
         now = time.monotonic()
-        n, events = count_engines(state_file)
-        run.engine_seconds += n * (now - last)
-        run.max_engines = max(run.max_engines, n)
+        engines, events = count_engines(state_file)
+        run.engine_seconds += len(engines) * (now - last)
+        run.max_engines = max(run.max_engines, len(engines))
         run.events = events
+        counts = engine_counts(engines)
+        if engines and counts != shown:
+            run.mark(counts)
+            shown = counts
         last = now
 
 
@@ -209,6 +231,7 @@ def measure(args, proc: subprocess.Popen, state_file: str, out_name: str) -> Run
     with open(state_file) as fh:
         url = json.load(fh)["gateway_url"]
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    run.started = time.monotonic()
     thread = threading.Thread(target=sampler, args=(state_file, run, stop))
     thread.start()
     try:
@@ -224,10 +247,27 @@ def p90(values: list[float]) -> Optional[float]:
     return values[int(0.9 * (len(values) - 1))] if values else None
 
 
+def within_slo(args, r: Result) -> bool:
+    if r.status != 200 or r.error or r.ttft is None:
+        return False
+    return r.ttft <= args.ttft_ms / 1000 and (r.itl or 0) <= args.itl_ms / 1000
+
+
+def slo_by_level(args, run: Run) -> dict[str, str]:
+    """SLO attainment per load level (phase and users): where the misses are."""
+    out = {}
+    for phase in ("long-prompt", "long-output"):
+        for users in sorted({r.users for r in run.results if r.phase == phase}):
+            level = [r for r in run.results if r.phase == phase and r.users == users]
+            met = sum(1 for r in level if within_slo(args, r))
+            out[f"{phase} x{users}"] = f"{met}/{len(level)}"
+    return out
+
+
 def summarize(args, variant: str, run: Run) -> dict:
     ok = [r for r in run.results if r.status == 200 and not r.error and r.ttft is not None]
     failed = len(run.results) - len(ok)
-    within = [r for r in ok if r.ttft <= args.ttft_ms / 1000 and (r.itl or 0) <= args.itl_ms / 1000]
+    within = [r for r in ok if within_slo(args, r)]
     downs = sum(1 for e in run.events if e.get("direction") == "down")
     ttft, itl = p90([r.ttft for r in ok]), p90([r.itl for r in ok if r.itl is not None])
     return {
@@ -256,7 +296,7 @@ def main() -> int:
     ap.add_argument("--decode-max", type=int, default=3)
     ap.add_argument("--ttft-ms", type=float, default=1000.0)
     ap.add_argument("--itl-ms", type=float, default=50.0)
-    ap.add_argument("--interval-s", type=float, default=2.0)
+    ap.add_argument("--interval-s", type=float, default=1.0)
     ap.add_argument("--down-window-s", type=float, default=10.0)
     ap.add_argument(
         "--sim-args",
@@ -271,13 +311,15 @@ def main() -> int:
     if args.backend == "sim":
         env["PDPOOL_VLLM_BIN"] = sim_wrapper(work)
         env["PDPOOL_SIM_ARGS"] = args.sim_args
-    rows = []
+    rows, timelines = [], {}
     for variant in args.variants.split(","):
         run = run_variant(args, variant, work, env)
         rows.append(summarize(args, variant, run))
+        timelines[variant] = {"events": run.timeline, "slo_by_level": slo_by_level(args, run)}
         print_table(rows[-1:], f"{variant} ({args.backend})")
     print_table(rows, f"autoscaling, backend {args.backend}: ramp 1..{args.users} users and back")
-    path = write_json(f"autoscale_{args.backend}", {"args": vars(args), "rows": rows})
+    result = {"args": vars(args), "rows": rows, "timelines": timelines}
+    path = write_json(f"autoscale_{args.backend}", result)
     print(f"\nJSON: {path}\nlogs: {work}")
     return 0
 

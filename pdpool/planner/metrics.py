@@ -63,12 +63,13 @@ def has(samples: Samples, name: str) -> bool:
     return bool(_series(samples, name))
 
 
-def buckets(samples: Samples, histogram: str) -> dict[float, float]:
-    """A histogram's cumulative bucket counts by upper bound, summed over its series."""
+def buckets(samples: Samples, histogram: str, **match: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound, summed over its series (those
+    whose labels include `match`)."""
     out: dict[float, float] = {}
     for labels, v in samples.get(histogram + "_bucket", {}).items():
         le = dict(labels).get("le")
-        if le is not None:
+        if le is not None and all((k, want) in labels for k, want in match.items()):
             bound = math.inf if le == "+Inf" else float(le)
             out[bound] = out.get(bound, 0.0) + v
     return out

@@ -5,15 +5,16 @@ Each role gets a pressure: how far its worst signal is from its target (1.0 = on
            queued prompts per engine / waiting target.
   decode:  ITL p90 / itl target; KV usage / kv target; queued requests per engine / waiting
            target; TTFT p90 / ttft target (its queue delays every first token, also after
-           a prefill leg).
+           a prefill leg), from the engines and from the sidecars (which count the queue).
 Latency grows with load, so the replicas that bring a pressure back to 1 are estimated as
-proportional (HPA's rule): ceil(n * pressure). A scale-up remembers the load per engine
-(running + queued requests) that needed it; a later scale-down must leave the load at most
-down_headroom of that per engine (without it, the latency headroom a scale-up just bought
-would remove the engine again at the same load). Scale-down is asked only when every signal is
-well under target (pressure <= down_headroom), one engine at a time unless the proportional
-estimate asks for fewer, and an idle role (nothing served, queued or running in the window)
-asks for its floor."""
+proportional (HPA's rule): ceil(n * pressure); with a queue, at least the engines that would
+run the queued requests too at the concurrency the engines run now (queue_fit). A scale-up
+remembers the load per engine (running + queued requests) that needed it; a later
+scale-down must leave the load at most down_headroom of that per engine (without it, the
+latency headroom a scale-up just bought would remove the engine again at the same load).
+Scale-down is asked only when every signal is well under target (pressure <=
+down_headroom), one engine at a time unless the proportional estimate asks for fewer, and an
+idle role (nothing served, queued or running in the window) asks for its floor."""
 
 from __future__ import annotations
 
@@ -125,6 +126,14 @@ def demand(s: RoleSignals) -> float:
     return s.running + s.waiting
 
 
+def queue_fit(s: RoleSignals) -> int:
+    """Engines that would also run the queued requests, at the concurrency the role's engines
+    run now (0 without a queue: a queue forms only once the engines are full)."""
+    if s.waiting <= 0 or s.running <= 0 or s.engines == 0:
+        return 0
+    return math.ceil(demand(s) / (s.running / s.engines))
+
+
 def _fitting(
     want: int, load: float, saturated_per_engine: Optional[float], cfg: PlannerConfig
 ) -> int:
@@ -156,11 +165,16 @@ def recommend(
     drivers = role_pressures(role, s, cfg)
     if role == "prefill" and sig.pool.prefill_leg_p90 is not None:
         drivers["prefill_leg"] = sig.pool.prefill_leg_p90 / cfg.ttft_seconds
+    if role == "decode" and sig.pool.decode_ttft_p90 is not None:
+        drivers["decode_ttft"] = sig.pool.decode_ttft_p90 / cfg.ttft_seconds
     worst = max(drivers, key=lambda k: drivers[k])
     pressure = drivers[worst]
     n = max(replicas, 1)
     if pressure > 1 + cfg.tolerance:
-        want = math.ceil(n * pressure)
+        # Engines still starting served nothing in the window: the proportional estimate
+        # scales those that did (HPA's rule for unready pods), and never asks for fewer.
+        measured = s.engines or n
+        want = max(n, math.ceil(measured * pressure), queue_fit(s))
         reason = f"{worst} at {pressure:.2f}x target"
     elif n > 1 and pressure <= cfg.down_headroom:
         # Latency is not proportional to load when light (it nears the bare compute time),

@@ -24,6 +24,13 @@ TTFT = "vllm:time_to_first_token_seconds"
 # vLLM >= 0.10 name first; older engines export the same histogram as time_per_output_token.
 ITL_NAMES = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 PREFILL_LEG = "pdpool_sidecar_prefill_leg_seconds"
+# The decode engines' share of the client's first token, seen by the sidecars (queueing
+# included, which some engines leave out of their own TTFT): requests decode served alone,
+# and the decode leg of P/D requests until its first bytes.
+DECODE_FIRST_BYTES = (
+    ("pdpool_sidecar_ttft_seconds", {"path": "decode"}),
+    ("pdpool_sidecar_phase_seconds", {"phase": "decode_first_token"}),
+)
 QUANTILE = 0.9
 
 
@@ -55,6 +62,7 @@ class PoolSignals:
     threshold_rejections: float  # decode refused to prefill a prompt itself
     prefill_unserved: float  # legs with no prefill engine to go to (scale from zero)
     prefill_leg_p90: Optional[float]
+    decode_ttft_p90: Optional[float] = None  # DECODE_FIRST_BYTES
 
     def as_dict(self) -> dict[str, Any]:
         return {k: _rounded(v) for k, v in asdict(self).items()}
@@ -98,14 +106,13 @@ def _counter_growth(before: Optional[Snapshot], engines: list[EndpointMetrics], 
 
 
 def _window_buckets(
-    before: Optional[Snapshot], engines: list[EndpointMetrics], name: str
+    before: Optional[Snapshot], engines: list[EndpointMetrics], name: str, **match: str
 ) -> dict[float, float]:
     parts = []
     for e in engines:
         prev = _previous(before, e)
-        parts.append(
-            bucket_delta(buckets(e.samples, name), buckets(prev.samples, name) if prev else None)
-        )
+        was = buckets(prev.samples, name, **match) if prev else None
+        parts.append(bucket_delta(buckets(e.samples, name, **match), was))
     return merge_buckets(parts)
 
 
@@ -163,6 +170,13 @@ def pool_signals(before: Optional[Snapshot], now: Snapshot) -> PoolSignals:
         ),
         prefill_unserved=unserved,
         prefill_leg_p90=quantile(QUANTILE, _window_buckets(before, sidecars, PREFILL_LEG)),
+        decode_ttft_p90=quantile(
+            QUANTILE,
+            merge_buckets(
+                _window_buckets(before, sidecars, name, **match)
+                for name, match in DECODE_FIRST_BYTES
+            ),
+        ),
     )
 
 

@@ -2,14 +2,17 @@
 
 Every interval it scrapes the serving engines' and sidecars' /metrics, asks the planner,
 and applies the decision:
-- up: start an engine (a decode engine with its sidecar), wait until it is ready, then
-  list it in the discovery files the gateway and the sidecars follow (file: discovery);
+- up: start the engines (a decode engine with its sidecar) at once; each is listed in the
+  discovery files the gateway and the sidecars follow (file: discovery) when it is ready.
+  A starting engine counts as a replica, so the next decisions do not ask for it again;
 - down: unlist the newest engine (the routers stop choosing it within half a second),
   hold a moment for requests already on their way, wait until it has nothing in flight
   (sidecar requests, engine running and queued requests, KV leases a peer has yet to
   read), then SIGTERM it: no request fails. Drains run in threads; the supervisor loop
   reaps them.
-The --state-file is rewritten on each change: the engines running now and the decisions."""
+Launches and drains run in threads (a decision never waits for a process); the supervisor
+loop reaps them. The --state-file is rewritten on each change: the engines running now, the
+scale events, and the last decision with its inputs."""
 
 from __future__ import annotations
 
@@ -70,9 +73,15 @@ def ready(url: str, ca_file: Optional[str]) -> bool:
 
 
 @dataclass
-class Drain:
+class Pending:
+    """Engine processes waiting in a thread: to be ready (a launch) or idle (a drain)."""
+
+    role: str
     children: list[Child]
+    reason: str
     done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = True
+    cancelled: bool = False  # a launch a later scale-down no longer wants
 
 
 @dataclass
@@ -91,10 +100,16 @@ class LocalAutoscaler:
     def __post_init__(self) -> None:
         self.state = initial_state(len(self._serving("prefill")), len(self._serving("decode")))
         self.due = 0.0
-        self.drains: list[Drain] = []
+        self.launches: list[Pending] = []
+        self.drains: list[Pending] = []
 
     def _serving(self, role: str) -> list[Child]:
         return [c for c in self.topology.by_role(role) if c.state == "serving"]
+
+    def _replicas(self, role: str) -> int:
+        """Serving engines and those starting: a launch already answers the load it was for."""
+        starting = [p for p in self.launches if p.role == role and not p.cancelled]
+        return len(self._serving(role)) + len(starting)
 
     def targets(self) -> list[Target]:
         return [
@@ -111,7 +126,7 @@ class LocalAutoscaler:
             return None
         self.due = now + self.interval_s
         snapshot, _ = scrape(self.targets(), ca_file=self.topology.ca_file, at=now)
-        counts = [len(self._serving(r)) for r in ENGINE_ROLES]
+        counts = [self._replicas(r) for r in ENGINE_ROLES]
         self.state, decision = plan(self.config, with_replicas(self.state, *counts), snapshot)
         self.last = decision
         for role in ENGINE_ROLES:
@@ -125,34 +140,38 @@ class LocalAutoscaler:
     # ------------------------------------------------------------------ up
     def _scale_up(self, role: str, count: int, reason: str) -> None:
         for _ in range(count):
-            added = self.topology.add_engine(role)
-            if not self._wait_ready(added):
-                self.say(f"a new {role} engine did not become ready; stopped it")
-                self.topology.retire(added)
-                self.topology.remove(added, grace_s=5.0)
-                break
-            self.topology.mark_serving(added)
-            self._record("up", role, added[0].name, reason)
+            launch = Pending(role, self.topology.add_engine(role), reason)
+            threading.Thread(target=self._wait_ready, args=(launch,), daemon=True).start()
+            self.launches.append(launch)
+        self.write_state()
 
-    def _wait_ready(self, children: list[Child]) -> bool:
+    def _wait_ready(self, launch: Pending) -> None:
         deadline = self.clock() + self.ready_timeout_s
-        pending = list(children)
-        while pending and self.clock() < deadline:
+        pending = list(launch.children)
+        while pending and self.clock() < deadline and launch.ok and not launch.cancelled:
             for child in list(pending):
                 if child.proc is not None and child.proc.poll() is not None:
-                    return False
-                if ready(child.url, self.topology.ca_file):
+                    launch.ok = False
+                elif ready(child.url, self.topology.ca_file):
                     pending.remove(child)
             time.sleep(0.2)
-        return not pending
+        launch.ok = launch.ok and not pending
+        launch.done.set()
 
     # ------------------------------------------------------------------ down
     def _scale_down(self, role: str, count: int, reason: str) -> None:
+        for launch in reversed([p for p in self.launches if p.role == role and not p.cancelled]):
+            if count == 0:
+                return
+            launch.cancelled, count = True, count - 1  # a start not finished goes first
+            self._record("down", role, launch.children[0].name, f"{reason} (start cancelled)")
+        if count == 0:
+            return
         serving = sorted(self._serving(role), key=lambda c: c.index)
         for engine in serving[len(serving) - count :]:
             leaving = [engine, *self._sidecars_of(engine)]
             self.topology.retire(leaving)  # unlisted: routers stop choosing it
-            drain = Drain(leaving)
+            drain = Pending(role, leaving, reason)
             threading.Thread(target=self._drain, args=(drain,), daemon=True).start()
             self.drains.append(drain)
             self._record("down", role, engine.name, reason)
@@ -160,7 +179,7 @@ class LocalAutoscaler:
     def _sidecars_of(self, engine: Child) -> list[Child]:
         return [c for c in self.topology.by_role("sidecar") if engine.url in c.argv]
 
-    def _drain(self, drain: Drain) -> None:
+    def _drain(self, drain: Pending) -> None:
         """Waits until nothing is in flight on the leaving processes (twice in a row)."""
         time.sleep(DRAIN_HOLD_S)
         deadline = self.clock() + self.drain_timeout_s
@@ -172,17 +191,23 @@ class LocalAutoscaler:
         drain.done.set()
 
     def reap(self) -> None:
-        """Stops the drained processes (SIGTERM: their servers end with nothing left)."""
+        """Lists the engines that became ready; stops those drained (SIGTERM: their servers
+        end with nothing left) and those that failed to start."""
+        for launch in [p for p in self.launches if p.done.is_set()]:
+            self.launches.remove(launch)
+            if launch.ok and not launch.cancelled:
+                self.topology.mark_serving(launch.children)
+                self._record("up", launch.role, launch.children[0].name, launch.reason)
+                continue
+            if not launch.cancelled:
+                self.say(f"a new {launch.role} engine did not become ready; stopped it")
+            self.topology.retire(launch.children)
+            self.topology.remove(launch.children, grace_s=5.0)
+            self.write_state()
         for drain in [d for d in self.drains if d.done.is_set()]:
             self.topology.remove(drain.children)
             self.drains.remove(drain)
             self.write_state()
-
-    def finish_drains(self, timeout_s: float) -> None:
-        deadline = self.clock() + timeout_s
-        for drain in self.drains:
-            drain.done.wait(max(deadline - self.clock(), 0.0))
-        self.reap()
 
     # ------------------------------------------------------------------ state
     def _record(self, direction: str, role: str, name: str, reason: str) -> None:
@@ -205,7 +230,9 @@ class LocalAutoscaler:
                 "max": self.config.decode.max,
                 "serving": len(self._serving("decode")),
             },
+            "starting": [c.name for p in self.launches for c in p.children],
             "last_decision": self.last.summary() if self.last else None,
+            "last_inputs": self.last.inputs.as_dict() if self.last else None,
             "events": self.events,
         }
         return out

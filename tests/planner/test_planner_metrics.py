@@ -84,3 +84,34 @@ def test_window_signals_use_only_the_observations_between_two_scrapes():
     assert sig.prefill.requests == 10.0
     assert sig.prefill.prompt_tokens_per_s == pytest.approx(200.0)
     assert sig.decode.engines == 0 and sig.decode.idle
+
+
+SIDECAR = """# TYPE pdpool_sidecar_ttft_seconds histogram
+pdpool_sidecar_ttft_seconds_bucket{le="0.5",path="decode"} 1.0
+pdpool_sidecar_ttft_seconds_bucket{le="2.0",path="decode"} 10.0
+pdpool_sidecar_ttft_seconds_bucket{le="+Inf",path="decode"} 10.0
+pdpool_sidecar_ttft_seconds_bucket{le="0.5",path="pd"} 0.0
+pdpool_sidecar_ttft_seconds_bucket{le="2.0",path="pd"} 0.0
+pdpool_sidecar_ttft_seconds_bucket{le="+Inf",path="pd"} 50.0
+# TYPE pdpool_sidecar_phase_seconds histogram
+pdpool_sidecar_phase_seconds_bucket{le="0.5",phase="decode_first_token"} 10.0
+pdpool_sidecar_phase_seconds_bucket{le="2.0",phase="decode_first_token"} 10.0
+pdpool_sidecar_phase_seconds_bucket{le="+Inf",phase="decode_first_token"} 10.0
+pdpool_sidecar_phase_seconds_bucket{le="0.5",phase="prefill"} 0.0
+pdpool_sidecar_phase_seconds_bucket{le="2.0",phase="prefill"} 0.0
+pdpool_sidecar_phase_seconds_bucket{le="+Inf",phase="prefill"} 30.0
+"""
+
+
+def test_decode_first_token_time_comes_from_the_sidecars_decode_share_only():
+    """Requests decode served alone and P/D decode legs count; whole P/D requests (their
+    prefill leg included) and prefill phases do not."""
+    assert buckets(parse_text(SIDECAR), "pdpool_sidecar_ttft_seconds", path="decode") == {
+        0.5: 1.0,
+        2.0: 10.0,
+        math.inf: 10.0,
+    }
+    now = Snapshot(10.0, (EndpointMetrics("sidecar", "s0", parse_text(SIDECAR)),))
+    sig = signals(Snapshot(0.0, ()), now)
+    # 20 observations: 11 under 0.5 s, 9 in (0.5, 2]: p90 = 0.5 + 1.5 * (18 - 11) / 9.
+    assert sig.pool.decode_ttft_p90 == pytest.approx(0.5 + 1.5 * 7 / 9)

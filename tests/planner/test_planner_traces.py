@@ -167,3 +167,45 @@ def test_an_engine_a_scale_up_bought_is_kept_while_the_load_that_needed_it_stays
     held = recommend("decode", 2, signals(8), cfg, saturated_per_engine=6.0)
     assert held.replicas == 2 and "would not fit 1" in held.reason
     assert recommend("decode", 2, signals(3), cfg, saturated_per_engine=6.0).replicas == 1
+
+
+def _decode_signals(engines, running, waiting, itl_p90=0.02, decode_ttft_p90=None):
+    from pdpool.planner.signals import PoolSignals, RoleSignals, Signals
+
+    idle = RoleSignals(1, 0, 0, 0.0, None, None, 0, 0.0, 0.0)
+    busy = RoleSignals(engines, running, waiting, 0.3, 0.1, itl_p90, 20, 0.0, 500.0)
+    pool = PoolSignals(0, 0, 0, None, decode_ttft_p90)
+    return Signals(idle, busy, pool, 10.0)
+
+
+def test_a_queue_asks_at_once_for_the_engines_that_would_run_it():
+    """Full engines queue the rest: 4 running and 8 queued on one engine need 3 such
+    engines, more than the proportional estimate on the queue's pressure (2)."""
+    from pdpool.planner.policy import recommend
+
+    rec = recommend("decode", 1, _decode_signals(1, running=4, waiting=8), config())
+    assert rec.replicas == 3 and "waiting at 2.00x" in rec.reason
+    # Without a queue the latency alone decides (proportionally).
+    assert recommend("decode", 1, _decode_signals(1, 4, 0, itl_p90=0.08), config()).replicas == 2
+
+
+def test_engines_still_starting_are_not_asked_for_again():
+    """Two of three engines are starting (they served nothing in the window): the one that
+    did serve at 1.5x target does not make the planner add more."""
+    from pdpool.planner.policy import recommend
+
+    rec = recommend("decode", 3, _decode_signals(1, 4, 0, itl_p90=0.075), config())
+    assert rec.replicas == 3
+
+
+def test_the_sidecars_first_token_time_counts_for_decode():
+    """An engine that leaves queueing out of its own TTFT still scales: the sidecars' view
+    of decode's first bytes (queue included) is one of decode's signals."""
+    from pdpool.planner.policy import recommend
+
+    rec = recommend("decode", 1, _decode_signals(1, 4, 2, decode_ttft_p90=1.5), config())
+    assert rec.replicas == 3 and "decode_ttft at 3.00x" in rec.reason
+    # Near target it holds an engine the engines' own signals alone would give up.
+    assert recommend("decode", 2, _decode_signals(2, 2, 0), config()).replicas == 1
+    near = recommend("decode", 2, _decode_signals(2, 2, 0, decode_ttft_p90=0.45), config())
+    assert near.replicas == 2 and "decode_ttft at 0.90x" in near.reason

@@ -1,5 +1,6 @@
-"""The Gateway API Inference Extension and Gateway API CRDs, pinned and cached by
-scripts/gie/fetch-crds.sh, installed into a test API server."""
+"""The third-party CRDs a pool can render (Gateway API Inference Extension, Gateway API,
+KEDA's ScaledObject), pinned and cached by scripts/gie/fetch-crds.sh, installed into a test
+API server."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ CRD_FILES = (
     "gateway.networking.k8s.io_httproutes.yaml",
     "gateway.networking.k8s.io_gateways.yaml",
 )
+# The kind a pool with autoscaling.mode keda renders.
+KEDA_CRD_FILES = ("keda.sh_scaledobjects.yaml",)
 
 
 def fetch_crds(timeout: float = 600) -> Path:

@@ -1,6 +1,7 @@
 """Pure builders of what autoscaling adds to a pool: the drain of a leaving engine
 (preStop hooks), the replicas the planner applies, the HorizontalPodAutoscalers of
-`mode: hpa`, the metrics targets of a pool's pods and the status of the last decision.
+`mode: hpa` and the KEDA ScaledObjects of `mode: keda`, the metrics targets of a pool's
+pods and the status of the last decision.
 
 Drain: when a pod is deleted (scale-down), it leaves its Service's endpoints at once, so
 the gateway (decode) or the sidecars (prefill) drop it at their next DNS refresh (5 s); its
@@ -158,6 +159,67 @@ def hpa(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
                 }
             ],
             "behavior": _hpa_behavior(scaling),
+        },
+    }
+
+
+QUANTITY_SUFFIX = {
+    "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+    "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+
+
+def quantity_value(quantity: str) -> float:
+    """A Kubernetes quantity ("850m", "4", "1e3", "2Ki") as a number: KEDA's thresholds are
+    plain decimals."""
+    for suffix in sorted(QUANTITY_SUFFIX, key=len, reverse=True):
+        if quantity.endswith(suffix):
+            return float(quantity[: -len(suffix)]) * QUANTITY_SUFFIX[suffix]
+    return float(quantity)
+
+
+def keda_query(ref: PoolRef, role_name: str, metric: str) -> str:
+    """The role metric summed over the role's pods, as Prometheus labels pods scraped
+    through a PodMonitor/ServiceMonitor (namespace, pod): KEDA's AverageValue divides it by
+    the replicas."""
+    pods = child_name(ref.name, role_name) + "-[a-z0-9]+-[a-z0-9]+"
+    return f'sum({metric}{{namespace="{ref.namespace}",pod=~"{pods}"}})'
+
+
+def scaled_object(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
+    """`mode: keda`: a KEDA ScaledObject per role, a Prometheus trigger on the role's
+    metric (threshold its averageValue per pod), the pool's bounds (prefill may reach 0
+    with scaleToZero: KEDA activates it again) and the HPA behavior of mode hpa."""
+    assert pool.autoscaling is not None and pool.autoscaling.keda is not None
+    scaling, keda = pool.autoscaling, pool.autoscaling.keda
+    metric = scaling.prefill_metric if role_name == PREFILL else scaling.decode_metric
+    query = keda.prefill_query if role_name == PREFILL else keda.decode_query
+    b = scaling.bounds(role_name)
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": child_metadata(ref, child_name(ref.name, role_name), role_name),
+        "spec": {
+            "scaleTargetRef": {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "name": child_name(ref.name, role_name),
+            },
+            "pollingInterval": max(math.ceil(scaling.interval_s), 1),
+            "minReplicaCount": b.min if scaling.planner.scale_to_zero else max(b.min, 1),
+            "maxReplicaCount": max(b.max, 1),
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _hpa_behavior(scaling)}},
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        "serverAddress": keda.prometheus_address,
+                        "query": query or keda_query(ref, role_name, metric.name),
+                        "threshold": f"{quantity_value(metric.average_value):g}",
+                    },
+                }
+            ],
         },
     }
 

@@ -1,9 +1,10 @@
 """`spec.autoscaling`: read once into the planner's settings (pdpool/planner) and the way
-they are applied: the operator's own planner (`mode: planner`) or HorizontalPodAutoscalers
-on the engines' vLLM metrics (`mode: hpa`), never both.
+they are applied: the operator's own planner (`mode: planner`), HorizontalPodAutoscalers
+on the engines' vLLM metrics (`mode: hpa`) or KEDA ScaledObjects on the same metrics in
+Prometheus (`mode: keda`); only one of them per pool.
 
     autoscaling:
-      mode: planner                   # or hpa
+      mode: planner                   # or hpa, keda
       prefill: {min: 1, max: 4}
       decode:  {min: 1, max: 4}
       targets: {ttftSeconds: 1.0, itlSeconds: 0.05, kvCacheUsage: 0.85, waitingPerEngine: 4}
@@ -13,6 +14,10 @@ on the engines' vLLM metrics (`mode: hpa`), never both.
       scaleToZero: false              # prefill only
       drainSeconds: 300               # grace of a leaving engine (preStop + streams)
       hpa: {prefillMetric: {name, averageValue}, decodeMetric: {name, averageValue}}
+      keda: {prometheusAddress: URL, prefillQuery: PromQL, decodeQuery: PromQL}
+
+hpa.*Metric is each role's metric for both hpa and keda (keda's default query sums it over
+the role's pods; the threshold is its averageValue per pod).
 
 Pure: no I/O."""
 
@@ -25,7 +30,7 @@ from pdpool.planner.policy import PlannerConfig, PlannerConfigError, RoleBounds
 
 from .spec import QUANTITY, SpecError
 
-MODES = ("planner", "hpa")
+MODES = ("planner", "hpa", "keda")
 WHERE = "spec.autoscaling"
 # Per-pod metrics an HPA scales on, as a metrics adapter (Prometheus Adapter) exposes the
 # engines' own series: a queue for prefill, KV usage for decode (latency histograms need
@@ -43,6 +48,13 @@ class HpaMetric:
 
 
 @dataclass(frozen=True)
+class KedaSpec:
+    prometheus_address: str
+    prefill_query: str | None  # None: the role metric summed over the role's pods
+    decode_query: str | None
+
+
+@dataclass(frozen=True)
 class AutoscalingSpec:
     mode: str
     planner: PlannerConfig
@@ -50,6 +62,7 @@ class AutoscalingSpec:
     drain_seconds: int
     prefill_metric: HpaMetric
     decode_metric: HpaMetric
+    keda: KedaSpec | None = None
 
     def bounds(self, role: str) -> RoleBounds:
         return self.planner.bounds(role)
@@ -99,6 +112,26 @@ def _metric(h: dict[str, Any], role: str) -> HpaMetric:
     return HpaMetric(name, value)
 
 
+def _keda(a: dict[str, Any], mode: str) -> KedaSpec | None:
+    where = f"{WHERE}.keda"
+    k = _obj(a, "keda", WHERE)
+    if mode != "keda":
+        return None
+    address = k.get("prometheusAddress")
+    if not isinstance(address, str) or not address.startswith(("http://", "https://")):
+        raise SpecError(
+            f"{where}.prometheusAddress is required with mode keda: the http(s) URL of the "
+            f"Prometheus KEDA queries, got {address!r}"
+        )
+    queries = []
+    for role in ("prefill", "decode"):
+        q = k.get(f"{role}Query")
+        if q is not None and (not isinstance(q, str) or not q.strip()):
+            raise SpecError(f"{where}.{role}Query must be a non-empty PromQL string")
+        queries.append(q)
+    return KedaSpec(address, *queries)
+
+
 def parse_autoscaling(spec: dict[str, Any]) -> AutoscalingSpec | None:
     """`spec.autoscaling` -> settings; None when absent or `enabled: false`."""
     a = _obj(spec, "autoscaling", "spec")
@@ -139,4 +172,5 @@ def parse_autoscaling(spec: dict[str, Any]) -> AutoscalingSpec | None:
         drain_seconds=_count(a, "drainSeconds", 300, WHERE, minimum=10),
         prefill_metric=_metric(hpa, "prefill"),
         decode_metric=_metric(hpa, "decode"),
+        keda=_keda(a, mode),
     )

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from . import commands
-from .autoscaling import hpa
+from .autoscaling import hpa, scaled_object
 from .children import Manifest, PoolRef, child_metadata
 from .inference_pool import inference_pool_children
 from .names import (
@@ -60,11 +60,38 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
 
 
 def autoscalers(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
-    """`autoscaling.mode: hpa`: one HorizontalPodAutoscaler per engine role (after the
-    Deployments they scale). The planner mode adds no object: the operator scales."""
-    if pool.autoscaling is None or pool.autoscaling.mode != "hpa":
-        return []
-    return [hpa(ref, pool, PREFILL), hpa(ref, pool, DECODE)]
+    """`autoscaling.mode: hpa` / `keda`: one HorizontalPodAutoscaler / ScaledObject per
+    engine role (after the Deployments they scale). The planner mode adds no object: the
+    operator scales."""
+    mode = pool.autoscaling.mode if pool.autoscaling else None
+    if mode == "hpa":
+        return [hpa(ref, pool, PREFILL), hpa(ref, pool, DECODE)]
+    if mode == "keda":
+        return [scaled_object(ref, pool, PREFILL), scaled_object(ref, pool, DECODE)]
+    return []
+
+
+AUTOSCALER_KINDS = {
+    "hpa": ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    "keda": ("keda.sh/v1alpha1", "ScaledObject"),
+}
+
+
+def retired_autoscalers(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
+    """The per-role autoscaler objects the pool's mode does not render (another mode's,
+    or any once autoscaling is off): deleted, so two autoscalers never fight over a role's
+    replicas after the mode changes. Names only: enough to find and delete them."""
+    mode = pool.autoscaling.mode if pool.autoscaling else None
+    return [
+        {
+            "apiVersion": api_version,
+            "kind": kind,
+            "metadata": {"name": child_name(ref.name, role), "namespace": ref.namespace},
+        }
+        for other, (api_version, kind) in AUTOSCALER_KINDS.items()
+        if other != mode
+        for role in (PREFILL, DECODE)
+    ]
 
 
 def data_hash(data: dict[str, str]) -> str:

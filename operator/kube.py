@@ -24,6 +24,7 @@ KINDS = {
         "/apis/autoscaling/v2",
         "horizontalpodautoscalers",
     ),
+    ("keda.sh/v1alpha1", "ScaledObject"): ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     ("v1", "ServiceAccount"): ("/api/v1", "serviceaccounts"),
     ("inference.networking.k8s.io/v1", "InferencePool"): (
         "/apis/inference.networking.k8s.io/v1",
@@ -181,6 +182,34 @@ class Cluster:
             if exc.status == 404:
                 return None
             raise
+
+    def delete_owned(self, manifest: dict[str, Any], owner_uid: str) -> bool:
+        """Delete the object `manifest` names if it exists and `owner_uid` owns it (an
+        object someone else made under that name is left alone). A kind the API server does
+        not serve has nothing to delete. True when this call deleted it."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            live = self.get(manifest)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        owners = (live or {}).get("metadata", {}).get("ownerReferences") or []
+        if not any(o.get("uid") == owner_uid for o in owners):
+            return False
+        try:
+            self._call(
+                "DELETE",
+                object_path(manifest),
+                {"preconditions": {"uid": live["metadata"]["uid"]}},  # type: ignore[index]
+                "application/json",
+            )
+        except ApiException as exc:
+            if exc.status in (404, 409):  # gone, or replaced meanwhile
+                return False
+            raise
+        return True
 
     def patch_pool_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self._call(

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Fetches the pinned Gateway API Inference Extension CRDs (InferencePool, ...) and the
-# Gateway API standard CRDs (Gateway, HTTPRoute, ...) as published in their Go modules, from
-# the Go module proxy, into a cache folder outside the repository. Idempotent.
+# Fetches the third-party CRDs a pool can render, pinned, as published in their Go modules,
+# from the Go module proxy, into a cache folder outside the repository: the Gateway API
+# Inference Extension's (InferencePool, ...), the Gateway API standard ones (Gateway,
+# HTTPRoute, ...) and KEDA's ScaledObject. Idempotent.
 #
 #   scripts/gie/fetch-crds.sh          # prints the folder holding the CRD YAML files
 set -euo pipefail
 
 GIE_VERSION=${PDPOOL_GIE_VERSION:-v1.6.0}
 GATEWAY_API_VERSION=${PDPOOL_GATEWAY_API_VERSION:-v1.4.1}
-OUT=${PDPOOL_GIE_CRDS:-$HOME/.cache/pdpool/gie-crds}/$GIE_VERSION-$GATEWAY_API_VERSION
+KEDA_VERSION=${PDPOOL_KEDA_VERSION:-v2.18.0}
+OUT=${PDPOOL_GIE_CRDS:-$HOME/.cache/pdpool/gie-crds}/$GIE_VERSION-$GATEWAY_API_VERSION-keda-$KEDA_VERSION
 
 if [[ -f $OUT/.done ]]; then
   echo "$OUT"
@@ -25,8 +27,10 @@ module_dir() {  # module_dir MODULE VERSION: where the Go module cache holds it
 }
 gie=$(module_dir sigs.k8s.io/gateway-api-inference-extension "$GIE_VERSION")
 gwapi=$(module_dir sigs.k8s.io/gateway-api "$GATEWAY_API_VERSION")
+keda=$(module_dir github.com/kedacore/keda/v2 "$KEDA_VERSION")
 mkdir -p "$OUT.tmp"
 cp "$gie"/config/crd/bases/*.yaml "$gwapi"/config/crd/standard/*.yaml "$OUT.tmp/"
+cp "$keda"/config/crd/bases/keda.sh_scaledobjects.yaml "$OUT.tmp/"
 chmod -R u+w "$OUT.tmp"
 rm -rf "$OUT"
 mv "$OUT.tmp" "$OUT"

@@ -220,3 +220,64 @@ def test_hpa_mode_renders_hpas_the_api_server_accepts(k8s, admin_api, pools, nam
         assert "decode.min must be" in json.loads(refused.value.body)["message"]
     finally:
         op.stop()
+
+
+def test_keda_mode_renders_scaled_objects_and_a_mode_change_retires_the_other_autoscalers(
+    k8s, admin_api, pools, namespace, tmp_path
+):
+    """KEDA's own ScaledObject CRD (pinned, from its Go module) validates what mode keda
+    renders; switching modes deletes the previous mode's objects, so two autoscalers never
+    own a role's replicas at once."""
+    import shutil
+
+    from devtools.gie_crds import KEDA_CRD_FILES, fetch_crds, install_crds
+
+    if shutil.which("go") is None:
+        pytest.skip("go is not installed: cannot fetch KEDA's CRD from the Go module proxy")
+    install_crds(admin_api, fetch_crds(), KEDA_CRD_FILES)
+    custom, hpas = client.CustomObjectsApi(admin_api), client.AutoscalingV2Api(admin_api)
+
+    def scaled_objects():
+        found = custom.list_namespaced_custom_object(
+            "keda.sh", "v1alpha1", namespace, "scaledobjects"
+        )
+        return {o["metadata"]["name"]: o for o in found["items"]}
+
+    def hpa_names():
+        return {
+            h.metadata.name for h in hpas.list_namespaced_horizontal_pod_autoscaler(namespace).items
+        }
+
+    op = OperatorProcess(k8s.kubeconfig, tmp_path / "operator.log").start()
+    try:
+        scaling = {
+            "mode": "keda",
+            "prefill": {"min": 1, "max": 2},
+            "decode": {"min": 1, "max": 3},
+            "keda": {"prometheusAddress": "http://prometheus.monitoring:9090"},
+        }
+        pools.create(pool_manifest("kd", autoscaling=scaling))
+        wait_for(
+            lambda: set(scaled_objects()) == {"kd-prefill", "kd-decode"}, 40, what="ScaledObjects"
+        )
+        decode = scaled_objects()["kd-decode"]["spec"]
+        assert decode["maxReplicaCount"] == 3
+        assert decode["triggers"][0]["metadata"]["threshold"] == "0.85"
+        assert not hpa_names()
+
+        pools.patch_spec("kd", {"autoscaling": {**scaling, "mode": "hpa"}})
+        wait_for(
+            lambda: hpa_names() == {"kd-prefill", "kd-decode"} and not scaled_objects(),
+            40,
+            what="keda -> hpa: HPAs in place of the ScaledObjects",
+        )
+        pools.patch_spec("kd", {"autoscaling": {**scaling, "mode": "planner"}})
+        wait_for(lambda: not hpa_names(), 40, what="hpa -> planner: no HPA left")
+        assert not scaled_objects()
+
+        with pytest.raises(client.ApiException) as refused:
+            pools.create(pool_manifest("nokeda", autoscaling={**scaling, "keda": {}}))
+        assert refused.value.status == 422
+        assert "needs keda.prometheusAddress" in json.loads(refused.value.body)["message"]
+    finally:
+        op.stop()

@@ -36,7 +36,6 @@ def children(**autoscaling):
 @pytest.mark.parametrize(
     ("autoscaling", "message"),
     [
-        ({"mode": "keda"}, "mode must be one of planner, hpa"),
         ({"decode": {"min": 0, "max": 2}}, "decode min must be >= 1"),
         ({"prefill": {"min": 0, "max": 2}}, "scaleToZero"),
         ({"prefill": {"min": 3, "max": 2}}, "need 0 <= min <= max"),
@@ -268,3 +267,81 @@ def test_planner_loop_scales_a_slow_role_posts_an_event_and_reports_status():
     assert cluster.status["autoscaling"]["decode"]["desired"] == 3
     assert cluster.status["autoscaling"]["inputs"]["decode"]["itl_p90"] > 0.5
     assert cluster.status["autoscaling"]["lastScaleTime"]
+
+
+def test_keda_mode_renders_one_scaled_object_per_role_on_prometheus():
+    out = children(
+        mode="keda",
+        keda={"prometheusAddress": "http://prometheus.monitoring:9090"},
+        behavior={"intervalSeconds": 20, "scaleDownStabilizationSeconds": 300},
+        hpa={"prefillMetric": {"name": "vllm:num_requests_waiting", "averageValue": "2500m"}},
+    )
+    decode = out[("ScaledObject", "qwen-decode")]
+    assert decode["apiVersion"] == "keda.sh/v1alpha1"
+    spec_ = decode["spec"]
+    assert spec_["scaleTargetRef"]["name"] == "qwen-decode"
+    assert (spec_["minReplicaCount"], spec_["maxReplicaCount"]) == (1, 4)
+    assert spec_["pollingInterval"] == 20
+    behavior = spec_["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 300
+    (trigger,) = spec_["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"] == {
+        "serverAddress": "http://prometheus.monitoring:9090",
+        "query": "sum(vllm:kv_cache_usage_perc"
+        '{namespace="ns",pod=~"qwen-decode-[a-z0-9]+-[a-z0-9]+"})',
+        "threshold": "0.85",  # the default 850m, as KEDA's plain decimal
+    }
+    prefill = out[("ScaledObject", "qwen-prefill")]["spec"]["triggers"][0]["metadata"]
+    assert prefill["threshold"] == "2.5"
+    assert not any(kind == "HorizontalPodAutoscaler" for kind, _ in out)
+    assert "replicas" not in out[("Deployment", "qwen-decode")]["spec"]
+
+
+def test_keda_scale_to_zero_and_own_queries():
+    out = children(
+        mode="keda",
+        prefill={"min": 0, "max": 2},
+        scaleToZero=True,
+        keda={"prometheusAddress": "https://prom:9090", "prefillQuery": "sum(my_series)"},
+    )
+    prefill = out[("ScaledObject", "qwen-prefill")]["spec"]
+    assert prefill["minReplicaCount"] == 0  # KEDA activates it again from the query
+    assert prefill["triggers"][0]["metadata"]["query"] == "sum(my_series)"
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "message"),
+    [
+        ({"mode": "keda"}, "keda.prometheusAddress is required with mode keda"),
+        ({"mode": "keda", "keda": {"prometheusAddress": "prom:9090"}}, "http"),
+        (
+            {"mode": "keda", "keda": {"prometheusAddress": "http://p", "decodeQuery": " "}},
+            "decodeQuery must be a non-empty PromQL string",
+        ),
+        ({"mode": "kubectl"}, "mode must be one of planner, hpa, keda"),
+    ],
+)
+def test_keda_refusals_name_the_field(autoscaling, message):
+    with pytest.raises(SpecError, match=message):
+        parse_pool_spec("qwen", spec(**autoscaling))
+
+
+@pytest.mark.parametrize(
+    ("mode", "retired"),
+    [
+        ("planner", {"HorizontalPodAutoscaler", "ScaledObject"}),
+        ("hpa", {"ScaledObject"}),
+        ("keda", {"HorizontalPodAutoscaler"}),
+        (None, {"HorizontalPodAutoscaler", "ScaledObject"}),
+    ],
+)
+def test_each_mode_retires_the_other_modes_autoscalers(mode, retired):
+    from pdpool.operator.builders import retired_autoscalers
+
+    over = {"keda": {"prometheusAddress": "http://p"}} if mode == "keda" else {}
+    manifest = spec(mode=mode, **over) if mode else pool_manifest("qwen")["spec"]
+    pool = parse_pool_spec("qwen", manifest)
+    got = retired_autoscalers(REF, pool)
+    assert {m["kind"] for m in got} == retired
+    assert {m["metadata"]["name"] for m in got} == {"qwen-prefill", "qwen-decode"}

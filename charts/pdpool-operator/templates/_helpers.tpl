@@ -78,10 +78,14 @@ Each rule names the call that needs it; nothing else is granted.
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
-# autoscaling (mode hpa): a HorizontalPodAutoscaler per role (server-side apply)
+# autoscaling (mode hpa / keda): a HorizontalPodAutoscaler / KEDA ScaledObject per role
+# (server-side apply); another mode's are deleted when the mode changes
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [create, patch]
+  verbs: [get, create, patch, delete]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, create, patch, delete]
 # spec.inferencePool: the EPP's ServiceAccount (it mounts no token and has no role), the
 # InferencePool (get: its parents' conditions for the pool's status) and the HTTPRoute
 - apiGroups: [""]

@@ -40,7 +40,9 @@ EXPECTED_RULES = {
     ("", "secrets"): {"create"},
     ("", "events"): {"create"},
     ("", "pods"): {"list"},  # the autoscaling planner reads their metrics
-    ("autoscaling", "horizontalpodautoscalers"): {"create", "patch"},
+    # mode hpa / keda; another mode's are read and deleted when the mode changes
+    ("autoscaling", "horizontalpodautoscalers"): {"get", "create", "patch", "delete"},
+    ("keda.sh", "scaledobjects"): {"get", "create", "patch", "delete"},
     # spec.inferencePool: the EPP's account, the InferencePool (its status read back), a route
     ("", "serviceaccounts"): {"create", "patch"},
     ("inference.networking.k8s.io", "inferencepools"): {"get", "list", "watch", "create", "patch"},

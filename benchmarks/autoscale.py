@@ -184,6 +184,8 @@ def up_command(args, variant: str, state_file: str, log_dir: str) -> list[str]:
         cmd += ["--ttft-target-ms", str(args.ttft_ms), "--itl-target-ms", str(args.itl_ms)]
         cmd += ["--autoscale-interval-s", str(args.interval_s)]
         cmd += ["--scale-down-window-s", str(args.down_window_s)]
+        # The planner's inputs, for replaying its decisions (pdpool/planner/trace.py).
+        cmd += ["--autoscale-trace", str(Path(log_dir).parent / f"trace-{args.backend}.jsonl.gz")]
     return cmd
 
 

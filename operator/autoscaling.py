@@ -129,6 +129,11 @@ def _hpa_behavior(scaling: AutoscalingSpec) -> dict[str, Any]:
     }
 
 
+def _scale_target(ref: PoolRef, role_name: str) -> dict[str, str]:
+    """The role's Deployment, as HPAs and ScaledObjects name what they scale."""
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": child_name(ref.name, role_name)}
+
+
 def hpa(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
     """`mode: hpa`: an autoscaling/v2 HorizontalPodAutoscaler per role, on a per-pod
     metric of the engines (Pods type, served by a metrics adapter), with the pool's
@@ -142,11 +147,7 @@ def hpa(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
         "kind": "HorizontalPodAutoscaler",
         "metadata": child_metadata(ref, child_name(ref.name, role_name), role_name),
         "spec": {
-            "scaleTargetRef": {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "name": child_name(ref.name, role_name),
-            },
+            "scaleTargetRef": _scale_target(ref, role_name),
             "minReplicas": max(b.min, 1),
             "maxReplicas": max(b.max, 1),
             "metrics": [
@@ -200,11 +201,7 @@ def scaled_object(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
         "kind": "ScaledObject",
         "metadata": child_metadata(ref, child_name(ref.name, role_name), role_name),
         "spec": {
-            "scaleTargetRef": {
-                "apiVersion": "apps/v1",
-                "kind": "Deployment",
-                "name": child_name(ref.name, role_name),
-            },
+            "scaleTargetRef": _scale_target(ref, role_name),
             "pollingInterval": max(math.ceil(scaling.interval_s), 1),
             "minReplicaCount": b.min if scaling.planner.scale_to_zero else max(b.min, 1),
             "maxReplicaCount": max(b.max, 1),

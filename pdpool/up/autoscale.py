@@ -30,6 +30,7 @@ from pdpool.planner.metrics import parse_text, total
 from pdpool.planner.policy import PlannerConfig
 from pdpool.planner.scrape import Target, fetch_metrics, scrape
 from pdpool.planner.stabilize import Decision, initial_state, plan, with_replicas
+from pdpool.planner.trace import TraceWriter
 
 from .topology import Child, Topology
 
@@ -96,6 +97,7 @@ class LocalAutoscaler:
     clock: Callable[[], float] = time.monotonic
     events: list[dict[str, Any]] = field(default_factory=list)
     last: Optional[Decision] = None
+    trace: Optional[TraceWriter] = None  # records every scrape and the replicas counted
 
     def __post_init__(self) -> None:
         self.state = initial_state(len(self._serving("prefill")), len(self._serving("decode")))
@@ -127,6 +129,8 @@ class LocalAutoscaler:
         self.due = now + self.interval_s
         snapshot, _ = scrape(self.targets(), ca_file=self.topology.ca_file, at=now)
         counts = [self._replicas(r) for r in ENGINE_ROLES]
+        if self.trace is not None:
+            self.trace.write(snapshot, dict(zip(ENGINE_ROLES, counts, strict=True)))
         self.state, decision = plan(self.config, with_replicas(self.state, *counts), snapshot)
         self.last = decision
         for role in ENGINE_ROLES:

@@ -17,6 +17,7 @@ from pdpool.cli import add_switch
 if TYPE_CHECKING:  # the topology module is imported when `up` runs, not for --help
     from pdpool.otlp_receiver import OtlpReceiver
     from pdpool.planner.policy import PlannerConfig
+    from pdpool.planner.trace import TraceWriter
 
     from .autoscale import LocalAutoscaler
     from .topology import Topology, TopologySpec
@@ -159,6 +160,12 @@ def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="an engine is removed only after this long asking for fewer",
     )
+    g.add_argument(
+        "--autoscale-trace",
+        metavar="FILE",
+        help="record every scrape the planner reads and the replicas it counted "
+        "(gzip JSON lines: pdpool/planner/trace.py), to replay its decisions",
+    )
 
 
 def planner_config_from_args(args: argparse.Namespace) -> PlannerConfig:
@@ -186,6 +193,38 @@ def planner_config_from_args(args: argparse.Namespace) -> PlannerConfig:
         ).validate()
     except PlannerConfigError as exc:
         raise CliError(f"--autoscale: {exc} (--prefill/--decode are the minimums)") from None
+
+
+def local_autoscaler(
+    topology: Topology,
+    planner: Optional[PlannerConfig],
+    args: argparse.Namespace,
+    trace: Optional[TraceWriter],
+) -> Optional[LocalAutoscaler]:
+    """The planner on the local engines, when --autoscale asked for it."""
+    if planner is None:
+        return None
+    from .autoscale import LocalAutoscaler
+
+    autoscaler = LocalAutoscaler(topology, planner, args.autoscale_interval_s, args.state_file)
+    autoscaler.trace = trace
+    autoscaler.write_state()
+    return autoscaler
+
+
+def open_trace(args: argparse.Namespace) -> Optional[TraceWriter]:
+    """`--autoscale-trace FILE` opened before anything starts (a bad path is one line)."""
+    from pdpool.errors import CliError
+    from pdpool.planner.trace import TraceWriter
+
+    if not args.autoscale_trace:
+        return None
+    if not args.autoscale:
+        raise CliError("--autoscale-trace records the planner's inputs: it needs --autoscale")
+    try:
+        return TraceWriter(args.autoscale_trace)
+    except OSError as exc:
+        raise CliError(f"--autoscale-trace {args.autoscale_trace}: {exc.strerror}") from None
 
 
 def spec_from_args(args: argparse.Namespace) -> TopologySpec:
@@ -258,6 +297,7 @@ def main(args: argparse.Namespace) -> int:
 
     spec = spec_from_args(args)
     planner = planner_config_from_args(args) if args.autoscale else None
+    trace = open_trace(args)
     if args.otel and args.otlp_traces_endpoint:
         raise CliError("--otel and --otlp-traces-endpoint: choose one")
     receiver = start_span_receiver(args.otel, spec) if args.otel else None
@@ -294,19 +334,13 @@ def main(args: argparse.Namespace) -> int:
                 f"(curl --cacert, SSL_CERT_FILE)",
                 flush=True,
             )
-        autoscaler = None
-        if planner is not None:
-            from .autoscale import LocalAutoscaler
-
-            autoscaler = LocalAutoscaler(
-                topology, planner, args.autoscale_interval_s, args.state_file
-            )
-            autoscaler.write_state()
-        supervise(topology, args.state_file, autoscaler)
+        supervise(topology, args.state_file, local_autoscaler(topology, planner, args, trace))
     except KeyboardInterrupt:
         print("pdpool up: stopping", flush=True)
         return 0
     finally:
+        if trace is not None:
+            trace.close()
         topology.stop()
         if receiver is not None:
             receiver.stop()

@@ -18,6 +18,7 @@ from pdpool.up.topology import pdpool_command
         (["--itl-target-ms", "0"], "targets ttftSeconds and itlSeconds must be > 0"),
         (["--kv-events"], "--autoscale with --kv-events is not supported"),
         (["--autoscale-interval-s", "0"], "--autoscale-interval-s must be > 0"),
+        (["--autoscale-trace", "/no-such-dir/t.jsonl.gz"], "No such file or directory"),
     ],
 )
 def test_bad_autoscale_flags_exit_with_a_reason(flags, message, tmp_path):
@@ -30,3 +31,15 @@ def test_bad_autoscale_flags_exit_with_a_reason(flags, message, tmp_path):
     assert done.returncode != 0
     assert message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_trace_without_autoscale_is_refused(tmp_path):
+    done = subprocess.run(
+        pdpool_command("up", "--model", str(tmp_path), "--autoscale-trace", str(tmp_path / "t")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "--autoscale-trace records the planner's inputs: it needs --autoscale" in done.stderr
+    assert not (tmp_path / "t").exists()

@@ -140,7 +140,7 @@ def hpa(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
     bounds and behavior. The planner stays off for the pool."""
     assert pool.autoscaling is not None
     scaling = pool.autoscaling
-    metric = scaling.prefill_metric if role_name == PREFILL else scaling.decode_metric
+    metric = scaling.metric(role_name)
     b = scaling.bounds(role_name)
     return {
         "apiVersion": "autoscaling/v2",
@@ -193,7 +193,7 @@ def scaled_object(ref: PoolRef, pool: PoolSpec, role_name: str) -> Manifest:
     with scaleToZero: KEDA activates it again) and the HPA behavior of mode hpa."""
     assert pool.autoscaling is not None and pool.autoscaling.keda is not None
     scaling, keda = pool.autoscaling, pool.autoscaling.keda
-    metric = scaling.prefill_metric if role_name == PREFILL else scaling.decode_metric
+    metric = scaling.metric(role_name)
     query = keda.prefill_query if role_name == PREFILL else keda.decode_query
     b = scaling.bounds(role_name)
     return {

@@ -67,6 +67,10 @@ class AutoscalingSpec:
     def bounds(self, role: str) -> RoleBounds:
         return self.planner.bounds(role)
 
+    def metric(self, role: str) -> HpaMetric:
+        """The role's metric (hpa's Pods metric, keda's query and threshold)."""
+        return self.prefill_metric if role == "prefill" else self.decode_metric
+
 
 def _obj(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
     value = d.get(key)

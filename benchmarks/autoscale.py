@@ -270,7 +270,7 @@ def summarize(args, variant: str, run: Run) -> dict:
     ok = [r for r in run.results if r.status == 200 and not r.error and r.ttft is not None]
     failed = len(run.results) - len(ok)
     within = [r for r in ok if within_slo(args, r)]
-    downs = sum(1 for e in run.events if e.get("direction") == "down")
+    ups, downs = (sum(1 for e in run.events if e.get("direction") == d) for d in ("up", "down"))
     ttft, itl = p90([r.ttft for r in ok]), p90([r.itl for r in ok if r.itl is not None])
     return {
         "variant": variant,
@@ -280,7 +280,7 @@ def summarize(args, variant: str, run: Run) -> dict:
         "itl_p90_ms": round(1000 * itl, 1) if itl is not None else None,
         "engine_s": round(run.engine_seconds, 1),
         "max_engines": run.max_engines,
-        "scale_events": f"{len(run.events) - downs} up / {downs} down",
+        "scale_events": f"{ups} up / {downs} down",
         "failed": failed,
     }
 

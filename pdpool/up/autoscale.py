@@ -121,7 +121,7 @@ class LocalAutoscaler:
         ]
 
     def tick(self) -> Optional[Decision]:
-        """Reaps finished drains; every interval, one decision applied."""
+        """Reaps finished launches and drains; every interval, one decision applied."""
         self.reap()
         now = self.clock()
         if now < self.due:
@@ -168,7 +168,7 @@ class LocalAutoscaler:
             if count == 0:
                 return
             launch.cancelled, count = True, count - 1  # a start not finished goes first
-            self._record("down", role, launch.children[0].name, f"{reason} (start cancelled)")
+            self._record("cancelled", role, launch.children[0].name, reason)
         if count == 0:
             return
         serving = sorted(self._serving(role), key=lambda c: c.index)

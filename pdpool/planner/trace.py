@@ -14,7 +14,7 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
 from .metrics import EndpointMetrics, Snapshot
 
@@ -87,7 +87,7 @@ class TraceWriter:
 
     def __init__(self, path: str) -> None:
         # Open across ticks until close(): a context manager per write would end the stream.
-        self._fh: IO[bytes] = gzip.open(Path(path), "wb")  # noqa: SIM115
+        self._fh = gzip.GzipFile(Path(path), "wb")
 
     def write(self, snapshot: Snapshot, replicas: dict[str, int]) -> None:
         line = json.dumps(tick_to_json(snapshot, replicas), separators=(",", ":")) + "\n"

@@ -124,3 +124,26 @@ def test_tighter_bounds_and_steps_hold_on_real_metrics(ticks):
     assert max(decode) == 2 and all(b - a <= 1 for a, b in pairwise(decode)), decode
     ups = [d.at for d in decisions if d.decode.desired > d.decode.current]
     assert all(b - a >= 5.0 for a, b in pairwise(ups)), ups
+
+
+def test_a_recording_keeps_only_the_planners_series_and_reads_while_still_written(tmp_path):
+    from pdpool.planner.metrics import EndpointMetrics, Snapshot, parse_text
+    from pdpool.planner.trace import TraceWriter
+
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 3\n'
+        "# TYPE process_cpu_seconds counter\n"
+        "process_cpu_seconds_total 9\n"
+    )
+    snap = Snapshot(2.5, (EndpointMetrics("decode", "d0", parse_text(text)),))
+    path = tmp_path / "t.jsonl.gz"
+    writer = TraceWriter(str(path))
+    writer.write(snap, {"prefill": 1, "decode": 2})
+    got = list(read_trace(path))  # the writer is still open: a run killed mid-way reads too
+    writer.close()
+    assert len(got) == 1 and got[0].replicas == {"prefill": 1, "decode": 2}
+    assert got[0].snapshot.at == 2.5
+    assert got[0].snapshot.endpoints[0].samples == {
+        "vllm:num_requests_running": {(("model_name", "m"),): 3.0}
+    }

@@ -8,6 +8,7 @@ makes it scale down to the minimum; not one request fails."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -30,13 +31,16 @@ class Load:
     def __init__(self, url: str, model: str):
         self.url, self.model = url, model
         self.results: list[dict] = []
+        self.serial = itertools.count()
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
     def one(self, client: httpx.Client) -> dict:
         body = {
             "model": self.model,
-            "prompt": "the planner scales engines " * 8,
+            # A head of its own: prefix affinity would keep one prompt on one engine, and
+            # the test is about the engines the planner adds taking load.
+            "prompt": f"{next(self.serial)} " + "the planner scales engines " * 8,
             "max_tokens": MAX_TOKENS,
             "ignore_eos": True,
             "stream": True,
@@ -124,7 +128,7 @@ def test_load_scales_up_a_busy_scale_down_drains_and_idle_returns_to_the_minimum
         wait(lambda: len(serving(topo, "decode")) == 3, 180, "load scales decode 1 -> 3")
         ups = [e for e in scaler.events if e["direction"] == "up"]
         assert ups and all(e["role"] == "decode" and "itl" in e["reason"] for e in ups)
-        wait(lambda: len({r.get("backend") for r in load.results[-24:]}) == 3, 60, "all 3 used")
+        wait(lambda: len({r.get("backend") for r in load.results[-24:]}) == 3, 120, "all 3 used")
 
         # A scale-down under load (targets relaxed: the same load is now far under them).
         scaler.config = dataclasses.replace(config, itl_seconds=10.0)

@@ -32,15 +32,17 @@ class Load:
         self.url, self.model = url, model
         self.results: list[dict] = []
         self.serial = itertools.count()
+        self.active: dict[int, str] = {}  # request -> the sidecar streaming it, while it runs
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
     def one(self, client: httpx.Client) -> dict:
+        serial = next(self.serial)
         body = {
             "model": self.model,
             # A head of its own: prefix affinity would keep one prompt on one engine, and
             # the test is about the engines the planner adds taking load.
-            "prompt": f"{next(self.serial)} " + "the planner scales engines " * 8,
+            "prompt": f"{serial} " + "the planner scales engines " * 8,
             "max_tokens": MAX_TOKENS,
             "ignore_eos": True,
             "stream": True,
@@ -49,6 +51,7 @@ class Load:
         try:
             with client.stream("POST", self.url + "/v1/completions", json=body) as r:
                 out["status"], out["backend"] = r.status_code, r.headers.get("x-pdpool-backend")
+                self.active[serial] = out["backend"]
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         choice = httpx.Response(200, content=line[6:]).json()["choices"][0]
@@ -56,6 +59,7 @@ class Load:
                         out["finish"] = choice.get("finish_reason") or out["finish"]
         except httpx.HTTPError as exc:
             out["error"] = repr(exc)
+        self.active.pop(serial, None)
         out["end"] = time.monotonic()
         return out
 
@@ -124,13 +128,18 @@ def test_load_scales_up_a_busy_scale_down_drains_and_idle_returns_to_the_minimum
     load = Load(topo.gateway.url, model_name(topo.gateway.url))
     try:
         loop.start()
-        load.run(workers=4)
+        load.run(workers=6)
         wait(lambda: len(serving(topo, "decode")) == 3, 180, "load scales decode 1 -> 3")
         ups = [e for e in scaler.events if e["direction"] == "up"]
         assert ups and all(e["role"] == "decode" and "itl" in e["reason"] for e in ups)
         wait(lambda: len({r.get("backend") for r in load.results[-24:]}) == 3, 120, "all 3 used")
 
-        # A scale-down under load (targets relaxed: the same load is now far under them).
+        # A scale-down under load (targets relaxed: the same load is now far under them),
+        # once the engine it will take (the newest) is streaming.
+        newest = max(serving(topo, "decode"), key=lambda c: c.index)
+        newest_sidecar = next(c for c in topo.by_role("sidecar") if newest.url in c.argv)
+        streaming = f"127.0.0.1:{newest_sidecar.port}"
+        wait(lambda: streaming in load.active.values(), 60, "a stream on the newest engine")
         scaler.config = dataclasses.replace(config, itl_seconds=10.0)
         wait(lambda: scaler.drains, 30, "a scale-down decision")
         paused.set()

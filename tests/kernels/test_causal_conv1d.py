@@ -17,7 +17,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 @pytest.fixture(scope="module")
 def hf():
     if importlib.util.find_spec("causal_conv1d") is not None:
-        pytest.skip("causal_conv1d is installed: HF's functions would dispatch to it")
+        pytest.skip("causal_conv1d (a CUDA extra) is installed: HF's functions would dispatch to it")
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     return modeling_qwen3_5

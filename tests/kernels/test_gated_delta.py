@@ -18,7 +18,7 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 def hf():
     """transformers' Qwen3.5 module; its functions are the torch ones unless fla is installed."""
     if importlib.util.find_spec("fla") is not None:
-        pytest.skip("fla is installed: HF's functions would dispatch to it, not to torch")
+        pytest.skip("fla (the CUDA extra) is installed: HF's functions would dispatch to it")
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     return modeling_qwen3_5

@@ -17,7 +17,7 @@ from pdpool.kernels import ops
 @pytest.fixture(scope="module")
 def hf_layer():
     if importlib.util.find_spec("fla") or importlib.util.find_spec("causal_conv1d"):
-        pytest.skip("HF would dispatch to fla / causal_conv1d instead of its torch code")
+        pytest.skip("the CUDA extras are installed: HF would dispatch to fla / causal_conv1d")
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 

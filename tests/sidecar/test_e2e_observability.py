@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from devtools.prometheus_run import auth, write_tenants
 from pdpool.otlp_receiver import OtlpReceiver
 
 from tests.support.e2e_helpers import cleanup, model_name, start_topology
+from tests.support.prerequisites import built_by
 
 pytestmark = pytest.mark.slow
 
@@ -209,9 +211,7 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(topo, tmp_path):
         shed_one,
     )
 
-    binary = prometheus_binary()
-    if binary is None:
-        pytest.skip("no Prometheus binary: run scripts/prometheus/build-prometheus.sh")
+    binary = prometheus_binary() or Path(built_by("prometheus/build-prometheus.sh", timeout_s=1800))
     prom = Prometheus(binary, tmp_path / "prometheus", scrape_targets(topo))
     try:
         prom.wait_ready()

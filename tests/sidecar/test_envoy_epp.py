@@ -19,9 +19,10 @@ import pytest
 
 from pdpool.ports import free_port
 from pdpool.up.envoy_config import envoy_bootstrap
-from pdpool.up.envoy_gateway import INSTALL_HINT, find_envoy
+from pdpool.up.envoy_gateway import find_envoy
 from pdpool.up.topology import healthy
 from tests.support.e2e_helpers import cleanup, metric, model_name, start_topology
+from tests.support.prerequisites import built_by
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +31,8 @@ SELECT = "test-epp-endpoint-selection"
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory):
-    if find_envoy() is None:
-        pytest.skip(f"no envoy binary: {INSTALL_HINT}")
+    if find_envoy() is None:  # built on first use; the children find it through the variable
+        os.environ["PDPOOL_ENVOY_BIN"] = built_by("envoy/install.sh", timeout_s=600)
     t = start_topology(
         tmp_path_factory,
         prefill=1,

@@ -49,10 +49,13 @@ def test_packed_linear_matches_f_linear(bias, shape):
     expected = F.linear(x, weight, linear.bias)
     got = PackedLinear(linear)(x)
     assert got.shape == expected.shape
+    # float32: the packed kernel sums the 256 products in another order than F.linear, so
+    # the two differ by rounding only (~1e-6); a wrong row, column or bias is off by ~1e-1.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # A strided view (every other row) is read as such.
+    # A strided view (every other row) is read as such (the same rounding-only tolerance).
     if x.dim() == 2 and x.shape[0] > 1:
-        torch.testing.assert_close(PackedLinear(linear)(x[::2]), expected[::2])
+        strided = PackedLinear(linear)(x[::2])
+        torch.testing.assert_close(strided, expected[::2], rtol=1e-5, atol=1e-5)
 
 
 def _model():

@@ -33,6 +33,7 @@ def test_merge_joins_deltas_and_keeps_the_last_state():
             _out("c", [9], True, lps=[lp[2]], n=3, produced_at=3.0, kv_transfer_params={"x": 1}),
         ]
     )
+    # Exact, logprobs too: merging copies the deltas' objects, it computes nothing.
     assert (merged.new_text, merged.new_token_ids, merged.logprobs) == ("abc", [7, 8, 9], lp)
     assert merged.finished and merged.finish_reason == "length"
     assert (merged.num_output_tokens, merged.produced_at) == (3, 3.0)

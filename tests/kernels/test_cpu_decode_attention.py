@@ -57,6 +57,8 @@ def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, m
         shared = native.paged_decode_attention(
             q, k_cache, v_cache, tables, lens, dim**-0.5, window, threads=threads
         )
+        # Exact on purpose: threads split the batch by sequences, each computed whole by one
+        # thread in the same order, so the thread count changes no float operation.
         torch.testing.assert_close(shared, got, rtol=0, atol=0)
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert not native.usable_for(q, k_cache, v_cache)
@@ -65,6 +67,8 @@ def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, m
     expected = reference.paged_attention_reference(
         q, k_cache, v_cache, tables, qsl, seq_lens, dim**-0.5, window
     )
+    # float32, the C kernel's SIMD sums against gather + SDPA: rounding only (~1e-6); a wrong
+    # block, window or scale is off by ~1e-1. (The same below.)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

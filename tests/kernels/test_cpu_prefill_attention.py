@@ -80,6 +80,8 @@ def _check(heads, kv_heads, dim, q_lens, seq_lens, monkeypatch, window=None, blo
             portable=portable,
             threads=threads,
         )
+        # float32, the C kernel's online softmax and SIMD sums against SDPA: rounding only
+        # (~1e-6); a wrong mask, block or scale is off by ~1e-1. (The same below.)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -219,6 +221,8 @@ def test_shares_its_tiles_over_torch_threads_when_there_are_enough(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert parts_used == [2, 1]
+    # Exact on purpose: threads split the work by tiles, each computed whole by one thread in
+    # the same order, so the thread count changes no float operation.
     torch.testing.assert_close(shared, one, rtol=0, atol=0)
 
 

@@ -130,7 +130,9 @@ def test_each_query_sees_only_its_own_sequence(device, force_triton):
     assert not torch.allclose(out[0], out[1])
     tables[1] = tables[0]
     out = ops.paged_attention(q, k_cache, v_cache, tables, starts, lens, 0.125)
-    torch.testing.assert_close(out[0], out[1])
+    # float32 defaults written out: the rows read the same blocks, so only rounding may tell
+    # them apart (a row that read another sequence's blocks differs by ~1e-1, as above).
+    torch.testing.assert_close(out[0], out[1], rtol=1.3e-6, atol=1e-5)
 
 
 def test_rejects_bad_inputs():

@@ -56,6 +56,8 @@ def test_reference_matches_naive_definition(q_lens, context_lens, group, window,
         expected = naive_attention(
             q[rows], keys, values, range(seq_len - q_len, seq_len), 0.3, window
         )
+        # against a float64 naive softmax: float32 rounds at ~1e-7 per op (1e-5 over the sums),
+        # bfloat16 inputs and output at 7.8e-3 (2e-2); a wrong mask or block is off by ~1e-1.
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[rows].double(), expected, rtol=tol, atol=tol)
 
@@ -65,6 +67,7 @@ def test_write_kv_reference_places_rows_at_slots():
     before = k_cache.clone()
     k = torch.arange(6.0).view(3, 1, 2)
     write_kv_reference(k, -k, k_cache, v_cache, torch.tensor([5, -1, 8]))
+    # Writes are copies: exact.
     assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[2, 0], -k[2])
     changed = (k_cache != before).any(dim=-1).any(dim=-1).nonzero().tolist()
     assert changed == [[1, 1], [2, 0]]

@@ -52,6 +52,8 @@ def _check_against_naive(
         expected = naive_attention(
             q[rows], keys, values, range(seq_len - q_len, seq_len), 0.25, window
         )
+        # against a float64 naive softmax: float32 rounds at ~1e-7 per op (1e-5 over the sums),
+        # bfloat16 inputs and output at 7.8e-3 (2e-2); a wrong mask or block is off by ~1e-1.
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[rows].double(), expected, rtol=tol, atol=tol)
     return out
@@ -95,7 +97,7 @@ def test_output_does_not_alias_the_workspace():
     first = _check_against_naive([1, 1, 1], [40, 3, 17])
     kept = first.clone()
     _check_against_naive([1, 5, 1, 1], [100, 60, 2, 300])  # larger: the workspace grows
-    assert torch.equal(first, kept)
+    assert torch.equal(first, kept)  # `kept` is a copy: any change is an alias, exact
 
 
 def test_unusual_cache_layout_uses_the_plain_gather():
@@ -130,6 +132,7 @@ def test_write_kv_all_valid_and_with_skips_agree():
         *other,
         with_skip,
     )
+    # Writes are copies (no arithmetic): exact.
     assert torch.equal(k_cache, other[0]) and torch.equal(v_cache, other[1])
     for i, s in enumerate(slots.tolist()):
         assert torch.equal(k_cache[s // 4, s % 4], k[i])
@@ -152,6 +155,8 @@ def test_rms_norm_equals_the_reference_formula(dtype, zero_centered):
     )
     got = norm(x)
     assert got.dtype == expected.dtype
+    # The same formula in the same dtypes: only how torch fuses or orders the ops may round
+    # differently, ~1e-7 in float32; in bfloat16 both round the same float32 values.
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
@@ -163,6 +168,7 @@ def test_gated_mlp_in_place_equals_the_plain_formula():
     expected = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     with torch.inference_mode():
         got = mlp(x)
+    # float32, the same ops done in place: rounding only (~1e-7), far below a wrong operand.
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     assert torch.equal(x, before)  # the input is untouched
 

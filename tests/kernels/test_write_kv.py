@@ -52,7 +52,7 @@ def test_write_kv_casts_to_cache_dtype(device):
     cache, expected, _, _ = _write_both(
         device, torch.float32, 16, 2, 64, 9, cache_dtype=torch.float16
     )
-    assert torch.equal(cache, expected)
+    assert torch.equal(cache, expected)  # a cast rounds one way in both: exact
 
 
 def test_write_kv_accepts_non_contiguous_inputs(device):
@@ -63,7 +63,7 @@ def test_write_kv_accepts_non_contiguous_inputs(device):
     slots = torch.tensor([3, 17, -1, 40, 63], device=device)
     write_kv_reference(k, v, expected_k, expected_v, slots)
     write_kv_triton(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)  # copies
 
 
 def test_write_kv_rejects_bad_shapes():
@@ -92,4 +92,4 @@ def test_write_kv_full_size_gpu(dtype):
     v = torch.randn_like(k)
     write_kv_reference(k, v, expected[:, 1, 0], expected[:, 1, 1], slots)
     ops.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(cache, expected)
+    assert torch.equal(cache, expected)  # writes are copies: bit-exact

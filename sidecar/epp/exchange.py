@@ -11,10 +11,12 @@ could not reach becomes a clear error and ejects that endpoint."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..net.client_body import BadRequest, parse_client_body
+from ..net.client_body import BadRequest, parse_client_body, strip_client_kv_params
+from ..net.routes import is_generation
 from ..routing.admission import Slot
 from ..routing.core import PD_HEADER
 from . import protocol
@@ -22,7 +24,6 @@ from . import protocol
 if TYPE_CHECKING:
     from .server import EndpointPicker
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Headers only the picker sets: a client's copy never reaches a sidecar.
 OWNED_HEADERS = (PD_HEADER, protocol.DESTINATION_HEADER)
 
@@ -94,6 +95,10 @@ class Exchange:
         parsed, refusal = self._parse(raw)
         if refusal is not None:
             return [refusal]
+        if parsed is not None:
+            parsed, dropped = strip_client_kv_params(parsed)
+            if dropped:  # the body goes on without them (a client never steers KV transfers)
+                raw = json.dumps(parsed).encode()
         admission = await self.picker.admit(parsed, self.headers)
         if isinstance(admission, Slot):
             self._slot = admission
@@ -126,7 +131,7 @@ class Exchange:
         """The generation body as the engines read it (a 400 when none would accept it);
         None for other routes."""
         path = self.headers.get(":path", "").split("?", 1)[0]
-        if path not in GENERATION_PATHS or self.headers.get(":method") != "POST":
+        if not is_generation(self.headers.get(":method", ""), path):
             return None, None
         try:
             return parse_client_body(raw, path), None
@@ -168,12 +173,9 @@ class Exchange:
         return [protocol.response_body(part.body, ended)]
 
     def _finish(self) -> None:
-        """The response is complete: the endpoint served, or failed with a 5xx."""
+        """The response is complete: the endpoint served, or failed by its own fault."""
         if self.endpoint is None or self.status is None:
             return
-        if self.status < 500:
-            self.picker.routing.served(self.endpoint)
-        else:
-            self.picker.routing.failed(self.endpoint, "server_error")
+        self.picker.routing.answered(self.endpoint, self.status)
         self._tracked.close()
         self._release()

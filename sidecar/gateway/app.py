@@ -46,7 +46,8 @@ from ..net.asgi import (
     sse_error_event,
 )
 from ..net.discovery import EndpointSet
-from ..net.client_body import parse_client_body
+from ..net.client_body import parse_client_body, strip_client_kv_params
+from ..net.routes import GENERATION_PATHS, forwarded
 from ..net.backends import Backends
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
@@ -59,7 +60,6 @@ from ..routing.tenants import Tenant
 
 log = logging.getLogger("pdpool.gateway")
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 RETRYABLE = (UpstreamError, httpx.HTTPError)
 # A sidecar answers 503 when its decode engine is unreachable: nothing ran, try another.
 RETRY_STATUSES = (502, 503)
@@ -193,6 +193,8 @@ class Gateway:
             if healthy:
                 return await send_bytes(send, 200, json.dumps({"healthy": healthy}).encode())
             return await send_error(send, 503, "no healthy decode sidecar")
+        if not forwarded(scope["method"], route):  # a backend's internal routes stay inside
+            return await send_error(send, 404, f"no route {scope['method']} {route}")
         await self._proxy(scope, receive, send, tenant)
 
     async def _unknown_tenant(self, send: Send) -> None:
@@ -229,22 +231,12 @@ class Gateway:
             headers.pop("authorization", None)
             headers.pop("x-api-key", None)
         headers.setdefault("x-request-id", uuid.uuid4().hex)
-        body = None
-        if scope["path"] in GENERATION_PATHS:
-            # The same strict checks as the sidecar and the engine (pdpool.protocol): a
-            # body none of them would accept never takes a backend's time.
-            try:
-                body = await off_loop_if_large(parse_client_body, raw, scope["path"])
-            except ValueError as exc:
-                return await send_error(
-                    send,
-                    400,
-                    str(exc),
-                    param=getattr(exc, "param", None),
-                    headers={"x-request-id": headers["x-request-id"]},
-                )
-        if body is None:
-            return await self._forward(scope, receive, send, raw, headers, body)
+        if scope["path"] not in GENERATION_PATHS:
+            return await self._forward(scope, receive, send, raw, headers, None)
+        read = await _generation_body(scope["path"], raw, headers["x-request-id"], send)
+        if read is None:
+            return
+        body, raw = read
         slot = None
         if tenant is not None:  # flow control: wait for the request's turn
             slot = await self._admission(tenant, headers, body, receive, send)
@@ -420,13 +412,13 @@ class Gateway:
                 except RETRYABLE as exc:
                     return "broken", f"broke mid-answer: {exc!r}"
                 self.metrics.requests.labels(backend, str(resp.status_code)).inc()
-                if resp.status_code < 500:
-                    self.routing.served(backend)
+                self.routing.answered(backend, resp.status_code)
                 if self.flow is not None:
                     _record_usage(content)
                 await _send_whole(send, resp, content, backend)
                 return None
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
+            self.routing.answered(backend, resp.status_code)
             leg.started = True
             await self._relay(resp, send, backend)
             return None
@@ -551,7 +543,10 @@ class Gateway:
         try:
             self.metrics.requests.labels(backend, str(resp.status_code)).inc()
             if resp.status_code != 200:
-                return await _relay_refusal(send, resp, backend, client, last)
+                outcome = await _relay_refusal(send, resp, backend, client, last)
+                if outcome is None:  # the client has the answer: counted as the policy says
+                    self.routing.answered(backend, resp.status_code)
+                return outcome
             splitter = EventSplitter()
             try:
                 async for chunk in resp.aiter_raw():
@@ -570,6 +565,28 @@ class Gateway:
         self.routing.served(backend)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
+
+
+async def _generation_body(
+    route: str, raw: bytes, request_id: str, send: Send
+) -> Optional[tuple[dict[str, Any], bytes]]:
+    """A generation's body, checked as the sidecar and the engine check it (pdpool.protocol:
+    a body none of them would accept never takes a backend's time) and without client KV
+    params (a client never steers KV transfers), with the bytes that go on; None when it
+    was answered 400."""
+    try:
+        body = await off_loop_if_large(parse_client_body, raw, route)
+    except ValueError as exc:
+        await send_error(
+            send,
+            400,
+            str(exc),
+            param=getattr(exc, "param", None),
+            headers={"x-request-id": request_id},
+        )
+        return None
+    body, dropped = strip_client_kv_params(body)
+    return body, json.dumps(body).encode() if dropped else raw
 
 
 def _attempt_span(backend: str, number: int, continuation: bool = False) -> Any:

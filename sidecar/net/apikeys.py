@@ -5,21 +5,20 @@
 - a client sends `Authorization: Bearer <key>` (what OpenAI clients send) or `x-api-key`;
 - keys are compared as SHA-256 digests with `hmac.compare_digest`, against every key, so
   neither the length nor the position of a match shows in the timing;
-- the file is re-read when its modification time changes (checked at most once a second):
-  a rotated Kubernetes Secret takes effect without a restart. A file that became unreadable
-  or empty keeps the last good keys (and logs), rather than opening or closing the door.
+- the file is re-read when it changes (checked at most once a second, never half a file:
+  reloading.py): a rotated Kubernetes Secret takes effect without a restart. A file that
+  became unreadable or empty keeps the last good keys (and logs), rather than opening or
+  closing the door.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
-import os
-import time
-from typing import Optional
+from typing import Any, Optional
 
-log = logging.getLogger("pdpool.gateway")
+from .reloading import ReloadingFile
+
 MIN_KEY_CHARS = 16
 # Paths that stay open: the kubelet's probes and the metrics scraper (counters only: no
 # prompts, no keys; whoever reaches the gateway can read them).
@@ -58,37 +57,17 @@ def presented_key(headers: dict[str, str]) -> Optional[str]:
 
 
 class ApiKeys:
-    def __init__(self, path: str, recheck_s: float = 1.0):
-        self.path, self.recheck_s = path, recheck_s
-        self._mtime: Optional[float] = None
-        self._checked = 0.0
-        self._keys = self._load()  # raises at startup: a bad file is a configuration error
-
-    def _load(self) -> list[bytes]:
-        with open(self.path, encoding="utf-8") as f:
-            text = f.read()
-        self._mtime = os.stat(self.path).st_mtime
-        return parse_keys(text)
-
-    def _maybe_reload(self) -> None:
-        now = time.monotonic()
-        if now - self._checked < self.recheck_s:
-            return
-        self._checked = now
-        try:
-            if os.stat(self.path).st_mtime == self._mtime:
-                return
-            self._keys = self._load()
-            log.warning("API keys reloaded from %s (%d keys)", self.path, len(self._keys))
-        except (OSError, ApiKeyError) as exc:
-            log.error("API keys file %s: %s; keeping the last good keys", self.path, exc)
+    def __init__(self, path: str, recheck_s: float = 1.0, **reload: Any):
+        self.path = path
+        # raises at startup: a bad file is a configuration error
+        self._file = ReloadingFile(path, parse_keys, "API keys file", recheck_s, **reload)
 
     def allows(self, key: Optional[str]) -> bool:
-        self._maybe_reload()
+        keys = self._file.current()
         if not key:
             return False
         digest = _digest(key)
         ok = False
-        for known in self._keys:  # no early exit: every key is compared
+        for known in keys:  # no early exit: every key is compared
             ok |= hmac.compare_digest(digest, known)
         return ok

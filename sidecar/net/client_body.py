@@ -8,6 +8,15 @@ from typing import Any, Optional
 
 from pdpool.protocol import ROUTE_MODELS, RequestError, parse_json_body, validate_request
 
+from .routes import GENERATION_PATHS
+
+__all__ = ["GENERATION_PATHS", "BadRequest", "parse_client_body", "strip_client_kv_params"]
+
+KV_PARAMS = "kv_transfer_params"
+# vLLM's token-in/token-out route: token ids, and vLLM's sampling parameters (checked by the
+# engine; a front-end only needs the prompt, the token limit and where KV params may hide).
+TOKENS_ROUTE = "/inference/v1/generate"
+
 
 class BadRequest(ValueError):
     """A client request the sidecar refuses (answered with 400 and this message)."""
@@ -43,11 +52,43 @@ def validate_client_body(body: Any, route: Optional[str] = None) -> dict[str, An
     return body
 
 
+def _validate_tokens_body(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    ids = body.get("token_ids")
+    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+        raise BadRequest("'token_ids' (a non-empty list of token ids) is required", "token_ids")
+    if not isinstance(body.get("sampling_params"), dict):
+        raise BadRequest("'sampling_params' (an object) is required", "sampling_params")
+    return body
+
+
 def parse_client_body(raw: bytes, route: Optional[str] = None) -> dict[str, Any]:
     """The body of a generation request: strict JSON (pdpool.protocol.parse_json_body),
-    then validate_client_body. Raises BadRequest."""
+    then validate_client_body (the token route: its ids and sampling parameters). Raises
+    BadRequest."""
     try:
         body = parse_json_body(raw)
     except RequestError as exc:
         raise BadRequest(str(exc), exc.param) from None
+    if route == TOKENS_ROUTE:
+        return _validate_tokens_body(body)
     return validate_client_body(body, route)
+
+
+def strip_client_kv_params(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """Removes client-supplied `kv_transfer_params` (at the top, or in the token route's
+    `sampling_params.extra_args`, where vLLM also reads them): a client must never steer KV
+    transfers (which engine to read from, which blocks, where to connect). Returns (body,
+    dropped); `body` is a new dict when something was dropped."""
+    params = body.get("sampling_params")
+    extra = params.get("extra_args") if isinstance(params, dict) else None
+    nested = isinstance(extra, dict) and KV_PARAMS in extra
+    if KV_PARAMS not in body and not nested:
+        return body, False
+    clean = {k: v for k, v in body.items() if k != KV_PARAMS}
+    if nested:
+        assert isinstance(params, dict) and isinstance(extra, dict)
+        kept = {k: v for k, v in extra.items() if k != KV_PARAMS}
+        clean["sampling_params"] = {**params, "extra_args": kept}
+    return clean, True

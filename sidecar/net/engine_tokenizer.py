@@ -13,8 +13,9 @@ from .metrics import GatewayMetrics
 
 log = logging.getLogger("pdpool.routing")
 
-# The client's headers an engine's /tokenize may see.
-PASSED_HEADERS = ("authorization", "x-request-id")
+# The client's headers an engine's /tokenize may see: never its credentials (Authorization,
+# x-api-key), which go no further than the front-end whatever the request's own leg does.
+PASSED_HEADERS = ("x-request-id",)
 
 
 class EngineTokenizer:

@@ -1,8 +1,10 @@
 """The sidecar's ASGI app: one per decode engine, in front of it.
 
 Generation requests (`/v1/completions`, `/v1/chat/completions`) are read, checked and run
-through the pool's P/D flow (flows.py); `/health`, `/ready` and `/metrics` are answered
-here; every other route is passed to the decode engine as it is.
+through the pool's P/D flow (flows.py); the other generation routes (net/routes.py: the
+token route) are read, checked and cleaned alike, then run whole on the decode engine;
+`/health`, `/ready` and `/metrics` are answered here; every other route is passed to the
+decode engine as it is.
 
     proxy.py          the app: lifecycle, routes, the request read and its errors
     flows.py          decode-first / prefill-first / aggregated: which legs, in which order
@@ -26,8 +28,8 @@ import httpx
 
 from pdpool import tracing
 
-from . import legs
-from ..net.client_body import parse_client_body
+from ..net.client_body import parse_client_body, strip_client_kv_params
+from ..net.routes import GENERATION_PATHS, PD_PATHS
 from ..net.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -59,8 +61,6 @@ from .settings import SidecarSettings
 from ..net.upstream import ClientShards, readiness
 
 log = logging.getLogger("pdpool.sidecar")
-
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class Sidecar:
@@ -146,7 +146,7 @@ class Sidecar:
         if self.clients is None:  # served without lifespan (some test clients)
             await self._start_once()
         route, method = scope["path"], scope["method"]
-        if route in GENERATION_PATHS and method == "POST":
+        if route in PD_PATHS and method == "POST":
             await self._generation(scope, receive, send)
         elif route == "/metrics" and method == "GET":
             await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
@@ -202,6 +202,11 @@ class Sidecar:
             return
         except BodyTooLarge:
             return await send_error(send, 413, "request body too large")
+        if scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
+            # a generation route without P/D legs: checked and cleaned all the same
+            body = await self._cleaned(body, scope["path"], send)
+            if body is None:
+                return
         url = self.settings.decode_url + scope["path"]
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
@@ -225,6 +230,20 @@ class Sidecar:
             headers,
             content_type=resp.headers.get("content-type", "application/json"),
         )
+
+    async def _cleaned(self, raw: bytes, route: str, send: Send) -> Optional[bytes]:
+        """A generation body run whole on the decode engine, without client KV params;
+        None when it was refused (400)."""
+        try:
+            body = await off_loop_if_large(parse_client_body, raw, route)
+        except (ValueError, RecursionError) as exc:
+            await self._refuse(send, 400, _bad_request_message(exc), getattr(exc, "param", None))
+            return None
+        body, dropped = strip_client_kv_params(body)
+        if not dropped:
+            return raw
+        self.metrics.client_kv_dropped.inc()
+        return json.dumps(body).encode()
 
     # ------------------------------------------------------------------ generation
     async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -277,7 +296,7 @@ class Sidecar:
             self.metrics.forbidden_targets.inc()
             await self._refuse(send, 403, str(exc), PREFILLER_HEADER, with_id)
             return None
-        body, dropped = legs.strip_client_kv_params(body)
+        body, dropped = strip_client_kv_params(body)
         if dropped:
             self.metrics.client_kv_dropped.inc()
         ex = Exchange(

@@ -40,16 +40,6 @@ PULL_FIELDS = (
 )
 
 
-def strip_client_kv_params(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """Removes client-supplied `kv_transfer_params`: a client must never steer KV
-    transfers (which engine to read from, which blocks). Returns (body, dropped)."""
-    if KV_PARAMS not in body:
-        return body, False
-    clean = dict(body)
-    del clean[KV_PARAMS]
-    return clean, True
-
-
 def effective_threshold(body: dict[str, Any], pool_threshold: float) -> float:
     """The request's own threshold wins over the pool's."""
     own = body.get(THRESHOLD)

@@ -35,7 +35,7 @@ def affinity_key(body: Any, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
             if size >= prefix_chars:
                 break
         return "".join(parts)[:prefix_chars]
-    prompt = body.get("prompt")
+    prompt = body.get("prompt", body.get("token_ids"))  # the token route's prompt: its ids
     if isinstance(prompt, str):
         return prompt[:prefix_chars]
     if isinstance(prompt, list):  # token ids: about 4 characters per token

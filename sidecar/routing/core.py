@@ -21,7 +21,7 @@ from ..net.metrics import GatewayMetrics
 from .affinity import HashRing, affinity_key, route_order
 from .kv_router import PD_HEADER
 from .kv_routing import EngineTokenize, KVRouting
-from .outlier import OutlierDetector
+from .outlier import OutlierDetector, endpoint_fault
 from .settings import RoutingSettings
 
 log = logging.getLogger("pdpool.routing")
@@ -141,6 +141,15 @@ class Routing:
 
     def served(self, backend: str) -> None:
         self.outliers.success(backend)
+
+    def answered(self, backend: str, status: int) -> None:
+        """`backend` answered a request with `status`: a failure only when that is its own
+        fault (outlier.endpoint_fault); below 500 it served; another 5xx (a 500 the request
+        may have caused) counts neither way."""
+        if endpoint_fault(status):
+            self.failed(backend, "server_error")
+        elif status < 500:
+            self.served(backend)
 
     def _on_eject(self, backend: str, reason: str) -> None:
         log.warning("decode backend %s ejected (%s)", backend, reason)

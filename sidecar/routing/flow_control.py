@@ -100,7 +100,8 @@ class Slot:
 
 def estimate_tokens(body: Any, default_max_tokens: int = 16) -> int:
     """Prompt + output tokens a generation request may cost, before tokenizing: 4
-    characters a token for text, the length of token-id lists, max_tokens for the output."""
+    characters a token for text, the length of token-id lists, max_tokens for the output
+    (the token route's ids and sampling_params.max_tokens alike)."""
     if not isinstance(body, dict):
         return 0
     prompt = body.get("prompt")
@@ -115,8 +116,16 @@ def estimate_tokens(body: Any, default_max_tokens: int = 16) -> int:
         content = m.get("content") if isinstance(m, dict) else None
         chars += len(content) if isinstance(content, str) else len(str(content or ""))
         ids += 4  # the template's tokens around each message
-    out = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
-    return ids + math.ceil(chars / 4) + (out if isinstance(out, int) else default_max_tokens)
+    if isinstance(body.get("token_ids"), list):
+        ids += len(body["token_ids"])
+    return ids + math.ceil(chars / 4) + _output_tokens(body, default_max_tokens)
+
+
+def _output_tokens(body: dict[str, Any], default_max_tokens: int) -> int:
+    params = body.get("sampling_params")
+    limits = params if isinstance(params, dict) else body
+    out = limits.get("max_tokens") or limits.get("max_completion_tokens")
+    return out if isinstance(out, int) and not isinstance(out, bool) else default_max_tokens
 
 
 class FlowController:

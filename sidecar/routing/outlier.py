@@ -1,8 +1,9 @@
 """Outlier detection for a set of upstream endpoints, in the manner of Envoy's.
 
 An endpoint is *ejected* (taken out of the candidates) when
-- it fails `consecutive_failures` requests in a row (connect errors, timeouts, 5xx, a
-  stream that broke or stalled): passive detection, driven by real traffic; or
+- it fails `consecutive_failures` requests in a row (connect errors, timeouts, answers
+  that are its own fault (`endpoint_fault`), a stream that broke or stalled): passive
+  detection, driven by real traffic; or
 - `probe_failures` health probes in a row fail (short timeouts): active detection, which
   notices a wedged engine (SIGSTOP: connections are accepted, nothing is answered) without
   sacrificing requests to it.
@@ -26,6 +27,17 @@ from types import TracebackType
 from typing import Any, Awaitable, Callable, Generic, Iterable, Literal, Optional, TypeVar
 
 T = TypeVar("T")
+
+# Answers that are the endpoint's fault, as Envoy's gateway-failure detection counts them:
+# its engine unreachable or dead (502, 503) or too slow (504). A 4xx or a 500 may be the
+# request's own doing (a body its engine chokes on): were they counted, a few such requests
+# would eject every endpoint and innocent requests would find none.
+ENDPOINT_FAULTS = frozenset({502, 503, 504})
+
+
+def endpoint_fault(status: int) -> bool:
+    """Whether an answer with `status` counts against the endpoint that gave it."""
+    return status in ENDPOINT_FAULTS
 
 
 class OutlierDetector:

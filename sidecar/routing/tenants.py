@@ -22,29 +22,35 @@ pool:                        # when the pool counts as saturated (saturation.py)
 
 A tenant is found by its API key, or, for pools behind another gateway that authenticates,
 by the value of a header the operator names (matched against `name`). Keys are kept as
-SHA-256 digests only. The file is re-read when it changes (at most once a second); a bad
-new file keeps the last good configuration and logs why, as the API keys file does.
+SHA-256 digests only. The file is re-read when it changes (at most once a second, never
+half a file: net/reloading.py); a bad new file keeps the last good configuration and logs
+why, as the API keys file does.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import math
-import os
-import time
+import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional
 
 import yaml
 
 from ..net.apikeys import MIN_KEY_CHARS
+from ..net.reloading import ReloadingFile
 
 log = logging.getLogger("pdpool.flow")
 
 PRIORITY_HEADER = "x-pdpool-priority"
 # GIE's header naming the request's InferenceObjective (its priority comes from the objective).
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+# A priority header is a plain ASCII integer of a few digits; anything else (longer, "1e3",
+# "1_0", other scripts' digits) is malformed and the request keeps its tenant's band.
+PRIORITY_VALUE = re.compile(r"[+-]?[0-9]{1,10}")
 
 TENANT_FIELDS = {
     "name": "name",
@@ -102,20 +108,32 @@ class TenantsConfig:
         # lookup's timing tells it nothing about the keys.
         return self.by_key.get(digest(key)) if key else None
 
+    @cached_property
+    def bands(self) -> tuple[int, ...]:
+        """The priority bands the file names (tenants' priority and maxPriority, objectives'
+        priority): the only ones a request can be in, so queues and metric series stay as
+        few as the file makes them whatever clients send."""
+        named = {p for t in self.tenants.values() for p in (t.priority, t.max_priority)}
+        return tuple(sorted(named | set(self.objectives.values())))
+
+    def band(self, priority: int) -> int:
+        """The highest band at or below `priority` (the lowest band when none is)."""
+        bands = self.bands
+        if not bands:
+            return priority
+        return bands[max(bisect.bisect_right(bands, priority) - 1, 0)]
+
     def priority_of(self, tenant: Tenant, headers: dict[str, str]) -> int:
         """The request's band: its InferenceObjective's priority, else its own header, else
-        the tenant's; never above the tenant's maxPriority."""
+        the tenant's; never above the tenant's maxPriority, and always one the file names."""
         wanted = tenant.priority
         objective = headers.get(OBJECTIVE_HEADER)
-        asked = headers.get(PRIORITY_HEADER)
+        asked = headers.get(PRIORITY_HEADER, "").strip()
         if objective is not None and objective in self.objectives:
             wanted = self.objectives[objective]
-        elif asked is not None:
-            try:
-                wanted = int(asked.strip())
-            except ValueError:
-                wanted = tenant.priority
-        return min(wanted, tenant.max_priority)
+        elif PRIORITY_VALUE.fullmatch(asked):
+            wanted = int(asked)
+        return self.band(min(wanted, tenant.max_priority))
 
 
 def digest(key: str) -> bytes:
@@ -254,34 +272,15 @@ def parse_tenants(text: str) -> TenantsConfig:
 
 
 class TenantsFile:
-    """The configuration from a file, re-read when its modification time changes."""
+    """The configuration from a file, re-read when it changes (net/reloading.py: never half a
+    file; a bad new one keeps the last good configuration)."""
 
-    def __init__(self, path: str, recheck_s: float = 1.0) -> None:
-        self.path, self.recheck_s = path, recheck_s
-        self._mtime: Optional[float] = None
-        self._checked = time.monotonic()
-        self._config = self._load()  # raises at startup: a bad file is a configuration error
-
-    def _load(self) -> TenantsConfig:
-        with open(self.path, encoding="utf-8") as f:
-            text = f.read()
-        self._mtime = os.stat(self.path).st_mtime
+    def __init__(self, path: str, recheck_s: float = 1.0, **reload: Any) -> None:
+        self.path = path
         try:
-            return parse_tenants(text)
-        except TenantsError as exc:
-            raise TenantsError(f"tenants file {self.path}: {exc}") from None
+            self._file = ReloadingFile(path, parse_tenants, "tenants file", recheck_s, **reload)
+        except (OSError, ValueError) as exc:  # a bad file at startup is a configuration error
+            raise TenantsError(f"tenants file {path}: {exc}") from None
 
     def current(self) -> TenantsConfig:
-        now = time.monotonic()
-        if now - self._checked < self.recheck_s:
-            return self._config
-        self._checked = now
-        try:
-            if os.stat(self.path).st_mtime != self._mtime:
-                self._config = self._load()
-                log.warning(
-                    "tenants reloaded from %s (%d tenants)", self.path, len(self._config.tenants)
-                )
-        except (OSError, TenantsError) as exc:
-            log.error("%s; keeping the last good tenants", exc)
-        return self._config
+        return self._file.current()

@@ -6,8 +6,6 @@ admissions and releases step by step and asserts the order, not timings."""
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 
 import pytest
 
@@ -309,10 +307,15 @@ def test_tenants_file_parsing_and_priorities():
     assert cfg.tenant_for_key(KEY_B).name == "b" and cfg.tenant_for_key("x" * 20) is None
     assert cfg.pool == PoolLimits(4, 2, 0.7, 1000)
     assert cfg.priority_of(a, {}) == 1
-    assert cfg.priority_of(a, {PRIORITY_HEADER: "3"}) == 3
+    assert cfg.bands == (0, 1, 4, 9)
+    assert cfg.priority_of(a, {PRIORITY_HEADER: "4"}) == 4
+    assert cfg.priority_of(a, {PRIORITY_HEADER: "3"}) == 1  # the band the file names below
     assert cfg.priority_of(a, {PRIORITY_HEADER: "99"}) == 4  # bounded by maxPriority
-    assert cfg.priority_of(a, {PRIORITY_HEADER: "-2"}) == -2  # lower is always allowed
-    assert cfg.priority_of(a, {PRIORITY_HEADER: "high"}) == 1
+    assert cfg.priority_of(a, {PRIORITY_HEADER: " 0 "}) == 0  # lower is always allowed
+    assert cfg.priority_of(a, {PRIORITY_HEADER: "-2"}) == 0  # ... down to the lowest band
+    # malformed: the tenant's own band, as if the header were absent
+    for junk in ("high", "1e3", "1_0", "\u0663", "4" * 40, ""):
+        assert cfg.priority_of(a, {PRIORITY_HEADER: junk}) == 1, junk
     assert cfg.priority_of(a, {OBJECTIVE_HEADER: "critical"}) == 4
     assert cfg.priority_of(cfg.tenants["b"], {OBJECTIVE_HEADER: "critical"}) == 0
 
@@ -344,14 +347,14 @@ def test_tenants_file_errors_name_the_field(text, error):
 def test_tenants_file_is_reread_when_it_changes(tmp_path):
     path = tmp_path / "tenants.yaml"
     path.write_text(GOOD)
-    source = TenantsFile(str(path), recheck_s=0)
+    source = TenantsFile(str(path), recheck_s=0, settle_s=0)
     assert set(source.current().tenants) == {"a", "b"}
     path.write_text(f"tenants: [{{name: c, keys: ['{KEY_A}']}}]\n")
-    os.utime(path, (time.time() + 5, time.time() + 5))
+    source.current()  # new content is taken once it reads the same twice
     assert set(source.current().tenants) == {"c"}
     assert source.current().tenant_for_key(KEY_A).name == "c"
     path.write_text("tenants: [{name: c, weight: -1}]\n")  # broken: the last good one stays
-    os.utime(path, (time.time() + 10, time.time() + 10))
-    assert set(source.current().tenants) == {"c"}
+    for _ in range(3):
+        assert set(source.current().tenants) == {"c"}
     with pytest.raises(TenantsError, match=r"tenants.yaml: tenants\[0\].weight"):
         TenantsFile(str(path))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdpool.sidecar.net.client_body import BadRequest, validate_client_body
+from pdpool.sidecar.net.client_body import BadRequest, strip_client_kv_params, validate_client_body
 from pdpool.sidecar.proxy import legs
 
 
@@ -20,10 +20,10 @@ def test_client_kv_params_are_stripped():
         "prompt": "x",
         "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.0.0.9"},
     }
-    clean, dropped = legs.strip_client_kv_params(body)
+    clean, dropped = strip_client_kv_params(body)
     assert dropped and "kv_transfer_params" not in clean
     assert "kv_transfer_params" in body
-    assert legs.strip_client_kv_params({"prompt": "x"}) == ({"prompt": "x"}, False)
+    assert strip_client_kv_params({"prompt": "x"}) == ({"prompt": "x"}, False)
 
 
 def test_prefill_leg_caps_limits_and_disables_streaming():

@@ -23,7 +23,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Iterable, Optional, Protocol, Union
 
 from pdpool.engine.outputs import RequestOutput
-from pdpool.engine.engine_state import EngineView, LiveEngineView
+from pdpool.engine.engine_state import (
+    EngineView,
+    LiveEngineView,
+    admission_problem,
+    compile_holdup,
+)
 from pdpool.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # for annotations only: the server process never imports torch
@@ -59,7 +64,7 @@ class NewRequest(Protocol):
 StreamItem = Union[RequestOutput, BaseException]
 
 
-def add_to_engine(engine: LLMEngine, spec: NewRequest) -> None:
+def add_to_engine(engine: LLMEngine, spec: NewRequest, compiled_grammar: Any = None) -> None:
     engine.add_request(
         spec.request_id,
         spec.prompt_ids,
@@ -67,7 +72,24 @@ def add_to_engine(engine: LLMEngine, spec: NewRequest) -> None:
         cache_salt=spec.cache_salt,
         cache_hit_threshold=spec.cache_hit_threshold,
         kv_transfer_params=spec.kv_transfer_params,
+        compiled_grammar=compiled_grammar,
     )
+
+
+def admit(
+    engine: LLMEngine,
+    spec: NewRequest,
+    add: Callable[[Any], None],
+    refuse: Callable[[Exception], None],
+) -> None:
+    """Hands `spec` to `add` (with its compiled grammar, or None when unguided) once it can
+    join the engine; a guided spec compiles first, off the caller's thread (`refuse` gets
+    why it cannot). Never blocks: the caller goes on reading aborts and other requests."""
+    guided = spec.params.guided
+    if guided is None:
+        add(None)
+    else:
+        engine.grammar_jobs.submit(spec.request_id, guided, add, refuse)
 
 
 class OutputSink(Protocol):
@@ -110,7 +132,7 @@ class EngineLoop:
         stalled = time.monotonic() - self.last_tick
         if stalled > max_stall_s and (self._inbox or self.engine.has_unfinished()):
             return f"the engine loop has not ticked for {stalled:.1f}s while it has work"
-        return None
+        return admission_problem(*compile_holdup(self.engine), max_stall_s)
 
     def shutdown(self) -> None:
         """Stops the loop and closes the engine (once; later calls do nothing)."""
@@ -277,15 +299,19 @@ class AsyncEngine(EngineClient):
         return LiveEngineView(self.engine)
 
     async def _send_add(self, spec: NewRequest) -> None:
-        def add() -> None:
+        def add(compiled: Any) -> None:
             try:
-                add_to_engine(self.engine, spec)
+                add_to_engine(self.engine, spec, compiled)
             except Exception as exc:  # validation errors surface to the caller
                 self._put_threadsafe([(spec.request_id, exc)])
 
-        self.loop.submit(add)
+        def refuse(exc: Exception) -> None:
+            self._put_threadsafe([(spec.request_id, exc)])
+
+        admit(self.engine, spec, lambda compiled: self.loop.submit(lambda: add(compiled)), refuse)
 
     def abort(self, request_id: str) -> None:
+        self.engine.grammar_jobs.cancel(request_id)
         self.loop.submit(lambda: self.engine.abort_request(request_id))
 
     async def release_lease(self, params: dict[str, Any]) -> bool:

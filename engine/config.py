@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pdpool.engine.structured.limits import StructuredLimits
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.units import parse_size  # noqa: F401 (re-exported: callers read sizes here)
 
@@ -49,6 +50,13 @@ class EngineConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # /ready fails when the engine loop has work and has not ticked for this long.
     ready_max_stall_s: float = 30.0
+    # Structured outputs: spec caps checked in the HTTP process (structured/limits.py), and
+    # the core's grammar compiles (structured/compile_jobs.py, structured/grammar.py).
+    structured_limits: StructuredLimits = field(default_factory=StructuredLimits)
+    structured_compile_timeout_s: float = 30.0
+    structured_max_compiles: int = 2
+    structured_max_overrun_compiles: int = 2
+    structured_cache_bytes: int = 256 << 20
     # vLLM's --kv-events-config (JSON): publish KV cache events over ZeroMQ.
     kv_events_config: Optional[str] = None
     extra: dict = field(default_factory=dict)
@@ -63,6 +71,7 @@ class EngineConfig:
         )
         self._check_kv_transfer()
         self._check_server()
+        self._check_structured()
 
     def _check_memory(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -123,3 +132,14 @@ class EngineConfig:
             KVEventsConfig.parse(self.kv_events_config)  # a bad config stops the start
         if self.ready_max_stall_s <= 0:
             raise ValueError("--ready-max-stall-s must be > 0")
+
+    def _check_structured(self) -> None:
+        self.structured_limits.validate()
+        if self.structured_compile_timeout_s <= 0:
+            raise ValueError("--structured-compile-timeout-s must be > 0")
+        if self.structured_max_compiles < 1 or self.structured_max_overrun_compiles < 1:
+            raise ValueError(
+                "--structured-max-compiles and --structured-max-overrun-compiles must be >= 1"
+            )
+        if self.structured_cache_bytes < 1 << 20:
+            raise ValueError("--structured-cache-bytes must be at least 1MiB")

@@ -15,7 +15,12 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from pdpool.engine.engine_state import EngineState
-from pdpool.engine.outputs import KVTransferRefused, RequestOutput, RequestRejected
+from pdpool.engine.outputs import (
+    EngineBusy,
+    KVTransferRefused,
+    RequestOutput,
+    RequestRejected,
+)
 from pdpool.engine.sampling_params import SamplingParams
 
 
@@ -91,6 +96,7 @@ _REFUSAL_KINDS: dict[str, type[Exception]] = {
     "rejected": RequestRejected,
     "kv_refused": KVTransferRefused,
     "invalid": ValueError,
+    "busy": EngineBusy,
     "error": RuntimeError,
 }
 

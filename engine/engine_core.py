@@ -34,6 +34,7 @@ from pdpool.engine.outputs import (
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.runner import ModelRunner, StepResult
 from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.structured.compile_jobs import CompileBounds, GrammarJobs
 from pdpool.engine.structured.grammar import GrammarCompiler, stop_ids_of
 from pdpool.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -100,7 +101,11 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, memory.spec.layout, self.kv_cache, self.device, keep_logits, self.state
         )
-        self.grammars = GrammarCompiler(tokenizer, self.info.config["vocab_size"])
+        self.grammars = GrammarCompiler(
+            tokenizer, self.info.config["vocab_size"], config.structured_cache_bytes
+        )
+        # Guided requests' grammars compile here, off the admission path, within a deadline.
+        self.grammar_jobs = GrammarJobs(self.grammars.compile, CompileBounds.of(config))
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.last_step_idle = True
@@ -149,6 +154,7 @@ class LLMEngine:
         return self.scheduler.kv
 
     def close(self) -> None:
+        self.grammar_jobs.close()
         self.scheduler.close()
         if self.kv_events is not None:
             self.kv_events.close()
@@ -167,7 +173,10 @@ class LLMEngine:
         cache_salt: Optional[str] = None,
         cache_hit_threshold: Optional[float] = None,
         kv_transfer_params: Optional[dict[str, Any]] = None,
+        compiled_grammar: Any = None,
     ) -> Request:
+        """`compiled_grammar`: the guided spec's grammar, compiled off the step loop
+        (structured/compile_jobs.py); without it a guided spec compiles here."""
         params.validate(self.info.config["vocab_size"])
         if request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request_id!r}")
@@ -199,7 +208,7 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
             block_size=self.config.block_size,
         )
-        req.grammar = self._grammar_of(prompt_token_ids, params)
+        req.grammar = self._grammar_of(prompt_token_ids, params, compiled_grammar)
         refusal = self.connector.check_request(req)
         if refusal is not None and self.config.kv_load_failure_policy == "fail":
             raise KVTransferRefused(f"KV transfer refused: {refusal}")
@@ -210,7 +219,9 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return req
 
-    def _grammar_of(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+    def _grammar_of(
+        self, prompt_token_ids: list[int], params: SamplingParams, compiled: Any = None
+    ) -> Any:
         """The request's grammar matcher (None when unguided), advanced over the tokens a
         continuation says were generated already (the tail of its prompt)."""
         spec = params.guided
@@ -220,7 +231,7 @@ class LLMEngine:
         if done and prompt_token_ids[len(prompt_token_ids) - len(done) :] != done:
             raise RequestRejected("guided prefix token ids must be the last tokens of the prompt")
         return self.grammars.grammar_for(
-            spec, stop_ids_of(self.eos_token_ids, params.stop_token_ids)
+            spec, stop_ids_of(self.eos_token_ids, params.stop_token_ids), compiled
         )
 
     def abort_request(self, request_id: str) -> None:

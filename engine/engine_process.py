@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -34,7 +35,13 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from pdpool.engine.async_engine import EngineClient, EngineLoop, NewRequest, add_to_engine
+from pdpool.engine.async_engine import (
+    EngineClient,
+    EngineLoop,
+    NewRequest,
+    add_to_engine,
+    admit,
+)
 from pdpool.engine.core_channel import ChannelClosed, CoreChannel, decode, encode
 from pdpool.engine.core_messages import (
     AbortRequest,
@@ -50,7 +57,7 @@ from pdpool.engine.core_messages import (
     StepOutputs,
     StopCore,
 )
-from pdpool.engine.engine_state import EngineState, engine_state
+from pdpool.engine.engine_state import EngineState, admission_problem, engine_state
 from pdpool.engine.outputs import EngineUnavailable, RequestOutput
 
 if TYPE_CHECKING:  # for annotations only: the server process never imports torch
@@ -82,8 +89,8 @@ class _CoreSink:
     server that falls behind holds the step loop back (bounded memory) instead of letting
     outputs pile up."""
 
-    def __init__(self, channel: CoreChannel, engine: LLMEngine):
-        self.channel, self.engine = channel, engine
+    def __init__(self, channel: CoreChannel, engine: LLMEngine, inbox: "_CoreInbox"):
+        self.channel, self.engine, self.inbox = channel, engine, inbox
         self._last_sent = 0.0
 
     def _due(self) -> bool:
@@ -98,66 +105,85 @@ class _CoreSink:
         except ChannelClosed:
             pass  # the server is gone: the main thread exits
 
+    def _state(self) -> EngineState:
+        """The engine's state, with the reader's holdup when it is the longer one."""
+        state = engine_state(self.engine)
+        busy = self.inbox.busy_s()
+        if busy > state.admission_holdup_s:
+            by = "the engine core's reader is still handling a message"
+            state = dataclasses.replace(state, admission_holdup_s=busy, admission_holdup=by)
+        return state
+
     def outputs(self, outputs: list[RequestOutput]) -> None:
         # A step without outputs (a prefill chunk, loads in flight) still says it is alive.
         if outputs or self._due():
-            self._send(StepOutputs(outputs, engine_state(self.engine)))
+            self._send(StepOutputs(outputs, self._state()))
 
     def failed(self, request_ids: list[str], message: str) -> None:
-        self._send(RequestsFailed(request_ids, message, engine_state(self.engine)))
+        self._send(RequestsFailed(request_ids, message, self._state()))
 
     def idle(self) -> None:
         if self._due():
-            self._send(Heartbeat(engine_state(self.engine)))
+            self._send(Heartbeat(self._state()))
 
 
 class _CoreInbox:
-    """The core's handling of the server's messages, on the channel's reader thread."""
+    """The core's handling of the server's messages, on the channel's reader thread. Nothing
+    here waits on a request's content: a guided request's grammar compiles on a thread of
+    its own (GrammarJobs) and the request joins the step loop once it is ready, so aborts,
+    other requests and lease releases are read meanwhile."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.stop = threading.Event()
         self.server_gone = threading.Event()
+        self._busy_since: Optional[float] = None  # the reader's current batch, when it has one
 
     def attach(self, channel: CoreChannel, loop: EngineLoop) -> None:
         self.channel, self.loop = channel, loop
 
+    def busy_s(self) -> float:
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def on_messages(self, msgs: list[Any]) -> None:
-        for msg in msgs:
-            if isinstance(msg, AddRequest):
-                if self._grammar_compiles(msg):
-                    self.loop.submit(functools.partial(self._add, msg))
-            elif isinstance(msg, AbortRequest):
-                self.loop.submit(functools.partial(self.engine.abort_request, msg.request_id))
-            elif isinstance(msg, ReleaseLease):
-                # Thread-safe: it only marks the lease; the engine thread frees the blocks.
-                released = self.engine.connector.release_lease(msg.params)
-                self._reply(LeaseReleased(msg.call_id, released))
-            elif isinstance(msg, StopCore):
-                self.stop.set()
+        self._busy_since = time.monotonic()
+        try:
+            for msg in msgs:
+                self._on_message(msg)
+        finally:
+            self._busy_since = None
+
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, AddRequest):
+            admit(
+                self.engine,
+                msg,
+                lambda compiled: self.loop.submit(functools.partial(self._add, msg, compiled)),
+                functools.partial(self._refuse, msg.request_id),
+            )
+        elif isinstance(msg, AbortRequest):
+            self.engine.grammar_jobs.cancel(msg.request_id)
+            self.loop.submit(functools.partial(self.engine.abort_request, msg.request_id))
+        elif isinstance(msg, ReleaseLease):
+            # Thread-safe: it only marks the lease; the engine thread frees the blocks.
+            released = self.engine.connector.release_lease(msg.params)
+            self._reply(LeaseReleased(msg.call_id, released))
+        elif isinstance(msg, StopCore):
+            self.stop.set()
 
     def on_closed(self, why: str) -> None:
         self.server_gone.set()
         self.stop.set()
 
-    def _grammar_compiles(self, msg: AddRequest) -> bool:
-        """Compiles a guided request's grammar here, off the step loop (the compiler caches
-        it for the request's add); a spec that cannot compile is refused from here."""
-        spec = msg.params.guided
-        if spec is None:
-            return True
+    def _add(self, msg: AddRequest, compiled: Any) -> None:
         try:
-            self.engine.grammars.compile(spec)
-        except Exception as exc:
-            self._reply(RequestRefused.of(msg.request_id, exc))
-            return False
-        return True
-
-    def _add(self, msg: AddRequest) -> None:
-        try:
-            add_to_engine(self.engine, msg)
+            add_to_engine(self.engine, msg, compiled)
         except Exception as exc:  # validation: the server answers it as the thread mode does
-            self._reply(RequestRefused.of(msg.request_id, exc))
+            self._refuse(msg.request_id, exc)
+
+    def _refuse(self, request_id: str, exc: Exception) -> None:
+        self._reply(RequestRefused.of(request_id, exc))
 
     def _reply(self, msg: object) -> None:
         with contextlib.suppress(ChannelClosed):
@@ -188,7 +214,7 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -
     _first_message(conn, CoreReady(facts, engine_state(engine)))
     inbox = _CoreInbox(engine)
     channel = CoreChannel(conn, inbox.on_messages, inbox.on_closed, name="engine-core")
-    inbox.attach(channel, EngineLoop(engine, _CoreSink(channel, engine)))
+    inbox.attach(channel, EngineLoop(engine, _CoreSink(channel, engine, inbox)))
     channel.start()
     inbox.stop.wait()
     if inbox.server_gone.is_set():
@@ -424,7 +450,8 @@ class EngineProcess(EngineClient):
         stalled = time.monotonic() - self._last_heard
         if stalled > max_stall_s and (self._streams or self.view.latest.has_work):
             return f"the engine loop has not ticked for {stalled:.1f}s while it has work"
-        return None
+        latest = self.view.latest
+        return admission_problem(latest.admission_holdup_s, latest.admission_holdup, max_stall_s)
 
     def shutdown(self) -> None:
         """Stops the engine core (once; later calls do nothing)."""

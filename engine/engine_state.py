@@ -29,12 +29,18 @@ class EngineState:
     stats: dict[str, int]
     fault: Optional[str]
     has_work: bool
+    # How long the admission of new requests has been held up, and by what ("": it is not):
+    # guided ones by compiles that overran their deadline (structured/compile_jobs.py), or
+    # all of them by a message the core's reader is still handling. /ready reads it.
+    admission_holdup_s: float = 0.0
+    admission_holdup: str = ""
 
 
 def engine_state(engine: LLMEngine) -> EngineState:
     """A snapshot of `engine` (an LLMEngine); call it on the engine's thread."""
     sched = engine.scheduler
     cache = sched.kv_usage()
+    held, by = compile_holdup(engine)
     return EngineState(
         running=len(sched.running),
         waiting=len(sched.waiting),
@@ -49,7 +55,24 @@ def engine_state(engine: LLMEngine) -> EngineState:
         stats=dict(engine.stats),
         fault=engine.fault,
         has_work=engine.has_unfinished(),
+        admission_holdup_s=held,
+        admission_holdup=by,
     )
+
+
+def compile_holdup(engine: LLMEngine) -> tuple[float, str]:
+    """How long, and why, guided requests have not been admitted (0, "": they are)."""
+    held = engine.grammar_jobs.holdup_s()
+    if held <= 0:
+        return 0.0, ""
+    return held, "grammar compiles that overran their deadline hold every overrun slot"
+
+
+def admission_problem(held_s: float, by: str, max_stall_s: float) -> Optional[str]:
+    """Readiness's reading of an admission holdup: a problem past `max_stall_s`."""
+    if held_s > max_stall_s:
+        return f"the admission of new requests has been held up for {held_s:.1f}s: {by}"
+    return None
 
 
 class ServerTokenizer(Protocol):

@@ -86,6 +86,12 @@ def prompt_fit_problem(
     return None
 
 
+class EngineBusy(RuntimeError):
+    """The engine cannot take this request now (its grammar compile slots are held), and a
+    retry or another engine may: answered 503, like EngineUnavailable, but the engine is
+    healthy."""
+
+
 class EngineUnavailable(RuntimeError):
     """The engine core is not there to serve (it exited and is being restarted, or the server
     is stopping): a retryable failure, answered 503."""

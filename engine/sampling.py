@@ -18,7 +18,7 @@ import torch
 
 from pdpool.engine.outputs import RequestError, TokenLogprob  # re-exported
 from pdpool.engine.sampling_params import SamplingParams
-from pdpool.engine.structured.logits import apply_logit_bias
+from pdpool.engine.structured.logits import LogitBiases
 
 # Test-only fault injection: `SUBSTRING[@K][,...]`: a request whose id contains SUBSTRING
 # fails inside its own sampling once it has sampled K tokens (default 0: at its first).
@@ -49,10 +49,12 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
         self.fail_for = _fault_specs(os.environ.get(FAIL_SAMPLING_ENV))
         self._sampled: dict[str, int] = {}  # tokens sampled per request, while armed
+        self.logit_biases = LogitBiases()
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._sampled.pop(request_id, None)
+        self.logit_biases.forget(request_id)
 
     def _injected_fault(self, request_id: str) -> None:
         done = self._sampled.get(request_id, 0)
@@ -87,7 +89,7 @@ class Sampler:
         errors: dict[int, Exception] = {}
         # As vLLM: logit_bias after the raw logprobs, before min_tokens and temperature.
         if any(p.logit_bias for p in params):
-            apply_logit_bias(logits, [p.logit_bias for p in params])
+            self.logit_biases.apply(logits, request_ids, [p.logit_bias for p in params])
         for b, ids in enumerate(suppress):
             if ids:
                 if any(not 0 <= t < vocab for t in ids):

@@ -10,6 +10,8 @@ from pdpool.protocol import MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_TEMPERATURE, 
 
 # As vLLM's --max-logprobs default: at most 20 top logprobs per token.
 MAX_LOGPROBS = 20
+# logit_bias entries per request, as OpenAI's cap (each is added to the logits every step).
+MAX_LOGIT_BIAS = 300
 # Choices per prompt: the server fans n out into n engine requests.
 MAX_N = 16
 
@@ -86,6 +88,8 @@ class SamplingParams:
                 )
 
     def _check_logit_bias(self, vocab_size: Optional[int]) -> None:
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids")
         for t, bias in (self.logit_bias or {}).items():
             if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise ValueError(

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from pdpool import tracing
 from pdpool.cli import CliError, add_switch
+from pdpool.engine.structured import flags as structured_flags
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="/ready answers 503 when the engine loop has work and has not "
         "ticked for this long (/health is liveness only)",
     )
+    structured_flags.add_arguments(p)
     p.add_argument("--tls-cert-file", help="serve HTTPS with this certificate (PEM)")
     p.add_argument("--tls-key-file", help="the certificate's private key (PEM)")
     p.add_argument(
@@ -142,6 +144,7 @@ def config_from_args(args: argparse.Namespace):
     try:
         memory = parse_size(args.kv_cache_memory) if args.kv_cache_memory else None
         max_body = parse_size(args.max_body_bytes)
+        structured = structured_flags.config_kwargs(args)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
     return EngineConfig(
@@ -175,6 +178,7 @@ def config_from_args(args: argparse.Namespace):
         max_body_bytes=max_body,
         ready_max_stall_s=args.ready_max_stall_s,
         kv_events_config=getattr(args, "kv_events_config", None),
+        **structured,
     )
 
 

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdpool.engine.outputs import (
+    EngineBusy,
     EngineUnavailable,
     KVTransferRefused,
     RequestOutput,
@@ -72,7 +73,7 @@ def engine_error(exc: Exception) -> ApiError:
         return ApiError(str(exc))
     if isinstance(exc, KVTransferRefused):
         return ApiError(str(exc), 503, "KVTransferError", param="kv_transfer_params")
-    if isinstance(exc, EngineUnavailable):
+    if isinstance(exc, (EngineUnavailable, EngineBusy)):
         return ApiError(str(exc), 503, "ServiceUnavailable")
     return ApiError(str(exc), 500, "InternalServerError")
 

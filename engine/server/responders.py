@@ -28,7 +28,7 @@ from pdpool.engine.server.protocol import (
 )
 from pdpool.engine.server.response_writer import ChoiceFormat, ResponseWriter
 from pdpool.engine.server.errors import ApiError
-from pdpool.engine.server.structured_request import constrain
+from pdpool.engine.server.structured_request import constrain_off_loop
 from pdpool.engine.server.tools import (
     ToolRequest,
     ToolStream,
@@ -83,17 +83,20 @@ class Responder(abc.ABC, Generic[R]):
         self, http_req: Request, req: R, prompts: list[list[int]], fmt: ChoiceFormat
     ) -> list[Choice]:
         specs = self.translator.choice_requests(req, prompts, http_req.headers.get("x-request-id"))
-        specs = self._constrained(req, specs)
+        specs = await self._constrained(req, specs)
         return await self.runner.start(specs, fmt.logprobs_formatter)
 
-    def _constrained(self, req: R, specs: list[ChoiceRequest]) -> list[ChoiceRequest]:
-        """The choices under the body's output constraint and logit_bias (400 for bad ones)."""
+    async def _constrained(self, req: R, specs: list[ChoiceRequest]) -> list[ChoiceRequest]:
+        """The choices under the body's output constraint and logit_bias (400 for bad ones),
+        checked off the event loop."""
+        engine = self.translator.engine
         try:
-            params = constrain(
+            params = await constrain_off_loop(
                 specs[0].params,
                 req.model_extra or {},
-                self.translator.engine.info.config["vocab_size"],
+                engine.info.config["vocab_size"],
                 self.tool_spec(req),
+                engine.config.structured_limits,
             )
         except RequestError as exc:
             raise ApiError(str(exc), exc.status, param=exc.param) from exc

@@ -2,6 +2,9 @@
 into token biases), checked here in the HTTP process: a schema that is not a JSON Schema, a
 choice list that is empty, or two kinds at once are a 400 before anything reaches the engine
 core (which compiles the spec; what only the compiler can refuse is a 400 from there).
+A spec over the caps of structured/limits.py is a 400 naming the cap, found by cheap walks
+before anything recurses or compiles. These checks take CPU time: callers run them off the
+event loop (responders.py).
 
 The fields are vLLM's: chat `response_format` (`json_object`, `json_schema`), the
 `structured_outputs` object, and the legacy `guided_json`, `guided_regex`, `guided_choice`,
@@ -10,10 +13,15 @@ The fields are vLLM's: chat `response_format` (`json_object`, `json_schema`), th
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from pdpool.engine.structured import limits as caps
+from pdpool.engine.structured.limits import SpecTooLarge, StructuredLimits
 from pdpool.engine.structured.spec import (
     GuidedSpec,
     choice_grammar,
@@ -28,10 +36,17 @@ _LEGACY = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
+DEFAULT_LIMITS = StructuredLimits()
+# Where specs are checked: off the event loop, two at a time (each bounded by the caps);
+# apart from the pool that tokenizes, so that checks never hold up unconstrained requests.
+_CHECKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="structured-check")
+
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
-def guided_spec_of(extras: dict[str, Any]) -> Optional[GuidedSpec]:
+def guided_spec_of(
+    extras: dict[str, Any], limits: StructuredLimits = DEFAULT_LIMITS
+) -> Optional[GuidedSpec]:
     """The one constraint a body asks for (None: unconstrained); RequestError otherwise."""
     asked: list[tuple[str, str, Any, bool]] = []  # (field, kind, value, compact)
     rf = extras.get("response_format")
@@ -49,7 +64,10 @@ def guided_spec_of(extras: dict[str, Any]) -> Optional[GuidedSpec]:
     if not asked:
         return None
     field, kind, value, compact = asked[0]
-    return _spec(field, kind, value, compact)
+    try:
+        return _spec(field, kind, value, compact, limits)
+    except SpecTooLarge as exc:
+        raise RequestError(f"{field}: {exc}", field) from None
 
 
 def _response_format(rf: Any) -> list[tuple[str, str, Any, bool]]:
@@ -93,11 +111,13 @@ def _structured_outputs(so: Any) -> list[tuple[str, str, Any, bool]]:
     return [("structured_outputs", kinds[0], so[kinds[0]], compact)]
 
 
-def _spec(field: str, kind: str, value: Any, compact: bool) -> GuidedSpec:
+def _spec(field: str, kind: str, value: Any, compact: bool, limits: StructuredLimits) -> GuidedSpec:
     if kind == "json_object":
         return GuidedSpec("json_object", "", compact=compact)
     if kind == "json":
-        return json_schema_spec(check_json_schema(value, field), compact)
+        spec = json_schema_spec(check_json_schema(value, field, limits), compact)
+        caps.check_text(spec.value, "schema", limits)
+        return spec
     if kind == "choice":
         if (
             not isinstance(value, list)
@@ -105,24 +125,35 @@ def _spec(field: str, kind: str, value: Any, compact: bool) -> GuidedSpec:
             or not all(isinstance(c, str) and c for c in value)
         ):
             raise RequestError(f"{field}: the choices must be a list of non-empty strings", field)
+        caps.check_choices(value, limits)
         return GuidedSpec("grammar", choice_grammar(value))
     if not isinstance(value, str) or not value:
         raise RequestError(f"{field}: the {kind} must be a non-empty string", field)
+    caps.check_text(value, kind, limits)
+    if kind == "regex":
+        caps.check_regex(value, limits)
     return GuidedSpec(kind, value)
 
 
-def check_json_schema(schema: Any, field: str) -> Any:
-    """The schema (a JSON object, or its text) if it is a valid JSON Schema; RequestError
-    naming what is wrong otherwise."""
+def check_json_schema(schema: Any, field: str, limits: StructuredLimits = DEFAULT_LIMITS) -> Any:
+    """The schema (a JSON object, or its text) if it is within `limits` and a valid JSON
+    Schema; RequestError naming what is wrong otherwise. The caps are checked first: the
+    checker recurses once per level, and its time grows with the schema."""
     import json
 
     import jsonschema
 
-    if isinstance(schema, str):
-        try:
+    try:
+        if isinstance(schema, str):
+            caps.check_text(schema, "schema", limits)
             schema = json.loads(schema)
-        except ValueError as exc:
-            raise RequestError(f"{field}: the schema is not valid JSON: {exc}", field) from None
+        caps.check_schema(schema, limits)
+    except SpecTooLarge as exc:
+        raise RequestError(f"{field}: {exc}", field) from None
+    except RecursionError:  # json.loads of a text nested thousands deep
+        raise RequestError(f"{field}: the schema nests too deeply", field) from None
+    except ValueError as exc:
+        raise RequestError(f"{field}: the schema is not valid JSON: {exc}", field) from None
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"{field}: the schema must be a JSON object", field)
     try:
@@ -132,6 +163,8 @@ def check_json_schema(schema: Any, field: str) -> Any:
         raise RequestError(
             f"{field}: invalid JSON schema at {where}: {exc.message}", field
         ) from None
+    except RecursionError:  # a backstop: the depth cap set above the checker's recursion
+        raise RequestError(f"{field}: the schema nests too deeply to check", field) from None
     return schema
 
 
@@ -142,6 +175,10 @@ def logit_bias_of(extras: dict[str, Any], vocab_size: int) -> Optional[dict[int,
         return None
     if not isinstance(raw, dict):
         raise RequestError("logit_bias must be an object of token ids to biases", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS:  # as OpenAI's cap
+        raise RequestError(
+            f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {len(raw)}", "logit_bias"
+        )
     out: dict[int, float] = {}
     for key, bias in raw.items():
         token = int(key) if isinstance(key, str) and key.isdigit() else -1
@@ -158,11 +195,15 @@ def logit_bias_of(extras: dict[str, Any], vocab_size: int) -> Optional[dict[int,
 
 
 def constrain(
-    params: SamplingParams, extras: dict[str, Any], vocab_size: int, tool_spec: Optional[GuidedSpec]
+    params: SamplingParams,
+    extras: dict[str, Any],
+    vocab_size: int,
+    tool_spec: Optional[GuidedSpec],
+    limits: StructuredLimits = DEFAULT_LIMITS,
 ) -> SamplingParams:
     """The sampling parameters with the body's constraint (or the tools' one: tool_choice
     `required` or a named function) and logit_bias; RequestError for a bad one."""
-    guided = guided_spec_of(extras)
+    guided = guided_spec_of(extras, limits)
     if tool_spec is not None:
         if guided is not None:
             raise RequestError(
@@ -170,13 +211,44 @@ def constrain(
                 "response_format or structured outputs",
                 "tool_choice",
             )
-        guided = tool_spec
+        guided = _tools_within(tool_spec, limits)
     if extras.get("guided_prefix_token_ids") is not None:
         guided = with_prefix(guided, _prefix_ids(extras["guided_prefix_token_ids"], vocab_size))
     bias = logit_bias_of(extras, vocab_size)
     if guided is None and bias is None:
         return params
     return dataclasses.replace(params, guided=guided, logit_bias=bias)
+
+
+async def constrain_off_loop(
+    params: SamplingParams,
+    extras: dict[str, Any],
+    vocab_size: int,
+    tool_spec: Optional[GuidedSpec],
+    limits: StructuredLimits,
+) -> SamplingParams:
+    """`constrain` on the spec-check pool (the event loop serves others meanwhile)."""
+    if not _asks_anything(extras, tool_spec):  # most requests: no thread hop
+        return params
+    check = functools.partial(constrain, params, extras, vocab_size, tool_spec, limits)
+    return await asyncio.get_running_loop().run_in_executor(_CHECKS, check)
+
+
+def _asks_anything(extras: dict[str, Any], tool_spec: Optional[GuidedSpec]) -> bool:
+    fields = ("response_format", "structured_outputs", "logit_bias", "guided_prefix_token_ids")
+    return tool_spec is not None or any(extras.get(f) is not None for f in (*fields, *_LEGACY))
+
+
+def _tools_within(spec: GuidedSpec, limits: StructuredLimits) -> GuidedSpec:
+    """The tools' schema under the same caps as a body's own schema."""
+    import json
+
+    try:
+        caps.check_text(spec.value, "tools' schema", limits)
+        caps.check_schema(json.loads(spec.value), limits)
+    except SpecTooLarge as exc:
+        raise RequestError(f"tools: {exc}", "tools") from None
+    return spec
 
 
 def _prefix_ids(value: Any, vocab_size: int) -> list[int]:

@@ -1,5 +1,7 @@
 """Each guided request's grammar in the engine core: compiled once per spec (xgrammar's
-compiler caches), a matcher per request that accepts the tokens it samples.
+compiler caches, bounded in bytes: least recently used grammars leave first), a matcher per
+request that accepts the tokens it samples. Compiles run off the admission path
+(compile_jobs.py); the add then gets the compiled grammar, not a second compile.
 
 xgrammar is vLLM's default structured-output backend: the same masks for the same request,
 so greedy guided outputs match stock vLLM's token for token.
@@ -8,7 +10,7 @@ so greedy guided outputs match stock vLLM's token for token.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import xgrammar as xgr
 
@@ -39,12 +41,20 @@ class RequestGrammar:
         return True
 
 
+# What compiled grammars may hold in memory (xgrammar's default, -1, has no bound: every
+# distinct spec a client ever sent would stay).
+DEFAULT_CACHE_BYTES = 256 << 20
+
+
 class GrammarCompiler:
     """Compiles specs against the model's vocabulary (scanned once, in the background from
     start-up on)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, cache_limit_bytes: int = DEFAULT_CACHE_BYTES
+    ) -> None:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.cache_limit_bytes = cache_limit_bytes
         self._compiler: Any = None
         self._lock = threading.Lock()
         # Reading a large vocabulary takes a second or two: done at start-up, off the step
@@ -57,8 +67,16 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+                self._compiler = xgr.GrammarCompiler(
+                    info,
+                    max_threads=2,
+                    cache_enabled=True,
+                    cache_limit_bytes=self.cache_limit_bytes,
+                )
             return self._compiler
+
+    def cache_size_bytes(self) -> int:
+        return int(self._get().get_cache_size_bytes())
 
     def compile(self, spec: GuidedSpec) -> Any:
         compiler = self._get()
@@ -67,11 +85,14 @@ class GrammarCompiler:
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a reason
             raise GuidedDecodingError(f"the {_what(spec)} cannot be compiled: {exc}") from exc
 
-    def grammar_for(self, spec: GuidedSpec, stop_token_ids: list[int]) -> RequestGrammar:
-        """A fresh matcher for one request, advanced over the spec's prefix tokens."""
-        matcher = xgr.GrammarMatcher(
-            self.compile(spec), override_stop_tokens=stop_token_ids or None
-        )
+    def grammar_for(
+        self, spec: GuidedSpec, stop_token_ids: list[int], compiled: Optional[Any] = None
+    ) -> RequestGrammar:
+        """A fresh matcher for one request, advanced over the spec's prefix tokens; `compiled`
+        is the spec's grammar when it was compiled already (else it compiles here)."""
+        if compiled is None:
+            compiled = self.compile(spec)
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
         grammar = RequestGrammar(matcher)
         for i, token in enumerate(spec.prefix_token_ids):
             if not grammar.accept(token):

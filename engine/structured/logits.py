@@ -1,7 +1,7 @@
 """The logits hook of a step: every guided row's token mask filled for the batch at once
 (xgrammar's batch matcher, on a worker thread started before the model's forward, so the
-fill overlaps it) and applied in place before sampling, and `logit_bias` added. A batch
-without guided or biased rows costs one list scan."""
+fill overlaps it) and applied in place before sampling, and `logit_bias` added
+(LogitBiases). A batch without guided or biased rows costs one list scan."""
 
 from __future__ import annotations
 
@@ -59,19 +59,36 @@ class GuidedMasks:
         return self._bitmask
 
 
-def apply_logit_bias(logits: torch.Tensor, biases: list[Optional[dict[int, float]]]) -> None:
-    """Adds each row's {token id: bias} to its logits (one indexed add for the batch)."""
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    for b, bias in enumerate(biases):
-        if bias:
-            rows += [b] * len(bias)
-            cols += bias.keys()
-            vals += bias.values()
-    if rows:
-        logits.index_put_(
-            (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
-            torch.tensor(vals, dtype=logits.dtype, device=logits.device),
-            accumulate=True,
-        )
+class LogitBiases:
+    """Each request's logit_bias as an index tensor and a value tensor, built at its first
+    step and kept until the request is forgotten: a step adds them with one index_add_ per
+    biased row (no Python lists rebuilt per step; the entries are capped at 300)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        biases: list[Optional[dict[int, float]]],
+    ) -> None:
+        for b, bias in enumerate(biases):
+            if bias:
+                ids, values = self._tensors(request_ids[b], bias, logits)
+                logits[b].index_add_(0, ids, values)
+
+    def _tensors(
+        self, request_id: str, bias: dict[int, float], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._rows.get(request_id)
+        if cached is None or cached[1].device != logits.device or cached[1].dtype != logits.dtype:
+            cached = (
+                torch.tensor(list(bias), dtype=torch.long, device=logits.device),
+                torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device),
+            )
+            self._rows[request_id] = cached
+        return cached
+
+    def forget(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)

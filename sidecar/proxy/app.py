@@ -195,7 +195,8 @@ class Sidecar:
             await send_error(send, 503, "decode engine is not healthy", code="decode_unhealthy")
 
     async def _pass_through(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Other routes (/v1/models, /tokenize, ...) go to the decode engine as they are."""
+        """Other routes (/v1/models, /tokenize, ...) go to the decode engine as they are (a
+        generation route without P/D legs only once checked and cleaned)."""
         try:
             body = await read_body(receive, self.settings.max_body_bytes, scope)
         except ClientGone:
@@ -204,9 +205,10 @@ class Sidecar:
             return await send_error(send, 413, "request body too large")
         if scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
             # a generation route without P/D legs: checked and cleaned all the same
-            body = await self._cleaned(body, scope["path"], send)
-            if body is None:
+            cleaned = await self._cleaned(body, scope["path"], send)
+            if cleaned is None:
                 return
+            body = cleaned
         url = self.settings.decode_url + scope["path"]
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")

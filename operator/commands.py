@@ -73,17 +73,24 @@ def tracing_args(pool: PoolSpec) -> list[str]:
 
 
 def _kv_events_config(pool: PoolSpec) -> list[str]:
-    """vLLM's --kv-events-config (pdpool serve takes it too): PUB and replay sockets on
-    every interface of the pod, which the gateway and the sidecars reach at the pod IP."""
+    """vLLM's --kv-events-config (pdpool serve takes it too). The sockets listen on the pod
+    IP, where the gateway, the EPP and the sidecars reach them, and nowhere else; pdpool
+    engines publish hashes without token ids (the router's index keys their blocks by the
+    engines' own hashes), so the events do not spell out prompts. Stock vLLM binds its PUB
+    socket only on a wildcard (it connects to any other address) and its index entries need
+    the token ids: it keeps `tcp://*` and the tokens, behind the NetworkPolicy."""
     events = pool.router.kv_events
     if not events.enabled:
         return []
-    config = {
+    pdpool = pool.engine.kind != "vllm"
+    config: dict[str, object] = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{events.port}",
-        "replay_endpoint": f"tcp://*:{events.replay_port}",
+        "endpoint": f"tcp://{'$(POD_IP)' if pdpool else '*'}:{events.port}",
+        "replay_endpoint": f"tcp://$(POD_IP):{events.replay_port}",  # vLLM binds it as given
     }
+    if pdpool:
+        config.update(bind=True, token_ids=False)
     return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
 
 

@@ -5,8 +5,9 @@
 - `pdpool epp` (an Envoy ext_proc server running the same routing as the pool's gateway):
   a Deployment, a Service and a ServiceAccount that mounts no API token (it finds the
   decode sidecars through the decode Service's DNS, like the gateway: no RBAC at all);
-- its NetworkPolicy (the gateway's data plane may live in any namespace), and the decode
-  sidecars opened to that data plane, which connects to them directly;
+- its NetworkPolicy: ext_proc from the Gateway's data plane that `gatewayFrom` names (the
+  decode sidecars open to the same peers in network_policies.py: the data plane connects
+  to them directly);
 - with `parentRefs`, an HTTPRoute from those Gateways to the InferencePool.
 """
 
@@ -19,6 +20,7 @@ from .children import Manifest, PoolRef, child_metadata
 from .inference_pool_spec import InferencePoolSpec
 from .names import (
     DECODE,
+    EPP,
     SIDECAR_PORT,
     child_name,
     selector_labels,
@@ -38,7 +40,6 @@ from .spec import PoolSpec
 
 GIE_GROUP = "inference.networking.k8s.io"
 GIE_VERSION = "v1"
-EPP = "epp"
 # GIE's conventional EPP ports: ext_proc gRPC, gRPC health, Prometheus metrics.
 EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
@@ -53,7 +54,7 @@ def inference_pool_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
     children = [
         epp_service_account(ref),
         epp_service(ref),
-        *([epp_network_policy(ref, pool)] if pool.network_policy.enabled else []),
+        *([epp_network_policy(ref, pool, gie)] if pool.network_policy.enabled else []),
         epp_deployment(ref, pool, gie),
         inference_pool(ref, gie),
     ]
@@ -187,15 +188,18 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
     return deployment(ref, EPP, gie.epp_replicas, pod_spec, {})
 
 
-def epp_network_policy(ref: PoolRef, pool: PoolSpec) -> Manifest:
-    """ext_proc from any namespace (the Gateway's data plane: envoy-gateway-system,
-    istio-system, ... cannot be known here), metrics from the pool's metrics scrapers."""
-    rules: list[dict[str, Any]] = [
-        {
-            "from": [{"namespaceSelector": {}}],
-            "ports": [{"protocol": "TCP", "port": EPP_GRPC_PORT}],
-        }
-    ]
+def epp_network_policy(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Manifest:
+    """ext_proc from the Gateway's data plane (`gatewayFrom`: the operator cannot know
+    where it runs, envoy-gateway-system, istio-system, ...) and from nobody when none is
+    named; metrics from the pool's metrics scrapers."""
+    rules: list[dict[str, Any]] = []
+    if gie.gateway_from:
+        rules.append(
+            {
+                "from": [dict(p) for p in gie.gateway_from],
+                "ports": [{"protocol": "TCP", "port": EPP_GRPC_PORT}],
+            }
+        )
     metrics = [dict(p) for p in pool.network_policy.metrics_from]
     if metrics:
         rules.append({"from": metrics, "ports": [{"protocol": "TCP", "port": EPP_METRICS_PORT}]})

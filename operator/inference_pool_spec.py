@@ -7,6 +7,9 @@ GKE, ...) routes to the pool's decode sidecars.
       failureMode: FailClose          # FailOpen: the Gateway routes alone when the EPP is down
       parentRefs:                     # optional: an HTTPRoute from these Gateways to the pool
         - {name: inference-gateway, namespace: gateways, sectionName: http}
+      gatewayFrom:                    # NetworkPolicy peers: the Gateway's data plane (Envoy)
+        - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: envoy-gateway-system}}
+          podSelector: {matchLabels: {gateway.envoyproxy.io/owning-gateway-name: inference}}
       epp: {replicas: 1, resources: {...}}
 
 Pure: no I/O."""
@@ -20,6 +23,8 @@ from .spec import DEFAULT_GATEWAY_RESOURCES, SpecError
 
 FAILURE_MODES = ("FailOpen", "FailClose")
 WHERE = "spec.inferencePool"
+# What a NetworkPolicyPeer may hold.
+PEER_FIELDS = ("podSelector", "namespaceSelector", "ipBlock")
 # What a parentRef may name (Gateway API's ParentReference).
 PARENT_REF_FIELDS = ("group", "kind", "namespace", "name", "sectionName", "port")
 
@@ -30,6 +35,10 @@ class InferencePoolSpec:
     parent_refs: tuple[dict[str, Any], ...] = ()
     epp_replicas: int = 1
     epp_resources: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_GATEWAY_RESOURCES))
+    # The Gateway's data plane (NetworkPolicy peers): the only sources, besides the pool's
+    # own gateway and EPP, that reach the decode sidecars and the EPP's ext_proc port.
+    # None: nobody else (the sidecars check no API key: they are no door for anyone).
+    gateway_from: tuple[dict[str, Any], ...] | None = None
 
 
 def parse_inference_pool(spec: dict[str, Any]) -> InferencePoolSpec | None:
@@ -61,7 +70,20 @@ def parse_inference_pool(spec: dict[str, Any]) -> InferencePoolSpec | None:
         parent_refs=_parent_refs(section.get("parentRefs")),
         epp_replicas=replicas,
         epp_resources=dict(resources),
+        gateway_from=_peers(section.get("gatewayFrom")),
     )
+
+
+def _peers(peers: Any) -> tuple[dict[str, Any], ...] | None:
+    if peers is None:
+        return None
+    where = f"{WHERE}.gatewayFrom"
+    if not isinstance(peers, list) or not peers:
+        raise SpecError(f"{where} must be a non-empty list of NetworkPolicy peers")
+    for i, peer in enumerate(peers):
+        if not isinstance(peer, dict) or not peer or set(peer) - set(PEER_FIELDS):
+            raise SpecError(f"{where}[{i}] must be a NetworkPolicy peer ({', '.join(PEER_FIELDS)})")
+    return tuple(dict(p) for p in peers)
 
 
 def _parent_refs(refs: Any) -> tuple[dict[str, Any], ...]:

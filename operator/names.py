@@ -20,6 +20,7 @@ ANNOTATION_ROUTER_HASH = "pdpool.io/router-config-hash"
 
 PREFILL, DECODE, GATEWAY = "prefill", "decode", "gateway"
 ROLES = (PREFILL, DECODE, GATEWAY)
+EPP = "epp"  # spec.inferencePool's endpoint picker (not a role of the pool's own spec)
 
 ENGINE_PORT = 8000
 SIDECAR_PORT = 8080

@@ -8,6 +8,7 @@ from .children import Manifest, PoolRef, child_metadata
 from .names import (
     DECODE,
     ENGINE_PORT,
+    EPP,
     GATEWAY,
     LABEL_POOL,
     LABEL_ROLE,
@@ -43,11 +44,16 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
       range, from the pool's own engine pods only (decode pods hold the sidecar that calls
       prefill; the gateway never needs an engine); 8000 also from the metrics scrapers
       (`networkPolicy.metricsFrom`), as engines serve /metrics there;
-    - decode sidecars (8080): from the pool's gateway pods and the metrics scrapers, and
-      with `inferencePool` from whoever may reach the gateway (the Gateway's data plane);
+    - decode sidecars (8080): from the pool's gateway pods and the metrics scrapers; with
+      `inferencePool`, also from the pool's EPP (it tokenizes and checks readiness through
+      them) and the Gateway's data plane named in `inferencePool.gatewayFrom` (nobody else:
+      a sidecar checks no API key, tenant or limit, so it must not be a door);
     - the gateway (8080): from `networkPolicy.clientsFrom`, default anyone;
-    - with `router.kvEvents`: the event ports of decode pods from the gateway, of prefill
-      pods from decode pods (their sidecars subscribe).
+    - with `router.kvEvents`: the event ports of decode pods from the gateway (and the EPP),
+      of prefill pods from decode pods (their sidecars subscribe).
+    Metrics share the serving ports (neither the engine nor the sidecar serves them apart):
+    a scraper admitted by `metricsFrom` can also call those ports, so name the scraper's
+    pods there, not whole namespaces, where that matters (docs/kubernetes.md).
     Egress is not restricted (engines may need to fetch models, DNS, ...).
     """
     metrics = [dict(p) for p in pool.network_policy.metrics_from]
@@ -64,19 +70,11 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
     ]
     if metrics:
         engine_rules.append({"from": metrics, "ports": [_np_port(ENGINE_PORT)]})
-    gateway_pods = {"podSelector": {"matchLabels": selector_labels(ref.name, GATEWAY)}}
     clients = pool.network_policy.clients_from
     gateway_rule: dict[str, Any] = {"ports": [_np_port(SIDECAR_PORT)]}
     if clients is not None:
         gateway_rule["from"] = [dict(p) for p in clients] + metrics
-    decode_rules = [{"from": [gateway_pods, *metrics], "ports": [_np_port(SIDECAR_PORT)]}]
-    if pool.inference_pool is not None:
-        # An InferencePool's Gateway (Envoy in its own namespace) connects to the sidecars
-        # directly: they are the pool's entry points then, open as the gateway is.
-        decode_rules.append(dict(gateway_rule))
     events = [_np_port(p) for p in pool.router.kv_events.ports()]
-    if events:
-        decode_rules.append({"from": [gateway_pods], "ports": events})
     return [
         _network_policy(ref, "engines", "engine", engines, engine_rules),
         _network_policy(
@@ -84,7 +82,7 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
             "decode-sidecar",
             DECODE,
             {"matchLabels": selector_labels(ref.name, DECODE)},
-            decode_rules,
+            _decode_rules(ref, pool, metrics, events),
         ),
         _network_policy(
             ref,
@@ -95,6 +93,23 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         ),
         *([_prefill_events_policy(ref, events)] if events else []),
     ]
+
+
+def _decode_rules(
+    ref: PoolRef, pool: PoolSpec, metrics: list[dict[str, Any]], events: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Who reaches a decode pod's sidecar and its engine's event ports: the pool's routers
+    (its gateway; its EPP with `inferencePool`), the Gateway's data plane that the
+    InferencePool names, and the scrapers (the sidecar's /metrics is on its serving port)."""
+    routers = [{"podSelector": {"matchLabels": selector_labels(ref.name, GATEWAY)}}]
+    data_plane: list[dict[str, Any]] = []
+    if pool.inference_pool is not None:
+        routers.append({"podSelector": {"matchLabels": selector_labels(ref.name, EPP)}})
+        data_plane = [dict(p) for p in pool.inference_pool.gateway_from or ()]
+    rules = [{"from": [*routers, *data_plane, *metrics], "ports": [_np_port(SIDECAR_PORT)]}]
+    if events:
+        rules.append({"from": routers, "ports": events})
+    return rules
 
 
 def _prefill_events_policy(ref: PoolRef, ports: list[dict[str, Any]]) -> Manifest:

@@ -14,6 +14,11 @@ Wire format (vLLM's `vllm/distributed/kv_events.py`):
   buffered message from that seq on, `(topic, seq, payload)` each, then the end marker
   `(b"", seq=-1, b"")`.
 
+Where it listens: vLLM binds the PUB socket only on a wildcard endpoint (`tcp://*:5557`, which
+is every interface of the machine) and connects to any other; the replay socket always binds.
+pdpool engines also take `"bind": true` to bind one address (the pod IP, 127.0.0.1), and
+`"token_ids": false` to publish BlockStored without the prompt's tokens (KVEventsConfig).
+
 Block hashes: pdpool publishes its chained sha256 digests as 32 raw bytes. vLLM publishes
 bytes too, or, with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, the low 64 bits as an int.
 `hash_key` folds both into the same int (the digest's last 8 bytes, big-endian), so an index
@@ -84,13 +89,14 @@ class KVEventBatch:
     data_parallel_rank: Optional[int] = None
 
 
-def _event_to_wire(ev: KVCacheEvent) -> dict:
+def _event_to_wire(ev: KVCacheEvent, token_ids: bool = True) -> dict:
     if isinstance(ev, BlockStored):
         d: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": ev.block_hashes,
             "parent_block_hash": ev.parent_block_hash,
-            "token_ids": ev.token_ids,
+            # Empty, not absent, when withheld: vLLM's decoders expect the field.
+            "token_ids": ev.token_ids if token_ids else [],
             "block_size": ev.block_size,
             "lora_id": ev.lora_id,
             "medium": ev.medium,
@@ -110,11 +116,16 @@ def _event_to_wire(ev: KVCacheEvent) -> dict:
     return {"type": "AllBlocksCleared"}
 
 
-def encode_batch(batch: KVEventBatch) -> bytes:
+def encode_batch(batch: KVEventBatch, token_ids: bool = True) -> bytes:
+    """`token_ids=False`: BlockStored events carry an empty token list (hashes only)."""
     import msgpack
 
     return msgpack.packb(
-        [batch.ts, [_event_to_wire(e) for e in batch.events], batch.data_parallel_rank],
+        [
+            batch.ts,
+            [_event_to_wire(e, token_ids) for e in batch.events],
+            batch.data_parallel_rank,
+        ],
         use_bin_type=True,
     )
 
@@ -193,6 +204,15 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    # pdpool's own keys (stock vLLM has neither; the operator and `pdpool up` give them to
+    # pdpool engines only):
+    # - bind: the PUB socket binds `endpoint` even when it names one address (the pod IP,
+    #   127.0.0.1); vLLM binds only wildcards and connects to anything else;
+    # - token_ids: false publishes BlockStored with an empty token list. The events then
+    #   no longer spell out prompts; an index that keys blocks by the engine's own chained
+    #   hashes (ours, for pdpool engines) needs nothing more. vLLM always sends them.
+    bind: bool = False
+    token_ids: bool = True
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -210,6 +230,8 @@ class KVEventsConfig:
             raise ValueError(
                 f"--kv-events-config publisher must be zmq or null, got {cfg.publisher!r}"
             )
+        if not isinstance(cfg.bind, bool) or not isinstance(cfg.token_ids, bool):
+            raise ValueError("--kv-events-config bind and token_ids must be true or false")
         if cfg.buffer_steps < 1 or cfg.hwm < 0:
             raise ValueError("--kv-events-config buffer_steps must be >= 1, hwm >= 0")
         return cfg
@@ -222,6 +244,16 @@ class KVEventsConfig:
 def is_bind_endpoint(endpoint: str) -> bool:
     """vLLM's rule: bind wildcard hosts and ipc/inproc endpoints, connect to the rest."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _bind(sock, endpoint: str) -> None:
+    """Binds; an IPv6 address (an IPv6 pod IP, ::1) needs the socket's IPv6 option first."""
+    import zmq
+
+    host = endpoint.partition("://")[2].rpartition(":")[0]
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.bind(endpoint)
 
 
 # --- publisher ----------------------------------------------------------------------------
@@ -253,20 +285,17 @@ class KVEventPublisher:
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
-        self._open(self._pub, config.endpoint)
+        if config.bind or is_bind_endpoint(config.endpoint):
+            _bind(self._pub, config.endpoint)
+        else:
+            self._pub.connect(config.endpoint)
         self._replay = None
         if config.replay_endpoint:
+            # Always bound, as vLLM does: subscribers come to ask.
             self._replay = self._ctx.socket(zmq.ROUTER)
-            self._open(self._replay, config.replay_endpoint)
+            _bind(self._replay, config.replay_endpoint)
         self._thread = threading.Thread(target=self._loop, name="kv-events", daemon=True)
         self._thread.start()
-
-    @staticmethod
-    def _open(sock, endpoint: str) -> None:
-        if is_bind_endpoint(endpoint):
-            sock.bind(endpoint)
-        else:
-            sock.connect(endpoint)
 
     def record(self, event: KVCacheEvent) -> None:
         self._pending.append(event)
@@ -292,7 +321,7 @@ class KVEventPublisher:
                     self._serve_replay()
                 batch = self._take_batch()
                 if batch is not None:
-                    payload = encode_batch(batch)
+                    payload = encode_batch(batch, self.config.token_ids)
                     seq = self._seq.to_bytes(8, "big")
                     self._pub.send_multipart((self._topic, seq, payload))
                     self._buffer.append((self._seq, payload))

@@ -121,14 +121,24 @@ def test_the_http_route_sends_its_gateways_traffic_to_the_inference_pool():
     )
 
 
-def test_network_policies_open_the_epp_and_the_sidecars_to_the_gateways_data_plane():
-    objects = kids(GIE)
-    epp_policy = objects[("NetworkPolicy", "demo-epp")]["spec"]
-    assert {"namespaceSelector": {}} in epp_policy["ingress"][0]["from"]
-    decode_rules = objects[("NetworkPolicy", "demo-decode-sidecar")]["spec"]["ingress"]
-    assert any("from" not in rule for rule in decode_rules)  # any source, as the gateway
-    plain = kids(BASE)[("NetworkPolicy", "demo-decode-sidecar")]["spec"]["ingress"]
-    assert all("from" in rule for rule in plain)
+def test_network_policies_open_the_epp_and_the_sidecars_to_the_named_data_plane_only():
+    envoy = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "envoy"}}}
+    named = dict(GIE, inferencePool={**GIE["inferencePool"], "gatewayFrom": [envoy]})
+    for spec, data_plane in ((GIE, []), (named, [envoy])):
+        objects = kids(spec)
+        epp_rules = objects[("NetworkPolicy", "demo-epp")]["spec"]["ingress"]
+        ext_proc = [r for r in epp_rules if {"protocol": "TCP", "port": 9002} in r["ports"]]
+        assert [r["from"] for r in ext_proc] == ([data_plane] if data_plane else [])
+        decode_rules = objects[("NetworkPolicy", "demo-decode-sidecar")]["spec"]["ingress"]
+        # Every rule names its sources: none is open to the whole cluster.
+        assert all(rule.get("from") for rule in decode_rules)
+        sidecar = next(r for r in decode_rules if {"protocol": "TCP", "port": 8080} in r["ports"])
+        epp_pods = {
+            "podSelector": {"matchLabels": {"pdpool.io/pool": "demo", "pdpool.io/role": "epp"}}
+        }
+        assert epp_pods in sidecar["from"]
+        assert all(p in sidecar["from"] for p in data_plane)
+        assert {"namespaceSelector": {}} not in sidecar["from"]
     # Children are in a safe order: the EPP's policy before its Deployment.
     order = [
         (m["kind"], m["metadata"]["name"])

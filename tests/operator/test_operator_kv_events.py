@@ -1,6 +1,6 @@
 """`spec.router.kvEvents`: engines publish KV events, the gateway and the sidecars subscribe
 through discovery. The spec's checks, the rendered commands and ports (parsed by the real
-CLI), and who may reach the event ports (NetworkPolicy semantics from test_operator_netpol)."""
+CLI), and who may reach the event ports (NetworkPolicy semantics: tests/support/netpol.py)."""
 
 import json
 import re
@@ -139,7 +139,15 @@ def test_every_engine_publishes_on_the_pool_ports(kind):
         engine = container(kids, deployment, "engine")
         config = KVEventsConfig.parse(flag(engine["command"], "--kv-events-config"))
         assert config.active  # what `pdpool serve` and vLLM read
-        assert (config.endpoint, config.replay_endpoint) == ("tcp://*:6100", "tcp://*:6101")
+        # The pod IP (the kubelet expands $(POD_IP) from the downward API), never every
+        # interface, except stock vLLM's PUB: vLLM connects to any non-wildcard endpoint.
+        pub = "tcp://*:6100" if kind == "vllm" else "tcp://$(POD_IP):6100"
+        assert (config.endpoint, config.replay_endpoint) == (pub, "tcp://$(POD_IP):6101")
+        assert config.bind == (kind != "vllm")
+        # The router keys pdpool engines' blocks by their hashes: no token ids on the wire.
+        assert config.token_ids == (kind == "vllm")
+        env = {e["name"]: e.get("valueFrom") for e in engine["env"]}
+        assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
         assert ports["kv-events"] == 6100 and ports["kv-replay"] == 6101
     assert container(kids, "demo-prefill", "engine")["command"][0] == (
@@ -150,7 +158,8 @@ def test_every_engine_publishes_on_the_pool_ports(kind):
 def test_pdpool_engine_parses_the_rendered_config():
     kids = children(spec_with(ON))
     args = parse(container(kids, "demo-decode", "engine")["command"])
-    assert json.loads(args.kv_events_config)["endpoint"] == "tcp://*:5557"
+    config = json.loads(args.kv_events_config)
+    assert config["endpoint"] == "tcp://10.1.2.3:5557" and config["bind"] is True  # the pod IP
 
 
 def test_sidecar_and_gateway_subscribe_through_discovery():

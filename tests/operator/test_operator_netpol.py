@@ -1,28 +1,26 @@
-"""Who can reach what in a pool: a reachability table derived from the rendered
-NetworkPolicies (Kubernetes semantics, evaluated here; no CNI runs in the tests), checked
-against the intended matrix and printed (`pytest -s` shows it)."""
+"""Who can reach what in a pool: for representative pools (our gateway, an InferencePool with
+and without the Gateway's data plane named, KV events on and off, scrapers narrowed), every
+(source pod, target pod, port) is evaluated against the rendered NetworkPolicies (Kubernetes
+semantics, tests/support/netpol.py; no CNI runs here) and compared with the intended table:
+each cell says who must be able to connect, and so who must not. `pytest -s` prints them."""
 
 from __future__ import annotations
-
-import ipaddress
-from dataclasses import dataclass, field
 
 import pytest
 
 from pdpool.operator.builders import build_children
 from pdpool.operator.children import PoolRef
 from pdpool.operator.spec import parse_pool_spec
+from tests.support import netpol
+from tests.support.netpol import Pod
 
 SPEC = {"model": {"path": "/models/qwen3"}, "engine": {"image": "engine:1"}}
-
-
-@dataclass(frozen=True)
-class Pod:
-    name: str
-    namespace: str | None  # None: outside the cluster (an IP, no labels)
-    labels: dict = field(default_factory=dict, hash=False)
-    ip: str = "203.0.113.7"
-
+KV_ON = {"router": {"kvEvents": {"enabled": True}}}
+ENVOY_NS = "envoy-gateway-system"
+ENVOY = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ENVOY_NS}},
+    "podSelector": {"matchLabels": {"gateway.envoyproxy.io/owning-gateway-name": "inference"}},
+}
 
 NAMESPACES = {
     "llm": {"kubernetes.io/metadata.name": "llm"},
@@ -31,6 +29,7 @@ NAMESPACES = {
         "kubernetes.io/metadata.name": "monitoring",
         "pdpool.io/metrics-scraper": "true",
     },
+    ENVOY_NS: {"kubernetes.io/metadata.name": ENVOY_NS},
 }
 
 
@@ -47,128 +46,119 @@ SOURCES = [
     pool_pod("demo", "prefill"),
     pool_pod("demo", "decode"),
     pool_pod("demo", "gateway"),
+    pool_pod("demo", "epp"),
     pool_pod("other", "decode"),  # another pool, same namespace
     Pod("web (same ns)", "llm", {"app": "web"}, "10.1.0.2"),
     Pod("pod in team-b", "team-b", {"app": "x"}, "10.1.0.3"),
     Pod("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"}, "10.1.0.4"),
+    Pod("grafana", "monitoring", {"app.kubernetes.io/name": "grafana"}, "10.1.0.5"),
+    Pod(
+        "envoy (gateway)",
+        ENVOY_NS,
+        {"gateway.envoyproxy.io/owning-gateway-name": "inference"},
+        "10.1.0.6",
+    ),
     Pod("external client", None),
 ]
-TARGETS = [
+ALL = frozenset(s.name for s in SOURCES)
+TARGETS = [  # (pod, what, port)
     ("demo-prefill", "http", 8000),
     ("demo-prefill", "nixl", 5600),
     ("demo-prefill", "ucx", 5601),
     ("demo-prefill", "ucx", 5664),
+    ("demo-prefill", "events", 5557),
+    ("demo-prefill", "replay", 5558),
     ("demo-prefill", "other", 9000),
     ("demo-decode", "http", 8000),
     ("demo-decode", "nixl", 5600),
     ("demo-decode", "ucx", 5630),
     ("demo-decode", "sidecar", 8080),
+    ("demo-decode", "events", 5557),
+    ("demo-decode", "replay", 5558),
     ("demo-gateway", "http", 8080),
+    ("demo-epp", "ext_proc", 9002),
+    ("demo-epp", "metrics", 9090),
 ]
 ENGINES = {"demo-prefill", "demo-decode"}  # the decode pod holds the sidecar
-INTENDED = {  # (target, port) -> the sources that may connect
-    **{(t, p): ENGINES for t, _, p in TARGETS if t != "demo-gateway" and p != 8080},
-    ("demo-prefill", 9000): set(),
-    ("demo-prefill", 8000): ENGINES | {"prometheus"},
-    ("demo-decode", 8000): ENGINES | {"prometheus"},
-    ("demo-decode", 8080): {"demo-gateway", "prometheus"},
-    ("demo-gateway", 8080): {s.name for s in SOURCES},
-}
+SCRAPERS = {"prometheus", "grafana"}  # the default metricsFrom: the labelled namespace
 
 
-# --- NetworkPolicy semantics -----------------------------------------------------------------
+def _base():
+    """Our gateway, KV events off, default scrapers: the table every scenario edits."""
+    table = {(t, p): set() for t, _, p in TARGETS}
+    for target in ENGINES:
+        for port in (8000, 5600):
+            table[(target, port)] = set(ENGINES)
+        table[(target, 8000)] |= SCRAPERS
+    for port in (5601, 5664):
+        table[("demo-prefill", port)] = set(ENGINES)
+    table[("demo-decode", 5630)] = set(ENGINES)
+    table[("demo-decode", 8080)] = {"demo-gateway"} | SCRAPERS
+    table[("demo-gateway", 8080)] = set(ALL)
+    return table
 
 
-def selector_matches(selector: dict | None, labels: dict) -> bool:
-    if selector is None:
-        return False
-    for k, v in (selector.get("matchLabels") or {}).items():
-        if labels.get(k) != v:
-            return False
-    for e in selector.get("matchExpressions") or []:
-        key, op, values = e["key"], e["operator"], e.get("values") or []
-        if op == "In" and labels.get(key) not in values:
-            return False
-        if op == "NotIn" and key in labels and labels[key] in values:
-            return False
-        if op == "Exists" and key not in labels:
-            return False
-        if op == "DoesNotExist" and key in labels:
-            return False
-    return True
+def _kv_events(table, routers):
+    for port in (5557, 5558):
+        table[("demo-prefill", port)] = {"demo-decode"}  # the sidecars subscribe
+        table[("demo-decode", port)] = set(routers)
+    return table
 
 
-def peer_matches(peer: dict, source: Pod, policy_ns: str) -> bool:
-    if "ipBlock" in peer:
-        block = peer["ipBlock"]
-        ip = ipaddress.ip_address(source.ip)
-        return ip in ipaddress.ip_network(block["cidr"]) and not any(
-            ip in ipaddress.ip_network(c) for c in block.get("except", [])
-        )
-    if source.namespace is None:
-        return False  # pod/namespace selectors only ever match pods
-    if "namespaceSelector" in peer:
-        if not selector_matches(peer["namespaceSelector"], NAMESPACES[source.namespace]):
-            return False
-    elif source.namespace != policy_ns:
-        return False
-    return "podSelector" not in peer or selector_matches(peer["podSelector"], source.labels)
+def _gateway_mode():
+    return _base()
 
 
-def port_matches(rule_port: dict, port: int) -> bool:
-    start = rule_port.get("port")
-    if start is None:
-        return True
-    return start <= port <= rule_port.get("endPort", start)
+def _gateway_mode_kv():
+    return _kv_events(_base(), {"demo-gateway"})
 
 
-def allowed(policies: list[dict], source: Pod, target: Pod, port: int) -> bool:
-    selecting = [
-        p
-        for p in policies
-        if p["metadata"]["namespace"] == target.namespace
-        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-        and selector_matches(p["spec"]["podSelector"], target.labels)
-    ]
-    if not selecting:
-        return True  # no policy selects the pod: everything is allowed
-    for policy in selecting:
-        for rule in policy["spec"].get("ingress") or []:
-            ports_ok = not rule.get("ports") or any(port_matches(p, port) for p in rule["ports"])
-            peers = rule.get("from")
-            from_ok = not peers or any(
-                peer_matches(p, source, policy["metadata"]["namespace"]) for p in peers
-            )
-            if ports_ok and from_ok:
-                return True
-    return False
+def _inference_pool(data_plane=frozenset(), kv_events=True):
+    table = _base()
+    if kv_events:  # the EPP routes by them as the gateway does
+        _kv_events(table, {"demo-gateway", "demo-epp"})
+    table[("demo-decode", 8080)] |= {"demo-epp", *data_plane}
+    table[("demo-epp", 9002)] = set(data_plane)
+    table[("demo-epp", 9090)] = set(SCRAPERS)
+    return table
 
 
-def reachability(policies):
-    targets = {s.name: s for s in SOURCES}
-    return {
-        (t, port): {s.name for s in SOURCES if allowed(policies, s, targets[t], port)}
-        for t, _, port in TARGETS
+def _narrowed():
+    """clientsFrom team-b, metricsFrom only the Prometheus pods: grafana, in the same
+    labelled namespace, no longer reaches the serving ports that carry /metrics."""
+    table = _base()
+    for key in (("demo-prefill", 8000), ("demo-decode", 8000), ("demo-decode", 8080)):
+        table[key].discard("grafana")
+    table[("demo-gateway", 8080)] = {"pod in team-b", "prometheus"}
+    return table
+
+
+NARROW = {
+    "networkPolicy": {
+        "clientsFrom": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-b"}}}
+        ],
+        "metricsFrom": [
+            {
+                "namespaceSelector": {"matchLabels": {"pdpool.io/metrics-scraper": "true"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            }
+        ],
     }
-
-
-def format_table(table):
-    names = [s.name for s in SOURCES]
-    short = [n.replace("demo-", "").replace(" (same ns)", "") for n in names]
-    lines = [
-        "from \\ to".ljust(16)
-        + " ".join(f"{t.replace('demo-', '')[:3]}:{p}".ljust(8) for t, _k, p in TARGETS)
-    ]
-    for name, label in zip(names, short, strict=True):
-        lines.append(
-            label.ljust(16)
-            + " ".join(("yes" if name in table[(t, p)] else "-").ljust(8) for t, _, p in TARGETS)
-        )
-    lines.append(
-        "(pre = prefill, dec = decode, gat = gateway; 8000 engine HTTP+/metrics, 5600 "
-        "NIXL handshake, 5601-5664 UCX TCP, 8080 sidecar / gateway)"
-    )
-    return "\n".join(lines)
+}
+GIE = {"inferencePool": {"enabled": True}}
+GIE_ENVOY = {"inferencePool": {"enabled": True, "gatewayFrom": [ENVOY]}}
+SCENARIOS = {  # name -> (spec sections, intended table)
+    "gateway": ({}, _gateway_mode()),
+    "gateway+kvEvents": (KV_ON, _gateway_mode_kv()),
+    "inferencePool+kvEvents": ({**GIE, **KV_ON}, _inference_pool()),
+    "inferencePool+gatewayFrom+kvEvents": (
+        {**GIE_ENVOY, **KV_ON},
+        _inference_pool({"envoy (gateway)"}),
+    ),
+    "inferencePool+gatewayFrom": (GIE_ENVOY, _inference_pool({"envoy (gateway)"}, False)),
+    "narrowed scrapers and clients": (NARROW, _narrowed()),
+}
 
 
 def rendered_policies(spec=SPEC):
@@ -179,17 +169,76 @@ def rendered_policies(spec=SPEC):
     return out
 
 
+def allowed(policies, source, target, port):
+    return netpol.allowed(policies, source, target, port, NAMESPACES)
+
+
+def reachability(policies, targets=TARGETS):
+    pods = {s.name: s for s in SOURCES}
+    return {
+        (t, port): {s.name for s in SOURCES if allowed(policies, s, pods[t], port)}
+        for t, _, port in targets
+    }
+
+
+def format_table(table, targets=TARGETS):
+    lines = [
+        "from \\ to".ljust(16)
+        + " ".join(f"{t.replace('demo-', '')[:3]}:{p}".ljust(8) for t, _k, p in targets)
+    ]
+    for s in SOURCES:
+        label = s.name.replace("demo-", "").replace(" (same ns)", "").replace(" (gateway)", "")
+        lines.append(
+            label[:15].ljust(16)
+            + " ".join(("yes" if s.name in table[(t, p)] else "-").ljust(8) for t, _, p in targets)
+        )
+    lines.append(
+        "(pre = prefill, dec = decode, gat = gateway, epp = endpoint picker; 8000 engine "
+        "HTTP+/metrics, 5600 NIXL handshake, 5601-5664 UCX TCP, 5557/5558 KV events PUB/"
+        "replay, 8080 sidecar / gateway, 9002 ext_proc, 9090 EPP metrics)"
+    )
+    return "\n".join(lines)
+
+
 # --- tests ---------------------------------------------------------------------------------------
 
 
-def test_reachability_matrix_is_the_intended_one():
-    table = reachability(rendered_policies())
-    print(
-        "\nreachability (default policies; rows: source pod, columns: target:port)\n"
-        + format_table(table)
-    )
-    for key, who in INTENDED.items():
-        assert table[key] == who, (key, sorted(table[key] ^ who))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_reachability_is_the_intended_table(scenario):
+    sections, intended = SCENARIOS[scenario]
+    spec = {**SPEC, **sections}
+    # Without an InferencePool there is no EPP pod to reach: its columns say nothing.
+    targets = [t for t in TARGETS if t[0] != "demo-epp" or "inferencePool" in sections]
+    table = reachability(rendered_policies(spec), targets)
+    print(f"\nreachability, {scenario} (rows: source pod, columns: target:port)")
+    print(format_table(table, targets))
+    for t, _, port in targets:
+        assert table[(t, port)] == intended[(t, port)], (
+            (t, port),
+            "unexpected:",
+            sorted(table[(t, port)] - intended[(t, port)]),
+            "missing:",
+            sorted(intended[(t, port)] - table[(t, port)]),
+        )
+
+
+def test_no_source_outside_the_pool_reaches_a_decode_sidecar_in_inference_pool_mode():
+    """The sidecar checks no API key, tenant or limit: only the routers, the named data
+    plane and the scrapers may reach it (the old rendering opened it to every source)."""
+    for sections in (GIE, GIE_ENVOY):
+        table = reachability(rendered_policies({**SPEC, **sections}))
+        for outsider in ("web (same ns)", "pod in team-b", "other-decode", "external client"):
+            assert outsider not in table[("demo-decode", 8080)], sections
+
+
+def test_gateway_from_must_be_peers():
+    from pdpool.operator.spec import SpecError
+
+    for bad in ([], [{}], [{"podSelector": {}, "ports": [80]}], "envoy"):
+        with pytest.raises(SpecError, match="gatewayFrom"):
+            parse_pool_spec(
+                "demo", {**SPEC, "inferencePool": {"enabled": True, "gatewayFrom": bad}}
+            )
 
 
 def test_decode_service_exposes_only_the_sidecar():
@@ -216,24 +265,7 @@ def test_engines_pin_ucx_to_the_range_the_policy_opens():
     ]
 
 
-def test_clients_and_scrapers_are_configurable_and_policies_can_be_off():
-    spec = dict(
-        SPEC,
-        networkPolicy={
-            "clientsFrom": [
-                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-b"}}}
-            ],
-            "metricsFrom": [
-                {
-                    "namespaceSelector": {},
-                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
-                }
-            ],
-        },
-    )
-    table = reachability(rendered_policies(spec))
-    assert table[("demo-gateway", 8080)] == {"pod in team-b", "prometheus"}
-    assert table[("demo-decode", 8000)] == ENGINES | {"prometheus"}
+def test_policies_can_be_off():
     off = build_children(
         PoolRef("demo", "llm", "u"),
         parse_pool_spec("demo", dict(SPEC, networkPolicy={"enabled": False})),
@@ -245,9 +277,9 @@ def test_clients_and_scrapers_are_configurable_and_policies_can_be_off():
     "source", ["web (same ns)", "pod in team-b", "other-decode", "external client", "demo-gateway"]
 )
 def test_nobody_outside_the_pool_reaches_engine_or_kv_ports(source):
-    table = reachability(rendered_policies())
+    table = reachability(rendered_policies({**SPEC, **KV_ON}))
     for (target, port), who in table.items():
-        if target != "demo-gateway" and port != 8080:
+        if target in ENGINES and port not in (8080, 5557, 5558):
             assert source not in who, (target, port)
 
 

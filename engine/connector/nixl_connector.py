@@ -109,7 +109,7 @@ class NixlConnector(KVConnector):
             self.epoch, config.kv_producer_timeout, config.kv_load_timeout + HANDSHAKE_TIMEOUT_S
         )
         self.allowlist = parse_allowlist(config.kv_peer_allowlist)
-        self.transport = NixlTransport(self.engine_id)
+        self.transport = NixlTransport(self.engine_id, host=config.kv_host)
         self.transport.register_region("kv", kv_cache)
         if shape.has_state:
             # Recurrent states (running slots and snapshots) travel with the blocks.

@@ -20,8 +20,10 @@ length mismatch) raise `RegionError`/`TransportError` before anything is issued.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -115,6 +117,25 @@ def _new_agent(api: Any, name: str, config: Any) -> Any:
             api.nixlBind = real
 
 
+def keep_ucx_on_loopback(host: str | None) -> bool:
+    """Before the first agent: when peers reach this engine at a loopback address
+    (--kv-host 127.0.0.1, as `pdpool up` runs it), UCX's TCP listeners go on `lo` only
+    (UCX_NET_DEVICES=lo); otherwise UCX opens one on every network device, where anyone
+    who reaches the machine could connect and READ the registered KV memory. An explicit
+    UCX_NET_DEVICES stands. A routable --kv-host keeps UCX's own choice: restricting the
+    devices to that address's interface would also drop RDMA NICs (in a pod, UCX's TCP
+    listeners are on the pod's own interface anyway). True when it pinned UCX to lo."""
+    if not host or os.environ.get("UCX_NET_DEVICES"):
+        return False
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        os.environ["UCX_NET_DEVICES"] = "lo"
+    return loopback
+
+
 def _name(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -129,8 +150,11 @@ class NixlTransport:
         agent_name: str | None = None,
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
+        host: str | None = None,
     ):
+        """`host`: where peers reach this engine (--kv-host): see keep_ucx_on_loopback."""
         api = _load_nixl()
+        keep_ucx_on_loopback(host)
         self.engine_id = engine_id
         # A fresh name per process: a restarted engine must not be mistaken for its old self.
         self.agent_name = agent_name or f"{engine_id}-{uuid.uuid4().hex[:12]}"

@@ -495,22 +495,24 @@ class Topology:
                 block_size = int(args[i + 1])
         return block_size
 
-    @staticmethod
-    def _publish_kv_events(engine: Child) -> str:
-        """Adds --kv-events-config (PUB + replay on free ports) to the engine; returns
-        where a subscriber finds them (ENDPOINT|REPLAY)."""
+    def _publish_kv_events(self, engine: Child) -> str:
+        """Adds --kv-events-config (PUB + replay on free ports, loopback) to the engine;
+        returns where a subscriber finds them (ENDPOINT|REPLAY). pdpool engines bind
+        127.0.0.1 and publish no token ids (the index keys their blocks by their hashes);
+        stock vLLM binds its PUB only on a wildcard (it connects to any other address), and
+        its blocks are indexed from their token ids."""
         pub, replay = free_port(), free_port()
-        engine.argv += [
-            "--kv-events-config",
-            json.dumps(
-                {
-                    "enable_kv_cache_events": True,
-                    "publisher": "zmq",
-                    "endpoint": f"tcp://*:{pub}",
-                    "replay_endpoint": f"tcp://*:{replay}",
-                }
-            ),
-        ]
+        config: dict[str, object] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",  # vLLM binds it as given
+        }
+        if self.spec.engine == "vllm":
+            config["endpoint"] = f"tcp://*:{pub}"
+        else:
+            config.update(bind=True, token_ids=False)
+        engine.argv += ["--kv-events-config", json.dumps(config)]
         return f"tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}"
 
     @property

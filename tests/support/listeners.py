@@ -73,13 +73,21 @@ def process_tree(root: int) -> set[int]:
 
 
 def _command(pid: int) -> str:
+    """The process's argv, short: the executable's name, no `-c` program text."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            argv = fh.read().split(b"\0")
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
     except OSError:
         return "?"
-    words = [a.decode(errors="replace") for a in argv if a]
-    return " ".join(words[:4])[:80]
+    if not argv:
+        return "?"
+    words = [os.path.basename(argv[0])]
+    skip = False
+    for arg in argv[1:]:
+        if not skip and arg != "-c":
+            words.append(arg)
+        skip = arg == "-c"
+    return " ".join(words)[:100]
 
 
 def listeners(pids: set[int]) -> list[Listener]:

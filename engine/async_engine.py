@@ -59,6 +59,9 @@ class NewRequest(Protocol):
     @property
     def kv_transfer_params(self) -> Optional[dict[str, Any]]: ...
 
+    @property
+    def priority(self) -> int: ...
+
 
 # What a request's queue carries: its outputs, or the exception that ended it.
 StreamItem = Union[RequestOutput, BaseException]
@@ -73,6 +76,7 @@ def add_to_engine(engine: LLMEngine, spec: NewRequest, compiled_grammar: Any = N
         cache_hit_threshold=spec.cache_hit_threshold,
         kv_transfer_params=spec.kv_transfer_params,
         compiled_grammar=compiled_grammar,
+        priority=spec.priority,
     )
 
 

@@ -22,6 +22,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy (engine/request_queue.py)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     prefix_aware_admission: bool = True
@@ -92,6 +93,10 @@ class EngineConfig:
             raise ValueError("--cpu-prefill-threads must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be >= 2")
         if (

@@ -43,6 +43,7 @@ class AddRequest:
     cache_salt: Optional[str] = None
     cache_hit_threshold: Optional[float] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
+    priority: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

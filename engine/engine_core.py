@@ -83,6 +83,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 prefix_aware_admission=config.prefix_aware_admission,
                 global_cache_hit_threshold=config.global_cache_hit_threshold,
+                policy=config.scheduling_policy,
             ),
             memory.spec,
             self.connector,
@@ -174,6 +175,7 @@ class LLMEngine:
         cache_hit_threshold: Optional[float] = None,
         kv_transfer_params: Optional[dict[str, Any]] = None,
         compiled_grammar: Any = None,
+        priority: int = 0,
     ) -> Request:
         """`compiled_grammar`: the guided spec's grammar, compiled off the step loop
         (structured/compile_jobs.py); without it a guided spec compiles here."""
@@ -207,6 +209,7 @@ class LLMEngine:
             cache_hit_threshold=cache_hit_threshold,
             kv_transfer_params=kv_transfer_params,
             block_size=self.config.block_size,
+            priority=priority,
         )
         req.grammar = self._grammar_of(prompt_token_ids, params, compiled_grammar)
         refusal = self.connector.check_request(req)

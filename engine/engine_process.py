@@ -415,6 +415,7 @@ class EngineProcess(EngineClient):
             spec.cache_salt,
             spec.cache_hit_threshold,
             spec.kv_transfer_params,
+            spec.priority,
         )
         try:
             # Backpressure: a request waits here while the channel holds too much unsent.

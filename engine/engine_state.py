@@ -6,6 +6,7 @@ own (a snapshot sent with every step)."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional, Protocol
 
 if TYPE_CHECKING:  # for annotations only: the server process never imports torch
@@ -34,6 +35,8 @@ class EngineState:
     # all of them by a message the core's reader is still handling. /ready reads it.
     admission_holdup_s: float = 0.0
     admission_holdup: str = ""
+    # Waiting requests by their priority (server/priority_metrics.py bounds the labels).
+    waiting_by_priority: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def engine_state(engine: LLMEngine) -> EngineState:
@@ -57,6 +60,7 @@ def engine_state(engine: LLMEngine) -> EngineState:
         has_work=engine.has_unfinished(),
         admission_holdup_s=held,
         admission_holdup=by,
+        waiting_by_priority=dict(Counter(r.priority for r in sched.waiting)),
     )
 
 

@@ -1,7 +1,7 @@
 """A request's state machine inside the engine.
 
 WAITING -> RUNNING -> FINISHED_*; RUNNING -> WAITING (preempted: its KV is dropped and it
-is recomputed, keeping its place at the head of the line); WAITING_FOR_REMOTE_KVS while a
+is recomputed, keeping its place in line: request_queue.py); WAITING_FOR_REMOTE_KVS while a
 connector loads its KV from another engine.
 """
 
@@ -43,6 +43,7 @@ class Request:
         kv_transfer_params: Optional[dict[str, Any]] = None,
         block_size: int = 16,
         arrival_time: Optional[float] = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -53,6 +54,8 @@ class Request:
         self.cache_hit_threshold = cache_hit_threshold
         self.kv_transfer_params = kv_transfer_params
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # vLLM's request priority: lower runs first under --scheduling-policy priority.
+        self.priority = priority
         self.phases = RequestPhases(self.arrival_time)  # stamped by the scheduler
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -5,8 +5,12 @@ A pure decision-maker over request state and the KV cache manager: no model, no 
 so it can be tested on its own. Continuous batching in the style of vLLM v1: every request
 has `num_computed_tokens`; a step gives running requests (decodes and unfinished chunked
 prefills) their tokens first, then admits waiting ones, all under one token budget. When
-blocks run out, the most recently admitted running request is preempted: its blocks are
-freed and it goes back to the head of the waiting line to be recomputed.
+blocks run out, a running request is preempted: its blocks are freed and it goes back to
+the waiting line to be recomputed. Which one, and the line's order, follow the scheduling
+policy as vLLM 0.32's do: fcfs preempts the most recently admitted and puts it back at the
+head; priority preempts the lowest priority (highest value, then latest arrival) and
+orders the line by (priority, arrival) (request_queue.py). As in vLLM v1, only a running
+request short of blocks preempts: a waiting one, whatever its priority, waits for room.
 
 Only this module calls the KV cache manager (tests/engine/test_kv_owner_contract.py keeps
 it so). The runner gets a per-step copy of the block tables (`SchedulerOutput.kv_view`);
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -35,6 +38,7 @@ from pdpool.engine.kv.block_pool import Block
 from pdpool.engine.kv.facts import KVCacheSpec, KVCacheUsage, KVStepView
 from pdpool.engine.kv.manager import KVCacheManager, cdiv
 from pdpool.engine.request import Request, RequestStatus
+from pdpool.engine.request_queue import priority_key, waiting_queue
 
 if TYPE_CHECKING:
     from pdpool.kv_events import KVEventPublisher
@@ -51,6 +55,8 @@ class SchedulerConfig:
     # Prefix-cache-aware admission. Off only to measure what it brings.
     prefix_aware_admission: bool = True
     global_cache_hit_threshold: float = 0.0
+    # vLLM's --scheduling-policy: fcfs or priority (request_queue.py).
+    policy: str = "fcfs"
 
 
 @dataclass
@@ -94,7 +100,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
-        self.waiting: deque[Request] = deque()
+        self.waiting = waiting_queue(config.policy)
         self.running: list[Request] = []
         # Requests whose KV is being read from another engine (blocks allocated).
         self.loading: dict[str, Request] = {}
@@ -217,8 +223,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """One step's decision: running requests first, then admissions, under one budget."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        # Waiting requests, in arrival order; none after a preemption this step.
+        budget = self._schedule_running(out)
+        # Waiting requests in the policy's order; none after a preemption this step.
         while (
             self.waiting
             and budget > 0
@@ -235,10 +241,11 @@ class Scheduler:
         out.kv_view = self.kv.step_view([s.request.request_id for s in out.scheduled])
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Running requests, oldest first, preempting the newest when blocks run out.
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Running requests, oldest first, preempting by the policy when blocks run out.
         Returns the budget left."""
         i = 0
+        budget = self.config.max_num_batched_tokens
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -246,20 +253,42 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new):
-                if self._preempt_waiting_holder(out):
-                    continue
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
+            num_preempted = len(out.preempted)
+            given_back = self._make_room(req, num_new, out)
+            if given_back is None:
                 break  # req preempted itself: nothing after it can fit either
             out.scheduled.append(ScheduledRequest(req, num_new))
-            budget -= num_new
-            i += 1
+            budget += given_back - num_new
+            # Victims ahead of it in the list (priority policy) moved it forward.
+            i = self.running.index(req) + 1 if len(out.preempted) > num_preempted else i + 1
         return budget
+
+    def _make_room(self, req: Request, num_new: int, out: SchedulerOutput) -> Optional[int]:
+        """Allocates `num_new` tokens' slots for running `req`, preempting until they fit.
+        Returns the budget that victims scheduled earlier in this step give back (priority
+        policy: they are taken back out), or None when `req` itself was preempted."""
+        given_back = 0
+        while not self.kv.allocate_slots(req, num_new):
+            if self._preempt_waiting_holder(out):
+                continue
+            victim = self._victim()
+            for item in out.scheduled:
+                if item.request is victim:
+                    out.scheduled.remove(item)
+                    given_back += item.num_new_tokens
+                    break
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return None
+        return given_back
+
+    def _victim(self) -> Request:
+        """The running request to preempt: fcfs, the most recently admitted; priority, the
+        lowest priority (highest value), latest arrival among equals (as vLLM)."""
+        if self.config.policy == "priority":
+            return max(self.running, key=priority_key)
+        return self.running[-1]
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> Optional[int]:
         """Decides for the request at the head of the line: reject it (below its cache-hit

@@ -24,6 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="vLLM's: fcfs (arrival order; a request's priority is ignored) or priority "
+        "(waiting requests by their `priority`, lower first, then arrival; when blocks run "
+        "out the lowest-priority running request is preempted)",
+    )
     add_switch(p, "--enable-chunked-prefill", True, "split long prompts over steps (default)")
     add_switch(p, "--enable-prefix-caching", True, "reuse cached prompt blocks (default)")
     add_switch(
@@ -158,6 +166,7 @@ def config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        scheduling_policy=args.scheduling_policy,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_aware_admission=args.prefix_aware_admission,

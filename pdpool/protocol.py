@@ -74,6 +74,9 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 MAX_JSON_DEPTH = 32
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1] (as vLLM: whatever it accepts).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# vLLM's request `priority` (a signed 64-bit int; lower is served first under
+# --scheduling-policy priority, ignored under fcfs).
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1
 # temperature is 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE]: below 1e-2 (vLLM's
 # _MAX_TEMP clamp) logits / temperature overflow float32 and the softmax is not finite.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0
@@ -196,7 +199,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "chat_template": _empty,
     "chat_template_kwargs": _empty,
     "documents": _empty,
-    "priority": lambda v: v is None or (_is_int(v) and v == 0),
 }
 
 # Strict scalar types of OpenAI's schema.
@@ -237,6 +239,7 @@ class _GenerationFields(BaseModel):
     kv_transfer_params: Optional[dict[str, Any]] = None
     return_token_ids: Optional[Bool] = False
     return_tokens_as_token_ids: Optional[Bool] = False
+    priority: Annotated[Int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
 
     def _limit(self) -> Optional[int]:
         return self.max_tokens

@@ -98,10 +98,13 @@ class ChoiceRunner:
 
     def _submit(self, spec: ChoiceRequest, t_arrival: float) -> Outputs:
         """The output iterator of one engine request (added when first awaited)."""
-        return self._observed(self.aengine.generate(spec), t_arrival)
+        return self._observed(self.aengine.generate(spec), t_arrival, spec.priority)
 
     async def _observed(
-        self, batches: AsyncGenerator[list[RequestOutput], None], t_arrival: float
+        self,
+        batches: AsyncGenerator[list[RequestOutput], None],
+        t_arrival: float,
+        priority: int,
     ) -> Outputs:
         """Few outputs per batch of those waiting, after every one of them is observed in the
         latency metrics as of the step that made it (so a reader that falls behind does not
@@ -112,7 +115,7 @@ class ChoiceRunner:
                 for out in batch:
                     if n or out.finish_reason != "error":
                         since, e2e = out.produced_at - t_last, out.produced_at - t_arrival
-                        self.metrics.observe_output(out, n == 0, since, e2e)
+                        self.metrics.observe_output(out, n == 0, since, e2e, priority)
                     t_last, n = out.produced_at, n + 1
                 for run in mergeable_runs(batch):
                     yield merge_deltas(run)

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from pdpool.engine.engine_state import EngineView
 from pdpool.engine.outputs import RequestOutput, RequestPhases
+from pdpool.engine.server.priority_metrics import PriorityMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -191,6 +192,7 @@ class EngineMetrics:
         self._ttft_series = self.ttft.labels(**labels)
         self._itl_series = self.itl.labels(**labels)
         self._vllm_series(view, model_name)
+        self.by_priority = PriorityMetrics(r, view, labels)
         # Counters that the engine keeps itself are exported by reading them at scrape time.
         gauge(
             "pdpool_prefix_cache_queries_total",
@@ -385,9 +387,15 @@ class EngineMetrics:
             self.vllm_decode.observe(max(out.produced_at - phases.first_token, 0.0))
 
     def observe_output(
-        self, out: RequestOutput, first: bool, since: float, e2e: float | None = None
+        self,
+        out: RequestOutput,
+        first: bool,
+        since: float,
+        e2e: float | None = None,
+        priority: int = 0,
     ) -> None:
         lab = self._labels
+        self.by_priority.observe(out, priority, first, since)
         if first:
             self._ttft_series.observe(since)
             self.vllm_ttft.observe(since)

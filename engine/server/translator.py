@@ -47,6 +47,7 @@ class ChoiceRequest:
     cache_salt: Optional[str]
     cache_hit_threshold: Optional[float]
     kv_transfer_params: Optional[dict[str, Any]]
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
     # Starts once the first choice has its first output (it loads the prompt's KV).
     after_first_choice: bool = False
 
@@ -254,6 +255,7 @@ class RequestTranslator:
                 cache_salt=req.cache_salt,
                 cache_hit_threshold=req.cache_hit_threshold,
                 kv_transfer_params=kv_params if i == 0 else None,
+                priority=req.priority,
                 after_first_choice=kv_params is not None and i > 0,
             )
             for p, prompt_ids in enumerate(prompts)

@@ -45,7 +45,10 @@ class FlowControl:
         self.default_max_tokens = default_max_tokens
         self.metrics = FlowMetrics(registry)
         self.saturation = Saturation(
-            healthy_backends, interval_s=scrape_interval_s, on_change=self._on_engines_read
+            healthy_backends,
+            interval_s=scrape_interval_s,
+            on_change=self._on_engines_read,
+            pool=lambda: self.tenants.current().pool,
         )
         self.controller = FlowController(self.tenants.current, self, self.metrics)
 
@@ -68,7 +71,8 @@ class FlowControl:
         return self.saturation.bound(pool)
 
     def _on_engines_read(self) -> None:
-        self.controller.dispatch()
+        self.metrics.concurrency_limit.set(self.saturation.bound(self.tenants.current().pool))
+        self.controller.dispatch()  # a drained engine or a grown limit frees queued requests
 
     def tenant(self, headers: dict[str, str]) -> Optional[Tenant]:
         """The request's tenant (header names lower-case): by the operator's tenant header

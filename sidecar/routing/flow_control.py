@@ -5,11 +5,15 @@ While the pool has room (saturation.py) and nothing waits, a request is admitted
 is released when capacity frees:
 - strict priority between bands: a higher band's request always goes first (a lower band
   is served only while every higher one is empty, or its tenants are at maxConcurrency);
-- weighted fair shares within a band: the tenant with the fewest requests admitted per unit
-  of weight goes next (oldest request first among equals), so a tenant flooding the pool
-  holds at most its share of it; at the pending view's bound (FULL, not HARD) a tenant
-  below its weighted share of the bound (at least one request) is admitted without waiting
-  for a release, so a quiet tenant does not wait for a flood's requests to end;
+- weighted fair shares within a band: the tenant that has held the fewest slot-seconds per
+  unit of weight while it was active goes next (then the fewest admitted per weight, then
+  the oldest request), so over time tenants hold the pool's concurrency in proportion to
+  their weights even when the bound is smaller than the tenants are many (start-time fair
+  queueing with slot time as the service). A tenant that was idle starts level with the
+  least served active one: no credit saved while idle, no debt kept. At the pending view's
+  bound (FULL, not HARD) that next tenant is admitted without waiting for a release while
+  it is below its weighted share of the bound (at least one request), so a quiet tenant
+  does not wait for a flood's requests to end;
 - per-tenant limits: maxConcurrency (a tenant at it waits), maxQueued, queueTimeoutSeconds,
   tokensPerMinute (prompt + max_tokens estimate, charged at arrival, corrected by the
   usage when the front-end knows it);
@@ -74,6 +78,20 @@ class _TenantState:
     queued: int = 0
     weight: float = 1.0  # the tenant's, as its latest request saw it
     window: deque[list[float]] = field(default_factory=deque)
+    service: float = 0.0  # slot-seconds per unit of weight, up to `service_at`
+    service_at: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.in_flight or self.queued)
+
+    def served(self, now: float) -> float:
+        """Its virtual time: slot-seconds held per unit of weight, until `now`."""
+        return self.service + self.in_flight * (now - self.service_at) / self.weight
+
+    def advance(self, now: float) -> None:
+        """Before its in-flight count or weight changes."""
+        self.service, self.service_at = self.served(now), now
 
 
 class Slot:
@@ -159,6 +177,7 @@ class FlowController:
         now = self.clock()
         entry = _Entry(request, now, asyncio.get_running_loop().create_future(), None)
         entry.charge = self._charge(request, now)
+        self._activate(request.tenant, now)
         if (
             not self.queued
             and self._may_start(request.tenant)
@@ -169,6 +188,15 @@ class FlowController:
         self._enqueue(entry, cfg.pool)
         self.dispatch()
         return await self._wait(entry)
+
+    def _activate(self, tenant: Tenant, now: float) -> None:
+        """A tenant with nothing admitted or queued starts level with the least served of
+        the active ones (its idle time is neither credit nor debt)."""
+        st = self.state(tenant.name)
+        if st.active:
+            return
+        others = [o.served(now) for o in self._tenants.values() if o.active]
+        st.service, st.service_at, st.weight = min(others, default=st.service), now, tenant.weight
 
     def _may_start(self, tenant: Tenant) -> bool:
         return (
@@ -223,6 +251,7 @@ class FlowController:
         queue = self._bands.setdefault(request.priority, {}).setdefault(tenant.name, deque())
         queue.append(entry)
         st.queued += 1
+        st.advance(entry.arrived)
         st.weight = tenant.weight
         self.queued += 1
         self.metrics.queue_length(tenant.name, str(request.priority)).inc()
@@ -282,16 +311,18 @@ class FlowController:
             entry.future.set_result(None)
 
     def _pick(self) -> Optional[_Entry]:
+        now = self.clock()
         for band in sorted(self._bands, reverse=True):
-            best: Optional[tuple[float, float, deque[_Entry]]] = None
+            best: Optional[tuple[float, float, float, deque[_Entry]]] = None
             for name, queue in self._bands[band].items():
                 if not queue or not self._may_start(queue[0].request.tenant):
                     continue
-                key = (self.state(name).in_flight / self._weight(queue), queue[0].arrived, queue)
-                if best is None or key[:2] < best[:2]:
+                st = self.state(name)
+                key = (st.served(now), st.in_flight / self._weight(queue), queue[0].arrived, queue)
+                if best is None or key[:3] < best[:3]:
                     best = key
             if best is not None:
-                return best[2][0]
+                return best[3][0]
         return None
 
     def _below_share(self, tenant: Tenant, pool: PoolLimits) -> bool:
@@ -319,7 +350,10 @@ class FlowController:
     def _grant(self, entry: _Entry, now: float) -> None:
         request = entry.request
         self.admitted += 1
-        self.state(request.tenant.name).in_flight += 1
+        st = self.state(request.tenant.name)
+        st.advance(now)
+        st.weight = request.tenant.weight
+        st.in_flight += 1
         band = str(request.priority)
         self.metrics.admitted(request.tenant.name, band).inc()
         self.metrics.wait_seconds(request.tenant.name, band).observe(now - entry.arrived)
@@ -327,12 +361,14 @@ class FlowController:
 
     def _release(self, entry: _Entry, used_tokens: Optional[int]) -> None:
         request = entry.request
+        now = self.clock()
         self.admitted -= 1
-        self.state(request.tenant.name).in_flight -= 1
+        st = self.state(request.tenant.name)
+        st.advance(now)
+        st.in_flight -= 1
         self.metrics.in_flight(request.tenant.name).dec()
         if used_tokens is not None and entry.charge is not None:
             entry.charge[1] = float(used_tokens)  # the usage replaces the estimate
-        now = self.clock()
         if self._last_release is not None:
             self._release_gap_s += 0.2 * (now - self._last_release - self._release_gap_s)
         self._last_release = now

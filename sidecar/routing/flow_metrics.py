@@ -59,6 +59,13 @@ class FlowMetrics:
         self.in_flight = Children(
             Gauge("pdpool_flow_in_flight", "Admitted requests not finished", ["tenant"], registry=r)
         )
+        # The pending view's bound: the file's maxInFlightPerBackend x backends, else the
+        # engines' learned limits summed (concurrency_limit.py); 0: none yet.
+        self.concurrency_limit = Gauge(
+            "pdpool_flow_concurrency_limit",
+            "Requests the pool's engines are let hold at once (0: no bound)",
+            registry=r,
+        )
         self.saturated = Gauge(
             "pdpool_flow_pool_saturated",
             "The pool's saturation: 0 room, 1 full (pending bound), 2 engines saturated",

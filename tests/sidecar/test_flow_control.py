@@ -264,7 +264,7 @@ def test_estimates_and_engine_metrics():
         "vllm:num_requests_running 2.0\n"
     )
     load = engine_load(text, 5.0)
-    assert load == EngineLoad(3.0, 0.25, 5.0)
+    assert load == EngineLoad(3.0, 0.25, 5.0, running=2.0)
     assert engine_load("pdpool_x 1\n", 0) is None
     limits = PoolLimits(queue_depth_threshold=3, kv_cache_usage_threshold=0.9)
     now = [10.0]

@@ -1,0 +1,186 @@
+"""The adaptive concurrency limit (concurrency_limit.py) and the fair shares it is split
+into (flow_control.py), without HTTP: an engine modelled by its step time against its
+batch, a virtual clock, closed-loop tenants. No pool section anywhere: nothing is tuned."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+import pytest
+
+from pdpool.sidecar.routing.concurrency_limit import TOLERANCE, AdaptiveLimit, EngineSample
+from pdpool.sidecar.routing.flow_control import FlowController, FlowRequest
+from pdpool.sidecar.routing.saturation import FULL, ROOM, Saturation
+from pdpool.sidecar.routing.tenants import PoolLimits, Tenant, TenantsConfig
+
+BASE = 0.01  # the modelled engine's step time for a small batch
+
+
+def step_time(batch: float) -> float:
+    """Batching is free up to 4 requests, then every request slows every step (a CPU, or a
+    GPU past its memory-bound region)."""
+    return BASE * (1 + 0.5 * max(0.0, batch - 4))
+
+
+def test_the_limit_rises_near_the_baseline_and_falls_when_latency_grows():
+    limit = AdaptiveLimit()
+    for _ in range(5):  # the engine runs all it is let, at its unloaded step time
+        before = limit.limit
+        limit.update(BASE, running=limit.limit, waiting=0, kv=0.1)
+        assert limit.limit > before
+    grown = limit.limit
+    limit.update(BASE * 3, running=grown, waiting=0, kv=0.1)  # 3x the baseline
+    assert limit.limit == pytest.approx(grown * TOLERANCE / 3, rel=0.01)
+    for _ in range(50):  # however slow, never below one request
+        limit.update(BASE * 100, running=1, waiting=0, kv=0.1)
+    assert limit.limit == 1 and limit.value == 1
+
+
+def test_the_limit_grows_only_when_in_use_and_below_the_engines_own_limits():
+    limit = AdaptiveLimit(initial=8)
+    limit.update(BASE, running=1, waiting=0, kv=0.1)  # one request: nothing learned
+    assert limit.limit == 8
+    limit.update(BASE, running=8, waiting=0, kv=0.9)  # KV nearly full: no growth
+    assert limit.limit == 8
+    limit.update(BASE, running=6, waiting=3, kv=0.1)  # a request waits once: no cap yet
+    limit.update(BASE, running=6, waiting=3, kv=0.1)  # still: the engine batches 6 at most
+    assert limit.limit == 6
+
+
+def test_the_itl_of_each_interval_comes_from_the_histograms_totals():
+    limit = AdaptiveLimit()
+    limit.observe(EngineSample(running=1, itl_sum=5.0, itl_count=500))  # totals so far
+    assert limit.baseline is None
+    limit.observe(EngineSample(running=1, itl_sum=5.2, itl_count=520))  # 20 tokens, 10 ms
+    assert abs(limit.baseline - 0.01) < 1e-9
+    limit.observe(EngineSample(running=1, itl_sum=0.1, itl_count=10))  # engine restarted
+    assert abs(limit.baseline - 0.01) < 1e-9
+
+
+def test_against_a_modelled_engine_the_limit_settles_at_its_knee():
+    """Closed loop: the engine runs whatever the limit lets in (40 waiting streams). The
+    limit ends where the step time is within the tolerance, where throughput peaks."""
+    limit = AdaptiveLimit()
+    seen = []
+    for _ in range(200):
+        batch = min(40, limit.value)
+        limit.update(step_time(batch), running=batch, waiting=0, kv=0.1)
+        seen.append(limit.value)
+    settled = seen[100:]
+    assert min(settled) >= 3 and max(settled) <= 7, settled
+    best = max(b / step_time(b) for b in range(1, 41))
+    mean_throughput = sum(b / step_time(b) for b in settled) / len(settled)
+    assert mean_throughput >= 0.8 * best  # and far above batching all 40 (a third of best)
+
+
+class FixedBound:
+    """The saturation view with a given bound (what the adaptive limit says now)."""
+
+    def __init__(self, bound: int) -> None:
+        self.value = bound
+
+    def level(self, admitted: int, limits: PoolLimits) -> int:
+        return FULL if admitted >= self.value else ROOM
+
+    def bound(self, limits: PoolLimits) -> int:
+        return self.value
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def closed_loop(weights: dict[str, float], bound: int, seconds: float) -> dict:
+    """Each tenant keeps 20 requests outstanding, each holding its slot 1 s (virtual);
+    returns the slot-seconds each was served after the first 20 s."""
+    now = [0.0]
+    config = TenantsConfig(tenants={}, pool=PoolLimits(max_queued=10_000))
+    flow = FlowController(lambda: config, FixedBound(bound), clock=lambda: now[0])
+    tenants = {
+        n: Tenant(n, weight=w, max_queued=1000, queue_timeout_s=1e9) for n, w in weights.items()
+    }
+    ends: list = []
+    seq = itertools.count()
+    served = dict.fromkeys(weights, 0.0)
+    peak = dict.fromkeys(weights, 0)
+
+    async def one(name: str) -> None:
+        slot = await flow.acquire(FlowRequest(tenants[name], 0, 10))
+        heapq.heappush(ends, (now[0] + 1.0, next(seq), name, slot))
+        peak[name] = max(peak[name], flow.in_flight(name))
+
+    tasks = [asyncio.ensure_future(one(n)) for n in weights for _ in range(20)]
+    await settle()
+    while ends and now[0] < seconds:
+        end, _, name, slot = heapq.heappop(ends)
+        now[0] = end
+        slot.release()
+        if end > 20:
+            served[name] += 1.0
+        tasks.append(asyncio.ensure_future(one(name)))
+        await settle()
+    for t in tasks:
+        t.cancel()
+    await settle()
+    return {"served": served, "peak": peak, "admitted_peak": max(peak.values())}
+
+
+async def test_a_lone_tenant_holds_the_whole_limit():
+    result = await closed_loop({"alone": 1.0}, bound=5, seconds=60)
+    assert result["peak"]["alone"] == 5
+
+
+async def test_contending_tenants_share_a_small_limit_by_weight():
+    """Three tenants of weights 1:2:4, a limit of 3 (fewer slots than the weights need):
+    over time each holds the pool in proportion to its weight, within 15%."""
+    weights = {"w1": 1.0, "w2": 2.0, "w4": 4.0}
+    served = (await closed_loop(weights, bound=3, seconds=400))["served"]
+    total = sum(served.values())
+    for name, w in weights.items():
+        share, want = served[name] / total, w / sum(weights.values())
+        assert abs(share - want) <= 0.15 * want, (name, share, want, served)
+
+
+def itl_page(running: int, itl_sum: float, itl_count: int, waiting: int = 0) -> str:
+    labels = '{engine="0",model_name="m"}'
+    return (
+        f"vllm:num_requests_running{labels} {running}\n"
+        f"vllm:num_requests_waiting{labels} {waiting}\n"
+        f"vllm:kv_cache_usage_perc{labels} 0.1\n"
+        f"vllm:inter_token_latency_seconds_sum{labels} {itl_sum}\n"
+        f"vllm:inter_token_latency_seconds_count{labels} {itl_count}\n"
+    )
+
+
+async def test_with_no_pool_section_the_bound_is_the_engines_learned_limits():
+    """The pending view's bound comes from the engines' ITL when the file sets none; an
+    explicit maxInFlightPerBackend stays the override."""
+    pages: dict[str, str] = {}
+
+    async def fetch(backend: str) -> str:
+        return pages[backend]
+
+    sat = Saturation(lambda: ["a", "b"], fetch)
+    totals = {"a": [0.0, 0], "b": [0.0, 0]}
+    none = PoolLimits()
+    assert sat.bound(none) == 0  # nothing read yet: no bound (as before)
+    for _ in range(6):  # both engines run all they are let, at their baseline step time
+        for b, t in totals.items():
+            t[0] += 0.5
+            t[1] += 50
+            running = sat.limits[b].value if b in sat.limits else 1
+            pages[b] = itl_page(running, t[0], t[1])
+        await sat.scrape_once()
+    grown = sat.bound(none)
+    assert grown == sat.limits["a"].value + sat.limits["b"].value and grown > 4
+    for b, t in totals.items():  # steps 4x slower: both limits shrink
+        t[0] += 2.0
+        t[1] += 50
+        pages[b] = itl_page(sat.limits[b].value, t[0], t[1])
+    await sat.scrape_once()
+    assert sat.bound(none) < grown
+    assert sat.level(sat.bound(none), none) == FULL
+    assert sat.bound(PoolLimits(max_in_flight_per_backend=7)) == 14

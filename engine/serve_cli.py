@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any, Optional
 
-from pdpool import tracing
+from pdpool import metrics_listener, tracing
 from pdpool.cli import CliError, add_switch
 from pdpool.engine.structured import flags as structured_flags
 
@@ -15,6 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL_DIR", help="a Hugging Face checkpoint folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    metrics_listener.add_argument(p)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"])
@@ -240,9 +241,10 @@ def main(args: argparse.Namespace) -> int:
             if args.tls_cert_file
             else {}
         )
+        listeners = metrics_listener.Listeners(args.host, args.port, args.metrics_port)
         server = uvicorn.Server(
             uvicorn.Config(
-                app,
+                listeners.wrap(app),
                 host=args.host,
                 port=args.port,
                 log_level=args.log_level.lower(),
@@ -253,7 +255,7 @@ def main(args: argparse.Namespace) -> int:
         # An engine that gives up stops the server as a signal would (drain, then stop),
         # without a signal: the exit status then says why.
         aengine.stop_server = lambda: setattr(server, "should_exit", True)
-        server.run()
+        listeners.run(server)
     finally:
         aengine.shutdown()
     fatal = getattr(aengine, "fatal", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pdpool import metrics_listener
 from pdpool.cli import add_switch
 
 from ..net.server_cli import add_listen_arguments, serve
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_listen_arguments(p, port=8080)
+    metrics_listener.add_argument(p)
     add_routing_arguments(p)
     add_switch(p, "--migrate", True, "continue broken streams on another sidecar")
     p.add_argument(
@@ -53,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return serve(args, lambda: _build_gateway(args))
+    return serve(args, lambda: _build_gateway(args), args.metrics_port)
 
 
 def _build_gateway(args: argparse.Namespace) -> Gateway:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-from pdpool import tracing
+from pdpool import metrics_listener, tracing
 
 
 def add_listen_arguments(
@@ -27,9 +27,12 @@ def add_listen_arguments(
     p.set_defaults(otlp_service_name=service)
 
 
-def serve(args: argparse.Namespace, build_app: Callable[[], Any]) -> int:
+def serve(
+    args: argparse.Namespace, build_app: Callable[[], Any], metrics_port: Optional[int] = None
+) -> int:
     """Checks the TLS flags, builds the app (which raises CliError on bad settings) and
-    serves it until stopped."""
+    serves it until stopped; with `metrics_port`, /metrics alone there too
+    (pdpool/metrics_listener.py)."""
     import uvicorn
 
     from pdpool.errors import CliError
@@ -42,8 +45,10 @@ def serve(args: argparse.Namespace, build_app: Callable[[], Any]) -> int:
         if args.tls_cert_file
         else {}
     )
+    app = build_app()
+    listeners = metrics_listener.Listeners(args.host, args.port, metrics_port)
     config = uvicorn.Config(
-        build_app(),
+        listeners.wrap(app),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -57,7 +62,7 @@ def serve(args: argparse.Namespace, build_app: Callable[[], Any]) -> int:
     _freeze_start_up_objects()
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+        listeners.run(server)
     if not server.started:
         raise CliError(f"the server did not start on {args.host}:{args.port}")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pdpool import metrics_listener
 from pdpool.cli import add_switch
 
 from ..net.server_cli import add_listen_arguments, serve
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_listen_arguments(p, port=8000, service="pdpool-sidecar")
+    metrics_listener.add_argument(p)
     p.add_argument("--config", help="YAML or JSON file of settings (flags override it)")
     _add_engine_arguments(p)
     _add_path_arguments(p)
@@ -176,4 +178,4 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
 def main(args: argparse.Namespace) -> int:
     from .app import build_app
 
-    return serve(args, lambda: build_app(settings_from_args(args)))
+    return serve(args, lambda: build_app(settings_from_args(args)), args.metrics_port)

@@ -15,7 +15,12 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..net.client_body import BadRequest, parse_client_body, strip_client_kv_params
+from ..net.client_body import (
+    BadRequest,
+    parse_client_body,
+    strip_client_kv_params,
+    with_priority,
+)
 from ..net.routes import is_generation
 from ..routing.admission import Slot
 from ..routing.core import PD_HEADER
@@ -102,6 +107,7 @@ class Exchange:
         admission = await self.picker.admit(parsed, self.headers)
         if isinstance(admission, Slot):
             self._slot = admission
+            parsed, raw = self._with_band(parsed, raw)
         elif admission is not None:
             return [admission]
         allowed = protocol.subset_hint(request)
@@ -126,6 +132,15 @@ class Exchange:
             answers += protocol.request_body(raw)
         self.picker.observe_decision(time.perf_counter() - self._started)
         return answers
+
+    def _with_band(self, parsed: Any, raw: bytes) -> tuple[Any, bytes]:
+        """The admitted request's band goes on to the engines (both legs) as their
+        `priority`, whatever the client sent."""
+        priority = self.picker.engine_priority(self.headers)
+        if priority is None:
+            return parsed, raw
+        parsed, changed = with_priority(parsed, priority)
+        return parsed, json.dumps(parsed).encode() if changed else raw
 
     def _parse(self, raw: bytes) -> tuple[Optional[Any], Optional[Any]]:
         """The generation body as the engines read it (a 400 when none would accept it);

@@ -158,6 +158,15 @@ class EndpointPicker:
             return protocol.immediate(429, shed.message, code=shed.reason, headers=retry)
         return slot
 
+    def engine_priority(self, headers: dict[str, str]) -> Optional[int]:
+        """The admitted request's band as the engines' `priority` (None without flow
+        control: the body goes on as the client sent it)."""
+        tenant = self.flow.tenant(headers) if self.flow is not None else None
+        if tenant is None:
+            return None
+        assert self.flow is not None
+        return self.flow.engine_priority(tenant, headers)
+
     async def pick(
         self, body: Optional[Any], headers: dict[str, str], allowed: Optional[Iterable[str]]
     ) -> Pick:

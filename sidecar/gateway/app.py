@@ -46,7 +46,7 @@ from ..net.asgi import (
     sse_error_event,
 )
 from ..net.discovery import EndpointSet
-from ..net.client_body import parse_client_body, strip_client_kv_params
+from ..net.client_body import parse_client_body, strip_client_kv_params, with_priority
 from ..net.routes import GENERATION_PATHS, forwarded
 from ..net.backends import Backends
 from ..net.http1 import Http1Pool, Response, UpstreamError
@@ -243,6 +243,10 @@ class Gateway:
             if slot is None:
                 return
             FLOW_SLOT.set(slot)  # the flow's task (a copy of this context) sees it
+            assert self.flow is not None
+            # The band goes on to the engines (both legs), as their `priority`.
+            body, changed = with_priority(body, self.flow.engine_priority(tenant, headers))
+            raw = json.dumps(body).encode() if changed else raw
         req = GatewayRequest(self.metrics, headers, scope["path"], body.get("stream") is True)
         CURRENT.set(req)  # this request's task (and the flow's, a copy of its context)
         try:

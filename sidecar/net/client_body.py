@@ -76,6 +76,15 @@ def parse_client_body(raw: bytes, route: Optional[str] = None) -> dict[str, Any]
     return validate_client_body(body, route)
 
 
+def with_priority(body: dict[str, Any], priority: int) -> tuple[dict[str, Any], bool]:
+    """The body with the engines' `priority` set (flow control's band, whatever the client
+    sent): (body, changed); `body` is a new dict when it changed. The sidecar copies it into
+    both legs of a P/D request."""
+    if body.get("priority") == priority:
+        return body, False
+    return {**body, "priority": priority}, True
+
+
 def strip_client_kv_params(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Removes client-supplied `kv_transfer_params` (at the top, or in the token route's
     `sampling_params.extra_args`, where vLLM also reads them): a client must never steer KV

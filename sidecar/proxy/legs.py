@@ -11,6 +11,9 @@ of the protocol is unit-testable on its own. The rules follow vLLM's NixlConnect
   prefill pulls the prefix instead of recomputing it.
 - decode leg: the client's request (so its stream settings and limits come back) with the
   prefill's `kv_transfer_params` verbatim and the threshold set to 0.
+
+Every leg keeps the request's `priority` (a front-end with flow control writes the tenant's
+band there: routing/tenants.engine_priority), so both engines schedule it alike.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ in the pool for as long as it runs.
     tenant = flow.tenant(headers)                 # None: 401 (no valid key / unknown tenant)
     try:
         async with flow.admit(tenant, headers, body):
+            body["priority"] = flow.engine_priority(tenant, headers)   # the engines' order
             ...route and serve the request...
     except Shed as shed:                          # 429, Retry-After: shed.retry_after_s
         ...
@@ -25,7 +26,7 @@ from ..net.apikeys import presented_key
 from .flow_control import FlowController, FlowRequest, Shed, Slot, estimate_tokens
 from .flow_metrics import FlowMetrics
 from .saturation import Fetch, Saturation
-from .tenants import PoolLimits, Tenant, TenantsFile
+from .tenants import PoolLimits, Tenant, TenantsFile, engine_priority
 
 __all__ = ["FlowControl", "Shed", "Slot", "shed_body"]
 
@@ -86,6 +87,11 @@ class FlowControl:
     def request(self, tenant: Tenant, headers: dict[str, str], body: Any) -> FlowRequest:
         priority = self.tenants.current().priority_of(tenant, headers)
         return FlowRequest(tenant, priority, estimate_tokens(body, self.default_max_tokens))
+
+    def engine_priority(self, tenant: Tenant, headers: dict[str, str]) -> int:
+        """The request's band as the `priority` the front-end writes into its body, for the
+        engines of both legs to schedule by (tenants.engine_priority)."""
+        return engine_priority(self.tenants.current().priority_of(tenant, headers))
 
     async def acquire(self, tenant: Tenant, headers: dict[str, str], body: Any) -> Slot:
         """`admit` without the block: the slot, to `release()` when the request is over."""

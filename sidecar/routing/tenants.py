@@ -136,6 +136,14 @@ class TenantsConfig:
         return self.band(min(wanted, tenant.max_priority))
 
 
+def engine_priority(band: int) -> int:
+    """The engines' `priority` field for a request in `band`: the one mapping, used by every
+    front-end. Bands (this file's, GIE's InferenceObjective priority) are higher-first; an
+    engine's priority (vLLM's, under --scheduling-policy priority) is lower-first. So the
+    engine priority is -band: band 10 runs before band 0, band 0 before band -1."""
+    return -band
+
+
 def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 
+from pdpool.scheduling_policy import scheduling_args
+
 from .names import DECODE, ENGINE_PORT, KV_SECRET_FILE, MODELS_MOUNT, PREFILL, SIDECAR_PORT
 from .spec import ModelSpec, PoolSpec
 
@@ -59,6 +61,8 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         argv
         + _kv_events_config(pool)
         + tracing_args(pool)
+        # with tenants, the engines order by the band the gateway or the EPP writes
+        + scheduling_args(pool.gateway.tenants_secret is not None)
         + list(pool.engine.extra_args)
         + list(spec.extra_args)
     )

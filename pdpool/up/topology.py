@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 from pdpool.cpu_cores import engine_share_of_cores
 from pdpool.ports import free_port
+from pdpool.scheduling_policy import scheduling_args
 from pdpool.tlsutil import make_ca_and_certificate
 
 from .envoy_gateway import swap_in_envoy
@@ -257,6 +258,7 @@ class Topology:
             ]
         argv += self._serve_tls_args()
         argv += self._thread_args()
+        argv += scheduling_args(bool(self.spec.tenants_file))
         argv += self.spec.engine_args
         return Child(
             role, index, port, argv, self._log(role, index), kv_port=kv_port, scheme=self._scheme
@@ -315,6 +317,7 @@ class Topology:
                 ),
             ]
         argv += self._serve_tls_args("--ssl-certfile", "--ssl-keyfile")
+        argv += scheduling_args(bool(self.spec.tenants_file))
         argv += self.spec.engine_args  # later flags win in vLLM's parser
         env = dict(VLLM_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(kv_port))
         # One OpenMP core each, spread over the machine (vLLM's default binds every

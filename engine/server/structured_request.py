@@ -22,6 +22,7 @@ from typing import Any, Optional
 from pdpool.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from pdpool.engine.structured import limits as caps
 from pdpool.engine.structured.limits import SpecTooLarge, StructuredLimits
+from pdpool.engine.structured.schema_support import SchemaUnsupported, check_supported
 from pdpool.engine.structured.spec import (
     GuidedSpec,
     choice_grammar,
@@ -165,7 +166,15 @@ def check_json_schema(schema: Any, field: str, limits: StructuredLimits = DEFAUL
         ) from None
     except RecursionError:  # a backstop: the depth cap set above the checker's recursion
         raise RequestError(f"{field}: the schema nests too deeply to check", field) from None
+    _check_supported(schema, field)
     return schema
+
+
+def _check_supported(schema: Any, field: str) -> None:
+    try:
+        check_supported(schema)
+    except SchemaUnsupported as exc:
+        raise RequestError(f"{field}: {exc}", field) from None
 
 
 def logit_bias_of(extras: dict[str, Any], vocab_size: int) -> Optional[dict[int, float]]:
@@ -245,9 +254,11 @@ def _tools_within(spec: GuidedSpec, limits: StructuredLimits) -> GuidedSpec:
 
     try:
         caps.check_text(spec.value, "tools' schema", limits)
-        caps.check_schema(json.loads(spec.value), limits)
+        schema = json.loads(spec.value)
+        caps.check_schema(schema, limits)
     except SpecTooLarge as exc:
         raise RequestError(f"tools: {exc}", "tools") from None
+    _check_supported(schema, "tools")
     return spec
 
 

@@ -155,14 +155,8 @@ def parse_calls(text: str, req: ToolRequest) -> tuple[Optional[str], list[dict[s
     if req.named:
         calls, content = [_call(req.named, text)], ""
     elif req.choice == "required":
-        try:
-            items = json.loads(text)
-            calls = [
-                _call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items
-            ]
-            content = ""
-        except (ValueError, KeyError, TypeError):
-            calls = []  # cut by max_tokens: the text is the answer
+        calls = _required_calls(text)
+        content = "" if calls else text  # cut by max_tokens: the text is the answer
     elif req.choice == "auto" and START in text:
         try:
             found = [json.loads(a or b) for a, b in _CALL.findall(text)]
@@ -177,11 +171,21 @@ def parse_calls(text: str, req: ToolRequest) -> tuple[Optional[str], list[dict[s
     return content, calls
 
 
-def finish_reason(req: ToolRequest, calls: list[dict[str, Any]], reason: Optional[str]) -> Any:
-    """vLLM's: "tool_calls" when auto called a tool or required stopped; named keeps its own."""
-    if reason is None:
-        return None
-    if (req.choice == "auto" and calls) or (req.choice == "required" and reason == "stop"):
+def _required_calls(text: str) -> list[dict[str, Any]]:
+    """The calls of tool_choice required's JSON array; [] when it does not parse."""
+    try:
+        items = json.loads(text)
+        return [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def finish_reason(req: ToolRequest, calls: list[Any], reason: Optional[str]) -> Any:
+    """vLLM's: "tool_calls" when auto called a tool or required stopped; named keeps its own
+    (OpenAI's "stop"). Never "tool_calls" without calls: a client that trusts it reads them."""
+    if reason is None or not calls:
+        return reason
+    if req.choice == "auto" or (req.choice == "required" and reason == "stop"):
         return "tool_calls"
     return reason
 
@@ -215,11 +219,15 @@ class ToolStream:
         return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
 
     def _whole_calls(self, finished: bool) -> dict[str, Any]:
-        """required: each call is sent whole once the array is complete."""
+        """required: each call is sent whole once the array is complete; an array that does
+        not parse (cut by max_tokens) is sent as content, as the whole answer's."""
         if not finished:
             return {}
-        _, calls = parse_calls(self.text, self.req)
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {}
+        content, calls = parse_calls(self.text, self.req)
+        if not calls:
+            return {"content": content} if content else {}
+        self.names = [c["function"]["name"] for c in calls]
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
 
     def _hermes(self, finished: bool) -> dict[str, Any]:
         out: dict[str, Any] = {}

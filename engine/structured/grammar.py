@@ -4,7 +4,8 @@ request that accepts the tokens it samples. Compiles run off the admission path
 (compile_jobs.py); the add then gets the compiled grammar, not a second compile.
 
 xgrammar is vLLM's default structured-output backend: the same masks for the same request,
-so greedy guided outputs match stock vLLM's token for token.
+so greedy guided outputs match stock vLLM's token for token, except where a JSON schema's
+grammar is corrected (json_grammar.py: no control characters in strings, bounded blanks).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Optional
 import xgrammar as xgr
 
 from pdpool.engine.outputs import RequestRejected
+from pdpool.engine.structured.json_grammar import schema_grammar
 from pdpool.engine.structured.spec import GuidedSpec
 
 
@@ -107,11 +109,7 @@ def _compile(compiler: Any, spec: GuidedSpec) -> Any:
     # any_whitespace as vLLM's default (unless the request asks for compact JSON).
     if spec.kind in ("json", "json_object"):
         schema = spec.value if spec.kind == "json" else '{"type": "object"}'
-        return compiler.compile_json_schema(
-            schema,
-            any_whitespace=not spec.compact,
-            separators=(",", ":") if spec.compact else None,
-        )
+        return compiler.compile_grammar(schema_grammar(schema, spec.compact))
     if spec.kind == "regex":
         return compiler.compile_regex(spec.value)
     if spec.kind == "grammar":

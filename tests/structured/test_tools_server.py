@@ -64,8 +64,7 @@ def check_calls(calls):
     assert calls
     for c in calls:
         assert c.id.startswith("chatcmpl-tool-") and c.type == "function"
-        # strict=False: see test_guided_server.parse (byte-level control characters)
-        args = json.loads(c.function.arguments, strict=False)
+        args = json.loads(c.function.arguments)  # strict: see test_guided_server.parse
         jsonschema.validate(args, SCHEMAS[c.function.name])
 
 

@@ -2,28 +2,30 @@
 number to tune (TCP Vegas / Netflix's gradient limit, with the engine's inter-token latency
 as the round-trip time).
 
-An engine batches every request it is sent. Past some batch, a bigger batch no longer adds
-throughput: it only makes every step, hence every stream's tokens and a newcomer's first
-token, slower. The requests beyond that point are better held in the gateway's fair queues,
-where tenants' weights apply, than in the engine's batch, where they do not. That point
-depends on the model, the GPU and the prompts; it is found here from the engine's own
-metrics (vLLM's names), read every scrape:
+An engine batches every request it is sent. Past some batch, a bigger batch adds little
+throughput and makes every step, hence every stream's tokens and a newcomer's first token,
+slower. The requests beyond that point are better held in the gateway's fair queues, where
+tenants' weights apply, than in the engine's batch, where they do not. That point depends
+on the model, the GPU and the prompts; it is found here from the engine's own metrics
+(vLLM's names), read every scrape:
 
-- ITL: the mean inter-token latency of the tokens made since the last scrape
-  (`vllm:inter_token_latency_seconds` _sum and _count deltas), i.e. the engine's step time;
-- baseline: the lowest ITL seen (the step time of a small batch). It rises by DRIFT a
-  sample while the ITL stays above it, so a lasting change (longer prompts, a slower
-  neighbour) is learned in minutes rather than holding the limit at 1 for ever;
+- ITL: the mean inter-token latency of the tokens made since the last sample (the deltas
+  of `vllm:inter_token_latency_seconds` _sum and _count, at least MIN_TOKENS tokens),
+  smoothed over about two samples: the engine's step time;
+- baseline: the step time of a small batch. Measured whenever the engine runs at most
+  SMALL_BATCH requests (followed both ways: a slower machine or longer prompts are
+  learned); otherwise only lowered by a faster sample, and let rise by DRIFT a sample so
+  that a pool never seen idle still learns a lasting change, in minutes;
 - ITL <= TOLERANCE x baseline and the limit in use (the engine runs at least 3/4 of it):
-  the limit grows (by max(1, limit/10) a scrape): batching is still nearly free;
+  the limit grows (by max(1, limit/10) a sample): batching is still cheap;
 - ITL above that: it shrinks in proportion (limit x TOLERANCE x baseline / ITL, at most
-  halved a scrape): the extra requests only slowed everyone;
+  halved a sample): the extra requests mostly slowed everyone;
 - the engine keeps requests waiting two scrapes in a row: at most what it runs (its batch
   or KV limit; beyond it requests wait in the engine's first-come queue, weights unused);
-- KV usage at the pool's threshold: no growth (the engine is about to preempt).
+- KV usage at the pool's threshold: no growth (the engine is about to preempt);
 - never below 1.
 With several gateway replicas each has its own limit; all read the same ITL and shrink
-together (as TCP flows sharing a link), so their sum converges too.
+together (as TCP flows sharing a link do), so their sum converges too.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# A newcomer's first token costs about one step: at 1.5x the unloaded step time its TTFT is
-# within 1.5x of the pool alone (the isolation goal); also Netflix's gradient default.
-TOLERANCE = 1.5
-DRIFT = 0.0006  # baseline rise per scrape while above it: x2 in ~5 min at 4 scrapes/s
-MIN_TOKENS = 4  # fewer tokens in an interval: its mean ITL says too little
+# Kleinrock's optimal operating point (most throughput per unit of latency): for a step
+# time linear in the batch, it is where the step takes twice the small batch's.
+TOLERANCE = 2.0
+DRIFT = 0.0006  # baseline rise per sample while above it: x2 in ~5 min at 4 samples/s
+MIN_TOKENS = 32  # an ITL sample spans at least this many tokens (fewer: noise)
+SMALL_BATCH = 2  # running at most this many, the step time is the baseline
+SMOOTHING = 0.5
 MAX_LIMIT = 4096.0
 GROWTH = 0.1  # relative growth per scrape (at least one request)
 IN_USE = 0.75  # the limit is in use when the engine runs this share of it
@@ -58,6 +62,7 @@ class AdaptiveLimit:
     def __init__(self, initial: float = 1.0, kv_threshold: float = 0.8) -> None:
         self.limit = max(1.0, float(initial))
         self.baseline: Optional[float] = None
+        self.itl: Optional[float] = None  # smoothed
         self.kv_threshold = kv_threshold
         self._last: Optional[tuple[float, float]] = None  # (itl_sum, itl_count)
         self._waited = False  # the previous scrape saw requests waiting
@@ -70,11 +75,12 @@ class AdaptiveLimit:
         """Folds one scrape in: the ITL of the interval since the last, then `update`."""
         itl = None
         if sample.itl_sum is not None:
-            if self._last is not None and sample.itl_count >= self._last[1]:
-                tokens = sample.itl_count - self._last[1]
-                if tokens >= MIN_TOKENS:
-                    itl = (sample.itl_sum - self._last[0]) / tokens
-            self._last = (sample.itl_sum, sample.itl_count)  # a restart's reset starts over
+            last = self._last
+            if last is None or sample.itl_count < last[1]:  # first read, or a restart
+                self._last = (sample.itl_sum, sample.itl_count)
+            elif sample.itl_count - last[1] >= MIN_TOKENS:  # else: wait for more tokens
+                itl = (sample.itl_sum - last[0]) / (sample.itl_count - last[1])
+                self._last = (sample.itl_sum, sample.itl_count)
         self.update(itl, sample.running, sample.waiting, sample.kv_usage)
 
     def update(self, itl: Optional[float], running: float, waiting: float, kv: float) -> float:
@@ -82,7 +88,7 @@ class AdaptiveLimit:
         queued = waiting > 0 and self._waited
         self._waited = waiting > 0
         if itl is not None and itl > 0:
-            self.baseline = itl if self.baseline is None else min(itl, self.baseline * (1 + DRIFT))
+            itl = self._learn(itl, running)
         in_use = running + waiting >= IN_USE * self.limit
         if queued and running >= 1:
             self.limit = min(self.limit, running)
@@ -95,8 +101,15 @@ class AdaptiveLimit:
         self.limit = min(MAX_LIMIT, max(1.0, self.limit))
         return self.limit
 
-
-def weighted_shares(limit: float, weights: dict[str, float]) -> dict[str, float]:
-    """Each active tenant's share of `limit` by weight (a lone tenant: all of it)."""
-    total = sum(weights.values())
-    return {name: limit * w / total for name, w in weights.items()} if total > 0 else {}
+    def _learn(self, itl: float, running: float) -> float:
+        """Smooths the ITL and moves the baseline; returns the smoothed ITL."""
+        self.itl = itl if self.itl is None else self.itl + SMOOTHING * (itl - self.itl)
+        if self.baseline is None:
+            self.baseline = self.itl
+        elif (
+            running <= SMALL_BATCH
+        ):  # this interval's own ITL, not one smoothed with bigger batches'
+            self.baseline += SMOOTHING * (itl - self.baseline)
+        else:
+            self.baseline = min(self.itl, self.baseline * (1 + DRIFT))
+        return self.itl

@@ -236,13 +236,26 @@ def scrape_targets(
             continue
         if meta.get("deletionTimestamp"):
             continue  # draining: its load is leaving with it
-        ports = [(role, ENGINE_PORT)] + ([("sidecar", SIDECAR_PORT)] if role == DECODE else [])
+        ports = [(role, _metrics_port(pod, "engine", ENGINE_PORT))]
+        if role == DECODE:
+            ports.append(("sidecar", _metrics_port(pod, "sidecar", SIDECAR_PORT)))
         for kind, port in ports:
             url = url_template.format(
                 scheme=scheme, ip=ip, port=port, pod=name, namespace=meta.get("namespace", "")
             )
             targets.append(Target(kind, f"{name}:{port}", url))
     return targets
+
+
+def _metrics_port(pod: dict[str, Any], container: str, serving: int) -> int:
+    """The container's metrics port (named metrics*, sc-metrics*: where the NetworkPolicy
+    admits scrapers); pods rendered before it had one serve /metrics on `serving`."""
+    for c in (pod.get("spec") or {}).get("containers") or ():
+        if c.get("name") == container:
+            for port in c.get("ports") or ():
+                if "metrics" in port.get("name", ""):
+                    return int(port["containerPort"])
+    return serving
 
 
 def decision_status(decision: Decision, when: str, last_scale: str | None) -> dict[str, Any]:

@@ -15,7 +15,17 @@ import os
 
 from pdpool.scheduling_policy import scheduling_args
 
-from .names import DECODE, ENGINE_PORT, KV_SECRET_FILE, MODELS_MOUNT, PREFILL, SIDECAR_PORT
+from .names import (
+    DECODE,
+    ENGINE_METRICS_PORT,
+    ENGINE_PORT,
+    GATEWAY_METRICS_PORT,
+    KV_SECRET_FILE,
+    MODELS_MOUNT,
+    PREFILL,
+    SIDECAR_METRICS_PORT,
+    SIDECAR_PORT,
+)
 from .spec import ModelSpec, PoolSpec
 
 TRACES_ENDPOINT_ENV = "PDPOOL_OTLP_TRACES_ENDPOINT"
@@ -37,6 +47,12 @@ def engine_rejects(pool: PoolSpec) -> str:
     is decided by the sidecar on prompt length (long prompts prefill-first), never silently
     decode-only."""
     return "no" if pool.engine.kind == "vllm" else "yes"
+
+
+def engine_metrics_port(pool: PoolSpec) -> int:
+    """Where the engine serves /metrics to scrapers: its --metrics-port, except stock vLLM,
+    which has no such flag and serves them on its API port only."""
+    return ENGINE_PORT if pool.engine.kind == "vllm" else ENGINE_METRICS_PORT
 
 
 def model_dir(model: ModelSpec) -> str:
@@ -140,6 +156,8 @@ def _pdpool_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ())
     )
     return [
         *_serve_command("pdpool", pool),
+        "--metrics-port",
+        str(ENGINE_METRICS_PORT),
         "--kv-connector",
         "nixl",
         "--kv-role",
@@ -195,6 +213,8 @@ def sidecar_args() -> list[str]:
         "0.0.0.0",
         "--port",
         str(SIDECAR_PORT),
+        "--metrics-port",
+        str(SIDECAR_METRICS_PORT),
         "--decode-url",
         f"http://127.0.0.1:{ENGINE_PORT}",
         "--prefill-service",
@@ -260,6 +280,8 @@ def gateway_args(
         "0.0.0.0",
         "--port",
         str(SIDECAR_PORT),
+        "--metrics-port",
+        str(GATEWAY_METRICS_PORT),
         "--decode-service",
         decode_service,
     ]

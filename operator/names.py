@@ -24,6 +24,20 @@ EPP = "epp"  # spec.inferencePool's endpoint picker (not a role of the pool's ow
 
 ENGINE_PORT = 8000
 SIDECAR_PORT = 8080
+# Metrics on ports of their own (--metrics-port: GET /metrics alone), so the NetworkPolicies
+# admit scrapers there and never to a serving port. A decode pod's engine and sidecar share
+# one network namespace: distinct ports. Stock vLLM serves /metrics on 8000 only.
+ENGINE_METRICS_PORT = 9090
+SIDECAR_METRICS_PORT = 9091
+GATEWAY_METRICS_PORT = 9090
+
+
+def metrics_port_name(tls: bool, sidecar: bool = False) -> str:
+    """Container port names the chart's PodMonitor scrapes (the scheme follows the name;
+    at most 15 characters, unique within a pod)."""
+    return ("sc-" if sidecar else "") + ("metrics-tls" if tls else "metrics")
+
+
 MODELS_MOUNT = "/models"
 # The pool's KV-signing secret, mounted read-only in every pdpool engine container.
 KV_SECRET_KEY = "kv-secret"

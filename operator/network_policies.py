@@ -5,14 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from .children import Manifest, PoolRef, child_metadata
+from .commands import engine_metrics_port
 from .names import (
     DECODE,
     ENGINE_PORT,
     EPP,
     GATEWAY,
+    GATEWAY_METRICS_PORT,
     LABEL_POOL,
     LABEL_ROLE,
     PREFILL,
+    SIDECAR_METRICS_PORT,
     SIDECAR_PORT,
     selector_labels,
 )
@@ -42,18 +45,18 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
 
     - engines (prefill and decode): HTTP 8000, the NIXL handshake port and UCX's TCP port
       range, from the pool's own engine pods only (decode pods hold the sidecar that calls
-      prefill; the gateway never needs an engine); 8000 also from the metrics scrapers
-      (`networkPolicy.metricsFrom`), as engines serve /metrics there;
-    - decode sidecars (8080): from the pool's gateway pods and the metrics scrapers; with
-      `inferencePool`, also from the pool's EPP (it tokenizes and checks readiness through
-      them) and the Gateway's data plane named in `inferencePool.gatewayFrom` (nobody else:
-      a sidecar checks no API key, tenant or limit, so it must not be a door);
+      prefill; the gateway never needs an engine);
+    - decode sidecars (8080): from the pool's gateway pods; with `inferencePool`, also from
+      the pool's EPP (it tokenizes and checks readiness through them) and the Gateway's data
+      plane named in `inferencePool.gatewayFrom` (nobody else: a sidecar checks no API key,
+      tenant or limit, so it must not be a door);
     - the gateway (8080): from `networkPolicy.clientsFrom`, default anyone;
+    - the metrics ports (engines 9090, decode sidecars 9091, the gateway 9090: GET /metrics
+      and nothing else is served there) from the scrapers (`networkPolicy.metricsFrom`),
+      never a serving port, so a scraper cannot generate; stock vLLM engines serve /metrics
+      on 8000 only, which is then their metrics port;
     - with `router.kvEvents`: the event ports of decode pods from the gateway (and the EPP),
       of prefill pods from decode pods (their sidecars subscribe).
-    Metrics share the serving ports (neither the engine nor the sidecar serves them apart):
-    a scraper admitted by `metricsFrom` can also call those ports, so name the scraper's
-    pods there, not whole namespaces, where that matters (docs/kubernetes.md).
     Egress is not restricted (engines may need to fetch models, DNS, ...).
     """
     metrics = [dict(p) for p in pool.network_policy.metrics_from]
@@ -69,11 +72,7 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         {"from": [{"podSelector": engines}], "ports": [_np_port(ENGINE_PORT), *kv_ports]}
     ]
     if metrics:
-        engine_rules.append({"from": metrics, "ports": [_np_port(ENGINE_PORT)]})
-    clients = pool.network_policy.clients_from
-    gateway_rule: dict[str, Any] = {"ports": [_np_port(SIDECAR_PORT)]}
-    if clients is not None:
-        gateway_rule["from"] = [dict(p) for p in clients] + metrics
+        engine_rules.append({"from": metrics, "ports": [_np_port(engine_metrics_port(pool))]})
     events = [_np_port(p) for p in pool.router.kv_events.ports()]
     return [
         _network_policy(ref, "engines", "engine", engines, engine_rules),
@@ -89,10 +88,23 @@ def network_policies(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
             "gateway",
             GATEWAY,
             {"matchLabels": selector_labels(ref.name, GATEWAY)},
-            [gateway_rule],
+            _gateway_rules(pool, metrics),
         ),
         *([_prefill_events_policy(ref, events)] if events else []),
     ]
+
+
+def _gateway_rules(pool: PoolSpec, metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    clients = pool.network_policy.clients_from
+    serving = {"ports": [_np_port(SIDECAR_PORT)]}
+    rules: list[dict[str, Any]] = []
+    if clients is None:  # anyone
+        rules.append(serving)
+    elif clients:  # an empty `from` would mean anyone too: [] is nobody
+        rules.append({"from": [dict(p) for p in clients], **serving})
+    if metrics:
+        rules.append({"from": metrics, "ports": [_np_port(GATEWAY_METRICS_PORT)]})
+    return rules
 
 
 def _decode_rules(
@@ -100,13 +112,15 @@ def _decode_rules(
 ) -> list[dict[str, Any]]:
     """Who reaches a decode pod's sidecar and its engine's event ports: the pool's routers
     (its gateway; its EPP with `inferencePool`), the Gateway's data plane that the
-    InferencePool names, and the scrapers (the sidecar's /metrics is on its serving port)."""
+    InferencePool names; the scrapers, on the sidecar's metrics port only."""
     routers = [{"podSelector": {"matchLabels": selector_labels(ref.name, GATEWAY)}}]
     data_plane: list[dict[str, Any]] = []
     if pool.inference_pool is not None:
         routers.append({"podSelector": {"matchLabels": selector_labels(ref.name, EPP)}})
         data_plane = [dict(p) for p in pool.inference_pool.gateway_from or ()]
-    rules = [{"from": [*routers, *data_plane, *metrics], "ports": [_np_port(SIDECAR_PORT)]}]
+    rules = [{"from": [*routers, *data_plane], "ports": [_np_port(SIDECAR_PORT)]}]
+    if metrics:
+        rules.append({"from": metrics, "ports": [_np_port(SIDECAR_METRICS_PORT)]})
     if events:
         rules.append({"from": routers, "ports": events})
     return rules

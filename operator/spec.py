@@ -12,7 +12,15 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .names import API_KEYS_KEY, ENGINE_PORT, KV_SECRET_KEY, SIDECAR_PORT, TENANTS_KEY
+from .names import (
+    API_KEYS_KEY,
+    ENGINE_METRICS_PORT,
+    ENGINE_PORT,
+    KV_SECRET_KEY,
+    SIDECAR_METRICS_PORT,
+    SIDECAR_PORT,
+    TENANTS_KEY,
+)
 
 if TYPE_CHECKING:
     from .autoscaling_spec import AutoscalingSpec
@@ -399,6 +407,8 @@ def _check_kv_event_ports(events: KVEventsSpec, engine: EngineSpec) -> None:
     taken = {
         ENGINE_PORT: "the engine's HTTP port",
         SIDECAR_PORT: "the sidecar's port",
+        ENGINE_METRICS_PORT: "the engine's metrics port",
+        SIDECAR_METRICS_PORT: "the sidecar's metrics port",
         engine.kv_port: "spec.engine.kvPort (NIXL)",
     }
     ucx = engine.ucx_port_range()

@@ -22,13 +22,16 @@ from .names import (
     DECODE,
     ENGINE_PORT,
     GATEWAY,
+    GATEWAY_METRICS_PORT,
     KV_SECRET_DIR,
     MODELS_MOUNT,
     POOL_TLS_DIR,
     PREFILL,
+    SIDECAR_METRICS_PORT,
     SIDECAR_PORT,
     TENANTS_FILE,
     TLS_DIR,
+    metrics_port_name,
     router_config_name,
     service_host,
 )
@@ -125,6 +128,22 @@ def _ucx_env(pool: PoolSpec) -> list[dict[str, Any]]:
     )
 
 
+def _tcp_port(name: str, port: int) -> dict[str, Any]:
+    return {"name": name, "containerPort": port, "protocol": "TCP"}
+
+
+def _engine_serving_ports(pool: PoolSpec) -> tuple[str, list[dict[str, Any]]]:
+    """The engine's HTTP port name (its probes use it) and its HTTP ports. Named https /
+    metrics-tls under pool TLS, so a PodMonitor scrapes with the right scheme. Stock
+    vLLM's one HTTP port is also its metrics port, and named so."""
+    metrics = _tcp_port(
+        metrics_port_name(bool(pool.tls_secret)), commands.engine_metrics_port(pool)
+    )
+    if metrics["containerPort"] == ENGINE_PORT:
+        return metrics["name"], [metrics]
+    return http_name(pool), [_tcp_port(http_name(pool), ENGINE_PORT), metrics]
+
+
 def _engine_container(
     ref: PoolRef, pool: PoolSpec, role_name: str, role: RoleSpec, secret_ref: SecretKeyRef | None
 ) -> dict[str, Any]:
@@ -137,6 +156,7 @@ def _engine_container(
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if secret_ref is not None:
         mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
+    http, http_ports = _engine_serving_ports(pool)
     return {
         "name": "engine",
         "image": pool.engine.image,
@@ -148,9 +168,8 @@ def _engine_container(
         + _ucx_env(pool)
         + list(pool.engine.env)
         + list(role.env),
-        # Named https under pool TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [
-            {"name": http_name(pool), "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            *http_ports,
             {"name": "nixl", "containerPort": pool.engine.kv_port, "protocol": "TCP"},
             *_kv_events_ports(pool),
         ],
@@ -159,7 +178,7 @@ def _engine_container(
         "volumeMounts": mounts + pool_tls_mounts(pool),
         # Stock vLLM has no /ready.
         **http_probes(
-            http_name(pool),
+            http,
             "/health" if pool.engine.kind == "vllm" else "/ready",
             pool.engine.startup_timeout_s,
             probe_scheme(pool),
@@ -213,7 +232,10 @@ def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
         "imagePullPolicy": pool.engine.image_pull_policy,
         "command": _sidecar_args(pool),
         "env": _router_env(ref),
-        "ports": [{"name": port, "containerPort": SIDECAR_PORT, "protocol": "TCP"}],
+        "ports": [
+            _tcp_port(port, SIDECAR_PORT),
+            _tcp_port(metrics_port_name(bool(pool.tls_secret), sidecar=True), SIDECAR_METRICS_PORT),
+        ],
         "resources": dict(pool.router.resources),
         "securityContext": container_security_context(pool),
         # The engine's /tmp is not shared: the sidecar gets its own.
@@ -290,7 +312,8 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         + commands.tracing_args(pool),
         # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [
-            {"name": "https" if tls else "http", "containerPort": SIDECAR_PORT, "protocol": "TCP"}
+            _tcp_port("https" if tls else "http", SIDECAR_PORT),
+            _tcp_port(metrics_port_name(bool(tls)), GATEWAY_METRICS_PORT),
         ],
         "resources": dict(pool.gateway.resources),
         "securityContext": container_security_context(pool),

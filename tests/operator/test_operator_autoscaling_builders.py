@@ -345,3 +345,33 @@ def test_each_mode_retires_the_other_modes_autoscalers(mode, retired):
     got = retired_autoscalers(REF, pool)
     assert {m["kind"] for m in got} == retired
     assert {m["metadata"]["name"] for m in got} == {"qwen-prefill", "qwen-decode"}
+
+
+def test_the_planner_scrapes_the_metrics_ports_the_network_policy_admits_it_to():
+    """Pods as the operator renders them: engines and sidecars on their named metrics
+    ports (the planner is a scraper: metricsFrom admits it there, not to 8000/8080)."""
+    from pdpool.operator.builders import build_children
+    from pdpool.operator.children import PoolRef
+    from pdpool.operator.spec import parse_pool_spec
+
+    def running(template, name):
+        return {
+            "metadata": {"name": name, "namespace": "ns", **template["metadata"]},
+            "spec": template["spec"],
+            "status": {"phase": "Running", "podIP": "10.0.0.7"},
+        }
+
+    for kind, engine_port in (("pdpool", 9090), ("vllm", 8000)):
+        spec = {"model": {"path": "/m"}, "engine": {"image": "e:1", "kind": kind}}
+        kids = build_children(PoolRef("demo", "ns", "u"), parse_pool_spec("demo", spec))
+        deployments = {m["metadata"]["name"]: m for m in kids if m["kind"] == "Deployment"}
+        pods = [
+            running(deployments[f"demo-{role}"]["spec"]["template"], f"{role}-1")
+            for role in ("prefill", "decode")
+        ]
+        targets = scrape_targets(pods, "{scheme}://{ip}:{port}/metrics")
+        assert [(t.role, t.url) for t in targets] == [
+            ("prefill", f"http://10.0.0.7:{engine_port}/metrics"),
+            ("decode", f"http://10.0.0.7:{engine_port}/metrics"),
+            ("sidecar", "http://10.0.0.7:9091/metrics"),
+        ], kind

@@ -213,6 +213,8 @@ def test_gateway_points_at_the_decode_sidecars():
         "0.0.0.0",
         "--port",
         "8080",
+        "--metrics-port",
+        "9090",
         "--decode-service",
         "demo-decode.llm.svc:8080",
     ]

@@ -370,7 +370,11 @@ def test_pool_tls_serves_https_on_every_hop_and_verifies_with_the_pools_ca(kind)
         cert_flag = "--ssl-certfile" if kind == "vllm" else "--tls-cert-file"
         assert argv[argv.index(cert_flag) + 1] == "/etc/pdpool/pool-tls/tls.crt"
         assert mount in engine["volumeMounts"]
-        assert engine["ports"][0]["name"] == "https"
+        # Every HTTP port says https, the metrics port too (stock vLLM: its one API port).
+        http_ports = [(p["name"], p["containerPort"]) for p in engine["ports"][:-1]]
+        assert http_ports == (
+            [("metrics-tls", 8000)] if kind == "vllm" else [("https", 8000), ("metrics-tls", 9090)]
+        )
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert engine[probe]["httpGet"]["scheme"] == "HTTPS"
     sidecar = pods["demo-decode"]["spec"]["containers"][1]
@@ -383,6 +387,7 @@ def test_pool_tls_serves_https_on_every_hop_and_verifies_with_the_pools_ca(kind)
         "port": "router-tls",
         "scheme": "HTTPS",
     }
+    assert [p["name"] for p in sidecar["ports"]] == ["router-tls", "sc-metrics-tls"]
     gateway = pods["demo-gateway"]["spec"]["containers"][0]
     assert "--tls-ca-file" in gateway["command"] and "--tls-any-name" in gateway["command"]
     assert "--tls-cert-file" not in gateway["command"]  # clients: gateway.tlsSecret decides

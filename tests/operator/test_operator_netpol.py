@@ -63,6 +63,7 @@ SOURCES = [
 ALL = frozenset(s.name for s in SOURCES)
 TARGETS = [  # (pod, what, port)
     ("demo-prefill", "http", 8000),
+    ("demo-prefill", "metrics", 9090),
     ("demo-prefill", "nixl", 5600),
     ("demo-prefill", "ucx", 5601),
     ("demo-prefill", "ucx", 5664),
@@ -70,12 +71,15 @@ TARGETS = [  # (pod, what, port)
     ("demo-prefill", "replay", 5558),
     ("demo-prefill", "other", 9000),
     ("demo-decode", "http", 8000),
+    ("demo-decode", "metrics", 9090),
     ("demo-decode", "nixl", 5600),
     ("demo-decode", "ucx", 5630),
     ("demo-decode", "sidecar", 8080),
+    ("demo-decode", "sidecar-metrics", 9091),
     ("demo-decode", "events", 5557),
     ("demo-decode", "replay", 5558),
     ("demo-gateway", "http", 8080),
+    ("demo-gateway", "metrics", 9090),
     ("demo-epp", "ext_proc", 9002),
     ("demo-epp", "metrics", 9090),
 ]
@@ -84,17 +88,20 @@ SCRAPERS = {"prometheus", "grafana"}  # the default metricsFrom: the labelled na
 
 
 def _base():
-    """Our gateway, KV events off, default scrapers: the table every scenario edits."""
+    """Our gateway, KV events off, default scrapers: the table every scenario edits.
+    Scrapers reach the metrics ports (GET /metrics alone) and no serving port."""
     table = {(t, p): set() for t, _, p in TARGETS}
     for target in ENGINES:
         for port in (8000, 5600):
             table[(target, port)] = set(ENGINES)
-        table[(target, 8000)] |= SCRAPERS
+        table[(target, 9090)] = set(SCRAPERS)
     for port in (5601, 5664):
         table[("demo-prefill", port)] = set(ENGINES)
     table[("demo-decode", 5630)] = set(ENGINES)
-    table[("demo-decode", 8080)] = {"demo-gateway"} | SCRAPERS
+    table[("demo-decode", 8080)] = {"demo-gateway"}
+    table[("demo-decode", 9091)] = set(SCRAPERS)
     table[("demo-gateway", 8080)] = set(ALL)
+    table[("demo-gateway", 9090)] = set(SCRAPERS)
     return table
 
 
@@ -125,11 +132,30 @@ def _inference_pool(data_plane=frozenset(), kv_events=True):
 
 def _narrowed():
     """clientsFrom team-b, metricsFrom only the Prometheus pods: grafana, in the same
-    labelled namespace, no longer reaches the serving ports that carry /metrics."""
+    labelled namespace, no longer reaches the metrics ports; prometheus still reaches no
+    serving port, the gateway's included."""
     table = _base()
-    for key in (("demo-prefill", 8000), ("demo-decode", 8000), ("demo-decode", 8080)):
+    for key in (("demo-prefill", 9090), ("demo-decode", 9090), ("demo-decode", 9091)):
         table[key].discard("grafana")
-    table[("demo-gateway", 8080)] = {"pod in team-b", "prometheus"}
+    table[("demo-gateway", 9090)] = {"prometheus"}
+    table[("demo-gateway", 8080)] = {"pod in team-b"}
+    return table
+
+
+def _stock_vllm():
+    """engine.kind vllm: stock vLLM serves /metrics on its API port only, which is then the
+    engines' metrics port (sidecars and the gateway keep theirs)."""
+    table = _base()
+    for target in ENGINES:
+        table[(target, 8000)] |= SCRAPERS
+        table[(target, 9090)] = set()
+    return table
+
+
+def _no_clients():
+    """clientsFrom []: nobody calls the gateway (an empty `from` would admit anyone)."""
+    table = _base()
+    table[("demo-gateway", 8080)] = set()
     return table
 
 
@@ -158,6 +184,8 @@ SCENARIOS = {  # name -> (spec sections, intended table)
     ),
     "inferencePool+gatewayFrom": (GIE_ENVOY, _inference_pool({"envoy (gateway)"}, False)),
     "narrowed scrapers and clients": (NARROW, _narrowed()),
+    "engine.kind vllm": ({"engine": {"image": "vllm:1", "kind": "vllm"}}, _stock_vllm()),
+    "clientsFrom []": ({"networkPolicy": {"clientsFrom": []}}, _no_clients()),
 }
 
 
@@ -194,8 +222,9 @@ def format_table(table, targets=TARGETS):
         )
     lines.append(
         "(pre = prefill, dec = decode, gat = gateway, epp = endpoint picker; 8000 engine "
-        "HTTP+/metrics, 5600 NIXL handshake, 5601-5664 UCX TCP, 5557/5558 KV events PUB/"
-        "replay, 8080 sidecar / gateway, 9002 ext_proc, 9090 EPP metrics)"
+        "HTTP, 9090 engine / gateway / EPP metrics, 9091 sidecar metrics, 5600 NIXL "
+        "handshake, 5601-5664 UCX TCP, 5557/5558 KV events PUB/replay, 8080 sidecar / "
+        "gateway, 9002 ext_proc)"
     )
     return "\n".join(lines)
 
@@ -290,3 +319,31 @@ def test_policies_are_applied_before_any_pod_can_exist():
     ]
     first_deployment = kinds.index("Deployment")
     assert all(kinds.index(k) < first_deployment for k in ("NetworkPolicy", "PodDisruptionBudget"))
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_each_metrics_port_is_where_its_program_serves_metrics_alone(tls):
+    """The ports the policies admit scrapers to are the containers' named metrics ports,
+    and each program is told to serve its metrics there (--metrics-port)."""
+    spec = (
+        {**SPEC, "gateway": {"tlsSecret": "gw-tls"}, "tls": {"secretName": "pool"}} if tls else SPEC
+    )
+    kids = build_children(PoolRef("demo", "llm", "u"), parse_pool_spec("demo", spec))
+    seen = {}
+    for d in (m for m in kids if m["kind"] == "Deployment"):
+        containers = d["spec"]["template"]["spec"]["containers"]
+        named = [p for c in containers for p in c["ports"] if "metrics" in p["name"]]
+        assert len({p["containerPort"] for p in named}) == len(named)  # one netns per pod
+        for c in containers:
+            argv = c["command"]
+            (port,) = [p for p in c["ports"] if "metrics" in p["name"]]
+            assert argv[argv.index("--metrics-port") + 1] == str(port["containerPort"])
+            assert port["name"].endswith("-tls") == tls
+            seen[(d["metadata"]["name"], c["name"])] = (port["name"], port["containerPort"])
+    suffix = "-tls" if tls else ""
+    assert seen == {
+        ("demo-prefill", "engine"): (f"metrics{suffix}", 9090),
+        ("demo-decode", "engine"): (f"metrics{suffix}", 9090),
+        ("demo-decode", "sidecar"): (f"sc-metrics{suffix}", 9091),
+        ("demo-gateway", "gateway"): (f"metrics{suffix}", 9090),
+    }

@@ -205,11 +205,11 @@ def test_pod_monitor_scrapes_engines_sidecars_and_gateways(helm_bin):
         (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
         assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "pdpool"
         endpoints = {e["port"]: e["path"] for e in monitor["spec"]["podMetricsEndpoints"]}
-        assert endpoints == {
-            "http": "/metrics",
-            "router": "/metrics",
-            "https": "/metrics",
-            "router-tls": "/metrics",
+        assert endpoints == {  # the metrics ports only: never 8000 / 8080
+            "metrics": "/metrics",
+            "sc-metrics": "/metrics",
+            "metrics-tls": "/metrics",
+            "sc-metrics-tls": "/metrics",
         }
         assert monitor["spec"]["namespaceSelector"] == {"matchNames": [SYSTEM_NS]}
     # The ports it names are the containers' port names in every role's pods.
@@ -231,10 +231,10 @@ def test_pod_monitor_scrapes_engines_sidecars_and_gateways(helm_bin):
                 if p["name"] in endpoints:
                     scraped.add((labels["pdpool.io/role"], c["name"], p["containerPort"]))
     assert scraped == {
-        ("prefill", "engine", 8000),
-        ("decode", "engine", 8000),
-        ("decode", "sidecar", 8080),
-        ("gateway", "gateway", 8080),
+        ("prefill", "engine", 9090),
+        ("decode", "engine", 9090),
+        ("decode", "sidecar", 9091),
+        ("gateway", "gateway", 9090),
     }
     everywhere = render(helm_bin, "podMonitor.enabled=true", "watchAllNamespaces=true")
     (monitor,) = [d for d in everywhere if d["kind"] == "PodMonitor"]

@@ -40,6 +40,7 @@ from pdpool.up.topology import VLLM_ARGS, VLLM_ENV, free_port, served_model_name
 from pdpool.up.topology import vllm_command as default_vllm
 
 JSON_OBJECT = {"type": "object"}
+Verdict = tuple[str, Optional[str]]  # (kind of outcome, the answer's text)
 TOOL_CHOICES = {
     "required": "required",
     "named": {"type": "function", "function": {"name": "locate"}},
@@ -71,7 +72,7 @@ def judge(text: Optional[str], schema: dict[str, Any], reason: Optional[str]) ->
     return "cut" if reason == "length" else "invalid"
 
 
-async def schema_case(client, url, model, kind, temperature, seed, max_tokens) -> str:
+async def schema_case(client, url, model, kind, temperature, seed, max_tokens) -> Verdict:
     schema = JSON_OBJECT if kind == "json_object" else SCHEMAS[kind]
     rf = (
         {"type": "json_object"}
@@ -88,12 +89,19 @@ async def schema_case(client, url, model, kind, temperature, seed, max_tokens) -
     }
     r = await client.post(f"{url}/v1/chat/completions", json=body)
     if r.status_code != 200:
-        return "error"
+        return "error", r.text
     choice = r.json()["choices"][0]
-    return judge(choice["message"]["content"], schema, choice["finish_reason"])
+    text = choice["message"]["content"]
+    return judge(text, schema, choice["finish_reason"]), text
 
 
-async def tool_case(client, url, model, label, stream, temperature, seed, max_tokens) -> str:
+async def tool_case(client, url, model, label, stream, temperature, seed, max_tokens) -> Verdict:
+    verdict, calls, reason = await _tool_answer(client, url, model, label, stream, temperature,
+                                                seed, max_tokens)  # fmt: skip
+    return verdict or _judge_calls(calls, reason), json.dumps([calls, reason])
+
+
+async def _tool_answer(client, url, model, label, stream, temperature, seed, max_tokens):
     body = {
         "model": model,
         "messages": ask(seed),
@@ -109,13 +117,17 @@ async def tool_case(client, url, model, label, stream, temperature, seed, max_to
     else:
         r = await client.post(f"{url}/v1/chat/completions", json=body)
         if r.status_code != 200:
-            return "error"
+            return "error", [], r.text
         choice = r.json()["choices"][0]
         reason = choice["finish_reason"]
         calls = [
             (c["function"]["name"], c["function"]["arguments"])
             for c in choice["message"].get("tool_calls") or []
         ]
+    return None, calls, reason
+
+
+def _judge_calls(calls: list[tuple[str, str]], reason: Optional[str]) -> str:
     if reason == "tool_calls" and not calls:
         return "lying"
     if calls_valid(calls):
@@ -159,7 +171,7 @@ def _read_event(line: str, calls: dict[int, list[str]]) -> Optional[str]:
     return None
 
 
-async def run_engine(url: str, model: str, args) -> list[dict[str, Any]]:
+async def run_engine(url: str, model: str, args) -> tuple[list[dict[str, Any]], dict]:
     cases = [
         (kind, t, lambda c, k=kind, t=t, s=s: schema_case(c, url, model, k, t, s, args.max_tokens))
         for kind in [*SCHEMAS, "json_object"]
@@ -180,16 +192,20 @@ async def run_engine(url: str, model: str, args) -> list[dict[str, Any]]:
         for s in range(args.tool_seeds or args.seeds)
     ]
     results: dict[tuple[str, float], Counter] = {}
+    samples: dict[str, list[str]] = {}  # a failure or two of each case, for the record
     sem = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def one(name, t, run):
             async with sem:
-                results.setdefault((name, t), Counter())[await run(client)] += 1
+                verdict, sample = await run(client)
+                results.setdefault((name, t), Counter())[verdict] += 1
+                if verdict != "ok" and len(samples.setdefault(f"{name} t={t}", [])) < 2:
+                    samples[f"{name} t={t}"].append(sample)
 
         await asyncio.gather(*(one(*case) for case in cases))
     keys = dict.fromkeys((name, t) for name, t, _ in cases)  # in the cases' order
-    return [_row(name, t, results[(name, t)]) for name, t in keys]
+    return [_row(name, t, results[(name, t)]) for name, t in keys], samples
 
 
 def _row(name: str, temperature: float, counts: Counter) -> dict[str, Any]:
@@ -210,7 +226,7 @@ def _row(name: str, temperature: float, counts: Counter) -> dict[str, Any]:
 def start_ours(model: str, log_dir: str) -> EngineProcess:
     from pathlib import Path
 
-    return EngineProcess(Path(model), Path(log_dir), "--num-kv-blocks", "1024").wait(300)
+    return EngineProcess(Path(model), Path(log_dir), "--num-kv-blocks", "1024")
 
 
 def start_vllm(model: str, log_dir: str, vllm_bin: str) -> tuple[subprocess.Popen, str]:
@@ -244,23 +260,24 @@ def model_id(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
 
-def measure(engine: str, model: str, args) -> list[dict[str, Any]]:
+def measure(engine: str, model: str, args) -> tuple[list[dict[str, Any]], dict]:
     t0 = time.monotonic()
     if engine == "ours":
         eng = start_ours(model, args.log_dir)
         try:
-            rows = asyncio.run(run_engine(eng.url, model_id(eng.url), args))
+            eng.wait(300)
+            rows, samples = asyncio.run(run_engine(eng.url, model_id(eng.url), args))
         finally:
             eng.stop()
     else:
         proc, url = start_vllm(model, args.log_dir, args.vllm_bin)
         try:
-            rows = asyncio.run(run_engine(url, model_id(url), args))
+            rows, samples = asyncio.run(run_engine(url, model_id(url), args))
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
     print(f"{engine}: {time.monotonic() - t0:.0f} s", flush=True)
-    return [{"engine": engine, **r} for r in rows]
+    return [{"engine": engine, **r} for r in rows], samples
 
 
 def main() -> None:
@@ -273,24 +290,29 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint (default: the tiny Qwen3)")
     ap.add_argument("--vllm", action="store_true", help="also stock vLLM on the same model")
     ap.add_argument("--vllm-bin", default=None)
+    ap.add_argument("--vllm-seeds", type=int, default=0, help="vLLM's seeds (default: --seeds)")
     ap.add_argument("--log-dir", default="/tmp/pdpool-structured-validity")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.vllm_bin = args.vllm_bin or default_vllm()
     os.makedirs(args.log_dir, exist_ok=True)
     model = args.model or tiny_model()
-    rows = measure("ours", model, args)
+    rows, samples = measure("ours", model, args)
+    failures = {"ours": samples}
     if args.vllm:
-        rows += measure("vllm", model, args)
+        args.seeds = args.vllm_seeds or args.seeds  # its cut answers run to max_tokens: slow
+        args.tool_seeds = min(args.tool_seeds or args.seeds, args.seeds)
+        theirs, failures["vllm"] = measure("vllm", model, args)
+        rows += theirs
     print_table(rows, "strict json.loads + jsonschema validity (%), failures by kind")
     write_json(
         "structured_validity",
         {
             "model": model,
-            "seeds": args.seeds,
-            "tool_seeds": args.tool_seeds or args.seeds,
+            "seeds_per_row": "the rows' n",
             "max_tokens": args.max_tokens,
             "rows": rows,
+            "failure_samples": failures,
         },
     )
 

@@ -1,23 +1,31 @@
-"""Flow control through `pdpool up`: a quiet tenant at steady load, a noisy one bursting.
+"""Flow control through `pdpool up`: a quiet tenant at steady load beside noisy ones.
 
-    python benchmarks/flow_control.py [--seconds 8] [--rounds 3] [--quiet-rps 2] [--noisy-factor 10]
-                                      [--bound 2] [--max-tokens 32] [--model DIR]
+    python benchmarks/flow_control.py [--seconds 8] [--rounds 3] [--noisy-streams 40]
+                                      [--weights 1,2,4] [--bound N] [--model DIR]
 
-The quiet tenant sends `--quiet-rps` streamed completions a second (Poisson arrivals); the
-noisy tenant bursts to `--noisy-factor` times that rate (`--burst-s` on, `--pause-s` off).
-Two `pdpool up --prefill 0 --decode N --mode aggregated`, without and with the tenants
-file; on each, --rounds rounds of two phases of --seconds (alternating, so the drift of
-this shared machine's other load reaches both alike):
+The quiet tenant sends `--quiet-rps` streamed completions a second (Poisson arrivals,
+`--max-tokens` each). The noisy tenant keeps `--noisy-streams` long streams open (closed
+loop, `--noisy-max-tokens` each; a 429 is retried after its Retry-After, at most 1 s);
+`--noisy-streams 0` makes it burst instead (`--noisy-factor` times the quiet rate,
+`--burst-s` on, `--pause-s` off). `--weights 1,2,4` replaces the noisy tenant by three
+tenants of those weights, each keeping `--noisy-streams` streams open.
+Two `pdpool up --prefill 0 --decode N --mode aggregated`, without and with a tenants file;
+on each, --rounds rounds of two phases of --seconds (alternating, so the drift of this
+shared machine's other load reaches both alike):
   alone-off      the quiet tenant by itself, no tenants file (today's gateway)
-  noisy-off      both tenants, no tenants file
+  noisy-off      all tenants, no tenants file
   alone-on       the quiet tenant by itself, with the tenants file
-  noisy-on       both tenants, with the tenants file (maxInFlightPerBackend = --bound;
-                 the noisy tenant may queue --noisy-max-queued for --queue-timeout-s,
-                 and hold --noisy-max-concurrency at once when given)
-Reported: the quiet tenant's TTFT p50/p99 (first streamed token), the noisy tenant's 429
-share, and every request that ended without an answer or a 429 ("lost": must be 0).
-The goal: with flow control on, the quiet tenant's p99 within 1.5x of its p99 alone.
-Writes benchmarks/results/flow_control.json.
+  noisy-on       all tenants, with the tenants file: equal weights (or --weights), no
+                 limits and no pool section (the engines' learned limit), unless --bound
+                 (pool.maxInFlightPerBackend) or the noisy tenant's own limits are given
+Reported: the quiet tenant's TTFT p50/p99 (first streamed token) and its p99 against
+alone on the same topology, the tokens streamed a second by all tenants (from --settle-s
+into each phase to its end; streams still open at the end are cut by the client and
+counted as `cut`, not lost) and against the same phase without flow control, each
+weighted tenant's share of the weighted tenants' tokens against its weight's, the noisy
+429 share, and every request that ended without an answer or a 429 ("lost": must be 0).
+The goals: quiet p99 within 1.5x of alone, throughput within 10% of off, shares within
+15% of the weights. Writes benchmarks/results/flow_control.json.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, write_json
 from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
 
-QUIET_KEY, NOISY_KEY = "quiet-tenant-key-000001", "noisy-tenant-key-000002"
+QUIET_KEY = "quiet-tenant-key-000001"
 WORDS = "river stone cloud lantern harbor meadow copper violet engine orbit signal garden".split()
 
 
@@ -54,11 +62,16 @@ class Outcome:
     error: str = ""
 
 
+CUT = -1  # the client ended the stream at the phase's end: neither served nor lost
+
+
 @dataclass
 class Run:
     name: str
     outcomes: list[Outcome] = field(default_factory=list)
     flow: dict[str, float] = field(default_factory=dict)  # the gateway's pdpool_flow_* sums
+    tokens: dict[str, int] = field(default_factory=dict)  # streamed in the measured window
+    seconds: float = 0.0  # the measured windows' length, all rounds
 
 
 def flow_metrics(url: str) -> dict[str, float]:
@@ -80,35 +93,69 @@ def flow_metrics(url: str) -> dict[str, float]:
     return out
 
 
+def heavy_tenants(args: argparse.Namespace) -> dict[str, float]:
+    """The contending tenants: name -> weight."""
+    if not args.weights:
+        return {"noisy": 1.0}
+    return {f"w{w:g}": w for w in (float(x) for x in args.weights.split(","))}
+
+
+def key_of(tenant: str) -> str:
+    return QUIET_KEY if tenant in ("quiet", "warm") else f"{tenant}-tenant-key-{'0' * 12}"
+
+
 def tenants_yaml(args: argparse.Namespace) -> str:
-    return (
-        "tenants:\n"
-        f"  - {{name: quiet, keys: ['{QUIET_KEY}'], weight: 1}}\n"
-        f"  - {{name: noisy, keys: ['{NOISY_KEY}'], weight: 1, "
-        f"maxQueued: {args.noisy_max_queued}, queueTimeoutSeconds: {args.queue_timeout_s}, "
-        f"maxConcurrency: {args.noisy_max_concurrency}}}\n"
-        f"pool: {{maxInFlightPerBackend: {args.bound}, "
-        f"queueDepthThreshold: {args.queue_depth}}}\n"
+    """Equal or --weights weights and no limits unless asked: nothing tuned by hand."""
+    limits = "".join(
+        f", {name}: {value}"
+        for name, value in (
+            ("maxQueued", args.noisy_max_queued),
+            ("queueTimeoutSeconds", args.queue_timeout_s),
+            ("maxConcurrency", args.noisy_max_concurrency),
+        )
+        if value
     )
+    lines = ["tenants:", f"  - {{name: quiet, keys: ['{QUIET_KEY}'], weight: 1}}"]
+    for name, weight in heavy_tenants(args).items():
+        lines.append(f"  - {{name: {name}, keys: ['{key_of(name)}'], weight: {weight:g}{limits}}}")
+    if args.bound:
+        lines.append(f"pool: {{maxInFlightPerBackend: {args.bound}}}")
+    return "\n".join(lines) + "\n"
 
 
 def prompt(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-async def one(client: httpx.AsyncClient, tenant: str, key: str, body: dict) -> Outcome:
+@dataclass
+class Meter:
+    """Tokens streamed to each tenant inside the measured window [start, end)."""
+
+    start: float
+    end: float
+    tokens: dict[str, int] = field(default_factory=dict)
+
+    def token(self, tenant: str) -> None:
+        if self.start <= time.perf_counter() < self.end:
+            self.tokens[tenant] = self.tokens.get(tenant, 0) + 1
+
+
+async def one(
+    client: httpx.AsyncClient, tenant: str, body: dict, meter: Optional[Meter] = None
+) -> Outcome:
     start = time.perf_counter()
+    headers = {"authorization": f"Bearer {key_of(tenant)}"}
     try:
-        async with client.stream(
-            "POST", "/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}
-        ) as r:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode("utf-8", "replace")[:200]
                 return Outcome(tenant, r.status_code, None, r.headers.get("retry-after"), text)
             ttft = None
             async for line in r.aiter_lines():
-                if ttft is None and line.startswith("data: {") and '"text"' in line:
-                    ttft = time.perf_counter() - start
+                if line.startswith("data: {") and '"text"' in line:
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    if meter is not None:
+                        meter.token(tenant)
                 if line.startswith("data: [DONE]"):
                     return Outcome(tenant, 200, ttft)
             return Outcome(tenant, 0, ttft, error="stream ended without [DONE]")
@@ -116,33 +163,53 @@ async def one(client: httpx.AsyncClient, tenant: str, key: str, body: dict) -> O
         return Outcome(tenant, 0, None, error=repr(exc))
 
 
+def completion(rng: random.Random, args: argparse.Namespace, max_tokens: int) -> dict:
+    return {
+        "prompt": prompt(rng, args.prompt_words),
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+
 async def arrivals(
-    client: httpx.AsyncClient,
-    tenant: str,
-    key: str,
-    rate_at,
-    seconds: float,
-    args: argparse.Namespace,
-    seed: int,
+    client: httpx.AsyncClient, tenant: str, rate_at, args: argparse.Namespace, meter: Meter
 ) -> list[Outcome]:
-    """Open-loop Poisson arrivals at rate_at(t) requests a second for `seconds`."""
-    rng = random.Random(seed)
+    """Open-loop Poisson arrivals at rate_at(t) requests a second for --seconds."""
+    rng = random.Random(sum(map(ord, tenant)))  # the same arrivals every run
     tasks = []
     t0 = time.perf_counter()
-    while (now := time.perf_counter() - t0) < seconds:
+    while (now := time.perf_counter() - t0) < args.seconds:
         rate = rate_at(now)
         if rate <= 0:
             await asyncio.sleep(0.05)
             continue
-        body = {
-            "prompt": prompt(rng, args.prompt_words),
-            "max_tokens": args.max_tokens,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        tasks.append(asyncio.ensure_future(one(client, tenant, key, body)))
+        body = completion(rng, args, args.max_tokens)
+        tasks.append(asyncio.ensure_future(one(client, tenant, body, meter)))
         await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
+
+
+async def streams(
+    client: httpx.AsyncClient, tenant: str, args: argparse.Namespace, meter: Meter
+) -> list[Outcome]:
+    """--noisy-streams long streams kept open until the phase ends (then cut)."""
+
+    async def loop(i: int) -> list[Outcome]:
+        rng, out = random.Random(i), []
+        while (left := meter.end - time.perf_counter()) > 0:
+            body = completion(rng, args, args.noisy_max_tokens)
+            try:
+                o = await asyncio.wait_for(one(client, tenant, body, meter), left)
+            except asyncio.TimeoutError:
+                out.append(Outcome(tenant, CUT))
+                break
+            out.append(o)
+            if o.status != 200:  # a 429's Retry-After, capped: the flood keeps pressing
+                await asyncio.sleep(min(float(o.retry_after or 0.1), 1.0))
+        return out
+
+    return [o for part in await asyncio.gather(*map(loop, range(args.noisy_streams))) for o in part]
 
 
 LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=512)
@@ -152,38 +219,56 @@ async def warm(url: str) -> None:
     """The engine's first requests compile and allocate: not part of any run."""
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=LIMITS) as client:
         body = {"prompt": "warm up", "max_tokens": 4, "stream": True}
-        await asyncio.gather(*(one(client, "warm", QUIET_KEY, body) for _ in range(4)))
+        await asyncio.gather(*(one(client, "warm", body) for _ in range(4)))
 
 
-async def tenant_load(url: str, tenant: str, args: argparse.Namespace) -> list[Outcome]:
+async def heavy_load(
+    url: str, args: argparse.Namespace, meter: Meter
+) -> tuple[list[Outcome], dict[str, int]]:
     period = args.burst_s + args.pause_s
     noisy_rate = args.quiet_rps * args.noisy_factor
 
     def noisy_at(t: float) -> float:
         return noisy_rate if (t % period) < args.burst_s else 0.0
 
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=LIMITS) as client:
-        if tenant == "quiet":
-            return await arrivals(
-                client, "quiet", QUIET_KEY, lambda t: args.quiet_rps, args.seconds, args, 1
-            )
-        return await arrivals(client, "noisy", NOISY_KEY, noisy_at, args.seconds, args, 2)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=LIMITS) as client:
+        if args.noisy_streams:
+            parts = [streams(client, t, args, meter) for t in heavy_tenants(args)]
+        else:
+            parts = [arrivals(client, t, noisy_at, args, meter) for t in heavy_tenants(args)]
+        outcomes = [o for part in await asyncio.gather(*parts) for o in part]
+    return outcomes, meter.tokens
 
 
-def noisy_process(url: str, args: argparse.Namespace) -> list[Outcome]:
-    return asyncio.run(tenant_load(url, "noisy", args))
+def heavy_process(
+    url: str, args: argparse.Namespace, meter: Meter
+) -> tuple[list[Outcome], dict[str, int]]:
+    return asyncio.run(heavy_load(url, args, meter))
 
 
-def drive(url: str, args: argparse.Namespace, noisy: bool) -> list[Outcome]:
-    """The quiet tenant from this process; the noisy one from a process of its own, so
-    that parsing its streams never delays the quiet tenant's measured first token."""
+async def quiet_load(url: str, args: argparse.Namespace, meter: Meter) -> list[Outcome]:
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=LIMITS) as client:
+        return await arrivals(client, "quiet", lambda t: args.quiet_rps, args, meter)
+
+
+def drive(url: str, args: argparse.Namespace, noisy: bool, run: Run) -> None:
+    """The quiet tenant from this process; the heavy ones from a process of their own, so
+    that parsing their streams never delays the quiet tenant's measured first token."""
     asyncio.run(warm(url))
+    t0 = time.perf_counter()
+    meter = Meter(t0 + args.settle_s, t0 + args.seconds)
+    run.seconds += args.seconds - args.settle_s
     if not noisy:
-        return asyncio.run(tenant_load(url, "quiet", args))
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        flood = pool.submit(noisy_process, url, args)
-        quiet = asyncio.run(tenant_load(url, "quiet", args))
-        return quiet + flood.result()
+        run.outcomes += asyncio.run(quiet_load(url, args, meter))
+    else:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+            flood = pool.submit(heavy_process, url, args, meter)
+            run.outcomes += asyncio.run(quiet_load(url, args, meter))
+            outcomes, tokens = flood.result()
+        run.outcomes += outcomes
+        meter.tokens.update(tokens)
+    for tenant, n in meter.tokens.items():
+        run.tokens[tenant] = run.tokens.get(tenant, 0) + n
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:
@@ -193,12 +278,27 @@ def percentile(values: list[float], q: float) -> Optional[float]:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def summary(run: Run) -> dict:
+def shares(run: Run, args: argparse.Namespace) -> dict:
+    """Each weighted tenant's share of the weighted tenants' tokens / its weight's share."""
+    weights = heavy_tenants(args)
+    total = sum(run.tokens.get(t, 0) for t in weights)
+    if len(weights) < 2:
+        return {}
+    return {
+        f"share_{t}_vs_weight": (
+            (run.tokens.get(t, 0) / total) / (w / sum(weights.values())) if total else None
+        )
+        for t, w in weights.items()
+    }
+
+
+def summary(run: Run, args: argparse.Namespace) -> dict:
     quiet = [o for o in run.outcomes if o.tenant == "quiet"]
-    noisy = [o for o in run.outcomes if o.tenant == "noisy"]
+    noisy = [o for o in run.outcomes if o.tenant != "quiet" and o.status != CUT]
     ttfts = [o.ttft_s * 1000 for o in quiet if o.status == 200 and o.ttft_s is not None]
-    lost = [o for o in run.outcomes if o.status not in (200, 429)]
+    lost = [o for o in run.outcomes if o.status not in (200, 429, CUT)]
     no_retry_after = [o for o in run.outcomes if o.status == 429 and not o.retry_after]
+    wait_count = run.flow.get("pdpool_flow_queue_wait_seconds_count{quiet}")
     return {
         "run": run.name,
         "quiet_sent": len(quiet),
@@ -210,13 +310,15 @@ def summary(run: Run) -> dict:
         "noisy_sent": len(noisy),
         "noisy_ok": sum(o.status == 200 for o in noisy),
         "noisy_429_share": (sum(o.status == 429 for o in noisy) / len(noisy)) if noisy else None,
+        "tokens_per_s": sum(run.tokens.values()) / run.seconds if run.seconds else None,
+        **shares(run, args),
         "quiet_queue_wait_mean_ms": (
-            1000
-            * run.flow.get("pdpool_flow_queue_wait_seconds_sum{quiet}", 0.0)
-            / run.flow["pdpool_flow_queue_wait_seconds_count{quiet}"]
-            if run.flow.get("pdpool_flow_queue_wait_seconds_count{quiet}")
+            1000 * run.flow.get("pdpool_flow_queue_wait_seconds_sum{quiet}", 0.0) / wait_count
+            if wait_count
             else None
         ),
+        "concurrency_limit": run.flow.get("pdpool_flow_concurrency_limit"),
+        "cut": sum(o.status == CUT for o in run.outcomes),
         "lost": len(lost),
         "429_without_retry_after": len(no_retry_after),
     }
@@ -225,7 +327,7 @@ def summary(run: Run) -> dict:
 def run_topology(
     label: str, model: str, args: argparse.Namespace, tenants: Optional[str]
 ) -> list[Run]:
-    """One `pdpool up`; the quiet tenant alone and with the noisy one, alternating for
+    """One `pdpool up`; the quiet tenant alone and with the noisy ones, alternating for
     --rounds rounds (this machine's other load drifts: both see the same drift)."""
     spec = TopologySpec(
         model=model,
@@ -238,45 +340,45 @@ def run_topology(
     alone, noisy = Run(f"alone-{label}"), Run(f"noisy-{label}")
     with Topology(spec) as topo:
         for _ in range(args.rounds):
-            alone.outcomes += drive(topo.gateway.url, args, noisy=False)
-            noisy.outcomes += drive(topo.gateway.url, args, noisy=True)
+            drive(topo.gateway.url, args, False, alone)
+            drive(topo.gateway.url, args, True, noisy)
         noisy.flow = flow_metrics(topo.gateway.url) if tenants else {}
     for run in (alone, noisy):
-        lost = [o for o in run.outcomes if o.status not in (200, 429)]
+        lost = [o for o in run.outcomes if o.status not in (200, 429, CUT)]
         for o in lost[:5]:
             print(f"  lost ({run.name}): {o.tenant} status {o.status} {o.error}", file=sys.stderr)
     return [alone, noisy]
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", help="checkpoint (default: the tiny test model)")
     p.add_argument("--seconds", type=float, default=8.0, help="of each phase")
+    p.add_argument("--settle-s", type=float, default=1.0, help="tokens counted after this")
     p.add_argument("--quiet-rps", type=float, default=2.0)
+    p.add_argument("--noisy-streams", type=int, default=40, help="0: bursts instead")
+    p.add_argument("--noisy-max-tokens", type=int, default=256)
+    p.add_argument("--weights", help="e.g. 1,2,4: three contending tenants of these weights")
     p.add_argument("--noisy-factor", type=float, default=10.0)
     p.add_argument("--burst-s", type=float, default=3.0)
     p.add_argument("--pause-s", type=float, default=1.0)
     p.add_argument("--prompt-words", type=int, default=96)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--bound", type=int, default=2, help="maxInFlightPerBackend")
-    p.add_argument(
-        "--queue-depth", type=int, default=4, help="queueDepthThreshold (engine waiting)"
-    )
-    p.add_argument("--noisy-max-queued", type=int, default=8)
-    p.add_argument(
-        "--noisy-max-concurrency",
-        type=int,
-        default=0,
-        help="the noisy tenant's maxConcurrency (0: none, the pool's bound and shares only)",
-    )
-    p.add_argument("--queue-timeout-s", type=float, default=2.0)
+    p.add_argument("--bound", type=int, default=0, help="pool.maxInFlightPerBackend (0: none)")
+    p.add_argument("--noisy-max-queued", type=int, default=0, help="0: the file's default")
+    p.add_argument("--noisy-max-concurrency", type=int, default=0, help="0: none")
+    p.add_argument("--queue-timeout-s", type=float, default=0, help="0: the file's default")
     p.add_argument("--engine-arg", action="append", default=[])
     p.add_argument("--rounds", type=int, default=3, help="alone / noisy phases, alternating")
     p.add_argument("--only", help="off or on: one topology only")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     model = args.model or ensure_tiny_model("qwen3")
     with tempfile.TemporaryDirectory() as tmp:
         tenants = os.path.join(tmp, "tenants.yaml")
@@ -288,15 +390,16 @@ def main() -> int:
             if not args.only or label in args.only.split(",")
             for run in run_topology(label, model, args, file)
         ]
-    rows = [summary(r) for r in runs]
+    rows = [summary(r, args) for r in runs]
     by_name = {r["run"]: r for r in rows}
     for r in rows:  # against the quiet tenant alone on the same topology, same rounds
-        base = by_name.get("alone-" + r["run"].split("-")[1], {}).get("quiet_ttft_p99_ms")
-        off = by_name.get("alone-off", {}).get("quiet_ttft_p99_ms")
+        phase, label = r["run"].split("-")
+        base = by_name.get("alone-" + label, {}).get("quiet_ttft_p99_ms")
         p99 = r["quiet_ttft_p99_ms"]
         r["p99_vs_alone"] = p99 / base if base and p99 else None
-        r["p99_vs_alone_off"] = p99 / off if off and p99 else None
-    print_table(rows, "flow control: the quiet tenant's TTFT (ms) and the noisy tenant's 429s")
+        off = by_name.get(f"{phase}-off", {}).get("tokens_per_s")
+        r["tokens_vs_off"] = r["tokens_per_s"] / off if off and r["tokens_per_s"] else None
+    print_table(rows, "flow control: the quiet tenant's TTFT (ms), throughput, shares, 429s")
     flows = {r.name: r.flow for r in runs if r.flow}
     write_json("flow_control", {"args": vars(args), "rows": rows, "gateway_flow_metrics": flows})
     return 0

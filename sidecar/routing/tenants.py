@@ -14,7 +14,7 @@ tenants:
 objectives:                  # GIE InferenceObjective names -> priority (optional)
   - {name: critical, priority: 10}
 pool:                        # when the pool counts as saturated (saturation.py), optional
-  maxInFlightPerBackend: 0   # admitted requests per healthy backend (0: no bound)
+  maxInFlightPerBackend: 0   # admitted requests per healthy backend (0: learned, from ITL)
   queueDepthThreshold: 5     # an engine with this many waiting (vllm:num_requests_waiting)
   kvCacheUsageThreshold: 0.8 #   or this KV usage (vllm:kv_cache_usage_perc) is saturated
   maxQueued: 1000            # all queues together; beyond it the lowest band is shed first

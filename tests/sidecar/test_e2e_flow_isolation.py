@@ -63,18 +63,21 @@ async def test_many_streams_of_one_tenant_are_held_and_another_tenant_goes_past(
 
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
         flood = [asyncio.ensure_future(keep_open(c)) for _ in range(STREAMS)]
-        deadline = time.monotonic() + 60
-        while metric(url, gauge, 'tenant="noisy"') == 0:  # held by the gateway...
-            assert time.monotonic() < deadline, "the gateway never held a noisy request"
-            assert not all(f.done() for f in flood)
-            await asyncio.sleep(0.1)
-        limit = metric(url, "pdpool_flow_concurrency_limit")
-        assert 1 <= limit < STREAMS  # ...because the engines' learned limit is below 16
-        assert metric(url, "pdpool_flow_in_flight", 'tenant="noisy"') < STREAMS
-        for _ in range(3):  # the quiet tenant goes past the noisy tenant's queue
-            r = await c.post("/v1/completions", json=body(8), headers={"x-api-key": QUIET})
-            assert r.status_code == 200 and r.json()["choices"][0]["text"]
-        assert metric(url, gauge, 'tenant="noisy"') > 0  # still queued: served before them
-        assert metric(url, "pdpool_flow_shed_total") == 0  # nothing refused
-        done.set()
+        try:
+            deadline = time.monotonic() + 60
+            while metric(url, gauge, 'tenant="noisy"') == 0:  # held by the gateway...
+                assert time.monotonic() < deadline, "the gateway never held a noisy request"
+                assert not all(f.done() for f in flood)
+                await asyncio.sleep(0.1)
+            limit = metric(url, "pdpool_flow_concurrency_limit")
+            assert 1 <= limit < STREAMS  # ...because the engines' learned limit is below 16
+            assert metric(url, "pdpool_flow_in_flight", 'tenant="noisy"') < STREAMS
+            for _ in range(3):  # the quiet tenant goes past the noisy tenant's queue
+                r = await c.post("/v1/completions", json=body(8), headers={"x-api-key": QUIET})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"]
+            assert metric(url, gauge, 'tenant="noisy"') > 0  # still queued: served before them
+            assert metric(url, "pdpool_flow_shed_total") == 0  # nothing refused
+        finally:  # the flood ends (and its clients close) whatever was asserted
+            done.set()
+            await asyncio.wait(flood, timeout=120)
         assert set().union(*await asyncio.gather(*flood)) == {200}  # the flood served in turn

@@ -3,8 +3,8 @@
 others queue behind it in a known order, the busy one is dropped (the engine aborts it),
 and the order the others finish in is what the scheduler decided. Arrival order is made
 certain by waiting for each request to show in `vllm:num_requests_waiting` (both engines
-export it) before sending the next; each queued request runs enough steps that answers
-cannot overtake one another on their way back."""
+export it) before sending the next; each route is warmed up first and each queued request
+runs enough steps that answers cannot overtake one another on their way back."""
 
 from __future__ import annotations
 
@@ -63,12 +63,14 @@ def body(route: str, model: str, priority: int, max_tokens: int) -> dict[str, An
     return {**common, **sampling, "prompt": "Once upon a time"}
 
 
-def _busy(url: str, model: str, release: threading.Event, errors: list[str]) -> None:
+def _busy(
+    url: str, model: str, max_tokens: int, release: threading.Event, errors: list[str]
+) -> None:
     """A long stream at BUSY_PRIORITY, read until `release`, then dropped."""
     body = {
         "model": model,
         "prompt": "Once upon a time",
-        "max_tokens": 4000,  # as long as the context allows: it must outlast the queueing
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
         "priority": BUSY_PRIORITY,
@@ -83,11 +85,13 @@ def _busy(url: str, model: str, release: threading.Event, errors: list[str]) -> 
 def run_mix(
     url: str,
     model: str,
-    queued_tokens: int = 32,
+    queued_tokens: int = 64,
+    busy_tokens: int = 4000,
     on_queued: Optional[Callable[[], None]] = None,
 ) -> list[str]:
     """The names of the queued requests in the order they finished (each answered 200);
-    `on_queued` runs once all are queued behind the busy one."""
+    `on_queued` runs once all are queued behind the busy one. `busy_tokens`: as many as
+    the context allows (the busy stream must outlast the queueing)."""
     finished: list[str] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -101,8 +105,11 @@ def run_mix(
             if r.status_code != 200:
                 errors.append(f"{name}: {r.status_code} {r.text[:300]}")
 
+    for _, priority, route in QUEUED:  # each route's first answer may be slow: not in the mix
+        r = httpx.post(f"{url}{route}", json=body(route, model, priority, 2), timeout=300)
+        assert r.status_code == 200, r.text
     release = threading.Event()
-    busy = threading.Thread(target=_busy, args=(url, model, release, errors))
+    busy = threading.Thread(target=_busy, args=(url, model, busy_tokens, release, errors))
     busy.start()
     threads = []
     try:

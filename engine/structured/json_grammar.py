@@ -28,9 +28,10 @@ import xgrammar as xgr
 MAX_WHITESPACE = 8
 
 # One character of a length-bounded string: anything but a control character, `"` or `\`,
-# or an escape. Surrogate escapes are left out: JSON Schema counts a \uD83D\uDE00 pair as one
-# character, the grammar's repetition would count two (a minLength could then fail).
-_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" pdpool_length_escape))'
+# or an escape. Surrogates are left out, raw and escaped: xgrammar takes the bytes of one
+# (ED A0 80, not UTF-8) for a character, which decode to three U+FFFD; JSON Schema counts a
+# \uD83D\uDE00 pair as one character, the grammar's repetition would count two.
+_CHAR = r'(([^\0-\x1f\"\\\uD800-\uDFFF]) | ("\\" pdpool_length_escape))'
 _ESCAPE_RULE = (
     r'pdpool_length_escape ::= (([\"\\/bfnrt]) | ("u" [0-9A-Ca-c] pdpool_hex{3, 3}) | '
     r'("u" [Dd] [0-7] pdpool_hex{2, 2}) | ("u" [EeFf] pdpool_hex{3, 3}))'

@@ -48,6 +48,35 @@ def test_corrected_string_rules_are_json_within_their_bounds():
         assert not accepts(pointer, bad), bad
 
 
+def byte_matcher(tiny_qwen3, grammar):
+    """A matcher on the tiny checkpoint's byte-level vocabulary, and its one-byte tokens."""
+    from transformers import AutoTokenizer
+
+    info = xgr.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(tiny_qwen3), vocab_size=512
+    )
+    single = {v[0]: i for i, v in enumerate(info.decoded_vocab) if len(v) == 1}
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(grammar)), single
+
+
+def accepts_bytes(tiny_qwen3, grammar, data: bytes) -> bool:
+    matcher, single = byte_matcher(tiny_qwen3, grammar)
+    return all(matcher.accept_token(single[b]) for b in data) and matcher.is_completed()
+
+
+def test_upstream_defect_xgrammar_takes_an_encoded_surrogate_for_a_character(tiny_qwen3):
+    """ED A0 80 (U+D800's bytes, not UTF-8) decodes to three U+FFFD: one character for the
+    grammar, three for JSON Schema. Upstream in every string rule; corrected in ours with a
+    length (a pattern's regex keeps it: see docs/structured-outputs.md)."""
+    surrogate = b'"\xed\xa0\x80"'
+    assert accepts_bytes(tiny_qwen3, xgr.Grammar.from_json_schema(LENGTH), surrogate)
+    pattern = xgr.Grammar.from_json_schema('{"type": "string", "pattern": "^.{1,3}$"}')
+    assert accepts_bytes(tiny_qwen3, pattern, surrogate)
+    ours = schema_grammar(LENGTH, compact=True)
+    assert not accepts_bytes(tiny_qwen3, ours, surrogate)
+    assert accepts_bytes(tiny_qwen3, ours, '"\u16fe"'.encode())  # a 3-byte character
+
+
 def test_free_whitespace_is_bounded():
     grammar = schema_grammar('{"type": "object"}', compact=False)
     assert accepts(grammar, "{" + " " * MAX_WHITESPACE + "}")

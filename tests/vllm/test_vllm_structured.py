@@ -1,6 +1,6 @@
 """Structured outputs and tools against stock vLLM on the same tiny Qwen3 checkpoint: both
-use xgrammar with free whitespace for response_format and structured_outputs, so greedy
-guided outputs are the same text; tool answers have the same shape (message fields,
+use xgrammar, so greedy choice, regex and grammar outputs are the same text (JSON differs
+where vLLM's grammar is wrong: see test_greedy_json_where_vllm_wanders); tool answers have the same shape (message fields,
 finish reasons, `chatcmpl-tool-` ids). vLLM serves tools with its hermes parser (Qwen3's)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 
+import jsonschema
 import openai
 import pytest
 
@@ -79,16 +80,12 @@ def both(engines, route: str, **kw):
     return out["ours"], out["vllm"]
 
 
+# JSON is left out of the greedy parity: vLLM's xgrammar grammar lets free whitespace run on
+# (vLLM 0.32 has no per-request compact JSON) and control characters into length-bounded
+# strings; ours bounds one and corrects the other (engine/structured/json_grammar.py).
 @pytest.mark.parametrize(
     "extra",
     [
-        {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "w", "schema": SCHEMA},
-            }
-        },
-        {"response_format": {"type": "json_object"}},
         {"extra_body": {"structured_outputs": {"choice": ["yes", "no", "maybe so"]}}},
         {"extra_body": {"structured_outputs": {"regex": r"[a-z]{3,6}-[0-9]{2}"}}},
         # vLLM 0.32 dropped the legacy guided_* fields (ignored with a warning); we honour them,
@@ -102,10 +99,18 @@ def test_greedy_guided_chat_equals_vllm(engines, extra):
     assert ours.choices[0].finish_reason == vllm.choices[0].finish_reason
 
 
-def test_greedy_guided_completion_equals_vllm(engines):
+def test_greedy_json_where_vllm_wanders(engines):
+    """The same JSON requests: ours end as strict JSON that validates; vLLM's greedy answers
+    run in blanks to max_tokens here (benchmarks/structured_validity.py counts both)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    ours, vllm = both(engines, "chat", messages=ASK, max_tokens=120, response_format=rf)
+    assert ours.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(ours.choices[0].message.content), SCHEMA)
+    assert vllm.choices[0].finish_reason == "length"  # when this fails, vLLM has caught up
     so = {"structured_outputs": {"json": SCHEMA}}
-    ours, vllm = both(engines, "completions", prompt="JSON:", max_tokens=60, extra_body=so)
-    assert ours.choices[0].text == vllm.choices[0].text
+    ours, _ = both(engines, "completions", prompt="JSON:", max_tokens=120, extra_body=so)
+    assert ours.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(ours.choices[0].text), SCHEMA)
 
 
 def shape(choice) -> dict:
@@ -138,4 +143,4 @@ def test_tool_answers_have_vllms_shape(engines, kw):
     # on this random model wander in free whitespace until max_tokens and do not always
     # (seen: arguments "Infinity"): that is the difference guided compact JSON makes.
     for c in ours.choices[0].message.tool_calls or []:
-        assert isinstance(json.loads(c.function.arguments, strict=False), dict)
+        assert isinstance(json.loads(c.function.arguments), dict)

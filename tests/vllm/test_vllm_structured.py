@@ -1,7 +1,8 @@
 """Structured outputs and tools against stock vLLM on the same tiny Qwen3 checkpoint: both
 use xgrammar, so greedy choice, regex and grammar outputs are the same text (JSON differs
-where vLLM's grammar is wrong: see test_greedy_json_where_vllm_wanders); tool answers have the same shape (message fields,
-finish reasons, `chatcmpl-tool-` ids). vLLM serves tools with its hermes parser (Qwen3's)."""
+where vLLM's grammar is wrong: see test_greedy_json_where_vllm_wanders); tool answers have
+the same shape (message fields, finish reasons, `chatcmpl-tool-` ids). vLLM serves tools
+with its hermes parser (Qwen3's)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,13 @@ import pytest
 from pdpool.engine.async_engine import AsyncEngine
 
 
+class NoCompiles:
+    """Grammar compile jobs that never hold up admission."""
+
+    def holdup_s(self) -> float:
+        return 0.0
+
+
 class SteppableEngine:
     """Just what AsyncEngine drives; `step` blocks while `gate` is closed."""
 
@@ -21,6 +28,7 @@ class SteppableEngine:
         self.die = False
         self.requests: dict = {}
         self.last_step_idle = False
+        self.grammar_jobs = NoCompiles()
 
     def has_unfinished(self) -> bool:
         return self.work

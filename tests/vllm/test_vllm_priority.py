@@ -1,6 +1,6 @@
 """Priority scheduling side by side: the same mix of priorities (tests/support/priority_mix.py:
-a busy stream, then requests of three priorities queued behind it on the three generation
-routes) sent to stock vLLM and to `pdpool serve`, both with `--scheduling-policy priority
+a busy stream, then requests of three priorities queued behind it on the two OpenAI routes)
+sent to stock vLLM and to `pdpool serve`, both with `--scheduling-policy priority
 --max-num-seqs 1`, finishes in the same order."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from devtools.engine_procs import EngineProcess, wait_healthy
 from pdpool.up.topology import VLLM_ARGS, VLLM_ENV, free_port, served_model_name
-from tests.support.priority_mix import EXPECTED, run_mix
+from tests.support.priority_mix import OPENAI_QUEUED, expected_order, run_mix
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -22,8 +22,7 @@ FLAGS = ("--scheduling-policy", "priority", "--max-num-seqs", "1", "--max-model-
 def test_vllm_and_pdpool_serve_a_priority_mix_in_the_same_order(tiny_qwen3, vllm_bin, tmp_path):
     port = free_port()
     argv = [vllm_bin, "serve", str(tiny_qwen3), "--port", str(port), *VLLM_ARGS, *FLAGS]
-    # /inference/v1/generate is one of vLLM's scale-out routes
-    argv += ["--enable-scale-out", "--served-model-name", served_model_name(str(tiny_qwen3))]
+    argv += ["--served-model-name", served_model_name(str(tiny_qwen3))]
     log = tmp_path / "vllm.log"
     with open(log, "wb") as fh:
         env = {**os.environ, **VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}
@@ -36,9 +35,9 @@ def test_vllm_and_pdpool_serve_a_priority_mix_in_the_same_order(tiny_qwen3, vllm
         wait_healthy(vllm_url, proc, 900, log)
         ours.wait(300)
         model = served_model_name(str(tiny_qwen3))
-        theirs = run_mix(vllm_url, model, busy_tokens=4000)
-        assert theirs == EXPECTED, theirs
-        assert run_mix(ours.url, model, busy_tokens=4000) == theirs
+        theirs = run_mix(vllm_url, model, busy_tokens=4000, queued=OPENAI_QUEUED)
+        assert theirs == expected_order(OPENAI_QUEUED), theirs
+        assert run_mix(ours.url, model, busy_tokens=4000, queued=OPENAI_QUEUED) == theirs
     finally:
         proc.terminate()
         proc.wait(30)

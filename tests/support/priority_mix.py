@@ -1,5 +1,5 @@
 """One mix of request priorities against an engine with one batch slot (`--max-num-seqs 1
---scheduling-policy priority`), the same for pdpool and stock vLLM: a busy stream runs,
+--scheduling-policy priority`): a busy stream runs,
 others queue behind it in a known order, the busy one is dropped (the engine aborts it),
 and the order the others finish in is what the scheduler decided. Arrival order is made
 certain by waiting for each request to show in `vllm:num_requests_waiting` (both engines
@@ -24,9 +24,6 @@ QUEUED = [
     ("high", -1, "/v1/chat/completions"),
     ("high-tokens", -1, "/inference/v1/generate"),
 ]
-# The two OpenAI routes only: the mix stock vLLM is compared on (its token route sits
-# behind --enable-scale-out and is not what the comparison is about).
-OPENAI_QUEUED = [q for q in QUEUED if q[2] != "/inference/v1/generate"]
 
 
 def expected_order(queued: list[tuple[str, int, str]]) -> list[str]:

@@ -10,7 +10,6 @@ import jsonschema
 import openai
 import pytest
 
-from devtools.engine_procs import engine_process
 
 SCHEMA = {
     "type": "object",
@@ -24,24 +23,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 MESSAGES = [{"role": "user", "content": "the weather, as JSON"}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(
-        tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512"
-    ) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def chat(client, model, **kw):

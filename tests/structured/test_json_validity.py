@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string as accepts
 
-from devtools.engine_procs import engine_process
 from devtools.json_schemas import SCHEMAS, TOOLS, calls_valid, strictly_valid
 from pdpool.engine.structured.json_grammar import MAX_WHITESPACE, schema_grammar
 
@@ -81,24 +79,6 @@ def test_free_whitespace_is_bounded():
     grammar = schema_grammar('{"type": "object"}', compact=False)
     assert accepts(grammar, "{" + " " * MAX_WHITESPACE + "}")
     assert not accepts(grammar, "{" + " " * (MAX_WHITESPACE + 1) + "}")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(
-        tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512"
-    ) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def ask(seed: int) -> list[dict]:

@@ -12,7 +12,6 @@ import jsonschema
 import openai
 import pytest
 
-from devtools.engine_procs import engine_process
 
 WEATHER = {
     "type": "object",
@@ -32,22 +31,6 @@ HERMES = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</too
 
 def literal(text: str) -> dict:
     return {"structured_outputs": {"regex": re.escape(text)}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(tiny_qwen3, tmp_path_factory.mktemp("logs")) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def call(client, model, **kw):

@@ -1,0 +1,26 @@
+"""A real `pdpool serve` of the tiny model per test module, and an OpenAI client of it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from devtools.engine_procs import engine_process
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3, tmp_path_factory):
+    with engine_process(
+        tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512"
+    ) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

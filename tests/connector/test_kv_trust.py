@@ -27,6 +27,9 @@ from tests.support.pd_router import (
     unsigned_lease,
 )
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "64")
 HOLD_S = 1.5
 

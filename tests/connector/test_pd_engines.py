@@ -26,6 +26,9 @@ from tests.support.pd_router import (
     wait_no_blocks,
 )
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 BLOCK = 16
 

@@ -14,6 +14,9 @@ import pytest
 
 from devtools.engine_procs import EngineProcess
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 BASE = list(range(100, 164))  # 64 tokens = 4 full blocks
 
 

@@ -25,6 +25,9 @@ from pdpool.engine.cpu_threads import (
 )
 from pdpool.cpu_cores import cgroup_quota_cores, usable_cores
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("cores,threads", [(1, 1), (2, 1), (3, 2), (16, 15)])
 def test_all_cores_but_one_for_the_model(cores, threads):

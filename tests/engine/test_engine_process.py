@@ -21,6 +21,9 @@ import pytest
 
 from devtools.engine_procs import engine_process
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 
 def _children(pid: int) -> list[int]:
     # Every thread's: a restarted engine process is started from a worker thread.

@@ -18,6 +18,9 @@ from pdpool.engine.config import EngineConfig
 from pdpool.engine.engine_core import LLMEngine
 from pdpool.engine.sampling_params import SamplingParams
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 

@@ -15,6 +15,9 @@ from devtools.engine_procs import engine_process
 from tests.support.logprobs import LOGPROB_ATOL as ATOL
 from tests.support.logprobs import assert_logprobs_close
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 # ATOL: the engine and transformers, both float32, differ by summation order only (the
 # tolerance's reasons are with LOGPROB_ATOL).
 

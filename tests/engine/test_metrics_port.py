@@ -4,9 +4,13 @@ NetworkPolicy can admit scrapers without admitting them to generation."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from devtools.engine_procs import engine_process
 from pdpool.ports import free_port
+
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
 
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
 

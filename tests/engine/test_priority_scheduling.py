@@ -13,7 +13,7 @@ from devtools.engine_procs import engine_process
 from pdpool.engine.server.priority_metrics import MAX_PRIORITY_LABELS
 from tests.support.priority_mix import EXPECTED, QUEUED, run_mix
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def samples(url: str, name: str) -> dict[str, float]:

@@ -15,6 +15,9 @@ from devtools.engine_procs import engine_process
 from tests.support.bos_checkpoint import with_bos_tokenizer
 from tests.support.render_cases import CHAT, COMPLETION, RENDER_CASES, SYSTEM, TURNS
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 GENERATE = "/inference/v1/generate"
 CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "tools")
 

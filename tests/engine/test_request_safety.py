@@ -15,6 +15,9 @@ import pytest
 
 from devtools.engine_procs import EngineProcess
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 # Each of these once raised inside the engine step (or the event loop) and failed every
 # running request; now each is a 400 at the API.
 POISON = [

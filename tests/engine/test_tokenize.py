@@ -9,6 +9,9 @@ import pytest
 
 from devtools.engine_procs import engine_process
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):

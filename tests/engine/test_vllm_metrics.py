@@ -11,6 +11,9 @@ import pytest
 from devtools.engine_procs import engine_process
 from tests.support.vllm_metric_names import check_vllm_names
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 
 def value(fams: dict, name: str, sample: str, **labels) -> float:
     for s in fams[name].samples:

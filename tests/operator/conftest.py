@@ -9,6 +9,7 @@ only when no Go toolchain exists at all and nothing is cached.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 import uuid
 
 import pytest
@@ -25,6 +26,17 @@ def _build(tools):
     if not all((DEFAULT_BIN / t).exists() for t in tools) and shutil.which("go") is None:
         pytest.skip(f"go is not installed: cannot build {', '.join(tools)}")
     return build_binaries(tools)  # raises (the test fails) when a build fails
+
+
+# Fixtures that start a control plane (or build its binaries): the full run's tier.
+CLUSTER_FIXTURES = {"helm_bin", "k8s", "real_k8s", "admin_api", "operator_process"}
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents and CLUSTER_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,9 @@ import pytest
 
 from pdpool.up.topology import pdpool_command
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(
     ("flags", "message"),

@@ -13,6 +13,9 @@ import pytest
 
 from tests.support.e2e_helpers import cleanup, metric, model_name, start_topology
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory):

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
 
 from devtools.engine_procs import engine_process
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:  # a test on the engine process belongs to the full run's tier
+        if here in Path(str(item.fspath)).parents and "server" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")

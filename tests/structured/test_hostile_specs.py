@@ -21,6 +21,9 @@ from tests.support.hostile_specs import (
     tiny_completion,
 )
 
+# Starts engine processes: the full run's tier, not the fast one.
+pytestmark = pytest.mark.slow
+
 # The tiny completion takes well under a second here; a bound far from both that and the
 # 30 s+ compiles the issue measured shows it did not wait behind the hostile request.
 NOT_BLOCKED_S = 10.0

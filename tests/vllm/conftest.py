@@ -17,6 +17,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.slow)  # stock vLLM processes: the full run's tier
 
 
 @pytest.fixture(scope="session")

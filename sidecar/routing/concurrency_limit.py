@@ -12,8 +12,12 @@ on the model, the GPU and the prompts; it is found here from the engine's own me
 - ITL: the mean inter-token latency of the tokens made since the last sample (the deltas
   of `vllm:inter_token_latency_seconds` _sum and _count, at least MIN_TOKENS tokens),
   smoothed over about two samples: the engine's step time;
-- baseline: the step time of a small batch. Measured whenever the engine runs at most
-  SMALL_BATCH requests (followed both ways: a slower machine or longer prompts are
+- baseline: the step time of a small batch. Until one is known the limit is at most
+  SMALL_BATCH (a slow start: an engine flooded before its first sample drains to a batch
+  whose step time can be measured; a first sample from a big batch would make that batch
+  look cheap for good), unless no small batch shows in PATIENCE samples (other routers
+  keep it busy), when the step time seen is taken. Then measured whenever the engine runs
+  at most SMALL_BATCH requests (followed both ways: a slower machine or longer prompts are
   learned); otherwise only lowered by a faster sample, and let rise by DRIFT a sample so
   that a pool never seen idle still learns a lasting change, in minutes;
 - ITL <= TOLERANCE x baseline and the limit in use (the engine runs at least 3/4 of it):
@@ -43,6 +47,7 @@ SMOOTHING = 0.5
 MAX_LIMIT = 4096.0
 GROWTH = 0.1  # relative growth per scrape (at least one request)
 IN_USE = 0.75  # the limit is in use when the engine runs this share of it
+PATIENCE = 40  # samples (~10 s) without a small batch before a big batch's ITL is the baseline
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class AdaptiveLimit:
         self.kv_threshold = kv_threshold
         self._last: Optional[tuple[float, float]] = None  # (itl_sum, itl_count)
         self._waited = False  # the previous scrape saw requests waiting
+        self._unmeasured = 0  # samples with tokens but no small batch, before a baseline
 
     @property
     def value(self) -> int:
@@ -92,7 +98,9 @@ class AdaptiveLimit:
         in_use = running + waiting >= IN_USE * self.limit
         if queued and running >= 1:
             self.limit = min(self.limit, running)
-        elif itl is None or not self.baseline:
+        elif not self.baseline:
+            self.limit = min(self.limit, SMALL_BATCH)  # slow start, until a baseline
+        elif itl is None:
             pass  # no tokens this interval: nothing learned
         elif itl > TOLERANCE * self.baseline:
             self.limit *= max(0.5, TOLERANCE * self.baseline / itl)
@@ -105,7 +113,10 @@ class AdaptiveLimit:
         """Smooths the ITL and moves the baseline; returns the smoothed ITL."""
         self.itl = itl if self.itl is None else self.itl + SMOOTHING * (itl - self.itl)
         if self.baseline is None:
-            self.baseline = self.itl
+            if running <= SMALL_BATCH or self._unmeasured >= PATIENCE:
+                self.baseline = itl if running <= SMALL_BATCH else self.itl
+            else:
+                self._unmeasured += 1
         elif (
             running <= SMALL_BATCH
         ):  # this interval's own ITL, not one smoothed with bigger batches'

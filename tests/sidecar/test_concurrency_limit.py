@@ -10,7 +10,13 @@ import itertools
 
 import pytest
 
-from pdpool.sidecar.routing.concurrency_limit import TOLERANCE, AdaptiveLimit, EngineSample
+from pdpool.sidecar.routing.concurrency_limit import (
+    PATIENCE,
+    SMALL_BATCH,
+    TOLERANCE,
+    AdaptiveLimit,
+    EngineSample,
+)
 from pdpool.sidecar.routing.flow_control import FlowController, FlowRequest
 from pdpool.sidecar.routing.saturation import FULL, ROOM, Saturation
 from pdpool.sidecar.routing.tenants import PoolLimits, Tenant, TenantsConfig
@@ -50,6 +56,34 @@ def test_a_small_batch_measures_the_baseline_again():
         limit.update(BASE * 3, running=min(2, limit.value), waiting=0, kv=0.1)
     assert limit.baseline == pytest.approx(BASE * 3, rel=0.01)
     assert limit.limit >= 2
+
+
+def test_an_engine_flooded_before_its_first_sample_starts_slow_and_measures_a_small_batch():
+    """A first sample from a batch of 16 is not the baseline (16 would then look as cheap as
+    one, and nothing would ever be held): the limit drops to a small batch until one has been
+    measured, then grows from there."""
+    limit = AdaptiveLimit(initial=16)
+    limit.update(step_time(16), running=16, waiting=0, kv=0.1)
+    assert limit.baseline is None and limit.value == SMALL_BATCH
+    limit.update(step_time(16), running=12, waiting=0, kv=0.1)  # draining: still unmeasured
+    assert limit.baseline is None and limit.value == SMALL_BATCH
+    limit.update(step_time(2), running=2, waiting=0, kv=0.1)
+    assert limit.baseline == pytest.approx(BASE)
+    for _ in range(30):
+        limit.update(step_time(limit.limit), running=limit.limit, waiting=0, kv=0.1)
+    assert limit.value < 16  # held near the knee, not back at the flood
+
+
+def test_without_a_small_batch_for_long_the_step_time_seen_is_the_baseline():
+    """Other routers keep the engine busy: after PATIENCE samples the batch it runs is the
+    baseline, so the limit is not held at a small batch for ever."""
+    limit = AdaptiveLimit(initial=16)
+    for _ in range(PATIENCE + 1):
+        limit.update(step_time(8), running=8, waiting=0, kv=0.1)
+    assert limit.baseline == pytest.approx(step_time(8))
+    for _ in range(5):
+        limit.update(step_time(8), running=limit.limit, waiting=0, kv=0.1)
+    assert limit.value > SMALL_BATCH
 
 
 def test_the_limit_grows_only_when_in_use_and_below_the_engines_own_limits():

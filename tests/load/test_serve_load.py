@@ -1,7 +1,8 @@
 """What production sends, against one `pdpool serve` with default flags (its engine core in
 a process of its own): bursts of long prompts, over-long prompts, a 10 MB prompt, a killed
 engine core, and a mixed burst. Throughout: /health answers within 1 s, nothing is answered
-5xx unless no path could serve, no stream ends without [DONE] or an error event; afterwards
+5xx unless no path could serve, no stream ends without [DONE] or an error event, hostile
+structured-output specs get 400 while valid ones parse; afterwards
 the KV blocks in use are back to idle and memory has stayed bounded."""
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import random
 import httpx
 import pytest
 
+from devtools.json_schemas import SCHEMAS, strictly_valid
 from devtools.load_mix import (
+    CHAT,
     COMPLETIONS,
     REFUSED,
     TOO_LONG,
@@ -36,6 +39,7 @@ from devtools.load_targets import (
     time_recovery,
     wait_blocks_idle,
 )
+from tests.support.hostile_specs import HOSTILE
 from tests.support.load_suite import (
     BLOCKS_IDLE_WAIT_S,
     MEMORY_GROWTH_LIMIT,
@@ -180,4 +184,51 @@ def test_mixed_burst_on_one_engine(serve, model_dir):
     problems = outcome_problems(outcomes) + health_problems(watch) + after_checks(serve, spec)
     problems += block_problems(idle, wait_blocks_idle(serve, idle, BLOCKS_IDLE_WAIT_S))
     problems += memory_problems(rss, memory(serve), MEMORY_GROWTH_LIMIT)
+    assert not problems, no_problems(problems)
+
+
+def hostile_structured_shots(spec, mk) -> list[Shot]:
+    """Specs that once held an engine (huge choice lists and schemas, deep nesting, a
+    vocabulary-wide logit_bias, a length the grammar cannot enforce) on both OpenAI routes,
+    each answered 400; beside them valid guided requests and plain ones, answered 200."""
+    bad = []
+    for name, fields in HOSTILE.items():
+        bad.append(Shot(f"hostile {name}", COMPLETIONS, completion_body(spec, mk, fields)))
+        chat_fields = {**fields, "messages": [{"role": "user", "content": mk.text(16)}]}
+        bad.append(Shot(f"hostile chat {name}", CHAT, {"model": spec.model, **chat_fields}))
+    unenforceable = {"guided_json": {"type": "string", "maxLength": 8, "pattern": "^[a-z]+$"}}
+    bad.append(Shot("unenforceable", COMPLETIONS, completion_body(spec, mk, unenforceable)))
+    bias = {"logit_bias": {str(i): 1.0 for i in range(301)}}
+    bad.append(Shot("logit_bias 301", COMPLETIONS, completion_body(spec, mk, bias)))
+    bad = [Shot(s.kind, s.route, s.body, TOO_LONG) for s in bad]  # 400 is the right answer
+    good = [
+        Shot(f"guided {name}", COMPLETIONS, guided_body(spec, mk, name))
+        for name in ("max_length", "enum", "nested")
+        for _ in range(2)
+    ]
+    good += [completion(spec, mk.text(200), 32, stream=i % 2 == 0) for i in range(12)]
+    return bad + good
+
+
+def completion_body(spec, mk, fields: dict) -> dict:
+    return {"model": spec.model, "prompt": mk.text(24), "max_tokens": 400, **fields}
+
+
+def guided_body(spec, mk, schema_name: str) -> dict:
+    return completion_body(spec, mk, {"guided_json": SCHEMAS[schema_name]})
+
+
+def test_hostile_structured_outputs_amid_a_burst(serve, model_dir):
+    spec = mix_spec(serve.url, model_dir)
+    shots = hostile_structured_shots(spec, PromptMaker(model_dir, seed=36))
+    idle = blocks_in_use(serve)
+    with HealthWatch(serve.url) as watch:
+        outcomes = send(serve.url, shots, spec, burst=len(shots))
+    problems = outcome_problems(outcomes) + health_problems(watch) + after_checks(serve, spec)
+    for o in outcomes:
+        text = o.text.get(0, "")
+        schema = SCHEMAS.get(o.kind.removeprefix("guided "))
+        if o.kind.startswith("guided ") and o.status == 200 and not strictly_valid(text, schema):
+            problems.append(f"{o.kind}: not valid JSON of its schema: {text!r}")
+    problems += block_problems(idle, wait_blocks_idle(serve, idle, BLOCKS_IDLE_WAIT_S))
     assert not problems, no_problems(problems)

@@ -60,7 +60,6 @@ class EngineConfig:
     structured_cache_bytes: int = 256 << 20
     # vLLM's --kv-events-config (JSON): publish KV cache events over ZeroMQ.
     kv_events_config: Optional[str] = None
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raises ValueError, naming the flag, for the first setting that makes no sense."""

@@ -140,10 +140,6 @@ class LLMEngine:
         )
 
     # --- setup --------------------------------------------------------------------------
-    @property
-    def block_bytes(self) -> int:
-        return self.memory.block_bytes
-
     def kv_layout(self) -> dict[str, Any]:
         """What must match for a KV block to mean the same thing in two engines."""
         return self.memory.layout()

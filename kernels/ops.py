@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from . import gdn_reference as gdn
-from .reference import paged_attention_reference, write_kv_reference
+from .cpu_attention import paged_attention_cpu
+from .reference import write_kv_reference
 
 FORCE_TORCH_ENV = "PDPOOL_FORCE_TORCH"
 
@@ -141,7 +142,7 @@ def paged_attention(
             max_query_len,
             max_seq_len,
         )
-    return paged_attention_reference(
+    return paged_attention_cpu(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
     )
 

@@ -18,7 +18,10 @@ RUN python -m venv /opt/pdpool
 ENV PATH=/opt/pdpool/bin:$PATH
 # torch first: the biggest layer, cached across code changes.
 RUN pip install ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "torch>=2.4"
-COPY pyproject.toml setup.py README.md* /src/
+# The README is the package's long description only: an empty one, so that editing the
+# docs never rebuilds the images.
+COPY pyproject.toml setup.py /src/
+RUN touch /src/README.md
 COPY pdpool /src/pdpool
 COPY engine /src/engine
 COPY kernels /src/kernels
@@ -35,6 +38,9 @@ RUN if ! command -v gcc >/dev/null || ! ldconfig -p | grep -q libnuma.so.1; then
       apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libnuma1 \
       && rm -rf /var/lib/apt/lists/*; fi
 COPY --from=build /opt/pdpool /opt/pdpool
+# A name for uid 65532 (kopf, getpass and others look the user up); after the big COPY, so
+# that its layer stays cached.
+RUN groupadd -g 65532 pdpool && useradd -u 65532 -g 65532 -d /tmp -M -s /usr/sbin/nologin pdpool
 # Read-only root filesystem: every place a library writes is under /tmp by default (an
 # emptyDir in the pool's pods; the operator points the caches at its /cache volume).
 ENV PATH=/opt/pdpool/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \

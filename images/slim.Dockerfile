@@ -10,7 +10,10 @@ ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/pdpool
 ENV PATH=/opt/pdpool/bin:$PATH
-COPY pyproject.toml setup.py README.md* /src/
+# The README is the package's long description only: an empty one, so that editing the
+# docs never rebuilds the images.
+COPY pyproject.toml setup.py /src/
+RUN touch /src/README.md
 COPY pdpool /src/pdpool
 COPY engine /src/engine
 COPY kernels /src/kernels
@@ -22,6 +25,9 @@ RUN pip install "/src[operator]" && python -c "import pdpool.operator.handlers, 
 
 FROM python:${PYTHON_VERSION}-slim
 COPY --from=build /opt/pdpool /opt/pdpool
+# A name for uid 65532 (kopf, getpass and others look the user up); after the big COPY, so
+# that its layer stays cached.
+RUN groupadd -g 65532 pdpool && useradd -u 65532 -g 65532 -d /tmp -M -s /usr/sbin/nologin pdpool
 # Read-only root filesystem: whatever a library writes goes under /tmp (an emptyDir).
 ENV PATH=/opt/pdpool/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp XDG_CACHE_HOME=/tmp/.cache XDG_CONFIG_HOME=/tmp/.config \

@@ -17,6 +17,9 @@ mkdir -p "$LOGS"
 # answers on every link). Nothing here is the host's.
 ip link set lo up
 ip addr add "$NODE_IP/32" dev lo
+# Connections the node itself opens to Service IPs (the host's forwarded ports) need a
+# route before kube-proxy's DNAT reroutes them to a pod.
+ip route add "$SERVICE_CIDR" dev lo src "$NODE_IP"
 echo 1 > /proc/sys/net/ipv4/ip_forward
 
 # Host kernel settings the kubelet and kube-proxy write (they are not per network

@@ -40,7 +40,8 @@ fi
 
 # Binaries: built once from the Go module proxy into $BIN (scripts/k8s).
 "$REPO/scripts/k8s/build-binaries.sh" etcd kube-apiserver kube-controller-manager \
-  kube-scheduler kubelet kube-proxy coredns >/dev/null
+  kube-scheduler kubelet kube-proxy coredns kubectl >/dev/null
+kubectl() { "$BIN/kubectl" "$@"; }
 if [[ ! -x $BIN/pause || $HERE/pause/main.go -nt $BIN/pause ]]; then
   log "building pause"
   (cd "$HERE/pause" && CGO_ENABLED=0 GOTOOLCHAIN=local go build -trimpath -ldflags "-s -w" -o "$BIN/pause" .)
@@ -187,16 +188,23 @@ metricsBindAddress: 127.0.0.1:10249
 healthzBindAddress: 127.0.0.1:10256
 KP
 
+# The cluster's zones from the API; every other name gets NXDOMAIN, never SERVFAIL (the
+# node has no upstream resolver, and a SERVFAIL stops resolvers from trying the search path).
 cat > "$DIR/Corefile" <<CF
-.:53 {
+cluster.local:53 in-addr.arpa:53 ip6.arpa:53 {
   bind $NODE_IP
   errors
   kubernetes cluster.local in-addr.arpa ip6.arpa {
     kubeconfig $DIR/node.kubeconfig
     pods insecure
-    fallthrough in-addr.arpa ip6.arpa
   }
   cache 5
+}
+.:53 {
+  bind $NODE_IP
+  template ANY ANY {
+    rcode NXDOMAIN
+  }
 }
 CF
 

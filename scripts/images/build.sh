@@ -82,7 +82,7 @@ context_hash() {
   {
     cat "$REPO/images/$name.Dockerfile" "$REPO/images/$name.Dockerfile.dockerignore"
     image_id "$BASE"
-    (cd "$REPO" && find pyproject.toml setup.py README.md pdpool engine kernels sidecar operator \
+    (cd "$REPO" && find pyproject.toml setup.py pdpool engine kernels sidecar operator \
       -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 2>/dev/null \
       | LC_ALL=C sort -z | xargs -0 sha256sum)
   } | sha256sum | cut -c1-16
@@ -95,8 +95,18 @@ build_one() {
     log "$ref is up to date ($hash)"
   else
     log "building $ref ($hash)"
-    local previous
+    local previous avail need
     previous=$(image_id "$ref")
+    # The engine image is ~7 GB, and committing its big layer briefly needs as much again
+    # in temporary space: refuse (with the reason) rather than fill a shared disk. The
+    # version being replaced goes first when space is short.
+    need=$([[ $name == engine ]] && echo 24 || echo 3)
+    avail=$(df --output=avail -BG /var/lib/containers /var/tmp | tail -n +2 | tr -d G | sort -n | head -1)
+    if ((avail < need)) && [[ -n $previous ]]; then
+      podman rmi "$previous" >/dev/null 2>&1 && previous=""
+      avail=$(df --output=avail -BG /var/lib/containers /var/tmp | tail -n +2 | tr -d G | sort -n | head -1)
+    fi
+    ((avail >= need)) || { echo "build.sh: building $ref needs about $need GB free under /var/lib/containers and /var/tmp; $avail GB are" >&2; exit 4; }
     "${PODMAN[@]}" build --pull=never --network=host --runtime=runc \
       -f "$REPO/images/$name.Dockerfile" \
       --ignorefile "$REPO/images/$name.Dockerfile.dockerignore" \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the pinned Kubernetes test binaries (etcd, kube-apiserver, kube-controller-manager,
-# helm, kwok; and for scripts/cluster: kubelet, kube-proxy, coredns) with the Go toolchain, from the Go module proxy, into a cache folder outside the
+# helm, kwok; and for scripts/cluster: kubelet, kube-proxy, coredns, kubectl) with the Go toolchain, from the Go module proxy, into a cache folder outside the
 # repository. Idempotent: a binary already built at the pinned version is skipped.
 #
 #   scripts/k8s/build-binaries.sh [TOOL...]      # default: all of them
@@ -53,7 +53,8 @@ k8s_wrapper() {
     (cd "$dir" && go get "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
       "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
       "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" \
-      "k8s.io/kubernetes/cmd/kubelet@$K8S_VERSION" "k8s.io/kubernetes/cmd/kube-proxy@$K8S_VERSION" >&2)
+      "k8s.io/kubernetes/cmd/kubelet@$K8S_VERSION" "k8s.io/kubernetes/cmd/kube-proxy@$K8S_VERSION" \
+      "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" >&2)
   fi
   echo "$dir"
 }
@@ -113,7 +114,7 @@ for t in "${tools[@]}"; do
     etcd) build_etcd ;;
     kube-apiserver|kube-controller-manager|kube-scheduler) build_k8s "$t" ;;
     # The node (scripts/cluster/up.sh): a real kubelet, kube-proxy and CoreDNS.
-    kubelet|kube-proxy) build_k8s "$t" ;;
+    kubelet|kube-proxy|kubectl) build_k8s "$t" ;;
     coredns) build_install coredns github.com/coredns/coredns "$COREDNS_VERSION" ;;
     # kwok: fake nodes and a fake kubelet (pods go Running/Ready without containers).
     kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"; kwok_stages ;;

@@ -31,11 +31,21 @@ class Cluster:
 
     def kubectl(self, *args: str, timeout: float = 120, check: bool = True, **kw):
         done = subprocess.run(
-            ["kubectl", *args], env=self.env, capture_output=True, text=True, timeout=timeout, **kw
+            [str(kube_bin() / "kubectl"), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kw,
         )
         if check and done.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
         return done
+
+
+def kube_bin() -> Path:
+    """The Kubernetes binaries (kubectl and helm among them), built by scripts/k8s."""
+    return Path(built_by("k8s/build-binaries.sh", 3000))
 
 
 def require_root() -> None:

@@ -62,14 +62,15 @@ def test_every_role_starts_non_root_on_a_read_only_root(image, role):
 
 @pytest.mark.parametrize("image", [ENGINE, SLIM])
 def test_images_run_as_65532_with_caches_under_tmp(image):
+    # getpass: kopf (the operator) names itself after the user, which must exist.
     code = (
-        "import os, tempfile; print(os.getuid(), os.environ['HOME'], "
+        "import getpass, os; print(os.getuid(), getpass.getuser(), os.environ['HOME'], "
         "os.environ['XDG_CACHE_HOME'], os.environ['HF_HOME'])"
     )
     done = run(image, "-c", code, entrypoint="python3")
     assert done.returncode == 0, done.stderr
-    uid, home, xdg, hf = done.stdout.split()
-    assert uid == "65532" and home == "/tmp"
+    uid, user, home, xdg, hf = done.stdout.split()
+    assert uid == "65532" and user == "pdpool" and home == "/tmp"
     assert xdg.startswith("/tmp/") and hf.startswith("/tmp/")
 
 

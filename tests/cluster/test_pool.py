@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.cluster.conftest import ENGINE, REPO, SLIM, Cluster
+from tests.cluster.conftest import ENGINE, REPO, SLIM, Cluster, kube_bin
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(1800)]
 
@@ -60,9 +60,7 @@ class Forward:
 
 
 def helm_bin() -> str:
-    from tests.support.prerequisites import built_by
-
-    return str(Path(built_by("k8s/build-binaries.sh", 3000)) / "helm")
+    return str(kube_bin() / "helm")
 
 
 def helm(cluster: Cluster, *args: str, timeout: float = 300) -> str:
@@ -248,23 +246,36 @@ def test_requests_through_the_gateway_service_take_the_pd_path_with_the_engines_
     assert text and text == alone["choices"][0]["text"]
 
 
+def pod_metric(cluster: Cluster, pod: str, port: int, name: str, label: str = "") -> float:
+    text = cluster.kubectl(
+        "get", "--raw", f"/api/v1/namespaces/{NS}/pods/{pod}:{port}/proxy/metrics"
+    ).stdout
+    total = 0.0
+    for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M):
+        if label in (m.group(1) or ""):
+            total += float(m.group(2))
+    return total
+
+
 def test_a_decode_pod_deleted_mid_stream_and_the_stream_completes(installed):
     cluster: Cluster = installed["cluster"]
     url = installed["gateway"]
-    expected = complete(url, max_tokens=200, ignore_eos=True)["choices"][0]["text"]
+    tokens = 1500  # long enough (tens of seconds here) for the pod to go mid-stream
+    expected = complete(url, max_tokens=tokens, ignore_eos=True)["choices"][0]["text"]
+    gateway_pod = pods(cluster, "gateway")[0]["metadata"]["name"]
+    migrations = "pdpool_gateway_migrations_total"
+    migrated_before = pod_metric(cluster, gateway_pod, 9090, migrations, 'outcome="ok"')
     body = {
         "model": "tiny-qwen3",
         "prompt": PROMPT,
-        "max_tokens": 200,
+        "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
     }
-    victims = [p["metadata"]["name"] for p in pods(cluster, "decode")]
     pieces: list[str] = []
-    finish = None
-    deleted = False
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+    finish, victim = None, None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -274,13 +285,29 @@ def test_a_decode_pod_deleted_mid_stream_and_the_stream_completes(installed):
             for c in chunk.get("choices", []):
                 pieces.append(c.get("text") or "")
                 finish = c.get("finish_reason") or finish
-            if len(pieces) == 5 and not deleted:
-                # Both decode pods: whichever serves the stream is gone mid-stream.
-                cluster.kubectl("delete", "pod", "-n", NS, victims[0], "--wait=false")
-                deleted = True
-    assert deleted and finish == "length"
-    print(f"\nstream across a deleted decode pod: {len(pieces)} chunks, finish {finish}")
+            if len(pieces) == 20 and victim is None:
+                # The decode pod serving this stream (its sidecar has it in flight) goes,
+                # with a 1 s grace period: no time to finish 1500 tokens.
+                serving = [
+                    p["metadata"]["name"]
+                    for p in pods(cluster, "decode")
+                    if pod_metric(cluster, p["metadata"]["name"], 9091, "pdpool_sidecar_in_flight")
+                    > 0
+                ]
+                assert len(serving) == 1, serving
+                victim = serving[0]
+                cluster.kubectl(
+                    "delete", "pod", "-n", NS, victim, "--grace-period=1", "--wait=false"
+                )
+    migrated = pod_metric(cluster, gateway_pod, 9090, migrations, 'outcome="ok"') - migrated_before
+    print(
+        f"\nstream across deleted decode pod {victim}: {len(pieces)} chunks, "
+        f"finish {finish}, gateway migrations {migrated:.0f}"
+    )
+    assert victim and finish == "length"
     assert "".join(pieces) == expected
+    assert migrated == 1
+    wait_ready(cluster, "decode", 2)  # the Deployment's replacement
 
 
 def test_helm_uninstall_leaves_nothing(installed):
@@ -289,39 +316,41 @@ def test_helm_uninstall_leaves_nothing(installed):
     helm(cluster, "uninstall", "pdpool", "-n", OP_NS, "--wait")
     cluster.kubectl("delete", "pvc", "-n", NS, "models", "--wait=true")
     cluster.kubectl("delete", "pv", "pdpool-tiny-models", "--wait=true")
-    left = []
     kinds = cluster.kubectl("api-resources", "--verbs=list", "-o", "name").stdout.split()
     namespaced = set(
         cluster.kubectl(
             "api-resources", "--verbs=list", "--namespaced=true", "-o", "name"
         ).stdout.split()
     )
+    # Not the release's: the node's own objects; the namespace `--create-namespace` made
+    # (helm never deletes it); the CRD, which helm keeps by design (charts/*/crds), and the
+    # APIService the API server registers for its group while it exists.
+    theirs = re.compile(
+        r"^(node/|csinode\.storage\.k8s\.io/|namespace/|"
+        r"apiservice\.apiregistration\.k8s\.io/v1alpha1\.pdpool\.io$|"
+        r".*/(configmap/kube-root-ca\.crt|serviceaccount/default)$)"
+    )
     deadline = time.monotonic() + 120
     while True:
         left = []
         for kind in kinds:
-            if (
-                kind.startswith("events")
-                or kind == "customresourcedefinitions.apiextensions.k8s.io"
-            ):
+            if kind.startswith("events") or kind.startswith("customresourcedefinitions"):
                 continue
-            args = ["get", kind, "-o", "name"]
-            args += ["-n", NS] if kind in namespaced else []
-            names = cluster.kubectl(*args, check=False).stdout.split()
             if kind in namespaced:
-                names += [
-                    f"{OP_NS}/{n}"
+                names = [
+                    f"{ns}/{n}"
+                    for ns in (NS, OP_NS)
                     for n in cluster.kubectl(
-                        "get", kind, "-n", OP_NS, "-o", "name", check=False
+                        "get", kind, "-n", ns, "-o", "name", check=False
                     ).stdout.split()
                 ]
-            # What every namespace has by itself.
-            left += [
-                n
-                for n in names
-                if ("pdpool" in n or "tiny" in n or n.startswith(OP_NS))
-                and not re.search(r"(configmap/kube-root-ca.crt|serviceaccount/default)$", n)
-            ]
+            else:
+                names = [
+                    n
+                    for n in cluster.kubectl("get", kind, "-o", "name", check=False).stdout.split()
+                    if "pdpool" in n or "tiny" in n
+                ]
+            left += [n for n in names if not theirs.match(n)]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(3)

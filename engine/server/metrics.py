@@ -234,6 +234,23 @@ class EngineMetrics:
             kv_stat.labels(stat=stat, **labels).set_function(
                 functools.partial(connector_stat, stat)
             )
+        tier_stat = Gauge(
+            "pdpool_kv_offload",
+            "KV offload tier counters: hit_tokens (prefix tokens found in the tier), "
+            "loaded_tokens, load_bytes, load_seconds (sum of read latencies), loads_ok, "
+            "loads_failed, records_rejected (failed their check: recomputed), stores, "
+            "store_bytes, store_failures, evictions, bytes_used, capacity_bytes, ...",
+            [*labels, "stat"],
+            registry=r,
+        )
+
+        def offload_stat(stat: str) -> float:
+            return state().offload.get(stat, 0.0)
+
+        for stat in state().offload:
+            tier_stat.labels(stat=stat, **labels).set_function(
+                functools.partial(offload_stat, stat)
+            )
         gauge(
             "pdpool_requests_aborted_total",
             "Requests aborted (client gone, cancelled).",

@@ -58,7 +58,7 @@ def encode_record(
         separators=(",", ":"),
     ).encode()
     parts = [MAGIC, _LEN.pack(len(header)), header, *(t.data for t in tensors)]
-    return b"".join(parts + [_digest(secret, parts)])
+    return b"".join([*parts, _digest(secret, parts)])
 
 
 def decode_record(
@@ -74,17 +74,7 @@ def decode_record(
     (hlen,) = _LEN.unpack_from(blob, len(MAGIC))
     if hlen > MAX_HEADER_BYTES or fixed + hlen > len(body):
         raise RecordRejected("header length out of range")
-    try:
-        header = json.loads(body[fixed : fixed + hlen])
-        if header["key"] != key:
-            raise RecordRejected("record holds another key")
-        if header["fingerprint"] != fingerprint:
-            raise RecordRejected("record from another model, revision or KV layout")
-        specs = [(str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["nbytes"])) for t in header["tensors"]]
-    except RecordRejected:
-        raise
-    except (ValueError, KeyError, TypeError) as exc:
-        raise RecordRejected(f"malformed header: {exc}") from None
+    specs = _checked_header(body[fixed : fixed + hlen], key, fingerprint)
     pos = fixed + hlen
     out = []
     for dtype, shape, nbytes in specs:
@@ -95,3 +85,24 @@ def decode_record(
     if pos != len(body):
         raise RecordRejected("payload longer than its header says")
     return out
+
+
+def _checked_header(
+    raw: bytes, key: str, fingerprint: str
+) -> list[tuple[str, tuple[int, ...], int]]:
+    """The header's tensor specs (dtype, shape, nbytes), once it names `key` and
+    `fingerprint`."""
+    try:
+        header = json.loads(raw)
+        named = (header["key"], header["fingerprint"])
+        specs = [
+            (str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["nbytes"]))
+            for t in header["tensors"]
+        ]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RecordRejected(f"malformed header: {exc}") from None
+    if named[0] != key:
+        raise RecordRejected("record holds another key")
+    if named[1] != fingerprint:
+        raise RecordRejected("record from another model, revision or KV layout")
+    return specs

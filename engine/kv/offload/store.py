@@ -151,7 +151,7 @@ class FileStore:
                 self.bytes_used -= size
 
     def _evict_over(self, limit: int) -> list[str]:
-        evicted = []
+        evicted: list[str] = []
         while True:
             with self._lock:
                 if self.bytes_used <= limit or not self._index:

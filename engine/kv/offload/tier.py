@@ -260,17 +260,24 @@ class KVOffload:
                 continue
             break
         if self.has_state:
-            if state_ok and applied == num_blocks and load.state_slot is not None:
-                blobs = res.records[-1]
-                srcs = [_tensor(b, t[load.state_slot]) for b, t in zip(blobs, self.state_tensors)]
-                if len(blobs) == len(self.state_tensors) and all(s is not None for s in srcs):
-                    for s, t in zip(srcs, self.state_tensors):
-                        t[load.state_slot].copy_(s)  # type: ignore[arg-type]
-                    return self._loaded(res.request_id, num_blocks)
+            if state_ok and applied == num_blocks and self._apply_state(res.records[-1], load):
+                return self._loaded(res.request_id, num_blocks)
             # Without the state at the end, the prefix cannot resume: start over.
             self.counters["loads_failed"] += 1
             return LoadResult(res.request_id, 0, res.error or "state record missing", restart=True)
         return self._loaded(res.request_id, applied, res.error)
+
+    def _apply_state(self, blobs: list[TensorBlob], load: _Load) -> bool:
+        """Copies a state record into the request's running slot; False if it does not fit."""
+        slot = load.state_slot
+        if slot is None or len(blobs) != len(self.state_tensors):
+            return False
+        srcs = [_tensor(b, t[slot]) for b, t in zip(blobs, self.state_tensors, strict=True)]
+        if any(s is None for s in srcs):
+            return False
+        for s, t in zip(srcs, self.state_tensors, strict=True):
+            t[slot].copy_(s)  # type: ignore[arg-type]
+        return True
 
     def _loaded(self, request_id: str, num_blocks: int, error: Optional[str] = None) -> LoadResult:
         tokens = num_blocks * self.block_size

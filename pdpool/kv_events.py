@@ -68,6 +68,9 @@ class BlockStored:
     # vLLM's: LOCAL or REMOTE relative to the publisher (an offload tier's disk, or a
     # directory shared by the pool); None: unspecified (the GPU/host pool itself).
     locality: Optional[str] = None
+    # The LoRA adapter the block was computed under (vLLM 0.32: lora_name is the one to
+    # key on; lora_id is kept for older readers).
+    lora_name: Optional[str] = None
 
 
 @dataclass
@@ -104,6 +107,7 @@ def _event_to_wire(ev: KVCacheEvent, token_ids: bool = True) -> dict:
             "block_size": ev.block_size,
             "lora_id": ev.lora_id,
             "medium": ev.medium,
+            "lora_name": ev.lora_name,
         }
         if ev.group_idx is not None:
             d["group_idx"] = ev.group_idx
@@ -145,6 +149,7 @@ _STORED_FIELDS = (
     "block_size",
     "lora_id",
     "medium",
+    "lora_name",
 )
 
 
@@ -174,6 +179,7 @@ def _event_from_wire(raw: Any) -> Optional[KVCacheEvent]:
             get("kv_cache_spec_kind"),
             _extra_keys(get("extra_keys")),
             get("locality"),
+            get("lora_name") if isinstance(get("lora_name"), str) else None,
         )
     if kind == "BlockRemoved":
         return BlockRemoved(

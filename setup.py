@@ -37,5 +37,5 @@ setup(
     packages=packages,
     package_dir=package_dir,
     include_package_data=True,
-    package_data={"pdpool": ["data/*"]},
+    package_data={"pdpool": ["data/*"], "pdpool.kernels": ["csrc/*.c"]},
 )

@@ -109,23 +109,19 @@ def measure(args, prompt: int, prefix: int) -> dict:
         args.repeats,
     )
     if not args.no_torch:
-        os.environ[kernel.DISABLE_ENV] = "0"  # the reference's own torch path
-        try:
-            record(
-                "torch",
-                lambda: reference.paged_attention_reference(
-                    q,
-                    k_cache,
-                    v_cache,
-                    tables,
-                    torch.tensor(starts, dtype=torch.int32),
-                    torch.tensor(lens, dtype=torch.int32),
-                    scale,
-                ),
-                max(1, args.repeats // 3),
-            )
-        finally:
-            os.environ.pop(kernel.DISABLE_ENV)
+        record(
+            "torch",
+            lambda: reference.paged_attention_reference(
+                q,
+                k_cache,
+                v_cache,
+                tables,
+                torch.tensor(starts, dtype=torch.int32),
+                torch.tensor(lens, dtype=torch.int32),
+                scale,
+            ),
+            max(1, args.repeats // 3),
+        )
         k, v = reference._gather_sequence(k_cache, v_cache, tables[0], total)
         record(
             "blocked",

@@ -60,7 +60,15 @@ class EngineConfig:
     structured_cache_bytes: int = 256 << 20
     # vLLM's --kv-events-config (JSON): publish KV cache events over ZeroMQ.
     kv_events_config: Optional[str] = None
-    extra: dict = field(default_factory=dict)
+    # LoRA (vLLM's flags): adapters named at start (name=path or vLLM's JSON form), how
+    # many distinct adapters one step may batch, the largest rank, how many stay in memory;
+    # runtime loads (VLLM_ALLOW_RUNTIME_LORA_UPDATING) only from --lora-allowed-dir.
+    enable_lora: bool = False
+    lora_modules: list[str] = field(default_factory=list)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+    lora_allowed_dirs: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raises ValueError, naming the flag, for the first setting that makes no sense."""
@@ -73,6 +81,7 @@ class EngineConfig:
         self._check_kv_transfer()
         self._check_server()
         self._check_structured()
+        self._check_lora()
 
     def _check_memory(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -148,3 +157,21 @@ class EngineConfig:
             )
         if self.structured_cache_bytes < 1 << 20:
             raise ValueError("--structured-cache-bytes must be at least 1MiB")
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be >= 1")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("--max-lora-rank must be in [1, 512]")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras must be >= --max-loras")
+        from pdpool.engine.lora.registry import parse_lora_module
+
+        for text in self.lora_modules:
+            parse_lora_module(text)  # a malformed entry stops the start

@@ -79,10 +79,6 @@ class CoreChannel:
     def closed(self) -> bool:
         return self._closed_why is not None
 
-    @property
-    def pending_bytes(self) -> int:
-        return self._pending
-
     def send(self, msg: Any) -> None:
         """Queues `msg` for the peer (never blocks; see `wait_room`). Raises ChannelClosed
         when the peer is gone, and whatever pickling raises for a message that cannot be

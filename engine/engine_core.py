@@ -62,6 +62,18 @@ class LLMEngine:
             self.step_threads = StepThreads(config.cpu_threads, config.cpu_prefill_threads)
         torch.manual_seed(config.seed)
         self.model = load_model(self.info, self.dtype, self.device)
+        self.lora = None
+        if config.enable_lora:
+            from pdpool.engine.lora.slots import LoRAManager
+
+            self.lora = LoRAManager(
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras or config.max_loras,
+                self.dtype,
+                self.device,
+            )
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -84,6 +96,7 @@ class LLMEngine:
                 prefix_aware_admission=config.prefix_aware_admission,
                 global_cache_hit_threshold=config.global_cache_hit_threshold,
                 policy=config.scheduling_policy,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             memory.spec,
             self.connector,
@@ -100,7 +113,13 @@ class LLMEngine:
         self.max_model_len = max_len
         self.scheduler.config.max_model_len = max_len
         self.runner = ModelRunner(
-            self.model, memory.spec.layout, self.kv_cache, self.device, keep_logits, self.state
+            self.model,
+            memory.spec.layout,
+            self.kv_cache,
+            self.device,
+            keep_logits,
+            self.state,
+            self.lora,
         )
         self.grammars = GrammarCompiler(
             tokenizer, self.info.config["vocab_size"], config.structured_cache_bytes
@@ -140,10 +159,6 @@ class LLMEngine:
         )
 
     # --- setup --------------------------------------------------------------------------
-    @property
-    def block_bytes(self) -> int:
-        return self.memory.block_bytes
-
     def kv_layout(self) -> dict[str, Any]:
         """What must match for a KV block to mean the same thing in two engines."""
         return self.memory.layout()
@@ -176,6 +191,7 @@ class LLMEngine:
         kv_transfer_params: Optional[dict[str, Any]] = None,
         compiled_grammar: Any = None,
         priority: int = 0,
+        lora: Any = None,
     ) -> Request:
         """`compiled_grammar`: the guided spec's grammar, compiled off the step loop
         (structured/compile_jobs.py); without it a guided spec compiles here."""
@@ -200,6 +216,10 @@ class LLMEngine:
         )
         if problem is not None:
             raise RequestRejected(problem)
+        if lora is not None:
+            if self.lora is None:
+                raise RequestRejected("LoRA adapters need --enable-lora")
+            self.lora.ensure_loaded(lora)  # a broken adapter is refused here (400)
         req = Request(
             request_id,
             prompt_token_ids,
@@ -210,6 +230,7 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
             block_size=self.config.block_size,
             priority=priority,
+            lora=lora,
         )
         req.grammar = self._grammar_of(prompt_token_ids, params, compiled_grammar)
         refusal = self.connector.check_request(req)

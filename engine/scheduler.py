@@ -57,6 +57,8 @@ class SchedulerConfig:
     global_cache_hit_threshold: float = 0.0
     # vLLM's --scheduling-policy: fcfs or priority (request_queue.py).
     policy: str = "fcfs"
+    # --max-loras: distinct LoRA adapters among running requests (0: no LoRA).
+    max_loras: int = 0
 
 
 @dataclass
@@ -225,12 +227,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out)
         # Waiting requests in the policy's order; none after a preemption this step.
+        # Requests whose adapter cannot join this step (--max-loras distinct adapters run
+        # already) step aside, as in vLLM, and keep their place for the next step.
+        aside: list[Request] = []
         while (
             self.waiting
             and budget > 0
             and not out.preempted
             and len(self.running) < self.config.max_num_seqs
         ):
+            if not self._adapter_fits(self.waiting[0]):
+                aside.append(self.waiting.popleft())
+                continue
             charged = self._admit(self.waiting[0], out, budget)
             if charged is None:
                 # The head of the line does not fit: nobody behind it jumps ahead.
@@ -238,8 +246,19 @@ class Scheduler:
                     self._preempt_waiting_holder(out, spare=self.waiting[0])
                 break
             budget -= charged
+        for req in reversed(aside):
+            self.waiting.appendleft(req)
         out.kv_view = self.kv.step_view([s.request.request_id for s in out.scheduled])
         return out
+
+    def running_adapters(self) -> set[str]:
+        return {r.lora.name for r in self.running if r.lora is not None}
+
+    def _adapter_fits(self, req: Request) -> bool:
+        if req.lora is None or not self.config.max_loras:
+            return True
+        names = self.running_adapters()
+        return req.lora.name in names or len(names) < self.config.max_loras
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
         """Running requests, oldest first, preempting by the policy when blocks run out.

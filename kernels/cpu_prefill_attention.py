@@ -1,5 +1,5 @@
 """Attention of a mixed batch (prefill chunks and decodes) on CPU, read straight from the paged
-cache: flash-style tiles in C (kernels/cpu_prefill_source.py), built with the system's C
+cache: flash-style tiles in C (kernels/csrc/prefill_attention.c), built with the system's C
 compiler on first use (kernels/native_build.py) and called through ctypes, one call per
 layer for the whole batch.
 
@@ -21,7 +21,6 @@ from typing import Optional
 import torch
 
 from . import cpu_parallel, native_build
-from .cpu_prefill_source import SOURCE
 
 MAX_DIM = 256  # the C source's MAX_DIM
 DISABLE_ENV = "PDPOOL_CPU_PREFILL_KERNEL"  # "0": always the torch path
@@ -39,9 +38,9 @@ def _library(portable: bool = False) -> Optional[ctypes.CDLL]:
     """The built kernel; `portable` builds the plain-C path even where AVX2 is (for tests)."""
     if portable:
         return native_build.load(
-            "prefill_attention_portable", SOURCE, _declare, extra_flags=("-DPORTABLE_ONLY",)
+            "prefill_attention", _declare, ("-DPORTABLE_ONLY",), variant="portable"
         )
-    return native_build.load("prefill_attention", SOURCE, _declare)
+    return native_build.load("prefill_attention", _declare)
 
 
 def available() -> bool:

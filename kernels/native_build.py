@@ -1,5 +1,6 @@
-"""Builds a small C source into a shared library with the system's C compiler, once per source,
-compiler, flags and CPU, and loads it with ctypes. Shared by the CPU attention kernels.
+"""Builds a C source of kernels/csrc/ into a shared library with the system's C compiler, once
+per source, compiler, flags and CPU, and loads it with ctypes. The one builder of the CPU
+attention kernels.
 
 The library is cached under $PDPOOL_KERNEL_CACHE, else ~/.cache/pdpool/cpu-kernels (a
 temporary folder when neither is writable). Without a compiler, or when the build fails,
@@ -25,6 +26,8 @@ CACHE_ENV = "PDPOOL_KERNEL_CACHE"
 # Sources are compiled for this CPU (`-march=native`): the cache key holds its flags.
 COMPILE_FLAGS = ("-O3", "-march=native", "-fPIC", "-c")
 LINK_FLAGS = ("-shared",)
+
+SOURCE_DIR = Path(__file__).with_name("csrc")
 
 _lock = threading.Lock()
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
@@ -82,32 +85,38 @@ def _build(name: str, source: str, cc: str, compile_flags, libs) -> Path:
     return lib_path
 
 
+def source(name: str) -> str:
+    """The C source kernels/csrc/<name>.c."""
+    return (SOURCE_DIR / f"{name}.c").read_text()
+
+
 def load(
     name: str,
-    source: str,
     declare: Callable[[ctypes.CDLL], None],
     extra_flags: tuple[str, ...] = (),
     libs: tuple[str, ...] = (),
+    variant: str = "",
 ) -> Optional[ctypes.CDLL]:
-    """The library built from `source` (once per process), its functions typed by `declare`;
-    None when it cannot be built here."""
+    """The library built from kernels/csrc/<name>.c (once per process and `variant`, a
+    build with other `extra_flags`), its functions typed by `declare`; None when it cannot
+    be built here."""
+    key = f"{name}_{variant}" if variant else name
     with _lock:
-        if name not in _loaded:
+        if key not in _loaded:
             lib, cc = None, compiler()
             if cc:
                 try:
-                    lib = ctypes.CDLL(
-                        str(_build(name, source, cc, COMPILE_FLAGS + extra_flags, libs))
-                    )
+                    built = _build(key, source(name), cc, COMPILE_FLAGS + extra_flags, libs)
+                    lib = ctypes.CDLL(str(built))
                     declare(lib)  # CDLL calls release the GIL
                 except (OSError, subprocess.SubprocessError, AttributeError) as exc:
                     detail = getattr(exc, "stderr", b"") or b""
                     log.warning(
                         "CPU kernel %s not built (%s %s): torch path",
-                        name,
+                        key,
                         exc,
                         detail.decode(errors="replace")[-500:],
                     )
                     lib = None
-            _loaded[name] = lib
-        return _loaded[name]
+            _loaded[key] = lib
+        return _loaded[key]

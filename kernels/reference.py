@@ -1,4 +1,5 @@
-"""Torch references for the attention kernels; also the engine's CPU path.
+"""Torch references for the attention kernels, pure torch (the Triton and C kernels are
+checked against them); with the C kernels in front (cpu_attention.py) the engine's CPU path.
 
 Cache layout (shared by the engine, the kernels and the NIXL connector): one tensor
 `kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, block-major so a
@@ -21,8 +22,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-from . import cpu_decode_attention, cpu_prefill_attention
 
 
 def write_kv_reference(
@@ -66,18 +65,6 @@ def paged_attention_reference(
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     decodes = [b for b, n in enumerate(q_lens) if n == 1]
     pure_decode = len(decodes) == len(lens) == q.shape[0]
-    if pure_decode and cpu_decode_attention.usable_for(q, k_cache, v_cache):
-        # A pure decode step on CPU: read the paged cache in place.
-        return cpu_decode_attention.paged_decode_attention(
-            q, k_cache, v_cache, block_tables, lens, scale, sliding_window
-        )
-    if not pure_decode and cpu_prefill_attention.usable_for(q, k_cache, v_cache):
-        # Prefill chunks on CPU: one flash-style call for the whole batch, the
-        # cache read in place; the decodes beside them go to the decode kernel (half the
-        # time of the prefill kernel's mostly empty tiles for 16 decodes of 1000-3000).
-        return _cpu_kernels(
-            q, k_cache, v_cache, block_tables, starts, lens, decodes, scale, sliding_window
-        )
     position_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
     groups = _decode_groups(decodes, lens, k_cache.shape[1], position_bytes)
     if len(groups) == 1 and pure_decode:
@@ -110,28 +97,6 @@ def paged_attention_reference(
             out[starts[b] + lo : starts[b] + hi] = _attend(
                 q[starts[b] + lo : starts[b] + hi], k, v, first, scale, sliding_window
             )
-    return out
-
-
-def _cpu_kernels(q, k_cache, v_cache, block_tables, starts, lens, decodes, scale, window):
-    """A step with prefill chunks through the prefill kernel, its decodes (if any) through
-    the decode kernel."""
-    split = bool(decodes) and cpu_decode_attention.usable_for(q, k_cache, v_cache)
-    out = cpu_prefill_attention.paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, starts, lens, scale, window, skip_single=split
-    )
-    if split:
-        rows = torch.tensor([starts[b] for b in decodes])
-        decoded = cpu_decode_attention.paged_decode_attention(
-            q.index_select(0, rows),
-            k_cache,
-            v_cache,
-            block_tables.index_select(0, torch.tensor(decodes)),
-            [lens[b] for b in decodes],
-            scale,
-            window,
-        )
-        out.index_copy_(0, rows, decoded)
     return out
 
 

@@ -65,6 +65,9 @@ class BlockStored:
     # Per block: what else went into its hash (a cache_salt on a prompt's first block), or
     # None; None for the whole event when nothing did.
     extra_keys: Optional[list] = None
+    # The LoRA adapter the block was computed under (vLLM 0.32: lora_name is the one to
+    # key on; lora_id is kept for older readers).
+    lora_name: Optional[str] = None
 
 
 @dataclass
@@ -100,6 +103,7 @@ def _event_to_wire(ev: KVCacheEvent, token_ids: bool = True) -> dict:
             "block_size": ev.block_size,
             "lora_id": ev.lora_id,
             "medium": ev.medium,
+            "lora_name": ev.lora_name,
         }
         if ev.group_idx is not None:
             d["group_idx"] = ev.group_idx
@@ -137,6 +141,7 @@ _STORED_FIELDS = (
     "block_size",
     "lora_id",
     "medium",
+    "lora_name",
 )
 
 
@@ -165,6 +170,7 @@ def _event_from_wire(raw: Any) -> Optional[KVCacheEvent]:
             get("group_idx"),
             get("kv_cache_spec_kind"),
             _extra_keys(get("extra_keys")),
+            get("lora_name") if isinstance(get("lora_name"), str) else None,
         )
     if kind == "BlockRemoved":
         return BlockRemoved(list(get("block_hashes") or []), get("medium"), get("group_idx"))

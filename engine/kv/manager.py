@@ -17,7 +17,7 @@ from pdpool.engine.kv.block_pool import Block, BlockPool
 from pdpool.engine.kv.facts import KVCacheSpec, KVCacheUsage, KVStepView
 from pdpool.engine.kv.groups import KVGroup
 from pdpool.engine.kv.state_cache import StateSnapshotCache
-from pdpool.engine.request import Request
+from pdpool.engine.request import Request, published_extra_keys
 
 if TYPE_CHECKING:
     from pdpool.kv_events import KVEventPublisher
@@ -347,10 +347,12 @@ class KVCacheManager:
         for i in [*stored, -1]:  # one event per run of consecutive blocks
             if run and i != run[-1] + 1:
                 first, last = run[0], run[-1]
-                # As vLLM: the salt is published with the block whose hash it went into.
+                # As vLLM: the adapter's name and the salt are published (untagged) with
+                # the block whose hash they went into.
+                first_keys = published_extra_keys(request)
                 extra = (
-                    [(request.cache_salt,) if j == 0 else None for j in run]
-                    if request.cache_salt and first == 0
+                    [first_keys if j == 0 else None for j in run]
+                    if first_keys and first == 0
                     else None
                 )
                 events.record(
@@ -359,11 +361,12 @@ class KVCacheManager:
                         hashes[first - 1] if first else None,
                         list(tokens[first * bs : (last + 1) * bs]),
                         bs,
-                        None,
+                        request.lora.lora_id if request.lora is not None else None,
                         "GPU",
                         g,
                         kind,
                         extra,
+                        request.lora.name if request.lora is not None else None,
                     )
                 )
                 run = []

@@ -70,10 +70,6 @@ class RecurrentState:
     def num_slots(self) -> int:
         return self.conv.shape[0]
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        self.conv[dst].copy_(self.conv[src])
-        self.ssm[dst].copy_(self.ssm[src])
-
 
 @dataclass
 class RecurrentBatch:

@@ -314,6 +314,10 @@ class EngineMetrics:
             multiprocess_mode="mostrecent",
         ).labels(**info).set(1)
         r.register(_VllmCounters(view, vl))
+        if cfg.enable_lora:
+            from pdpool.engine.server.lora_metrics import LoRARequestsInfo
+
+            r.register(LoRARequestsInfo(view))
         self.vllm_prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", names, registry=r
         ).labels(**vl)

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Optional
 from google.protobuf import struct_pb2
 
 from ..net.asgi import error_body
+from ..routing.admission import Shed, shed_body
 from . import envoy_api as ext
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -203,7 +204,7 @@ def immediate(
     )
 
 
-def too_many_requests(message: str, retry_after_s: Optional[float] = None) -> Any:
-    """429 for a request shed by admission (flow control), with Retry-After when known."""
-    headers = {"retry-after": str(max(1, round(retry_after_s)))} if retry_after_s else None
-    return immediate(429, message, code="rate_limit_exceeded", headers=headers)
+def too_many_requests(shed: Shed) -> Any:
+    """429 for a request shed by admission (flow control), with its Retry-After."""
+    message, code, headers = shed_body(shed)
+    return immediate(429, message, code=code, headers=headers)

@@ -154,8 +154,7 @@ class EndpointPicker:
         try:
             slot: Slot = await self.flow.acquire(tenant, headers, body)
         except Shed as shed:
-            retry = {"retry-after": str(shed.retry_after_s)}
-            return protocol.immediate(429, shed.message, code=shed.reason, headers=retry)
+            return protocol.too_many_requests(shed)
         return slot
 
     def engine_priority(self, headers: dict[str, str]) -> Optional[int]:

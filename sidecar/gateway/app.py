@@ -45,7 +45,6 @@ from ..net.asgi import (
     serve_lifespan,
     sse_error_event,
 )
-from ..net.discovery import EndpointSet
 from ..net.client_body import parse_client_body, strip_client_kv_params, with_priority
 from ..net.routes import GENERATION_PATHS, forwarded
 from ..net.backends import Backends
@@ -151,14 +150,6 @@ class Gateway:
 
     async def check_health(self) -> None:
         await self.routing.check_health()
-
-    @property
-    def unhealthy(self) -> set[str]:
-        return self.routing.unhealthy
-
-    @property
-    def backends(self) -> EndpointSet:
-        return self.routing.backends
 
     # ------------------------------------------------------------------ ASGI
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

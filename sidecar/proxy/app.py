@@ -402,5 +402,5 @@ def _bad_request_message(exc: Exception) -> str:
     return str(exc)
 
 
-def build_app(settings: SidecarSettings, **kwargs: Any) -> Sidecar:
-    return Sidecar(settings, **kwargs)
+def build_app(settings: SidecarSettings) -> Sidecar:
+    return Sidecar(settings)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdpool.kernels import cpu_decode_attention as native
-from pdpool.kernels import reference
+from pdpool.kernels import cpu_attention, reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler for the kernel")
 
@@ -48,7 +48,7 @@ def _case(heads, kv_heads, dim, lens, block_size=16, layers=3, seed=0):
         (2, 1, 256, None),
     ],
 )
-def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, monkeypatch):
+def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window):
     lens = [1, 2, 15, 16, 17, 40, 200, 333]
     q, k_cache, v_cache, tables = _case(heads, kv_heads, dim, lens)
     assert native.usable_for(q, k_cache, v_cache)
@@ -60,8 +60,6 @@ def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, m
         # Exact on purpose: threads split the batch by sequences, each computed whole by one
         # thread in the same order, so the thread count changes no float operation.
         torch.testing.assert_close(shared, got, rtol=0, atol=0)
-    monkeypatch.setenv(native.DISABLE_ENV, "0")
-    assert not native.usable_for(q, k_cache, v_cache)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     expected = reference.paged_attention_reference(
@@ -73,12 +71,10 @@ def test_native_matches_the_gather_and_sdpa_path(heads, kv_heads, dim, window, m
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 8, 12, 32])
-def test_block_sizes_that_do_not_hold_eight_positions_evenly(block_size, monkeypatch):
+def test_block_sizes_that_do_not_hold_eight_positions_evenly(block_size):
     lens = [1, 7, 8, 9, 31, 64, 101]
     q, k_cache, v_cache, tables = _case(8, 4, 64, lens, block_size=block_size)
     got = native.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, None)
-    monkeypatch.setenv(native.DISABLE_ENV, "0")  # the expected answer from the torch path
-    assert not native.usable_for(q, k_cache, v_cache)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     expected = reference.paged_attention_reference(
@@ -87,17 +83,18 @@ def test_block_sizes_that_do_not_hold_eight_positions_evenly(block_size, monkeyp
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_reference_uses_it_for_pure_decode_steps(monkeypatch):
+def test_the_cpu_path_uses_it_for_pure_decode_steps(monkeypatch):
     lens = [30, 31]
     q, k_cache, v_cache, tables = _case(4, 2, 32, lens)
     calls = []
     real = native.paged_decode_attention
     monkeypatch.setattr(native, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
     qsl = torch.arange(3, dtype=torch.int32)
-    reference.paged_attention_reference(
-        q, k_cache, v_cache, tables, qsl, torch.tensor(lens, dtype=torch.int32), 0.2
-    )
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cpu_attention.paged_attention_cpu(q, k_cache, v_cache, tables, qsl, seq_lens, 0.2)
     assert calls == [1]
+    reference.paged_attention_reference(q, k_cache, v_cache, tables, qsl, seq_lens, 0.2)
+    assert calls == [1]  # the reference is torch only
 
 
 def test_declines_bf16():

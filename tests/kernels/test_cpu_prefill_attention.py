@@ -2,7 +2,7 @@
 each sequence and runs SDPA with an explicit mask: causal from position zero, chunks over a
 cached prefix, GQA ratios, sliding windows, block sizes, lengths that do not fill a block,
 batches mixing prefills and decodes, head sizes; its portable (non-AVX2) build; and when the
-reference dispatches to it or declines it."""
+CPU path (cpu_attention.py) dispatches to it or declines it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from pdpool.kernels import cpu_decode_attention as decode_kernel
 from pdpool.kernels import cpu_prefill_attention as native
-from pdpool.kernels import reference
+from pdpool.kernels import cpu_attention, reference
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="no C compiler for the kernel (or PDPOOL_CPU_PREFILL_KERNEL=0)"
@@ -44,20 +44,17 @@ def _case(heads, kv_heads, dim, q_lens, seq_lens, block_size=16, seed=0):
 
 
 def _torch_path(q, k_cache, v_cache, tables, starts, seq_lens, scale, window, monkeypatch):
-    """The reference without the prefill kernel (nor, for a mixed step, the decode one)."""
-    with monkeypatch.context() as patch:
-        patch.setenv(native.DISABLE_ENV, "0")
-        assert not native.usable_for(q, k_cache, v_cache)
-        return reference.paged_attention_reference(
-            q,
-            k_cache,
-            v_cache,
-            tables,
-            torch.tensor(starts, dtype=torch.int32),
-            torch.tensor(seq_lens, dtype=torch.int32),
-            scale,
-            window,
-        )
+    """The torch reference (no C kernel in it)."""
+    return reference.paged_attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        scale,
+        window,
+    )
 
 
 def _check(heads, kv_heads, dim, q_lens, seq_lens, monkeypatch, window=None, block_size=16):
@@ -143,7 +140,7 @@ def test_a_strided_query_view_is_read_in_place(monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_reference_uses_it_for_steps_with_prefills(monkeypatch):
+def test_the_cpu_path_uses_it_for_steps_with_prefills(monkeypatch):
     q, k_cache, v_cache, tables, starts = _case(4, 2, 32, [1, 30], [31, 30])
     calls = []
     real = native.paged_prefill_attention
@@ -152,12 +149,14 @@ def test_the_reference_uses_it_for_steps_with_prefills(monkeypatch):
     )
     lens = torch.tensor([31, 30], dtype=torch.int32)
     starts_t = torch.tensor(starts, dtype=torch.int32)
-    reference.paged_attention_reference(q, k_cache, v_cache, tables, starts_t, lens, 0.2)
+    cpu_attention.paged_attention_cpu(q, k_cache, v_cache, tables, starts_t, lens, 0.2)
     assert calls == [1]
+    reference.paged_attention_reference(q, k_cache, v_cache, tables, starts_t, lens, 0.2)
+    assert calls == [1]  # the reference is torch only
     # a pure decode step goes to the decode kernel instead
     decode_q = q[:2]
     one_each = torch.arange(3, dtype=torch.int32)
-    reference.paged_attention_reference(decode_q, k_cache, v_cache, tables, one_each, lens, 0.2)
+    cpu_attention.paged_attention_cpu(decode_q, k_cache, v_cache, tables, one_each, lens, 0.2)
     assert calls == [1]
 
 
@@ -171,7 +170,7 @@ def test_a_mixed_step_leaves_its_decodes_to_the_decode_kernel(window, monkeypatc
     monkeypatch.setattr(
         decode_kernel, "paged_decode_attention", lambda *a: decoded.append(a[4]) or real(*a)
     )
-    got = reference.paged_attention_reference(
+    got = cpu_attention.paged_attention_cpu(
         q,
         k_cache,
         v_cache,

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from pdpool.sidecar.epp import protocol
+from pdpool.sidecar.routing.admission import Shed
 from pdpool.up.envoy_config import envoy_bootstrap
 from pdpool.up.envoy_gateway import picker_argv
 
@@ -116,9 +117,10 @@ def test_immediate_answers_are_openai_errors_and_429_says_when_to_retry():
         "param": None,
         "code": "no_backend",
     }
-    shed = protocol.too_many_requests("queue full", retry_after_s=2.4).immediate_response
+    shed = protocol.too_many_requests(Shed("queue_full", "queue full", 2.4)).immediate_response
     assert shed.status.code == 429
-    assert _set_headers(shed.headers)["retry-after"] == "2"
+    assert _set_headers(shed.headers)["retry-after"] == "3"  # whole seconds, rounded up
+    assert json.loads(shed.body)["error"]["code"] == "queue_full"
 
 
 def test_envoy_bootstrap_is_gie_s_filter_chain():

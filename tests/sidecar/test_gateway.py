@@ -70,8 +70,8 @@ async def test_dead_sidecar_is_retried_elsewhere_and_marked_unhealthy(servers):
         GatewaySettings(decode_urls=[dead, pool[0][1].host_port], health_interval_s=60)
     )
     gw = await servers(gateway)
-    assert dead in gateway.unhealthy  # the first health check already saw it
-    gateway.unhealthy.clear()  # pretend it just died after the check
+    assert dead in gateway.routing.unhealthy  # the first health check already saw it
+    gateway.routing.unhealthy.clear()  # pretend it just died after the check
     async with httpx.AsyncClient() as c:
         rs = [
             await c.post(
@@ -83,7 +83,7 @@ async def test_dead_sidecar_is_retried_elsewhere_and_marked_unhealthy(servers):
         metrics = (await c.get(gw.url + "/metrics")).text
     assert all(r.status_code == 200 for r in rs)
     assert len(pool[0][0].state.received) == 6
-    assert dead in gateway.unhealthy and health.status_code == 200
+    assert dead in gateway.routing.unhealthy and health.status_code == 200
     assert "pdpool_gateway_retries_total" in metrics
 
 
@@ -107,7 +107,7 @@ async def test_sidecar_whose_engine_is_down_is_skipped(servers):
         pool[0][1].app.settings.decode_url = down_engine_url
     assert all(r.status_code == 200 for r in rs)
     assert len(pool[1][0].state.received) == 8
-    assert pool[0][1].host_port in gateway.unhealthy
+    assert pool[0][1].host_port in gateway.routing.unhealthy
 
 
 async def test_no_backend_reachable_is_an_openai_503(servers):

@@ -41,9 +41,9 @@ async def test_sidecar_ready_follows_engine_and_gateway_routes_by_it(servers):
         r = await c.get(side.url + "/ready")
         assert r.status_code == 503 and r.json()["error"]["code"] == "decode_unhealthy"
         await gateway.check_health()
-        assert side.host_port in gateway.unhealthy
+        assert side.host_port in gateway.routing.unhealthy
         assert (await c.get(gw.url + "/ready")).status_code == 503
         engine.ready = True
         await gateway.check_health()
-        assert side.host_port not in gateway.unhealthy
+        assert side.host_port not in gateway.routing.unhealthy
         assert (await c.get(gw.url + "/ready")).status_code == 200

@@ -164,7 +164,7 @@ async def test_pod_ip_peers_need_any_name_and_still_the_pools_ca(
         )
     )
     gw = await tls_servers(gateway, leaf)
-    healthy = {b for b in gateway.backends.current if b not in gateway.unhealthy}
+    healthy = {b for b in gateway.routing.backends.current if b not in gateway.routing.unhealthy}
     # The name on the certificate never matches 127.0.0.1: only any_name accepts it; a
     # certificate from another CA is refused either way.
     assert healthy == ({good_srv.host_port} if any_name else set())

@@ -1,24 +1,22 @@
-"""The C source of the CPU prefill attention (kernels/cpu_prefill_attention.py builds and calls
-it). Kept apart from the Python that loads it so each file has one job.
-
-The layout that makes it run at matmul speed: a tile holds up to 24 query rows (a token and
-one query head of a KV head's group) of one sequence, and the rows lie on the vector lanes.
-Q is packed once per tile, transposed and pre-scaled, `qt[d][row]`. Then for every chunk of
-48 key positions:
-  scores   st[key][row] = sum_d K[key][d] * qt[d][row]: a register-blocked matmul (with AVX2,
-           12 accumulators: 12 / v keys x v row vectors), each key element broadcast from the
-           cache where it lies (through the block table: no gather, no transpose of K);
-  softmax  online, per row, all of it lane-wise (no horizontal reductions): running max m,
-           sum l, rescale alpha = 2^(m_old - m_new); exp2 is a polynomial on 8 lanes;
-  values   ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * p[key][row]: the
-           same register blocking (4 dims x 3 row vectors), V broadcast in place.
-Each K/V row is read once per tile for all its rows (all query heads of the group). Key
-chunks past a tile's last position (causal) or before its window are never read; only the
-chunks that cross the diagonal or the window edge are masked. A masked score is a large
-negative finite number, so a row that has seen only masked keys never computes inf - inf.
-"""
-
-SOURCE = r"""
+/* CPU prefill attention over the paged cache (kernels/cpu_prefill_attention.py builds
+ * and calls it).
+ *
+ * The layout that makes it run at matmul speed: a tile holds up to 24 query rows (a token and
+ * one query head of a KV head's group) of one sequence, and the rows lie on the vector lanes.
+ * Q is packed once per tile, transposed and pre-scaled, `qt[d][row]`. Then for every chunk of
+ * 48 key positions:
+ *   scores   st[key][row] = sum_d K[key][d] * qt[d][row]: a register-blocked matmul (with AVX2,
+ *            12 accumulators: 12 / v keys x v row vectors), each key element broadcast from the
+ *            cache where it lies (through the block table: no gather, no transpose of K);
+ *   softmax  online, per row, all of it lane-wise (no horizontal reductions): running max m,
+ *            sum l, rescale alpha = 2^(m_old - m_new); exp2 is a polynomial on 8 lanes;
+ *   values   ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * p[key][row]: the
+ *            same register blocking (4 dims x 3 row vectors), V broadcast in place.
+ * Each K/V row is read once per tile for all its rows (all query heads of the group). Key
+ * chunks past a tile's last position (causal) or before its window are never read; only the
+ * chunks that cross the diagonal or the window edge are masked. A masked score is a large
+ * negative finite number, so a row that has seen only masked keys never computes inf - inf.
+ */
 #include <stdint.h>
 #include <string.h>
 
@@ -405,4 +403,3 @@ void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const f
         }
     }
 }
-"""

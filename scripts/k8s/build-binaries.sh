@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the pinned Kubernetes test binaries (etcd, kube-apiserver, kube-controller-manager,
-# helm) with the Go toolchain, from the Go module proxy, into a cache folder outside the
+# helm, kwok; and for scripts/cluster: kubelet, kube-proxy, coredns) with the Go toolchain, from the Go module proxy, into a cache folder outside the
 # repository. Idempotent: a binary already built at the pinned version is skipped.
 #
 #   scripts/k8s/build-binaries.sh [TOOL...]      # default: all of them
@@ -14,6 +14,7 @@ set -euo pipefail
 K8S_VERSION=${PDPOOL_K8S_VERSION:-v1.34.4}
 ETCD_VERSION=${PDPOOL_ETCD_VERSION:-v3.6.7}
 HELM_VERSION=${PDPOOL_HELM_VERSION:-v3.19.0}
+COREDNS_VERSION=${PDPOOL_COREDNS_VERSION:-v1.12.4}
 KWOK_VERSION=${PDPOOL_KWOK_VERSION:-v0.8.0}
 
 BIN=${PDPOOL_K8S_BIN:-$HOME/.cache/pdpool/k8s-bin}
@@ -51,7 +52,8 @@ k8s_wrapper() {
     } > "$dir/go.mod"
     (cd "$dir" && go get "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
       "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
-      "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" >&2)
+      "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" \
+      "k8s.io/kubernetes/cmd/kubelet@$K8S_VERSION" "k8s.io/kubernetes/cmd/kube-proxy@$K8S_VERSION" >&2)
   fi
   echo "$dir"
 }
@@ -110,6 +112,9 @@ for t in "${tools[@]}"; do
   case $t in
     etcd) build_etcd ;;
     kube-apiserver|kube-controller-manager|kube-scheduler) build_k8s "$t" ;;
+    # The node (scripts/cluster/up.sh): a real kubelet, kube-proxy and CoreDNS.
+    kubelet|kube-proxy) build_k8s "$t" ;;
+    coredns) build_install coredns github.com/coredns/coredns "$COREDNS_VERSION" ;;
     # kwok: fake nodes and a fake kubelet (pods go Running/Ready without containers).
     kwok) build_install kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION"; kwok_stages ;;
     helm) build_install helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" ;;

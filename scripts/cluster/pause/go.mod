@@ -1,0 +1,3 @@
+module pdpool.local/pause
+
+go 1.22

@@ -60,6 +60,7 @@ class Outcome:
     ttft_s: Optional[float] = None
     retry_after: Optional[str] = None
     error: str = ""
+    sent_at: float = 0.0  # time.perf_counter() when sent
 
 
 CUT = -1  # the client ended the stream at the phase's end: neither served nor lost
@@ -71,7 +72,9 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     flow: dict[str, float] = field(default_factory=dict)  # the gateway's pdpool_flow_* sums
     tokens: dict[str, int] = field(default_factory=dict)  # streamed in the measured window
+    late_tokens: dict[str, int] = field(default_factory=dict)  # in its second half
     seconds: float = 0.0  # the measured windows' length, all rounds
+    quiet_at: list[tuple[float, float]] = field(default_factory=list)  # (s into phase, TTFT ms)
 
 
 def flow_metrics(url: str) -> dict[str, float]:
@@ -129,15 +132,20 @@ def prompt(rng: random.Random, n: int) -> str:
 
 @dataclass
 class Meter:
-    """Tokens streamed to each tenant inside the measured window [start, end)."""
+    """Tokens streamed to each tenant inside the measured window [start, end), and in its
+    second half [late, end) (shares once the phase's first requests had time to end)."""
 
     start: float
     end: float
     tokens: dict[str, int] = field(default_factory=dict)
+    late_tokens: dict[str, int] = field(default_factory=dict)
 
     def token(self, tenant: str) -> None:
-        if self.start <= time.perf_counter() < self.end:
+        now = time.perf_counter()
+        if self.start <= now < self.end:
             self.tokens[tenant] = self.tokens.get(tenant, 0) + 1
+            if now >= (self.start + self.end) / 2:
+                self.late_tokens[tenant] = self.late_tokens.get(tenant, 0) + 1
 
 
 async def one(
@@ -149,7 +157,9 @@ async def one(
         async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode("utf-8", "replace")[:200]
-                return Outcome(tenant, r.status_code, None, r.headers.get("retry-after"), text)
+                return Outcome(
+                    tenant, r.status_code, None, r.headers.get("retry-after"), text, start
+                )
             ttft = None
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and '"text"' in line:
@@ -157,10 +167,10 @@ async def one(
                     if meter is not None:
                         meter.token(tenant)
                 if line.startswith("data: [DONE]"):
-                    return Outcome(tenant, 200, ttft)
-            return Outcome(tenant, 0, ttft, error="stream ended without [DONE]")
+                    return Outcome(tenant, 200, ttft, sent_at=start)
+            return Outcome(tenant, 0, ttft, error="stream ended without [DONE]", sent_at=start)
     except httpx.HTTPError as exc:
-        return Outcome(tenant, 0, None, error=repr(exc))
+        return Outcome(tenant, 0, None, error=repr(exc), sent_at=start)
 
 
 def completion(rng: random.Random, args: argparse.Namespace, max_tokens: int) -> dict:
@@ -224,7 +234,7 @@ async def warm(url: str) -> None:
 
 async def heavy_load(
     url: str, args: argparse.Namespace, meter: Meter
-) -> tuple[list[Outcome], dict[str, int]]:
+) -> tuple[list[Outcome], dict[str, int], dict[str, int]]:
     period = args.burst_s + args.pause_s
     noisy_rate = args.quiet_rps * args.noisy_factor
 
@@ -237,12 +247,12 @@ async def heavy_load(
         else:
             parts = [arrivals(client, t, noisy_at, args, meter) for t in heavy_tenants(args)]
         outcomes = [o for part in await asyncio.gather(*parts) for o in part]
-    return outcomes, meter.tokens
+    return outcomes, meter.tokens, meter.late_tokens
 
 
 def heavy_process(
     url: str, args: argparse.Namespace, meter: Meter
-) -> tuple[list[Outcome], dict[str, int]]:
+) -> tuple[list[Outcome], dict[str, int], dict[str, int]]:
     return asyncio.run(heavy_load(url, args, meter))
 
 
@@ -255,6 +265,7 @@ def drive(url: str, args: argparse.Namespace, noisy: bool, run: Run) -> None:
     """The quiet tenant from this process; the heavy ones from a process of their own, so
     that parsing their streams never delays the quiet tenant's measured first token."""
     asyncio.run(warm(url))
+    first = len(run.outcomes)
     t0 = time.perf_counter()
     meter = Meter(t0 + args.settle_s, t0 + args.seconds)
     run.seconds += args.seconds - args.settle_s
@@ -264,11 +275,19 @@ def drive(url: str, args: argparse.Namespace, noisy: bool, run: Run) -> None:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
             flood = pool.submit(heavy_process, url, args, meter)
             run.outcomes += asyncio.run(quiet_load(url, args, meter))
-            outcomes, tokens = flood.result()
+            outcomes, tokens, late = flood.result()
         run.outcomes += outcomes
         meter.tokens.update(tokens)
+        meter.late_tokens.update(late)
     for tenant, n in meter.tokens.items():
         run.tokens[tenant] = run.tokens.get(tenant, 0) + n
+    for tenant, n in meter.late_tokens.items():
+        run.late_tokens[tenant] = run.late_tokens.get(tenant, 0) + n
+    run.quiet_at += [
+        (round(o.sent_at - t0, 3), round(o.ttft_s * 1000, 1))
+        for o in run.outcomes[first:]
+        if o.tenant == "quiet" and o.ttft_s is not None
+    ]
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:
@@ -279,17 +298,20 @@ def percentile(values: list[float], q: float) -> Optional[float]:
 
 
 def shares(run: Run, args: argparse.Namespace) -> dict:
-    """Each weighted tenant's share of the weighted tenants' tokens / its weight's share."""
+    """Each weighted tenant's share of the weighted tenants' tokens / its weight's share,
+    over the measured windows and over their second halves (`late`: slots are never taken
+    back, so while the phase's first requests run, the order of its first burst decides)."""
     weights = heavy_tenants(args)
-    total = sum(run.tokens.get(t, 0) for t in weights)
     if len(weights) < 2:
         return {}
-    return {
-        f"share_{t}_vs_weight": (
-            (run.tokens.get(t, 0) / total) / (w / sum(weights.values())) if total else None
-        )
-        for t, w in weights.items()
-    }
+    out = {}
+    for label, tokens in (("", run.tokens), ("late_", run.late_tokens)):
+        total = sum(tokens.get(t, 0) for t in weights)
+        for t, w in weights.items():
+            out[f"{label}share_{t}_vs_weight"] = (
+                (tokens.get(t, 0) / total) / (w / sum(weights.values())) if total else None
+            )
+    return out
 
 
 def summary(run: Run, args: argparse.Namespace) -> dict:
@@ -400,8 +422,22 @@ def main() -> int:
         off = by_name.get(f"{phase}-off", {}).get("tokens_per_s")
         r["tokens_vs_off"] = r["tokens_per_s"] / off if off and r["tokens_per_s"] else None
     print_table(rows, "flow control: the quiet tenant's TTFT (ms), throughput, shares, 429s")
+    for run in runs:  # the quiet tenant's slowest first tokens: when in their phase
+        slowest = sorted(run.quiet_at, key=lambda p: -p[1])[:4]
+        print(
+            f"  slowest quiet TTFT ({run.name}): "
+            + ", ".join(f"{ms:g} ms at {at:g} s" for at, ms in slowest)
+        )
     flows = {r.name: r.flow for r in runs if r.flow}
-    write_json("flow_control", {"args": vars(args), "rows": rows, "gateway_flow_metrics": flows})
+    write_json(
+        "flow_control",
+        {
+            "args": vars(args),
+            "rows": rows,
+            "gateway_flow_metrics": flows,
+            "quiet_ttft_at": {r.name: r.quiet_at for r in runs},
+        },
+    )
     return 0
 
 

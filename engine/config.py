@@ -10,6 +10,11 @@ from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.units import parse_size  # noqa: F401 (re-exported: callers read sizes here)
 
 
+# The offload tiers (--kv-offloading-backend): vLLM's are native (host memory) and
+# lmcache; pdpool's are a directory of this engine's, or one shared by the pool.
+OFFLOAD_BACKENDS = ("disk", "shared")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -60,6 +65,15 @@ class EngineConfig:
     structured_cache_bytes: int = 256 << 20
     # vLLM's --kv-events-config (JSON): publish KV cache events over ZeroMQ.
     kv_events_config: Optional[str] = None
+    # KV offload tier below the pool (engine/kv/offload/): vLLM's --kv-offloading-size (GiB;
+    # None: no tier) and --kv-offloading-backend (ours: disk, a directory of this engine;
+    # shared, a directory every engine of the pool mounts), the directory, and whether
+    # each record is fsynced (off: a torn record is detected on read and recomputed).
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_backend: str = "disk"
+    kv_offloading_path: Optional[str] = None
+    kv_offloading_fsync: bool = False
+    extra: dict = field(default_factory=dict)
     # LoRA (vLLM's flags): adapters named at start (name=path or vLLM's JSON form), how
     # many distinct adapters one step may batch, the largest rank, how many stay in memory;
     # runtime loads (VLLM_ALLOW_RUNTIME_LORA_UPDATING) only from --lora-allowed-dir.
@@ -79,6 +93,7 @@ class EngineConfig:
             or 0.0
         )
         self._check_kv_transfer()
+        self._check_offload()
         self._check_server()
         self._check_structured()
         self._check_lora()
@@ -136,6 +151,28 @@ class EngineConfig:
             load_secret(self.kv_secret_file)  # a bad secret stops the start, not a request
         if self.kv_pull_threshold < 0:
             raise ValueError("--kv-pull-threshold must be >= 0")
+
+    def _check_offload(self) -> None:
+        if self.kv_offloading_backend not in OFFLOAD_BACKENDS:
+            raise ValueError(
+                f"--kv-offloading-backend must be one of {', '.join(OFFLOAD_BACKENDS)}, "
+                f"got {self.kv_offloading_backend!r}"
+            )
+        if self.kv_offloading_size is None:
+            return
+        size = self.kv_offloading_size
+        if not isinstance(size, (int, float)) or not size > 0 or size > 1 << 20:
+            raise ValueError(f"--kv-offloading-size must be > 0 GiB (and sane), got {size!r}")
+        if not self.kv_offloading_path:
+            raise ValueError(
+                "--kv-offloading-size needs --kv-offloading-path (the tier's directory)"
+            )
+        if not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching (blocks are found by hash)")
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        return int((self.kv_offloading_size or 0) * (1 << 30))
 
     def _check_server(self) -> None:
         if self.max_body_bytes < 1024:

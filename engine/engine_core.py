@@ -18,6 +18,7 @@ from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder, find
 from pdpool.engine.engine_setup import (
     KVMemory,
     build_connector,
+    build_offload,
     eos_token_ids,
     pick_device,
     start_kv_events,
@@ -87,6 +88,7 @@ class LLMEngine:
         self.num_kv_heads, self.head_dim = memory.num_kv_heads, memory.head_dim
         self.kv_cache, self.state = memory.cache, memory.state
         self.connector = build_connector(config, memory)
+        self.offload = build_offload(config, memory)
         # The scheduler owns the KV cache manager: every block's lifetime is decided there.
         self.scheduler = Scheduler.for_cache(
             SchedulerConfig(
@@ -100,10 +102,13 @@ class LLMEngine:
             ),
             memory.spec,
             self.connector,
+            self.offload,
         )
         self.kv_events = start_kv_events(config)
         if self.kv_events is not None:
             self.scheduler.publish_kv_events(self.kv_events)
+            if self.offload is not None:
+                self.offload.events = self.kv_events
         self.kv_capacity_tokens = self.scheduler.kv_capacity_tokens
         max_len = min(
             self.info.config.get("max_position_embeddings", 4096), self.kv_capacity_tokens
@@ -179,6 +184,7 @@ class LLMEngine:
         """Connector housekeeping while no request runs (notifications, held blocks)."""
         for result in self.scheduler.collect_transfers():
             self._apply_load_result(result)
+        self.scheduler.flush_offload()
 
     # --- requests -----------------------------------------------------------------------
     def add_request(
@@ -280,6 +286,7 @@ class LLMEngine:
             failed = self._apply_load_result(loaded)
             if failed is not None:
                 outputs.append(failed)
+        self.scheduler.flush_offload()  # blocks loaded just now, before anything reuses them
         out = self.scheduler.schedule()
         self.connector.start_loads()
         outputs += [self._final_output(r, "", []) for r in out.rejected]
@@ -294,6 +301,7 @@ class LLMEngine:
         self.stats["computed_tokens"] += result.num_computed_tokens
         self.last_logits = result.logits
         self.runner.copy_state_slots(self.scheduler.update_after_forward(out))
+        self.scheduler.flush_offload()  # this step's blocks and snapshots, copied now
         for item in out.scheduled:
             output = self._apply_sampled(item.request, result)
             if output is not None:

@@ -122,6 +122,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ' true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}\'',
     )
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="vLLM's: GiB of KV offload tier below the block pool (off unless given); "
+        "blocks are written through to it and a prefix it holds is loaded, not recomputed",
+    )
+    p.add_argument(
+        "--kv-offloading-backend",
+        default="disk",
+        choices=["disk", "shared"],
+        help="disk: a directory of this engine's (an emptyDir); shared: a directory every "
+        "engine of the pool mounts (a PVC), so one engine's prefix is a hit for all",
+    )
+    p.add_argument("--kv-offloading-path", default=None, help="the offload tier's directory")
+    add_switch(
+        p,
+        "--kv-offloading-fsync",
+        False,
+        "fsync each record (durable across power loss; off by default: every read checks "
+        "the record's digest, so a torn one is a miss)",
+    )
     add_lora_arguments(p)
     add_switch(
         p,
@@ -218,6 +240,10 @@ def config_from_args(args: argparse.Namespace):
         max_body_bytes=max_body,
         ready_max_stall_s=args.ready_max_stall_s,
         kv_events_config=getattr(args, "kv_events_config", None),
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
+        kv_offloading_path=args.kv_offloading_path,
+        kv_offloading_fsync=args.kv_offloading_fsync,
         enable_lora=args.enable_lora,
         lora_modules=list(args.lora_modules),
         max_loras=args.max_loras,

@@ -1,0 +1,173 @@
+"""The offload tier inside real engines (in process): a prefix another engine wrote to the
+shared directory is loaded instead of recomputed, with the same greedy tokens as a
+recompute, for full attention, sliding windows and Gated DeltaNet state; a corrupt or
+foreign record is a miss and the tokens stay right."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from pdpool.engine.config import EngineConfig
+from pdpool.engine.engine_core import LLMEngine
+from pdpool.engine.kv.offload.keys import KIND_KV, block_key
+from pdpool.engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model: Path, tier: Path | None, backend: str = "shared") -> LLMEngine:
+    extra = (
+        dict(kv_offloading_size=0.05, kv_offloading_path=str(tier), kv_offloading_backend=backend)
+        if tier is not None
+        else {}
+    )
+    # A pool of 24 blocks: two 150-token prompts do not stay cached together.
+    return LLMEngine(
+        EngineConfig(
+            model=str(model),
+            device="cpu",
+            num_kv_blocks=24,
+            max_num_batched_tokens=64,
+            max_num_seqs=2,
+            **extra,
+        )
+    )
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        out += engine.generate([prompt], PARAMS)
+        deadline = time.monotonic() + 10
+        while engine.offload is not None and engine.offload._saving:
+            assert time.monotonic() < deadline, "tier writes did not finish"
+            engine.idle_tick()
+            time.sleep(0.005)
+    return out
+
+
+def _prompts(n: int, length: int = 150, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_5"])
+def test_second_engine_serves_first_engines_prefix_from_shared_tier(model, request, tmp_path):
+    path = request.getfixturevalue(model)
+    prompts = _prompts(3)
+    recompute = _run(_engine(path, None), prompts)
+    a = _engine(path, tmp_path)
+    assert _run(a, prompts) == recompute
+    assert a.offload is not None and a.offload.counters["stores"] > 0
+    b = _engine(path, tmp_path)
+    assert _run(b, prompts) == recompute
+    assert b.offload is not None
+    # B computed only what no full block (with its state, for Qwen3.5) covered.
+    assert b.offload.counters["loads_ok"] == 3
+    assert b.stats["prompt_tokens_pulled"] == b.offload.counters["loaded_tokens"] >= 3 * 128
+    assert b.stats["prompt_tokens_computed"] <= 3 * 22
+    assert b.offload.counters["records_rejected"] == 0
+    for e in (a, b):
+        assert e.kv.pool.num_used_blocks == 0
+        e.close()
+
+
+def test_returning_prompt_is_loaded_after_the_pool_evicted_it(tiny_qwen3, tmp_path):
+    prompts = _prompts(4)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    first = _run(engine, prompts)
+    again = _run(engine, prompts)  # each evicted from the 24-block pool by the others
+    assert again == first
+    assert engine.offload is not None and engine.offload.counters["loads_ok"] == 4
+    engine.close()
+
+
+def _files(tier: Path) -> list[Path]:
+    return sorted(tier.rglob("*.kv"))
+
+
+def test_flipped_byte_is_a_miss_never_a_wrong_token(tiny_qwen3, tmp_path):
+    prompts = _prompts(2)
+    recompute = _run(_engine(tiny_qwen3, None), prompts)
+    a = _engine(tiny_qwen3, tmp_path)
+    _run(a, prompts)
+    a.close()
+    for f in _files(tmp_path):  # one flipped bit in the middle of every KV payload
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x04
+        f.write_bytes(bytes(data))
+    b = _engine(tiny_qwen3, tmp_path)
+    assert _run(b, prompts) == recompute
+    assert b.offload is not None
+    assert b.offload.counters["records_rejected"] >= 1
+    assert b.offload.counters["loaded_tokens"] == 0
+    # Rejected records are deleted: the next engine does not even try them.
+    assert b.stats["prompt_tokens_computed"] == 2 * 150
+    b.close()
+
+
+def test_record_of_another_model_is_a_miss(tiny_qwen3, tmp_path, tmp_path_factory):
+    from pdpool.engine.tiny_model import TinyModelSpec, write_tiny_model
+
+    other = tmp_path_factory.mktemp("other") / "tiny-qwen3-seed9"
+    write_tiny_model(other, TinyModelSpec(arch="qwen3", seed=9))  # same shapes, other weights
+    prompts = _prompts(2)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    a = _engine(tiny_qwen3, theirs)
+    _run(a, prompts)
+    b_alone = _engine(other, None)
+    expected = _run(b_alone, prompts)
+    b = _engine(other, mine)
+    assert b.memory.fingerprint != a.memory.fingerprint
+    # Sharing one directory: the other model's records are simply not B's keys.
+    shared = _engine(other, theirs)
+    assert _run(shared, prompts) == expected
+    assert shared.offload is not None and shared.offload.counters["hit_tokens"] == 0
+    # Worse: A's records put at B's keys (a renamed file). The header check refuses them.
+    _run(b, prompts)
+    assert b.offload is not None
+    replaced = 0
+    for prompt in prompts:
+        hashes = _hashes(prompt, 16)
+        for h in hashes:
+            src = a.offload.store.path_of(block_key(a.memory.fingerprint, KIND_KV, 0, h))
+            dst = b.offload.store.path_of(block_key(b.memory.fingerprint, KIND_KV, 0, h))
+            if src.exists() and dst.exists():
+                dst.write_bytes(src.read_bytes())
+                replaced += 1
+    assert replaced >= 2 * 9
+    b2 = _engine(other, mine)
+    assert _run(b2, prompts) == expected
+    assert b2.offload is not None and b2.offload.counters["records_rejected"] >= 1
+    assert b2.offload.counters["loaded_tokens"] == 0
+    for e in (a, b_alone, b, shared, b2):
+        e.close()
+
+
+def _hashes(prompt: list[int], block_size: int) -> list[bytes]:
+    from pdpool.block_hash import chain_hashes
+
+    return chain_hashes(prompt, block_size)
+
+
+def test_offload_flags_are_checked(tmp_path):
+    for bad, why in (
+        (dict(kv_offloading_size=1.0), "kv-offloading-path"),
+        (dict(kv_offloading_size=-1.0, kv_offloading_path=str(tmp_path)), "must be > 0"),
+        (dict(kv_offloading_size=float("nan"), kv_offloading_path=str(tmp_path)), "must be > 0"),
+        (dict(kv_offloading_backend="lmcache"), "kv-offloading-backend"),
+        (
+            dict(
+                kv_offloading_size=1.0,
+                kv_offloading_path=str(tmp_path),
+                enable_prefix_caching=False,
+            ),
+            "prefix caching",
+        ),
+    ):
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(model="m", **bad).validate()  # type: ignore[arg-type]

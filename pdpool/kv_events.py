@@ -179,7 +179,7 @@ def _event_from_wire(raw: Any) -> Optional[KVCacheEvent]:
             get("kv_cache_spec_kind"),
             _extra_keys(get("extra_keys")),
             get("locality"),
-            get("lora_name") if isinstance(get("lora_name"), str) else None,
+            lora_name=get("lora_name") if isinstance(get("lora_name"), str) else None,
         )
     if kind == "BlockRemoved":
         return BlockRemoved(

@@ -374,7 +374,7 @@ class KVCacheManager:
                         g,
                         kind,
                         extra,
-                        request.lora.name if request.lora is not None else None,
+                        lora_name=request.lora.name if request.lora is not None else None,
                     )
                 )
                 run = []

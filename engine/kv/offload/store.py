@@ -31,6 +31,9 @@ SUFFIX = ".kv"
 TMP_PREFIX = ".tmp."
 # A temporary file this old in a shared directory belongs to a writer that died.
 STALE_TMP_S = 600.0
+# Test-only: each record write stops this many seconds after half of it, so a test can
+# kill the engine mid-write (armed from the engine's environment, never by a client).
+STALL_WRITE_ENV = "PDPOOL_TEST_OFFLOAD_STALL_WRITE_S"
 
 
 class FileStore:
@@ -43,6 +46,7 @@ class FileStore:
         self.capacity_bytes = capacity_bytes
         self.shared = shared
         self.fsync = fsync
+        self._stall_s = float(os.environ.get(STALL_WRITE_ENV) or 0)
         self._lock = threading.Lock()
         self._index: "OrderedDict[str, int]" = OrderedDict()  # key -> bytes, LRU first
         self.bytes_used = 0
@@ -125,7 +129,11 @@ class FileStore:
         tmp = final.parent / f"{TMP_PREFIX}{key}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             with open(tmp, "wb") as f:
-                f.write(data)
+                if self._stall_s:
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                    time.sleep(self._stall_s)
+                f.write(data[len(data) // 2 :] if self._stall_s else data)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())

@@ -1,7 +1,7 @@
 """Flow control through `pdpool up`: a quiet tenant at steady load beside noisy ones.
 
     python benchmarks/flow_control.py [--seconds 8] [--rounds 3] [--noisy-streams 40]
-                                      [--weights 1,2,4] [--bound N] [--model DIR]
+                                      [--weights 1,2,4] [--bound N[,N...]] [--model DIR]
 
 The quiet tenant sends `--quiet-rps` streamed completions a second (Poisson arrivals,
 `--max-tokens` each). The noisy tenant keeps `--noisy-streams` long streams open (closed
@@ -9,9 +9,9 @@ loop, `--noisy-max-tokens` each; a 429 is retried after its Retry-After, at most
 `--noisy-streams 0` makes it burst instead (`--noisy-factor` times the quiet rate,
 `--burst-s` on, `--pause-s` off). `--weights 1,2,4` replaces the noisy tenant by three
 tenants of those weights, each keeping `--noisy-streams` streams open.
-Two `pdpool up --prefill 0 --decode N --mode aggregated`, without and with a tenants file;
-on each, --rounds rounds of two phases of --seconds (alternating, so the drift of this
-shared machine's other load reaches both alike):
+Two `pdpool up --prefill 0 --decode N --mode aggregated`, without and with a tenants file,
+up at once; --rounds rounds, each running both topologies' two phases of --seconds in turn
+(alternating, so the drift of this shared machine's other load reaches all four alike):
   alone-off      the quiet tenant by itself, no tenants file (today's gateway)
   noisy-off      all tenants, no tenants file
   alone-on       the quiet tenant by itself, with the tenants file
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
@@ -107,7 +108,7 @@ def key_of(tenant: str) -> str:
     return QUIET_KEY if tenant in ("quiet", "warm") else f"{tenant}-tenant-key-{'0' * 12}"
 
 
-def tenants_yaml(args: argparse.Namespace) -> str:
+def tenants_yaml(args: argparse.Namespace, bound: int) -> str:
     """Equal or --weights weights and no limits unless asked: nothing tuned by hand."""
     limits = "".join(
         f", {name}: {value}"
@@ -121,8 +122,8 @@ def tenants_yaml(args: argparse.Namespace) -> str:
     lines = ["tenants:", f"  - {{name: quiet, keys: ['{QUIET_KEY}'], weight: 1}}"]
     for name, weight in heavy_tenants(args).items():
         lines.append(f"  - {{name: {name}, keys: ['{key_of(name)}'], weight: {weight:g}{limits}}}")
-    if args.bound:
-        lines.append(f"pool: {{maxInFlightPerBackend: {args.bound}}}")
+    if bound:
+        lines.append(f"pool: {{maxInFlightPerBackend: {bound}}}")
     return "\n".join(lines) + "\n"
 
 
@@ -346,30 +347,54 @@ def summary(run: Run, args: argparse.Namespace) -> dict:
     }
 
 
-def run_topology(
-    label: str, model: str, args: argparse.Namespace, tenants: Optional[str]
+def run_topologies(
+    model: str, args: argparse.Namespace, files: dict[str, Optional[str]]
 ) -> list[Run]:
-    """One `pdpool up`; the quiet tenant alone and with the noisy ones, alternating for
-    --rounds rounds (this machine's other load drifts: both see the same drift)."""
-    spec = TopologySpec(
-        model=model,
-        prefill=0,
-        decode=args.decode,
-        mode="aggregated",
-        tenants_file=tenants,
-        engine_args=list(args.engine_arg),
-    )
-    alone, noisy = Run(f"alone-{label}"), Run(f"noisy-{label}")
-    with Topology(spec) as topo:
+    """One `pdpool up` per label (tenants file or None), all up at once; each round runs
+    every topology's two phases in turn, the quiet tenant alone then with the noisy ones,
+    so this machine's drifting load reaches off and on alike (their ratio is the figure)."""
+    runs: dict[str, tuple[Run, Run]] = {
+        label: (Run(f"alone-{label}"), Run(f"noisy-{label}")) for label in files
+    }
+    with contextlib.ExitStack() as stack:
+        topos = {
+            label: stack.enter_context(
+                Topology(
+                    TopologySpec(
+                        model=model,
+                        prefill=0,
+                        decode=args.decode,
+                        mode="aggregated",
+                        tenants_file=file,
+                        engine_args=list(args.engine_arg),
+                    )
+                )
+            )
+            for label, file in files.items()
+        }
         for _ in range(args.rounds):
-            drive(topo.gateway.url, args, False, alone)
-            drive(topo.gateway.url, args, True, noisy)
-        noisy.flow = flow_metrics(topo.gateway.url) if tenants else {}
-    for run in (alone, noisy):
+            for label, topo in topos.items():
+                alone, noisy = runs[label]
+                drive(topo.gateway.url, args, False, alone)
+                drive(topo.gateway.url, args, True, noisy)
+        for label, topo in topos.items():
+            runs[label][1].flow = flow_metrics(topo.gateway.url) if files[label] else {}
+    out = [run for pair in runs.values() for run in pair]
+    for run in out:
         lost = [o for o in run.outcomes if o.status not in (200, 429, CUT)]
         for o in lost[:5]:
             print(f"  lost ({run.name}): {o.tenant} status {o.status} {o.error}", file=sys.stderr)
-    return [alone, noisy]
+    return out
+
+
+def bounds(text: str) -> list[int]:
+    try:
+        values = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if any(v < 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"bounds must be distinct and >= 0: {text!r}")
+    return values
 
 
 def parse_args() -> argparse.Namespace:
@@ -389,7 +414,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=96)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--bound", type=int, default=0, help="pool.maxInFlightPerBackend (0: none)")
+    p.add_argument(
+        "--bound",
+        type=bounds,
+        default=[0],
+        help="pool.maxInFlightPerBackend (0: none, the learned limit); a comma list runs a "
+        "flow-control topology per bound side by side (labels on, b16, ...)",
+    )
     p.add_argument("--noisy-max-queued", type=int, default=0, help="0: the file's default")
     p.add_argument("--noisy-max-concurrency", type=int, default=0, help="0: none")
     p.add_argument("--queue-timeout-s", type=float, default=0, help="0: the file's default")
@@ -403,15 +434,15 @@ def main() -> int:
     args = parse_args()
     model = args.model or ensure_tiny_model("qwen3")
     with tempfile.TemporaryDirectory() as tmp:
-        tenants = os.path.join(tmp, "tenants.yaml")
-        with open(tenants, "w") as f:
-            f.write(tenants_yaml(args))
-        runs = [
-            run
-            for label, file in (("off", None), ("on", tenants))
-            if not args.only or label in args.only.split(",")
-            for run in run_topology(label, model, args, file)
-        ]
+        files: dict[str, Optional[str]] = {"off": None}
+        for bound in args.bound:
+            label = f"b{bound}" if bound else "on"
+            files[label] = os.path.join(tmp, f"tenants-{label}.yaml")
+            with open(files[label], "w") as f:
+                f.write(tenants_yaml(args, bound))
+        if args.only:
+            files = {k: v for k, v in files.items() if k in args.only.split(",")}
+        runs = run_topologies(model, args, files)
     rows = [summary(r, args) for r in runs]
     by_name = {r["run"]: r for r in rows}
     for r in rows:  # against the quiet tenant alone on the same topology, same rounds

@@ -208,6 +208,7 @@ def build_connector(config: EngineConfig, memory: KVMemory) -> KVConnector:
         memory.layout(),
         memory.state,
         secret=load_secret(config.kv_secret_file),
+        fingerprint=memory.fingerprint,
     )
 
 

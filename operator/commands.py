@@ -100,7 +100,12 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         block_size=pool.engine.block_size,
         priority_scheduling=pool.gateway.tenants_secret is not None,
         kv_events=_kv_events_publisher(pool),
-        extra_args=(*pool.engine.extra_args, *spec.extra_args),
+        # The tier's flags first: the user's extra args may override them.
+        extra_args=(
+            *(pool.kv_offload.engine_args() if pool.kv_offload else ()),
+            *pool.engine.extra_args,
+            *spec.extra_args,
+        ),
     )
     if pool.engine.kind == "vllm":
         return vllm_engine_argv(

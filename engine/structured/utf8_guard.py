@@ -33,6 +33,7 @@ _STATES: list[Optional[tuple[int, int, int]]] = [
 ]
 _INDEX = {s: i for i, s in enumerate(_STATES)}
 INVALID = -1
+FEW = 4096  # up to this many ids to mask: an index list, more: a bool row
 
 
 def _after_lead(byte: int) -> int:
@@ -93,25 +94,38 @@ class Utf8Guard:
                 elif after != START or state != START:
                     self._next[state][token] = after
         self._forbidden = forbidden
-        self._tensors: dict[tuple[torch.device, int], Optional[torch.Tensor]] = {}
+        self._masks: dict[tuple[torch.device, int, int], Optional[torch.Tensor]] = {}
 
     def next_state(self, state: int, token: int) -> int:
         """The state after `token` (one the mask allowed) from `state`."""
         return self._next[state].get(token, START)
 
-    def forbidden(self, state: int, device: torch.device) -> Optional[torch.Tensor]:
-        """The token ids to mask in `state`, on `device` (None: none)."""
-        key = (device, state)
-        if key not in self._tensors:
-            ids = self._forbidden[state]
-            self._tensors[key] = torch.tensor(ids, dtype=torch.long, device=device) if ids else None
-        return self._tensors[key]
+    def forbidden(self, state: int, width: int, device: torch.device) -> Optional[torch.Tensor]:
+        """The ids to mask in `state` for logits `width` wide (None: none): an index list
+        when few (between characters), else a bool row (inside a character nearly every
+        token is masked: a bool row costs the same whatever the count)."""
+        key = (device, state, width)
+        if key not in self._masks:
+            ids = [i for i in self._forbidden[state] if i < width]
+            mask = None
+            if len(ids) > FEW:
+                mask = torch.zeros(width, dtype=torch.bool)
+                mask[ids] = True
+                mask = mask.to(device)
+            elif ids:
+                mask = torch.tensor(ids, dtype=torch.long, device=device)
+            self._masks[key] = mask
+        return self._masks[key]
 
     def mask(self, logits: torch.Tensor, row: int, state: int) -> None:
         """Masks, in place, the row's tokens that would break UTF-8 from `state`."""
-        ids = self.forbidden(state, logits.device)
-        if ids is not None:
-            logits[row].index_fill_(0, ids, float("-inf"))
+        forbidden = self.forbidden(state, logits.shape[-1], logits.device)
+        if forbidden is None:
+            return
+        if forbidden.dtype == torch.bool:
+            logits[row].masked_fill_(forbidden, float("-inf"))
+        else:
+            logits[row].index_fill_(0, forbidden, float("-inf"))
 
 
 def _decodes(data: bytes) -> bool:

@@ -138,6 +138,13 @@ class TopologySpec:
     decode_retry_s: float = 5.0
     engine_args: list[str] = field(default_factory=list)
     log_dir: Optional[str] = None
+    # KV offload tier below every engine's pool (engine/kv/offload/): None (off), disk (a
+    # directory per engine, as an emptyDir per pod) or shared (one directory for every
+    # engine, as a PVC shared by the pool); its size in GiB per engine; where (default:
+    # <log dir>/kv-offload).
+    kv_offload: Optional[str] = None
+    kv_offload_size_gib: float = 1.0
+    kv_offload_dir: Optional[str] = None
     # pdpool (`pdpool serve`) or vllm (stock `vllm serve`, CPU build: see vllm_command())
     engine: str = "pdpool"
     vllm_bin: Optional[str] = None  # the `vllm` executable (default: vllm_command())
@@ -259,7 +266,8 @@ class Topology:
             s.model,
             priority_scheduling=bool(s.tenants_file),
             kv_events=events,
-            extra_args=tuple(s.engine_args),  # later flags win (vLLM's parser too)
+            # later flags win (vLLM's parser too)
+            extra_args=(*self._offload_args(role, index), *s.engine_args),
         )
         env: dict[str, str] = {}
         if s.engine == "vllm":
@@ -279,6 +287,20 @@ class Topology:
         if events is not None:
             child.kv_events = f"tcp://127.0.0.1:{events.port}|tcp://127.0.0.1:{events.replay_port}"
         return child
+
+    def _offload_args(self, role: str, index: int) -> tuple[str, ...]:
+        """`pdpool serve`'s offload flags: one directory per engine (disk) or one for all
+        (shared)."""
+        s = self.spec
+        if s.kv_offload is None:
+            return ()
+        root = s.kv_offload_dir or os.path.join(self.log_dir, "kv-offload")
+        path = root if s.kv_offload == "shared" else os.path.join(root, f"{role}-{index}")
+        return (
+            f"--kv-offloading-size={s.kv_offload_size_gib}",
+            f"--kv-offloading-backend={s.kv_offload}",
+            f"--kv-offloading-path={path}",
+        )
 
     def _threads(self) -> Optional[int]:
         """The engines share this machine's cores: each one's prompt steps get an equal

@@ -103,7 +103,6 @@ class KVOffload:
         self._named: dict[str, BlockNote] = {}
         self._loads: dict[str, _Load] = {}
         self.counters: dict[str, float] = {
-            "lookups": 0,
             "lookup_hits": 0,
             "hit_tokens": 0,
             "loads_ok": 0,
@@ -134,7 +133,6 @@ class KVOffload:
         tier can serve, all groups and (state models) the state at the end; 0 if none."""
         if limit <= first:
             return 0
-        self.counters["lookups"] += 1
         end = first
         groups = range(len(self.group_layers))
         while end < limit and all(self._has(self._key(KIND_KV, g, hashes[end])) for g in groups):
@@ -142,9 +140,6 @@ class KVOffload:
         if self.has_state:
             while end > first and not self._has(self._key(KIND_STATE, 0, hashes[end - 1])):
                 end -= 1
-        if end > first:
-            self.counters["lookup_hits"] += 1
-            self.counters["hit_tokens"] += (end - first) * self.block_size
         return end - first
 
     def start_load(
@@ -163,6 +158,9 @@ class KVOffload:
         ]
         if self.has_state:
             keys.append(self._key(KIND_STATE, 0, hashes[last - 1]))
+        # Counted here, not at lookup: a request waiting for blocks looks up every step.
+        self.counters["lookup_hits"] += 1
+        self.counters["hit_tokens"] += (last - first) * self.block_size
         self._loads[request_id] = _Load([list(t) for t in tables], state_slot, first, last)
         self.worker.submit_load(LoadJob(request_id, keys))
 

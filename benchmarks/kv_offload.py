@@ -58,6 +58,13 @@ def offload_stat(metrics: list[dict[str, float]], stat: str) -> float:
     )
 
 
+def by_source(metrics: list[dict[str, float]], source: str) -> float:
+    key = "pdpool_prompt_tokens_by_source_total{"
+    return sum(
+        v for m in metrics for k, v in m.items() if k.startswith(key) and f'source="{source}"' in k
+    )
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(int(q * len(values)), len(values) - 1)] if values else float("nan")
@@ -118,6 +125,7 @@ def run_mode(name: str, args, model_dir: str, log_root: Path) -> dict:
     return_ttft: list[float] = []
     outputs: dict[tuple[int, int], list[int]] = {}
     prompt_tokens = 0
+    phase_walls: list[float] = []
     with Topology(spec) as topo:
         engines = [c.url for c in topo.by_role("decode")]
         model = httpx.get(topo.gateway.url + "/v1/models").json()["data"][0]["id"]
@@ -139,7 +147,9 @@ def run_mode(name: str, args, model_dir: str, log_root: Path) -> dict:
                         (first_ttft if t == 0 else return_ttft).append(ttft)
 
                 for t in range(args.turns):  # every session's turn t, then turn t+1
+                    phase = time.perf_counter()
                     await asyncio.gather(*(turn(s, t) for s in range(args.sessions)))
+                    phase_walls.append(time.perf_counter() - phase)
 
         before = [scrape(u) for u in engines]
         started = time.perf_counter()
@@ -156,6 +166,9 @@ def run_mode(name: str, args, model_dir: str, log_root: Path) -> dict:
         "req_per_s": requests / wall,
         "prompt_tok_per_s": prompt_tokens / wall,
         "wall_s": wall,
+        # The returning turns alone (every turn after the first): what a tier changes.
+        "return_req_per_s": args.sessions * (args.turns - 1) / sum(phase_walls[1:]),
+        "computed_prompt_tok": by_source(after, "computed") - by_source(before, "computed"),
         "tier_hit_tokens": offload_stat(after, "hit_tokens") - offload_stat(before, "hit_tokens"),
         "tier_loaded_tokens": offload_stat(after, "loaded_tokens")
         - offload_stat(before, "loaded_tokens"),
@@ -206,6 +219,7 @@ def main() -> None:
         if base is not None:
             r["return_p50_vs_off"] = r["return_p50_s"] / base["row"]["return_p50_s"]
             r["throughput_vs_off"] = r["req_per_s"] / base["row"]["req_per_s"]
+            r["return_throughput_vs_off"] = r["return_req_per_s"] / base["row"]["return_req_per_s"]
     equal = {
         name: res["outputs"] == base["outputs"] for name, res in results.items() if base is not None
     }

@@ -107,7 +107,7 @@ class Utf8Guard:
         key = (device, state, width)
         if key not in self._masks:
             ids = [i for i in self._forbidden[state] if i < width]
-            mask = None
+            mask: Optional[torch.Tensor] = None
             if len(ids) > FEW:
                 mask = torch.zeros(width, dtype=torch.bool)
                 mask[ids] = True

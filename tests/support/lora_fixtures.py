@@ -1,4 +1,5 @@
-"""Tiny PEFT adapters on the tiny checkpoints (made with peft, random nonzero A and B)."""
+"""Tiny PEFT adapters on the tiny checkpoints (made with peft, random nonzero A and B);
+tests/conftest.py makes these fixtures available everywhere."""
 
 from pathlib import Path
 

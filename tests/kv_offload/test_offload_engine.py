@@ -171,3 +171,30 @@ def test_offload_flags_are_checked(tmp_path):
     ):
         with pytest.raises(ValueError, match=why):
             EngineConfig(model="m", **bad).validate()  # type: ignore[arg-type]
+
+
+def _request(prompt: list[int]):
+    from pdpool.engine.request import Request
+
+    return Request("probe", list(prompt), PARAMS, eos_token_ids=(), block_size=16)
+
+
+def test_cache_hit_threshold_counts_tier_tokens(tiny_qwen3, tmp_path):
+    """Decode-first: a prefix the tier holds is as good as a cached one for the threshold
+    (the engine loads it rather than rejecting the request to a prefill engine)."""
+    prompts = _prompts(3)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    _run(engine, prompts)  # the later ones evict the first from the 24-block pool
+    local = engine.kv.get_computed_blocks(_request(prompts[0]))[1]
+    assert local <= 64  # the pool kept at most the head of it (tails go first)
+    reasons = {}
+    for name, prompt in (("tiered", prompts[0]), ("new", _prompts(1, seed=99)[0])):
+        engine.add_request(name, prompt, PARAMS, cache_hit_threshold=0.8)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    reasons[name] = out.finish_reason
+    assert reasons == {"tiered": "length", "new": "cache_threshold"}
+    assert engine.offload is not None and engine.offload.counters["loads_ok"] == 1
+    assert engine.offload.counters["loaded_tokens"] == 144 - local  # 9 full blocks in all
+    engine.close()

@@ -19,12 +19,13 @@ from pdpool.engine.sampling_params import SamplingParams
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _engine(model: Path, tier: Path | None, backend: str = "shared") -> LLMEngine:
+def _engine(model: Path, tier: Path | None, backend: str = "shared", **more) -> LLMEngine:
     extra = (
         dict(kv_offloading_size=0.05, kv_offloading_path=str(tier), kv_offloading_backend=backend)
         if tier is not None
         else {}
     )
+    extra.update(more)
     # A pool of 24 blocks: two 150-token prompts do not stay cached together.
     return LLMEngine(
         EngineConfig(
@@ -100,7 +101,8 @@ def test_flipped_byte_is_a_miss_never_a_wrong_token(tiny_qwen3, tmp_path):
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0x04
         f.write_bytes(bytes(data))
-    b = _engine(tiny_qwen3, tmp_path)
+    # Even under the `fail` policy (for remote loads), a bad record is a miss.
+    b = _engine(tiny_qwen3, tmp_path, kv_load_failure_policy="fail")
     assert _run(b, prompts) == recompute
     assert b.offload is not None
     assert b.offload.counters["records_rejected"] >= 1

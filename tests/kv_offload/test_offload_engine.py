@@ -200,3 +200,22 @@ def test_cache_hit_threshold_counts_tier_tokens(tiny_qwen3, tmp_path):
     assert engine.offload is not None and engine.offload.counters["loads_ok"] == 1
     assert engine.offload.counters["loaded_tokens"] == 144 - local  # 9 full blocks in all
     engine.close()
+
+
+def test_aborting_a_request_while_its_tier_read_runs_frees_its_blocks(tiny_qwen3, tmp_path):
+    prompts = _prompts(3)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    _run(engine, prompts)
+    engine.add_request("gone", prompts[0], PARAMS)
+    engine.step()  # admitted: its tier read starts
+    assert "gone" in engine.scheduler.tier_loading
+    engine.abort_request("gone")
+    assert engine.kv.pool.num_used_blocks == 0  # at once: the read lands in host memory
+    deadline = time.monotonic() + 10
+    while engine.offload is not None and engine.offload._loads:
+        assert time.monotonic() < deadline
+        engine.idle_tick()  # the read's result comes back and is dropped
+        time.sleep(0.005)
+    assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
+    assert _run(engine, [prompts[0]]) == _run(_engine(tiny_qwen3, None), [prompts[0]])
+    engine.close()

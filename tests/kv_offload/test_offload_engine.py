@@ -19,12 +19,13 @@ from pdpool.engine.sampling_params import SamplingParams
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _engine(model: Path, tier: Path | None, backend: str = "shared") -> LLMEngine:
+def _engine(model: Path, tier: Path | None, backend: str = "shared", **more) -> LLMEngine:
     extra = (
         dict(kv_offloading_size=0.05, kv_offloading_path=str(tier), kv_offloading_backend=backend)
         if tier is not None
         else {}
     )
+    extra.update(more)
     # A pool of 24 blocks: two 150-token prompts do not stay cached together.
     return LLMEngine(
         EngineConfig(
@@ -100,7 +101,8 @@ def test_flipped_byte_is_a_miss_never_a_wrong_token(tiny_qwen3, tmp_path):
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0x04
         f.write_bytes(bytes(data))
-    b = _engine(tiny_qwen3, tmp_path)
+    # Even under the `fail` policy (for remote loads), a bad record is a miss.
+    b = _engine(tiny_qwen3, tmp_path, kv_load_failure_policy="fail")
     assert _run(b, prompts) == recompute
     assert b.offload is not None
     assert b.offload.counters["records_rejected"] >= 1
@@ -197,4 +199,23 @@ def test_cache_hit_threshold_counts_tier_tokens(tiny_qwen3, tmp_path):
     assert reasons == {"tiered": "length", "new": "cache_threshold"}
     assert engine.offload is not None and engine.offload.counters["loads_ok"] == 1
     assert engine.offload.counters["loaded_tokens"] == 144 - local  # 9 full blocks in all
+    engine.close()
+
+
+def test_aborting_a_request_while_its_tier_read_runs_frees_its_blocks(tiny_qwen3, tmp_path):
+    prompts = _prompts(3)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    _run(engine, prompts)
+    engine.add_request("gone", prompts[0], PARAMS)
+    engine.step()  # admitted: its tier read starts
+    assert "gone" in engine.scheduler.tier_loading
+    engine.abort_request("gone")
+    assert engine.kv.pool.num_used_blocks == 0  # at once: the read lands in host memory
+    deadline = time.monotonic() + 10
+    while engine.offload is not None and engine.offload._loads:
+        assert time.monotonic() < deadline
+        engine.idle_tick()  # the read's result comes back and is dropped
+        time.sleep(0.005)
+    assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
+    assert _run(engine, [prompts[0]]) == _run(_engine(tiny_qwen3, None), [prompts[0]])
     engine.close()

@@ -262,7 +262,8 @@ class KVOffload:
                 return self._loaded(res.request_id, num_blocks)
             # Without the state at the end, the prefix cannot resume: start over.
             self.counters["loads_failed"] += 1
-            return LoadResult(res.request_id, 0, res.error or "state record missing", restart=True)
+            log.info("tier load for %s: %s; recomputing", res.request_id, res.error or "no state")
+            return LoadResult(res.request_id, 0, None, restart=True)
         return self._loaded(res.request_id, applied, res.error)
 
     def _apply_state(self, blobs: list[TensorBlob], load: _Load) -> bool:
@@ -278,10 +279,14 @@ class KVOffload:
         return True
 
     def _loaded(self, request_id: str, num_blocks: int, error: Optional[str] = None) -> LoadResult:
+        """A tier miss is never a request's failure (whatever --kv-load-failure-policy says
+        of remote loads): what did not load is computed."""
         tokens = num_blocks * self.block_size
         self.counters["loads_ok" if error is None else "loads_failed"] += 1
         self.counters["loaded_tokens"] += tokens
-        return LoadResult(request_id, tokens, error)
+        if error is not None:
+            log.info("tier load for %s stopped after %d tokens: %s", request_id, tokens, error)
+        return LoadResult(request_id, tokens, None)
 
     # --- KV events -----------------------------------------------------------------------
     def _record_stored(self, note: BlockNote) -> None:

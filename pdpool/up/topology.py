@@ -297,7 +297,7 @@ class Topology:
         root = s.kv_offload_dir or os.path.join(self.log_dir, "kv-offload")
         path = root if s.kv_offload == "shared" else os.path.join(root, f"{role}-{index}")
         return (
-            f"--kv-offloading-size={s.kv_offload_size_gib}",
+            f"--kv-offloading-size={s.kv_offload_size_gib:g}",
             f"--kv-offloading-backend={s.kv_offload}",
             f"--kv-offloading-path={path}",
         )

@@ -46,6 +46,8 @@ def test_disk_is_a_directory_per_engine_shared_one_for_all(tmp_path):
     )
     assert {c.kv_offloading_path for c in shared} == {str(tmp_path / "pvc")}
     assert {c.kv_offloading_backend for c in shared} == {"shared"}
+    native = _engine_configs(_topology(tmp_path, "--kv-offload", "native"))
+    assert {(c.kv_offloading_backend, c.kv_offloading_path) for c in native} == {("native", None)}
     off = _engine_configs(_topology(tmp_path))
     assert {c.kv_offloading_size for c in off} == {None}
 

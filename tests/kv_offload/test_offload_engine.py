@@ -56,6 +56,27 @@ def _prompts(n: int, length: int = 150, seed: int = 3) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
 
 
+def test_host_memory_tier_serves_returning_prompts(tiny_qwen3):
+    """vLLM's native backend: the same records in host memory, no directory."""
+    prompts = _prompts(4)
+    recompute = _run(_engine(tiny_qwen3, None), prompts)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_qwen3),
+            device="cpu",
+            num_kv_blocks=24,
+            max_num_batched_tokens=64,
+            max_num_seqs=2,
+            kv_offloading_size=0.01,
+        )
+    )
+    assert _run(engine, prompts) == recompute
+    assert _run(engine, prompts) == recompute
+    assert engine.offload is not None and engine.offload.medium == "CPU"
+    assert engine.offload.counters["loads_ok"] == 4
+    engine.close()
+
+
 @pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_5"])
 def test_second_engine_serves_first_engines_prefix_from_shared_tier(model, request, tmp_path):
     path = request.getfixturevalue(model)
@@ -158,7 +179,8 @@ def _hashes(prompt: list[int], block_size: int) -> list[bytes]:
 
 def test_offload_flags_are_checked(tmp_path):
     for bad, why in (
-        (dict(kv_offloading_size=1.0), "kv-offloading-path"),
+        (dict(kv_offloading_size=1.0, kv_offloading_backend="disk"), "kv-offloading-path"),
+        (dict(kv_offloading_size=1.0, kv_offloading_backend="shared"), "kv-offloading-path"),
         (dict(kv_offloading_size=-1.0, kv_offloading_path=str(tmp_path)), "must be > 0"),
         (dict(kv_offloading_size=float("nan"), kv_offloading_path=str(tmp_path)), "must be > 0"),
         (dict(kv_offloading_backend="lmcache"), "kv-offloading-backend"),

@@ -24,7 +24,7 @@ import torch
 from pdpool.engine.connector.base import LoadResult
 from pdpool.engine.kv.offload.keys import KIND_KV, KIND_STATE, block_key
 from pdpool.engine.kv.offload.record import TensorBlob
-from pdpool.engine.kv.offload.store import FileStore
+from pdpool.engine.kv.offload.store import RecordStore
 from pdpool.engine.kv.offload.worker import IOWorker, LoadJob, Loaded, Saved, SaveJob
 
 if TYPE_CHECKING:
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdpool.kv.offload")
 
-# vLLM's KV-event media (vllm/v1/kv_offload/base.py Medium) and localities.
+# vLLM's KV-event media (vllm/v1/kv_offload/base.py Medium): host memory, or storage.
+MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 
 
@@ -78,7 +79,7 @@ def _tensor(b: TensorBlob, like: torch.Tensor) -> Optional[torch.Tensor]:
 class KVOffload:
     def __init__(
         self,
-        store: FileStore,
+        store: RecordStore,
         fingerprint: str,
         cache: torch.Tensor,
         group_layers: list[int],
@@ -86,7 +87,9 @@ class KVOffload:
         state_tensors: list[torch.Tensor],
         secret: Optional[bytes] = None,
         locality: str = "LOCAL",
+        medium: str = "STORAGE",
     ) -> None:
+        self.medium = medium
         self.store = store
         self.fingerprint = fingerprint
         self.cache = cache
@@ -301,7 +304,7 @@ class KVOffload:
                 list(note.token_ids),
                 self.block_size,
                 None,
-                MEDIUM_STORAGE,
+                self.medium,
                 note.group,
                 note.kind,
                 None,
@@ -315,7 +318,7 @@ class KVOffload:
         from pdpool.kv_events import BlockRemoved
 
         self.events.record(
-            BlockRemoved([note.block_hash], MEDIUM_STORAGE, note.group, locality=self.locality)
+            BlockRemoved([note.block_hash], self.medium, note.group, locality=self.locality)
         )
 
     def stats(self) -> dict[str, Any]:

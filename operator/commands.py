@@ -103,6 +103,7 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         # The tier's flags first: the user's extra args may override them.
         extra_args=(
             *(pool.kv_offload.engine_args() if pool.kv_offload else ()),
+            *(pool.loras.engine_args() if pool.loras else ()),
             *pool.engine.extra_args,
             *spec.extra_args,
         ),

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .autoscaling_spec import AutoscalingSpec
     from .inference_pool_spec import InferencePoolSpec
     from .kv_offload import KVOffloadSpec
+    from .loras import LoRASpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
@@ -215,6 +216,8 @@ class PoolSpec:
     inference_pool: "InferencePoolSpec | None" = None
     # spec.kvOffload (kv_offload.py); None: no tier below the engines' pools.
     kv_offload: "KVOffloadSpec | None" = None
+    # spec.loras (loras.py); None: the base model only.
+    loras: "LoRASpec | None" = None
 
 
 def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
@@ -239,6 +242,7 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         otlp_traces_endpoint=_section(spec, "tracing").get("otlpTracesEndpoint") or None,
         inference_pool=parse_inference_pool(spec),
         kv_offload=parse_kv_offload(spec),
+        loras=_parse_loras(spec),
     )
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.
@@ -256,6 +260,13 @@ def parse_autoscaling(spec: dict[str, Any]) -> "AutoscalingSpec | None":
     from .autoscaling_spec import parse_autoscaling as parse
 
     return parse(spec)
+
+
+def _parse_loras(spec: dict[str, Any]) -> "LoRASpec | None":
+    # Imported here: loras.py reads this module's SpecError.
+    from .loras import parse_loras
+
+    return parse_loras(spec)
 
 
 def parse_kv_offload(spec: dict[str, Any]) -> "KVOffloadSpec | None":

@@ -155,6 +155,8 @@ def _engine_container(
         mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
     if pool.kv_offload is not None and pool.kv_offload.on_disk:
         mounts.append(pool.kv_offload.mount())
+    if pool.loras is not None:
+        mounts += pool.loras.mounts()
     http, http_ports = _engine_serving_ports(pool)
     return {
         "name": "engine",
@@ -261,6 +263,8 @@ def engine_deployment(
         volumes.append(kv_secret_volume(secret_ref))
     if pool.kv_offload is not None and pool.kv_offload.on_disk:  # emptyDir, or shared claim
         volumes.append(pool.kv_offload.volume())
+    if pool.loras is not None:
+        volumes += pool.loras.volumes()
     volumes += pool_tls_volumes(pool)
     if pool.model.hugging_face_id:
         pod_spec["initContainers"] = [_download_init_container(pool)]

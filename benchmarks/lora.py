@@ -58,6 +58,7 @@ def build_engine(model: Path, rank: int):
             max_num_seqs=64,
             enable_prefix_caching=False,
             enable_lora=True,
+            cpu_threads=1,  # one thread: steadier on a shared machine, same for both modes
             max_loras=NUM_ADAPTERS,
             max_lora_rank=rank,
         )
@@ -82,7 +83,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--rank", type=int, default=8)
     args = ap.parse_args()
@@ -112,24 +113,27 @@ def main() -> int:
             engine.close()
     load = os.getloadavg()
     base, mixed = statistics.median(rates["base"]), statistics.median(rates["lora8"])
+    # Each mixed round against the base round just before it: the load swings between
+    # rounds on a shared machine, less within a pair.
+    ratio = statistics.median(m / b for b, m in zip(rates["base"], rates["lora8"], strict=True))
     rows = [
         {"mode": "base model only", "out_tok_s": base, "ratio": 1.0},
-        {"mode": f"{NUM_ADAPTERS} adapters mixed", "out_tok_s": mixed, "ratio": mixed / base},
+        {"mode": f"{NUM_ADAPTERS} adapters mixed", "out_tok_s": mixed, "ratio": ratio},
     ]
     print_table(
         rows,
         f"LoRA: {args.requests} requests x {args.prompt_len}+{args.max_tokens} "
-        f"tokens, hidden {args.hidden}, rank {args.rank} (median of {args.rounds})",
+        f"tokens, hidden {args.hidden}, rank {args.rank} (median of {args.rounds} paired rounds)",
     )
-    print(f"goal >= 0.8x: {'met' if mixed / base >= 0.8 else 'NOT met'}; load average {load}")
+    print(f"goal >= 0.8x: {'met' if ratio >= 0.8 else 'NOT met'}; load average {load}")
     write_json(
         "lora",
         {
             "args": vars(args),
             "rates": rates,
             "rows": rows,
-            "ratio": mixed / base,
-            "goal_met": mixed / base >= 0.8,
+            "ratio": ratio,
+            "goal_met": ratio >= 0.8,
             "loadavg": load,
         },
     )

@@ -10,9 +10,10 @@ from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.units import parse_size  # noqa: F401 (re-exported: callers read sizes here)
 
 
-# The offload tiers (--kv-offloading-backend): vLLM's are native (host memory) and
-# lmcache; pdpool's are a directory of this engine's, or one shared by the pool.
-OFFLOAD_BACKENDS = ("disk", "shared")
+# The offload tiers (--kv-offloading-backend): native (host memory, vLLM's default), a
+# directory of this engine's (disk), or one shared by the pool (shared). vLLM's lmcache
+# is not one of ours.
+OFFLOAD_BACKENDS = ("native", "disk", "shared")
 
 
 @dataclass
@@ -66,11 +67,11 @@ class EngineConfig:
     # vLLM's --kv-events-config (JSON): publish KV cache events over ZeroMQ.
     kv_events_config: Optional[str] = None
     # KV offload tier below the pool (engine/kv/offload/): vLLM's --kv-offloading-size (GiB;
-    # None: no tier) and --kv-offloading-backend (ours: disk, a directory of this engine;
-    # shared, a directory every engine of the pool mounts), the directory, and whether
-    # each record is fsynced (off: a torn record is detected on read and recomputed).
+    # None: no tier) and --kv-offloading-backend (native, host memory; disk, a directory of
+    # this engine; shared, a directory every engine of the pool mounts), the directory, and
+    # whether each record is fsynced (off: a torn record is detected on read, recomputed).
     kv_offloading_size: Optional[float] = None
-    kv_offloading_backend: str = "disk"
+    kv_offloading_backend: str = "native"
     kv_offloading_path: Optional[str] = None
     kv_offloading_fsync: bool = False
     extra: dict = field(default_factory=dict)
@@ -163,9 +164,10 @@ class EngineConfig:
         size = self.kv_offloading_size
         if not isinstance(size, (int, float)) or not size > 0 or size > 1 << 20:
             raise ValueError(f"--kv-offloading-size must be > 0 GiB (and sane), got {size!r}")
-        if not self.kv_offloading_path:
+        if self.kv_offloading_backend != "native" and not self.kv_offloading_path:
             raise ValueError(
-                "--kv-offloading-size needs --kv-offloading-path (the tier's directory)"
+                f"--kv-offloading-backend {self.kv_offloading_backend} needs "
+                "--kv-offloading-path (the tier's directory)"
             )
         if not self.enable_prefix_caching:
             raise ValueError("--kv-offloading-size needs prefix caching (blocks are found by hash)")

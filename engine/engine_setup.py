@@ -171,15 +171,24 @@ def build_offload(config: EngineConfig, memory: KVMemory) -> Optional[KVOffload]
     if config.kv_offloading_size is None:
         return None
     from pdpool.engine.connector.lease_token import load_secret
-    from pdpool.engine.kv.offload.store import FileStore
-    from pdpool.engine.kv.offload.tier import KVOffload
+    from pdpool.engine.kv.offload.memory_store import MemoryStore
+    from pdpool.engine.kv.offload.store import FileStore, RecordStore
+    from pdpool.engine.kv.offload.tier import MEDIUM_CPU, MEDIUM_STORAGE, KVOffload
     from pdpool.engine.runner import state_tensors
 
-    shared = config.kv_offloading_backend == "shared"
-    assert config.kv_offloading_path is not None  # validated
-    store = FileStore(
-        config.kv_offloading_path, config.kv_offloading_bytes, shared, config.kv_offloading_fsync
-    )
+    backend = config.kv_offloading_backend
+    shared = backend == "shared"
+    store: RecordStore
+    if backend == "native":
+        store = MemoryStore(config.kv_offloading_bytes)
+    else:
+        assert config.kv_offloading_path is not None  # validated
+        store = FileStore(
+            config.kv_offloading_path,
+            config.kv_offloading_bytes,
+            shared,
+            config.kv_offloading_fsync,
+        )
     return KVOffload(
         store,
         memory.fingerprint,
@@ -189,6 +198,7 @@ def build_offload(config: EngineConfig, memory: KVMemory) -> Optional[KVOffload]
         state_tensors(memory.state) if memory.state is not None else [],
         secret=load_secret(config.kv_secret_file),
         locality="REMOTE" if shared else "LOCAL",
+        medium=MEDIUM_CPU if backend == "native" else MEDIUM_STORAGE,
     )
 
 

@@ -131,10 +131,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-offloading-backend",
-        default="disk",
-        choices=["disk", "shared"],
-        help="disk: a directory of this engine's (an emptyDir); shared: a directory every "
-        "engine of the pool mounts (a PVC), so one engine's prefix is a hit for all",
+        default="native",
+        choices=["native", "disk", "shared"],
+        help="native (vLLM's default): host memory; disk: a directory of this engine's (an "
+        "emptyDir); shared: a directory every engine of the pool mounts (a PVC), so one "
+        "engine's prefix is a hit for all",
     )
     p.add_argument("--kv-offloading-path", default=None, help="the offload tier's directory")
     add_switch(

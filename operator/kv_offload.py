@@ -2,7 +2,7 @@
 flags (pure functions, no I/O; the engine's side is engine/kv/offload/).
 
     kvOffload:
-      backend: disk | shared     # disk: an emptyDir per pod; shared: one PVC for the pool
+      backend: native | disk | shared  # host memory; an emptyDir per pod; one PVC for all
       sizeGiB: 50                # per engine (vLLM's --kv-offloading-size)
       pvc: kv-tier               # shared only: a ReadWriteMany claim every engine mounts
       fsync: false               # fsync each record (a torn one is a miss either way)
@@ -20,7 +20,7 @@ from .spec import SpecError
 
 KV_OFFLOAD_MOUNT = "/var/lib/pdpool/kv-offload"
 VOLUME = "kv-offload"
-BACKENDS = ("disk", "shared")
+BACKENDS = ("native", "disk", "shared")
 MARGIN = 1.1
 
 
@@ -35,9 +35,15 @@ class KVOffloadSpec:
         args = [
             f"--kv-offloading-size={self.size_gib:g}",
             f"--kv-offloading-backend={self.backend}",
-            f"--kv-offloading-path={KV_OFFLOAD_MOUNT}",
         ]
+        if self.backend != "native":
+            args.append(f"--kv-offloading-path={KV_OFFLOAD_MOUNT}")
         return args + (["--kv-offloading-fsync"] if self.fsync else [])
+
+    @property
+    def on_disk(self) -> bool:
+        """A volume to mount (native keeps the tier in the engine's memory)."""
+        return self.backend != "native"
 
     def volume(self) -> dict[str, Any]:
         if self.backend == "shared":
@@ -65,7 +71,7 @@ def parse_kv_offload(spec: dict[str, Any]) -> KVOffloadSpec | None:
     pvc = k.get("pvc")
     if backend == "shared" and (not isinstance(pvc, str) or not pvc):
         raise SpecError(f"{where}.pvc is required with backend shared (a ReadWriteMany claim)")
-    if backend == "disk" and pvc is not None:
+    if backend != "shared" and pvc is not None:
         raise SpecError(f"{where}.pvc is for backend shared (disk uses an emptyDir per pod)")
     fsync = k.get("fsync", False)
     if not isinstance(fsync, bool):

@@ -153,7 +153,7 @@ def _engine_container(
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if secret_ref is not None:
         mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
-    if pool.kv_offload is not None:
+    if pool.kv_offload is not None and pool.kv_offload.on_disk:
         mounts.append(pool.kv_offload.mount())
     http, http_ports = _engine_serving_ports(pool)
     return {
@@ -259,7 +259,7 @@ def engine_deployment(
         volumes.append(_model_volume(pool))
     if secret_ref is not None:
         volumes.append(kv_secret_volume(secret_ref))
-    if pool.kv_offload is not None:  # an emptyDir per pod, or the pool's shared claim
+    if pool.kv_offload is not None and pool.kv_offload.on_disk:  # emptyDir, or shared claim
         volumes.append(pool.kv_offload.volume())
     volumes += pool_tls_volumes(pool)
     if pool.model.hugging_face_id:

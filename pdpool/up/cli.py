@@ -62,10 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-offload",
-        choices=("disk", "shared"),
+        choices=("native", "disk", "shared"),
         default=None,
-        help="a KV offload tier below every engine's pool: disk (a directory per engine) "
-        "or shared (one directory all engines read, so one's prefix is a hit for all)",
+        help="a KV offload tier below every engine's pool: native (host memory), disk (a "
+        "directory per engine) or shared (one directory all engines read, so one's prefix "
+        "is a hit for all)",
     )
     p.add_argument(
         "--kv-offload-size",

@@ -138,7 +138,8 @@ class TopologySpec:
     decode_retry_s: float = 5.0
     engine_args: list[str] = field(default_factory=list)
     log_dir: Optional[str] = None
-    # KV offload tier below every engine's pool (engine/kv/offload/): None (off), disk (a
+    # KV offload tier below every engine's pool (engine/kv/offload/): None (off), native
+    # (host memory), disk (a
     # directory per engine, as an emptyDir per pod) or shared (one directory for every
     # engine, as a PVC shared by the pool); its size in GiB per engine; where (default:
     # <log dir>/kv-offload).
@@ -294,13 +295,15 @@ class Topology:
         s = self.spec
         if s.kv_offload is None:
             return ()
+        flags = (
+            f"--kv-offloading-size={s.kv_offload_size_gib:g}",
+            f"--kv-offloading-backend={s.kv_offload}",
+        )
+        if s.kv_offload == "native":
+            return flags
         root = s.kv_offload_dir or os.path.join(self.log_dir, "kv-offload")
         path = root if s.kv_offload == "shared" else os.path.join(root, f"{role}-{index}")
-        return (
-            f"--kv-offloading-size={s.kv_offload_size_gib}",
-            f"--kv-offloading-backend={s.kv_offload}",
-            f"--kv-offloading-path={path}",
-        )
+        return (*flags, f"--kv-offloading-path={path}")
 
     def _threads(self) -> Optional[int]:
         """The engines share this machine's cores: each one's prompt steps get an equal

@@ -85,6 +85,9 @@ class KVIndex:
         self.engines: dict[str, EngineBlocks] = {}
         # Blocks in the tier shared by the pool (REMOTE), whoever wrote them.
         self.shared_tier: "OrderedDict[int, None]" = OrderedDict()
+        # LoRA adapters engines published blocks under (BlockStored.lora_name): a request
+        # whose `model` is one of them is keyed as that adapter's blocks.
+        self.lora_names: set[str] = set()
         self._lock = threading.Lock()
 
     # --- feeding -------------------------------------------------------------------------
@@ -142,6 +145,8 @@ class KVIndex:
         return group is not None and st.group is not None and group != st.group
 
     def _stored(self, st: EngineBlocks, ev: BlockStored) -> None:
+        if isinstance(ev.lora_name, str) and len(self.lora_names) < MAX_LORA_NAMES:
+            self.lora_names.add(ev.lora_name)
         group = ev.group_idx
         if (
             st.group is None
@@ -303,10 +308,18 @@ class KVIndex:
         return len(st.blocks) if st else 0
 
 
+MAX_LORA_NAMES = 4096  # adapter names remembered (events are trusted, but bounded anyway)
+
+
 def request_block_keys(
-    token_ids: Sequence[int], block_size: int, cache_salt: Optional[str] = None
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: Optional[str] = None,
+    lora_name: Optional[str] = None,
 ) -> list[int]:
     """The index keys of a prompt's full blocks, chained exactly as pdpool engines hash
-    them (`pdpool/block_hash.py`, shared with the engine)."""
-    extra = (cache_salt,) if cache_salt else ()
+    them (`pdpool/block_hash.py`, shared with the engine), or as the index names an
+    adapter's blocks: the first block's extra keys as events publish them (the adapter's
+    name, then the salt)."""
+    extra = ((lora_name,) if lora_name else ()) + ((cache_salt,) if cache_salt else ())
     return [hash_key(h) for h in chain_hashes(token_ids, block_size, extra)]

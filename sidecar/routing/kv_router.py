@@ -188,10 +188,14 @@ class KVRouter:
         load: Callable[[str], float],
         cache_salt: Optional[str] = None,
         healthy: Callable[[str], bool] = lambda b: True,
+        model: Optional[str] = None,
     ) -> RouteDecision:
-        """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last."""
+        """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last.
+        `model`: the request's; when engines published blocks under a LoRA adapter of that
+        name, the prompt's keys are that adapter's (another adapter's blocks never count)."""
         n = len(token_ids)
-        keys = request_block_keys(token_ids, self.block_size, cache_salt)
+        lora = model if model is not None and model in self.index.lora_names else None
+        keys = request_block_keys(token_ids, self.block_size, cache_salt, lora)
         hits = {b: self.index.prefix_hit_blocks(b, keys) for b in order}
         if all(h is None for h in hits.values()):
             return RouteDecision(list(order), 0, n, "decode", False)

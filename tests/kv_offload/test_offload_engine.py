@@ -19,12 +19,13 @@ from pdpool.engine.sampling_params import SamplingParams
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _engine(model: Path, tier: Path | None, backend: str = "shared") -> LLMEngine:
+def _engine(model: Path, tier: Path | None, backend: str = "shared", **more) -> LLMEngine:
     extra = (
         dict(kv_offloading_size=0.05, kv_offloading_path=str(tier), kv_offloading_backend=backend)
         if tier is not None
         else {}
     )
+    extra.update(more)
     # A pool of 24 blocks: two 150-token prompts do not stay cached together.
     return LLMEngine(
         EngineConfig(
@@ -53,6 +54,27 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 def _prompts(n: int, length: int = 150, seed: int = 3) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
+
+
+def test_host_memory_tier_serves_returning_prompts(tiny_qwen3):
+    """vLLM's native backend: the same records in host memory, no directory."""
+    prompts = _prompts(4)
+    recompute = _run(_engine(tiny_qwen3, None), prompts)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_qwen3),
+            device="cpu",
+            num_kv_blocks=24,
+            max_num_batched_tokens=64,
+            max_num_seqs=2,
+            kv_offloading_size=0.01,
+        )
+    )
+    assert _run(engine, prompts) == recompute
+    assert _run(engine, prompts) == recompute
+    assert engine.offload is not None and engine.offload.medium == "CPU"
+    assert engine.offload.counters["loads_ok"] == 4
+    engine.close()
 
 
 @pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_5"])
@@ -100,7 +122,8 @@ def test_flipped_byte_is_a_miss_never_a_wrong_token(tiny_qwen3, tmp_path):
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0x04
         f.write_bytes(bytes(data))
-    b = _engine(tiny_qwen3, tmp_path)
+    # Even under the `fail` policy (for remote loads), a bad record is a miss.
+    b = _engine(tiny_qwen3, tmp_path, kv_load_failure_policy="fail")
     assert _run(b, prompts) == recompute
     assert b.offload is not None
     assert b.offload.counters["records_rejected"] >= 1
@@ -156,7 +179,8 @@ def _hashes(prompt: list[int], block_size: int) -> list[bytes]:
 
 def test_offload_flags_are_checked(tmp_path):
     for bad, why in (
-        (dict(kv_offloading_size=1.0), "kv-offloading-path"),
+        (dict(kv_offloading_size=1.0, kv_offloading_backend="disk"), "kv-offloading-path"),
+        (dict(kv_offloading_size=1.0, kv_offloading_backend="shared"), "kv-offloading-path"),
         (dict(kv_offloading_size=-1.0, kv_offloading_path=str(tmp_path)), "must be > 0"),
         (dict(kv_offloading_size=float("nan"), kv_offloading_path=str(tmp_path)), "must be > 0"),
         (dict(kv_offloading_backend="lmcache"), "kv-offloading-backend"),
@@ -171,3 +195,49 @@ def test_offload_flags_are_checked(tmp_path):
     ):
         with pytest.raises(ValueError, match=why):
             EngineConfig(model="m", **bad).validate()  # type: ignore[arg-type]
+
+
+def _request(prompt: list[int]):
+    from pdpool.engine.request import Request
+
+    return Request("probe", list(prompt), PARAMS, eos_token_ids=(), block_size=16)
+
+
+def test_cache_hit_threshold_counts_tier_tokens(tiny_qwen3, tmp_path):
+    """Decode-first: a prefix the tier holds is as good as a cached one for the threshold
+    (the engine loads it rather than rejecting the request to a prefill engine)."""
+    prompts = _prompts(3)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    _run(engine, prompts)  # the later ones evict the first from the 24-block pool
+    local = engine.kv.get_computed_blocks(_request(prompts[0]))[1]
+    assert local <= 64  # the pool kept at most the head of it (tails go first)
+    reasons = {}
+    for name, prompt in (("tiered", prompts[0]), ("new", _prompts(1, seed=99)[0])):
+        engine.add_request(name, prompt, PARAMS, cache_hit_threshold=0.8)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    reasons[name] = out.finish_reason
+    assert reasons == {"tiered": "length", "new": "cache_threshold"}
+    assert engine.offload is not None and engine.offload.counters["loads_ok"] == 1
+    assert engine.offload.counters["loaded_tokens"] == 144 - local  # 9 full blocks in all
+    engine.close()
+
+
+def test_aborting_a_request_while_its_tier_read_runs_frees_its_blocks(tiny_qwen3, tmp_path):
+    prompts = _prompts(3)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    _run(engine, prompts)
+    engine.add_request("gone", prompts[0], PARAMS)
+    engine.step()  # admitted: its tier read starts
+    assert "gone" in engine.scheduler.tier_loading
+    engine.abort_request("gone")
+    assert engine.kv.pool.num_used_blocks == 0  # at once: the read lands in host memory
+    deadline = time.monotonic() + 10
+    while engine.offload is not None and engine.offload._loads:
+        assert time.monotonic() < deadline
+        engine.idle_tick()  # the read's result comes back and is dropped
+        time.sleep(0.005)
+    assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
+    assert _run(engine, [prompts[0]]) == _run(_engine(tiny_qwen3, None), [prompts[0]])
+    engine.close()

@@ -135,3 +135,20 @@ def test_store_refuses_bad_settings(tmp_path):
     f.write_text("x")
     with pytest.raises(OSError):
         FileStore(f, 100)
+
+
+def test_memory_store_is_bounded_lru():
+    from pdpool.engine.kv.offload.memory_store import MemoryStore
+
+    store = MemoryStore(capacity_bytes=3000)
+    for k in ("a", "b", "c"):
+        assert store.put(k, b"x" * 1000) == []
+    assert store.get("a") == b"x" * 1000
+    assert store.put("d", b"y" * 1000) == ["b"]
+    assert not store.contains("b") and store.contains("a") and store.bytes_used == 3000
+    store.discard("a")
+    assert store.bytes_used == 2000 and len(store) == 2 and store.get("a") is None
+    with pytest.raises(OSError):
+        store.put("e", b"z" * 3001)
+    with pytest.raises(ValueError):
+        MemoryStore(0)

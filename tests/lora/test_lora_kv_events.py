@@ -16,6 +16,8 @@ from pdpool.engine.lora.registry import LoRARef
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.kv_events import BlockStored, KVEventBatch, KVEventSubscriber, encode_batch
 from pdpool.ports import free_ports
+from pdpool.sidecar.routing.kv_index import request_block_keys
+from pdpool.sidecar.routing.kv_router import KVRouter
 from tests.support.parity import random_prompts
 
 
@@ -51,8 +53,11 @@ def test_events_carry_the_adapter_and_hashes_differ(tiny_qwen3, qwen3_adapters):
             while engine.has_unfinished():
                 engine.step()
         stored: list[BlockStored] = []
+        router = KVRouter(block_size=16)
+        index = router.index
         while (got := sub.recv(timeout_s=0.5)) is not None:
             stored += [e for e in got[1].events if isinstance(e, BlockStored)]
+            index.on_message("e1", got[0], got[1])
     finally:
         sub.close()
         engine.close()
@@ -66,6 +71,18 @@ def test_events_carry_the_adapter_and_hashes_differ(tiny_qwen3, qwen3_adapters):
         assert ev.token_ids == by_adapter[None].token_ids  # the same tokens...
     hashes = [bytes(by_adapter[n].block_hashes[0]) for n in (None, "alpha", "beta")]
     assert len(set(hashes)) == 3  # ...under three different names
+    # The gateway's index keys a request by its `model` when it names an adapter the
+    # engines published blocks under: each adapter hits its own blocks only.
+    assert index.lora_names == {"alpha", "beta"}
+    full = len(prompt) // 16
+    for model in ("alpha", "beta", "base-model-name"):
+        lora = model if model in index.lora_names else None
+        keys = request_block_keys(prompt, 16, None, lora)
+        assert index.prefix_hit_blocks("e1", keys) == full, model
+    other = request_block_keys(prompt, 16, None, "gamma")  # an adapter never stored
+    assert index.prefix_hit_blocks("e1", other) == 0
+    decision = router.decide(["e0", "e1"], prompt, lambda b: 0.0, None, lambda b: True, "alpha")
+    assert decision.precise and decision.order[0] == "e1"
     # On the wire: vLLM's field name.
     wire = msgpack.unpackb(encode_batch(KVEventBatch(0.0, [by_adapter["alpha"]])), raw=False)
     assert wire[1][0]["lora_name"] == "alpha" and wire[1][0]["lora_id"] == 1

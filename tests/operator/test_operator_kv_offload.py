@@ -78,7 +78,8 @@ def test_no_tier_without_the_section():
         ({"sizeGiB": "lots"}, "sizeGiB must be a number"),
         ({"sizeGiB": True}, "sizeGiB must be a number"),
         ({"sizeGiB": 1e12}, "sizeGiB must be a number"),
-        ({"sizeGiB": 1, "backend": "lmcache"}, "backend must be one of disk, shared"),
+        ({"sizeGiB": 1, "backend": "lmcache"}, "backend must be one of native, disk, shared"),
+        ({"sizeGiB": 1, "backend": "native", "pvc": "x"}, "pvc is for backend shared"),
         ({"sizeGiB": 1, "backend": "shared"}, "pvc is required"),
         ({"sizeGiB": 1, "backend": "shared", "pvc": ""}, "pvc is required"),
         ({"sizeGiB": 1, "pvc": "x"}, "pvc is for backend shared"),
@@ -105,4 +106,13 @@ def test_crd_schema_describes_the_section():
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     section = schema["properties"]["kvOffload"]
     assert section["required"] == ["sizeGiB"]
-    assert section["properties"]["backend"]["enum"] == ["disk", "shared"]
+    assert section["properties"]["backend"]["enum"] == ["native", "disk", "shared"]
+
+
+def test_native_tier_needs_no_volume():
+    spec = {**BASE, "kvOffload": {"backend": "native", "sizeGiB": 4}}
+    for pod in pods(spec).values():
+        config, engine = engine_config(pod)
+        assert (config.kv_offloading_backend, config.kv_offloading_path) == ("native", None)
+        assert all(v["name"] != "kv-offload" for v in pod["volumes"])
+        assert all(m["name"] != "kv-offload" for m in engine["volumeMounts"])

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 log = logging.getLogger("pdpool.kv.offload")
 
@@ -34,6 +34,24 @@ STALE_TMP_S = 600.0
 # Test-only: each record write stops this many seconds after half of it, so a test can
 # kill the engine mid-write (armed from the engine's environment, never by a client).
 STALL_WRITE_ENV = "PDPOOL_TEST_OFFLOAD_STALL_WRITE_S"
+
+
+class RecordStore(Protocol):
+    """What the I/O thread and the tier need of a store (FileStore, MemoryStore)."""
+
+    shared: bool
+    capacity_bytes: int
+    bytes_used: int
+
+    def contains(self, key: str) -> bool: ...
+
+    def get(self, key: str) -> Optional[bytes]: ...
+
+    def put(self, key: str, data: bytes) -> list[str]: ...
+
+    def discard(self, key: str) -> None: ...
+
+    def __len__(self) -> int: ...
 
 
 class FileStore:

@@ -24,7 +24,7 @@ import torch
 from pdpool.engine.connector.base import LoadResult
 from pdpool.engine.kv.offload.keys import KIND_KV, KIND_STATE, block_key
 from pdpool.engine.kv.offload.record import TensorBlob
-from pdpool.engine.kv.offload.store import FileStore
+from pdpool.engine.kv.offload.store import RecordStore
 from pdpool.engine.kv.offload.worker import IOWorker, LoadJob, Loaded, Saved, SaveJob
 
 if TYPE_CHECKING:
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdpool.kv.offload")
 
-# vLLM's KV-event media (vllm/v1/kv_offload/base.py Medium) and localities.
+# vLLM's KV-event media (vllm/v1/kv_offload/base.py Medium): host memory, or storage.
+MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"
 
 
@@ -78,7 +79,7 @@ def _tensor(b: TensorBlob, like: torch.Tensor) -> Optional[torch.Tensor]:
 class KVOffload:
     def __init__(
         self,
-        store: FileStore,
+        store: RecordStore,
         fingerprint: str,
         cache: torch.Tensor,
         group_layers: list[int],
@@ -86,7 +87,9 @@ class KVOffload:
         state_tensors: list[torch.Tensor],
         secret: Optional[bytes] = None,
         locality: str = "LOCAL",
+        medium: str = "STORAGE",
     ) -> None:
+        self.medium = medium
         self.store = store
         self.fingerprint = fingerprint
         self.cache = cache
@@ -262,7 +265,8 @@ class KVOffload:
                 return self._loaded(res.request_id, num_blocks)
             # Without the state at the end, the prefix cannot resume: start over.
             self.counters["loads_failed"] += 1
-            return LoadResult(res.request_id, 0, res.error or "state record missing", restart=True)
+            log.info("tier load for %s: %s; recomputing", res.request_id, res.error or "no state")
+            return LoadResult(res.request_id, 0, None, restart=True)
         return self._loaded(res.request_id, applied, res.error)
 
     def _apply_state(self, blobs: list[TensorBlob], load: _Load) -> bool:
@@ -278,10 +282,14 @@ class KVOffload:
         return True
 
     def _loaded(self, request_id: str, num_blocks: int, error: Optional[str] = None) -> LoadResult:
+        """A tier miss is never a request's failure (whatever --kv-load-failure-policy says
+        of remote loads): what did not load is computed."""
         tokens = num_blocks * self.block_size
         self.counters["loads_ok" if error is None else "loads_failed"] += 1
         self.counters["loaded_tokens"] += tokens
-        return LoadResult(request_id, tokens, error)
+        if error is not None:
+            log.info("tier load for %s stopped after %d tokens: %s", request_id, tokens, error)
+        return LoadResult(request_id, tokens, None)
 
     # --- KV events -----------------------------------------------------------------------
     def _record_stored(self, note: BlockNote) -> None:
@@ -296,7 +304,7 @@ class KVOffload:
                 list(note.token_ids),
                 self.block_size,
                 None,
-                MEDIUM_STORAGE,
+                self.medium,
                 note.group,
                 note.kind,
                 None,
@@ -310,7 +318,7 @@ class KVOffload:
         from pdpool.kv_events import BlockRemoved
 
         self.events.record(
-            BlockRemoved([note.block_hash], MEDIUM_STORAGE, note.group, locality=self.locality)
+            BlockRemoved([note.block_hash], self.medium, note.group, locality=self.locality)
         )
 
     def stats(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from pdpool.engine.kv.offload.record import RecordRejected, TensorBlob, decode_record, encode_record
-from pdpool.engine.kv.offload.store import FileStore
+from pdpool.engine.kv.offload.store import RecordStore
 
 log = logging.getLogger("pdpool.kv.offload")
 
@@ -68,7 +68,7 @@ class _Queued:
 class IOWorker:
     def __init__(
         self,
-        store: FileStore,
+        store: RecordStore,
         fingerprint: str,
         secret: Optional[bytes] = None,
         max_pending_save_bytes: int = 256 << 20,

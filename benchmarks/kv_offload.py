@@ -36,7 +36,7 @@ from common import print_table, write_json
 
 from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
 
-MODES = {"off": None, "disk": "disk", "shared": "shared"}
+MODES = {"off": None, "native": "native", "disk": "disk", "shared": "shared"}
 
 
 def scrape(url: str) -> dict[str, float]:

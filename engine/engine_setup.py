@@ -19,7 +19,7 @@ from pdpool.engine.models.base import head_dim_of
 
 if TYPE_CHECKING:
     from pdpool.engine.connector.base import KVConnector
-    from pdpool.engine.kv.offload.tier import KVOffload
+    from pdpool.engine.connector.offload_tier import KVOffload
     from pdpool.kv_events import KVEventPublisher
 
 DEFAULT_KV_MEMORY_CPU = 256 << 20
@@ -173,7 +173,7 @@ def build_offload(config: EngineConfig, memory: KVMemory) -> Optional[KVOffload]
     from pdpool.engine.connector.lease_token import load_secret
     from pdpool.engine.kv.offload.memory_store import MemoryStore
     from pdpool.engine.kv.offload.store import FileStore, RecordStore
-    from pdpool.engine.kv.offload.tier import MEDIUM_CPU, MEDIUM_STORAGE, KVOffload
+    from pdpool.engine.connector.offload_tier import MEDIUM_CPU, MEDIUM_STORAGE, KVOffload
     from pdpool.engine.runner import state_tensors
 
     backend = config.kv_offloading_backend

@@ -37,7 +37,7 @@ class EngineState:
     admission_holdup: str = ""
     # Waiting requests by their priority (server/priority_metrics.py bounds the labels).
     waiting_by_priority: dict[int, int] = dataclasses.field(default_factory=dict)
-    # The KV offload tier's counters (kv/offload/tier.py stats); empty without a tier.
+    # The KV offload tier's counters (connector/offload_tier.py stats); empty without a tier.
     offload: dict[str, float] = dataclasses.field(default_factory=dict)
     # LoRA adapters of running and waiting requests, with their counts (vLLM's
     # SchedulerStats.running_lora_adapters / waiting_lora_adapters).

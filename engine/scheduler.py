@@ -41,7 +41,7 @@ from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.request_queue import priority_key, waiting_queue
 
 if TYPE_CHECKING:
-    from pdpool.engine.kv.offload.tier import KVOffload
+    from pdpool.engine.connector.offload_tier import KVOffload
     from pdpool.kv_events import KVEventPublisher
 
 log = logging.getLogger("pdpool.scheduler")
@@ -247,7 +247,7 @@ class Scheduler:
         and after applying loads: before any allocation can reuse their memory."""
         if self.offload is None:
             return
-        from pdpool.engine.kv.offload.tier import BlockNote
+        from pdpool.engine.connector.offload_tier import BlockNote
 
         blocks, self._offload_blocks = self._offload_blocks, []
         bs = self.kv.block_size

@@ -62,7 +62,7 @@ class KVCacheManager:
         # Blocks and state slots held for other engines, by lease id: the connector
         # decides what to lease and when a lease ends, the manager holds.
         self._lease_holds: dict[str, tuple[list[Block], tuple[int, ...]]] = {}
-        # An offload tier's write-through (kv/offload/tier.py), set by the scheduler: told of
+        # An offload tier's write-through (connector/offload_tier.py), set by the scheduler: told of
         # each block that becomes the cached copy of its hash (request, group, index,
         # block) and of each state snapshot published (slot, block hash).
         self.on_block_cached: Optional[Callable[[Request, int, int, Block], None]] = None

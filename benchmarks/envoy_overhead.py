@@ -21,11 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import print_table, write_json
+from pdpool.command_lines import gateway_argv
 from pdpool.ports import free_port
 from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model, healthy
 from routing import epp_decision_ms
@@ -67,21 +69,12 @@ def main() -> None:
     )
     topo = Topology(spec)
     topo.start(timeout_s=240)
-    argv = list(topo.router.argv)
-    at = argv.index("epp")
     gw_port = free_port()
-    gateway_argv = [*argv[:at], "gateway", "--host", "127.0.0.1", "--port", str(gw_port)]
-    rest = argv[at + 1 :]
-    skip = {"--host", "--port", "--health-port", "--metrics-port"}
-    i = 0
-    while i < len(rest):
-        if rest[i] in skip:
-            i += 2
-            continue
-        gateway_argv.append(rest[i])
-        i += 1
+    # our gateway with the picker's routing flags, beside Envoy
+    launch = topo.router_launch
+    gateway_cmd = gateway_argv(replace(launch, serving=replace(launch.serving, port=gw_port)))
     with open(os.path.join(log_dir, "gateway.log"), "wb") as log:
-        gateway = subprocess.Popen(gateway_argv, stdout=log, stderr=subprocess.STDOUT)
+        gateway = subprocess.Popen(gateway_cmd, stdout=log, stderr=subprocess.STDOUT)
     doors = {
         "pdpool gateway": f"http://127.0.0.1:{gw_port}",
         "Envoy + pdpool epp": topo.gateway.url,

@@ -1,7 +1,7 @@
 """Flow control through `pdpool up`: a quiet tenant at steady load beside noisy ones.
 
     python benchmarks/flow_control.py [--seconds 8] [--rounds 3] [--noisy-streams 40]
-                                      [--weights 1,2,4] [--bound N] [--model DIR]
+                                      [--weights 1,2,4] [--bound N[,N...]] [--model DIR]
 
 The quiet tenant sends `--quiet-rps` streamed completions a second (Poisson arrivals,
 `--max-tokens` each). The noisy tenant keeps `--noisy-streams` long streams open (closed
@@ -9,9 +9,9 @@ loop, `--noisy-max-tokens` each; a 429 is retried after its Retry-After, at most
 `--noisy-streams 0` makes it burst instead (`--noisy-factor` times the quiet rate,
 `--burst-s` on, `--pause-s` off). `--weights 1,2,4` replaces the noisy tenant by three
 tenants of those weights, each keeping `--noisy-streams` streams open.
-Two `pdpool up --prefill 0 --decode N --mode aggregated`, without and with a tenants file;
-on each, --rounds rounds of two phases of --seconds (alternating, so the drift of this
-shared machine's other load reaches both alike):
+Two `pdpool up --prefill 0 --decode N --mode aggregated`, without and with a tenants file,
+up at once; --rounds rounds, each running both topologies' two phases of --seconds in turn
+(alternating, so the drift of this shared machine's other load reaches all four alike):
   alone-off      the quiet tenant by itself, no tenants file (today's gateway)
   noisy-off      all tenants, no tenants file
   alone-on       the quiet tenant by itself, with the tenants file
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import random
@@ -60,6 +61,7 @@ class Outcome:
     ttft_s: Optional[float] = None
     retry_after: Optional[str] = None
     error: str = ""
+    sent_at: float = 0.0  # time.perf_counter() when sent
 
 
 CUT = -1  # the client ended the stream at the phase's end: neither served nor lost
@@ -71,7 +73,9 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     flow: dict[str, float] = field(default_factory=dict)  # the gateway's pdpool_flow_* sums
     tokens: dict[str, int] = field(default_factory=dict)  # streamed in the measured window
+    late_tokens: dict[str, int] = field(default_factory=dict)  # in its second half
     seconds: float = 0.0  # the measured windows' length, all rounds
+    quiet_at: list[tuple[float, float]] = field(default_factory=list)  # (s into phase, TTFT ms)
 
 
 def flow_metrics(url: str) -> dict[str, float]:
@@ -104,7 +108,7 @@ def key_of(tenant: str) -> str:
     return QUIET_KEY if tenant in ("quiet", "warm") else f"{tenant}-tenant-key-{'0' * 12}"
 
 
-def tenants_yaml(args: argparse.Namespace) -> str:
+def tenants_yaml(args: argparse.Namespace, bound: int) -> str:
     """Equal or --weights weights and no limits unless asked: nothing tuned by hand."""
     limits = "".join(
         f", {name}: {value}"
@@ -118,8 +122,8 @@ def tenants_yaml(args: argparse.Namespace) -> str:
     lines = ["tenants:", f"  - {{name: quiet, keys: ['{QUIET_KEY}'], weight: 1}}"]
     for name, weight in heavy_tenants(args).items():
         lines.append(f"  - {{name: {name}, keys: ['{key_of(name)}'], weight: {weight:g}{limits}}}")
-    if args.bound:
-        lines.append(f"pool: {{maxInFlightPerBackend: {args.bound}}}")
+    if bound:
+        lines.append(f"pool: {{maxInFlightPerBackend: {bound}}}")
     return "\n".join(lines) + "\n"
 
 
@@ -129,15 +133,20 @@ def prompt(rng: random.Random, n: int) -> str:
 
 @dataclass
 class Meter:
-    """Tokens streamed to each tenant inside the measured window [start, end)."""
+    """Tokens streamed to each tenant inside the measured window [start, end), and in its
+    second half [late, end) (shares once the phase's first requests had time to end)."""
 
     start: float
     end: float
     tokens: dict[str, int] = field(default_factory=dict)
+    late_tokens: dict[str, int] = field(default_factory=dict)
 
     def token(self, tenant: str) -> None:
-        if self.start <= time.perf_counter() < self.end:
+        now = time.perf_counter()
+        if self.start <= now < self.end:
             self.tokens[tenant] = self.tokens.get(tenant, 0) + 1
+            if now >= (self.start + self.end) / 2:
+                self.late_tokens[tenant] = self.late_tokens.get(tenant, 0) + 1
 
 
 async def one(
@@ -149,7 +158,9 @@ async def one(
         async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode("utf-8", "replace")[:200]
-                return Outcome(tenant, r.status_code, None, r.headers.get("retry-after"), text)
+                return Outcome(
+                    tenant, r.status_code, None, r.headers.get("retry-after"), text, start
+                )
             ttft = None
             async for line in r.aiter_lines():
                 if line.startswith("data: {") and '"text"' in line:
@@ -157,10 +168,10 @@ async def one(
                     if meter is not None:
                         meter.token(tenant)
                 if line.startswith("data: [DONE]"):
-                    return Outcome(tenant, 200, ttft)
-            return Outcome(tenant, 0, ttft, error="stream ended without [DONE]")
+                    return Outcome(tenant, 200, ttft, sent_at=start)
+            return Outcome(tenant, 0, ttft, error="stream ended without [DONE]", sent_at=start)
     except httpx.HTTPError as exc:
-        return Outcome(tenant, 0, None, error=repr(exc))
+        return Outcome(tenant, 0, None, error=repr(exc), sent_at=start)
 
 
 def completion(rng: random.Random, args: argparse.Namespace, max_tokens: int) -> dict:
@@ -224,7 +235,7 @@ async def warm(url: str) -> None:
 
 async def heavy_load(
     url: str, args: argparse.Namespace, meter: Meter
-) -> tuple[list[Outcome], dict[str, int]]:
+) -> tuple[list[Outcome], dict[str, int], dict[str, int]]:
     period = args.burst_s + args.pause_s
     noisy_rate = args.quiet_rps * args.noisy_factor
 
@@ -237,12 +248,12 @@ async def heavy_load(
         else:
             parts = [arrivals(client, t, noisy_at, args, meter) for t in heavy_tenants(args)]
         outcomes = [o for part in await asyncio.gather(*parts) for o in part]
-    return outcomes, meter.tokens
+    return outcomes, meter.tokens, meter.late_tokens
 
 
 def heavy_process(
     url: str, args: argparse.Namespace, meter: Meter
-) -> tuple[list[Outcome], dict[str, int]]:
+) -> tuple[list[Outcome], dict[str, int], dict[str, int]]:
     return asyncio.run(heavy_load(url, args, meter))
 
 
@@ -255,6 +266,7 @@ def drive(url: str, args: argparse.Namespace, noisy: bool, run: Run) -> None:
     """The quiet tenant from this process; the heavy ones from a process of their own, so
     that parsing their streams never delays the quiet tenant's measured first token."""
     asyncio.run(warm(url))
+    first = len(run.outcomes)
     t0 = time.perf_counter()
     meter = Meter(t0 + args.settle_s, t0 + args.seconds)
     run.seconds += args.seconds - args.settle_s
@@ -264,11 +276,19 @@ def drive(url: str, args: argparse.Namespace, noisy: bool, run: Run) -> None:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
             flood = pool.submit(heavy_process, url, args, meter)
             run.outcomes += asyncio.run(quiet_load(url, args, meter))
-            outcomes, tokens = flood.result()
+            outcomes, tokens, late = flood.result()
         run.outcomes += outcomes
         meter.tokens.update(tokens)
+        meter.late_tokens.update(late)
     for tenant, n in meter.tokens.items():
         run.tokens[tenant] = run.tokens.get(tenant, 0) + n
+    for tenant, n in meter.late_tokens.items():
+        run.late_tokens[tenant] = run.late_tokens.get(tenant, 0) + n
+    run.quiet_at += [
+        (round(o.sent_at - t0, 3), round(o.ttft_s * 1000, 1))
+        for o in run.outcomes[first:]
+        if o.tenant == "quiet" and o.ttft_s is not None
+    ]
 
 
 def percentile(values: list[float], q: float) -> Optional[float]:
@@ -279,17 +299,20 @@ def percentile(values: list[float], q: float) -> Optional[float]:
 
 
 def shares(run: Run, args: argparse.Namespace) -> dict:
-    """Each weighted tenant's share of the weighted tenants' tokens / its weight's share."""
+    """Each weighted tenant's share of the weighted tenants' tokens / its weight's share,
+    over the measured windows and over their second halves (`late`: slots are never taken
+    back, so while the phase's first requests run, the order of its first burst decides)."""
     weights = heavy_tenants(args)
-    total = sum(run.tokens.get(t, 0) for t in weights)
     if len(weights) < 2:
         return {}
-    return {
-        f"share_{t}_vs_weight": (
-            (run.tokens.get(t, 0) / total) / (w / sum(weights.values())) if total else None
-        )
-        for t, w in weights.items()
-    }
+    out = {}
+    for label, tokens in (("", run.tokens), ("late_", run.late_tokens)):
+        total = sum(tokens.get(t, 0) for t in weights)
+        for t, w in weights.items():
+            out[f"{label}share_{t}_vs_weight"] = (
+                (tokens.get(t, 0) / total) / (w / sum(weights.values())) if total else None
+            )
+    return out
 
 
 def summary(run: Run, args: argparse.Namespace) -> dict:
@@ -324,30 +347,54 @@ def summary(run: Run, args: argparse.Namespace) -> dict:
     }
 
 
-def run_topology(
-    label: str, model: str, args: argparse.Namespace, tenants: Optional[str]
+def run_topologies(
+    model: str, args: argparse.Namespace, files: dict[str, Optional[str]]
 ) -> list[Run]:
-    """One `pdpool up`; the quiet tenant alone and with the noisy ones, alternating for
-    --rounds rounds (this machine's other load drifts: both see the same drift)."""
-    spec = TopologySpec(
-        model=model,
-        prefill=0,
-        decode=args.decode,
-        mode="aggregated",
-        tenants_file=tenants,
-        engine_args=list(args.engine_arg),
-    )
-    alone, noisy = Run(f"alone-{label}"), Run(f"noisy-{label}")
-    with Topology(spec) as topo:
+    """One `pdpool up` per label (tenants file or None), all up at once; each round runs
+    every topology's two phases in turn, the quiet tenant alone then with the noisy ones,
+    so this machine's drifting load reaches off and on alike (their ratio is the figure)."""
+    runs: dict[str, tuple[Run, Run]] = {
+        label: (Run(f"alone-{label}"), Run(f"noisy-{label}")) for label in files
+    }
+    with contextlib.ExitStack() as stack:
+        topos = {
+            label: stack.enter_context(
+                Topology(
+                    TopologySpec(
+                        model=model,
+                        prefill=0,
+                        decode=args.decode,
+                        mode="aggregated",
+                        tenants_file=file,
+                        engine_args=list(args.engine_arg),
+                    )
+                )
+            )
+            for label, file in files.items()
+        }
         for _ in range(args.rounds):
-            drive(topo.gateway.url, args, False, alone)
-            drive(topo.gateway.url, args, True, noisy)
-        noisy.flow = flow_metrics(topo.gateway.url) if tenants else {}
-    for run in (alone, noisy):
+            for label, topo in topos.items():
+                alone, noisy = runs[label]
+                drive(topo.gateway.url, args, False, alone)
+                drive(topo.gateway.url, args, True, noisy)
+        for label, topo in topos.items():
+            runs[label][1].flow = flow_metrics(topo.gateway.url) if files[label] else {}
+    out = [run for pair in runs.values() for run in pair]
+    for run in out:
         lost = [o for o in run.outcomes if o.status not in (200, 429, CUT)]
         for o in lost[:5]:
             print(f"  lost ({run.name}): {o.tenant} status {o.status} {o.error}", file=sys.stderr)
-    return [alone, noisy]
+    return out
+
+
+def bounds(text: str) -> list[int]:
+    try:
+        values = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if any(v < 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"bounds must be distinct and >= 0: {text!r}")
+    return values
 
 
 def parse_args() -> argparse.Namespace:
@@ -367,7 +414,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=96)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--bound", type=int, default=0, help="pool.maxInFlightPerBackend (0: none)")
+    p.add_argument(
+        "--bound",
+        type=bounds,
+        default=[0],
+        help="pool.maxInFlightPerBackend (0: none, the learned limit); a comma list runs a "
+        "flow-control topology per bound side by side (labels on, b16, ...)",
+    )
     p.add_argument("--noisy-max-queued", type=int, default=0, help="0: the file's default")
     p.add_argument("--noisy-max-concurrency", type=int, default=0, help="0: none")
     p.add_argument("--queue-timeout-s", type=float, default=0, help="0: the file's default")
@@ -381,15 +434,15 @@ def main() -> int:
     args = parse_args()
     model = args.model or ensure_tiny_model("qwen3")
     with tempfile.TemporaryDirectory() as tmp:
-        tenants = os.path.join(tmp, "tenants.yaml")
-        with open(tenants, "w") as f:
-            f.write(tenants_yaml(args))
-        runs = [
-            run
-            for label, file in (("off", None), ("on", tenants))
-            if not args.only or label in args.only.split(",")
-            for run in run_topology(label, model, args, file)
-        ]
+        files: dict[str, Optional[str]] = {"off": None}
+        for bound in args.bound:
+            label = f"b{bound}" if bound else "on"
+            files[label] = os.path.join(tmp, f"tenants-{label}.yaml")
+            with open(files[label], "w") as f:
+                f.write(tenants_yaml(args, bound))
+        if args.only:
+            files = {k: v for k, v in files.items() if k in args.only.split(",")}
+        runs = run_topologies(model, args, files)
     rows = [summary(r, args) for r in runs]
     by_name = {r["run"]: r for r in rows}
     for r in rows:  # against the quiet tenant alone on the same topology, same rounds
@@ -400,8 +453,22 @@ def main() -> int:
         off = by_name.get(f"{phase}-off", {}).get("tokens_per_s")
         r["tokens_vs_off"] = r["tokens_per_s"] / off if off and r["tokens_per_s"] else None
     print_table(rows, "flow control: the quiet tenant's TTFT (ms), throughput, shares, 429s")
+    for run in runs:  # the quiet tenant's slowest first tokens: when in their phase
+        slowest = sorted(run.quiet_at, key=lambda p: -p[1])[:4]
+        print(
+            f"  slowest quiet TTFT ({run.name}): "
+            + ", ".join(f"{ms:g} ms at {at:g} s" for at, ms in slowest)
+        )
     flows = {r.name: r.flow for r in runs if r.flow}
-    write_json("flow_control", {"args": vars(args), "rows": rows, "gateway_flow_metrics": flows})
+    write_json(
+        "flow_control",
+        {
+            "args": vars(args),
+            "rows": rows,
+            "gateway_flow_metrics": flows,
+            "quiet_ttft_at": {r.name: r.quiet_at for r in runs},
+        },
+    )
     return 0
 
 

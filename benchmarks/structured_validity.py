@@ -173,8 +173,14 @@ def _read_event(line: str, calls: dict[int, list[str]]) -> Optional[str]:
 
 async def run_engine(url: str, model: str, args) -> tuple[list[dict[str, Any]], dict]:
     cases = [
-        (kind, t, lambda c, k=kind, t=t, s=s: schema_case(c, url, model, k, t, s, args.max_tokens))
+        (
+            kind,
+            t,
+            s,
+            lambda c, k=kind, t=t, s=s: schema_case(c, url, model, k, t, s, args.max_tokens),
+        )
         for kind in [*SCHEMAS, "json_object"]
+        if kind in args.kinds
         for t in args.temperatures
         for s in range(args.seeds)
     ]
@@ -182,11 +188,13 @@ async def run_engine(url: str, model: str, args) -> tuple[list[dict[str, Any]], 
         (
             f"tools {label}{' streamed' if stream else ''}",
             t,
+            s,
             lambda c, lb=label, st=stream, t=t, s=s: tool_case(
                 c, url, model, lb, st, t, s, args.max_tokens
             ),
         )
         for label in TOOL_CHOICES
+        if "tools" in args.kinds
         for stream in (False, True)
         for t in args.temperatures
         for s in range(args.tool_seeds or args.seeds)
@@ -196,15 +204,15 @@ async def run_engine(url: str, model: str, args) -> tuple[list[dict[str, Any]], 
     sem = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
 
-        async def one(name, t, run):
+        async def one(name, t, seed, run):
             async with sem:
                 verdict, sample = await run(client)
                 results.setdefault((name, t), Counter())[verdict] += 1
                 if verdict != "ok" and len(samples.setdefault(f"{name} t={t}", [])) < 2:
-                    samples[f"{name} t={t}"].append(sample)
+                    samples[f"{name} t={t}"].append(f"seed {seed}: {sample}")
 
         await asyncio.gather(*(one(*case) for case in cases))
-    keys = dict.fromkeys((name, t) for name, t, _ in cases)  # in the cases' order
+    keys = dict.fromkeys((name, t) for name, t, _, _ in cases)  # in the cases' order
     return [_row(name, t, results[(name, t)]) for name, t in keys], samples
 
 
@@ -291,9 +299,18 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also stock vLLM on the same model")
     ap.add_argument("--vllm-bin", default=None)
     ap.add_argument("--vllm-seeds", type=int, default=0, help="vLLM's seeds (default: --seeds)")
+    ap.add_argument(
+        "--kinds",
+        default=",".join([*SCHEMAS, "json_object", "tools"]),
+        help="the cases to run, comma-separated (default: all)",
+    )
     ap.add_argument("--log-dir", default="/tmp/pdpool-structured-validity")
     args = ap.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.kinds = set(args.kinds.split(","))
+    unknown = args.kinds - {*SCHEMAS, "json_object", "tools"}
+    if unknown:
+        ap.error(f"unknown --kinds {sorted(unknown)}; known: {[*SCHEMAS, 'json_object', 'tools']}")
     args.vllm_bin = args.vllm_bin or default_vllm()
     os.makedirs(args.log_dir, exist_ok=True)
     model = args.model or tiny_model()

@@ -37,16 +37,24 @@ def wait_healthy(
 
 
 class EngineProcess:
-    def __init__(self, model: Path, log_dir: Path, *flags: str, port: Optional[int] = None):
+    def __init__(
+        self,
+        model: Path,
+        log_dir: Path,
+        *flags: str,
+        port: Optional[int] = None,
+        env: Optional[dict[str, str]] = None,
+    ):
         self.model = Path(model)
+        self.extra_env = dict(env or {})
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"engine-{self.port}.log"
         self.flags = flags
         self._start()
 
-    def _start(self) -> None:
-        cmd = [
+    def _command(self) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "pdpool.cli",
@@ -60,7 +68,12 @@ class EngineProcess:
             "warning",
             *self.flags,
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.extra_env}
+
+    def _start(self) -> None:
+        cmd, env = self._command(), self._env()
         # Appended: a restart on the same port keeps the earlier log. The child holds its own
         # copy of the descriptor.
         with open(self.log, "a") as log:

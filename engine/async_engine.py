@@ -22,6 +22,7 @@ import traceback
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Iterable, Optional, Protocol, Union
 
+from pdpool.engine.lora.registry import LoRARef
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.engine_state import (
     EngineView,
@@ -62,6 +63,9 @@ class NewRequest(Protocol):
     @property
     def priority(self) -> int: ...
 
+    @property
+    def lora(self) -> Optional[LoRARef]: ...
+
 
 # What a request's queue carries: its outputs, or the exception that ended it.
 StreamItem = Union[RequestOutput, BaseException]
@@ -77,6 +81,7 @@ def add_to_engine(engine: LLMEngine, spec: NewRequest, compiled_grammar: Any = N
         kv_transfer_params=spec.kv_transfer_params,
         compiled_grammar=compiled_grammar,
         priority=spec.priority,
+        lora=spec.lora,
     )
 
 

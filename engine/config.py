@@ -10,6 +10,12 @@ from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.units import parse_size  # noqa: F401 (re-exported: callers read sizes here)
 
 
+# The offload tiers (--kv-offloading-backend): native (host memory, vLLM's default), a
+# directory of this engine's (disk), or one shared by the pool (shared). vLLM's lmcache
+# is not one of ours.
+OFFLOAD_BACKENDS = ("native", "disk", "shared")
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -60,6 +66,24 @@ class EngineConfig:
     structured_cache_bytes: int = 256 << 20
     # vLLM's --kv-events-config (JSON): publish KV cache events over ZeroMQ.
     kv_events_config: Optional[str] = None
+    # KV offload tier below the pool (engine/kv/offload/): vLLM's --kv-offloading-size (GiB;
+    # None: no tier) and --kv-offloading-backend (native, host memory; disk, a directory of
+    # this engine; shared, a directory every engine of the pool mounts), the directory, and
+    # whether each record is fsynced (off: a torn record is detected on read, recomputed).
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_backend: str = "native"
+    kv_offloading_path: Optional[str] = None
+    kv_offloading_fsync: bool = False
+    extra: dict = field(default_factory=dict)
+    # LoRA (vLLM's flags): adapters named at start (name=path or vLLM's JSON form), how
+    # many distinct adapters one step may batch, the largest rank, how many stay in memory;
+    # runtime loads (VLLM_ALLOW_RUNTIME_LORA_UPDATING) only from --lora-allowed-dir.
+    enable_lora: bool = False
+    lora_modules: list[str] = field(default_factory=list)
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+    lora_allowed_dirs: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raises ValueError, naming the flag, for the first setting that makes no sense."""
@@ -70,8 +94,10 @@ class EngineConfig:
             or 0.0
         )
         self._check_kv_transfer()
+        self._check_offload()
         self._check_server()
         self._check_structured()
+        self._check_lora()
 
     def _check_memory(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -127,6 +153,29 @@ class EngineConfig:
         if self.kv_pull_threshold < 0:
             raise ValueError("--kv-pull-threshold must be >= 0")
 
+    def _check_offload(self) -> None:
+        if self.kv_offloading_backend not in OFFLOAD_BACKENDS:
+            raise ValueError(
+                f"--kv-offloading-backend must be one of {', '.join(OFFLOAD_BACKENDS)}, "
+                f"got {self.kv_offloading_backend!r}"
+            )
+        if self.kv_offloading_size is None:
+            return
+        size = self.kv_offloading_size
+        if not isinstance(size, (int, float)) or not size > 0 or size > 1 << 20:
+            raise ValueError(f"--kv-offloading-size must be > 0 GiB (and sane), got {size!r}")
+        if self.kv_offloading_backend != "native" and not self.kv_offloading_path:
+            raise ValueError(
+                f"--kv-offloading-backend {self.kv_offloading_backend} needs "
+                "--kv-offloading-path (the tier's directory)"
+            )
+        if not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching (blocks are found by hash)")
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        return int((self.kv_offloading_size or 0) * (1 << 30))
+
     def _check_server(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1KiB")
@@ -147,3 +196,21 @@ class EngineConfig:
             )
         if self.structured_cache_bytes < 1 << 20:
             raise ValueError("--structured-cache-bytes must be at least 1MiB")
+
+    def _check_lora(self) -> None:
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be >= 1")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("--max-lora-rank must be in [1, 512]")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras must be >= --max-loras")
+        from pdpool.engine.lora.registry import parse_lora_module
+
+        for text in self.lora_modules:
+            parse_lora_module(text)  # a malformed entry stops the start

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from pdpool.engine.engine_state import EngineState
+from pdpool.engine.lora.registry import LoRARef
 from pdpool.engine.outputs import (
     EngineBusy,
     KVTransferRefused,
@@ -44,6 +45,7 @@ class AddRequest:
     cache_hit_threshold: Optional[float] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     priority: int = 0
+    lora: Optional[LoRARef] = None
 
 
 @dataclasses.dataclass(frozen=True)

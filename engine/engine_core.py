@@ -18,6 +18,7 @@ from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder, find
 from pdpool.engine.engine_setup import (
     KVMemory,
     build_connector,
+    build_offload,
     eos_token_ids,
     pick_device,
     start_kv_events,
@@ -62,6 +63,18 @@ class LLMEngine:
             self.step_threads = StepThreads(config.cpu_threads, config.cpu_prefill_threads)
         torch.manual_seed(config.seed)
         self.model = load_model(self.info, self.dtype, self.device)
+        self.lora = None
+        if config.enable_lora:
+            from pdpool.engine.lora.slots import LoRAManager
+
+            self.lora = LoRAManager(
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras or config.max_loras,
+                self.dtype,
+                self.device,
+            )
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -75,6 +88,7 @@ class LLMEngine:
         self.num_kv_heads, self.head_dim = memory.num_kv_heads, memory.head_dim
         self.kv_cache, self.state = memory.cache, memory.state
         self.connector = build_connector(config, memory)
+        self.offload = build_offload(config, memory)
         # The scheduler owns the KV cache manager: every block's lifetime is decided there.
         self.scheduler = Scheduler.for_cache(
             SchedulerConfig(
@@ -84,13 +98,17 @@ class LLMEngine:
                 prefix_aware_admission=config.prefix_aware_admission,
                 global_cache_hit_threshold=config.global_cache_hit_threshold,
                 policy=config.scheduling_policy,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             memory.spec,
             self.connector,
+            self.offload,
         )
         self.kv_events = start_kv_events(config)
         if self.kv_events is not None:
             self.scheduler.publish_kv_events(self.kv_events)
+            if self.offload is not None:
+                self.offload.events = self.kv_events
         self.kv_capacity_tokens = self.scheduler.kv_capacity_tokens
         max_len = min(
             self.info.config.get("max_position_embeddings", 4096), self.kv_capacity_tokens
@@ -100,7 +118,13 @@ class LLMEngine:
         self.max_model_len = max_len
         self.scheduler.config.max_model_len = max_len
         self.runner = ModelRunner(
-            self.model, memory.spec.layout, self.kv_cache, self.device, keep_logits, self.state
+            self.model,
+            memory.spec.layout,
+            self.kv_cache,
+            self.device,
+            keep_logits,
+            self.state,
+            self.lora,
         )
         self.grammars = GrammarCompiler(
             tokenizer, self.info.config["vocab_size"], config.structured_cache_bytes
@@ -160,6 +184,7 @@ class LLMEngine:
         """Connector housekeeping while no request runs (notifications, held blocks)."""
         for result in self.scheduler.collect_transfers():
             self._apply_load_result(result)
+        self.scheduler.flush_offload()
 
     # --- requests -----------------------------------------------------------------------
     def add_request(
@@ -172,6 +197,7 @@ class LLMEngine:
         kv_transfer_params: Optional[dict[str, Any]] = None,
         compiled_grammar: Any = None,
         priority: int = 0,
+        lora: Any = None,
     ) -> Request:
         """`compiled_grammar`: the guided spec's grammar, compiled off the step loop
         (structured/compile_jobs.py); without it a guided spec compiles here."""
@@ -196,6 +222,10 @@ class LLMEngine:
         )
         if problem is not None:
             raise RequestRejected(problem)
+        if lora is not None:
+            if self.lora is None:
+                raise RequestRejected("LoRA adapters need --enable-lora")
+            self.lora.ensure_loaded(lora)  # a broken adapter is refused here (400)
         req = Request(
             request_id,
             prompt_token_ids,
@@ -206,6 +236,7 @@ class LLMEngine:
             kv_transfer_params=kv_transfer_params,
             block_size=self.config.block_size,
             priority=priority,
+            lora=lora,
         )
         req.grammar = self._grammar_of(prompt_token_ids, params, compiled_grammar)
         refusal = self.connector.check_request(req)
@@ -255,6 +286,7 @@ class LLMEngine:
             failed = self._apply_load_result(loaded)
             if failed is not None:
                 outputs.append(failed)
+        self.scheduler.flush_offload()  # blocks loaded just now, before anything reuses them
         out = self.scheduler.schedule()
         self.connector.start_loads()
         outputs += [self._final_output(r, "", []) for r in out.rejected]
@@ -269,6 +301,7 @@ class LLMEngine:
         self.stats["computed_tokens"] += result.num_computed_tokens
         self.last_logits = result.logits
         self.runner.copy_state_slots(self.scheduler.update_after_forward(out))
+        self.scheduler.flush_offload()  # this step's blocks and snapshots, copied now
         for item in out.scheduled:
             output = self._apply_sampled(item.request, result)
             if output is not None:

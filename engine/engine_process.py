@@ -416,6 +416,7 @@ class EngineProcess(EngineClient):
             spec.cache_hit_threshold,
             spec.kv_transfer_params,
             spec.priority,
+            spec.lora,
         )
         try:
             # Backpressure: a request waits here while the channel holds too much unsent.

@@ -4,6 +4,7 @@ the KV connector and the KV-events publisher. engine_core.LLMEngine wires them t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Optional
@@ -18,6 +19,7 @@ from pdpool.engine.models.base import head_dim_of
 
 if TYPE_CHECKING:
     from pdpool.engine.connector.base import KVConnector
+    from pdpool.engine.connector.offload_tier import KVOffload
     from pdpool.kv_events import KVEventPublisher
 
 DEFAULT_KV_MEMORY_CPU = 256 << 20
@@ -130,6 +132,15 @@ class KVMemory:
             )
         return int(n)
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The KV fingerprint (kv/offload/keys.py): the layout and the checkpoint's
+        identity. Offload records and signed leases carry it; a mismatch is a miss."""
+        from pdpool.engine.kv.offload.identity import weights_digest
+        from pdpool.engine.kv.offload.keys import kv_fingerprint
+
+        return kv_fingerprint(self.layout(), weights_digest(self.info.path))
+
     def layout(self) -> dict[str, Any]:
         """What must match for a KV block to mean the same thing in two engines."""
         keys = (
@@ -155,6 +166,42 @@ class KVMemory:
         }
 
 
+def build_offload(config: EngineConfig, memory: KVMemory) -> Optional[KVOffload]:
+    """The KV offload tier (--kv-offloading-size), or None."""
+    if config.kv_offloading_size is None:
+        return None
+    from pdpool.engine.connector.lease_token import load_secret
+    from pdpool.engine.kv.offload.memory_store import MemoryStore
+    from pdpool.engine.kv.offload.store import FileStore, RecordStore
+    from pdpool.engine.connector.offload_tier import MEDIUM_CPU, MEDIUM_STORAGE, KVOffload
+    from pdpool.engine.runner import state_tensors
+
+    backend = config.kv_offloading_backend
+    shared = backend == "shared"
+    store: RecordStore
+    if backend == "native":
+        store = MemoryStore(config.kv_offloading_bytes)
+    else:
+        assert config.kv_offloading_path is not None  # validated
+        store = FileStore(
+            config.kv_offloading_path,
+            config.kv_offloading_bytes,
+            shared,
+            config.kv_offloading_fsync,
+        )
+    return KVOffload(
+        store,
+        memory.fingerprint,
+        memory.cache,
+        [g.num_layers for g in memory.groups],
+        config.block_size,
+        state_tensors(memory.state) if memory.state is not None else [],
+        secret=load_secret(config.kv_secret_file),
+        locality="REMOTE" if shared else "LOCAL",
+        medium=MEDIUM_CPU if backend == "native" else MEDIUM_STORAGE,
+    )
+
+
 def build_connector(config: EngineConfig, memory: KVMemory) -> KVConnector:
     """The `--kv-connector`: none, or NIXL over this engine's KV memory."""
     if config.kv_connector == "none":
@@ -171,6 +218,7 @@ def build_connector(config: EngineConfig, memory: KVMemory) -> KVConnector:
         memory.layout(),
         memory.state,
         secret=load_secret(config.kv_secret_file),
+        fingerprint=memory.fingerprint,
     )
 
 

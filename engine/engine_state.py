@@ -37,6 +37,12 @@ class EngineState:
     admission_holdup: str = ""
     # Waiting requests by their priority (server/priority_metrics.py bounds the labels).
     waiting_by_priority: dict[int, int] = dataclasses.field(default_factory=dict)
+    # The KV offload tier's counters (connector/offload_tier.py stats); empty without a tier.
+    offload: dict[str, float] = dataclasses.field(default_factory=dict)
+    # LoRA adapters of running and waiting requests, with their counts (vLLM's
+    # SchedulerStats.running_lora_adapters / waiting_lora_adapters).
+    running_lora_adapters: dict[str, int] = dataclasses.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def engine_state(engine: LLMEngine) -> EngineState:
@@ -61,6 +67,9 @@ def engine_state(engine: LLMEngine) -> EngineState:
         admission_holdup_s=held,
         admission_holdup=by,
         waiting_by_priority=dict(Counter(r.priority for r in sched.waiting)),
+        offload=dict(engine.offload.stats()) if engine.offload is not None else {},
+        running_lora_adapters=dict(Counter(r.lora.name for r in sched.running if r.lora)),
+        waiting_lora_adapters=dict(Counter(r.lora.name for r in sched.waiting if r.lora)),
     )
 
 

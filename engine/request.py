@@ -31,6 +31,22 @@ class RequestStatus(enum.Enum):
         return self.name.startswith("FINISHED")
 
 
+def block_extra_keys(lora: Any, cache_salt: Optional[str]) -> tuple[object, ...]:
+    """What a prompt's first block hashes besides its tokens, in vLLM's order: the adapter
+    (its name and content digest: KV computed under one adapter is never another's, nor
+    the base model's), then the cache salt. Every later block chains through it."""
+    keys: tuple[object, ...] = (lora.hash_key,) if lora is not None else ()
+    return keys + ((cache_salt,) if cache_salt else ())
+
+
+def published_extra_keys(request: "Request") -> Optional[tuple[object, ...]]:
+    """The first block's extra keys as KV events publish them (vLLM: untagged, the
+    adapter's name then the salt); None when there are none."""
+    keys: tuple[object, ...] = (request.lora.name,) if request.lora is not None else ()
+    keys += (request.cache_salt,) if request.cache_salt else ()
+    return keys or None
+
+
 class Request:
     def __init__(
         self,
@@ -44,6 +60,7 @@ class Request:
         block_size: int = 16,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        lora: Any = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -78,7 +95,9 @@ class Request:
         self.transfer_state_slot: Optional[int] = None
         # Guided decoding: the request's grammar matcher (structured/grammar.py), if any.
         self.grammar: Any = None
-        self.hasher = BlockHasher(block_size, extra_keys=(cache_salt,) if cache_salt else ())
+        # Its LoRA adapter (engine/lora/registry.LoRARef), None for the base model.
+        self.lora = lora
+        self.hasher = BlockHasher(block_size, extra_keys=block_extra_keys(lora, cache_salt))
         self.block_hashes: list[bytes] = []
         self.update_block_hashes()
 

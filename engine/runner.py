@@ -45,8 +45,10 @@ class ModelRunner:
         device: torch.device,
         keep_logits: bool = False,
         state: Any = None,
+        lora: Any = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # engine/lora/slots.LoRAManager, with --enable-lora
         self.state = state  # the model's recurrent-state pool, if it has one
         self.block_size = shape.block_size
         self.num_groups = shape.num_groups
@@ -128,7 +130,15 @@ class ModelRunner:
         rows, reqs = _sampling_rows(out)
         # The guided rows' token masks fill while the model runs.
         pending = self.guided_masks.start([r.grammar for r in reqs]) if reqs else None
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.state)
+        if self.lora is not None:
+            self.lora.prepare(
+                [s.request.lora for s in out.scheduled], [s.num_new_tokens for s in out.scheduled]
+            )
+        try:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, self.state)
+        finally:
+            if self.lora is not None:
+                self.lora.finish_step()
         if not rows:
             return StepResult({}, int(input_ids.shape[0]))
         logits = self.model.compute_logits(hidden[rows])

@@ -41,6 +41,7 @@ from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.request_queue import priority_key, waiting_queue
 
 if TYPE_CHECKING:
+    from pdpool.engine.connector.offload_tier import KVOffload
     from pdpool.kv_events import KVEventPublisher
 
 log = logging.getLogger("pdpool.scheduler")
@@ -57,6 +58,8 @@ class SchedulerConfig:
     global_cache_hit_threshold: float = 0.0
     # vLLM's --scheduling-policy: fcfs or priority (request_queue.py).
     policy: str = "fcfs"
+    # --max-loras: distinct LoRA adapters among running requests (0: no LoRA).
+    max_loras: int = 0
 
 
 @dataclass
@@ -95,11 +98,24 @@ NORMAL_FINISH = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, connector: Optional[KVConnector] = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        connector: Optional[KVConnector] = None,
+        offload: Optional[KVOffload] = None,
     ):
         self.config = config
         self.kv = kv
         self.connector = connector or KVConnector()
+        # A KV offload tier below the pool (kv/offload/): blocks are written through to it
+        # as they are cached, and a prefix miss it holds is loaded like a remote one.
+        self.offload = offload
+        self.tier_loading: set[str] = set()
+        self._offload_blocks: list[tuple[Request, int, int, Block]] = []
+        self._offload_snapshots: list[tuple[int, bytes]] = []
+        if offload is not None:
+            kv.on_block_cached = lambda req, g, i, b: self._offload_blocks.append((req, g, i, b))
+            kv.on_snapshot = lambda slot, h: self._offload_snapshots.append((slot, h))
         self.waiting = waiting_queue(config.policy)
         self.running: list[Request] = []
         # Requests whose KV is being read from another engine (blocks allocated).
@@ -114,10 +130,14 @@ class Scheduler:
 
     @classmethod
     def for_cache(
-        cls, config: SchedulerConfig, spec: KVCacheSpec, connector: Optional[KVConnector] = None
+        cls,
+        config: SchedulerConfig,
+        spec: KVCacheSpec,
+        connector: Optional[KVConnector] = None,
+        offload: Optional[KVOffload] = None,
     ) -> Scheduler:
         """A scheduler owning a new KV cache manager of `spec`."""
-        return cls(config, KVCacheManager.from_spec(spec), connector)
+        return cls(config, KVCacheManager.from_spec(spec), connector, offload)
 
     # --- facts for the engine core ------------------------------------------------------
     @property
@@ -135,6 +155,8 @@ class Scheduler:
     def close(self) -> None:
         """Closes the connector; whatever it still held for peers goes back."""
         self.connector.close()
+        if self.offload is not None:
+            self.offload.close()
         for lease_id in self.kv.lease_holds():
             self.kv.end_lease_hold(lease_id)
 
@@ -155,7 +177,13 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         elif self.loading.pop(request.request_id, None) is not None:
-            still_reading = self.connector.request_aborted(request)
+            if request.request_id in self.tier_loading:
+                # A tier read lands in host memory first: the blocks may go now.
+                self.tier_loading.discard(request.request_id)
+                assert self.offload is not None
+                self.offload.cancel(request.request_id)
+            else:
+                still_reading = self.connector.request_aborted(request)
         request.status = status
         handoff = self.connector.request_finished(
             request, status, self._finished_kv(request, status)
@@ -205,7 +233,38 @@ class Scheduler:
             self._settle_incoming_snapshot(request_id)
         for lease_id in report.leases_ended:
             self.kv.end_lease_hold(lease_id)
-        return report.loads
+        loads = report.loads
+        if self.offload is not None:
+            tier_loads = self.offload.poll()
+            for result in tier_loads:
+                self.tier_loading.discard(result.request_id)
+            loads = loads + tier_loads
+        return loads
+
+    def flush_offload(self) -> None:
+        """Hands the blocks and state snapshots cached since the last call to the offload
+        tier, which copies them now. Call right after the step (and after its state copies)
+        and after applying loads: before any allocation can reuse their memory."""
+        if self.offload is None:
+            return
+        from pdpool.engine.connector.offload_tier import BlockNote
+
+        blocks, self._offload_blocks = self._offload_blocks, []
+        bs = self.kv.block_size
+        for req, g, i, block in blocks:
+            h = req.block_hashes[i]
+            # The pool names a block by group + hash; reused since, it names another.
+            if block.block_hash != bytes([g]) + h:
+                continue
+            kind = "sliding_window" if self.kv.groups[g].is_sliding else "full_attention"
+            parent = req.block_hashes[i - 1] if i else None
+            tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
+            self.offload.note_block(BlockNote(g, block.block_id, h, parent, tokens, kind))
+        snaps, self._offload_snapshots = self._offload_snapshots, []
+        for slot, h in snaps:
+            if self.kv.snapshots.lookup(h) == slot:  # still this hash's snapshot
+                self.offload.note_snapshot(slot, h)
+        self.offload.save_pending()
 
     def update_after_forward(self, out: SchedulerOutput) -> list[tuple[int, int]]:
         """The forward computed what was scheduled: requests advance, the KV manager
@@ -225,12 +284,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out)
         # Waiting requests in the policy's order; none after a preemption this step.
+        # Requests whose adapter cannot join this step (--max-loras distinct adapters run
+        # already) step aside, as in vLLM, and keep their place for the next step.
+        aside: list[Request] = []
         while (
             self.waiting
             and budget > 0
             and not out.preempted
             and len(self.running) < self.config.max_num_seqs
         ):
+            if not self._adapter_fits(self.waiting[0]):
+                aside.append(self.waiting.popleft())
+                continue
             charged = self._admit(self.waiting[0], out, budget)
             if charged is None:
                 # The head of the line does not fit: nobody behind it jumps ahead.
@@ -238,8 +303,19 @@ class Scheduler:
                     self._preempt_waiting_holder(out, spare=self.waiting[0])
                 break
             budget -= charged
+        for req in reversed(aside):
+            self.waiting.appendleft(req)
         out.kv_view = self.kv.step_view([s.request.request_id for s in out.scheduled])
         return out
+
+    def running_adapters(self) -> set[str]:
+        return {r.lora.name for r in self.running if r.lora is not None}
+
+    def _adapter_fits(self, req: Request) -> bool:
+        if req.lora is None or not self.config.max_loras:
+            return True
+        names = self.running_adapters()
+        return req.lora.name in names or len(names) < self.config.max_loras
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
         """Running requests, oldest first, preempting by the policy when blocks run out.
@@ -303,8 +379,10 @@ class Scheduler:
         if skip_state and not num_external:
             # Nothing will arrive after all: the hit must include the state.
             hits, num_local = self.kv.get_computed_blocks(req)
-        # Tokens coming from a remote engine count as cached for the threshold.
-        decision = self.threshold_decision(req, num_local + num_external)
+        num_tier = 0 if num_external else self._tier_hit(req, num_local)
+        # Tokens coming from a remote engine or an offload tier count as cached for the
+        # threshold (a decode that can load the prefix need not prefill elsewhere).
+        decision = self.threshold_decision(req, num_local + num_external + num_tier)
         if decision is not None:
             self.waiting.popleft()
             self._reject(req, decision, num_local)
@@ -313,13 +391,47 @@ class Scheduler:
             return 0
         if num_external:
             return 0 if self._start_loading(req, hits, num_local, num_external) else None
+        if num_tier:
+            return 0 if self._start_tier_load(req, hits, num_local, num_tier) else None
         return self._start_running(req, hits, num_local, out, budget)
 
-    def _start_loading(
-        self, req: Request, hits: list[list[Block]], num_local: int, num_external: int
+    def _tier_hit(self, req: Request, num_local: int) -> int:
+        """Tokens past the local hit that the offload tier holds (whole blocks, leaving
+        at least one token to compute)."""
+        if self.offload is None or not self.kv.enable_caching:
+            return 0
+        bs = self.kv.block_size
+        limit = min((req.num_tokens - 1) // bs, len(req.block_hashes))
+        return self.offload.lookup(req.block_hashes, num_local // bs, limit) * bs
+
+    def _start_tier_load(
+        self, req: Request, hits: list[list[Block]], num_local: int, num_tier: int
     ) -> bool:
-        """Blocks for the remote tokens now; the READ runs while others compute."""
-        if not self.kv.allocate_slots(req, num_external, hits):
+        """Blocks for the tier's tokens now; the read runs on the tier's I/O thread while
+        others compute, and the request waits as it waits on a remote load."""
+        if not self._allocate_for_load(req, hits, num_local, num_tier):
+            return False
+        assert self.offload is not None
+        bs, rid = self.kv.block_size, req.request_id
+        self.offload.start_load(
+            rid,
+            req.block_hashes,
+            self.kv.block_tables(rid),
+            self.kv.state_slot(rid) if self.kv.has_state else None,
+            num_local // bs,
+            (num_local + num_tier) // bs,
+        )
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[rid] = req
+        self.tier_loading.add(rid)
+        return True
+
+    def _allocate_for_load(
+        self, req: Request, hits: list[list[Block]], num_local: int, num_loaded: int
+    ) -> bool:
+        """Takes the request off the line holding blocks for `num_loaded` tokens past
+        its local hit; False (nothing changed) when the pool cannot."""
+        if not self.kv.allocate_slots(req, num_loaded, hits):
             return False
         self.waiting.popleft()
         if req.phases.admitted is None:
@@ -327,6 +439,14 @@ class Scheduler:
         req.num_computed_tokens = num_local
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_local  # loaded tokens are added when they arrive
+        return True
+
+    def _start_loading(
+        self, req: Request, hits: list[list[Block]], num_local: int, num_external: int
+    ) -> bool:
+        """Blocks for the remote tokens now; the READ runs while others compute."""
+        if not self._allocate_for_load(req, hits, num_local, num_external):
+            return False
         self.connector.update_state_after_alloc(
             req, self._allocated_for_load(req, num_local + num_external), num_local, num_external
         )

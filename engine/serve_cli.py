@@ -122,6 +122,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ' true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558"}\'',
     )
+    p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="vLLM's: GiB of KV offload tier below the block pool (off unless given); "
+        "blocks are written through to it and a prefix it holds is loaded, not recomputed",
+    )
+    p.add_argument(
+        "--kv-offloading-backend",
+        default="native",
+        choices=["native", "disk", "shared"],
+        help="native (vLLM's default): host memory; disk: a directory of this engine's (an "
+        "emptyDir); shared: a directory every engine of the pool mounts (a PVC), so one "
+        "engine's prefix is a hit for all",
+    )
+    p.add_argument("--kv-offloading-path", default=None, help="the offload tier's directory")
+    add_switch(
+        p,
+        "--kv-offloading-fsync",
+        False,
+        "fsync each record (durable across power loss; off by default: every read checks "
+        "the record's digest, so a torn one is a miss)",
+    )
+    add_lora_arguments(p)
     add_switch(
         p,
         "--engine-process",
@@ -132,6 +156,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-level", default="info")
     tracing.add_argument(p)
+
+
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags, and where runtime loads may read adapters from."""
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    p.add_argument(
+        "--lora-modules",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to serve, as name=path or vLLM's JSON "
+        '\'{"name": "a", "path": "/adapters/a"}\' (repeatable); requests pick one by `model`',
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one step's batch")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in memory (default: --max-loras)",
+    )
+    p.add_argument(
+        "--lora-allowed-dir",
+        action="append",
+        default=[],
+        help="a folder /v1/load_lora_adapter may load adapters from (repeatable; runtime "
+        "loads need VLLM_ALLOW_RUNTIME_LORA_UPDATING=true and at least one)",
+    )
 
 
 def prefill_threads(args: argparse.Namespace) -> Optional[int]:
@@ -188,6 +241,16 @@ def config_from_args(args: argparse.Namespace):
         max_body_bytes=max_body,
         ready_max_stall_s=args.ready_max_stall_s,
         kv_events_config=getattr(args, "kv_events_config", None),
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
+        kv_offloading_path=args.kv_offloading_path,
+        kv_offloading_fsync=args.kv_offloading_fsync,
+        enable_lora=args.enable_lora,
+        lora_modules=list(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_allowed_dirs=list(args.lora_allowed_dir),
         **structured,
     )
 
@@ -209,6 +272,19 @@ def start_engine(config, own_process: bool, log_level: str):
         raise CliError(str(exc)) from exc
 
 
+def adapters_or_exit(aengine):
+    """--lora-modules, read and checked; a bad adapter stops the start with its reason."""
+    if not aengine.view.config.enable_lora:
+        return None
+    from pdpool.engine.lora.registry import registry_from_config
+
+    try:
+        return registry_from_config(aengine.view.config, aengine.view.model_name)
+    except (ValueError, OSError) as exc:
+        aengine.shutdown()
+        raise CliError(f"--lora-modules: {exc}") from exc
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -225,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
     from pdpool.engine.server.api import build_app
 
     aengine = start_engine(config, args.engine_process, args.log_level)
-    app: Any = build_app(aengine)
+    app: Any = build_app(aengine, adapters_or_exit(aengine))
     try:
         # After the core process started: it never exports spans (the server emits them).
         if tracing.configure_or_exit(args.otlp_traces_endpoint, "pdpool-engine"):

@@ -17,6 +17,7 @@ import torch
 
 from . import gdn_reference as gdn
 from .cpu_attention import paged_attention_cpu
+from .lora_reference import lora_masked, slot_mask
 from .reference import write_kv_reference
 
 FORCE_TORCH_ENV = "PDPOOL_FORCE_TORCH"
@@ -85,6 +86,37 @@ def write_kv(
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     else:
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    rank: int,
+    mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Adds each token's adapter's LoRA output into `y` [T, out] in place (lora_reference.py
+    has the layouts): Triton on CUDA, else the masked dense form (`mask` is its slot_mask,
+    built once a step; made here when not given)."""
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
+        _fail(f"x and y must be [T, in] and [T, out], got {tuple(x.shape)} and {tuple(y.shape)}")
+    if rank < 1 or a.shape[0] % rank or a.shape[1] != x.shape[1]:
+        _fail(f"a must be [S * {rank}, {x.shape[1]}], got {tuple(a.shape)}")
+    if b.shape != (y.shape[1], a.shape[0]):
+        _fail(f"b must be [{y.shape[1]}, {a.shape[0]}], got {tuple(b.shape)}")
+    _check_index("token_slots", token_slots, 1)
+    if token_slots.shape[0] != x.shape[0]:
+        _fail(f"token_slots has {token_slots.shape[0]} entries for {x.shape[0]} tokens")
+    _check_same_device(y, x, a, b, token_slots)
+    if use_triton(x.device):
+        from .lora_kernel import lora_triton
+
+        return lora_triton(y, x, a, b, token_slots, rank)
+    if mask is None:
+        mask = slot_mask(token_slots, a.shape[0] // rank, rank, x.dtype)
+    return lora_masked(y, x, a, b, mask)
 
 
 def paged_attention(

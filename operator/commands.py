@@ -1,4 +1,5 @@
-"""Command lines of the containers in a pool: pure functions of the spec.
+"""Command lines of the containers in a pool: pure functions of the spec, rendered by
+pdpool/command_lines.py (which `pdpool up` shares).
 
 `pdpool` engines get our flags; `vllm` engines get stock vLLM flags with its NixlConnector,
 so the same pool shape runs either. Settings that the router ConfigMap owns reach the
@@ -10,10 +11,25 @@ spec.tracing.
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import replace
+from typing import Any
 
-from pdpool.scheduling_policy import scheduling_args
+from pdpool.command_lines import (
+    EngineLaunch,
+    KVEventsPublisher,
+    KVLink,
+    RouterLaunch,
+    Serving,
+    SidecarLaunch,
+    VllmLaunch,
+    epp_argv,
+    gateway_argv,
+    num,
+    pdpool_engine_argv,
+    sidecar_argv,
+    vllm_engine_argv,
+)
 
 from .names import (
     DECODE,
@@ -22,6 +38,7 @@ from .names import (
     GATEWAY_METRICS_PORT,
     KV_SECRET_FILE,
     MODELS_MOUNT,
+    POOL_TLS_DIR,
     PREFILL,
     SIDECAR_METRICS_PORT,
     SIDECAR_PORT,
@@ -69,49 +86,78 @@ def model_dir(model: ModelSpec) -> str:
 def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) -> list[str]:
     """Full command line (argv) of the engine container of `role`."""
     spec = pool.prefill if role == PREFILL else pool.decode
+    launch = EngineLaunch(
+        serving=Serving(
+            ("pdpool",) if pool.engine.kind == "pdpool" else ("vllm",),
+            "0.0.0.0",
+            ENGINE_PORT,
+            ENGINE_METRICS_PORT if pool.engine.kind == "pdpool" else None,
+            tls=_pool_tls(pool),
+            otlp_traces_endpoint=traces_endpoint(pool),
+        ),
+        model_dir=model_dir(pool.model),
+        served_name=pool.model.served_name,
+        block_size=pool.engine.block_size,
+        priority_scheduling=pool.gateway.tenants_secret is not None,
+        kv_events=_kv_events_publisher(pool),
+        # The tier's flags first: the user's extra args may override them.
+        extra_args=(
+            *(pool.kv_offload.engine_args() if pool.kv_offload else ()),
+            *(pool.loras.engine_args() if pool.loras else ()),
+            *pool.engine.extra_args,
+            *spec.extra_args,
+        ),
+    )
     if pool.engine.kind == "vllm":
-        argv = _vllm_args(pool, spec.tensor_parallel_size)
-    else:
-        argv = _pdpool_args(pool, role, default_peers)
-    return (
-        argv
-        + _kv_events_config(pool)
-        + tracing_args(pool)
-        # with tenants, the engines order by the band the gateway or the EPP writes
-        + scheduling_args(pool.gateway.tenants_secret is not None)
-        + list(pool.engine.extra_args)
-        + list(spec.extra_args)
+        return vllm_engine_argv(
+            VllmLaunch(launch, "kv_both", tensor_parallel_size=spec.tensor_parallel_size)
+        )
+    # Decode engines reject cache-poor requests themselves in decode-first mode.
+    decode_first = role == DECODE and pool.router.mode == "decode-first"
+    return pdpool_engine_argv(
+        replace(
+            launch,
+            kv=KVLink(
+                "producer" if role == PREFILL else "consumer",
+                "$(POD_IP)",  # peers reach this pod at its own IP: never 0.0.0.0
+                pool.engine.kv_port,
+                ",".join(pool.engine.peer_allowlist or default_peers),
+                KV_SECRET_FILE,
+            ),
+            cache_hit_threshold=num(pool.router.cache_hit_threshold if decode_first else 0.0),
+        )
     )
 
 
-def tracing_args(pool: PoolSpec) -> list[str]:
-    """vLLM's --otlp-traces-endpoint, for every server of the pool (engines, stock vLLM
-    too, sidecars, gateway): the pool's spec.tracing, else the operator's default (the
-    chart's tracing.otlpTracesEndpoint, in PDPOOL_OTLP_TRACES_ENDPOINT)."""
-    endpoint = pool.otlp_traces_endpoint or os.environ.get(TRACES_ENDPOINT_ENV)
-    return ["--otlp-traces-endpoint", endpoint] if endpoint else []
+def traces_endpoint(pool: PoolSpec) -> str | None:
+    """Where every server of the pool (engines, stock vLLM too, sidecars, gateway) exports
+    its spans: the pool's spec.tracing, else the operator's default (the chart's
+    tracing.otlpTracesEndpoint, in PDPOOL_OTLP_TRACES_ENDPOINT)."""
+    return pool.otlp_traces_endpoint or os.environ.get(TRACES_ENDPOINT_ENV) or None
 
 
-def _kv_events_config(pool: PoolSpec) -> list[str]:
-    """vLLM's --kv-events-config (pdpool serve takes it too). The sockets listen on the pod
-    IP, where the gateway, the EPP and the sidecars reach them, and nowhere else; pdpool
-    engines publish hashes without token ids (the router's index keys their blocks by the
-    engines' own hashes), so the events do not spell out prompts. Stock vLLM binds its PUB
-    socket only on a wildcard (it connects to any other address) and its index entries need
-    the token ids: it keeps `tcp://*` and the tokens, behind the NetworkPolicy."""
+def _pool_tls(pool: PoolSpec) -> tuple[str, str] | None:
+    """The pool's own certificate, which engines and sidecars serve under spec.tls."""
+    return (f"{POOL_TLS_DIR}/tls.crt", f"{POOL_TLS_DIR}/tls.key") if pool.tls_secret else None
+
+
+def _pool_ca(pool: PoolSpec) -> str | None:
+    """The pool's CA, which its clients verify against (pod IPs are not in the certificate:
+    they pass --tls-any-name)."""
+    return f"{POOL_TLS_DIR}/ca.crt" if pool.tls_secret else None
+
+
+def _kv_events_publisher(pool: PoolSpec) -> KVEventsPublisher | None:
+    """vLLM's --kv-events-config. The sockets listen on the pod IP, where the gateway, the
+    EPP and the sidecars reach them, and nowhere else; stock vLLM binds its PUB socket only
+    on a wildcard (it connects to any other address) and its index entries need the token
+    ids: it keeps `tcp://*` and the tokens, behind the NetworkPolicy."""
     events = pool.router.kv_events
     if not events.enabled:
-        return []
-    pdpool = pool.engine.kind != "vllm"
-    config: dict[str, object] = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://{'$(POD_IP)' if pdpool else '*'}:{events.port}",
-        "replay_endpoint": f"tcp://$(POD_IP):{events.replay_port}",  # vLLM binds it as given
-    }
-    if pdpool:
-        config.update(bind=True, token_ids=False)
-    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+        return None
+    return KVEventsPublisher(
+        "$(POD_IP)", events.port, events.replay_port, stock_vllm=pool.engine.kind == "vllm"
+    )
 
 
 def engine_block_size(pool: PoolSpec, role: str) -> int:
@@ -130,70 +176,6 @@ def engine_block_size(pool: PoolSpec, role: str) -> int:
     return size
 
 
-def _serve_command(program: str, pool: PoolSpec) -> list[str]:
-    """`PROGRAM serve MODEL` listening where the sidecar and the Services expect the engine,
-    under the model's served name (both engine kinds take these flags alike)."""
-    return [
-        program,
-        "serve",
-        model_dir(pool.model),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(ENGINE_PORT),
-        "--served-model-name",
-        pool.model.served_name,
-    ]
-
-
-def _pdpool_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) -> list[str]:
-    engine = pool.engine
-    # Decode engines reject cache-poor requests themselves in decode-first mode.
-    threshold = (
-        pool.router.cache_hit_threshold
-        if (role == DECODE and pool.router.mode == "decode-first")
-        else 0.0
-    )
-    return [
-        *_serve_command("pdpool", pool),
-        "--metrics-port",
-        str(ENGINE_METRICS_PORT),
-        "--kv-connector",
-        "nixl",
-        "--kv-role",
-        "producer" if role == PREFILL else "consumer",
-        # Peers must reach this pod at its own IP: never advertise 0.0.0.0.
-        "--kv-host",
-        "$(POD_IP)",
-        "--kv-port",
-        str(engine.kv_port),
-        "--kv-peer-allowlist",
-        ",".join(engine.peer_allowlist or default_peers),
-        # The pool's shared key: kv_transfer_params are signed, and forged ones refused.
-        "--kv-secret-file",
-        KV_SECRET_FILE,
-        "--global-cache-hit-threshold",
-        _num(threshold),
-        "--block-size",
-        str(engine.block_size),
-    ]
-
-
-def _vllm_args(pool: PoolSpec, tensor_parallel_size: int) -> list[str]:
-    kv_config = json.dumps(
-        {"kv_connector": "NixlConnector", "kv_role": "kv_both"}, separators=(",", ":")
-    )
-    return [
-        *_serve_command("vllm", pool),
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
-        "--block-size",
-        str(pool.engine.block_size),
-        "--kv-transfer-config",
-        kv_config,
-    ]
-
-
 def engine_env(pool: PoolSpec) -> list[dict[str, str]]:
     """Extra environment of the engine container (after POD_IP, which it may reference)."""
     if pool.engine.kind == "vllm":
@@ -204,91 +186,72 @@ def engine_env(pool: PoolSpec) -> list[dict[str, str]]:
     return []
 
 
-def sidecar_args() -> list[str]:
+def sidecar_args(pool: PoolSpec) -> list[str]:
+    """The decode pod's sidecar. The settings the router ConfigMap owns arrive as
+    `$(VAR)` references (ROUTER_ENV), expanded by the kubelet."""
     env = {key: f"$({var})" for key, var in ROUTER_ENV.items()}
-    return [
-        "pdpool",
-        "sidecar",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(SIDECAR_PORT),
-        "--metrics-port",
-        str(SIDECAR_METRICS_PORT),
-        "--decode-url",
-        f"http://127.0.0.1:{ENGINE_PORT}",
-        "--prefill-service",
-        env["prefillService"],
-        "--mode",
-        env["mode"],
-        "--cache-hit-threshold",
-        env["cacheHitThreshold"],
-        "--kv-pull-threshold",
-        env["kvPullThreshold"],
-        "--prefill-timeout",
-        env["prefillTimeoutSeconds"],
-        "--engine-rejects",
-        env["engineRejects"],
-    ]
-
-
-def sidecar_kv_events_args(pool: PoolSpec) -> list[str]:
-    """The sidecar subscribes to every prefill engine its --prefill-service lists."""
     events = pool.router.kv_events
-    if not events.enabled:
-        return []
-    return [
-        "--prefill-kv-events-port",
-        str(events.port),
-        "--prefill-kv-events-replay-port",
-        str(events.replay_port),
-        "--kv-block-size",
-        str(engine_block_size(pool, PREFILL)),
-    ]
+    scheme = "https" if pool.tls_secret else "http"
+    return sidecar_argv(
+        SidecarLaunch(
+            Serving(
+                ("pdpool",),
+                "0.0.0.0",
+                SIDECAR_PORT,
+                SIDECAR_METRICS_PORT,
+                tls=_pool_tls(pool),
+                otlp_traces_endpoint=traces_endpoint(pool),
+            ),
+            decode_url=f"{scheme}://127.0.0.1:{ENGINE_PORT}",
+            prefill_service=env["prefillService"],
+            mode=env["mode"],
+            cache_hit_threshold=env["cacheHitThreshold"],
+            kv_pull_threshold=env["kvPullThreshold"],
+            prefill_timeout=env["prefillTimeoutSeconds"],
+            engine_rejects=env["engineRejects"],
+            # the sidecar subscribes to every prefill engine its --prefill-service lists
+            prefill_kv_events_ports=(events.port, events.replay_port) if events.enabled else None,
+            kv_block_size=engine_block_size(pool, PREFILL) if events.enabled else None,
+            ca_file=_pool_ca(pool),
+            any_name=True,
+        )
+    )
 
 
-def gateway_kv_events_args(pool: PoolSpec) -> list[str]:
-    """The gateway subscribes to every decode engine its --decode-service lists (the
-    engine shares the sidecar's pod IP) and routes by cost."""
+def _router(pool: PoolSpec, serving: Serving, decode_service: str, **kw: Any) -> RouterLaunch:
+    """The routing flags the gateway and the EPP share: the decode sidecars' Service, and
+    with KV events every decode engine's (the engine shares its sidecar's pod IP)."""
     events = pool.router.kv_events
-    if not events.enabled:
-        return []
-    return [
-        "--kv-events-port",
-        str(events.port),
-        "--kv-events-replay-port",
-        str(events.replay_port),
-        "--kv-block-size",
-        str(engine_block_size(pool, DECODE)),
-        "--kv-threshold",
-        _num(pool.router.cache_hit_threshold),
-        "--kv-load-cost",
-        _num(events.load_cost_tokens),
-    ]
+    kv: dict[str, Any] = {}
+    if events.enabled:
+        kv = dict(
+            kv_events_ports=(events.port, events.replay_port),
+            kv_block_size=engine_block_size(pool, DECODE),
+            kv_threshold=num(pool.router.cache_hit_threshold),
+            kv_load_cost=num(events.load_cost_tokens),
+        )
+    return RouterLaunch(serving, decode_service, ca_file=_pool_ca(pool), any_name=True, **kv, **kw)
 
 
 def gateway_args(
+    pool: PoolSpec,
     decode_service: str,
     api_keys_file: str | None = None,
     tls_dir: str | None = None,
     tenants_file: str | None = None,
 ) -> list[str]:
-    argv = [
-        "pdpool",
-        "gateway",
-        "--host",
+    serving = Serving(
+        ("pdpool",),
         "0.0.0.0",
-        "--port",
-        str(SIDECAR_PORT),
-        "--metrics-port",
-        str(GATEWAY_METRICS_PORT),
-        "--decode-service",
-        decode_service,
-    ]
-    if tls_dir:
-        argv += ["--tls-cert-file", f"{tls_dir}/tls.crt", "--tls-key-file", f"{tls_dir}/tls.key"]
-    argv += ["--tenants-file", tenants_file] if tenants_file else []
-    return argv + (["--api-keys-file", api_keys_file] if api_keys_file else [])
+        SIDECAR_PORT,
+        GATEWAY_METRICS_PORT,
+        tls=(f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key") if tls_dir else None,
+        otlp_traces_endpoint=traces_endpoint(pool),
+    )
+    launch = _router(
+        pool, serving, decode_service, tenants_file=tenants_file, api_keys_file=api_keys_file
+    )
+    return gateway_argv(launch)
 
 
 def hf_download_args(model: ModelSpec) -> list[str]:
@@ -303,23 +266,16 @@ def hf_download_args(model: ModelSpec) -> list[str]:
     return ["python3", "-c", script, model.hugging_face_id, model_dir(model), model.revision or ""]
 
 
-def _num(x: float) -> str:
-    return format(x, "g")
-
-
-def epp_args(decode_service: str, grpc_port: int, health_port: int, metrics_port: int) -> list[str]:
-    """`pdpool epp`: the ext_proc endpoint picker over the decode sidecars' Service."""
-    return [
-        "pdpool",
-        "epp",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(grpc_port),
-        "--health-port",
-        str(health_port),
-        "--metrics-port",
-        str(metrics_port),
-        "--decode-service",
-        decode_service,
-    ]
+def epp_args(
+    pool: PoolSpec,
+    decode_service: str,
+    ports: tuple[int, int, int],
+    tenants_file: str | None = None,
+) -> list[str]:
+    """`pdpool epp`: the ext_proc endpoint picker over the decode sidecars' Service, on its
+    (gRPC, gRPC health, metrics) ports."""
+    grpc, health, metrics = ports
+    serving = Serving(
+        ("pdpool",), "0.0.0.0", grpc, metrics, otlp_traces_endpoint=traces_endpoint(pool)
+    )
+    return epp_argv(_router(pool, serving, decode_service, tenants_file=tenants_file), health)

@@ -19,6 +19,7 @@ from . import commands
 from .children import Manifest, PoolRef, child_metadata
 from .inference_pool_spec import InferencePoolSpec
 from .names import (
+    TENANTS_FILE,
     DECODE,
     EPP,
     SIDECAR_PORT,
@@ -29,10 +30,8 @@ from .names import (
 from .pod_security import TMP_MOUNT, container_security_context, empty_dir
 from .pods import deployment, pod_scheduling_fields, pod_security_fields, topology_spread
 from .pool_secrets import (
-    pool_tls_client_args,
     pool_tls_mounts,
     pool_tls_volumes,
-    tenants_args,
     tenants_mounts,
     tenants_volumes,
 )
@@ -147,11 +146,12 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
         "name": EPP,
         "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.epp_args(decode, EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT)
-        + pool_tls_client_args(pool)
-        + commands.gateway_kv_events_args(pool)
-        + commands.tracing_args(pool)
-        + tenants_args(pool),
+        "command": commands.epp_args(
+            pool,
+            decode,
+            (EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT),
+            TENANTS_FILE if pool.gateway.tenants_secret else None,
+        ),
         "ports": [
             {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
             {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},

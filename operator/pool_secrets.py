@@ -16,7 +16,6 @@ from .names import (
     KV_SECRET_KEY,
     POOL_TLS_DIR,
     TENANTS_DIR,
-    TENANTS_FILE,
     TENANTS_KEY,
     kv_secret_name,
 )
@@ -94,31 +93,6 @@ def pool_tls_volumes(pool: PoolSpec) -> list[dict[str, Any]]:
             "secret": {"secretName": pool.tls_secret, "defaultMode": KV_SECRET_MODE},
         }
     ]
-
-
-def engine_tls_args(pool: PoolSpec) -> list[str]:
-    if not pool.tls_secret:
-        return []
-    cert, key = (
-        ("--ssl-certfile", "--ssl-keyfile")
-        if pool.engine.kind == "vllm"
-        else ("--tls-cert-file", "--tls-key-file")
-    )
-    return [cert, f"{POOL_TLS_DIR}/tls.crt", key, f"{POOL_TLS_DIR}/tls.key"]
-
-
-def pool_tls_client_args(pool: PoolSpec) -> list[str]:
-    if not pool.tls_secret:
-        return []
-    return ["--tls-ca-file", f"{POOL_TLS_DIR}/ca.crt", "--tls-any-name"]
-
-
-# --- the tenants file (flow control) -------------------------------------------------------
-
-
-def tenants_args(pool: PoolSpec) -> list[str]:
-    """`--tenants-file` for the pool's front-ends (the gateway, the endpoint picker)."""
-    return ["--tenants-file", TENANTS_FILE] if pool.gateway.tenants_secret else []
 
 
 def tenants_mounts(pool: PoolSpec) -> list[dict[str, Any]]:

@@ -25,6 +25,8 @@ from .names import (
 if TYPE_CHECKING:
     from .autoscaling_spec import AutoscalingSpec
     from .inference_pool_spec import InferencePoolSpec
+    from .kv_offload import KVOffloadSpec
+    from .loras import LoRASpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
@@ -212,6 +214,10 @@ class PoolSpec:
     otlp_traces_endpoint: str | None = None
     # spec.inferencePool (inference_pool_spec.py); None: no InferencePool, no EPP.
     inference_pool: "InferencePoolSpec | None" = None
+    # spec.kvOffload (kv_offload.py); None: no tier below the engines' pools.
+    kv_offload: "KVOffloadSpec | None" = None
+    # spec.loras (loras.py); None: the base model only.
+    loras: "LoRASpec | None" = None
 
 
 def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
@@ -235,6 +241,8 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         autoscaling=parse_autoscaling(spec),
         otlp_traces_endpoint=_section(spec, "tracing").get("otlpTracesEndpoint") or None,
         inference_pool=parse_inference_pool(spec),
+        kv_offload=parse_kv_offload(spec),
+        loras=_parse_loras(spec),
     )
     if pool.router.mode == "prefill-first" and pool.prefill.replicas == 0 < pool.decode.replicas:
         # decode-first can serve cache hits alone; prefill-first sends every request to prefill.
@@ -251,6 +259,22 @@ def parse_autoscaling(spec: dict[str, Any]) -> "AutoscalingSpec | None":
     # Imported here: autoscaling_spec.py reads this module's SpecError and QUANTITY.
     from .autoscaling_spec import parse_autoscaling as parse
 
+    return parse(spec)
+
+
+def _parse_loras(spec: dict[str, Any]) -> "LoRASpec | None":
+    # Imported here: loras.py reads this module's SpecError.
+    from .loras import parse_loras
+
+    return parse_loras(spec)
+
+
+def parse_kv_offload(spec: dict[str, Any]) -> "KVOffloadSpec | None":
+    # Imported here: kv_offload.py reads this module's SpecError.
+    from .kv_offload import parse_kv_offload as parse
+
+    if spec.get("kvOffload") is not None and spec.get("engine", {}).get("kind") == "vllm":
+        raise SpecError("spec.kvOffload runs pdpool's tiers: not with spec.engine.kind vllm")
     return parse(spec)
 
 

@@ -25,7 +25,6 @@ from .names import (
     GATEWAY_METRICS_PORT,
     KV_SECRET_DIR,
     MODELS_MOUNT,
-    POOL_TLS_DIR,
     PREFILL,
     SIDECAR_METRICS_PORT,
     SIDECAR_PORT,
@@ -54,11 +53,9 @@ from .pods import (
 )
 from .pool_secrets import (
     KV_SECRET_MODE,
-    engine_tls_args,
     http_name,
     kv_secret_ref,
     kv_secret_volume,
-    pool_tls_client_args,
     pool_tls_mounts,
     pool_tls_volumes,
     probe_scheme,
@@ -156,12 +153,16 @@ def _engine_container(
         mounts.append({"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True})
     if secret_ref is not None:
         mounts.append({"name": "kv-secret", "mountPath": KV_SECRET_DIR, "readOnly": True})
+    if pool.kv_offload is not None and pool.kv_offload.on_disk:
+        mounts.append(pool.kv_offload.mount())
+    if pool.loras is not None:
+        mounts += pool.loras.mounts()
     http, http_ports = _engine_serving_ports(pool)
     return {
         "name": "engine",
         "image": pool.engine.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.engine_args(pool, role_name, pool_peers(ref)) + engine_tls_args(pool),
+        "command": commands.engine_args(pool, role_name, pool_peers(ref)),
         "env": downward_env()
         + commands.engine_env(pool)
         + cache_env()
@@ -196,26 +197,6 @@ def _kv_events_ports(pool: PoolSpec) -> list[dict[str, Any]]:
     ]
 
 
-def _sidecar_args(pool: PoolSpec) -> list[str]:
-    argv = (
-        commands.sidecar_args()
-        + commands.sidecar_kv_events_args(pool)
-        + commands.tracing_args(pool)
-    )
-    if not pool.tls_secret:
-        return argv
-    local = f"http://127.0.0.1:{ENGINE_PORT}"
-    argv = [f"https://127.0.0.1:{ENGINE_PORT}" if a == local else a for a in argv]
-    return [
-        *argv,
-        "--tls-cert-file",
-        f"{POOL_TLS_DIR}/tls.crt",
-        "--tls-key-file",
-        f"{POOL_TLS_DIR}/tls.key",
-        *pool_tls_client_args(pool),
-    ]
-
-
 def _router_env(ref: PoolRef) -> list[dict[str, Any]]:
     name = router_config_name(ref.name)
     return [
@@ -230,7 +211,7 @@ def _sidecar_container(ref: PoolRef, pool: PoolSpec) -> dict[str, Any]:
         "name": "sidecar",
         "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": _sidecar_args(pool),
+        "command": commands.sidecar_args(pool),
         "env": _router_env(ref),
         "ports": [
             _tcp_port(port, SIDECAR_PORT),
@@ -280,6 +261,10 @@ def engine_deployment(
         volumes.append(_model_volume(pool))
     if secret_ref is not None:
         volumes.append(kv_secret_volume(secret_ref))
+    if pool.kv_offload is not None and pool.kv_offload.on_disk:  # emptyDir, or shared claim
+        volumes.append(pool.kv_offload.volume())
+    if pool.loras is not None:
+        volumes += pool.loras.volumes()
     volumes += pool_tls_volumes(pool)
     if pool.model.hugging_face_id:
         pod_spec["initContainers"] = [_download_init_container(pool)]
@@ -302,14 +287,12 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         "image": pool.router.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
         "command": commands.gateway_args(
+            pool,
             decode,
             API_KEYS_FILE if keys else None,
             TLS_DIR if tls else None,
             TENANTS_FILE if pool.gateway.tenants_secret else None,
-        )
-        + pool_tls_client_args(pool)
-        + commands.gateway_kv_events_args(pool)
-        + commands.tracing_args(pool),
+        ),
         # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [
             _tcp_port("https" if tls else "http", SIDECAR_PORT),

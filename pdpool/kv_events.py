@@ -65,6 +65,12 @@ class BlockStored:
     # Per block: what else went into its hash (a cache_salt on a prompt's first block), or
     # None; None for the whole event when nothing did.
     extra_keys: Optional[list] = None
+    # vLLM's: LOCAL or REMOTE relative to the publisher (an offload tier's disk, or a
+    # directory shared by the pool); None: unspecified (the GPU/host pool itself).
+    locality: Optional[str] = None
+    # The LoRA adapter the block was computed under (vLLM 0.32: lora_name is the one to
+    # key on; lora_id is kept for older readers).
+    lora_name: Optional[str] = None
 
 
 @dataclass
@@ -72,6 +78,7 @@ class BlockRemoved:
     block_hashes: list
     medium: Optional[str] = None
     group_idx: Optional[int] = None
+    locality: Optional[str] = None
 
 
 @dataclass
@@ -100,6 +107,7 @@ def _event_to_wire(ev: KVCacheEvent, token_ids: bool = True) -> dict:
             "block_size": ev.block_size,
             "lora_id": ev.lora_id,
             "medium": ev.medium,
+            "lora_name": ev.lora_name,
         }
         if ev.group_idx is not None:
             d["group_idx"] = ev.group_idx
@@ -107,11 +115,15 @@ def _event_to_wire(ev: KVCacheEvent, token_ids: bool = True) -> dict:
             d["kv_cache_spec_kind"] = ev.kv_cache_spec_kind
         if ev.extra_keys is not None:
             d["extra_keys"] = ev.extra_keys
+        if ev.locality is not None:
+            d["locality"] = ev.locality
         return d
     if isinstance(ev, BlockRemoved):
         d = {"type": "BlockRemoved", "block_hashes": ev.block_hashes, "medium": ev.medium}
         if ev.group_idx is not None:
             d["group_idx"] = ev.group_idx
+        if ev.locality is not None:
+            d["locality"] = ev.locality
         return d
     return {"type": "AllBlocksCleared"}
 
@@ -137,6 +149,7 @@ _STORED_FIELDS = (
     "block_size",
     "lora_id",
     "medium",
+    "lora_name",
 )
 
 
@@ -165,9 +178,13 @@ def _event_from_wire(raw: Any) -> Optional[KVCacheEvent]:
             get("group_idx"),
             get("kv_cache_spec_kind"),
             _extra_keys(get("extra_keys")),
+            get("locality"),
+            lora_name=get("lora_name") if isinstance(get("lora_name"), str) else None,
         )
     if kind == "BlockRemoved":
-        return BlockRemoved(list(get("block_hashes") or []), get("medium"), get("group_idx"))
+        return BlockRemoved(
+            list(get("block_hashes") or []), get("medium"), get("group_idx"), get("locality")
+        )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     return None  # an event kind this reader does not know: skipped

@@ -14,6 +14,9 @@ try:  # Tiny CPU models: one thread avoids oversubscribing 2 cores shared with e
 except ImportError:
     pass
 
+# LoRA adapters for the tiny checkpoints (tests/lora, tests/vllm).
+from tests.support.lora_fixtures import qwen3_5_adapters, qwen3_adapters  # noqa: F401
+
 
 def _tiny(tmp_path_factory, name: str, **spec):
     pytest.importorskip("torch", reason="the engine extra (torch) is not installed")

@@ -4,10 +4,13 @@ The lease rides inside kv_transfer_params under one key, so routers that forward
 object verbatim (llm-d's sidecar, ours) carry it without knowing it:
 
   "pdpool_lease": {"id": str, "epoch": str, "num_tokens": int, "hash": hex,
-                   "expires_ms": int, "sig": hex (only when the pool has a secret)}
+                   "expires_ms": int, "fp": hex, "sig": hex (only when the pool has a secret)}
 
 `hash` is the chained hash of the leased tokens (it commits to every one of them), so a
-consumer can refuse, before any connection, params that describe another prompt. `sig` is
+consumer can refuse, before any connection, params that describe another prompt. `fp` is
+the producer's KV fingerprint (kv/offload/keys.py: model, weights, dtype, block size,
+layout): a consumer refuses KV made by another model or revision (a rolling update's two
+versions never mix) and recomputes. `sig` is
 HMAC-SHA256 with the pool's secret over the lease and every field a consumer acts on
 (engine id, host, port, block ids, token counts, direction): a caller without the secret
 can neither forge params nor point real ones elsewhere. Integers and strings only, so a
@@ -53,6 +56,8 @@ class LeaseToken:
     num_tokens: int
     prefix_hash: bytes
     expires_ms: int
+    # The producer's KV fingerprint; "" from a producer that sent none (refused).
+    fingerprint: str = ""
 
 
 def load_secret(path: Optional[str] = None) -> Optional[bytes]:
@@ -97,6 +102,8 @@ def attach(params: dict[str, Any], token: LeaseToken, secret: Optional[bytes]) -
         "hash": token.prefix_hash.hex(),
         "expires_ms": token.expires_ms,
     }
+    if token.fingerprint:
+        lease["fp"] = token.fingerprint
     if secret is not None:
         lease["sig"] = hmac.new(secret, _signed_payload(params, lease), hashlib.sha256).hexdigest()
     params[LEASE_KEY] = lease
@@ -138,6 +145,7 @@ def read(
         raise LeaseTokenError(f"{LEASE_KEY}.hash must be hex") from None
     if num_tokens < 1:
         raise LeaseTokenError(f"{LEASE_KEY}.num_tokens must be at least 1")
+    fingerprint = _str(lease, "fp") if lease.get("fp") is not None else ""
     if secret is not None:
         sig = lease.get("sig")
         if not isinstance(sig, str):
@@ -158,4 +166,4 @@ def read(
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     if expires_ms + CLOCK_SKEW_MS < now_ms:
         raise LeaseTokenError(f"the KV lease {lease_id} expired {now_ms - expires_ms} ms ago")
-    return LeaseToken(lease_id, epoch, num_tokens, prefix, expires_ms)
+    return LeaseToken(lease_id, epoch, num_tokens, prefix, expires_ms, fingerprint)

@@ -78,6 +78,7 @@ COUNTERS = (
     "peers_replaced",
     "params_refused",
     "content_mismatches",
+    "fingerprint_mismatches",
     "lease_renewals_sent",
     "lease_releases_sent",
 )
@@ -95,8 +96,12 @@ class NixlConnector(KVConnector):
         state=None,
         engine_id: Optional[str] = None,
         secret: Optional[bytes] = None,
+        fingerprint: str = "",
     ):
         self.config = config
+        # What produced this engine's KV (kv/offload/keys.py); signed into every lease
+        # issued, compared with every lease pulled.
+        self.fingerprint = fingerprint
         self.shape = shape
         self.block_size = shape.block_size
         self.role = config.kv_role
@@ -179,6 +184,14 @@ class NixlConnector(KVConnector):
                 self.block_size,
                 request.hasher.extra_keys,
             )
+            # A lease without one comes from an engine before fingerprints (unsigned
+            # forgeries are stopped by the content and lease checks that follow).
+            if token.fingerprint and token.fingerprint != self.fingerprint:
+                self.counters["fingerprint_mismatches"] += 1
+                raise LeaseTokenError(
+                    f"the KV lease {token.lease_id} holds KV of another model, revision or "
+                    "KV layout (its fingerprint differs): recomputing"
+                )
             if mine != token.prefix_hash:
                 self.counters["content_mismatches"] += 1
                 raise LeaseTokenError(
@@ -413,7 +426,9 @@ class NixlConnector(KVConnector):
         digest = lease.prefix_hash  # computed once, when the lease was granted
         if digest is None:
             raise RuntimeError(f"no prefix hash for the {lease.num_tokens} leased tokens")
-        token = LeaseToken(lease.lease_id, self.epoch, lease.num_tokens, digest, expires_ms)
+        token = LeaseToken(
+            lease.lease_id, self.epoch, lease.num_tokens, digest, expires_ms, self.fingerprint
+        )
         return attach_lease(params, token, self.secret)
 
     def _collect_notifications(self) -> None:

@@ -11,13 +11,13 @@ is using costs no free block, a cached block on the free list is taken off it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from pdpool.engine.kv.block_pool import Block, BlockPool
 from pdpool.engine.kv.facts import KVCacheSpec, KVCacheUsage, KVStepView
 from pdpool.engine.kv.groups import KVGroup
 from pdpool.engine.kv.state_cache import StateSnapshotCache
-from pdpool.engine.request import Request
+from pdpool.engine.request import Request, published_extra_keys
 
 if TYPE_CHECKING:
     from pdpool.kv_events import KVEventPublisher
@@ -62,6 +62,11 @@ class KVCacheManager:
         # Blocks and state slots held for other engines, by lease id: the connector
         # decides what to lease and when a lease ends, the manager holds.
         self._lease_holds: dict[str, tuple[list[Block], tuple[int, ...]]] = {}
+        # An offload tier's write-through (connector/offload_tier.py), set by the scheduler: told of
+        # each block that becomes the cached copy of its hash (request, group, index,
+        # block) and of each state snapshot published (slot, block hash).
+        self.on_block_cached: Optional[Callable[[Request, int, int, Block], None]] = None
+        self.on_snapshot: Optional[Callable[[int, bytes], None]] = None
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec) -> KVCacheManager:
@@ -322,6 +327,9 @@ class KVCacheManager:
             ]
             if stored and self.events is not None:
                 self._record_stored(request, g, stored)
+            if self.on_block_cached is not None:
+                for i in stored:
+                    self.on_block_cached(request, g, i, blocks[i])
         self._num_published[request.request_id] = num_full
 
     # --- KV cache events ----------------------------------------------------------------
@@ -347,10 +355,12 @@ class KVCacheManager:
         for i in [*stored, -1]:  # one event per run of consecutive blocks
             if run and i != run[-1] + 1:
                 first, last = run[0], run[-1]
-                # As vLLM: the salt is published with the block whose hash it went into.
+                # As vLLM: the adapter's name and the salt are published (untagged) with
+                # the block whose hash they went into.
+                first_keys = published_extra_keys(request)
                 extra = (
-                    [(request.cache_salt,) if j == 0 else None for j in run]
-                    if request.cache_salt and first == 0
+                    [first_keys if j == 0 else None for j in run]
+                    if first_keys and first == 0
                     else None
                 )
                 events.record(
@@ -359,11 +369,12 @@ class KVCacheManager:
                         hashes[first - 1] if first else None,
                         list(tokens[first * bs : (last + 1) * bs]),
                         bs,
-                        None,
+                        request.lora.lora_id if request.lora is not None else None,
                         "GPU",
                         g,
                         kind,
                         extra,
+                        lora_name=request.lora.name if request.lora is not None else None,
                     )
                 )
                 run = []
@@ -382,6 +393,8 @@ class KVCacheManager:
         if slot is None:
             return None
         self.snapshots.publish(request.block_hashes[i], slot)
+        if self.on_snapshot is not None:
+            self.on_snapshot(slot, request.block_hashes[i])
         return self.req_slot[request.request_id], slot
 
     def pin_state_for_transfer(self, request: Request) -> Optional[tuple[int, int]]:

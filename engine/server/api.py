@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI
 
 from pdpool.engine.async_engine import EngineClient
+from pdpool.engine.lora.registry import LoRARegistry, registry_from_config, runtime_updates_enabled
 from pdpool.engine.server.choices import ChoiceRunner
+from pdpool.engine.server.lora_routes import LoRARoutes
 from pdpool.engine.server.errors import install_error_handlers
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.ops import OpsRoutes
@@ -31,9 +33,12 @@ from pdpool.engine.server.tokenize import TokenizeRoutes
 from pdpool.engine.server.translator import RequestTranslator
 
 
-def build_app(aengine: EngineClient) -> FastAPI:
-    """The app over an engine on a thread of this process or in a process of its own."""
+def build_app(aengine: EngineClient, loras: Optional[LoRARegistry] = None) -> FastAPI:
+    """The app over an engine on a thread of this process or in a process of its own.
+    `loras`: the adapters it serves (with --enable-lora; read from its config if None)."""
     engine = aengine.view
+    if loras is None and engine.config.enable_lora:
+        loras = registry_from_config(engine.config, engine.model_name)
     metrics = EngineMetrics(engine, engine.model_name)
 
     @contextlib.asynccontextmanager
@@ -52,7 +57,7 @@ def build_app(aengine: EngineClient) -> FastAPI:
     prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
     app.state.prep_pool = prep_pool
 
-    translator = RequestTranslator(engine, metrics, prep_pool)
+    translator = RequestTranslator(engine, metrics, prep_pool, loras)
     runner = ChoiceRunner(aengine, metrics)
     writer = ResponseWriter(runner, metrics, engine.model_name)
     ops = OpsRoutes(aengine, metrics, translator)
@@ -76,6 +81,12 @@ def build_app(aengine: EngineClient) -> FastAPI:
         ("POST", "/v1/chat/completions/render", render.chat, "render_chat"),
         ("POST", "/inference/v1/generate", token_generate.generate, "generate_tokens"),
     ]
+    if loras is not None and runtime_updates_enabled():
+        lora_routes = LoRARoutes(loras, translator)
+        routes.append(("POST", "/v1/load_lora_adapter", lora_routes.load, "load_lora_adapter"))
+        routes.append(
+            ("POST", "/v1/unload_lora_adapter", lora_routes.unload, "unload_lora_adapter")
+        )
     for method, path, endpoint, name in routes:
         # response_model=None: FastAPI takes no response model from the endpoints' return
         # annotations (they return dicts or responses, written as they are).

@@ -234,6 +234,7 @@ class EngineMetrics:
             kv_stat.labels(stat=stat, **labels).set_function(
                 functools.partial(connector_stat, stat)
             )
+        _offload_series(r, labels, state)
         gauge(
             "pdpool_requests_aborted_total",
             "Requests aborted (client gone, cancelled).",
@@ -314,6 +315,10 @@ class EngineMetrics:
             multiprocess_mode="mostrecent",
         ).labels(**info).set(1)
         r.register(_VllmCounters(view, vl))
+        if cfg.enable_lora:
+            from pdpool.engine.server.lora_metrics import LoRARequestsInfo
+
+            r.register(LoRARequestsInfo(view))
         self.vllm_prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", names, registry=r
         ).labels(**vl)
@@ -423,3 +428,22 @@ class EngineMetrics:
     def client_disconnected(self, phase: str) -> None:
         """Counts a client that went away: phase is body, waiting or running."""
         self.client_disconnects.labels(phase=phase, **self.labels).inc()
+
+
+def _offload_series(r: CollectorRegistry, labels: dict[str, str], state: Callable[[], Any]) -> None:
+    """The KV offload tier's counters, one series per stat (none without a tier)."""
+    tier_stat = Gauge(
+        "pdpool_kv_offload",
+        "KV offload tier counters: hit_tokens (prefix tokens found in the tier), "
+        "loaded_tokens, load_bytes, load_seconds (sum of read latencies), loads_ok, "
+        "loads_failed, records_rejected (failed their check: recomputed), stores, "
+        "store_bytes, store_failures, evictions, bytes_used, capacity_bytes, ...",
+        [*labels, "stat"],
+        registry=r,
+    )
+
+    def offload_stat(stat: str) -> float:
+        return float(state().offload.get(stat, 0.0))
+
+    for stat in state().offload:
+        tier_stat.labels(stat=stat, **labels).set_function(functools.partial(offload_stat, stat))

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdpool.engine.async_engine import EngineClient
 from pdpool.engine.server.errors import error_response
+from pdpool.engine.server.lora_routes import adapter_cards
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import RequestTranslator
 from pdpool.protocol import RequestError, parse_json_body
@@ -73,7 +74,10 @@ class OpsRoutes:
                     "created": int(time.time()),
                     "owned_by": "pdpool",
                     "max_model_len": self.engine.max_model_len,
-                }
+                    "root": self.engine.config.model,
+                    "parent": None,
+                },
+                *(adapter_cards(self.translator.loras) if self.translator.loras else []),
             ],
         }
 

@@ -148,9 +148,9 @@ class ResponseWriter:
         prompts: list[list[int]],
         choices: list[Choice],
     ) -> Union[dict[str, Any], StreamingResponse]:
-        head = ResponseHead(
-            f"{fmt.id_prefix}-{choices[0].request_id}", int(time.time()), self.model_name
-        )
+        # As vLLM: a LoRA request's answer names its adapter.
+        model = req.model if isinstance(req.model, str) and req.model else self.model_name
+        head = ResponseHead(f"{fmt.id_prefix}-{choices[0].request_id}", int(time.time()), model)
         if not req.stream:
             await self.runner.run_to_end(http_req, choices)
             return full_response(head, fmt, choices)

@@ -14,6 +14,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from pdpool.engine.engine_state import EngineView
+from pdpool.engine.lora.registry import LoRARef, LoRARegistry
 from pdpool.engine.outputs import prompt_fit_problem
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.errors import ApiError, client_closed
@@ -48,6 +49,7 @@ class ChoiceRequest:
     cache_hit_threshold: Optional[float]
     kv_transfer_params: Optional[dict[str, Any]]
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
+    lora: Optional[LoRARef] = None  # the adapter the request's `model` names
     # Starts once the first choice has its first output (it loads the prompt's KV).
     after_first_choice: bool = False
 
@@ -58,9 +60,14 @@ class RequestTranslator:
     responsive meanwhile."""
 
     def __init__(
-        self, engine: EngineView, metrics: EngineMetrics, prep_pool: ThreadPoolExecutor
+        self,
+        engine: EngineView,
+        metrics: EngineMetrics,
+        prep_pool: ThreadPoolExecutor,
+        loras: Optional[LoRARegistry] = None,
     ) -> None:
         self.engine, self.metrics, self.prep_pool = engine, metrics, prep_pool
+        self.loras = loras  # with --enable-lora: the adapters a `model` may name
         self.max_body = engine.config.max_body_bytes
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -101,10 +108,15 @@ class RequestTranslator:
         except RequestError as exc:
             raise ApiError(str(exc), exc.status, param=exc.param) from exc
 
-    def check_model(self, name: object) -> None:
-        """404 unless `name` is absent or this engine's served model name."""
-        if name is not None and name != self.engine.model_name:
-            raise ApiError(f"the model `{name}` does not exist", 404, "NotFoundError", "model")
+    def check_model(self, name: object) -> Optional[LoRARef]:
+        """404 unless `name` is absent, this engine's served model name or one of its LoRA
+        adapters; the adapter it names, if any."""
+        if name is None or name == self.engine.model_name:
+            return None
+        ref = self.loras.get(name) if self.loras is not None else None
+        if ref is None:
+            raise ApiError(f"The model `{name}` does not exist.", 404, "NotFoundError", "model")
+        return ref
 
     def _decode(self, raw: bytes, request_type: type[R]) -> R:
         return self.validated(parse_json_body(raw), request_type)
@@ -228,6 +240,7 @@ class RequestTranslator:
         With a seed, choice i of every prompt samples with seed + i (as vLLM v1), so a
         choice equals a single request sent with that seed."""
         params = self.servable_params(req, prompts)
+        lora = self.check_model(req.model)
         n = params.n
         kv_params = req.kv_params_dict()
         # n choices of one prompt may load its prefill: the first loads it, the others start
@@ -256,6 +269,7 @@ class RequestTranslator:
                 cache_hit_threshold=req.cache_hit_threshold,
                 kv_transfer_params=kv_params if i == 0 else None,
                 priority=req.priority,
+                lora=lora,
                 after_first_choice=kv_params is not None and i > 0,
             )
             for p, prompt_ids in enumerate(prompts)

@@ -33,6 +33,10 @@ Ready = Callable[[Any], None]
 Refused = Callable[[Exception], None]
 
 
+# The least share of its deadline a queued request must have left to start compiling.
+MIN_COMPILE_SHARE = 0.25
+
+
 @dataclass(frozen=True)
 class CompileBounds:
     timeout_s: float = 30.0
@@ -127,10 +131,17 @@ class GrammarJobs:
         return None
 
     def _start_queued(self) -> None:
+        now = self._clock()
         while self._queue and self._active < self.bounds.slots:
             job = self._queue.popleft()
             if job.answered:
                 continue  # cancelled or timed out while queued
+            if job.deadline - now < self.bounds.timeout_s * MIN_COMPILE_SHARE:
+                # A slot came free too late to compile in: the watchdog answers it busy
+                # now (it waited its time in the queue), not with a 400 for its spec.
+                job.deadline = now
+                self._cv.notify_all()
+                continue
             job.state = "running"
             self._active += 1
             threading.Thread(

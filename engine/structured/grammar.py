@@ -18,6 +18,7 @@ import xgrammar as xgr
 from pdpool.engine.outputs import RequestRejected
 from pdpool.engine.structured.json_grammar import schema_grammar
 from pdpool.engine.structured.spec import GuidedSpec
+from pdpool.engine.structured.utf8_guard import START, Utf8Guard
 
 
 class GuidedDecodingError(RequestRejected):
@@ -25,13 +26,15 @@ class GuidedDecodingError(RequestRejected):
 
 
 class RequestGrammar:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and in a UTF-8 character (utf8_guard.py)."""
 
-    __slots__ = ("matcher", "terminated")
+    __slots__ = ("guard", "matcher", "terminated", "utf8_state")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, guard: Optional[Utf8Guard] = None) -> None:
         self.matcher = matcher
         self.terminated = False
+        self.guard = guard
+        self.utf8_state = START
 
     def accept(self, token: int) -> bool:
         """Advances over a sampled token; False if the grammar does not allow it."""
@@ -40,6 +43,8 @@ class RequestGrammar:
         if not self.matcher.accept_token(token):
             return False
         self.terminated = self.matcher.is_terminated()
+        if self.guard is not None:
+            self.utf8_state = self.guard.next_state(self.utf8_state, token)
         return True
 
 
@@ -58,6 +63,7 @@ class GrammarCompiler:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self.cache_limit_bytes = cache_limit_bytes
         self._compiler: Any = None
+        self.guard: Optional[Utf8Guard] = None
         self._lock = threading.Lock()
         # Reading a large vocabulary takes a second or two: done at start-up, off the step
         # loop, so that the first guided request does not stall every stream.
@@ -69,6 +75,7 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size
                 )
+                self.guard = Utf8Guard(info.decoded_vocab, self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(
                     info,
                     max_threads=2,
@@ -95,7 +102,8 @@ class GrammarCompiler:
         if compiled is None:
             compiled = self.compile(spec)
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
-        grammar = RequestGrammar(matcher)
+        self._get()  # the vocabulary and its UTF-8 guard, read once
+        grammar = RequestGrammar(matcher, self.guard)
         for i, token in enumerate(spec.prefix_token_ids):
             if not grammar.accept(token):
                 raise GuidedDecodingError(

@@ -15,10 +15,18 @@ from pdpool.engine.structured.grammar import RequestGrammar
 
 
 class PendingMask:
-    """A batch's bitmask being filled; `apply` waits for it and masks the logits."""
+    """A batch's bitmask being filled; `apply` waits for it and masks the logits (then the
+    tokens that would break UTF-8: utf8_guard.py)."""
 
-    def __init__(self, future: Future[None], bitmask: torch.Tensor, rows: list[int]) -> None:
+    def __init__(
+        self,
+        future: Future[None],
+        bitmask: torch.Tensor,
+        rows: list[int],
+        grammars: Optional[list[RequestGrammar]] = None,
+    ) -> None:
         self.future, self.bitmask, self.rows = future, bitmask, rows
+        self.grammars = grammars or []
 
     def apply(self, logits: torch.Tensor) -> None:
         self.future.result()
@@ -28,6 +36,9 @@ class PendingMask:
         xgr.apply_token_bitmask_inplace(
             logits, bitmask, vocab_size=logits.shape[-1], indices=self.rows
         )
+        for row, grammar in zip(self.rows, self.grammars, strict=True):
+            if grammar.guard is not None:
+                grammar.guard.mask(logits, row, grammar.utf8_state)
 
 
 class GuidedMasks:
@@ -46,11 +57,12 @@ class GuidedMasks:
         if not rows:
             return None
         bitmask = self._buffer(len(grammars))
-        matchers = [grammars[i].matcher for i in rows]  # type: ignore[union-attr]
+        guided = [g for g in grammars if g is not None and not g.terminated]
+        matchers = [g.matcher for g in guided]
         future = self._pool.submit(
             self._matchers.batch_fill_next_token_bitmask, matchers, bitmask, rows
         )
-        return PendingMask(future, bitmask, rows)
+        return PendingMask(future, bitmask, rows, guided)
 
     def _buffer(self, batch: int) -> torch.Tensor:
         """One bitmask buffer reused step after step (grown when a batch outgrows it)."""

@@ -61,6 +61,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "e.g. --engine-arg=--num-kv-blocks=512",
     )
     p.add_argument(
+        "--kv-offload",
+        choices=("native", "disk", "shared"),
+        default=None,
+        help="a KV offload tier below every engine's pool: native (host memory), disk (a "
+        "directory per engine) or shared (one directory all engines read, so one's prefix "
+        "is a hit for all)",
+    )
+    p.add_argument(
+        "--kv-offload-size",
+        type=float,
+        default=1.0,
+        help="GiB of offload tier per engine (default 1)",
+    )
+    p.add_argument("--kv-offload-dir", help="the tier's directory (default: <log dir>/kv-offload)")
+    p.add_argument(
         "--engine",
         default="pdpool",
         choices=("pdpool", "vllm"),
@@ -237,6 +252,13 @@ def spec_from_args(args: argparse.Namespace) -> TopologySpec:
         raise CliError("need --decode >= 1 and --prefill >= 0")
     if not 0.0 <= args.cache_hit_threshold <= 1.0:
         raise CliError("--cache-hit-threshold must be in [0, 1]")
+    if not 0 < args.kv_offload_size <= 1 << 20:
+        raise CliError("--kv-offload-size must be > 0 GiB")
+    if args.kv_offload and args.engine == "vllm":
+        raise CliError(
+            "--kv-offload runs pdpool's tiers; for stock vLLM pass its own flags "
+            "(--engine-arg=--kv-offloading-size=GIB)"
+        )
     try:
         model = args.model or ensure_tiny_model(args.arch)
     except RuntimeError as exc:
@@ -255,6 +277,9 @@ def spec_from_args(args: argparse.Namespace) -> TopologySpec:
         decode_retry_s=args.decode_retry_s,
         engine_args=args.engine_args,
         log_dir=args.log_dir,
+        kv_offload=args.kv_offload,
+        kv_offload_size_gib=args.kv_offload_size,
+        kv_offload_dir=os.path.abspath(args.kv_offload_dir) if args.kv_offload_dir else None,
         engine=args.engine,
         engine_rejects=args.engine_rejects,
         prefill_min_prompt_tokens=args.prefill_min_prompt_tokens,

@@ -12,8 +12,10 @@ import glob
 import json
 import os
 import shutil
+from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
+from pdpool.command_lines import epp_argv
 from pdpool.ports import free_port
 
 from .envoy_config import envoy_bootstrap
@@ -40,24 +42,6 @@ def find_envoy(explicit: Optional[str] = None) -> Optional[str]:
     return shutil.which("envoy")
 
 
-def picker_argv(gateway_argv: list[str], ports: tuple[int, int, int]) -> list[str]:
-    """`pdpool epp`'s command line from the gateway's: the same routing flags, on its own
-    (ext_proc, gRPC health, HTTP metrics) ports in place of the gateway's port."""
-    grpc, health, metrics = ports
-    at = gateway_argv.index("gateway")
-    out = [*gateway_argv[:at], "epp"]
-    rest = gateway_argv[at + 1 :]
-    i = 0
-    while i < len(rest):
-        if rest[i] == "--port":
-            out += ["--port", str(grpc)]
-            i += 2
-            continue
-        out.append(rest[i])
-        i += 1
-    return [*out, "--health-port", str(health), "--metrics-port", str(metrics)]
-
-
 def swap_in_envoy(topology: "Topology", children: list["Child"]) -> list["Child"]:
     """The children with the gateway replaced by Envoy (on the gateway's port) and the
     endpoint picker. Raises RuntimeError when Envoy cannot run this topology."""
@@ -71,7 +55,14 @@ def swap_in_envoy(topology: "Topology", children: list["Child"]) -> list["Child"
         raise RuntimeError(f"no envoy binary found: {INSTALL_HINT}")
     gateway = next(c for c in children if c.role == "gateway")
     grpc_port, http_port = free_port(), free_port()
-    argv = picker_argv(gateway.argv, (grpc_port, free_port(), http_port)) + list(spec.epp_args)
+    # the gateway's routing flags on the picker's own (ext_proc, metrics) ports
+    launch = topology.router_launch
+    picker = replace(
+        launch,
+        serving=replace(launch.serving, port=grpc_port, metrics_port=http_port),
+        extra_args=tuple(spec.epp_args),
+    )
+    argv = epp_argv(picker, health_port=free_port())
     epp = Child("epp", 0, http_port, argv, topology._log("epp", 0))
     sidecars = [("127.0.0.1", c.port) for c in children if c.role == "sidecar"]
     bootstrap = envoy_bootstrap(

@@ -21,12 +21,25 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from pdpool.cpu_cores import engine_share_of_cores
 from pdpool.ports import free_port
-from pdpool.scheduling_policy import scheduling_args
+from pdpool.command_lines import (
+    EngineLaunch,
+    KVEventsPublisher,
+    KVLink,
+    RouterLaunch,
+    Serving,
+    SidecarLaunch,
+    VllmLaunch,
+    gateway_argv,
+    num,
+    pdpool_engine_argv,
+    sidecar_argv,
+    vllm_engine_argv,
+)
 from pdpool.tlsutil import make_ca_and_certificate
 
 from .envoy_gateway import swap_in_envoy
@@ -96,6 +109,7 @@ class Child:
     restarts: int = 0
     proc: Optional[subprocess.Popen[bytes]] = field(default=None, repr=False)
     scheme: str = "http"  # https with `pdpool up --tls`
+    kv_events: Optional[str] = None  # an engine's PUB|REPLAY endpoints (--kv-events)
     # serving; starting (added by the autoscaler, not yet routed to); draining (no longer
     # routed to, finishing its requests before it is stopped: never restarted)
     state: str = "serving"
@@ -124,6 +138,14 @@ class TopologySpec:
     decode_retry_s: float = 5.0
     engine_args: list[str] = field(default_factory=list)
     log_dir: Optional[str] = None
+    # KV offload tier below every engine's pool (engine/kv/offload/): None (off), native
+    # (host memory), disk (a
+    # directory per engine, as an emptyDir per pod) or shared (one directory for every
+    # engine, as a PVC shared by the pool); its size in GiB per engine; where (default:
+    # <log dir>/kv-offload).
+    kv_offload: Optional[str] = None
+    kv_offload_size_gib: float = 1.0
+    kv_offload_dir: Optional[str] = None
     # pdpool (`pdpool serve`) or vllm (stock `vllm serve`, CPU build: see vllm_command())
     engine: str = "pdpool"
     vllm_bin: Optional[str] = None  # the `vllm` executable (default: vllm_command())
@@ -225,115 +247,103 @@ class Topology:
         return path
 
     # ------------------------------------------------------------------ planning
-    def _engine(self, role: str, index: int) -> Child:
-        if self.spec.engine == "vllm":
-            return self._vllm_engine(role, index)
-        port, kv_port = free_port(), free_port()
-        argv = pdpool_command(
-            "serve",
-            self.spec.model,
-            "--host",
+    def _serving(self, port: int, tls: bool = True) -> Serving:
+        return Serving(
+            tuple(pdpool_command()),
             "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            self.spec.device,
-            "--kv-connector",
-            self.kv_connector,
-        )
-        if self.kv_secret_file is not None:  # written whenever there is a KV connector
-            # Both roles on both sides: decode reads prefill's blocks, and prefill reads
-            # decode's cached prefix (the bidirectional pull of decode-first).
-            argv += [
-                "--kv-role",
-                "both",
-                "--kv-host",
-                "127.0.0.1",
-                "--kv-port",
-                str(kv_port),
-                "--kv-peer-allowlist",
-                "127.0.0.1",
-                "--kv-secret-file",
-                self.kv_secret_file,
-            ]
-        argv += self._serve_tls_args()
-        argv += self._thread_args()
-        argv += scheduling_args(bool(self.spec.tenants_file))
-        argv += self.spec.engine_args
-        return Child(
-            role, index, port, argv, self._log(role, index), kv_port=kv_port, scheme=self._scheme
+            port,
+            tls=self.tls_files if tls else None,
+            otlp_traces_endpoint=self.spec.otlp_traces_endpoint,
         )
 
-    def _thread_args(self) -> list[str]:
+    def _engine(self, role: str, index: int) -> Child:
+        s = self.spec
+        port, kv_port = free_port(), free_port()
+        events = None
+        if s.kv_events:  # PUB + replay on free loopback ports
+            events = KVEventsPublisher("127.0.0.1", free_port(), free_port(), s.engine == "vllm")
+        launch = EngineLaunch(
+            self._serving(port),
+            s.model,
+            priority_scheduling=bool(s.tenants_file),
+            kv_events=events,
+            # later flags win (vLLM's parser too)
+            extra_args=(*self._offload_args(role, index), *s.engine_args),
+        )
+        env: dict[str, str] = {}
+        if s.engine == "vllm":
+            argv, env = self._vllm_engine(launch, role, index, kv_port)
+        else:
+            kv = None
+            if self.kv_secret_file is not None:  # written whenever there is a KV connector
+                # Both roles on both sides: decode reads prefill's blocks, and prefill reads
+                # decode's cached prefix (the bidirectional pull of decode-first).
+                kv = KVLink("both", "127.0.0.1", kv_port, "127.0.0.1", self.kv_secret_file)
+            argv = pdpool_engine_argv(
+                replace(launch, device=s.device, kv=kv, cpu_prefill_threads=self._threads())
+            )
+        child = Child(
+            role, index, port, argv, self._log(role, index), kv_port, env, scheme=self._scheme
+        )
+        if events is not None:
+            child.kv_events = f"tcp://127.0.0.1:{events.port}|tcp://127.0.0.1:{events.replay_port}"
+        return child
+
+    def _offload_args(self, role: str, index: int) -> tuple[str, ...]:
+        """`pdpool serve`'s offload flags: one directory per engine (disk) or one for all
+        (shared)."""
+        s = self.spec
+        if s.kv_offload is None:
+            return ()
+        flags = (
+            f"--kv-offloading-size={s.kv_offload_size_gib:g}",
+            f"--kv-offloading-backend={s.kv_offload}",
+        )
+        if s.kv_offload == "native":
+            return flags
+        root = s.kv_offload_dir or os.path.join(self.log_dir, "kv-offload")
+        path = root if s.kv_offload == "shared" else os.path.join(root, f"{role}-{index}")
+        return (*flags, f"--kv-offloading-path={path}")
+
+    def _threads(self) -> Optional[int]:
         """The engines share this machine's cores: each one's prompt steps get an equal
-        share (on their own, they would each take every core). Left out when the engine
+        share (on their own, they would each take every core). None when the engine
         arguments choose a thread count."""
         chosen = any(a.split("=")[0] in THREAD_FLAGS for a in self.spec.engine_args)
-        threads = engine_share_of_cores(self.spec.prefill + self.spec.decode)
-        if self.spec.device == "cuda" or chosen or threads is None:
-            return []
-        return ["--cpu-prefill-threads", str(threads)]
+        if self.spec.device == "cuda" or chosen:
+            return None
+        return engine_share_of_cores(self.spec.prefill + self.spec.decode)
 
     @property
     def _scheme(self) -> str:
         return "https" if self.tls_files else "http"
 
-    def _serve_tls_args(
-        self, cert_flag: str = "--tls-cert-file", key_flag: str = "--tls-key-file"
-    ) -> list[str]:
-        if not self.tls_files:
-            return []
-        return [cert_flag, self.tls_files[0], key_flag, self.tls_files[1]]
-
-    def _client_tls_args(self) -> list[str]:
-        return ["--tls-ca-file", self.ca_file] if self.ca_file else []
-
-    def _vllm_engine(self, role: str, index: int) -> Child:
+    def _vllm_engine(
+        self, launch: EngineLaunch, role: str, index: int, kv_port: int
+    ) -> tuple[list[str], dict[str, str]]:
         """Stock `vllm serve` on CPU. P/D through vLLM's NixlConnector: prefill engines are
         kv_producer, decode engines kv_consumer (CPU buffers; its side channel on kv_port)."""
-        port, kv_port = free_port(), free_port()
-        argv = [
-            self.spec.vllm_bin or vllm_command(),
-            "serve",
-            self.spec.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--served-model-name",
-            served_model_name(self.spec.model),
-            *VLLM_ARGS,
-        ]
-        if self.kv_connector != "none":
-            role_name = "kv_producer" if role == "prefill" else "kv_consumer"
-            argv += [
-                "--kv-transfer-config",
-                json.dumps(
-                    {
-                        "kv_connector": "NixlConnector",
-                        "kv_role": role_name,
-                        "kv_buffer_device": "cpu",
-                    }
-                ),
-            ]
-        argv += self._serve_tls_args("--ssl-certfile", "--ssl-keyfile")
-        argv += scheduling_args(bool(self.spec.tenants_file))
-        argv += self.spec.engine_args  # later flags win in vLLM's parser
+        program = (self.spec.vllm_bin or vllm_command(),)
+        launch = replace(
+            launch,
+            serving=replace(launch.serving, program=program),
+            served_name=served_model_name(self.spec.model),
+        )
+        connector = self.kv_connector != "none"
+        argv = vllm_engine_argv(
+            VllmLaunch(
+                launch,
+                ("kv_producer" if role == "prefill" else "kv_consumer") if connector else None,
+                "cpu" if connector else None,
+                vllm_args=VLLM_ARGS,
+            )
+        )
         env = dict(VLLM_ENV, VLLM_NIXL_SIDE_CHANNEL_PORT=str(kv_port))
         # One OpenMP core each, spread over the machine (vLLM's default binds every
         # engine to the same first core).
         ordinal = index if role == "prefill" else self.spec.prefill + index
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(ordinal % (os.cpu_count() or 1))
-        return Child(
-            role,
-            index,
-            port,
-            argv,
-            self._log(role, index),
-            kv_port=kv_port,
-            env=env,
-            scheme=self._scheme,
-        )
+        return argv, env
 
     def _log(self, role: str, index: int) -> str:
         return os.path.join(self.log_dir, f"{role}-{index}.log")
@@ -343,66 +353,78 @@ class Topology:
         prefills = [self._engine("prefill", i) for i in range(s.prefill)]
         decodes = [self._engine("decode", i) for i in range(s.decode)]
         sidecars = [self.sidecar(i, dec, prefills) for i, dec in enumerate(decodes)]
-        gw_port = s.port or free_port()
-        argv = pdpool_command(
-            "gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--health-interval-s", "1"
+        kv: dict[str, Any] = {}
+        if s.kv_events:  # the gateway indexes the decode engines' events
+            kv = dict(
+                kv_events=[
+                    f"127.0.0.1:{sc.port}={dec.kv_events}"
+                    for dec, sc in zip(decodes, sidecars, strict=True)
+                ],
+                kv_threshold=num(s.cache_hit_threshold),
+                kv_load_cost=None if s.kv_load_cost is None else num(s.kv_load_cost),
+                **self._kv_index(),
+            )
+        self.router_launch = RouterLaunch(
+            self._serving(s.port or free_port()),
+            decode_service=(
+                f"file:{self.discovery_file('sidecar')}" if s.discovery_files else None
+            ),
+            decode_urls=[] if s.discovery_files else [f"127.0.0.1:{sc.port}" for sc in sidecars],
+            health_interval_s="1",
+            tenants_file=s.tenants_file,
+            ca_file=self.ca_file,
+            **kv,
         )
-        if s.discovery_files:
-            argv += ["--decode-service", f"file:{self.discovery_file('sidecar')}"]
-        for sc in sidecars if not s.discovery_files else []:
-            argv += ["--decode-url", f"127.0.0.1:{sc.port}"]
-        if s.kv_events:
-            argv += self._wire_kv_events(prefills, decodes, sidecars)
-        if s.tenants_file:
-            argv += ["--tenants-file", s.tenants_file]
-        argv += self._serve_tls_args() + self._client_tls_args()
-        gateway = Child("gateway", 0, gw_port, argv, self._log("gateway", 0), scheme=self._scheme)
+        gateway = Child(
+            "gateway",
+            0,
+            self.router_launch.serving.port,
+            gateway_argv(self.router_launch),
+            self._log("gateway", 0),
+            scheme=self._scheme,
+        )
         self.children = prefills + decodes + sidecars + [gateway]
-        for child in self.children:
-            self._finish(child)
-        if s.gateway == "envoy":  # after _finish: the picker takes the gateway's flags
+        if s.gateway == "envoy":
             self.children = swap_in_envoy(self, self.children)
 
-    def _finish(self, child: Child) -> Child:
-        """What every child gets, also one the autoscaler adds later."""
-        if self.spec.otlp_traces_endpoint:  # vLLM's flag: stock vLLM engines take it as ours
-            child.argv += ["--otlp-traces-endpoint", self.spec.otlp_traces_endpoint]
-        return child
+    def _kv_index(self) -> dict[str, Any]:
+        """How a subscriber turns the engines' events into its index: their block size and,
+        for token ids (stock vLLM's events), the model's tokenizer."""
+        tokenizer = os.path.join(self.spec.model, "tokenizer.json")
+        return dict(
+            kv_block_size=self._engine_block_size(),
+            kv_tokenizer=tokenizer if os.path.exists(tokenizer) else None,
+        )
 
     def sidecar(self, index: int, dec: Child, prefills: list[Child]) -> Child:
         """The sidecar in front of decode engine `dec`."""
         s = self.spec
-        port = free_port()
-        argv = pdpool_command(
-            "sidecar",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--decode-url",
-            dec.url,
-            "--mode",
-            s.mode,
-            "--cache-hit-threshold",
-            str(s.cache_hit_threshold),
-            "--prefill-timeout",
-            str(s.prefill_timeout),
-            "--decode-retry-s",
-            str(s.decode_retry_s),
+        events = [f"127.0.0.1:{p.port}={p.kv_events}" for p in prefills if p.kv_events]
+        launch = SidecarLaunch(
+            self._serving(free_port()),
+            decode_url=dec.url,
+            prefill_service=f"file:{self.discovery_file('prefill')}" if s.discovery_files else None,
+            prefill_urls=[] if s.discovery_files else [f"127.0.0.1:{p.port}" for p in prefills],
+            mode=s.mode,
+            cache_hit_threshold=num(s.cache_hit_threshold),
+            prefill_timeout=num(s.prefill_timeout),
+            decode_retry_s=num(s.decode_retry_s),
+            # Stock vLLM ignores cache_hit_threshold: the sidecar decides by length.
+            engine_rejects=s.engine_rejects or ("no" if s.engine == "vllm" else "yes"),
+            pull_from_decode=s.pull_from_decode,
+            prefill_min_prompt_tokens=s.prefill_min_prompt_tokens,
+            prefill_kv_events=events,
+            ca_file=self.ca_file,
+            **(self._kv_index() if events else {}),
         )
-        if s.discovery_files:
-            argv += ["--prefill-service", f"file:{self.discovery_file('prefill')}"]
-        for p in prefills if not s.discovery_files else []:
-            argv += ["--prefill-url", f"127.0.0.1:{p.port}"]
-        if not s.pull_from_decode:
-            argv.append("--no-pull-from-decode")
-        # Stock vLLM ignores cache_hit_threshold: the sidecar decides by length.
-        rejects = s.engine_rejects or ("no" if s.engine == "vllm" else "yes")
-        argv += ["--engine-rejects", rejects]
-        if s.prefill_min_prompt_tokens is not None:
-            argv += ["--prefill-min-prompt-tokens", str(s.prefill_min_prompt_tokens)]
-        argv += self._serve_tls_args() + self._client_tls_args()
-        return Child("sidecar", index, port, argv, self._log("sidecar", index), scheme=self._scheme)
+        return Child(
+            "sidecar",
+            index,
+            launch.serving.port,
+            sidecar_argv(launch),
+            self._log("sidecar", index),
+            scheme=self._scheme,
+        )
 
     # ------------------------------------------------------------------ changing the set
     def discovery_file(self, role: str) -> str:
@@ -425,11 +447,11 @@ class Topology:
         """Starts one more engine of `role` (a decode engine with its sidecar), in state
         starting: not routed to until mark_serving()."""
         index = 1 + max((c.index for c in self.by_role(role)), default=-1)
-        engine = self._finish(self._engine(role, index))
+        engine = self._engine(role, index)
         added = [engine]
         if role == "decode":
             sc_index = 1 + max((c.index for c in self.by_role("sidecar")), default=-1)
-            added.append(self._finish(self.sidecar(sc_index, engine, self.by_role("prefill"))))
+            added.append(self.sidecar(sc_index, engine, self.by_role("prefill")))
         for child in added:
             child.state = "starting"
             self.children.insert(len(self.children) - 1, child)  # the gateway stays last
@@ -462,31 +484,6 @@ class Topology:
             if child in self.children:
                 self.children.remove(child)
 
-    def _wire_kv_events(
-        self, prefills: list[Child], decodes: list[Child], sidecars: list[Child]
-    ) -> list[str]:
-        """Every engine gets vLLM's --kv-events-config (PUB + replay on free ports); each
-        sidecar subscribes to the prefill engines', the gateway (its flags are returned)
-        to the decode engines'."""
-        s = self.spec
-        common = ["--kv-block-size", str(self._engine_block_size())]
-        tokenizer = os.path.join(s.model, "tokenizer.json")
-        if os.path.exists(tokenizer):
-            common += ["--kv-tokenizer", tokenizer]
-        for pre in prefills:
-            spec = self._publish_kv_events(pre)
-            for sc in sidecars:
-                sc.argv += ["--prefill-kv-events", f"127.0.0.1:{pre.port}={spec}"]
-        if prefills:
-            for sc in sidecars:
-                sc.argv += common
-        gw = [*common, "--kv-threshold", str(s.cache_hit_threshold)]
-        if s.kv_load_cost is not None:
-            gw += ["--kv-load-cost", str(s.kv_load_cost)]
-        for dec, sc in zip(decodes, sidecars, strict=True):
-            gw += ["--kv-events", f"127.0.0.1:{sc.port}={self._publish_kv_events(dec)}"]
-        return gw
-
     def _engine_block_size(self) -> int:
         """The engines' KV block size: their --block-size, else their default."""
         args = self.spec.engine_args
@@ -497,26 +494,6 @@ class Topology:
             elif arg == "--block-size" and i + 1 < len(args):
                 block_size = int(args[i + 1])
         return block_size
-
-    def _publish_kv_events(self, engine: Child) -> str:
-        """Adds --kv-events-config (PUB + replay on free ports, loopback) to the engine;
-        returns where a subscriber finds them (ENDPOINT|REPLAY). pdpool engines bind
-        127.0.0.1 and publish no token ids (the index keys their blocks by their hashes);
-        stock vLLM binds its PUB only on a wildcard (it connects to any other address), and
-        its blocks are indexed from their token ids."""
-        pub, replay = free_port(), free_port()
-        config: dict[str, object] = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{pub}",
-            "replay_endpoint": f"tcp://127.0.0.1:{replay}",  # vLLM binds it as given
-        }
-        if self.spec.engine == "vllm":
-            config["endpoint"] = f"tcp://*:{pub}"
-        else:
-            config.update(bind=True, token_ids=False)
-        engine.argv += ["--kv-events-config", json.dumps(config)]
-        return f"tcp://127.0.0.1:{pub}|tcp://127.0.0.1:{replay}"
 
     @property
     def gateway(self) -> Child:

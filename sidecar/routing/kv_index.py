@@ -27,6 +27,13 @@ Per engine:
 engine holds: the caller computes the request's chained hashes exactly as engines do
 (`request_block_keys`).
 
+Offload tiers (vLLM's `medium`): events with medium CPU or STORAGE name blocks in a tier
+below an engine's pool, kept apart from the pool's (a pool eviction leaves the tier's copy,
+and a tier eviction the pool's). A tier that is REMOTE (a directory shared by the pool) is
+one set for every engine that publishes to it: a prefix one engine wrote there is a load,
+not a recompute, for all of them. `tier_hit_blocks` counts the blocks after a pool hit
+that a tier holds; the router prices them between a pool hit and a recompute.
+
 Routed, not yet stored: `expect(engine, keys)` records that a request was just sent there, so
 its blocks count as held for `expect_s` (events arrive only after the engine has computed
 them; meanwhile a burst of requests sharing a new prefix would each see an empty cache and
@@ -61,6 +68,14 @@ class EngineBlocks:
     events: int = 0
     # The group whose events count (the first full-attention group seen); None: any.
     group: Optional[int] = None
+    # Blocks in the engine's own offload tier (medium CPU/STORAGE, locality not REMOTE).
+    tier: "OrderedDict[int, None]" = field(default_factory=OrderedDict)
+    # It publishes to the pool's shared tier (so it mounts it).
+    shares_tier: bool = False
+
+
+# vLLM's media below the device pool (vllm/v1/kv_offload/base.py Medium).
+TIER_MEDIA = ("CPU", "STORAGE")
 
 
 class KVIndex:
@@ -68,6 +83,11 @@ class KVIndex:
         self.max_blocks = max_blocks_per_engine
         self.expect_s = expect_s
         self.engines: dict[str, EngineBlocks] = {}
+        # Blocks in the tier shared by the pool (REMOTE), whoever wrote them.
+        self.shared_tier: "OrderedDict[int, None]" = OrderedDict()
+        # LoRA adapters engines published blocks under (BlockStored.lora_name): a request
+        # whose `model` is one of them is keyed as that adapter's blocks.
+        self.lora_names: set[str] = set()
         self._lock = threading.Lock()
 
     # --- feeding -------------------------------------------------------------------------
@@ -125,6 +145,8 @@ class KVIndex:
         return group is not None and st.group is not None and group != st.group
 
     def _stored(self, st: EngineBlocks, ev: BlockStored) -> None:
+        if isinstance(ev.lora_name, str) and len(self.lora_names) < MAX_LORA_NAMES:
+            self.lora_names.add(ev.lora_name)
         group = ev.group_idx
         if (
             st.group is None
@@ -133,6 +155,9 @@ class KVIndex:
         ):
             st.group = group
         if self._other_group(st, group):
+            return
+        if ev.medium in TIER_MEDIA:
+            self._tier_stored(st, ev)
             return
         for k in self._our_keys(st, ev):
             st.blocks[k] = None
@@ -143,8 +168,29 @@ class KVIndex:
         while len(st.ours) > self.max_blocks:
             st.ours.popitem(last=False)
 
+    def _tier_set(self, st: EngineBlocks, locality: Optional[str]) -> "OrderedDict[int, None]":
+        if locality == "REMOTE":
+            st.shares_tier = True
+            return self.shared_tier
+        return st.tier
+
+    def _tier_stored(self, st: EngineBlocks, ev: BlockStored) -> None:
+        tier = self._tier_set(st, ev.locality)
+        for k in self._our_keys(st, ev):
+            tier[k] = None
+            tier.move_to_end(k)
+        while len(tier) > self.max_blocks:
+            tier.popitem(last=False)
+
     def _removed(self, st: EngineBlocks, ev: BlockRemoved) -> None:
         if self._other_group(st, ev.group_idx):
+            return
+        if ev.medium in TIER_MEDIA:  # the pool's copy (if any) stays, and the name mapping
+            tier = self._tier_set(st, ev.locality)
+            for h in ev.block_hashes:
+                k = hash_key(h)
+                digest = st.ours.get(k)
+                tier.pop(hash_key(digest) if digest is not None else k, None)
             return
         for h in ev.block_hashes:
             k = hash_key(h)
@@ -209,6 +255,20 @@ class KVIndex:
             n += 1
         return n
 
+    def tier_hit_blocks(self, engine: str, keys: Sequence[int], start: int) -> int:
+        """Blocks of `keys` from `start` (the end of the pool hit) that the engine can load
+        from its own tier or the pool's shared one."""
+        st = self.engines.get(engine)
+        if st is None or not st.known:
+            return 0
+        shared = self.shared_tier if st.shares_tier else None
+        n = 0
+        for k in keys[start:]:
+            if k not in st.tier and (shared is None or k not in shared):
+                break
+            n += 1
+        return n
+
     def expect(self, engine: str, keys: Sequence[int]) -> None:
         """A request with these block keys was just routed to `engine`."""
         with self._lock:
@@ -248,10 +308,18 @@ class KVIndex:
         return len(st.blocks) if st else 0
 
 
+MAX_LORA_NAMES = 4096  # adapter names remembered (events are trusted, but bounded anyway)
+
+
 def request_block_keys(
-    token_ids: Sequence[int], block_size: int, cache_salt: Optional[str] = None
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: Optional[str] = None,
+    lora_name: Optional[str] = None,
 ) -> list[int]:
     """The index keys of a prompt's full blocks, chained exactly as pdpool engines hash
-    them (`pdpool/block_hash.py`, shared with the engine)."""
-    extra = (cache_salt,) if cache_salt else ()
+    them (`pdpool/block_hash.py`, shared with the engine), or as the index names an
+    adapter's blocks: the first block's extra keys as events publish them (the adapter's
+    name, then the salt)."""
+    extra = ((lora_name,) if lora_name else ()) + ((cache_salt,) if cache_salt else ())
     return [hash_key(h) for h in chain_hashes(token_ids, block_size, extra)]

@@ -1,6 +1,8 @@
 """Precise KV-aware routing: pick the decode engine by cost, from the engines' KV events.
 
     cost(engine) = uncached prompt tokens (what it would have to prefill)
+                   + tier_cost * tier tokens (loaded from an offload tier: cheaper than
+                     computing them, dearer than a pool hit)
                    + pending prefill tokens (routed there, not yet reported stored)
                    + load_cost_tokens * load(engine)    (in-flight / queued requests)
 
@@ -18,6 +20,7 @@ The P/D path is decided up front: when the chosen engine's hit ratio
 (cached / prompt tokens) is below the pool's threshold, the request should go to a prefill
 engine first (`PD_HEADER: pd`), else decode-first (`PD_HEADER: decode`); the engine would
 have made the same decision from its own cache, so the decode-first attempt can be skipped.
+Tier tokens count as cached for that ratio, as the engine counts them.
 
 Tokenization: completions with token-id prompts need none; string prompts use the model's
 `tokenizer.json` through `tokenizers` (Rust, no torch), run off the event loop by callers.
@@ -68,6 +71,11 @@ class _Feed:
     stop: threading.Event
 
 
+# What a token loaded from an offload tier costs, relative to computing it (reading a few
+# KiB per token from disk against a forward pass): cheaper than compute, dearer than a hit.
+TIER_COST = 0.2
+
+
 class KVRouter:
     def __init__(
         self,
@@ -77,10 +85,14 @@ class KVRouter:
         tokenizer_file: Optional[str] = None,
         max_blocks_per_engine: int = 1_000_000,
         expect_s: float = 5.0,
+        tier_cost: float = TIER_COST,
     ):
         self.block_size = block_size
         self.threshold = threshold
         self.load_cost_tokens = load_cost_tokens
+        if not 0.0 <= tier_cost <= 1.0:
+            raise ValueError(f"tier_cost must be in [0, 1], got {tier_cost}")
+        self.tier_cost = tier_cost
         self.index = KVIndex(max_blocks_per_engine, expect_s)
         self._tokenizer = None
         if tokenizer_file:
@@ -176,26 +188,41 @@ class KVRouter:
         load: Callable[[str], float],
         cache_salt: Optional[str] = None,
         healthy: Callable[[str], bool] = lambda b: True,
+        model: Optional[str] = None,
     ) -> RouteDecision:
-        """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last."""
+        """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last.
+        `model`: the request's; when engines published blocks under a LoRA adapter of that
+        name, the prompt's keys are that adapter's (another adapter's blocks never count)."""
         n = len(token_ids)
-        keys = request_block_keys(token_ids, self.block_size, cache_salt)
+        lora = model if model is not None and model in self.index.lora_names else None
+        keys = request_block_keys(token_ids, self.block_size, cache_salt, lora)
         hits = {b: self.index.prefix_hit_blocks(b, keys) for b in order}
         if all(h is None for h in hits.values()):
             return RouteDecision(list(order), 0, n, "decode", False)
         # As the engine: whole blocks, at least one token left to compute.
         limit = max(n - 1, 0) // self.block_size
         cached = {b: min(h or 0, limit) * self.block_size for b, h in hits.items()}
+        tier = {
+            b: min(
+                self.index.tier_hit_blocks(b, keys, cached[b] // self.block_size) * self.block_size,
+                limit * self.block_size - cached[b],
+            )
+            for b in order
+        }
         pending = {b: self.block_size * self.index.pending_blocks(b, keys) for b in order}
         pos = {b: i for i, b in enumerate(order)}
 
         def cost(b: str) -> tuple[float, int]:
-            return (n - cached[b] + pending[b] + self.load_cost_tokens * load(b), pos[b])
+            uncached = n - cached[b] - tier[b]
+            return (
+                uncached + self.tier_cost * tier[b] + pending[b] + self.load_cost_tokens * load(b),
+                pos[b],
+            )
 
         ranked = sorted((b for b in order if healthy(b)), key=cost) + [
             b for b in order if not healthy(b)
         ]
-        best = cached[ranked[0]]
+        best = cached[ranked[0]] + tier[ranked[0]]
         path = "pd" if n and best / n < self.threshold else "decode"
         self.index.expect(ranked[0], keys)
         return RouteDecision(ranked, best, n, path, True)

@@ -88,7 +88,8 @@ class KVRouting:
                 self.metrics.kv_routes.labels("affinity", "none").inc()
                 return None
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            d = await self.router.decide_async(order, ids, self.load, salt, self.healthy)
+            model = body.get("model") if isinstance(body.get("model"), str) else None
+            d = await self.router.decide_async(order, ids, self.load, salt, self.healthy, model)
         except Exception:  # routing must not fail a request: affinity order stands
             log.exception("kv routing failed")
             return None

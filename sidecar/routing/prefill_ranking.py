@@ -67,7 +67,10 @@ class PrefillRanking:
             if ids is None:
                 return by_load, "load"
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            decision = await self.router.decide_async(by_load, ids, self.picker.in_flight, salt)
+            model = body.get("model") if isinstance(body.get("model"), str) else None
+            decision = await self.router.decide_async(
+                by_load, ids, self.picker.in_flight, salt, lambda b: True, model
+            )
         except Exception:  # ranking must never fail a request: load order stands
             log.exception("ranking prefill engines by KV events failed")
             return by_load, "load"

@@ -18,6 +18,7 @@ KERNEL_MODULES = (
     "pdpool.kernels.kv_write",
     "pdpool.kernels.paged_attention_kernel",
     "pdpool.kernels.gated_delta",
+    "pdpool.kernels.lora_kernel",
 )
 
 

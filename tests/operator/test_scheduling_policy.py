@@ -1,6 +1,6 @@
 """A pool with a tenants file runs its engines with --scheduling-policy priority (so the band
 the front-ends write reaches the engines' queues), the same rule in the operator and in
-`pdpool up` (pdpool/scheduling_policy.py); without tenants, vLLM's default fcfs. Commands
+`pdpool up` (pdpool/command_lines.py renders both); without tenants, vLLM's default fcfs. Commands
 are parsed by the real `pdpool serve` CLI; extra args still win."""
 
 from __future__ import annotations

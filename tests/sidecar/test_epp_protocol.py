@@ -11,7 +11,6 @@ import pytest
 from pdpool.sidecar.epp import protocol
 from pdpool.sidecar.routing.admission import Shed
 from pdpool.up.envoy_config import envoy_bootstrap
-from pdpool.up.envoy_gateway import picker_argv
 
 ext = protocol.ext
 
@@ -146,14 +145,6 @@ def test_envoy_bootstrap_is_gie_s_filter_chain():
     assert ext_closed["failure_mode_allow"] is False
     with pytest.raises(ValueError, match="failure mode"):
         envoy_bootstrap(8080, 19000, 9002, [], failure_mode="sometimes")
-
-
-def test_the_picker_takes_the_gateway_s_routing_flags():
-    gateway = ["pdpool", "gateway", "--host", "127.0.0.1", "--port", "8080", "--decode-url", "a:1"]
-    assert picker_argv(gateway, (9100, 9101, 9102)) == [
-        *("pdpool", "epp", "--host", "127.0.0.1", "--port", "9100", "--decode-url", "a:1"),
-        *("--health-port", "9101", "--metrics-port", "9102"),
-    ]
 
 
 # ---------------------------------------------------------------- one request's exchange

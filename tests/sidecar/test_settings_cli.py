@@ -67,7 +67,10 @@ def test_the_operators_sidecar_command_line_parses():
         "PDPOOL_PREFILL_SERVICE": "prefill.ns.svc.cluster.local:8000",
         "PDPOOL_ENGINE_REJECTS": "no",
     }
-    argv = commands.sidecar_args()[1:]
+    from pdpool.operator.spec import parse_pool_spec
+
+    pool = parse_pool_spec("demo", {"model": {"path": "/m"}, "engine": {"image": "e:1"}})
+    argv = commands.sidecar_args(pool)[1:]
     for var, value in values.items():
         argv = [a.replace(f"$({var})", value) for a in argv]
     args = build_parser().parse_args(argv)
@@ -80,5 +83,5 @@ def test_the_operators_sidecar_command_line_parses():
     )
     assert s.prefill_service == "prefill.ns.svc.cluster.local:8000"
     assert s.engine_rejects == "no"
-    gw = build_parser().parse_args(commands.gateway_args("decode.ns.svc:8000")[1:])
+    gw = build_parser().parse_args(commands.gateway_args(pool, "decode.ns.svc:8000")[1:])
     assert gw.decode_service == "decode.ns.svc:8000"

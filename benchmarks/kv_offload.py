@@ -1,0 +1,246 @@
+"""Multi-turn sessions whose working set is many times the KV pool, through `pdpool up`:
+offload tiers off vs a local disk tier per engine vs one directory shared by the engines.
+
+Each session has a long private prefix (a document, ~3000 tokens) and comes back for more
+turns after every other session has had its turn, so by then its prefix has long left the
+pool (the pool holds a fraction of the sessions' prefixes: `working set / pool` is
+printed). Without a tier a returning turn recomputes its whole prefix; with one it loads it.
+The gateway spreads requests over the decode engines, so with a per-engine disk tier a
+session that lands on another engine recomputes, while the shared tier serves it anywhere.
+
+Reported per mode: TTFT p50/p99 of first turns (computed from scratch) and of returning
+turns, returning-turn TTFT p50 relative to tiers-off, and throughput (requests/s and
+prompt tokens/s over the whole run), with the tier's counters.
+
+    python benchmarks/kv_offload.py [--sessions 16] [--turns 3] [--prefix-tokens 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from common import print_table, write_json
+
+from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+
+MODES = {"off": None, "native": "native", "disk": "disk", "shared": "shared"}
+
+
+def scrape(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if m:
+            key = m.group(1) + (m.group(2) or "")
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def offload_stat(metrics: list[dict[str, float]], stat: str) -> float:
+    return sum(
+        v
+        for m in metrics
+        for k, v in m.items()
+        if k.startswith("pdpool_kv_offload{") and f'stat="{stat}"' in k
+    )
+
+
+def by_source(metrics: list[dict[str, float]], source: str) -> float:
+    key = "pdpool_prompt_tokens_by_source_total{"
+    return sum(
+        v for m in metrics for k, v in m.items() if k.startswith(key) and f'source="{source}"' in k
+    )
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(int(q * len(values)), len(values) - 1)] if values else float("nan")
+
+
+async def one_turn(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int):
+    """(TTFT seconds, the generated token ids) of one streamed completion."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    import json
+
+    started, first, ids = time.perf_counter(), None, []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                got = chunk["choices"][0].get("token_ids") or []
+                if got and first is None:
+                    first = time.perf_counter()
+                ids += got
+    return (first or time.perf_counter()) - started, ids
+
+
+def run_mode(name: str, args, model_dir: str, log_root: Path) -> dict:
+    tier = MODES[name]
+    log_dir = log_root / name
+    spec = TopologySpec(
+        model=model_dir,
+        prefill=0,
+        decode=args.engines,
+        mode="aggregated",
+        device="cpu",
+        log_dir=str(log_dir),
+        engine_args=[
+            "--num-kv-blocks",
+            str(args.kv_blocks),
+            "--max-model-len",
+            str(args.kv_blocks * 16),
+        ],
+        kv_offload=tier,
+        kv_offload_size_gib=args.tier_gib,
+    )
+    rng = random.Random(args.seed)
+    prefixes = [
+        [rng.randrange(3, 500) for _ in range(args.prefix_tokens)] for _ in range(args.sessions)
+    ]
+    histories = [list(p) for p in prefixes]
+    first_ttft: list[float] = []
+    return_ttft: list[float] = []
+    outputs: dict[tuple[int, int], list[int]] = {}
+    prompt_tokens = 0
+    phase_walls: list[float] = []
+    with Topology(spec) as topo:
+        engines = [c.url for c in topo.by_role("decode")]
+        model = httpx.get(topo.gateway.url + "/v1/models").json()["data"][0]["id"]
+
+        async def workload() -> None:
+            nonlocal prompt_tokens
+            sem = asyncio.Semaphore(args.concurrency)
+            async with httpx.AsyncClient(base_url=topo.gateway.url, timeout=900) as client:
+
+                async def turn(s: int, t: int) -> None:
+                    nonlocal prompt_tokens
+                    async with sem:
+                        question = [rng.randrange(3, 500) for _ in range(args.question_tokens)]
+                        prompt = histories[s] + question
+                        ttft, ids = await one_turn(client, model, prompt, args.max_tokens)
+                        histories[s] = prompt + ids
+                        outputs[(s, t)] = ids
+                        prompt_tokens += len(prompt)
+                        (first_ttft if t == 0 else return_ttft).append(ttft)
+
+                for t in range(args.turns):  # every session's turn t, then turn t+1
+                    phase = time.perf_counter()
+                    await asyncio.gather(*(turn(s, t) for s in range(args.sessions)))
+                    phase_walls.append(time.perf_counter() - phase)
+
+        before = [scrape(u) for u in engines]
+        started = time.perf_counter()
+        asyncio.run(workload())
+        wall = time.perf_counter() - started
+        after = [scrape(u) for u in engines]
+    requests = args.sessions * args.turns
+    row = {
+        "mode": name,
+        "first_p50_s": pct(first_ttft, 0.5),
+        "first_p99_s": pct(first_ttft, 0.99),
+        "return_p50_s": pct(return_ttft, 0.5),
+        "return_p99_s": pct(return_ttft, 0.99),
+        "req_per_s": requests / wall,
+        "prompt_tok_per_s": prompt_tokens / wall,
+        "wall_s": wall,
+        # The returning turns alone (every turn after the first): what a tier changes.
+        "return_req_per_s": args.sessions * (args.turns - 1) / sum(phase_walls[1:]),
+        "computed_prompt_tok": by_source(after, "computed") - by_source(before, "computed"),
+        "tier_hit_tokens": offload_stat(after, "hit_tokens") - offload_stat(before, "hit_tokens"),
+        "tier_loaded_tokens": offload_stat(after, "loaded_tokens")
+        - offload_stat(before, "loaded_tokens"),
+        "tier_rejected": offload_stat(after, "records_rejected"),
+        "tier_mb": offload_stat(after, "bytes_used") / 1e6,
+    }
+    load_s = offload_stat(after, "load_seconds")
+    loads = offload_stat(after, "loads_ok") + offload_stat(after, "loads_failed")
+    row["tier_load_ms_avg"] = 1000 * load_s / loads if loads else 0.0
+    shutil.rmtree(log_dir / "kv-offload", ignore_errors=True)
+    return {"row": row, "outputs": {f"{s}/{t}": v for (s, t), v in outputs.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--prefix-tokens", type=int, default=3000)
+    ap.add_argument("--question-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--engines", type=int, default=2, help="decode engines behind the gateway")
+    ap.add_argument("--kv-blocks", type=int, default=256, help="KV pool per engine, in blocks")
+    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight")
+    ap.add_argument("--tier-gib", type=float, default=2.0)
+    ap.add_argument("--modes", default="off,disk,shared")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", help="checkpoint (default: the tiny random Qwen3)")
+    args = ap.parse_args()
+    model_dir = args.model or ensure_tiny_model("qwen3")
+    pool_tokens = args.engines * args.kv_blocks * 16
+    working_set = args.sessions * (
+        args.prefix_tokens + args.turns * (args.question_tokens + args.max_tokens)
+    )
+    load = os.getloadavg()
+    print(
+        f"working set {working_set} tokens = {working_set / pool_tokens:.1f}x the pools "
+        f"({args.engines} engines x {args.kv_blocks} blocks x 16); load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="kv-offload-bench-") as tmp:
+        for name in args.modes.split(","):
+            results[name] = run_mode(name, args, model_dir, Path(tmp))
+            print(f"  {name}: {results[name]['row']}", flush=True)
+    rows = [r["row"] for r in results.values()]
+    base = results.get("off")
+    for r in rows:
+        if base is not None:
+            r["return_p50_vs_off"] = r["return_p50_s"] / base["row"]["return_p50_s"]
+            r["throughput_vs_off"] = r["req_per_s"] / base["row"]["req_per_s"]
+            r["return_throughput_vs_off"] = r["return_req_per_s"] / base["row"]["return_req_per_s"]
+    equal = {
+        name: res["outputs"] == base["outputs"] for name, res in results.items() if base is not None
+    }
+    load_end = os.getloadavg()
+    print_table(rows, "KV offload tiers: multi-turn sessions through pdpool up")
+    print(f"greedy tokens equal to tiers-off: {equal}")
+    print(f"load average at the end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
+    path = write_json(
+        "kv_offload",
+        {
+            "args": vars(args),
+            "working_set_tokens": working_set,
+            "pool_tokens": pool_tokens,
+            "load_average_start": load,
+            "load_average_end": load_end,
+            "rows": rows,
+            "tokens_equal_to_off": equal,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""The offload tier inside real engines (in process): a prefix another engine wrote to the
+shared directory is loaded instead of recomputed, with the same greedy tokens as a
+recompute, for full attention, sliding windows and Gated DeltaNet state; a corrupt or
+foreign record is a miss and the tokens stay right."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from pdpool.engine.config import EngineConfig
+from pdpool.engine.engine_core import LLMEngine
+from pdpool.engine.kv.offload.keys import KIND_KV, block_key
+from pdpool.engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model: Path, tier: Path | None, backend: str = "shared", **more) -> LLMEngine:
+    extra = (
+        dict(kv_offloading_size=0.05, kv_offloading_path=str(tier), kv_offloading_backend=backend)
+        if tier is not None
+        else {}
+    )
+    extra.update(more)
+    # A pool of 24 blocks: two 150-token prompts do not stay cached together.
+    return LLMEngine(
+        EngineConfig(
+            model=str(model),
+            device="cpu",
+            num_kv_blocks=24,
+            max_num_batched_tokens=64,
+            max_num_seqs=2,
+            **extra,
+        )
+    )
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        out += engine.generate([prompt], PARAMS)
+        deadline = time.monotonic() + 10
+        while engine.offload is not None and engine.offload._saving:
+            assert time.monotonic() < deadline, "tier writes did not finish"
+            engine.idle_tick()
+            time.sleep(0.005)
+    return out
+
+
+def _prompts(n: int, length: int = 150, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(length)] for _ in range(n)]
+
+
+def test_host_memory_tier_serves_returning_prompts(tiny_qwen3):
+    """vLLM's native backend: the same records in host memory, no directory."""
+    prompts = _prompts(4)
+    recompute = _run(_engine(tiny_qwen3, None), prompts)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_qwen3),
+            device="cpu",
+            num_kv_blocks=24,
+            max_num_batched_tokens=64,
+            max_num_seqs=2,
+            kv_offloading_size=0.01,
+        )
+    )
+    assert _run(engine, prompts) == recompute
+    assert _run(engine, prompts) == recompute
+    assert engine.offload is not None and engine.offload.medium == "CPU"
+    assert engine.offload.counters["loads_ok"] == 4
+    engine.close()
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen3_sliding", "tiny_qwen3_5"])
+def test_second_engine_serves_first_engines_prefix_from_shared_tier(model, request, tmp_path):
+    path = request.getfixturevalue(model)
+    prompts = _prompts(3)
+    recompute = _run(_engine(path, None), prompts)
+    a = _engine(path, tmp_path)
+    assert _run(a, prompts) == recompute
+    assert a.offload is not None and a.offload.counters["stores"] > 0
+    b = _engine(path, tmp_path)
+    assert _run(b, prompts) == recompute
+    assert b.offload is not None
+    # B computed only what no full block (with its state, for Qwen3.5) covered.
+    assert b.offload.counters["loads_ok"] == 3
+    assert b.stats["prompt_tokens_pulled"] == b.offload.counters["loaded_tokens"] >= 3 * 128
+    assert b.stats["prompt_tokens_computed"] <= 3 * 22
+    assert b.offload.counters["records_rejected"] == 0
+    for e in (a, b):
+        assert e.kv.pool.num_used_blocks == 0
+        e.close()
+
+
+def test_returning_prompt_is_loaded_after_the_pool_evicted_it(tiny_qwen3, tmp_path):
+    prompts = _prompts(4)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    first = _run(engine, prompts)
+    again = _run(engine, prompts)  # each evicted from the 24-block pool by the others
+    assert again == first
+    assert engine.offload is not None and engine.offload.counters["loads_ok"] == 4
+    engine.close()
+
+
+def _files(tier: Path) -> list[Path]:
+    return sorted(tier.rglob("*.kv"))
+
+
+def test_flipped_byte_is_a_miss_never_a_wrong_token(tiny_qwen3, tmp_path):
+    prompts = _prompts(2)
+    recompute = _run(_engine(tiny_qwen3, None), prompts)
+    a = _engine(tiny_qwen3, tmp_path)
+    _run(a, prompts)
+    a.close()
+    for f in _files(tmp_path):  # one flipped bit in the middle of every KV payload
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x04
+        f.write_bytes(bytes(data))
+    # Even under the `fail` policy (for remote loads), a bad record is a miss.
+    b = _engine(tiny_qwen3, tmp_path, kv_load_failure_policy="fail")
+    assert _run(b, prompts) == recompute
+    assert b.offload is not None
+    assert b.offload.counters["records_rejected"] >= 1
+    assert b.offload.counters["loaded_tokens"] == 0
+    # Rejected records are deleted: the next engine does not even try them.
+    assert b.stats["prompt_tokens_computed"] == 2 * 150
+    b.close()
+
+
+def test_record_of_another_model_is_a_miss(tiny_qwen3, tmp_path, tmp_path_factory):
+    from pdpool.engine.tiny_model import TinyModelSpec, write_tiny_model
+
+    other = tmp_path_factory.mktemp("other") / "tiny-qwen3-seed9"
+    write_tiny_model(other, TinyModelSpec(arch="qwen3", seed=9))  # same shapes, other weights
+    prompts = _prompts(2)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    a = _engine(tiny_qwen3, theirs)
+    _run(a, prompts)
+    b_alone = _engine(other, None)
+    expected = _run(b_alone, prompts)
+    b = _engine(other, mine)
+    assert b.memory.fingerprint != a.memory.fingerprint
+    # Sharing one directory: the other model's records are simply not B's keys.
+    shared = _engine(other, theirs)
+    assert _run(shared, prompts) == expected
+    assert shared.offload is not None and shared.offload.counters["hit_tokens"] == 0
+    # Worse: A's records put at B's keys (a renamed file). The header check refuses them.
+    _run(b, prompts)
+    assert b.offload is not None
+    replaced = 0
+    for prompt in prompts:
+        hashes = _hashes(prompt, 16)
+        for h in hashes:
+            src = a.offload.store.path_of(block_key(a.memory.fingerprint, KIND_KV, 0, h))
+            dst = b.offload.store.path_of(block_key(b.memory.fingerprint, KIND_KV, 0, h))
+            if src.exists() and dst.exists():
+                dst.write_bytes(src.read_bytes())
+                replaced += 1
+    assert replaced >= 2 * 9
+    b2 = _engine(other, mine)
+    assert _run(b2, prompts) == expected
+    assert b2.offload is not None and b2.offload.counters["records_rejected"] >= 1
+    assert b2.offload.counters["loaded_tokens"] == 0
+    for e in (a, b_alone, b, shared, b2):
+        e.close()
+
+
+def _hashes(prompt: list[int], block_size: int) -> list[bytes]:
+    from pdpool.block_hash import chain_hashes
+
+    return chain_hashes(prompt, block_size)
+
+
+def test_offload_flags_are_checked(tmp_path):
+    for bad, why in (
+        (dict(kv_offloading_size=1.0, kv_offloading_backend="disk"), "kv-offloading-path"),
+        (dict(kv_offloading_size=1.0, kv_offloading_backend="shared"), "kv-offloading-path"),
+        (dict(kv_offloading_size=-1.0, kv_offloading_path=str(tmp_path)), "must be > 0"),
+        (dict(kv_offloading_size=float("nan"), kv_offloading_path=str(tmp_path)), "must be > 0"),
+        (dict(kv_offloading_backend="lmcache"), "kv-offloading-backend"),
+        (
+            dict(
+                kv_offloading_size=1.0,
+                kv_offloading_path=str(tmp_path),
+                enable_prefix_caching=False,
+            ),
+            "prefix caching",
+        ),
+    ):
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(model="m", **bad).validate()  # type: ignore[arg-type]
+
+
+def _request(prompt: list[int]):
+    from pdpool.engine.request import Request
+
+    return Request("probe", list(prompt), PARAMS, eos_token_ids=(), block_size=16)
+
+
+def test_cache_hit_threshold_counts_tier_tokens(tiny_qwen3, tmp_path):
+    """Decode-first: a prefix the tier holds is as good as a cached one for the threshold
+    (the engine loads it rather than rejecting the request to a prefill engine)."""
+    prompts = _prompts(3)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    _run(engine, prompts)  # the later ones evict the first from the 24-block pool
+    local = engine.kv.get_computed_blocks(_request(prompts[0]))[1]
+    assert local <= 64  # the pool kept at most the head of it (tails go first)
+    reasons = {}
+    for name, prompt in (("tiered", prompts[0]), ("new", _prompts(1, seed=99)[0])):
+        engine.add_request(name, prompt, PARAMS, cache_hit_threshold=0.8)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    reasons[name] = out.finish_reason
+    assert reasons == {"tiered": "length", "new": "cache_threshold"}
+    assert engine.offload is not None and engine.offload.counters["loads_ok"] == 1
+    assert engine.offload.counters["loaded_tokens"] == 144 - local  # 9 full blocks in all
+    engine.close()
+
+
+def test_aborting_a_request_while_its_tier_read_runs_frees_its_blocks(tiny_qwen3, tmp_path):
+    prompts = _prompts(3)
+    engine = _engine(tiny_qwen3, tmp_path, backend="disk")
+    _run(engine, prompts)
+    engine.add_request("gone", prompts[0], PARAMS)
+    engine.step()  # admitted: its tier read starts
+    assert "gone" in engine.scheduler.tier_loading
+    engine.abort_request("gone")
+    assert engine.kv.pool.num_used_blocks == 0  # at once: the read lands in host memory
+    deadline = time.monotonic() + 10
+    while engine.offload is not None and engine.offload._loads:
+        assert time.monotonic() < deadline
+        engine.idle_tick()  # the read's result comes back and is dropped
+        time.sleep(0.005)
+    assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
+    assert _run(engine, [prompts[0]]) == _run(_engine(tiny_qwen3, None), [prompts[0]])
+    engine.close()

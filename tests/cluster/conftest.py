@@ -61,9 +61,19 @@ def cluster_env(name: str) -> dict[str, str]:
     return env
 
 
-def images() -> None:
-    """Both images, built (or found up to date) by scripts/images/build.sh."""
-    built_by("images/build.sh", 5400)
+def images(*names: str) -> None:
+    """The images (default: both), built or found up to date by scripts/images/build.sh."""
+    if not names:
+        built_by("images/build.sh", 5400)
+        return
+    done = subprocess.run(
+        [str(REPO / "scripts/images/build.sh"), *names],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"scripts/images/build.sh failed: {done.stderr.strip()[-1500:]}", pytrace=False)
 
 
 def start(name: str, *image_refs: str) -> Cluster:

@@ -39,7 +39,7 @@ spec:
 
 def test_up_then_down_leaves_the_host_as_it_was():
     require_root()
-    images()
+    images("slim")  # the node's pod needs no more
     name = "pdpool-hoststate"
     before = host_state.snapshot()
     cluster = start(name, SLIM)

@@ -218,7 +218,9 @@ def test_peer_outside_allowlist_is_refused(engines):
 
 
 def test_engine_with_other_block_size_is_refused(tiny_qwen3, logs, engines):
-    """Another block size chains other hashes: refused before any connection."""
+    """Another block size is another KV layout: the lease's signed fingerprint differs, so
+    it is refused before any connection (its hashes, chained over other blocks, would
+    differ too)."""
     D, A = engines["D"], engines["A"]
     other = EngineProcess(tiny_qwen3, logs, *NIXL, "--block-size", "8").wait()
     try:
@@ -227,7 +229,7 @@ def test_engine_with_other_block_size_is_refused(tiny_qwen3, logs, engines):
         out = decode_leg(D.url, b, prefill_leg(other.url, b))
         assert text_of(out) == text_of(post(A.url, b))
         assert connector_stat(D, "params_refused") == refused0 + 1
-        assert "holds other tokens than this prompt" in D.log.read_text()
+        assert "its fingerprint differs" in D.log.read_text()
     finally:
         other.stop()
     wait_no_blocks(D)

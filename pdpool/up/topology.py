@@ -174,6 +174,7 @@ class TopologySpec:
     envoy_bin: Optional[str] = None  # default: envoy_gateway.find_envoy()
     epp_failure_mode: str = "close"  # Envoy's ext_proc failure_mode_allow: open or close
     epp_args: list[str] = field(default_factory=list)  # more `pdpool epp` flags
+    gateway_args: list[str] = field(default_factory=list)  # more `pdpool gateway` flags
 
 
 ENGINES = ("pdpool", "vllm")
@@ -373,6 +374,7 @@ class Topology:
             health_interval_s="1",
             tenants_file=s.tenants_file,
             ca_file=self.ca_file,
+            extra_args=tuple(s.gateway_args),
             **kv,
         )
         gateway = Child(

@@ -113,11 +113,22 @@ def test_a_request_goes_where_its_adapter_runs(topo):
 def test_engines_whose_slots_are_taken_are_avoided(topo):
     sidecars = sidecar_hostports(topo)
     scs = topo.by_role("sidecar")
+    loads = [slot_loads(topo, i) for i in range(3)]
     with streaming(scs[0].url, "beta", seed=200), streaming(scs[1].url, "gamma", seed=201):
         wait_running(topo, 0, "beta")
         wait_running(topo, 1, "gamma")
         chosen = {served_by(topo, "alpha", seed) for seed in range(10, 16)}
         assert chosen == {sidecars[2]}  # the only engine with a free slot
+    # the engines count the adapters copied into their one slot: beta and gamma once each;
+    # alpha at most once, for its six requests (none when it stayed from the test before)
+    got = [slot_loads(topo, i) - loads[i] for i in range(3)]
+    assert got[:2] == [1, 1] and got[2] in (0, 1)
+
+
+def slot_loads(topo, index: int) -> float:
+    text = httpx.get(f"{topo.by_role('decode')[index].url}/metrics", timeout=5).text
+    line = next(x for x in text.splitlines() if x.startswith("pdpool_lora_slot_loads_total"))
+    return float(line.split()[-1])
 
 
 def test_the_load_bound_spills_an_overloaded_resident_engine(topo):

@@ -174,6 +174,9 @@ class TopologySpec:
     envoy_bin: Optional[str] = None  # default: envoy_gateway.find_envoy()
     epp_failure_mode: str = "close"  # Envoy's ext_proc failure_mode_allow: open or close
     epp_args: list[str] = field(default_factory=list)  # more `pdpool epp` flags
+    # The sidecars may load a decode engine's LoRA adapter on a prefill engine from these
+    # folders (sidecar --lora-allowed-dir; the engines need runtime LoRA updates on).
+    lora_allowed_dirs: list[str] = field(default_factory=list)
 
 
 ENGINES = ("pdpool", "vllm")
@@ -421,6 +424,7 @@ class Topology:
             prefill_min_prompt_tokens=s.prefill_min_prompt_tokens,
             prefill_kv_events=events,
             ca_file=self.ca_file,
+            lora_allowed_dirs=s.lora_allowed_dirs,
             **(self._kv_index() if events else {}),
         )
         return Child(

@@ -174,6 +174,7 @@ class SidecarLaunch:
     # Folders the sidecar may load a decode engine's adapter from onto a prefill engine
     # (the pool allows runtime LoRA updates); none: never loads, decode-only instead.
     lora_allowed_dirs: Sequence[str] = ()
+    extra_args: Sequence[str] = ()
 
 
 def sidecar_argv(c: SidecarLaunch) -> list[str]:
@@ -202,7 +203,7 @@ def sidecar_argv(c: SidecarLaunch) -> list[str]:
     for folder in c.lora_allowed_dirs:
         argv += ["--lora-allowed-dir", folder]
     argv += _tls(s, ("--tls-cert-file", "--tls-key-file")) + _client_tls(c.ca_file, c.any_name)
-    return argv + _tracing(s)
+    return argv + _tracing(s) + list(c.extra_args)
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,7 @@ class TopologySpec:
     # The sidecars may load a decode engine's LoRA adapter on a prefill engine from these
     # folders (sidecar --lora-allowed-dir; the engines need runtime LoRA updates on).
     lora_allowed_dirs: list[str] = field(default_factory=list)
+    sidecar_args: list[str] = field(default_factory=list)  # more `pdpool sidecar` flags
 
 
 ENGINES = ("pdpool", "vllm")
@@ -427,6 +428,7 @@ class Topology:
             prefill_kv_events=events,
             ca_file=self.ca_file,
             lora_allowed_dirs=s.lora_allowed_dirs,
+            extra_args=s.sidecar_args,
             **(self._kv_index() if events else {}),
         )
         return Child(

@@ -13,7 +13,8 @@ the prefill was wasted). So before a prefill leg:
 3. else decode alone serves the request (logged, counted), never a prefill under another
    model.
 
-`/v1/models` answers are cached a few seconds per engine; a load updates the cache.
+`/v1/models` answers are cached a few seconds per engine (`adapter_models_ttl_s`); a load
+updates the cache, a leg that finds the adapter gone (404) drops it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from .settings import SidecarSettings
 
 log = logging.getLogger("pdpool.sidecar")
 
-MODELS_TTL_S = 5.0
 MODELS_TIMEOUT_S = 2.0
 LOAD_TIMEOUT_S = 30.0
 MAX_LOAD_TRIES = 2  # prefill engines asked to load before decode serves alone
@@ -94,13 +94,24 @@ class AdapterLegs:
         self.metrics.adapter_prefill(DECODE_ONLY).inc()
         return []
 
+    def _expiry(self) -> float:
+        return self.clock() + float(self.settings.adapter_models_ttl_s)
+
+    def is_adapter(self, model: Any) -> bool:
+        """`model` is an adapter the decode engine served at its last /v1/models."""
+        return isinstance(model, str) and model in self._decode[1]
+
+    def forget(self, endpoint: str) -> None:
+        """The engine's /v1/models is read again at its next leg."""
+        self._models.pop(endpoint, None)
+
     async def _decode_adapter(self, model: str) -> Optional[AdapterCard]:
         expires, adapters = self._decode
         if model not in adapters or self.clock() >= expires:
             payload = await self._get_models(self.settings.decode_url)
             if payload is not None:
                 adapters = adapter_cards(payload)[1]
-                self._decode = (self.clock() + MODELS_TTL_S, adapters)
+                self._decode = (self._expiry(), adapters)
         return adapters.get(model)
 
     async def _lists(self, endpoint: str, model: str) -> bool:
@@ -110,7 +121,10 @@ class AdapterLegs:
             payload = await self._get_models(base)
             if payload is None:
                 return False
-            cached = (self.clock() + MODELS_TTL_S, adapter_cards(payload)[0])
+            cached = (
+                self._expiry(),
+                adapter_cards(payload)[0],
+            )
             self._models[endpoint] = cached
         return model in cached[1]
 
@@ -172,6 +186,6 @@ class AdapterLegs:
                 )
                 return False
             log.info("loaded adapter %r on prefill engine %s", card.name, endpoint)
-            expires, models = self._models.get(endpoint, (self.clock() + MODELS_TTL_S, set()))
+            expires, models = self._models.get(endpoint, (self._expiry(), set()))
             self._models[endpoint] = (expires, models | {card.name})
             return True

@@ -99,6 +99,11 @@ def _add_path_arguments(p: argparse.ArgumentParser) -> None:
         "engine serves loads the decode engine's adapter there, when its path is under one "
         "of these folders (repeatable); without any, such a request is served by decode alone",
     )
+    g.add_argument(
+        "--adapter-models-ttl-s",
+        type=float,
+        help="how long an engine's /v1/models answer (its adapters) is trusted (default 5)",
+    )
 
 
 def _add_health_arguments(p: argparse.ArgumentParser) -> None:
@@ -171,6 +176,7 @@ SETTING_FLAGS = (
     "prefill_kv_events_port",
     "prefill_kv_events_replay_port",
     "lora_allowed_dirs",
+    "adapter_models_ttl_s",
 )
 
 

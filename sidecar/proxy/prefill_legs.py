@@ -144,6 +144,11 @@ class PrefillLegs:
             return answer, None
         if answer.status_code == 429 or answer.status_code >= 500:
             return "server_error", None
+        if answer.status_code == 404 and self.adapters.is_adapter(ex.body.get("model")):
+            # It listed the adapter a moment ago and has unloaded it since: another engine,
+            # or decode alone, never this 404 as the answer.
+            self.adapters.forget(endpoint)
+            return "adapter_missing", None
         if answer.status_code >= 400:
             return "client_error", PrefillResult(client_error=(answer.status_code, answer.content))
         data = json_or_none(answer.content)

@@ -56,6 +56,9 @@ class SidecarSettings:
     # The pool allows runtime LoRA updates: an adapter no prefill engine serves is loaded
     # on one (the decode engine's path, only under these folders); empty: decode-only.
     lora_allowed_dirs: list[str] = field(default_factory=list)
+    # How long a prefill engine's /v1/models (its adapters) is trusted before it is read
+    # again; a leg that finds the adapter gone reads it at once.
+    adapter_models_ttl_s: float = 5.0
 
     @property
     def upstream_scheme(self) -> str:
@@ -118,6 +121,7 @@ class SidecarSettings:
             "probe_interval_s",
             "probe_timeout_s",
             "ejection_s",
+            "adapter_models_ttl_s",
         ):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -42,6 +42,9 @@ def topo(tiny_qwen3, qwen3_adapters, tmp_path_factory):
         ],
         # The sidecar trusts alpha's folder only: beta's is outside.
         lora_allowed_dirs=[str(qwen3_adapters["alpha"])],
+        # The sidecar trusts a /v1/models answer for long: an unload behind its back is
+        # found by the leg's 404, not by a timely re-read (the last step of the test).
+        sidecar_args=["--adapter-models-ttl-s", "600"],
     )
     t = Topology(spec)
     try:
@@ -100,6 +103,17 @@ def test_adapter_loaded_on_decode_only_is_loaded_on_the_prefill_leg(topo, qwen3_
         )
     # The prefill engine now serves alpha from the decode engine's path.
     assert models(prefill)["alpha"]["root"] == models(decode)["alpha"]["root"]
+    # Unloaded there behind the sidecar's back (its /v1/models answer is cached): the leg's
+    # 404 is not the answer; decode serves alone, the same tokens.
+    unload = {"lora_name": "alpha"}
+    assert httpx.post(f"{prefill}/v1/unload_lora_adapter", json=unload, timeout=30).is_success
+    prompt = [rng.randrange(3, 500) for _ in range(80)]
+    missing0 = metric(sidecar, "pdpool_sidecar_prefill_attempts_total", 'outcome="adapter_missing"')
+    got = complete(gateway, "alpha", prompt)
+    missing = metric(sidecar, "pdpool_sidecar_prefill_attempts_total", 'outcome="adapter_missing"')
+    assert missing == missing0 + 1
+    alone = complete(decode, "alpha", prompt, cache_hit_threshold=0)
+    assert got["choices"][0]["text"] == alone["choices"][0]["text"]
 
 
 def test_a_path_outside_the_allowed_folders_is_never_loaded_decode_serves_alone(

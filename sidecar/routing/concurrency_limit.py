@@ -24,8 +24,10 @@ from the engine's own metrics (vLLM's names), read every scrape:
   the limit grows (by max(1, limit/4) a sample): batching still adds throughput;
 - ITL above that: it shrinks in proportion (limit x TOLERANCE x baseline / ITL, at most
   halved a sample): the extra requests mostly slowed everyone;
-- the engine keeps requests waiting two scrapes in a row: at most what it runs (its batch
-  or KV limit; beyond it requests wait in the engine's first-come queue, weights unused);
+- the engine keeps requests waiting two scrapes in a row: what it runs is its ceiling (its
+  batch or KV limit; beyond it requests wait in the engine's first-come queue, weights
+  unused), and the limit stays HEADROOM places below it (a newcomer the fair order lets
+  past the bound starts at once); the ceiling is retried upward slowly (CEILING_DRIFT);
 - KV usage at the pool's threshold: no growth (the engine is about to preempt);
 - never below 1.
 With several gateway replicas each has its own limit; all read the same ITL and shrink
@@ -51,6 +53,8 @@ SMOOTHING = 0.5
 MAX_LIMIT = 4096.0
 GROWTH = 0.25  # relative growth per scrape (at least one request): x8 in ~2 s
 IN_USE = 0.75  # the limit is in use when the engine runs this share of it
+HEADROOM = 4  # batch places kept free below an engine's own limit (the starting bound's)
+CEILING_DRIFT = 0.002  # the engine's limit, once seen, is retried upward ~x1.6 a minute
 PATIENCE = 40  # samples (~10 s) without a small batch before a big batch's ITL is the baseline
 
 
@@ -76,6 +80,7 @@ class AdaptiveLimit:
         self._last: Optional[tuple[float, float]] = None  # (itl_sum, itl_count)
         self._waited = False  # the previous scrape saw requests waiting
         self._unmeasured = 0  # samples with tokens but no small batch, before a baseline
+        self.ceiling: Optional[float] = None  # the batch the engine ran when it last queued
 
     @property
     def value(self) -> int:
@@ -101,6 +106,7 @@ class AdaptiveLimit:
             itl = self._learn(itl, running)
         in_use = running + waiting >= IN_USE * self.limit
         if queued and running >= 1:
+            self.ceiling = running
             self.limit = min(self.limit, running)
         elif not self.baseline:
             self.limit = min(self.limit, SMALL_BATCH)  # slow start, until a baseline
@@ -110,6 +116,13 @@ class AdaptiveLimit:
             self.limit *= max(0.5, TOLERANCE * self.baseline / itl)
         elif in_use and kv < self.kv_threshold:
             self.limit += max(1.0, GROWTH * self.limit)
+        if self.ceiling is not None:
+            # Below the engine's own limit by a few places: a request the fair order lets
+            # past the bound (a newcomer below its share, a higher band) starts at once
+            # instead of waiting in the engine's queue for a stream to end.
+            self.limit = min(self.limit, self.ceiling - min(HEADROOM, self.ceiling / 4))
+            if not queued:
+                self.ceiling *= 1 + CEILING_DRIFT
         self.limit = min(MAX_LIMIT, max(1.0, self.limit))
         return self.limit
 

@@ -95,7 +95,29 @@ def test_the_limit_grows_only_when_in_use_and_below_the_engines_own_limits():
     assert limit.limit == 8
     limit.update(BASE, running=6, waiting=3, kv=0.1)  # a request waits once: no cap yet
     limit.update(BASE, running=6, waiting=3, kv=0.1)  # still: the engine batches 6 at most
-    assert limit.limit == 6
+    assert limit.ceiling == 6 and limit.limit == 6 - 6 / 4  # a few places kept free
+    for _ in range(20):  # no queue any more: it grows, but stays below the engine's limit
+        limit.update(BASE, running=limit.limit, waiting=0, kv=0.1)
+    assert 4 <= limit.limit < 6
+
+
+def test_below_a_full_engines_batch_limit_places_stay_free():
+    """An engine that runs at most 64 (its max_num_seqs) and queues the rest, 200 streams
+    offered: the limit settles a few places below 64, so a request let past the bound (a
+    quiet tenant, a higher band) starts at once; the engine queues again only rarely (the
+    ceiling is retried upward slowly)."""
+    limit = AdaptiveLimit()
+    limit.update(BASE, running=1, waiting=0, kv=0.1)
+    queued_samples, settled = 0, []
+    for n in range(400):
+        admitted = min(200, limit.value)
+        running, waiting = min(64, admitted), max(0, admitted - 64)
+        limit.update(BASE * (1 + 0.05 * running), running=running, waiting=waiting, kv=0.1)
+        if n >= 100:
+            settled.append(limit.value)
+            queued_samples += waiting > 0
+    assert max(settled) <= 66 and min(settled) >= 56, settled
+    assert queued_samples <= 0.1 * len(settled)
 
 
 def test_the_itl_of_each_interval_comes_from_the_histograms_totals():

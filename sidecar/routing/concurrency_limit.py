@@ -54,7 +54,9 @@ MAX_LIMIT = 4096.0
 GROWTH = 0.25  # relative growth per scrape (at least one request): x8 in ~2 s
 IN_USE = 0.75  # the limit is in use when the engine runs this share of it
 HEADROOM = 4  # batch places kept free below an engine's own limit (the starting bound's)
-CEILING_DRIFT = 0.002  # the engine's limit, once seen, is retried upward ~x1.6 a minute
+# The engine's limit, once seen, is retried upward (~x1.6 a minute of use; never while idle:
+# a pool that rests between bursts would otherwise meet the next one above that limit).
+CEILING_DRIFT = 0.002
 PATIENCE = 40  # samples (~10 s) without a small batch before a big batch's ITL is the baseline
 
 
@@ -121,7 +123,7 @@ class AdaptiveLimit:
             # past the bound (a newcomer below its share, a higher band) starts at once
             # instead of waiting in the engine's queue for a stream to end.
             self.limit = min(self.limit, self.ceiling - min(HEADROOM, self.ceiling / 4))
-            if not queued:
+            if in_use and not queued:  # retried only while the limit is in use
                 self.ceiling *= 1 + CEILING_DRIFT
         self.limit = min(MAX_LIMIT, max(1.0, self.limit))
         return self.limit

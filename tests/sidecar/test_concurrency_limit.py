@@ -118,6 +118,10 @@ def test_below_a_full_engines_batch_limit_places_stay_free():
             queued_samples += waiting > 0
     assert max(settled) <= 66 and min(settled) >= 56, settled
     assert queued_samples <= 0.1 * len(settled)
+    before = limit.ceiling
+    for _ in range(200):  # a minute idle (one request now and then): the ceiling stays
+        limit.update(BASE, running=1, waiting=0, kv=0.1)
+    assert limit.ceiling == before and limit.value <= before - 4
 
 
 def test_the_itl_of_each_interval_comes_from_the_histograms_totals():

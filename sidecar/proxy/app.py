@@ -46,6 +46,7 @@ from ..net.asgi import (
     send_error,
     serve_lifespan,
 )
+from .adapter_legs import AdapterLegs
 from .capability import EngineCapability
 from ..net.discovery import EndpointSet
 from .exchange import Exchange
@@ -100,6 +101,7 @@ class Sidecar:
             endpoints=self.endpoints,
             outliers=self.outliers,
             next_client=lambda: self.client,
+            adapters=AdapterLegs(self.settings, self.metrics, lambda: self.client),
         )
         self.decode = DecodeRelay(self.settings, self.metrics)
         self.flows = Flows(

@@ -20,11 +20,13 @@ random token-id prompts vLLM's streamed text is not always tokenizer.decode(its 
 ids) (its incremental detokenizer starts from the prompt's bytes), so the token ids are the
 comparison that counts; ours is decode(ids).
 Shapes: small = 2 layers, hidden 64, head_dim 32; large = 4 layers, hidden 512, head_dim 64.
-Both engines get their defaults. vLLM binds its OpenMP to one core and keeps the other for
-its frontend process. pdpool serve gives torch (in its engine process) every usable core but
-one for decode steps, and every core for steps of 256 or more prompt tokens, through which
-its HTTP process idles (engine/cpu_threads.py; --cpu-threads and --cpu-prefill-threads
-override). `--vllm-bind 0-1` gives vLLM both cores.
+Equal cores: the ratio that counts is against vLLM given every core this process may use
+(`VLLM_CPU_OMP_THREADS_BIND` set to all of them; `--vllm-bind` picks others), as pdpool
+serve uses them: torch in its engine process gets every usable core but one for decode
+steps and every core for steps of 256 or more prompt tokens, through which its HTTP process
+idles (engine/cpu_threads.py). A third server, vLLM on its own default (OpenMP bound to one
+core, the other kept for its frontend), gives the defaults-vs-defaults column beside it
+(`--no-defaults-column` skips it). Rounds cycle through the servers.
 Both keep their prefix caches on (both defaults), and every round sends the same prompts:
 after the first round the full prompt blocks are cache hits in both engines, so the best
 round measures mostly decode (and TTFT mostly queueing behind the other requests).
@@ -256,6 +258,61 @@ async def run_round(url: str, model: str, work, concurrency: Optional[int] = Non
     }
 
 
+def vllm_server(name: str, model: str, served: str, bind: Optional[str], spec, log: str, vllm_bin):
+    port = free_port()
+    env = dict(VLLM_ENV)
+    if bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    if spec.kv_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_gib)
+    extra = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
+    argv = [vllm_bin or vllm_command(), "serve", model, "--port", str(port)]
+    argv += ["--served-model-name", served, *VLLM_ARGS, *extra]  # later flags win
+    return Server(name, argv, port, log, env)
+
+
+def all_cores_bind() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for every core this process may use (as pdpool serve)."""
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+def equal(a: list, b: list) -> int:
+    return sum(x == y and len(x) > 0 for x, y in zip(a, b, strict=True))
+
+
+def run_rounds(servers: list, shape: str, spec, name: str, work_of, warm, count: int) -> dict:
+    """`count` rounds; in each, every server in turn runs the round's requests alone (the
+    others SIGSTOPped). The first round starts with one warm-up request per server."""
+    rounds: dict[str, list] = {s.name: [] for s in servers}
+    for r in range(count):
+        work = work_of(r)
+        for s in servers:
+            others = [o for o in servers if o is not s]
+            for other in others:
+                other.signal(signal.SIGSTOP)
+            try:
+                if r == 0:
+                    asyncio.run(run_round(s.url, name, warm[:1]))
+                cpu = s.cpu_seconds()
+                res = asyncio.run(run_round(s.url, name, work, spec.concurrency))
+                res["cpu_s"] = s.cpu_seconds() - cpu
+                res["tok_per_cpu_s"] = res["output_tokens"] / max(res["cpu_s"], 1e-9)
+                res["load_average"] = os.getloadavg()[0]
+            finally:
+                for other in others:
+                    other.signal(signal.SIGCONT)
+            rounds[s.name].append(res)
+            print(
+                f"  {shape} round {r + 1} {s.name}: {res['tok_s']:.0f} tok/s, "
+                f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms, "
+                f"p99 {res['ttft_p99'] * 1000:.0f} ms, "
+                f"{res['tokens_per_event']:.2f} tokens per event, "
+                f"{res['tok_per_cpu_s']:.0f} tok per CPU s, load {res['load_average']:.1f}",
+                flush=True,
+            )
+    return rounds
+
+
 def bench_shape(shape: str, args) -> dict:
     spec = WORKLOADS[shape]
     model = model_for(spec.model)
@@ -268,94 +325,39 @@ def bench_shape(shape: str, args) -> dict:
         return workload(args.requests, seed, vocab, spec.prompt, spec.output)
 
     work = work_of(0)
-    ours_extra, theirs_extra = [], []
-    if spec.max_model_len:
-        ours_extra += ["--max-model-len", str(spec.max_model_len)]
-        theirs_extra += ["--max-model-len", str(spec.max_model_len)]  # later flags win
+    ours_extra = ["--max-model-len", str(spec.max_model_len)] if spec.max_model_len else []
     if spec.kv_gib:
         ours_extra += ["--kv-cache-memory", f"{spec.kv_gib}GiB"]
     logs = os.path.join(RESULTS, "logs")
     os.makedirs(logs, exist_ok=True)
-    p1, p2 = free_port(), free_port()
-    ours = Server(
-        "pdpool",
-        pdpool_command(
-            "serve",
-            model,
-            "--port",
-            str(p1),
-            "--device",
-            "cpu",
-            "--log-level",
-            "warning",
-            *ours_extra,
-            *args.pdpool_flag,
-        ),
-        p1,
-        os.path.join(logs, f"vs-vllm-{shape}-pdpool.log"),
-    )
-    env = dict(VLLM_ENV)
-    if args.vllm_bind:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind
-    if spec.kv_gib:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_gib)
-    theirs = Server(
-        "vllm",
-        [
-            args.vllm_bin or vllm_command(),
-            "serve",
-            model,
-            "--port",
-            str(p2),
-            "--served-model-name",
-            name,
-            *VLLM_ARGS,
-            *theirs_extra,
-        ],
-        p2,
-        os.path.join(logs, f"vs-vllm-{shape}-vllm.log"),
-        env,
-    )
+    p1 = free_port()
+    argv = ["serve", model, "--port", str(p1), "--device", "cpu", "--log-level", "warning"]
+    servers = [
+        Server(
+            "pdpool",
+            pdpool_command(*argv, *ours_extra, *args.pdpool_flag),
+            p1,
+            os.path.join(logs, f"vs-vllm-{shape}-pdpool.log"),
+        )
+    ]
+    bind = args.vllm_bind or all_cores_bind()
+    log = os.path.join(logs, f"vs-vllm-{shape}-vllm.log")
+    servers.append(vllm_server("vllm", model, name, bind, spec, log, args.vllm_bin))
+    if args.defaults_column:
+        log = os.path.join(logs, f"vs-vllm-{shape}-vllm-default.log")
+        servers.append(vllm_server("vllm_default", model, name, None, spec, log, args.vllm_bin))
     try:
-        start = {"pdpool": ours.wait(), "vllm": theirs.wait()}
-        servers = [ours, theirs]
-        rounds = {"pdpool": [], "vllm": []}
+        start = {s.name: s.wait() for s in servers}
         # a warm-up request that is no prefix of any round's prompts when those are fresh
         warm = workload(1, args.seed - 1, vocab, spec.prompt, spec.output) if spec.fresh else work
-        for r in range(args.rounds):
-            work = work_of(r)
-            for s in servers:
-                other = theirs if s is ours else ours
-                other.signal(signal.SIGSTOP)
-                try:
-                    if r == 0:  # warm-up: one request
-                        asyncio.run(run_round(s.url, name, warm[:1]))
-                    cpu = s.cpu_seconds()
-                    res = asyncio.run(run_round(s.url, name, work, spec.concurrency))
-                    res["cpu_s"] = s.cpu_seconds() - cpu
-                    res["tok_per_cpu_s"] = res["output_tokens"] / max(res["cpu_s"], 1e-9)
-                    res["load_average"] = os.getloadavg()[0]
-                finally:
-                    other.signal(signal.SIGCONT)
-                rounds[s.name].append(res)
-                print(
-                    f"  {shape} round {r + 1} {s.name}: {res['tok_s']:.0f} tok/s, "
-                    f"TTFT p50 {res['ttft_p50'] * 1000:.0f} ms, "
-                    f"p99 {res['ttft_p99'] * 1000:.0f} ms, "
-                    f"{res['tokens_per_event']:.2f} tokens per event, "
-                    f"{res['tok_per_cpu_s']:.0f} tok per CPU s, load {res['load_average']:.1f}",
-                    flush=True,
-                )
+        rounds = run_rounds(servers, shape, spec, name, work_of, warm, args.rounds)
     finally:
-        ours.stop()
-        theirs.stop()
+        for s in servers:
+            s.stop()
     best = {k: max(v, key=lambda x: x["tok_s"]) for k, v in rounds.items()}
-    ours, theirs_first = rounds["pdpool"][0], rounds["vllm"][0]
-    same = sum(a == b for a, b in zip(ours["texts"], theirs_first["texts"], strict=True))
-    same_ids = sum(
-        a == b and len(a) > 0 for a, b in zip(ours["ids"], theirs_first["ids"], strict=True)
-    )
-    return {
+    first = {k: v[0] for k, v in rounds.items()}  # round 1: the same prompts for every server
+    ours = first["pdpool"]
+    result = {
         "shape": shape,
         "spec": SHAPES[spec.model],
         "workload": {
@@ -367,6 +369,7 @@ def bench_shape(shape: str, args) -> dict:
             "kv_gib": spec.kv_gib,
         },
         "pdpool_flags": args.pdpool_flag,
+        "vllm_bind": bind,
         "startup_s": start,
         "best": {
             k: {kk: vv for kk, vv in v.items() if kk not in ("texts", "ids")}
@@ -379,10 +382,16 @@ def bench_shape(shape: str, args) -> dict:
         },
         "ratio": round(best["pdpool"]["tok_s"] / max(best["vllm"]["tok_s"], 1e-9), 3),
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "equal_texts": same,
-        "equal_token_ids": same_ids,
+        "equal_texts": sum(map(str.__eq__, ours["texts"], first["vllm"]["texts"])),
+        "equal_token_ids": equal(ours["ids"], first["vllm"]["ids"]),
         "requests": len(work),
     }
+    if "vllm_default" in best:
+        result["ratio_defaults"] = round(
+            best["pdpool"]["tok_s"] / max(best["vllm_default"]["tok_s"], 1e-9), 3
+        )
+        result["equal_token_ids_defaults"] = equal(ours["ids"], first["vllm_default"]["ids"])
+    return result
 
 
 def write_results(results: list[dict]) -> None:
@@ -409,7 +418,16 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vllm-bin", help="the vllm executable (default: the build-venv.sh venv)")
-    ap.add_argument("--vllm-bind", help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: its own)")
+    ap.add_argument(
+        "--vllm-bind",
+        help="VLLM_CPU_OMP_THREADS_BIND for the equal-cores vLLM (default: every core here)",
+    )
+    ap.add_argument(
+        "--no-defaults-column",
+        dest="defaults_column",
+        action="store_false",
+        help="skip the third server (vLLM on its own default bind)",
+    )
     ap.add_argument(
         "--pdpool-flag",
         action="append",
@@ -425,19 +443,25 @@ def main() -> int:
         results.append(bench_shape(shape, args))
     print(
         "\n| shape | engine | output tok/s (best of %d) | ratio | TTFT p50 | TTFT p90 | TTFT p99 "
-        "| equal token ids | equal texts |" % args.rounds
+        "| tok per CPU s | equal token ids |" % args.rounds
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for res in results:
-        for eng in ("pdpool", "vllm"):
-            b = res["best"][eng]
-            print(
-                f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | "
-                f"{res['ratio'] if eng == 'pdpool' else 1:.2f} | {b['ttft_p50'] * 1000:.0f} ms "
-                f"| {b['ttft_p90'] * 1000:.0f} ms | {b['ttft_p99'] * 1000:.0f} ms "
-                f"| {res['equal_token_ids']}/{res['requests']} "
-                f"| {res['equal_texts']}/{res['requests']} |"
+        ours = res["best"]["pdpool"]["tok_s"]
+        for eng, b in res["best"].items():
+            same = {"pdpool": "-", "vllm": res["equal_token_ids"]}.get(
+                eng, res.get("equal_token_ids_defaults")
             )
+            print(
+                f"| {res['shape']} | {eng} | {b['tok_s']:.0f} | {ours / b['tok_s']:.2f} "
+                f"| {b['ttft_p50'] * 1000:.0f} ms | {b['ttft_p90'] * 1000:.0f} ms "
+                f"| {b['ttft_p99'] * 1000:.0f} ms | {b['tok_per_cpu_s']:.0f} "
+                f"| {same}/{res['requests']} |"
+            )
+    print(
+        "(ratio: pdpool's output tok/s over that server's; vllm = equal cores, "
+        "vllm_default = its own bind)"
+    )
     write_results(results)
     return 0
 

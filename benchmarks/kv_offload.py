@@ -10,9 +10,11 @@ session that lands on another engine recomputes, while the shared tier serves it
 
 Reported per mode: TTFT p50/p99 of first turns (computed from scratch) and of returning
 turns, returning-turn TTFT p50 relative to tiers-off, and throughput (requests/s and
-prompt tokens/s over the whole run), with the tier's counters.
+prompt tokens/s over the whole run), with the tier's counters. Every mode runs in each of
+`--rounds` rounds, in alternating order (a drifting machine load hits every mode alike);
+ratios are taken within a round, and the table gives each mode's median over the rounds.
 
-    python benchmarks/kv_offload.py [--sessions 16] [--turns 3] [--prefix-tokens 3000]
+    python benchmarks/kv_offload.py [--sessions 22] [--turns 4] [--prefix-tokens 3000]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -97,9 +100,8 @@ async def one_turn(client: httpx.AsyncClient, model: str, prompt: list[int], max
     return (first or time.perf_counter()) - started, ids
 
 
-def run_mode(name: str, args, model_dir: str, log_root: Path) -> dict:
+def run_mode(name: str, args, model_dir: str, log_dir: Path) -> dict:
     tier = MODES[name]
-    log_dir = log_root / name
     spec = TopologySpec(
         model=model_dir,
         prefill=0,
@@ -182,19 +184,30 @@ def run_mode(name: str, args, model_dir: str, log_root: Path) -> dict:
     return {"row": row, "outputs": {f"{s}/{t}": v for (s, t), v in outputs.items()}}
 
 
+def _median_row(name: str, rows: list[dict]) -> dict:
+    """A mode's median over the rounds, field by field."""
+    out: dict = {"mode": name, "rounds": len(rows)}
+    for field, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and field != "round":
+            out[field] = statistics.median(r[field] for r in rows)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=3)
+    # The defaults make the working set 11x the pools (the issue asks for at least 10x).
+    ap.add_argument("--sessions", type=int, default=22)
+    ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=3000)
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--engines", type=int, default=2, help="decode engines behind the gateway")
-    ap.add_argument("--kv-blocks", type=int, default=256, help="KV pool per engine, in blocks")
+    ap.add_argument("--kv-blocks", type=int, default=200, help="KV pool per engine, in blocks")
     ap.add_argument("--concurrency", type=int, default=2, help="requests in flight")
     ap.add_argument("--tier-gib", type=float, default=2.0)
     ap.add_argument("--modes", default="off,disk,shared")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every mode, alternating")
     ap.add_argument("--model", help="checkpoint (default: the tiny random Qwen3)")
     args = ap.parse_args()
     model_dir = args.model or ensure_tiny_model("qwen3")
@@ -208,20 +221,31 @@ def main() -> None:
         f"({args.engines} engines x {args.kv_blocks} blocks x 16); load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
     )
-    results = {}
+    names = args.modes.split(",")
+    rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="kv-offload-bench-") as tmp:
-        for name in args.modes.split(","):
-            results[name] = run_mode(name, args, model_dir, Path(tmp))
-            print(f"  {name}: {results[name]['row']}", flush=True)
-    rows = [r["row"] for r in results.values()]
-    base = results.get("off")
-    for r in rows:
-        if base is not None:
-            r["return_p50_vs_off"] = r["return_p50_s"] / base["row"]["return_p50_s"]
-            r["throughput_vs_off"] = r["req_per_s"] / base["row"]["req_per_s"]
-            r["return_throughput_vs_off"] = r["return_req_per_s"] / base["row"]["return_req_per_s"]
+        for r in range(args.rounds):
+            results: dict[str, dict] = {}
+            for name in names if r % 2 == 0 else names[::-1]:
+                results[name] = run_mode(name, args, model_dir, Path(tmp) / f"{name}-{r}")
+                results[name]["row"]["round"] = r
+                print(f"  round {r} {name}: {results[name]['row']}", flush=True)
+            base = results.get("off")
+            for res in results.values():
+                row = res["row"]
+                if base is not None:
+                    off = base["row"]
+                    row["return_p50_vs_off"] = row["return_p50_s"] / off["return_p50_s"]
+                    row["throughput_vs_off"] = row["req_per_s"] / off["req_per_s"]
+                    row["return_throughput_vs_off"] = (
+                        row["return_req_per_s"] / off["return_req_per_s"]
+                    )
+                    row["tokens_equal_to_off"] = res["outputs"] == base["outputs"]
+            rounds.append(results)
+    rows = [_median_row(name, [rr[name]["row"] for rr in rounds]) for name in names]
     equal = {
-        name: res["outputs"] == base["outputs"] for name, res in results.items() if base is not None
+        name: all(rr[name]["row"].get("tokens_equal_to_off", True) for rr in rounds)
+        for name in names
     }
     load_end = os.getloadavg()
     print_table(rows, "KV offload tiers: multi-turn sessions through pdpool up")
@@ -236,6 +260,7 @@ def main() -> None:
             "load_average_start": load,
             "load_average_end": load_end,
             "rows": rows,
+            "rounds": [[rr[name]["row"] for name in names] for rr in rounds],
             "tokens_equal_to_off": equal,
         },
     )

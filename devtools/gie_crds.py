@@ -16,6 +16,8 @@ FETCH_SCRIPT = REPO / "scripts" / "gie" / "fetch-crds.sh"
 # The kinds a pool with spec.inferencePool renders, and their CRD files.
 CRD_FILES = (
     "inference.networking.k8s.io_inferencepools.yaml",
+    "inference.networking.x-k8s.io_inferencemodelrewrites.yaml",
+    "inference.networking.x-k8s.io_inferenceobjectives.yaml",
     "gateway.networking.k8s.io_httproutes.yaml",
     "gateway.networking.k8s.io_gateways.yaml",
 )

@@ -171,6 +171,15 @@ class EngineConfig:
             )
         if not self.enable_prefix_caching:
             raise ValueError("--kv-offloading-size needs prefix caching (blocks are found by hash)")
+        if self.kv_offloading_backend == "shared":
+            from pdpool.engine.connector.lease_token import load_secret
+
+            if load_secret(self.kv_secret_file) is None:
+                raise ValueError(
+                    "--kv-offloading-backend shared needs the pool's secret (--kv-secret-file, "
+                    "$PDPOOL_KV_SECRET_FILE or $PDPOOL_KV_SECRET): without it, anyone who can "
+                    "write the directory could plant KV records the engines accept"
+                )
 
     @property
     def kv_offloading_bytes(self) -> int:

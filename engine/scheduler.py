@@ -259,7 +259,9 @@ class Scheduler:
             kind = "sliding_window" if self.kv.groups[g].is_sliding else "full_attention"
             parent = req.block_hashes[i - 1] if i else None
             tokens = tuple(req.all_token_ids[i * bs : (i + 1) * bs])
-            self.offload.note_block(BlockNote(g, block.block_id, h, parent, tokens, kind))
+            self.offload.note_block(
+                BlockNote(g, block.block_id, h, parent, tokens, kind, req.request_id)
+            )
         snaps, self._offload_snapshots = self._offload_snapshots, []
         for slot, h in snaps:
             if self.kv.snapshots.lookup(h) == slot:  # still this hash's snapshot

@@ -89,9 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-secret-file",
         default=None,
-        help="the pool's secret for signing and checking kv_transfer_params "
-        "(else $PDPOOL_KV_SECRET_FILE or $PDPOOL_KV_SECRET; without one, "
-        "loads are checked by content alone)",
+        help="the pool's secret for signing and checking kv_transfer_params and the "
+        "shared offload tier's records (else $PDPOOL_KV_SECRET_FILE or $PDPOOL_KV_SECRET; "
+        "without one, loads are checked by content alone; the shared tier refuses to start)",
     )
     p.add_argument(
         "--kv-load-timeout",

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from . import gdn_reference as gdn
+from . import cpu_kv_write
 from .cpu_attention import paged_attention_cpu
 from .lora_reference import lora_masked, slot_mask
 from .reference import write_kv_reference
@@ -84,6 +85,8 @@ def write_kv(
         from .kv_write import write_kv_triton
 
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    elif cpu_kv_write.usable(k, v, k_cache, v_cache):
+        cpu_kv_write.write_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
 

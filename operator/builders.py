@@ -20,6 +20,7 @@ from typing import Any
 from . import commands
 from .autoscaling import hpa, scaled_object
 from .children import Manifest, PoolRef, child_metadata
+from .gie_adapters import adapter_children, retired_rewrite
 from .inference_pool import inference_pool_children
 from .names import (
     DECODE,
@@ -92,6 +93,18 @@ def retired_autoscalers(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
         if other != mode
         for role in (PREFILL, DECODE)
     ]
+
+
+def retired_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
+    """Children an earlier spec may have rendered and this one does not: another mode's
+    autoscalers, the adapters' InferenceModelRewrite once no adapter has a rollout."""
+    rendered = {
+        (m["kind"], m["metadata"]["name"])
+        for m in adapter_children(ref, pool.inference_pool, pool.loras)
+    }
+    rewrite = retired_rewrite(ref)
+    stale = [] if (rewrite["kind"], rewrite["metadata"]["name"]) in rendered else [rewrite]
+    return retired_autoscalers(ref, pool) + stale
 
 
 def data_hash(data: dict[str, str]) -> str:

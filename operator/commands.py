@@ -103,7 +103,7 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         # The tier's flags first: the user's extra args may override them.
         extra_args=(
             *(pool.kv_offload.engine_args() if pool.kv_offload else ()),
-            *(pool.loras.engine_args() if pool.loras else ()),
+            *(pool.loras.engine_args(pool.engine.kind) if pool.loras else ()),
             *pool.engine.extra_args,
             *spec.extra_args,
         ),
@@ -178,12 +178,14 @@ def engine_block_size(pool: PoolSpec, role: str) -> int:
 
 def engine_env(pool: PoolSpec) -> list[dict[str, str]]:
     """Extra environment of the engine container (after POD_IP, which it may reference)."""
+    lora = pool.loras.engine_env() if pool.loras else []
     if pool.engine.kind == "vllm":
         return [
             {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
             {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(pool.engine.kv_port)},
+            *lora,
         ]
-    return []
+    return lora
 
 
 def sidecar_args(pool: PoolSpec) -> list[str]:
@@ -214,6 +216,7 @@ def sidecar_args(pool: PoolSpec) -> list[str]:
             kv_block_size=engine_block_size(pool, PREFILL) if events.enabled else None,
             ca_file=_pool_ca(pool),
             any_name=True,
+            lora_allowed_dirs=pool.loras.sidecar_allowed_dirs if pool.loras else (),
         )
     )
 
@@ -254,16 +257,22 @@ def gateway_args(
     return gateway_argv(launch)
 
 
-def hf_download_args(model: ModelSpec) -> list[str]:
-    """Init step: fetch a Hugging Face checkpoint into the model volume (idempotent)."""
-    if not model.hugging_face_id:
-        raise ValueError("only a Hugging Face model is downloaded")
+def hf_snapshot_args(repo_id: str, local_dir: str, revision: str | None) -> list[str]:
+    """Init step: fetch a Hugging Face repo (a checkpoint, an adapter) into a folder
+    (idempotent)."""
     script = (
         "import sys; from huggingface_hub import snapshot_download; "
         "snapshot_download(repo_id=sys.argv[1], local_dir=sys.argv[2], "
         "revision=sys.argv[3] or None)"
     )
-    return ["python3", "-c", script, model.hugging_face_id, model_dir(model), model.revision or ""]
+    return ["python3", "-c", script, repo_id, local_dir, revision or ""]
+
+
+def hf_download_args(model: ModelSpec) -> list[str]:
+    """Init step: fetch the base checkpoint into the model volume."""
+    if not model.hugging_face_id:
+        raise ValueError("only a Hugging Face model is downloaded")
+    return hf_snapshot_args(model.hugging_face_id, model_dir(model), model.revision)
 
 
 def epp_args(

@@ -24,7 +24,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from .autoscaler import DEFAULT_METRICS_URL, Autoscaler
-from .builders import build_children, retired_autoscalers
+from .builders import build_children, retired_children
 from .pool_secrets import kv_secret
 from .children import PoolRef
 from .inference_pool import GIE_GROUP, GIE_VERSION, inference_pool_parents
@@ -119,7 +119,7 @@ def reconcile(
             applying = manifest
             cluster().apply(manifest)
         autoscaler().hold_bounds(ref, pool, only_existing=False)
-        remove_retired_autoscalers(ref, pool)
+        remove_retired_children(ref, pool)
     except ApiException as exc:
         if exc.status == 404:  # the API server does not serve that kind: its CRD is missing
             kind = f"{applying['kind']} ({applying['apiVersion']})"
@@ -135,14 +135,15 @@ def reconcile(
     refresh_status(namespace, name, observed_generation=generation)
 
 
-def remove_retired_autoscalers(ref: PoolRef, pool: PoolSpec) -> None:
-    """Deletes the pool's HPAs or ScaledObjects its autoscaling mode no longer renders.
-    Without the RBAC to read or delete them (an older chart) it says so and goes on."""
-    for manifest in retired_autoscalers(ref, pool):
+def remove_retired_children(ref: PoolRef, pool: PoolSpec) -> None:
+    """Deletes the pool's HPAs or ScaledObjects its autoscaling mode no longer renders, and
+    its adapters' InferenceModelRewrite once no adapter has a rollout. Without the RBAC to
+    read or delete them (an older chart) it says so and goes on."""
+    for manifest in retired_children(ref, pool):
         try:
             if cluster().delete_owned(manifest, ref.uid):
                 log.info(
-                    "pool %s/%s: deleted %s %s (not this autoscaling mode's)",
+                    "pool %s/%s: deleted %s %s (the spec no longer renders it)",
                     ref.namespace,
                     ref.name,
                     manifest["kind"],

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import commands
 from .children import Manifest, PoolRef, child_metadata
+from .gie_adapters import adapter_children
 from .inference_pool_spec import InferencePoolSpec
 from .names import (
     TENANTS_FILE,
@@ -59,7 +60,7 @@ def inference_pool_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
     ]
     if gie.parent_refs:
         children.append(http_route(ref, gie))
-    return children
+    return children + adapter_children(ref, gie, pool.loras)
 
 
 def epp_name(pool: str) -> str:

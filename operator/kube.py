@@ -30,6 +30,10 @@ KINDS = {
         "/apis/inference.networking.k8s.io/v1",
         "inferencepools",
     ),
+    ("inference.networking.x-k8s.io/v1alpha2", "InferenceModelRewrite"): (
+        "/apis/inference.networking.x-k8s.io/v1alpha2",
+        "inferencemodelrewrites",
+    ),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): (
         "/apis/gateway.networking.k8s.io/v1",
         "httproutes",

@@ -62,6 +62,7 @@ from .pool_secrets import (
     tenants_mounts,
     tenants_volumes,
 )
+from .loras import HUB_MOUNT, HUB_VOLUME
 from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
 
 
@@ -84,7 +85,12 @@ def _needs_model_volume(pool: PoolSpec) -> bool:
     return bool(pool.model.pvc or pool.model.hugging_face_id)
 
 
-def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
+def _hub_fetch_container(
+    pool: PoolSpec, name: str, command: list[str], target: dict[str, Any]
+) -> dict[str, Any]:
+    """An init step that fetches a Hugging Face repo into the `target` volume mount (the
+    base checkpoint, an adapter): the engine's image, the pool's token, the download
+    resources."""
     env: list[dict[str, Any]] = [{"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
     if pool.model.hf_token_secret:
         env.append(
@@ -94,19 +100,39 @@ def _download_init_container(pool: PoolSpec) -> dict[str, Any]:
             }
         )
     return {
-        "name": "fetch-model",
+        "name": name,
         "image": pool.engine.image,
         "imagePullPolicy": pool.engine.image_pull_policy,
-        "command": commands.hf_download_args(pool.model),
+        "command": command,
         "env": cache_env() + env,
         "resources": dict(pool.model.download_resources),
         "securityContext": container_security_context(pool),
         "volumeMounts": [
-            {"name": "models", "mountPath": MODELS_MOUNT},
+            target,
             {"name": "tmp", "mountPath": TMP_MOUNT},
             {"name": "cache", "mountPath": CACHE_MOUNT},
         ],
     }
+
+
+def _init_containers(pool: PoolSpec) -> list[dict[str, Any]]:
+    """The base model's fetch (a hub model), then one per hub adapter (spec.loras)."""
+    out = []
+    if pool.model.hugging_face_id:
+        out.append(
+            _hub_fetch_container(
+                pool,
+                "fetch-model",
+                commands.hf_download_args(pool.model),
+                {"name": "models", "mountPath": MODELS_MOUNT},
+            )
+        )
+    if pool.loras is not None:
+        target = {"name": HUB_VOLUME, "mountPath": HUB_MOUNT}
+        for i, adapter in enumerate(pool.loras.hub_adapters):
+            command = commands.hf_snapshot_args(adapter.hub or "", adapter.folder, adapter.revision)
+            out.append(_hub_fetch_container(pool, f"fetch-lora-{i}", command, target))
+    return out
 
 
 def pool_peers(ref: PoolRef) -> tuple[str, ...]:
@@ -266,8 +292,9 @@ def engine_deployment(
     if pool.loras is not None:
         volumes += pool.loras.volumes()
     volumes += pool_tls_volumes(pool)
-    if pool.model.hugging_face_id:
-        pod_spec["initContainers"] = [_download_init_container(pool)]
+    init_containers = _init_containers(pool)
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     annotations = {ANNOTATION_ROUTER_HASH: router_hash} if router_hash else {}
     if pool.autoscaling is None:
         return deployment(ref, role_name, role.replicas, pod_spec, annotations)

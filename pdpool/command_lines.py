@@ -171,6 +171,10 @@ class SidecarLaunch:
     kv_tokenizer: Optional[str] = None
     ca_file: Optional[str] = None
     any_name: bool = False  # --tls-any-name: pod IPs are not in the pool's certificate
+    # Folders the sidecar may load a decode engine's adapter from onto a prefill engine
+    # (the pool allows runtime LoRA updates); none: never loads, decode-only instead.
+    lora_allowed_dirs: Sequence[str] = ()
+    extra_args: Sequence[str] = ()
 
 
 def sidecar_argv(c: SidecarLaunch) -> list[str]:
@@ -196,8 +200,10 @@ def sidecar_argv(c: SidecarLaunch) -> list[str]:
         argv += ["--prefill-kv-events-port", str(pub), "--prefill-kv-events-replay-port"]
         argv += [str(replay)]
     argv += _kv_index(c.kv_block_size, c.kv_tokenizer)
+    for folder in c.lora_allowed_dirs:
+        argv += ["--lora-allowed-dir", folder]
     argv += _tls(s, ("--tls-cert-file", "--tls-key-file")) + _client_tls(c.ca_file, c.any_name)
-    return argv + _tracing(s)
+    return argv + _tracing(s) + list(c.extra_args)
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from pdpool.engine.connector.base import LoadResult
 from pdpool.engine.kv.offload.keys import KIND_KV, KIND_STATE, block_key
-from pdpool.engine.kv.offload.record import TensorBlob
+from pdpool.engine.kv.offload.record import Entry, TensorBlob
 from pdpool.engine.kv.offload.store import RecordStore
 from pdpool.engine.kv.offload.worker import IOWorker, LoadJob, Loaded, Saved, SaveJob
 
@@ -47,6 +47,7 @@ class BlockNote:
     parent_hash: Optional[bytes]
     token_ids: tuple[int, ...]
     kind: str  # full_attention / sliding_window, for the event
+    owner: str = ""  # the request that computed it: a request's blocks share a record
 
 
 @dataclass
@@ -59,20 +60,40 @@ class _Load:
     cancelled: bool = False
 
 
+# What one record may carry (the I/O thread's queue drops saves past 256 MiB in flight).
+RECORD_MAX_BYTES = 64 << 20
+RECORD_MAX_ENTRIES = 1024
+
+
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).contiguous()
 
 
 def _blob(t: torch.Tensor) -> TensorBlob:
-    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    """A host tensor's bytes as a view (no copy: the tensor lives as long as the view)."""
+    raw = t.reshape(-1).view(torch.uint8).numpy().data
     return TensorBlob(str(t.dtype).replace("torch.", ""), tuple(t.shape), raw)
 
 
+def _block_entries(keys: list[str], copy: torch.Tensor) -> list[Entry]:
+    """One entry per block of a gathered copy ([blocks, ...]): views of its rows."""
+    whole = _blob(copy)
+    per = memoryview(whole.data).nbytes // len(keys)
+    shape = tuple(copy.shape[1:])
+    return [
+        Entry(k, [TensorBlob(whole.dtype, shape, whole.data[i * per : (i + 1) * per])])
+        for i, k in enumerate(keys)
+    ]
+
+
 def _tensor(b: TensorBlob, like: torch.Tensor) -> Optional[torch.Tensor]:
-    """The blob as a tensor shaped like the slot it goes into, None if it does not fit."""
+    """The blob as a tensor shaped like the slot it goes into (a view of the record's
+    buffer), None if it does not fit."""
     if b.dtype != str(like.dtype).replace("torch.", "") or tuple(b.shape) != tuple(like.shape):
         return None
-    flat = torch.frombuffer(bytearray(b.data), dtype=torch.uint8)
+    if memoryview(b.data).nbytes != like.numel() * like.element_size():
+        return None
+    flat = torch.frombuffer(b.data, dtype=torch.uint8)
     return flat.view(like.dtype).reshape(like.shape)
 
 
@@ -183,27 +204,55 @@ class KVOffload:
     # --- engine side ---------------------------------------------------------------------
     def save_pending(self) -> None:
         """Host copies of the noted blocks and snapshots, now (their memory may be reused
-        once this step is over); the writes go to the I/O thread."""
+        once this step is over): one gather per request and KV group. Encoding, MAC and
+        write go to the I/O thread, one record per request and group."""
         notes, self._notes = self._notes, []
+        runs: dict[tuple[str, int], list[tuple[str, BlockNote]]] = {}
+        seen: set[str] = set()
         for note in notes:
             key = self._key(KIND_KV, note.group, note.block_hash)
-            if self._has(key):
+            if key in seen or self._has(key):
                 continue
-            n = self.group_layers[note.group]
-            copy = _host_copy(self.cache[note.block_id, :n])
-            self._submit(key, [copy], note)
+            seen.add(key)
+            runs.setdefault((note.owner, note.group), []).append((key, note))
+        for (_, group), run in runs.items():
+            n = self.group_layers[group]
+            block_bytes = self.cache[0, :n].numel() * self.cache.element_size()
+            step = max(1, min(RECORD_MAX_ENTRIES, RECORD_MAX_BYTES // block_bytes))
+            for i in range(0, len(run), step):
+                self._submit_blocks(run[i : i + step], n)
         snaps, self._snapshot_notes = self._snapshot_notes, []
+        entries: list[Entry] = []
         for slot, block_hash in snaps:
             key = self._key(KIND_STATE, 0, block_hash)
-            if self._has(key):
+            if key in seen or self._has(key):
                 continue
-            self._submit(key, [_host_copy(t[slot]) for t in self.state_tensors], None)
+            seen.add(key)
+            entries.append(Entry(key, [_blob(_host_copy(t[slot])) for t in self.state_tensors]))
+        for i in range(0, len(entries), RECORD_MAX_ENTRIES):
+            chunk = entries[i : i + RECORD_MAX_ENTRIES]
+            size = sum(memoryview(t.data).nbytes for e in chunk for t in e.tensors)
+            self._submit([e.key for e in chunk], [None] * len(chunk), chunk.copy, size)
 
-    def _submit(self, key: str, copies: list[torch.Tensor], note: Optional[BlockNote]) -> None:
-        nbytes = sum(c.numel() * c.element_size() for c in copies)
-        job = SaveJob(key, lambda: [_blob(c) for c in copies], nbytes)
-        if self.worker.submit_save(job):
-            self._saving[key] = note
+    def _submit_blocks(self, run: list[tuple[str, BlockNote]], num_layers: int) -> None:
+        keys = [k for k, _ in run]
+        ids = torch.tensor([note.block_id for _, note in run], device=self.cache.device)
+        copy = _host_copy(self.cache[ids, :num_layers])
+        nbytes = copy.numel() * copy.element_size()
+        notes: list[Optional[BlockNote]] = [note for _, note in run]
+        self._submit(keys, notes, lambda: _block_entries(keys, copy), nbytes)
+
+    def _submit(
+        self,
+        keys: list[str],
+        notes: list[Optional[BlockNote]],
+        entries: Callable[[], list[Entry]],
+        nbytes: int,
+    ) -> None:
+        """Best effort: a save the I/O thread has no room for is dropped (a later miss)."""
+        if self.worker.submit_save(SaveJob(keys, entries, nbytes)):
+            for key, note in zip(keys, notes, strict=True):
+                self._saving[key] = note
 
     def poll(self) -> list[LoadResult]:
         """Applies what the I/O thread finished: writes (events, evictions) and reads
@@ -219,20 +268,21 @@ class KVOffload:
         return out
 
     def _on_saved(self, res: Saved) -> None:
-        note = self._saving.pop(res.key, None)
+        notes = [self._saving.pop(key, None) for key in res.keys]
         for key in res.evicted:
             self.counters["evictions"] += 1
             gone = self._named.pop(key, None)
             if gone is not None:
                 self._record_removed(gone)
         if not res.ok:
-            self.counters["store_failures"] += 1
+            self.counters["store_failures"] += len(res.keys)
             return
-        self.counters["stores"] += 1
+        self.counters["stores"] += len(res.keys)
         self.counters["store_bytes"] += res.nbytes
-        if note is not None:
-            self._named[res.key] = note
-            self._record_stored(note)
+        for key, note in zip(res.keys, notes, strict=True):
+            if note is not None:
+                self._named[key] = note
+                self._record_stored(note)
 
     def _on_loaded(self, res: Loaded) -> Optional[LoadResult]:
         load = self._loads.pop(res.request_id, None)

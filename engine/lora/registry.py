@@ -12,9 +12,9 @@ import dataclasses
 import json
 import os
 import threading
-from pathlib import Path
 from typing import Any, Optional
 
+from pdpool.lora_paths import is_under_allowed_dir, resolved_dirs
 from pdpool.engine.lora.adapter_dir import (
     AdapterError,
     AdapterFiles,
@@ -103,7 +103,7 @@ class LoRARegistry:
         self.base_model = base_model
         self.shapes = shapes  # the base model's LoRA-targetable layers (adapter_dir.linear_shapes)
         self.max_rank = max_rank
-        self.allowed_dirs = tuple(str(Path(d).resolve()) for d in allowed_dirs)
+        self.allowed_dirs = resolved_dirs(allowed_dirs)
         self._lock = threading.Lock()
         self._by_name: dict[str, LoRARef] = {}
         self._next_id = 1
@@ -140,8 +140,7 @@ class LoRARegistry:
                 "runtime LoRA loading needs --lora-allowed-dir (the folders adapters may be "
                 "loaded from)"
             )
-        real = str(Path(path).resolve())
-        if not any(real == d or real.startswith(d.rstrip("/") + "/") for d in self.allowed_dirs):
+        if not is_under_allowed_dir(path, self.allowed_dirs):
             raise AdapterError(f"LoRA adapter path {path!r} is outside --lora-allowed-dir")
 
     def add(self, name: str, files: AdapterFiles) -> LoRARef:

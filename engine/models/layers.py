@@ -9,7 +9,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from pdpool.engine.attention_metadata import AttentionMetadata
-from pdpool.kernels import ops
+from pdpool.kernels import cpu_norm_rope, ops
 
 
 class RMSNorm(nn.Module):
@@ -21,7 +21,13 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered  # Qwen3.5 stores weight - 1
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
+    def scale(self) -> torch.Tensor:
+        """What the normalised value is multiplied by."""
+        return 1.0 + self.weight.float() if self.zero_centered else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_norm_rope.usable(x, self.weight):  # one pass per row, not torch's five
+            return cpu_norm_rope.rms_norm(x, self.scale(), self.eps)
         # F.rms_norm is x * rsqrt(mean(x^2) + eps) [* weight] in one call (fewer CPU ops).
         shape = (x.shape[-1],)
         if self.zero_centered:
@@ -68,6 +74,24 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def norm_and_rotate(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(positions, q_norm(q), k_norm(k))`; on CPU in one pass per head, in place
+        on q and k (fresh projections the caller gives up)."""
+        if cpu_norm_rope.usable(q, k, q_norm.weight, k_norm.weight, self.cos):
+            for x, norm in ((q, q_norm), (k, k_norm)):
+                cpu_norm_rope.norm_rope_(
+                    x, norm.scale(), norm.eps, positions, self.cos, self.sin, self.rotary_dim
+                )
+            return q, k
+        return self.forward(positions, q_norm(q), k_norm(k))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]

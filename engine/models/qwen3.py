@@ -46,10 +46,10 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, positions, rotary, kv_cache, meta):
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
         o = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(t, -1))
 

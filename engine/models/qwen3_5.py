@@ -179,10 +179,9 @@ class Qwen3_5GatedAttention(nn.Module):
     def forward(self, x, positions, rotary, kv_cache, meta):
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
         o = self.attn(q, k, v, kv_cache, meta).reshape(t, -1)
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 

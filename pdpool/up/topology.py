@@ -174,6 +174,10 @@ class TopologySpec:
     envoy_bin: Optional[str] = None  # default: envoy_gateway.find_envoy()
     epp_failure_mode: str = "close"  # Envoy's ext_proc failure_mode_allow: open or close
     epp_args: list[str] = field(default_factory=list)  # more `pdpool epp` flags
+    # The sidecars may load a decode engine's LoRA adapter on a prefill engine from these
+    # folders (sidecar --lora-allowed-dir; the engines need runtime LoRA updates on).
+    lora_allowed_dirs: list[str] = field(default_factory=list)
+    sidecar_args: list[str] = field(default_factory=list)  # more `pdpool sidecar` flags
 
 
 ENGINES = ("pdpool", "vllm")
@@ -227,7 +231,9 @@ class Topology:
             # vLLM's venv (scripts/vllm/build-venv.sh) brings its own nixl.
             self.kv_connector = "nixl" if spec.engine == "vllm" or nixl_available() else "none"
         self.children: list[Child] = []
-        self.kv_secret_file = self._write_kv_secret() if self.kv_connector != "none" else None
+        # The pool's secret signs kv_transfer_params and the shared offload tier's records.
+        needs_secret = self.kv_connector != "none" or spec.kv_offload == "shared"
+        self.kv_secret_file = self._write_kv_secret() if needs_secret else None
         self.ca_file: Optional[str] = None
         self.tls_files: Optional[tuple[str, str]] = None
         if spec.tls:
@@ -275,7 +281,7 @@ class Topology:
             argv, env = self._vllm_engine(launch, role, index, kv_port)
         else:
             kv = None
-            if self.kv_secret_file is not None:  # written whenever there is a KV connector
+            if self.kv_connector != "none" and self.kv_secret_file is not None:
                 # Both roles on both sides: decode reads prefill's blocks, and prefill reads
                 # decode's cached prefix (the bidirectional pull of decode-first).
                 kv = KVLink("both", "127.0.0.1", kv_port, "127.0.0.1", self.kv_secret_file)
@@ -303,7 +309,11 @@ class Topology:
             return flags
         root = s.kv_offload_dir or os.path.join(self.log_dir, "kv-offload")
         path = root if s.kv_offload == "shared" else os.path.join(root, f"{role}-{index}")
-        return (*flags, f"--kv-offloading-path={path}")
+        flags = (*flags, f"--kv-offloading-path={path}")
+        if s.kv_offload == "shared" and self.kv_connector == "none":
+            # With a KV connector, its link passes the secret already.
+            flags = (*flags, f"--kv-secret-file={self.kv_secret_file}")
+        return flags
 
     def _threads(self) -> Optional[int]:
         """The engines share this machine's cores: each one's prompt steps get an equal
@@ -415,6 +425,8 @@ class Topology:
             prefill_min_prompt_tokens=s.prefill_min_prompt_tokens,
             prefill_kv_events=events,
             ca_file=self.ca_file,
+            lora_allowed_dirs=s.lora_allowed_dirs,
+            extra_args=s.sidecar_args,
             **(self._kv_index() if events else {}),
         )
         return Child(

@@ -72,6 +72,17 @@ class SidecarMetrics:
             ["outcome"],
             registry=r,
         )
+        # A prefill leg for a LoRA adapter (adapter_legs.py): resident (a prefill engine
+        # lists it), loaded (the sidecar loaded it on one), decode_only (neither: decode
+        # served alone).
+        self.adapter_prefill = Children(
+            Counter(
+                "pdpool_sidecar_adapter_prefill",
+                "Prefill legs of adapter requests, by how the adapter was found",
+                ["outcome"],
+                registry=r,
+            )
+        )
         self.forbidden_targets = Counter(
             "pdpool_sidecar_forbidden_prefill_targets",
             "x-prefiller-host-port outside the prefill set",

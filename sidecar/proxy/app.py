@@ -46,6 +46,7 @@ from ..net.asgi import (
     send_error,
     serve_lifespan,
 )
+from .adapter_legs import AdapterLegs
 from .capability import EngineCapability
 from .capability_share import CapabilityShare
 from ..net.discovery import EndpointSet
@@ -103,6 +104,7 @@ class Sidecar:
             endpoints=self.endpoints,
             outliers=self.outliers,
             next_client=lambda: self.client,
+            adapters=AdapterLegs(self.settings, self.metrics, lambda: self.client),
         )
         self.decode = DecodeRelay(self.settings, self.metrics)
         self.flows = Flows(

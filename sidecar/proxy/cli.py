@@ -96,6 +96,20 @@ def _add_path_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-body-bytes", help="request bodies above this size get 413 (default 32MiB)"
     )
+    g.add_argument(
+        "--lora-allowed-dir",
+        dest="lora_allowed_dirs",
+        action="append",
+        metavar="DIR",
+        help="the pool allows runtime LoRA updates: a prefill leg for an adapter no prefill "
+        "engine serves loads the decode engine's adapter there, when its path is under one "
+        "of these folders (repeatable); without any, such a request is served by decode alone",
+    )
+    g.add_argument(
+        "--adapter-models-ttl-s",
+        type=float,
+        help="how long an engine's /v1/models answer (its adapters) is trusted (default 5)",
+    )
 
 
 def _add_health_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,6 +181,8 @@ SETTING_FLAGS = (
     "kv_tokenizer",
     "prefill_kv_events_port",
     "prefill_kv_events_replay_port",
+    "lora_allowed_dirs",
+    "adapter_models_ttl_s",
 )
 
 

@@ -19,6 +19,7 @@ import httpx
 from pdpool import tracing
 
 from . import legs
+from .adapter_legs import AdapterLegs
 from ..net.discovery import EndpointSet
 from .exchange import Exchange, PrefillResult, json_or_none
 from ..net.metrics import SidecarMetrics
@@ -67,6 +68,8 @@ class PrefillLegs:
     endpoints: EndpointSet
     outliers: OutlierDetector
     next_client: Callable[[], httpx.AsyncClient]  # the upstream clients exist from startup on
+    # Which prefill engines serve the request's adapter (loading it on one if allowed).
+    adapters: AdapterLegs
     # Fire-and-forget lease releases, held until done.
     _background: set[asyncio.Future[None]] = field(default_factory=set, init=False, repr=False)
 
@@ -82,7 +85,11 @@ class PrefillLegs:
         return result
 
     async def _run(self, ex: Exchange, leg: dict[str, Any], span: Any) -> PrefillResult:
-        candidates = await self._candidates(ex, span)
+        ranked = await self._candidates(ex, span)
+        candidates = await self.adapters.prefill_targets(ex.body.get("model"), ranked)
+        if ranked and not candidates:  # no prefill engine can run it under its adapter
+            tracing.set_attributes(span, {"pdpool.prefill.adapter": "decode_only"})
+            return PrefillResult()
         for endpoint in candidates:
             self.metrics.legs.labels("prefill").inc()
             started = time.perf_counter()
@@ -137,6 +144,11 @@ class PrefillLegs:
             return answer, None
         if answer.status_code == 429 or answer.status_code >= 500:
             return "server_error", None
+        if answer.status_code == 404 and self.adapters.is_adapter(ex.body.get("model")):
+            # It listed the adapter a moment ago and has unloaded it since: another engine,
+            # or decode alone, never this 404 as the answer.
+            self.adapters.forget(endpoint)
+            return "adapter_missing", None
         if answer.status_code >= 400:
             return "client_error", PrefillResult(client_error=(answer.status_code, answer.content))
         data = json_or_none(answer.content)

@@ -53,6 +53,12 @@ class SidecarSettings:
     prefill_kv_events_replay_port: Optional[int] = None
     kv_block_size: int = 16
     kv_tokenizer: Optional[str] = None  # the model's tokenizer.json (string prompts)
+    # The pool allows runtime LoRA updates: an adapter no prefill engine serves is loaded
+    # on one (the decode engine's path, only under these folders); empty: decode-only.
+    lora_allowed_dirs: list[str] = field(default_factory=list)
+    # How long a prefill engine's /v1/models (its adapters) is trusted before it is read
+    # again; a leg that finds the adapter gone reads it at once.
+    adapter_models_ttl_s: float = 5.0
 
     @property
     def upstream_scheme(self) -> str:
@@ -73,7 +79,18 @@ class SidecarSettings:
         self._check_durations()
         self._check_prefill()
         self._check_kv_events()
+        self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        dirs = self.lora_allowed_dirs
+        if isinstance(dirs, str):
+            dirs = [dirs]
+        if not isinstance(dirs, list) or not all(
+            isinstance(d, str) and d.startswith("/") and d != "/" for d in dirs
+        ):
+            raise ValueError("lora_allowed_dirs must be absolute folders (not /)")
+        self.lora_allowed_dirs = list(dirs)
 
     def _check_routing(self) -> None:
         if isinstance(self.max_body_bytes, str):  # "32MiB" from a config file
@@ -104,6 +121,7 @@ class SidecarSettings:
             "probe_interval_s",
             "probe_timeout_s",
             "ejection_s",
+            "adapter_models_ttl_s",
         ):
             if float(getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -17,6 +17,13 @@ from pdpool.engine.kv.offload.keys import KIND_KV, block_key
 from pdpool.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+POOL_SECRET = "pool-secret-" + "p" * 32
+
+
+@pytest.fixture(autouse=True)
+def _pool_secret(monkeypatch):
+    """The shared tier needs the pool's secret (as `pdpool up` and the operator give it)."""
+    monkeypatch.setenv("PDPOOL_KV_SECRET", POOL_SECRET)
 
 
 def _engine(model: Path, tier: Path | None, backend: str = "shared", **more) -> LLMEngine:
@@ -118,7 +125,8 @@ def test_flipped_byte_is_a_miss_never_a_wrong_token(tiny_qwen3, tmp_path):
     a = _engine(tiny_qwen3, tmp_path)
     _run(a, prompts)
     a.close()
-    for f in _files(tmp_path):  # one flipped bit in the middle of every KV payload
+    records = {f.stat().st_ino: f for f in _files(tmp_path)}  # a record has many names
+    for f in records.values():  # one flipped bit in the middle of every KV payload
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0x04
         f.write_bytes(bytes(data))
@@ -169,6 +177,41 @@ def test_record_of_another_model_is_a_miss(tiny_qwen3, tmp_path, tmp_path_factor
     assert b2.offload.counters["loaded_tokens"] == 0
     for e in (a, b_alone, b, shared, b2):
         e.close()
+
+
+def test_planted_records_are_misses_never_wrong_tokens(tiny_qwen3, tmp_path, monkeypatch):
+    """Someone who can write the shared directory but lacks the pool's secret plants
+    records under the right names, with the right fingerprint and keys (zeroed KV): every
+    one fails its MAC, is deleted, and the tokens are a recompute's."""
+    from pdpool.engine.kv.offload.record import Entry, TensorBlob, decode_record, encode_record
+
+    prompts = _prompts(2)
+    recompute = _run(_engine(tiny_qwen3, None), prompts)
+    a = _engine(tiny_qwen3, tmp_path)
+    _run(a, prompts)
+    a.close()
+    fp = a.memory.fingerprint
+    files = _files(tmp_path)
+    for i, f in enumerate(files):
+        key = f.name[: -len(".kv")]
+        entries = decode_record(f.read_bytes(), fp, key, POOL_SECRET.encode())
+        zeroed = [
+            Entry(k, [TensorBlob(t.dtype, t.shape, bytes(len(t.data))) for t in ts])
+            for k, ts in entries.items()
+        ]
+        # Unsigned, or signed with another pool's secret.
+        secret = None if i % 2 else b"another-pool-secret-" + b"x" * 16
+        f.unlink()  # a file of its own under the name (the record's other names keep theirs)
+        f.write_bytes(encode_record(fp, zeroed, secret))
+    assert len(files) >= 2 * 9
+    b = _engine(tiny_qwen3, tmp_path)
+    assert _run(b, prompts) == recompute
+    assert b.offload is not None and b.offload.counters["records_rejected"] >= 1
+    assert b.offload.counters["loaded_tokens"] == 0
+    b.close()
+    monkeypatch.delenv("PDPOOL_KV_SECRET")
+    with pytest.raises(ValueError, match="shared needs the pool's secret"):
+        _engine(tiny_qwen3, tmp_path)  # no secret: the shared tier refuses to start
 
 
 def _hashes(prompt: list[int], block_size: int) -> list[bytes]:

@@ -21,6 +21,13 @@ from pdpool.engine.kv.offload.store import STALL_WRITE_ENV, TMP_PREFIX
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True)
+def _pool_secret(monkeypatch):
+    """The shared tier needs the pool's secret (engines inherit it from the environment)."""
+    monkeypatch.setenv("PDPOOL_KV_SECRET", "pool-secret-" + "p" * 32)
+
+
 PROMPT = [random.Random(5).randrange(3, 500) for _ in range(200)]
 
 
@@ -150,3 +157,24 @@ def test_a_full_disk_costs_hits_not_answers(tiny_qwen3, tmp_path):
         eng.stop()
         eng.drainer.join(10)
     assert "File too large" in eng.log.read_text()  # the reason is logged
+
+
+def test_shared_tier_without_a_secret_refuses_to_start(tiny_qwen3, tmp_path, monkeypatch):
+    """Without the pool's secret anyone who can write the directory could plant records:
+    `pdpool serve` stops with one line saying so."""
+    import os
+    import sys
+
+    monkeypatch.delenv("PDPOOL_KV_SECRET")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDPOOL_KV_SECRET")}
+    argv = [sys.executable, "-m", "pdpool.cli", "serve", str(tiny_qwen3), "--device", "cpu"]
+    done = subprocess.run(
+        [*argv, *_tier_flags(tmp_path / "tier")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "shared needs the pool's secret" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -20,6 +20,12 @@ from pdpool.sidecar.routing.kv_router import KVRouter
 BS = 16
 
 
+@pytest.fixture(autouse=True)
+def _pool_secret(monkeypatch):
+    """The shared tier needs the pool's secret (engines inherit it from the environment)."""
+    monkeypatch.setenv("PDPOOL_KV_SECRET", "pool-secret-" + "p" * 32)
+
+
 def _engine(model, tier, backend):
     from pdpool.engine.config import EngineConfig
     from pdpool.engine.engine_core import LLMEngine

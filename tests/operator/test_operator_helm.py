@@ -47,6 +47,13 @@ EXPECTED_RULES = {
     ("", "serviceaccounts"): {"create", "patch"},
     ("inference.networking.k8s.io", "inferencepools"): {"get", "list", "watch", "create", "patch"},
     ("gateway.networking.k8s.io", "httproutes"): {"create", "patch"},
+    # spec.loras rollouts (deleted once no adapter has one)
+    ("inference.networking.x-k8s.io", "inferencemodelrewrites"): {
+        "get",
+        "create",
+        "patch",
+        "delete",
+    },
 }
 
 

@@ -359,3 +359,133 @@ def test_the_operator_applies_the_inference_pool_and_shows_its_parents(
     assert status["name"] == "gie"
     assert status["parents"][0]["parentRef"]["name"] == "gw"
     assert status["parents"][0]["conditions"][0]["type"] == "Accepted"
+
+
+# --- adapters: GIE's InferenceModelRewrite for weighted rollouts ------------------------------
+
+ROLLOUT = {
+    "adapters": [
+        {
+            "name": "sql",
+            "hub": "acme/sql-v2",
+            "rollout": [{"adapter": "sql", "weight": 90}, {"adapter": "sql-v3", "weight": 10}],
+        },
+        {"name": "sql-v3", "hub": "acme/sql-v3"},
+        {"name": "chat", "path": "/models/chat", "rollout": [{"adapter": "chat-v2", "weight": 1}]},
+        {"name": "chat-v2", "path": "/models/chat-v2"},
+        {"name": "legal", "path": "/models/legal"},
+    ]
+}
+
+
+def test_rollouts_become_one_inference_model_rewrite_of_the_pool():
+    objects = kids(dict(GIE, loras=ROLLOUT))
+    rewrite = objects[("InferenceModelRewrite", "demo-adapters")]
+    assert rewrite["apiVersion"] == "inference.networking.x-k8s.io/v1alpha2"
+    assert rewrite["spec"]["poolRef"] == {
+        "group": "inference.networking.k8s.io",
+        "kind": "InferencePool",
+        "name": "demo",
+    }
+    assert rewrite["spec"]["rules"] == [
+        {
+            "matches": [{"model": {"type": "Exact", "value": "sql"}}],
+            "targets": [
+                {"modelRewrite": "sql", "weight": 90},
+                {"modelRewrite": "sql-v3", "weight": 10},
+            ],
+        },
+        {
+            "matches": [{"model": {"type": "Exact", "value": "chat"}}],
+            "targets": [{"modelRewrite": "chat-v2", "weight": 1}],
+        },
+    ]
+    (owner,) = rewrite["metadata"]["ownerReferences"]
+    assert owner["kind"] == "PDInferencePool" and owner["controller"] is True
+    # Every target is an adapter both roles' engines serve.
+    for name in ("demo-prefill", "demo-decode"):
+        argv = next(
+            c
+            for c in objects[("Deployment", name)]["spec"]["template"]["spec"]["containers"]
+            if c["name"] == "engine"
+        )["command"]
+        served = {a.split("=", 2)[1] for a in argv if a.startswith("--lora-modules=")}
+        for rule in rewrite["spec"]["rules"]:
+            assert {t["modelRewrite"] for t in rule["targets"]} <= served
+
+
+def test_no_rewrite_without_a_rollout_or_without_the_inference_pool():
+    plain = {"adapters": [{"name": "legal", "path": "/models/legal"}]}
+    assert not [k for k in kids(dict(GIE, loras=plain)) if k[0] == "InferenceModelRewrite"]
+    assert not [k for k in kids(dict(BASE, loras=ROLLOUT)) if k[0] == "InferenceModelRewrite"]
+    # The operator deletes a rewrite the spec no longer renders (its retired children).
+    from pdpool.operator.builders import retired_children
+
+    retired = {
+        (m["kind"], m["metadata"]["name"])
+        for m in retired_children(REF, parse_pool_spec("demo", dict(GIE, loras=plain)))
+    }
+    assert ("InferenceModelRewrite", "demo-adapters") in retired
+    kept = retired_children(REF, parse_pool_spec("demo", dict(GIE, loras=ROLLOUT)))
+    assert ("InferenceModelRewrite", "demo-adapters") not in {
+        (m["kind"], m["metadata"]["name"]) for m in kept
+    }
+
+
+def test_the_api_server_accepts_the_rewrite_and_refuses_what_gie_forbids(
+    gie_crds, admin_api, namespace
+):
+    ref = PoolRef("demo", namespace, "00000000-0000-0000-0000-000000000002")
+    (rewrite,) = [
+        m
+        for m in build_children(ref, parse_pool_spec("demo", dict(GIE, loras=ROLLOUT)))
+        if m["kind"] == "InferenceModelRewrite"
+    ]
+    path = collection_path(rewrite)
+    group = "/apis/inference.networking.x-k8s.io/v1alpha2"
+    assert path == f"{group}/namespaces/{namespace}/inferencemodelrewrites"
+    request(admin_api, "POST", path, rewrite, "application/json", [("dryRun", "All")])
+    # GIE's schema is really applied: a weight of 0 is refused (the spec's check is the same).
+    bad = json_copy(rewrite)
+    bad["spec"]["rules"][0]["targets"][0]["weight"] = 0
+    with pytest.raises(client.ApiException) as refused:
+        request(admin_api, "POST", path, bad, "application/json", [("dryRun", "All")])
+    assert refused.value.status == 422 and "weight" in refused.value.body
+
+
+def json_copy(obj):
+    import json
+
+    return json.loads(json.dumps(obj))
+
+
+def test_the_operator_applies_the_rewrite_and_deletes_it_when_rollouts_end(
+    gie_operator, pools, admin_api
+):
+    pools.create(pool_manifest("roll", inferencePool={"enabled": True}, loras=ROLLOUT))
+    custom = client.CustomObjectsApi(admin_api)
+    args = (
+        "inference.networking.x-k8s.io",
+        "v1alpha2",
+        pools.namespace,
+        "inferencemodelrewrites",
+        "roll-adapters",
+    )
+
+    def rewrite():
+        try:
+            return custom.get_namespaced_custom_object(*args)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    live = wait_for(rewrite, 60, what="the InferenceModelRewrite")
+    assert live["spec"]["poolRef"]["name"] == "roll"
+    assert [r["matches"][0]["model"]["value"] for r in live["spec"]["rules"]] == ["sql", "chat"]
+    # The rollout is over: sql-v3 serves as itself, the rewrite goes.
+    done = json_copy(ROLLOUT)
+    for adapter in done["adapters"]:
+        adapter.pop("rollout", None)
+    pools.patch_spec("roll", {"loras": done})
+    wait_for(lambda: rewrite() is None, 60, what="the rewrite deleted")

@@ -7,33 +7,10 @@ import re
 import pytest
 import yaml
 
-from pdpool.cli import build_parser
-from pdpool.operator.builders import build_children
-from pdpool.operator.children import PoolRef
 from pdpool.operator.kv_offload import KV_OFFLOAD_MOUNT
 from pdpool.operator.spec import SpecError, parse_pool_spec
-
-REF = PoolRef(name="demo", namespace="llm", uid="uid-123")
-BASE = {"model": {"path": "/models/qwen3"}, "engine": {"image": "engine:1"}}
-
-
-def pods(spec):
-    out = {}
-    for m in build_children(REF, parse_pool_spec(REF.name, spec)):
-        if m["kind"] == "Deployment" and "engine" in [
-            c["name"] for c in m["spec"]["template"]["spec"]["containers"]
-        ]:
-            out[m["metadata"]["name"]] = m["spec"]["template"]["spec"]
-    return out
-
-
-def engine_config(pod):
-    from pdpool.engine.serve_cli import config_from_args
-
-    engine = next(c for c in pod["containers"] if c["name"] == "engine")
-    env = {"POD_IP": "10.1.2.3"}
-    argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in engine["command"]]
-    return config_from_args(build_parser().parse_args(argv[1:])), engine
+from tests.support.operator_pods import BASE, engine_config
+from tests.support.operator_pods import engine_pods as pods
 
 
 def test_disk_tier_is_an_emptydir_per_pod():

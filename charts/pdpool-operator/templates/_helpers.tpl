@@ -97,4 +97,8 @@ Each rule names the call that needs it; nothing else is granted.
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
   verbs: [create, patch]
+# spec.loras rollouts: GIE's InferenceModelRewrite (deleted once no adapter has a rollout)
+- apiGroups: [inference.networking.x-k8s.io]
+  resources: [inferencemodelrewrites]
+  verbs: [get, create, patch, delete]
 {{- end -}}

@@ -1,29 +1,43 @@
 """The byte format of one stored KV record, and its check: pure functions, no I/O.
 
-    MAGIC | u32 header length | header (JSON) | payload | 32-byte digest
+    MAGIC | u32 header length | header (JSON) | payload | 32-byte MAC
 
-The digest is BLAKE2b over everything before it (keyed with the pool's secret when there
-is one, so that only engines of the pool can write a record others accept). A reader
-accepts a record only when the digest matches, the header names the key and fingerprint it
-looked for, and the payload has exactly the sizes the header promises: a torn write (an
-engine killed mid-write, a full disk), a flipped byte, a file of another model or another
-revision, all fail the check and read as a miss.
+One record holds many entries (the blocks of one request computed in one step, or a step's
+state snapshots), each named by its key, so a write is one file and a returning request's
+read is a few. The header names the fingerprint and, per entry, its key and tensors'
+dtype, shape and size; the payload is the entries' tensors in order.
+
+The MAC is HMAC-SHA256 (the signed KV lease's scheme, lease_token.py) over everything
+before it, keyed with a key derived from the pool's secret, so only engines of the pool
+can write a record the others accept; without a secret it is the same HMAC under an empty
+key: an integrity check only (the private tiers). A reader accepts a record only when the
+MAC matches, the header names the fingerprint it looked for and the key it wants, and the
+payload has exactly the sizes the header promises: a torn write (an engine killed
+mid-write, a full disk), a flipped byte, a file of another model or revision, a record
+planted without the secret, all fail the check and read as a miss.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
 import struct
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
-MAGIC = b"PDKVREC1"
+MAGIC = b"PDKVREC2"
 DIGEST_BYTES = 32
 _LEN = struct.Struct("<I")
-# Headers are small (a few tensors' shapes): a larger one is not ours.
-MAX_HEADER_BYTES = 1 << 16
+# Bounds a reader enforces before trusting anything (a planted record must not make it
+# allocate or parse without limit); writers split their records to stay inside them.
+MAX_HEADER_BYTES = 4 << 20
+MAX_ENTRIES = 4096
+MAX_RECORD_BYTES = 1 << 30
+_MAC_LABEL = b"pdpool kv offload record v2"
+
+Buffer = Union[bytes, bytearray, memoryview]
 
 
 class RecordRejected(Exception):
@@ -34,75 +48,108 @@ class RecordRejected(Exception):
 class TensorBlob:
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     shape: tuple[int, ...]
-    data: bytes
+    data: Buffer
 
 
-def _digest(secret: Optional[bytes], parts: list[bytes]) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES, key=(secret or b"")[:64])
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    tensors: list[TensorBlob]
+
+
+@functools.lru_cache(maxsize=8)
+def _mac_key(secret: Optional[bytes]) -> bytes:
+    """The records' own key, derived from the pool secret: a record's MAC is never valid
+    as a lease signature, nor the reverse."""
+    if not secret:
+        return b""
+    return hmac.new(secret, _MAC_LABEL, hashlib.sha256).digest()
+
+
+def _mac(secret: Optional[bytes], parts: Sequence[Buffer]) -> bytes:
+    h = hmac.new(_mac_key(secret), digestmod=hashlib.sha256)
     for p in parts:
-        h.update(p)
+        h.update(p)  # releases the GIL for large buffers
     return h.digest()
 
 
-def encode_record(
-    key: str, fingerprint: str, tensors: list[TensorBlob], secret: Optional[bytes] = None
-) -> bytes:
+def record_parts(
+    fingerprint: str, entries: Sequence[Entry], secret: Optional[bytes] = None
+) -> list[Buffer]:
+    """The record as buffers to write in order (the payload is not copied)."""
+    if not entries or len(entries) > MAX_ENTRIES:
+        raise ValueError(f"a record holds 1 to {MAX_ENTRIES} entries, not {len(entries)}")
     header = json.dumps(
         {
-            "key": key,
             "fingerprint": fingerprint,
-            "tensors": [
-                {"dtype": t.dtype, "shape": list(t.shape), "nbytes": len(t.data)} for t in tensors
+            "entries": [
+                [e.key, [[t.dtype, list(t.shape), len(t.data)] for t in e.tensors]] for e in entries
             ],
         },
         separators=(",", ":"),
     ).encode()
-    parts = [MAGIC, _LEN.pack(len(header)), header, *(t.data for t in tensors)]
-    return b"".join([*parts, _digest(secret, parts)])
+    parts: list[Buffer] = [MAGIC + _LEN.pack(len(header)), header]
+    parts += [t.data for e in entries for t in e.tensors]
+    parts.append(_mac(secret, parts))
+    return parts
+
+
+def encode_record(
+    fingerprint: str, entries: Sequence[Entry], secret: Optional[bytes] = None
+) -> bytes:
+    return b"".join(record_parts(fingerprint, entries, secret))
 
 
 def decode_record(
-    blob: bytes, key: str, fingerprint: str, secret: Optional[bytes] = None
-) -> list[TensorBlob]:
-    """The tensors of a record that passes every check, else RecordRejected."""
+    blob: Buffer, fingerprint: str, want: str, secret: Optional[bytes] = None
+) -> dict[str, list[TensorBlob]]:
+    """Every entry of a record that passes every check and holds `want`, else
+    RecordRejected. The tensors' data are views of `blob` (no copy)."""
+    view = memoryview(blob)
     fixed = len(MAGIC) + _LEN.size
-    if len(blob) < fixed + DIGEST_BYTES or not blob.startswith(MAGIC):
+    if len(view) > MAX_RECORD_BYTES:
+        raise RecordRejected(f"a {len(view)}-byte record is larger than any this engine writes")
+    if len(view) < fixed + DIGEST_BYTES or view[: len(MAGIC)] != MAGIC:
         raise RecordRejected("not a KV record (bad magic or truncated)")
-    body, digest = blob[:-DIGEST_BYTES], blob[-DIGEST_BYTES:]
-    if not hmac.compare_digest(_digest(secret, [body]), digest):
-        raise RecordRejected("content digest mismatch (torn, corrupt or foreign record)")
-    (hlen,) = _LEN.unpack_from(blob, len(MAGIC))
+    body, digest = view[:-DIGEST_BYTES], view[-DIGEST_BYTES:]
+    if not hmac.compare_digest(_mac(secret, [body]), digest):
+        raise RecordRejected("MAC mismatch (torn, corrupt, foreign or planted record)")
+    (hlen,) = _LEN.unpack_from(view, len(MAGIC))
     if hlen > MAX_HEADER_BYTES or fixed + hlen > len(body):
         raise RecordRejected("header length out of range")
-    specs = _checked_header(body[fixed : fixed + hlen], key, fingerprint)
+    specs = _checked_header(bytes(body[fixed : fixed + hlen]), fingerprint)
     pos = fixed + hlen
-    out = []
-    for dtype, shape, nbytes in specs:
-        if nbytes < 0 or pos + nbytes > len(body):
-            raise RecordRejected("payload shorter than its header says")
-        out.append(TensorBlob(dtype, shape, body[pos : pos + nbytes]))
-        pos += nbytes
+    out: dict[str, list[TensorBlob]] = {}
+    for key, tensors in specs:
+        blobs = []
+        for dtype, shape, nbytes in tensors:
+            if nbytes < 0 or pos + nbytes > len(body):
+                raise RecordRejected("payload shorter than its header says")
+            blobs.append(TensorBlob(dtype, shape, body[pos : pos + nbytes]))
+            pos += nbytes
+        out[key] = blobs
     if pos != len(body):
         raise RecordRejected("payload longer than its header says")
+    if want not in out:
+        raise RecordRejected("record holds another key")
     return out
 
 
 def _checked_header(
-    raw: bytes, key: str, fingerprint: str
-) -> list[tuple[str, tuple[int, ...], int]]:
-    """The header's tensor specs (dtype, shape, nbytes), once it names `key` and
-    `fingerprint`."""
+    raw: bytes, fingerprint: str
+) -> list[tuple[str, list[tuple[str, tuple[int, ...], int]]]]:
+    """The header's entries (key, [(dtype, shape, nbytes)]), once it names `fingerprint`."""
     try:
         header = json.loads(raw)
-        named = (header["key"], header["fingerprint"])
-        specs = [
-            (str(t["dtype"]), tuple(int(d) for d in t["shape"]), int(t["nbytes"]))
-            for t in header["tensors"]
+        named = header["fingerprint"]
+        entries = [
+            (str(key), [(str(d), tuple(int(x) for x in s), int(n)) for d, s, n in tensors])
+            for key, tensors in header["entries"]
         ]
     except (ValueError, KeyError, TypeError) as exc:
         raise RecordRejected(f"malformed header: {exc}") from None
-    if named[0] != key:
-        raise RecordRejected("record holds another key")
-    if named[1] != fingerprint:
+    if named != fingerprint:
         raise RecordRejected("record from another model, revision or KV layout")
-    return specs
+    if not entries or len(entries) > MAX_ENTRIES:
+        raise RecordRejected(f"a record holds 1 to {MAX_ENTRIES} entries")
+    return entries

@@ -1,16 +1,20 @@
 """A directory of KV records, bounded in bytes, least-recently-used out.
 
-Writes are atomic: a record is written to a temporary name in its final directory, then
-renamed over its final name, so a reader sees a whole record or none. fsync policy: off by
-default. Every read checks the record's digest (record.py), so a crash or power loss that
-leaves a torn or empty file costs a miss, never a wrong token; `fsync=True` (the
-`--kv-offloading-fsync` flag) adds durability across power loss for those who want the
-tier to survive a node reboot, at a disk flush per record.
+One record holds many blocks (record.py), and each block is found by its own name: a
+record is written whole to a temporary name, then hard-linked under the name of every
+block it holds, and the temporary name removed, so a reader sees a whole record or none,
+and a write costs one file however many blocks it carries (a file creation costs about a
+millisecond here; a link, tens of microseconds). A record's disk space goes with its last
+name. fsync policy: off by default. Every read checks the record's MAC (record.py), so a
+crash or power loss that leaves a torn or empty file costs a miss, never a wrong token;
+`fsync=True` (the `--kv-offloading-fsync` flag) adds durability across power loss for
+those who want the tier to survive a node reboot, at a disk flush per record.
 
 A shared directory (one volume mounted by every engine of a pool) is read by all: a key
 this engine has not seen is looked up on disk, and each engine bounds the bytes it knows
 of, deleting its least recently used. A record another engine deleted is a miss.
-The index is guarded by a lock: the engine thread asks `contains`, I/O threads put and get.
+The index (lru_index.py; a record is known by its inode) is guarded by a lock: the engine
+thread asks `contains`, I/O threads put and get.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
+
+from pdpool.engine.kv.offload.lru_index import RecordIndex
+from pdpool.engine.kv.offload.record import MAX_RECORD_BYTES, Buffer, RecordRejected
 
 log = logging.getLogger("pdpool.kv.offload")
 
@@ -41,17 +47,23 @@ class RecordStore(Protocol):
 
     shared: bool
     capacity_bytes: int
-    bytes_used: int
+
+    @property
+    def bytes_used(self) -> int: ...
 
     def contains(self, key: str) -> bool: ...
 
-    def get(self, key: str) -> Optional[bytes]: ...
+    def get(self, key: str) -> Optional[Buffer]: ...
 
-    def put(self, key: str, data: bytes) -> list[str]: ...
+    def put(self, keys: Sequence[str], parts: Sequence[Buffer]) -> list[str]: ...
 
     def discard(self, key: str) -> None: ...
 
     def __len__(self) -> int: ...
+
+
+def nbytes(parts: Sequence[Buffer]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
 
 
 class FileStore:
@@ -66,12 +78,16 @@ class FileStore:
         self.fsync = fsync
         self._stall_s = float(os.environ.get(STALL_WRITE_ENV) or 0)
         self._lock = threading.Lock()
-        self._index: "OrderedDict[str, int]" = OrderedDict()  # key -> bytes, LRU first
-        self.bytes_used = 0
+        self._index = RecordIndex()
+        self._subdirs: set[str] = set()
         self.root.mkdir(parents=True, exist_ok=True)
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise ValueError(f"KV offload path {self.root} is not a writable directory")
         self._scan()
+
+    @property
+    def bytes_used(self) -> int:
+        return self._index.bytes_used
 
     # --- layout ---------------------------------------------------------------------------
     def path_of(self, key: str) -> Path:
@@ -82,8 +98,8 @@ class FileStore:
         volume), oldest first, and removes temporary files left by dead writers."""
         found = []
         now = time.time()
-        for sub in self.root.iterdir():
-            if not sub.is_dir() or len(sub.name) != 2:
+        for sub in [self.root, *(d for d in self.root.iterdir() if d.is_dir())]:
+            if sub != self.root and len(sub.name) != 2:
                 continue
             for f in sub.iterdir():
                 try:
@@ -93,11 +109,10 @@ class FileStore:
                 if f.name.startswith(TMP_PREFIX):
                     if not self.shared or now - st.st_mtime > STALE_TMP_S:
                         _unlink(f)
-                elif f.name.endswith(SUFFIX):
-                    found.append((st.st_mtime, f.name[: -len(SUFFIX)], st.st_size))
-        for _, key, size in sorted(found):
-            self._index[key] = size
-            self.bytes_used += size
+                elif sub != self.root and f.name.endswith(SUFFIX):
+                    found.append((st.st_mtime, f.name[: -len(SUFFIX)], st.st_ino, st.st_size))
+        for _, key, ino, size in sorted(found):
+            self._index.add(key, ino, size)
         self._evict_over(self.capacity_bytes)
 
     # --- the engine thread's question ---------------------------------------------------
@@ -109,81 +124,108 @@ class FileStore:
             return False
         # Another engine of the pool may have written it.
         try:
-            size = self.path_of(key).stat().st_size
+            st = self.path_of(key).stat()
         except OSError:
             return False
         with self._lock:
-            if key not in self._index:
-                self._index[key] = size
-                self.bytes_used += size
+            self._index.add(key, st.st_ino, st.st_size)
         return True
 
     # --- I/O threads ---------------------------------------------------------------------
-    def get(self, key: str) -> Optional[bytes]:
-        """The record's bytes (unchecked: the caller decodes and checks), None if absent."""
+    def get(self, key: str) -> Optional[bytearray]:
+        """The bytes of the record holding `key` (unchecked: the caller decodes and
+        checks), None if absent; RecordRejected, unread, if larger than any record."""
         try:
-            data = self.path_of(key).read_bytes()
+            with open(self.path_of(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_RECORD_BYTES:
+                    raise RecordRejected(f"a {size}-byte file is larger than any record")
+                data = bytearray(size)
+                if f.readinto(data) != size:
+                    raise RecordRejected("record shorter than its file (changed while read)")
         except FileNotFoundError:
-            self._forget(key)
+            with self._lock:
+                self._index.remove(key)
             return None
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+            self._index.touch(key)
         return data
 
-    def put(self, key: str, data: bytes) -> list[str]:
-        """Writes a record atomically; returns the keys evicted to make room. Raises
-        OSError when the disk refuses (full, read-only): nothing partial stays behind."""
-        size = len(data)
+    def put(self, keys: Sequence[str], parts: Sequence[Buffer]) -> list[str]:
+        """Writes one record (`parts`, in order) named by every key not yet held; returns
+        the keys evicted to make room. Raises OSError when the disk refuses (full,
+        read-only): nothing partial stays behind."""
+        size = nbytes(parts)
         if size > self.capacity_bytes:
             raise OSError(errno.EFBIG, f"a {size}-byte record exceeds the tier's size")
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-                return []
+            new = [k for k in keys if k not in self._index]
+            for k in keys:
+                self._index.touch(k)
+        if not new:
+            return []
         evicted = self._evict_over(self.capacity_bytes - size)
-        final = self.path_of(key)
-        final.parent.mkdir(exist_ok=True)
-        tmp = final.parent / f"{TMP_PREFIX}{key}.{os.getpid()}.{secrets.token_hex(4)}"
+        tmp = self.root / f"{TMP_PREFIX}{os.getpid()}.{secrets.token_hex(6)}"
+        linked: list[str] = []
         try:
-            with open(tmp, "wb") as f:
-                if self._stall_s:
-                    f.write(data[: len(data) // 2])
-                    f.flush()
-                    time.sleep(self._stall_s)
-                f.write(data[len(data) // 2 :] if self._stall_s else data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
+            ino = self._write(tmp, parts)
+            self._link(tmp, new, linked)
+        finally:
             _unlink(tmp)
-            raise
-        with self._lock:
-            if key not in self._index:
-                self.bytes_used += size
-            self._index[key] = size
+            with self._lock:
+                for key in linked:
+                    self._index.add(key, ino, size)
         return evicted
 
-    def discard(self, key: str) -> None:
-        """Deletes a record found bad, so nobody reads it again."""
-        _unlink(self.path_of(key))
-        self._forget(key)
+    def _write(self, tmp: Path, parts: Sequence[Buffer]) -> int:
+        """The whole record under a temporary name; its inode."""
+        with open(tmp, "wb") as f:
+            half = len(parts) // 2 if self._stall_s else 0
+            for p in parts[:half]:
+                f.write(p)
+            if self._stall_s:
+                f.flush()
+                time.sleep(self._stall_s)
+            for p in parts[half:]:
+                f.write(p)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+            return os.fstat(f.fileno()).st_ino
 
-    def _forget(self, key: str) -> None:
+    def _link(self, tmp: Path, keys: list[str], linked: list[str]) -> None:
+        """Names the written record by each key, adding to `linked` the keys it did (a
+        failure part way keeps those: each is a whole record)."""
+        for key in keys:
+            final = self.path_of(key)
+            if final.parent.name not in self._subdirs:
+                final.parent.mkdir(exist_ok=True)
+                self._subdirs.add(final.parent.name)
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                continue  # another engine of the pool wrote this block: its is as good
+            linked.append(key)
+
+    def discard(self, key: str) -> None:
+        """Deletes a record found bad (every name of it this engine knows), so nobody
+        reads it again."""
         with self._lock:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self.bytes_used -= size
+            record = self._index.record_of(key)
+            keys = self._index.keys_of(record) if record is not None else []
+            for k in keys:
+                self._index.remove(k)
+        for k in {key, *keys}:
+            _unlink(self.path_of(k))
 
     def _evict_over(self, limit: int) -> list[str]:
         evicted: list[str] = []
         while True:
             with self._lock:
-                if self.bytes_used <= limit or not self._index:
+                key = self._index.oldest()
+                if self._index.bytes_used <= limit or key is None:
                     return evicted
-                key, size = self._index.popitem(last=False)
-                self.bytes_used -= size
+                self._index.remove(key)
             _unlink(self.path_of(key))
             evicted.append(key)
 

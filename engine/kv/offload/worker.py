@@ -1,9 +1,11 @@
-"""One I/O thread per tier: record writes and reads happen here, never on the step loop.
+"""One I/O thread per tier: record encoding, MACs, writes and reads happen here, never on
+the step loop (the MAC and the file I/O release the GIL).
 
 Jobs are queued by the engine thread and results come back through a queue it drains once
 per step. Loads go before saves (a waiting request is worth more than a future hit), and
-saves beyond a byte budget are dropped rather than queued without bound: a slow disk costs
-hits, never memory or step time.
+saves beyond a byte budget are dropped rather than queued without bound: an offload write
+is best effort, so a slow disk costs hits (a dropped write is a later miss), never memory
+or step time. A load reads each record once, however many of its blocks it wants.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
-from pdpool.engine.kv.offload.record import RecordRejected, TensorBlob, decode_record, encode_record
+from pdpool.engine.kv.offload.record import (
+    Entry,
+    RecordRejected,
+    TensorBlob,
+    decode_record,
+    record_parts,
+)
 from pdpool.engine.kv.offload.store import RecordStore
 
 log = logging.getLogger("pdpool.kv.offload")
@@ -24,9 +32,11 @@ log = logging.getLogger("pdpool.kv.offload")
 
 @dataclass
 class SaveJob:
-    key: str
-    # Host copies taken on the engine thread; turned into bytes on the I/O thread.
-    tensors: list[TensorBlob] | Callable[[], list[TensorBlob]]
+    """One record: its entries built on the I/O thread from host copies the engine thread
+    took (views of them, no copy)."""
+
+    keys: list[str]
+    entries: Callable[[], list[Entry]]
     nbytes: int
 
 
@@ -38,7 +48,7 @@ class LoadJob:
 
 @dataclass
 class Saved:
-    key: str
+    keys: list[str]
     ok: bool
     nbytes: int
     evicted: list[str]
@@ -127,13 +137,12 @@ class IOWorker:
 
     def _save(self, job: SaveJob) -> Saved:
         try:
-            tensors = job.tensors() if callable(job.tensors) else job.tensors
-            data = encode_record(job.key, self.fingerprint, tensors, self.secret)
-            evicted = self.store.put(job.key, data)
-            return Saved(job.key, True, len(data), evicted)
+            parts = record_parts(self.fingerprint, job.entries(), self.secret)
+            evicted = self.store.put(job.keys, parts)
+            return Saved(job.keys, True, sum(memoryview(p).nbytes for p in parts), evicted)
         except OSError as exc:
-            log.warning("KV offload write failed (%s): the block stays uncached", exc)
-            return Saved(job.key, False, 0, [], str(exc))
+            log.warning("KV offload write failed (%s): the blocks stay uncached", exc)
+            return Saved(job.keys, False, 0, [], str(exc))
         finally:
             with self._lock:
                 self._pending_save_bytes -= job.nbytes
@@ -141,23 +150,26 @@ class IOWorker:
     def _load(self, job: LoadJob) -> Loaded:
         start = time.monotonic()
         records: list[list[TensorBlob]] = []
+        read: dict[str, list[TensorBlob]] = {}  # entries of the records read so far
         nbytes = 0
+
+        def stop(error: str, rejected: Optional[str] = None) -> Loaded:
+            took = time.monotonic() - start
+            return Loaded(job.request_id, records, nbytes, took, error, rejected)
+
         for key in job.keys:
-            try:
-                data = self.store.get(key)
-            except OSError as exc:
-                return Loaded(job.request_id, records, nbytes, time.monotonic() - start, str(exc))
-            if data is None:
-                return Loaded(
-                    job.request_id, records, nbytes, time.monotonic() - start, f"{key} is gone"
-                )
-            try:
-                records.append(decode_record(data, key, self.fingerprint, self.secret))
-            except RecordRejected as exc:
-                log.warning("KV offload record %s rejected: %s (recomputing)", key, exc)
-                self.store.discard(key)
-                return Loaded(
-                    job.request_id, records, nbytes, time.monotonic() - start, str(exc), key
-                )
-            nbytes += len(data)
+            if key not in read:
+                try:
+                    data = self.store.get(key)
+                    if data is None:
+                        return stop(f"{key} is gone")
+                    read.update(decode_record(data, self.fingerprint, key, self.secret))
+                except RecordRejected as exc:
+                    log.warning("KV offload record %s rejected: %s (recomputing)", key, exc)
+                    self.store.discard(key)
+                    return stop(str(exc), key)
+                except OSError as exc:
+                    return stop(str(exc))
+                nbytes += len(data)
+            records.append(read[key])
         return Loaded(job.request_id, records, nbytes, time.monotonic() - start)

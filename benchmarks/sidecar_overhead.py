@@ -391,6 +391,10 @@ def parse_args() -> argparse.Namespace:
         "temporary folder and imported from there): what the changes since cost",
     )
     ap.add_argument(
+        "--sidecar-workers",
+        help="our sidecars' --workers (default: theirs, auto); the baseline's is its own",
+    )
+    ap.add_argument(
         "--llmd",
         action="store_true",
         help="also measure llm-d's pd-sidecar in front of the same upstream (built by "
@@ -439,8 +443,10 @@ def start_sidecar(
     nice: int,
     traces: str | None = None,
     import_root: str | None = None,
+    workers: str | None = None,
 ) -> subprocess.Popen:
-    tracing = ["--otlp-traces-endpoint", traces] if traces else []
+    extra = ["--otlp-traces-endpoint", traces] if traces else []
+    extra += ["--workers", workers] if workers else []
     env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     if import_root:  # the baseline's `pdpool` package comes first
         env["PYTHONPATH"] = import_root
@@ -459,7 +465,7 @@ def start_sidecar(
             "0",
             "--engine-rejects",
             engine_rejects,
-            *tracing,
+            *extra,
         ),
         env=env,
         cwd=import_root,  # `python -c` puts the working folder first on sys.path
@@ -482,7 +488,11 @@ def start_sidecars(
         for traced in {"off": [False], "on": [True], "both": [False, True]}[args.tracing]:
             port = free_port()
             endpoint = receiver.endpoint if traced and receiver else None
-            procs.append(start_sidecar(port, up_port, mode, args.sidecar_nice, endpoint))
+            procs.append(
+                start_sidecar(
+                    port, up_port, mode, args.sidecar_nice, endpoint, workers=args.sidecar_workers
+                )
+            )
             targets[f"sidecar {mode}{' traced' if traced else ''}"] = (port, procs[-1].pid)
         if args.baseline_root:
             port = free_port()
@@ -678,6 +688,7 @@ def main() -> int:
                 "cpus": os.cpu_count(),
                 "load_average": load,
                 "sidecar_nice": args.sidecar_nice,
+                "sidecar_workers": args.sidecar_workers or "default",
                 "arrivals": args.arrivals,
                 "engine_rejects": args.engine_rejects,
                 "tracing": args.tracing,

@@ -38,7 +38,8 @@ log = logging.getLogger("pdpool.routing")
 RUNNING, RECENT, UNKNOWN, WAITING, FULL = 1.0, 0.95, 0.7, 0.6, 0.0
 FREE, FREE_SPAN = 0.8, 0.1
 MAX_KNOWN_ADAPTERS = 4096  # adapter names remembered from the engines' series
-# While no engine exports LoRA series (a pool without adapters), pages are read this seldom.
+# While every engine's page was read and none has LoRA series (a pool without adapters),
+# pages are read this seldom.
 IDLE_INTERVAL_S = 5.0
 
 Fetch = Callable[[str], Awaitable[Optional[str]]]
@@ -129,6 +130,7 @@ class LoraResidency:
         self.recent: dict[str, OrderedDict[str, None]] = {}
         self.known: OrderedDict[str, None] = OrderedDict()  # adapters some engine listed
         self.fetch: Optional[Fetch] = None
+        self.idle = False  # the last scrape read every page, and none had LoRA series
         self._task: Optional[asyncio.Task[None]] = None
 
     # --- what the engines say -----------------------------------------------------------
@@ -186,6 +188,8 @@ class LoraResidency:
         texts = await asyncio.gather(*(fetch(b) for b in backends), return_exceptions=True)
         for backend, text in zip(backends, texts, strict=True):
             self.update(backend, text if isinstance(text, str) else None)
+        read = all(isinstance(t, str) for t in texts)
+        self.idle = bool(backends) and read and not (set(self.infos) & set(backends))
         for gone in set(self.infos) - set(backends):
             del self.infos[gone]
         for gone in set(self.recent) - set(backends):
@@ -218,5 +222,6 @@ class LoraResidency:
             await asyncio.sleep(self.next_interval_s())
 
     def next_interval_s(self) -> float:
-        """The interval while some engine has LoRA series, else at least IDLE_INTERVAL_S."""
-        return self.interval_s if self.infos else max(self.interval_s, IDLE_INTERVAL_S)
+        """At least IDLE_INTERVAL_S while no engine has LoRA series (every page read: an
+        engine still starting is read again soon), else the interval."""
+        return max(self.interval_s, IDLE_INTERVAL_S) if self.idle else self.interval_s

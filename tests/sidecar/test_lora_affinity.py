@@ -156,11 +156,24 @@ def test_memory_keeps_the_last_max_lora_known_adapters():
 
 
 def test_a_pool_without_lora_series_is_read_seldom():
-    res = la.LoraResidency(lambda: ["e1"], interval_s=0.5)
-    res.update("e1", "vllm:num_requests_running 0\n")
-    assert res.next_interval_s() == la.IDLE_INTERVAL_S
-    res.update("e1", page("a"))
-    assert res.next_interval_s() == 0.5
+    pages: dict[str, object] = {"e1": None}  # None: unreadable (still starting)
+
+    async def fetch(backend: str):
+        return pages[backend]
+
+    async def run():
+        res = la.LoraResidency(lambda: ["e1"], interval_s=0.5)
+        res.fetch = fetch
+        await res.scrape_once()
+        assert res.next_interval_s() == 0.5  # not read: soon again
+        pages["e1"] = "vllm:num_requests_running 0\n"
+        await res.scrape_once()
+        assert res.next_interval_s() == la.IDLE_INTERVAL_S  # read, no LoRA: seldom
+        pages["e1"] = page("a")
+        await res.scrape_once()
+        assert res.next_interval_s() == 0.5
+
+    asyncio.run(run())
 
 
 # --- the routing core ---------------------------------------------------------------------

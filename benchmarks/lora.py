@@ -6,6 +6,11 @@ hits both alike. Goal: mixed adapters >= 0.8x the base model's output throughput
                               [--rounds 3] [--hidden 512] [--rank 8]
 
 Prints a table and writes benchmarks/results/lora.json (with the load average).
+
+    python benchmarks/lora.py --routing [lora_routing.py's flags]
+
+runs the routing comparison instead (adapter-aware routing vs round-robin over 4 engines
+with --max-loras 2: lora_routing.py).
 """
 
 from __future__ import annotations
@@ -79,6 +84,10 @@ def run_round(engine, prompts, refs, max_tokens: int, tag: str) -> float:
 
 
 def main() -> int:
+    if "--routing" in sys.argv[1:]:
+        import lora_routing
+
+        return lora_routing.main([a for a in sys.argv[1:] if a != "--routing"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)

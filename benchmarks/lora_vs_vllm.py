@@ -11,19 +11,18 @@ Prints a table and writes benchmarks/results/lora_vs_vllm.json (with the load av
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import print_table, write_json
+from http_load import run_requests
 from lora import NUM_ADAPTERS, make_model_and_adapters
 
 
@@ -52,20 +51,18 @@ def start_servers(model: Path, adapters: list[Path], logs: Path, rank: int):
 
 
 def run_round(url: str, prompts, max_tokens: int, concurrency: int) -> float:
-    import httpx
-
-    def one(i_p):
-        i, p = i_p
-        body = {"model": f"a{i % NUM_ADAPTERS}", "prompt": p, "max_tokens": max_tokens}
-        body.update(temperature=0, ignore_eos=True)
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-
-    t = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        tokens = sum(pool.map(one, enumerate(prompts)))
-    return tokens / (time.perf_counter() - t)
+    bodies = [
+        {
+            "model": f"a{i % NUM_ADAPTERS}",
+            "prompt": p,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for i, p in enumerate(prompts)
+    ]
+    results, wall = run_requests(url, bodies, concurrency)
+    return sum(r.completion_tokens for r in results) / wall
 
 
 def main() -> int:

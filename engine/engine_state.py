@@ -43,6 +43,8 @@ class EngineState:
     # SchedulerStats.running_lora_adapters / waiting_lora_adapters).
     running_lora_adapters: dict[str, int] = dataclasses.field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The LoRA manager's counters (lora/slots.py: lora_loads, lora_slot_loads); empty without.
+    lora: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def engine_state(engine: LLMEngine) -> EngineState:
@@ -70,6 +72,7 @@ def engine_state(engine: LLMEngine) -> EngineState:
         offload=dict(engine.offload.stats()) if engine.offload is not None else {},
         running_lora_adapters=dict(Counter(r.lora.name for r in sched.running if r.lora)),
         waiting_lora_adapters=dict(Counter(r.lora.name for r in sched.waiting if r.lora)),
+        lora=dict(engine.lora.stats) if engine.lora is not None else {},
     )
 
 

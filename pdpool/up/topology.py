@@ -174,6 +174,7 @@ class TopologySpec:
     envoy_bin: Optional[str] = None  # default: envoy_gateway.find_envoy()
     epp_failure_mode: str = "close"  # Envoy's ext_proc failure_mode_allow: open or close
     epp_args: list[str] = field(default_factory=list)  # more `pdpool epp` flags
+    gateway_args: list[str] = field(default_factory=list)  # more `pdpool gateway` flags
     # The sidecars may load a decode engine's LoRA adapter on a prefill engine from these
     # folders (sidecar --lora-allowed-dir; the engines need runtime LoRA updates on).
     lora_allowed_dirs: list[str] = field(default_factory=list)
@@ -383,6 +384,7 @@ class Topology:
             health_interval_s="1",
             tenants_file=s.tenants_file,
             ca_file=self.ca_file,
+            extra_args=tuple(s.gateway_args),
             **kv,
         )
         gateway = Child(

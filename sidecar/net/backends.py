@@ -6,6 +6,7 @@ a backend is judged fit, tokenized for and read for saturation alike behind eith
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
 import httpx
@@ -18,6 +19,9 @@ from ..routing.saturation import ENGINE_METRICS_PATH
 from .engine_tokenizer import EngineTokenizer
 from .metrics import GatewayMetrics
 from .upstream import readiness
+
+# An engine's /metrics page larger than this is not read (a vLLM page is tens of KiB).
+MAX_METRICS_BYTES = 8 * 1024 * 1024
 
 
 class Backends:
@@ -47,7 +51,7 @@ class Backends:
         tokenizer = EngineTokenizer(
             lambda: self.client, self.scheme, tokenize_timeout_s, routing.healthy, metrics
         )
-        await routing.start(self.probe, tokenizer)
+        await routing.start(self.probe, tokenizer, self.engine_metrics)
         if flow is not None:
             await flow.start(self.engine_metrics)
 
@@ -74,12 +78,25 @@ class Backends:
         return r.status_code == 200
 
     async def engine_metrics(self, backend: str) -> Optional[str]:
-        """The sidecar's passthrough of its engine's /metrics; None when it cannot be had."""
+        """The sidecar's passthrough of its engine's /metrics; None when it cannot be had
+        (or is larger than MAX_METRICS_BYTES: another process's answer, read bounded)."""
         assert self.client is not None, "start() makes the client"
         try:
-            r = await self.client.get(
-                self.url(backend, ENGINE_METRICS_PATH), timeout=self.probe_timeout_s
+            return await asyncio.wait_for(
+                self._read_bounded(self.url(backend, ENGINE_METRICS_PATH)), self.probe_timeout_s
             )
-        except httpx.HTTPError:
+        except (httpx.HTTPError, asyncio.TimeoutError):
             return None
-        return r.text if r.status_code == 200 else None
+
+    async def _read_bounded(self, url: str) -> Optional[str]:
+        assert self.client is not None
+        async with self.client.stream("GET", url) as r:
+            if r.status_code != 200:
+                return None
+            chunks, size = [], 0
+            async for chunk in r.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_METRICS_BYTES:
+                    return None
+                chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", "replace")

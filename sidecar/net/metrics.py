@@ -182,6 +182,14 @@ class GatewayMetrics:
             ["decision"],
             registry=r,
         )
+        # LoRA residency of the engine chosen for an adapter's request (lora_affinity.py).
+        self.lora_routes = Counter(
+            "pdpool_gateway_lora_routes",
+            "Adapter requests by the chosen engine's residency: running, recent, free, "
+            "unknown, waiting or full",
+            ["residency"],
+            registry=r,
+        )
         # precise (KV events; path pd or decode) or affinity (no engine known).
         self.kv_routes = Counter(
             "pdpool_gateway_kv_routes",

@@ -46,7 +46,32 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
         help="base ejection time (times the recent ejections, at most 30 s)",
     )
     _add_kv_arguments(p)
+    _add_lora_arguments(p)
     add_flow_arguments(p)
+
+
+def _add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    add_switch(
+        p,
+        "--lora-affinity",
+        True,
+        "send a LoRA adapter's request to an engine where the adapter is loaded (else one "
+        "with a free slot), within the load bound, from the engines' vllm:lora_requests_info "
+        "(docs/lora.md); --no-lora-affinity: adapters are routed as the base model",
+    )
+    p.add_argument(
+        "--lora-scrape-interval-s",
+        type=float,
+        default=0.5,
+        help="how often each engine's LoRA series are read",
+    )
+    p.add_argument(
+        "--lora-load-cost",
+        type=float,
+        default=256.0,
+        help="with KV-aware routing: the cost, in prompt tokens, of an engine whose slots "
+        "are all taken by other adapters (a free slot costs a fifth of it or less)",
+    )
 
 
 def add_flow_arguments(p: argparse.ArgumentParser) -> None:
@@ -138,4 +163,7 @@ def routing_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_events_replay_port": args.kv_events_replay_port,
         "tenants_file": args.tenants_file,
         "tenant_header": args.tenant_header,
+        "lora_affinity": args.lora_affinity,
+        "lora_scrape_interval_s": args.lora_scrape_interval_s,
+        "lora_load_cost": args.lora_load_cost,
     }

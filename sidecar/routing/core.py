@@ -1,10 +1,11 @@
 """The routing core: which decode backend serves a request, and which backends are fit to.
 
 It owns the decode set (discovery), each backend's in-flight count, health and ejection
-(outlier.py), prefix affinity (affinity.py) and precise KV-aware routing with the up-front
-P/D decision (kv_routing.py). No HTTP or gRPC here: the front-ends (the HTTP gateway and
-the ext_proc endpoint picker) do the talking, hand this core what they see (probe results,
-failed and served requests) and ask it for a `Route`."""
+(outlier.py), prefix affinity (affinity.py), LoRA adapter residency (lora_affinity.py) and
+precise KV-aware routing with the up-front P/D decision (kv_routing.py). No HTTP or gRPC
+here: the front-ends (the HTTP gateway and the ext_proc endpoint picker) do the talking,
+hand this core what they see (probe results, failed and served requests) and ask it for a
+`Route`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..net.metrics import GatewayMetrics
 from .affinity import HashRing, affinity_key, route_order
 from .kv_router import PD_HEADER
 from .kv_routing import EngineTokenize, KVRouting
+from .lora_affinity import Fetch, LoraResidency, adapter_cost, adapter_order, residency
 from .outlier import OutlierDetector, endpoint_fault
 from .settings import RoutingSettings
 
@@ -64,15 +66,23 @@ class Routing:
             on_readmit=self._on_readmit,
         )
         self._health_task: Optional[asyncio.Task[None]] = None
+        self.lora = (
+            LoraResidency(self.healthy_backends, settings.lora_scrape_interval_s)
+            if settings.lora_affinity
+            else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def start(
         self,
         probe: Callable[[str], Awaitable[bool]],
         engine_tokenize: Optional[EngineTokenize] = None,
+        engine_metrics: Optional[Fetch] = None,
     ) -> None:
         """Discovers the backends, probes them once, then keeps probing in the background
-        with `probe` (the front-end's readiness check: True when the backend is fit)."""
+        with `probe` (the front-end's readiness check: True when the backend is fit);
+        reads their engines' LoRA series through `engine_metrics` (backend -> its engine's
+        Prometheus text, or None)."""
         self._probe = probe
         if self.kv is not None:
             self.kv.engine_tokenize = engine_tokenize
@@ -81,8 +91,12 @@ class Routing:
         if self.kv is not None:
             await self.kv.follow(self.backends.current)
         self._health_task = asyncio.create_task(self._health_forever())
+        if self.lora is not None:
+            await self.lora.start(engine_metrics)
 
     async def stop(self) -> None:
+        if self.lora is not None:
+            await self.lora.stop()
         if self._health_task:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -172,20 +186,43 @@ class Routing:
 
     async def route(self, body: Optional[Any], headers: dict[str, str]) -> Route:
         """Where a request goes: prefix affinity by load, reordered by KV cost when the
-        engines' caches are known. `body` is a parsed generation request (None for any
-        other route); `headers` are the client's (for an engine's /tokenize)."""
+        engines' caches are known, and for a LoRA adapter by where it is loaded (within
+        the load bound; a cost beside the KV cost when that applies). `body` is a parsed
+        generation request (None for any other route); `headers` are the client's (for an
+        engine's /tokenize)."""
         key = affinity_key(body, self.settings.prefix_chars) if body is not None else ""
         order, preferred = route_order(
             self.ring(), key, self.load, self.healthy, self.settings.balance
         )
         if order:
             self.metrics.affinity.labels("preferred" if preferred else "spilled").inc()
-        if not order or self.kv is None or not isinstance(body, dict):
-            return Route(order, preferred)
-        choice = await self.kv.choose(body, order, headers)
-        if choice is None:
-            return Route(order, preferred)
-        return Route(choice.order, preferred, choice.path, choice.hit_ratio)
+        adapter = self._adapter(body)
+        scores = self.lora.scores(adapter, order) if self.lora and adapter else None
+        route, by_cost = Route(order, preferred), False
+        if order and self.kv is not None and isinstance(body, dict):
+            extra = None
+            if scores is not None:
+                alive = [b for b in order if self.healthy(b)]
+                s = self.settings
+                extra = adapter_cost(scores, alive, self.load, s.balance, s.lora_load_cost)
+            choice = await self.kv.choose(body, order, headers, extra)
+            if choice is not None:
+                route = Route(choice.order, preferred, choice.path, choice.hit_ratio)
+                by_cost = True  # the adapter's cost is in it
+        if scores is not None and not by_cost:
+            reordered = adapter_order(order, scores, self.load, self.healthy, self.settings.balance)
+            route = Route(reordered, preferred and reordered[:1] == order[:1])
+        if scores is not None and adapter is not None and self.lora is not None and route.order:
+            self.metrics.lora_routes.labels(residency(scores[route.order[0]])).inc()
+            self.lora.routed(route.order[0], adapter)
+        return route
+
+    def _adapter(self, body: Optional[Any]) -> Optional[str]:
+        """The request's `model` when residency routing applies to it (a LoRA adapter)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        if self.lora is None or not isinstance(model, str) or not self.lora.applies(model):
+            return None
+        return model
 
     def next_backend(self, order: list[str], failed: list[str]) -> str:
         """Healthy backends not yet failed first (in the request's order), then the rest:

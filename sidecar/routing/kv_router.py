@@ -189,10 +189,12 @@ class KVRouter:
         cache_salt: Optional[str] = None,
         healthy: Callable[[str], bool] = lambda b: True,
         model: Optional[str] = None,
+        extra_cost: Optional[Callable[[str], float]] = None,
     ) -> RouteDecision:
         """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last.
         `model`: the request's; when engines published blocks under a LoRA adapter of that
-        name, the prompt's keys are that adapter's (another adapter's blocks never count)."""
+        name, the prompt's keys are that adapter's (another adapter's blocks never count).
+        `extra_cost`: more cost per backend, in tokens (an adapter not loaded there)."""
         n = len(token_ids)
         lora = model if model is not None and model in self.index.lora_names else None
         keys = request_block_keys(token_ids, self.block_size, cache_salt, lora)
@@ -211,13 +213,12 @@ class KVRouter:
         }
         pending = {b: self.block_size * self.index.pending_blocks(b, keys) for b in order}
         pos = {b: i for i, b in enumerate(order)}
+        extra = {b: extra_cost(b) if extra_cost is not None else 0.0 for b in order}
 
         def cost(b: str) -> tuple[float, int]:
             uncached = n - cached[b] - tier[b]
-            return (
-                uncached + self.tier_cost * tier[b] + pending[b] + self.load_cost_tokens * load(b),
-                pos[b],
-            )
+            work = uncached + self.tier_cost * tier[b] + pending[b] + extra[b]
+            return (work + self.load_cost_tokens * load(b), pos[b])
 
         ranked = sorted((b for b in order if healthy(b)), key=cost) + [
             b for b in order if not healthy(b)

@@ -76,10 +76,15 @@ class KVRouting:
         self.router.close()
 
     async def choose(
-        self, body: Any, order: list[str], headers: dict[str, str]
+        self,
+        body: Any,
+        order: list[str],
+        headers: dict[str, str],
+        extra_cost: Optional[Callable[[str], float]] = None,
     ) -> Optional[KVChoice]:
-        """`order` (hash affinity) reordered by cost, with the P/D path; None when the
-        prompt's ids or the engines' caches are unknown (the affinity order stands)."""
+        """`order` (hash affinity) reordered by cost (plus `extra_cost` per backend, in
+        tokens), with the P/D path; None when the prompt's ids or the engines' caches are
+        unknown (the affinity order stands)."""
         try:
             ids = await self.router.prompt_token_ids_async(body)
             if ids is None and self.settings.kv_engine_tokenize and self.engine_tokenize:
@@ -89,7 +94,9 @@ class KVRouting:
                 return None
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
             model = body.get("model") if isinstance(body.get("model"), str) else None
-            d = await self.router.decide_async(order, ids, self.load, salt, self.healthy, model)
+            d = await self.router.decide_async(
+                order, ids, self.load, salt, self.healthy, model, extra_cost
+            )
         except Exception:  # routing must not fail a request: affinity order stands
             log.exception("kv routing failed")
             return None

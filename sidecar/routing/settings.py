@@ -45,6 +45,12 @@ class RoutingSettings:
     # the value of tenant_header (pools behind another gateway that authenticates).
     tenants_file: Optional[str] = None
     tenant_header: Optional[str] = None
+    # LoRA residency (lora_affinity.py): an adapter's request goes where the adapter is
+    # loaded, from each engine's vllm:lora_requests_info read every lora_scrape_interval_s;
+    # with KV routing an engine lacking the adapter costs up to lora_load_cost tokens.
+    lora_affinity: bool = True
+    lora_scrape_interval_s: float = 0.5
+    lora_load_cost: float = 256.0
 
     @property
     def kv_routing(self) -> bool:
@@ -55,6 +61,10 @@ class RoutingSettings:
             raise ValueError("give --decode-url (repeatable) or --decode-service")
         if self.prefix_chars < 1 or self.balance < 1.0:
             raise ValueError("prefix chars must be >= 1 and balance >= 1.0")
+        if not 0.05 <= self.lora_scrape_interval_s <= 3600 or self.lora_load_cost < 0:
+            raise ValueError(
+                "--lora-scrape-interval-s must be in [0.05, 3600] and --lora-load-cost >= 0"
+            )
         if self.outlier_failures < 1:
             raise ValueError("outlier failures must be >= 1")
         if self.tenant_header and not self.tenants_file:

@@ -18,6 +18,8 @@ up at once; --rounds rounds, each running both topologies' two phases of --secon
   noisy-on       all tenants, with the tenants file: equal weights (or --weights), no
                  limits and no pool section (the engines' learned limit), unless --bound
                  (pool.maxInFlightPerBackend) or the noisy tenant's own limits are given
+--warmup-rounds (1) rounds of all of that run first, unmeasured (a fresh topology's first
+burst meets cold connection pools and the engine's first big batches, off and on alike).
 Reported: the quiet tenant's TTFT p50/p99 (first streamed token) and its p99 against
 alone on the same topology, the tokens streamed a second by all tenants (from --settle-s
 into each phase to its end; streams still open at the end are cut by the client and
@@ -372,6 +374,10 @@ def run_topologies(
             )
             for label, file in files.items()
         }
+        for _ in range(args.warmup_rounds):  # not measured: see --warmup-rounds
+            for topo in topos.values():
+                drive(topo.gateway.url, args, False, Run("warm-up"))
+                drive(topo.gateway.url, args, True, Run("warm-up"))
         for _ in range(args.rounds):
             for label, topo in topos.items():
                 alone, noisy = runs[label]
@@ -426,6 +432,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--queue-timeout-s", type=float, default=0, help="0: the file's default")
     p.add_argument("--engine-arg", action="append", default=[])
     p.add_argument("--rounds", type=int, default=3, help="alone / noisy phases, alternating")
+    p.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="rounds run first and not measured: the first burst of a fresh topology meets "
+        "cold connection pools and an engine's first big batches (off and on alike)",
+    )
     p.add_argument("--only", help="off or on: one topology only")
     return p.parse_args()
 

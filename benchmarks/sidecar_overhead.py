@@ -6,6 +6,7 @@
     python benchmarks/sidecar_overhead.py --arrivals spread    # requests not in lock-step
     python benchmarks/sidecar_overhead.py --engine-rejects yes --tracing both  # off vs on
     python benchmarks/sidecar_overhead.py --engine-rejects yes --baseline-commit REV  # vs before
+    python benchmarks/sidecar_overhead.py --llmd               # beside llm-d's pd-sidecar
 
 64 concurrent streaming clients (keep-alive, one connection each) send requests straight
 to the upstream and through `pdpool sidecar` (decode-first, threshold 0), in alternating
@@ -16,6 +17,12 @@ stand-in, which ignores `cache_hit_threshold` as vLLM does, auto learns "cannot 
 serves these short prompts by decode alone (relayed without inspection). Reported: time to
 first token and end-to-end latency p50/p99 of each path, what each sidecar adds, and its CPU
 per request; the same in benchmarks/results/sidecar_overhead[_engine][_spread].json.
+
+With `--llmd`, llm-d's Go `pd-sidecar` (built from llm-d-router by
+scripts/llm-d/build-pd-sidecar.sh, or the binary in $PDPOOL_LLMD_PD_SIDECAR) runs in front of
+the same upstream, measured in the same alternating rounds: requests carry no prefill header,
+so it forwards them to its decoder as ours serves them by decode alone. A stream that fails
+(an error status, a broken connection) is counted per target instead of ending the run.
 
 By default all clients start together and every stream is as long, so requests come in
 bursts of 64 within a millisecond: the worst case for a proxy on one event loop, whose
@@ -226,33 +233,75 @@ class Conn:
         return first, time.perf_counter() - start
 
 
+STREAM_FAILURES = (RuntimeError, ConnectionError, asyncio.IncompleteReadError, ValueError)
+
+
 async def run_round(
     host: str, port: int, concurrency: int, per_client: int, body: bytes, spread_s: float = 0.0
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], int]:
     """Every client sends `per_client` requests back to back. With `spread_s` the clients
     start that far apart in all (evenly): their requests then keep arriving spread out,
-    instead of all 64 in the same millisecond whenever the previous streams end."""
-    ttfts, totals = [], []
+    instead of all 64 in the same millisecond whenever the previous streams end. Returns
+    the TTFTs and totals of the streams served and the count of failed ones (a client whose
+    stream failed goes on with a new connection)."""
+    ttfts: list[float] = []
+    totals: list[float] = []
+    failed = 0
     conns = [Conn(host, port) for _ in range(concurrency)]
 
-    async def client(i: int, conn: Conn) -> None:
+    async def client(i: int) -> None:
+        nonlocal failed
         await asyncio.sleep(spread_s * i / concurrency)
         for _ in range(per_client):
-            first, total = await conn.post_stream("/v1/completions", body)
+            try:
+                first, total = await conns[i].post_stream("/v1/completions", body)
+            except STREAM_FAILURES:
+                failed += 1
+                if conns[i].writer is not None:
+                    conns[i].writer.close()
+                conns[i] = Conn(host, port)
+                continue
             ttfts.append(first)
             totals.append(total)
 
-    await asyncio.gather(*(client(i, c) for i, c in enumerate(conns)))
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
     for c in conns:
-        c.writer.close()
-    return ttfts, totals
+        if c.writer is not None:
+            c.writer.close()
+    return ttfts, totals, failed
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time a process and its live descendants (a sidecar's workers)
+    have used so far."""
+    total = 0.0
+    for one in process_tree(pid):
+        try:
+            with open(f"/proc/{one}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant of it."""
+    found, todo = [], [pid]
+    while todo:
+        one = todo.pop()
+        found.append(one)
+        try:
+            tasks = os.listdir(f"/proc/{one}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{one}/task/{task}/children") as fh:
+                    todo.extend(int(child) for child in fh.read().split())
+            except OSError:
+                continue
+    return found
 
 
 def pct(values: list[float], q: float) -> float:
@@ -262,6 +311,7 @@ def pct(values: list[float], q: float) -> float:
 
 # ----------------------------------------------------------------------- main
 MODES = ("auto", "yes")  # --engine-rejects of the sidecars measured (auto: the default)
+LLMD = "llm-d pd-sidecar"
 
 
 def wait_healthy(url: str, timeout_s: float = 180) -> None:
@@ -340,8 +390,19 @@ def parse_args() -> argparse.Namespace:
         help="also measure, alike, a sidecar of this git revision (its tree exported to a "
         "temporary folder and imported from there): what the changes since cost",
     )
+    ap.add_argument(
+        "--sidecar-workers",
+        help="our sidecars' --workers (default: theirs, auto); the baseline's is its own",
+    )
+    ap.add_argument(
+        "--llmd",
+        action="store_true",
+        help="also measure llm-d's pd-sidecar in front of the same upstream (built by "
+        "scripts/llm-d/build-pd-sidecar.sh unless $PDPOOL_LLMD_PD_SIDECAR names the binary)",
+    )
     ap.add_argument("--serve-standin", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.llmd_binary = llmd_pd_sidecar_binary() if args.llmd else None
     args.baseline_root = export_baseline(args.baseline_commit) if args.baseline_commit else None
     args.engine_rejects = list(dict.fromkeys(args.engine_rejects or MODES))
     return args
@@ -382,8 +443,10 @@ def start_sidecar(
     nice: int,
     traces: str | None = None,
     import_root: str | None = None,
+    workers: str | None = None,
 ) -> subprocess.Popen:
-    tracing = ["--otlp-traces-endpoint", traces] if traces else []
+    extra = ["--otlp-traces-endpoint", traces] if traces else []
+    extra += ["--workers", workers] if workers else []
     env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
     if import_root:  # the baseline's `pdpool` package comes first
         env["PYTHONPATH"] = import_root
@@ -402,7 +465,7 @@ def start_sidecar(
             "0",
             "--engine-rejects",
             engine_rejects,
-            *tracing,
+            *extra,
         ),
         env=env,
         cwd=import_root,  # `python -c` puts the working folder first on sys.path
@@ -425,7 +488,11 @@ def start_sidecars(
         for traced in {"off": [False], "on": [True], "both": [False, True]}[args.tracing]:
             port = free_port()
             endpoint = receiver.endpoint if traced and receiver else None
-            procs.append(start_sidecar(port, up_port, mode, args.sidecar_nice, endpoint))
+            procs.append(
+                start_sidecar(
+                    port, up_port, mode, args.sidecar_nice, endpoint, workers=args.sidecar_workers
+                )
+            )
             targets[f"sidecar {mode}{' traced' if traced else ''}"] = (port, procs[-1].pid)
         if args.baseline_root:
             port = free_port()
@@ -433,7 +500,38 @@ def start_sidecars(
                 start_sidecar(port, up_port, mode, args.sidecar_nice, None, args.baseline_root)
             )
             targets[f"sidecar {mode} baseline"] = (port, procs[-1].pid)
+    if args.llmd:
+        port = free_port()
+        procs.append(start_llmd_sidecar(args.llmd_binary, port, up_port))
+        targets[LLMD] = (port, procs[-1].pid)
     return targets
+
+
+def llmd_pd_sidecar_binary() -> str:
+    """llm-d's pd-sidecar: $PDPOOL_LLMD_PD_SIDECAR, else built (or found cached) by
+    scripts/llm-d/build-pd-sidecar.sh; SystemExit with the build's reason when neither."""
+    binary = os.environ.get("PDPOOL_LLMD_PD_SIDECAR")
+    if binary:
+        if not os.access(binary, os.X_OK):
+            raise SystemExit(f"PDPOOL_LLMD_PD_SIDECAR={binary} is not an executable file")
+        return binary
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(repo, "scripts", "llm-d", "build-pd-sidecar.sh")
+    done = subprocess.run([script], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        reason = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise SystemExit(f"cannot build llm-d's pd-sidecar (exit {done.returncode}): {reason}")
+    return lines[-1]
+
+
+def start_llmd_sidecar(binary: str, port: int, upstream_port: int) -> subprocess.Popen:
+    """llm-d's pd-sidecar on `port` in front of the engine on `upstream_port`, plain HTTP
+    (its default is a self-signed TLS listener), its default connector; requests without
+    its prefill header (x-prefiller-host-port) go to the decoder alone."""
+    command = [binary, "--port", str(port), "--model-server-port", str(upstream_port)]
+    command += ["--secure-proxy=false", "--zap-log-level", "error"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
 
 
 def export_baseline(revision: str) -> str:
@@ -459,17 +557,18 @@ def spread_s(args: argparse.Namespace) -> float:
 
 def measure(
     args: argparse.Namespace, targets: dict[str, tuple[int, int]], body: bytes
-) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, float]]:
+) -> tuple[dict[str, tuple[list[float], list[float]]], dict[str, float], dict[str, int]]:
     """Alternating rounds over every target (name: (port, pid of its process)): the
-    (TTFTs, totals) of each, and the CPU seconds each sidecar spent."""
+    (TTFTs, totals) of each, the CPU seconds each spent and its failed streams."""
     for port, _ in targets.values():  # warm-up: connections, caches, lazy imports
         asyncio.run(run_round("127.0.0.1", port, args.concurrency, 1, body))
     data: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in targets}
     cpu = dict.fromkeys(targets, 0.0)
+    failed = dict.fromkeys(targets, 0)
     for _ in range(args.rounds):
         for name, (port, pid) in targets.items():
             cpu_before = cpu_seconds(pid)
-            ttfts, totals = asyncio.run(
+            ttfts, totals, round_failed = asyncio.run(
                 run_round(
                     "127.0.0.1",
                     port,
@@ -480,12 +579,19 @@ def measure(
                 )
             )
             cpu[name] += cpu_seconds(pid) - cpu_before
+            failed[name] += round_failed
             data[name][0].extend(ttfts)
             data[name][1].extend(totals)
-    return data, cpu
+    return data, cpu, failed
 
 
 def summary(ttft: list[float], total: list[float]) -> dict:
+    if not ttft:
+        nan = float("nan")
+        return dict.fromkeys(("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"), nan) | {
+            "n": 0,
+            "e2e_mean_ms": nan,
+        }
     return {
         "n": len(ttft),
         "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
@@ -496,18 +602,22 @@ def summary(ttft: list[float], total: list[float]) -> dict:
     }
 
 
-def print_table(rows: dict, added: dict, cpu_ms: dict) -> None:
-    print(f"{'path':<20}{'n':>6}{'TTFT p50':>11}{'TTFT p99':>11}{'E2E p50':>11}{'E2E p99':>11}")
+def print_table(rows: dict, added: dict, cpu_ms: dict, failed: dict) -> None:
+    print(
+        f"{'path':<24}{'n':>6}{'TTFT p50':>11}{'TTFT p99':>11}{'E2E p50':>11}{'E2E p99':>11}"
+        f"{'failed':>8}"
+    )
     for name, r in rows.items():
         print(
-            f"{name:<20}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
-            f"{r['e2e_p50_ms']:>9.2f}ms{r['e2e_p99_ms']:>9.2f}ms"
+            f"{name:<24}{r['n']:>6}{r['ttft_p50_ms']:>9.2f}ms{r['ttft_p99_ms']:>9.2f}ms"
+            f"{r['e2e_p50_ms']:>9.2f}ms{r['e2e_p99_ms']:>9.2f}ms{failed[name]:>8}"
         )
     for name, a in added.items():
+        label = "added " + name.removeprefix("sidecar ")
         print(
-            f"{'added ' + name.split(' ', 1)[1]:<20}{'':>6}{a['ttft_p50_ms']:>9.2f}ms"
+            f"{label:<24}{'':>6}{a['ttft_p50_ms']:>9.2f}ms"
             f"{a['ttft_p99_ms']:>9.2f}ms{a['e2e_p50_ms']:>9.2f}ms{a['e2e_p99_ms']:>9.2f}ms"
-            f"   CPU {cpu_ms[name]:.3f} ms/request"
+            f"{'':>8}   CPU {cpu_ms[name]:.3f} ms/request"
         )
 
 
@@ -531,10 +641,10 @@ def main() -> int:
         wait_healthy(f"http://127.0.0.1:{up_port}")
         for name, (port, _) in targets.items():
             wait_healthy(f"http://127.0.0.1:{port}")
-            if name != "direct":
+            if name.startswith("sidecar "):
                 learned[name] = wait_capability(f"http://127.0.0.1:{port}")
         body = json.dumps({**prompt, "stream": True}).encode()
-        data, cpu = measure(args, targets, body)
+        data, cpu, failed = measure(args, targets, body)
     finally:
         for p in procs:
             p.terminate()
@@ -563,11 +673,12 @@ def main() -> int:
         f"{args.sidecar_nice}, arrivals {args.arrivals}"
     )
     print("engine capability as the auto sidecar learned it: " + str(learned.get("sidecar auto")))
-    print_table(rows, added, cpu_ms)
+    print_table(rows, added, cpu_ms, failed)
     print(f"(CPU: the sidecar's, per streamed request of {args.tokens} tokens + usage + [DONE])")
     os.makedirs(RESULTS, exist_ok=True)
     suffix = ("_engine" if args.engine else "") + ("_spread" if args.arrivals == "spread" else "")
     suffix += "" if args.tracing == "off" else f"_tracing_{args.tracing}"
+    suffix += "_llmd" if args.llmd else ""
     out = os.path.join(RESULTS, f"sidecar_overhead{suffix}.json")
     with open(out, "w") as fh:
         json.dump(
@@ -577,12 +688,15 @@ def main() -> int:
                 "cpus": os.cpu_count(),
                 "load_average": load,
                 "sidecar_nice": args.sidecar_nice,
+                "sidecar_workers": args.sidecar_workers or "default",
                 "arrivals": args.arrivals,
                 "engine_rejects": args.engine_rejects,
                 "tracing": args.tracing,
                 "baseline_commit": args.baseline_commit,
                 "capability_learned": learned,
+                "llmd_pd_sidecar": args.llmd_binary,
                 "sidecar_cpu_ms_per_request": cpu_ms,
+                "failed_streams": failed,
                 "rows": rows,
                 "added": added,
             },

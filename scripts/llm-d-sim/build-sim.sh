@@ -12,36 +12,28 @@
 # version the simulator's go.mod requires, put in place with `go mod edit -replace`.
 # Idempotent: a binary built from the same simulator commit is kept. Prints its path.
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=../llm-d/lib.sh
+source "$here/../llm-d/lib.sh"
 
 SIM_SRC=${PDPOOL_SIM_SRC:-/work/.mirror/llm-d+llm-d-inference-sim/repo}
 ROUTER_SRC=${PDPOOL_LLMD_ROUTER_SRC:-/work/.mirror/llm-d+llm-d-router/repo}
 SIM_REF=${PDPOOL_SIM_REF:-HEAD}
 BIN=${PDPOOL_SIM_BIN_DIR:-$HOME/.cache/pdpool/sim-bin}
 WORK=$HOME/.cache/pdpool/sim-build
+
+llmd_require build-sim "$SIM_SRC"
+llmd_require build-sim "$ROUTER_SRC"
 mkdir -p "$BIN" "$WORK"
 exec 9>"$BIN/.lock"
 flock 9
-export GOFLAGS="-mod=mod -buildvcs=false" GOTOOLCHAIN=local CGO_ENABLED=0
-
-command -v go >/dev/null || { echo "build-sim: go is not installed" >&2; exit 3; }
-commit=$(git --git-dir="$SIM_SRC" rev-parse "$SIM_REF")
-if [[ -x $BIN/llm-d-inference-sim && "$(cat "$BIN/.version" 2>/dev/null)" == "$commit" ]]; then
-  echo "$BIN/llm-d-inference-sim"
-  exit 0
-fi
+commit=$(llmd_commit "$SIM_SRC" "$SIM_REF")
+llmd_cached "$BIN" llm-d-inference-sim "$commit" && exit 0
 src=$WORK/sim-$commit
-if [[ ! -f $src/go.mod ]]; then
-  mkdir -p "$src"
-  git --git-dir="$SIM_SRC" archive "$commit" | tar -x -C "$src"
-fi
+llmd_tree "$SIM_SRC" "$commit" "$src"
 router_version=$(awk '$1 == "github.com/llm-d/llm-d-router" {print $2; exit}' "$src/go.mod")
 router=$WORK/llm-d-router-$router_version
-if [[ ! -f $router/go.mod ]]; then
-  mkdir -p "$router"
-  git --git-dir="$ROUTER_SRC" archive "$router_version" | tar -x -C "$router"
-fi
+llmd_tree "$ROUTER_SRC" "$router_version" "$router"
 (cd "$src" && go mod edit -replace "github.com/llm-d/llm-d-router=$router" \
   && go build -o "$BIN/llm-d-inference-sim.new" ./cmd/llm-d-inference-sim >&2)
-mv "$BIN/llm-d-inference-sim.new" "$BIN/llm-d-inference-sim"
-echo "$commit" > "$BIN/.version"
-echo "$BIN/llm-d-inference-sim"
+llmd_install "$BIN" llm-d-inference-sim "$commit"

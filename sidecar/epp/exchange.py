@@ -182,6 +182,8 @@ class Exchange:
         return [protocol.response_headers(self.endpoint)]
 
     def _response_body(self, part: Any) -> Answers:
+        if self._slot is not None and (part.body or part.end_of_stream):
+            self._slot.started()  # the first token: out of the pool's starting bound
         ended = part.end_of_stream
         if ended:
             self._finish()

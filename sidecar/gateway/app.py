@@ -234,6 +234,7 @@ class Gateway:
             if slot is None:
                 return
             FLOW_SLOT.set(slot)  # the flow's task (a copy of this context) sees it
+            send = _first_body_starts(send, slot)
             assert self.flow is not None
             # The band goes on to the engines (both legs), as their `priority`.
             body, changed = with_priority(body, self.flow.engine_priority(tenant, headers))
@@ -651,6 +652,20 @@ async def _relay_body(
         answer_started(headers)
         await send_start(send, 200, headers)
     await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def _first_body_starts(send: Send, slot: Slot) -> Send:
+    """`send`, telling flow control when the answer's first byte goes out (a stream's first
+    token): the slot leaves the pool's starting bound then, not when the answer ends."""
+
+    async def sending(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and (
+            message.get("body") or not message.get("more_body")
+        ):
+            slot.started()
+        await send(message)
+
+    return sending
 
 
 def _record_usage(content: bytes) -> None:

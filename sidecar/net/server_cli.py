@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import socket
 from typing import Any, Callable, Optional
 
 from pdpool import metrics_listener, tracing
@@ -28,17 +29,43 @@ def add_listen_arguments(
 
 
 def serve(
-    args: argparse.Namespace, build_app: Callable[[], Any], metrics_port: Optional[int] = None
+    args: argparse.Namespace,
+    build_app: Callable[..., Any],
+    metrics_port: Optional[int] = None,
+    workers: int = 1,
 ) -> int:
     """Checks the TLS flags, builds the app (which raises CliError on bad settings) and
     serves it until stopped; with `metrics_port`, /metrics alone there too
-    (pdpool/metrics_listener.py)."""
-    import uvicorn
-
+    (pdpool/metrics_listener.py). With `workers` > 1, that many processes share the ports
+    (workers.py) and each builds its app as `build_app(worker)`."""
     from pdpool.errors import CliError
 
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise CliError("--tls-cert-file and --tls-key-file go together")
+    if workers > 1:
+        from .workers import Worker, run_workers
+
+        def run_one(worker: Worker, sockets: list[socket.socket]) -> int:
+            real_metrics_port = sockets[1].getsockname()[1] if len(sockets) > 1 else None
+            return _serve_app(args, lambda: build_app(worker), real_metrics_port, sockets)
+
+        return run_workers(workers, args.host, args.port, metrics_port, run_one)
+    listeners = metrics_listener.Listeners(args.host, args.port, metrics_port)
+    return _serve_app(args, build_app, listeners.metrics_port, listeners.sockets, listeners)
+
+
+def _serve_app(
+    args: argparse.Namespace,
+    build_app: Callable[[], Any],
+    metrics_port: Optional[int],
+    sockets: list[socket.socket],
+    listeners: Optional[metrics_listener.Listeners] = None,
+) -> int:
+    """Builds the app and serves it on `sockets` (none: uvicorn binds host:port itself)."""
+    import uvicorn
+
+    from pdpool.errors import CliError
+
     tracing.configure_or_exit(args.otlp_traces_endpoint, args.otlp_service_name)
     tls = (
         {"ssl_certfile": args.tls_cert_file, "ssl_keyfile": args.tls_key_file}
@@ -46,9 +73,10 @@ def serve(
         else {}
     )
     app = build_app()
-    listeners = metrics_listener.Listeners(args.host, args.port, metrics_port)
+    if metrics_port is not None:
+        app = metrics_listener.MetricsOnly(app, metrics_port)
     config = uvicorn.Config(
-        listeners.wrap(app),
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
@@ -62,7 +90,10 @@ def serve(
     _freeze_start_up_objects()
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
-        listeners.run(server)
+        if listeners is not None:
+            listeners.run(server)
+        else:
+            server.run(sockets=sockets or None)
     if not server.started:
         raise CliError(f"the server did not start on {args.host}:{args.port}")
     return 0

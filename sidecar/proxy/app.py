@@ -48,6 +48,7 @@ from ..net.asgi import (
 )
 from .adapter_legs import AdapterLegs
 from .capability import EngineCapability
+from .capability_share import CapabilityShare
 from ..net.discovery import EndpointSet
 from .exchange import Exchange
 from .flows import Flow, Flows
@@ -90,6 +91,8 @@ class Sidecar:
             settings.engine_rejects, probe_timeout_s=settings.probe_timeout_s or 2.0
         )
         self._capability_task: Optional[asyncio.Task[None]] = None
+        # One worker of several (net/workers.py): the capability is learned once for all.
+        self.capability_share: Optional[CapabilityShare] = None
         self._starting: Optional[asyncio.Future[None]] = None  # startup() without lifespan
         self.metrics.engine_rejects.set_function(lambda: self.capability.gauge_value)
         # The parts share the app's settings object (tests change it on a running app).
@@ -123,9 +126,10 @@ class Sidecar:
             self._probe_task = asyncio.create_task(self.prefill.probe_forever())
         if self.settings.mode == "decode-first" and self.capability.known is None:
             # In the background only: requests read what is known and never wait for it.
-            self._capability_task = asyncio.create_task(
-                self.capability.probe_until_known(lambda: self.client, self.settings.decode_url)
-            )
+            probe = self.capability.probe_until_known(lambda: self.client, self.settings.decode_url)
+            if self.capability_share is not None:
+                probe = self.capability_share.learn(self.capability, probe)
+            self._capability_task = asyncio.create_task(probe)
 
     async def shutdown(self) -> None:
         await _cancelled(self._capability_task)

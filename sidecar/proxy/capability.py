@@ -83,12 +83,12 @@ class EngineCapability:
         while self.known is None:
             answer = await probe_rejects(client_fn(), decode_url, self.probe_timeout_s)
             if answer is not None:
-                self._learn(answer)
+                self.learn(answer)
                 return
             await asyncio.sleep(pause)
             pause = min(pause * 2, PROBE_RETRY_MAX_S)
 
-    def _learn(self, rejects: bool) -> None:
+    def learn(self, rejects: bool) -> None:
         self.known = rejects
         if rejects:
             log.info("the decode engine honours cache_hit_threshold")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from pdpool import metrics_listener
 from pdpool.cli import add_switch
@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_listen_arguments(p, port=8000, service="pdpool-sidecar")
+    p.add_argument(
+        "--workers",
+        default="auto",
+        help="processes sharing the port (SO_REUSEPORT), so that a burst of arrivals is "
+        "served on every core; auto (default): the usable cores, at most 4",
+    )
     metrics_listener.add_argument(p)
     p.add_argument("--config", help="YAML or JSON file of settings (flags override it)")
     _add_engine_arguments(p)
@@ -192,6 +198,20 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .app import build_app
+    from ..net.workers import Worker, parse_workers
+    from .app import Sidecar, build_app
 
-    return serve(args, lambda: build_app(settings_from_args(args)), args.metrics_port)
+    settings = settings_from_args(args)
+    workers = parse_workers(args.workers)
+
+    def build(worker: Optional[Worker] = None) -> Any:
+        app: Sidecar = build_app(settings)
+        if worker is None:
+            return app
+        from ..net.worker_app import WorkerApp
+        from .capability_share import CapabilityShare
+
+        app.capability_share = CapabilityShare(worker.capability_file, worker.index == 0)
+        return WorkerApp(app, worker, app.metrics.render)
+
+    return serve(args, build, args.metrics_port, workers=workers)

@@ -71,6 +71,9 @@ class FlowControl:
     def bound(self, pool: PoolLimits) -> int:
         return self.saturation.bound(pool)
 
+    def starting_bound(self, pool: PoolLimits) -> int:
+        return self.saturation.starting_bound(pool)
+
     def _on_engines_read(self) -> None:
         self.metrics.concurrency_limit.set(self.saturation.bound(self.tenants.current().pool))
         self.controller.dispatch()  # a drained engine or a grown limit frees queued requests
@@ -103,7 +106,8 @@ class FlowControl:
     ) -> AsyncIterator[Slot]:
         """Waits for the request's turn (Shed when it cannot have one) and holds its slot
         until the block ends; a cancelled wait (the client left) leaves the queue at once.
-        `slot.release(used_tokens)` inside the block corrects the token estimate."""
+        `slot.release(used_tokens)` inside the block corrects the token estimate;
+        `slot.started()` when the answer's first byte comes (the starting bound)."""
         slot = await self.acquire(tenant, headers, body)
         try:
             yield slot

@@ -5,15 +5,22 @@ While the pool has room (saturation.py) and nothing waits, a request is admitted
 is released when capacity frees:
 - strict priority between bands: a higher band's request always goes first (a lower band
   is served only while every higher one is empty, or its tenants are at maxConcurrency);
-- weighted fair shares within a band: the tenant that has held the fewest slot-seconds per
-  unit of weight while it was active goes next (then the fewest admitted per weight, then
-  the oldest request), so over time tenants hold the pool's concurrency in proportion to
-  their weights even when the bound is smaller than the tenants are many (start-time fair
-  queueing with slot time as the service). A tenant that was idle starts level with the
-  least served active one: no credit saved while idle, no debt kept. At the pending view's
-  bound (FULL, not HARD) that next tenant is admitted without waiting for a release while
-  it is below its weighted share of the bound (at least one request), so a quiet tenant
-  does not wait for a flood's requests to end;
+- weighted fair shares within a band: the tenant with the least virtual time goes next
+  (then the fewest admitted per weight, then the oldest request). Virtual time is served
+  tokens per unit of weight, measured as streaming slot-seconds (first token to end; a
+  batch gives each stream a token a step): each admission is charged its expected
+  streaming time at once, corrected by the real one at its end (start-time fair queueing
+  with a predicted cost), so admissions at one instant interleave by weight and over time
+  tenants hold the pool in proportion to their weights. A tenant that was idle starts
+  level with the least settled virtual time of the active ones (without their in-flight
+  charges): no credit saved while idle, no debt kept. At the pending view's bound (FULL,
+  not HARD) that next tenant is admitted without waiting for a release while it is below
+  its weighted share of the bound (at least one request), so a quiet tenant does not wait
+  for a flood's requests to end;
+- the starting bound: at most `starting_bound` admitted requests without their first byte
+  at once (past it, only a tenant below its share with none of its own starting adds
+  one), so a burst reaches the engines in fair-ordered waves and a newcomer's prefill
+  waits behind one wave, not the whole burst;
 - per-tenant limits: maxConcurrency (a tenant at it waits), maxQueued, queueTimeoutSeconds,
   tokensPerMinute (prompt + max_tokens estimate, charged at arrival, corrected by the
   usage when the front-end knows it);
@@ -39,6 +46,7 @@ from .saturation import FULL, HARD, ROOM
 from .tenants import PoolLimits, Tenant, TenantsConfig
 
 WINDOW_S = 60.0  # tokensPerMinute's window
+EXPECTED_SMOOTHING = 0.2  # of the expected streaming time per request
 MAX_RETRY_AFTER_S = 60
 
 
@@ -46,6 +54,8 @@ class SaturationView(Protocol):
     def level(self, admitted: int, limits: PoolLimits) -> int: ...
 
     def bound(self, limits: PoolLimits) -> int: ...
+
+    def starting_bound(self, limits: PoolLimits) -> int: ...
 
 
 class Shed(Exception):
@@ -70,28 +80,37 @@ class _Entry:
     arrived: float
     future: asyncio.Future[None]
     charge: Optional[list[float]]  # [time, tokens] in the tenant's window
+    starting: bool = False  # admitted, no first byte yet
+    first_at: Optional[float] = None  # when its first byte came
+    charged: float = 0.0  # the virtual time charged at its admission (expected / weight)
 
 
 @dataclass
 class _TenantState:
     in_flight: int = 0
+    starting: int = 0  # of in_flight, those without their first token yet
     queued: int = 0
     weight: float = 1.0  # the tenant's, as its latest request saw it
     window: deque[list[float]] = field(default_factory=deque)
-    service: float = 0.0  # slot-seconds per unit of weight, up to `service_at`
-    service_at: float = 0.0
+    # Its virtual time: streaming slot-seconds (first token to end) per unit of weight.
+    # Every streaming request of a batch gets a token a step, so this measures its served
+    # tokens. Each admission is charged its expected streaming time at once (so a burst of
+    # admissions at one instant interleaves by weight), corrected by the real one at its end.
+    service: float = 0.0
+    ahead: float = 0.0  # of `service`, the expected charges of requests still in flight
+    expected_s: Optional[float] = None  # EWMA of its requests' streaming time
 
     @property
     def active(self) -> bool:
         return bool(self.in_flight or self.queued)
 
-    def served(self, now: float) -> float:
-        """Its virtual time: slot-seconds held per unit of weight, until `now`."""
-        return self.service + self.in_flight * (now - self.service_at) / self.weight
+    def served(self) -> float:
+        return self.service
 
-    def advance(self, now: float) -> None:
-        """Before its in-flight count or weight changes."""
-        self.service, self.service_at = self.served(now), now
+    def settled(self) -> float:
+        """Its virtual time without the charges of requests still in flight: where a
+        tenant that arrives now starts (level with what the others were really served)."""
+        return self.service - self.ahead
 
 
 class Slot:
@@ -99,6 +118,12 @@ class Slot:
 
     def __init__(self, flow: FlowController, entry: _Entry) -> None:
         self._flow, self._entry, self._released = flow, entry, False
+
+    def started(self) -> None:
+        """The first byte of its answer reached the front-end (its first token, for a
+        stream): it no longer counts against the pool's starting bound."""
+        if not self._released:
+            self._flow._started(self._entry)
 
     @property
     def counts_tokens(self) -> bool:
@@ -157,9 +182,13 @@ class FlowController:
         self.config, self.saturation, self.clock = config, saturation, clock
         self.metrics = metrics or FlowMetrics()
         self.admitted = 0  # requests holding a slot
+        self.starting = 0  # of them, those without their first byte yet
         self.queued = 0
         self._bands: dict[int, dict[str, deque[_Entry]]] = {}
         self._tenants: dict[str, _TenantState] = {}
+        # A first request's expected streaming time (any positive start works: until one
+        # has ended, admissions are only interleaved by weight), then the pool's EWMA.
+        self._expected_s = 1.0
         self._release_gap_s = 0.5  # EWMA of the time between releases, for Retry-After
         self._last_release: Optional[float] = None
 
@@ -181,6 +210,7 @@ class FlowController:
         if (
             not self.queued
             and self._may_start(request.tenant)
+            and self._may_begin(request.tenant, cfg.pool)
             and self.saturation.level(self.admitted, cfg.pool) == ROOM
         ):
             self._grant(entry, now)
@@ -195,13 +225,26 @@ class FlowController:
         st = self.state(tenant.name)
         if st.active:
             return
-        others = [o.served(now) for o in self._tenants.values() if o.active]
-        st.service, st.service_at, st.weight = min(others, default=st.service), now, tenant.weight
+        others = [o.settled() for o in self._tenants.values() if o.active]
+        st.service, st.ahead = min(others, default=st.service), 0.0
+        st.weight = tenant.weight
 
     def _may_start(self, tenant: Tenant) -> bool:
         return (
             not tenant.max_concurrency or self.state(tenant.name).in_flight < tenant.max_concurrency
         )
+
+    def _may_begin(self, tenant: Tenant, pool: PoolLimits) -> bool:
+        """The starting bound: while the pool has that many requests waiting for their first
+        token, only a tenant below its weighted share with none of its own starting may add
+        one. A burst then reaches the engines in waves, each as the last one's first tokens
+        come, so a newcomer's prefill waits behind one wave, not behind the whole burst, and
+        each wave is picked by the fair order below (the first arrivals do not fill the
+        pool)."""
+        gate = self.saturation.starting_bound(pool)
+        if not gate or self.starting < gate:
+            return True
+        return not self.state(tenant.name).starting and self._below_share(tenant, pool)
 
     def _charge(self, request: FlowRequest, now: float) -> Optional[list[float]]:
         """Tokens per minute: the estimate counted now, or Shed with when it would fit."""
@@ -251,7 +294,6 @@ class FlowController:
         queue = self._bands.setdefault(request.priority, {}).setdefault(tenant.name, deque())
         queue.append(entry)
         st.queued += 1
-        st.advance(entry.arrived)
         st.weight = tenant.weight
         self.queued += 1
         self.metrics.queue_length(tenant.name, str(request.priority)).inc()
@@ -300,9 +342,9 @@ class FlowController:
             level = self.saturation.level(self.admitted, pool)
             if level == HARD:
                 return
-            entry = self._pick()
+            entry = self._pick(pool)
             if entry is None:
-                return  # every waiting tenant is at its maxConcurrency
+                return  # every waiting tenant is at its maxConcurrency or starting bound
             if level == FULL and not self._below_share(entry.request.tenant, pool):
                 return
             entry = self._bands[entry.request.priority][entry.request.tenant.name].popleft()
@@ -310,15 +352,17 @@ class FlowController:
             self._grant(entry, self.clock())
             entry.future.set_result(None)
 
-    def _pick(self) -> Optional[_Entry]:
-        now = self.clock()
+    def _pick(self, pool: PoolLimits) -> Optional[_Entry]:
         for band in sorted(self._bands, reverse=True):
             best: Optional[tuple[float, float, float, deque[_Entry]]] = None
             for name, queue in self._bands[band].items():
-                if not queue or not self._may_start(queue[0].request.tenant):
+                tenant = queue[0].request.tenant if queue else None
+                if tenant is None or not self._may_start(tenant):
+                    continue
+                if not self._may_begin(tenant, pool):
                     continue
                 st = self.state(name)
-                key = (st.served(now), st.in_flight / self._weight(queue), queue[0].arrived, queue)
+                key = (st.served(), st.in_flight / self._weight(queue), queue[0].arrived, queue)
                 if best is None or key[:3] < best[:3]:
                     best = key
             if best is not None:
@@ -351,20 +395,46 @@ class FlowController:
         request = entry.request
         self.admitted += 1
         st = self.state(request.tenant.name)
-        st.advance(now)
         st.weight = request.tenant.weight
+        expected = self._expected_s if st.expected_s is None else st.expected_s
+        entry.charged = expected / st.weight
+        st.service += entry.charged
+        st.ahead += entry.charged
         st.in_flight += 1
+        st.starting += 1
+        self.starting += 1
+        entry.starting = True
         band = str(request.priority)
         self.metrics.admitted(request.tenant.name, band).inc()
         self.metrics.wait_seconds(request.tenant.name, band).observe(now - entry.arrived)
         self.metrics.in_flight(request.tenant.name).inc()
+
+    def _started(self, entry: _Entry) -> None:
+        if not entry.starting:
+            return
+        entry.first_at = self.clock()
+        self._not_starting(entry, self.state(entry.request.tenant.name))
+        self.dispatch()
+
+    def _not_starting(self, entry: _Entry, st: _TenantState) -> None:
+        if entry.starting:
+            entry.starting = False
+            st.starting -= 1
+            self.starting -= 1
 
     def _release(self, entry: _Entry, used_tokens: Optional[int]) -> None:
         request = entry.request
         now = self.clock()
         self.admitted -= 1
         st = self.state(request.tenant.name)
-        st.advance(now)
+        self._not_starting(entry, st)
+        streamed = now - entry.first_at if entry.first_at is not None else 0.0
+        st.service += streamed / request.tenant.weight - entry.charged  # the real cost
+        st.ahead -= entry.charged
+        if entry.first_at is not None:
+            st.expected_s = streamed if st.expected_s is None else st.expected_s
+            st.expected_s += EXPECTED_SMOOTHING * (streamed - st.expected_s)
+            self._expected_s += EXPECTED_SMOOTHING * (streamed - self._expected_s)
         st.in_flight -= 1
         self.metrics.in_flight(request.tenant.name).dec()
         if used_tokens is not None and entry.charge is not None:

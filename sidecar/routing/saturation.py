@@ -45,6 +45,12 @@ ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 
 Fetch = Callable[[str], Awaitable[Optional[str]]]
 ROOM, FULL, HARD = 0, 1, 2  # saturation levels
+# Requests admitted per healthy backend that may wait for their first token at once (the
+# starting bound, flow_control.py). A few prompts share one engine step's token budget
+# (vLLM's and ours default to 2048 tokens with chunked prefill): a newcomer's prefill then
+# waits behind about one step of others' prefills, and a backend whose batch is full holds
+# only this many in its own first-come queue (the rest wait in the fair queues here).
+STARTING_PER_BACKEND = 4
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,10 @@ class Saturation:
     def bound(self, limits: PoolLimits) -> int:
         """The pending view's bound: admitted requests the healthy backends take (0: none)."""
         return self._bound(self.healthy_backends(), limits)
+
+    def starting_bound(self, limits: PoolLimits) -> int:
+        """Admitted requests that may be without their first token at once (0: no bound)."""
+        return STARTING_PER_BACKEND * len(self.healthy_backends())
 
     def _bound(self, healthy: list[str], limits: PoolLimits) -> int:
         """The file's explicit bound, else the engines' learned limits summed (0, no bound,

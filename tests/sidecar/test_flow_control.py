@@ -37,8 +37,9 @@ class Pool:
     admits nothing (the engines report saturation); else at capacity it is only FULL (the
     pending view's bound: tenants below their share still go)."""
 
-    def __init__(self, capacity: int, hard: bool = True, **pool: int) -> None:
+    def __init__(self, capacity: int, hard: bool = True, starting: int = 0, **pool: int) -> None:
         self.capacity, self.hard, self.now = capacity, hard, 1000.0
+        self.starting = starting  # the starting bound (0: none)
         self.config = TenantsConfig(tenants={}, pool=PoolLimits(**pool))
         self.flow = FlowController(lambda: self.config, self, clock=lambda: self.now)
         self.log: list[str] = []  # admissions, in order
@@ -50,6 +51,9 @@ class Pool:
 
     def bound(self, limits: PoolLimits) -> int:
         return self.capacity
+
+    def starting_bound(self, limits: PoolLimits) -> int:
+        return self.starting
 
     def submit(self, tenant: Tenant, priority: int | None = None, tokens: int = 10) -> asyncio.Task:
         request = FlowRequest(tenant, tenant.priority if priority is None else priority, tokens)
@@ -175,6 +179,7 @@ async def closed_loop_slot_seconds(
     while True:
         await settle()
         for name, task in [w for w in waiting if w[1].done()]:
+            task.result().started()  # its first token at once: streaming from now on
             end = pool.now + hold_s * rng.uniform(0.8, 1.2)
             heapq.heappush(running, (end, id(task), name, task.result(), pool.now))
         waiting = [w for w in waiting if not w[1].done()]

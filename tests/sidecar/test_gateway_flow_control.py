@@ -165,3 +165,35 @@ async def test_tokens_per_minute_counts_the_real_usage_of_whole_answers(servers,
     assert first.status_code == second.status_code == streamed.status_code == 200
     assert over.status_code == 429 and over.json()["error"]["code"] == "tokens_per_minute"
     assert 1 <= int(over.headers["retry-after"]) <= 60
+
+
+async def test_unknown_and_huge_tenant_keys_are_refused_and_leave_no_state(servers, tmp_path):
+    """Keys are untrusted: a thousand distinct unknown keys, and keys of 8 KiB, are each a
+    401, and none of them creates scheduler state or a metric series (a tenant exists only
+    in the tenants file, so an attacker cannot grow the gateway's memory or its /metrics)."""
+    e = await servers(VllmStandIn("decode-0"))
+    side = await servers(Sidecar(SidecarSettings(decode_url=e.url, mode="aggregated")))
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TENANTS)
+    gw = await servers(
+        Gateway(GatewaySettings(decode_urls=[side.host_port], tenants_file=str(path)))
+    )
+    url = gw.url + "/v1/completions"
+    async with httpx.AsyncClient(timeout=30) as c:
+        assert (await c.post(url, json=BODY, headers=auth(KEY_A))).status_code == 200
+        before = await metric_lines(c, gw.url, "pdpool_flow_")
+        keys = [f"unknown-key-{n:08d}-{'x' * 16}" for n in range(1000)]
+        keys += ["k" * 8192, KEY_A + "x" * 8000]
+        statuses = []
+        for chunk in range(0, len(keys), 100):
+            answers = await asyncio.gather(
+                *(c.post(url, json=BODY, headers=auth(k)) for k in keys[chunk : chunk + 100])
+            )
+            statuses += [r.status_code for r in answers]
+        after = await metric_lines(c, gw.url, "pdpool_flow_")
+    assert set(statuses) <= {401, 431} and statuses.count(401) >= 1000
+    controller = gw.app.flow.controller
+    assert set(controller._tenants) <= {"a", "b"}
+    assert controller.admitted == controller.queued == controller.starting == 0
+    series = {line.rsplit(" ", 1)[0] for line in after}
+    assert series == {line.rsplit(" ", 1)[0] for line in before}  # no new label sets

@@ -68,6 +68,26 @@ def by_source(metrics: list[dict[str, float]], source: str) -> float:
     )
 
 
+# The engines' own split of a request's TTFT (vLLM's phase histograms, and the wait for KV
+# to arrive that pdpool adds), summed over engines: mean milliseconds per request.
+PHASES = {
+    "engine_ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "kv_wait": "pdpool_kv_load_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+
+
+def phase_ms(before: list[dict[str, float]], after: list[dict[str, float]], name: str) -> float:
+    """Mean of a histogram between two scrapes, in ms (nan when nothing was observed)."""
+
+    def total(ms: list[dict[str, float]], suffix: str) -> float:
+        return sum(v for m in ms for k, v in m.items() if k.split("{")[0] == name + suffix)
+
+    n = total(after, "_count") - total(before, "_count")
+    return 1000 * (total(after, "_sum") - total(before, "_sum")) / n if n else float("nan")
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(int(q * len(values)), len(values) - 1)] if values else float("nan")
@@ -128,6 +148,7 @@ def run_mode(name: str, args, model_dir: str, log_dir: Path) -> dict:
     outputs: dict[tuple[int, int], list[int]] = {}
     prompt_tokens = 0
     phase_walls: list[float] = []
+    first_done: list[dict[str, float]] = []
     with Topology(spec) as topo:
         engines = [c.url for c in topo.by_role("decode")]
         model = httpx.get(topo.gateway.url + "/v1/models").json()["data"][0]["id"]
@@ -152,6 +173,8 @@ def run_mode(name: str, args, model_dir: str, log_dir: Path) -> dict:
                     phase = time.perf_counter()
                     await asyncio.gather(*(turn(s, t) for s in range(args.sessions)))
                     phase_walls.append(time.perf_counter() - phase)
+                    if t == 0:  # nothing in flight: where the returning turns start
+                        first_done.extend(scrape(u) for u in engines)
 
         before = [scrape(u) for u in engines]
         started = time.perf_counter()
@@ -177,6 +200,10 @@ def run_mode(name: str, args, model_dir: str, log_dir: Path) -> dict:
         "tier_rejected": offload_stat(after, "records_rejected"),
         "tier_mb": offload_stat(after, "bytes_used") / 1e6,
     }
+    # Returning turns only (from the end of the first turns): the engines' TTFT split;
+    # the rest of the client's TTFT is HTTP, the gateway and streaming.
+    for label, metric in PHASES.items():
+        row[f"ret_{label}_ms"] = phase_ms(first_done, after, metric)
     load_s = offload_stat(after, "load_seconds")
     loads = offload_stat(after, "loads_ok") + offload_stat(after, "loads_failed")
     row["tier_load_ms_avg"] = 1000 * load_s / loads if loads else 0.0

@@ -10,10 +10,9 @@ from typing import Optional
 
 import torch
 
-from . import cpu_parallel, native_build
+from . import native_build
 
 DISABLE_ENV = "PDPOOL_CPU_KV_WRITE_KERNEL"  # "0": always the torch path
-MIN_FLOATS_PER_THREAD = 1 << 16  # smaller calls stay on one thread
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -57,27 +56,21 @@ def write_kv(
     lib = _library()
     assert lib is not None
     sb, sp, sh, _ = k_cache.stride()
-
-    def run_part(part: int) -> None:
-        lib.write_kv_rows(
-            k.data_ptr(),
-            v.data_ptr(),
-            tokens,
-            k.stride(0),
-            k.stride(1),
-            kv_heads,
-            head_dim,
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            sb,
-            sp,
-            sh,
-            block_size,
-            slots.data_ptr(),
-            part,
-            parts,
-        )
-
-    floats = 2 * tokens * kv_heads * head_dim
-    parts = max(1, min(cpu_parallel.kernel_threads(), floats // MIN_FLOATS_PER_THREAD))
-    cpu_parallel.run_parts(run_part, parts)
+    lib.write_kv_rows(  # on the calling thread: a copy of a few MB at most
+        k.data_ptr(),
+        v.data_ptr(),
+        tokens,
+        k.stride(0),
+        k.stride(1),
+        kv_heads,
+        head_dim,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        sb,
+        sp,
+        sh,
+        block_size,
+        slots.data_ptr(),
+        0,
+        1,
+    )

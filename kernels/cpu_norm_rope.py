@@ -2,8 +2,9 @@
 for float32 tensors. Built on first use by kernels/native_build.py; where it cannot be built,
 or with PDPOOL_CPU_NORM_KERNEL=0, `usable` is False and the model keeps its torch path.
 
-A call's rows are shared over torch's thread count when there are enough of them to pay for
-the hand-off (cpu_parallel.run_parts), as the attention kernels do.
+A call runs on the calling thread: these passes are memory-bound and take well under a
+millisecond at prompt-sized steps, less than handing rows to another thread while torch's
+OpenMP workers still spin on the cores.
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ from typing import Optional
 
 import torch
 
-from . import cpu_parallel, native_build
+from . import native_build
 
 DISABLE_ENV = "PDPOOL_CPU_NORM_KERNEL"  # "0": always the torch path
-# Below this many floats a call stays on one thread: a hand-off costs about what 64k
-# floats of a norm do.
-MIN_FLOATS_PER_THREAD = 1 << 16
 # Flags of the build: `omp simd` pragmas without the OpenMP runtime (torch brings its own),
 # and no fused multiply-adds where torch rounds twice.
 BUILD_FLAGS = ("-fopenmp-simd", "-ffp-contract=off")
@@ -44,10 +42,6 @@ def usable(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _parts(floats: int) -> int:
-    return max(1, min(cpu_parallel.kernel_threads(), floats // MIN_FLOATS_PER_THREAD))
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2, -1) + eps) * weight, a new tensor of x's shape. Check `usable`."""
     dim = x.shape[-1]
@@ -61,23 +55,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = rows_in.shape[0]
     lib = _library()
     assert lib is not None
-
-    def run_part(part: int) -> None:
-        lib.rms_norm_rows(
-            rows_in.data_ptr(),
-            rows_in.stride(0),
-            out.data_ptr(),
-            dim,
-            w.data_ptr(),
-            rows,
-            dim,
-            eps,
-            part,
-            parts,
-        )
-
-    parts = _parts(rows * dim)
-    cpu_parallel.run_parts(run_part, parts)
+    lib.rms_norm_rows(
+        rows_in.data_ptr(),
+        rows_in.stride(0),
+        out.data_ptr(),
+        dim,
+        w.data_ptr(),
+        rows,
+        dim,
+        eps,
+        0,
+        1,
+    )
     return out.view(x.shape)
 
 
@@ -109,26 +98,21 @@ def norm_rope_(
     cos_t, sin_t = cos.contiguous(), sin.contiguous()
     lib = _library()
     assert lib is not None
-
-    def run_part(part: int) -> None:
-        lib.norm_rope_heads(
-            x.data_ptr(),
-            tokens,
-            heads,
-            x.stride(0),
-            x.stride(1),
-            head_dim,
-            w.data_ptr() if w is not None else None,
-            eps,
-            pos.data_ptr(),
-            cos_t.data_ptr(),
-            sin_t.data_ptr(),
-            rotary_dim,
-            rotary_dim,
-            part,
-            parts,
-        )
-
-    parts = _parts(tokens * heads * head_dim)
-    cpu_parallel.run_parts(run_part, parts)
+    lib.norm_rope_heads(
+        x.data_ptr(),
+        tokens,
+        heads,
+        x.stride(0),
+        x.stride(1),
+        head_dim,
+        w.data_ptr() if w is not None else None,
+        eps,
+        pos.data_ptr(),
+        cos_t.data_ptr(),
+        sin_t.data_ptr(),
+        rotary_dim,
+        rotary_dim,
+        0,
+        1,
+    )
     return x

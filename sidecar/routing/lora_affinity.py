@@ -38,6 +38,8 @@ log = logging.getLogger("pdpool.routing")
 RUNNING, RECENT, UNKNOWN, WAITING, FULL = 1.0, 0.95, 0.7, 0.6, 0.0
 FREE, FREE_SPAN = 0.8, 0.1
 MAX_KNOWN_ADAPTERS = 4096  # adapter names remembered from the engines' series
+# While no engine exports LoRA series (a pool without adapters), pages are read this seldom.
+IDLE_INTERVAL_S = 5.0
 
 Fetch = Callable[[str], Awaitable[Optional[str]]]
 
@@ -213,4 +215,8 @@ class LoraResidency:
                 await self.scrape_once()
             except Exception:  # a failed scrape never stops routing; the next may work
                 log.exception("LoRA residency scrape failed")
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.next_interval_s())
+
+    def next_interval_s(self) -> float:
+        """The interval while some engine has LoRA series, else at least IDLE_INTERVAL_S."""
+        return self.interval_s if self.infos else max(self.interval_s, IDLE_INTERVAL_S)

@@ -135,6 +135,25 @@ def test_oversized_and_overlong_records_are_refused_before_use(tmp_path):
         decode_record(bytes(good[:-DIGEST_BYTES]) + b"\0" * DIGEST_BYTES, "fp", "k1", secret)
 
 
+def test_planted_links_and_fifos_are_refused_without_blocking(tmp_path):
+    """A shared directory's writer could plant a FIFO (an open would wait forever) or a
+    symbolic link (to another file) under a record's name: both are refused at once."""
+    store = FileStore(tmp_path / "tier", 1 << 20, shared=True)
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(b"s" * 64)
+    fifo, link = store.path_of("ab01"), store.path_of("ab02")
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    link.symlink_to(secret_file)
+    for key in ("ab01", "ab02"):
+        assert store.contains(key)
+        with pytest.raises(RecordRejected):
+            store.get(key)
+        store.discard(key)
+        assert not store.path_of(key).exists() and not store.contains(key)
+    assert secret_file.read_bytes() == b"s" * 64  # the link went, not its target
+
+
 def _put(store, keys, data: bytes) -> list[str]:
     return store.put(list(keys), [data])
 

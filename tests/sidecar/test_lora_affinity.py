@@ -155,6 +155,14 @@ def test_memory_keeps_the_last_max_lora_known_adapters():
     assert not res.applies("a")
 
 
+def test_a_pool_without_lora_series_is_read_seldom():
+    res = la.LoraResidency(lambda: ["e1"], interval_s=0.5)
+    res.update("e1", "vllm:num_requests_running 0\n")
+    assert res.next_interval_s() == la.IDLE_INTERVAL_S
+    res.update("e1", page("a"))
+    assert res.next_interval_s() == 0.5
+
+
 # --- the routing core ---------------------------------------------------------------------
 def make(pages: dict[str, str], **overrides) -> Routing:
     settings = RoutingSettings(decode_urls=list(BACKENDS), health_interval_s=3600, **overrides)

@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from pathlib import Path
@@ -124,11 +125,11 @@ class FileStore:
             return False
         # Another engine of the pool may have written it.
         try:
-            st = self.path_of(key).stat()
+            found = self.path_of(key).lstat()
         except OSError:
             return False
         with self._lock:
-            self._index.add(key, st.st_ino, st.st_size)
+            self._index.add(key, found.st_ino, found.st_size)
         return True
 
     # --- I/O threads ---------------------------------------------------------------------
@@ -136,17 +137,26 @@ class FileStore:
         """The bytes of the record holding `key` (unchecked: the caller decodes and
         checks), None if absent; RecordRejected, unread, if larger than any record."""
         try:
-            with open(self.path_of(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size > MAX_RECORD_BYTES:
-                    raise RecordRejected(f"a {size}-byte file is larger than any record")
-                data = bytearray(size)
-                if f.readinto(data) != size:
-                    raise RecordRejected("record shorter than its file (changed while read)")
+            # Never a link, and never blocking on open: a FIFO or a symlink planted in a
+            # shared directory must not stall the I/O thread or read another file.
+            fd = os.open(self.path_of(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             with self._lock:
                 self._index.remove(key)
             return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RecordRejected("a symbolic link, not a record") from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RecordRejected("not a regular file")
+            if st.st_size > MAX_RECORD_BYTES:
+                raise RecordRejected(f"a {st.st_size}-byte file is larger than any record")
+            data = bytearray(st.st_size)
+            if f.readinto(data) != st.st_size:
+                raise RecordRejected("record shorter than its file (changed while read)")
         with self._lock:
             self._index.touch(key)
         return data

@@ -340,8 +340,9 @@ class KVEventPublisher:
                 if batch is not None:
                     payload = encode_batch(batch, self.config.token_ids)
                     seq = self._seq.to_bytes(8, "big")
-                    self._pub.send_multipart((self._topic, seq, payload))
+                    # kept for replay before it leaves: a subscriber that saw it can ask again
                     self._buffer.append((self._seq, payload))
+                    self._pub.send_multipart((self._topic, seq, payload))
                     self._seq += 1
                     self.published_events += len(batch.events)
                     continue

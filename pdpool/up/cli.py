@@ -155,6 +155,15 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
         metavar="=--FLAG",
         help="an extra `pdpool epp` flag (repeatable; write --epp-arg=--flag)",
     )
+    g.add_argument(
+        "--sidecar-arg",
+        dest="sidecar_args",
+        action="append",
+        default=[],
+        metavar="=--FLAG",
+        help="an extra `pdpool sidecar` flag for every sidecar (repeatable; write "
+        "--sidecar-arg=--flag), e.g. --sidecar-arg=--lora-allowed-dir=/adapters",
+    )
 
 
 def add_autoscale_arguments(p: argparse.ArgumentParser) -> None:
@@ -292,6 +301,7 @@ def spec_from_args(args: argparse.Namespace) -> TopologySpec:
         envoy_bin=args.envoy_bin,
         epp_failure_mode=args.epp_failure_mode,
         epp_args=args.epp_args,
+        sidecar_args=args.sidecar_args,
     )
 
 

@@ -19,14 +19,25 @@ REF=${PDPOOL_LLMD_ROUTER_REF:-HEAD}
 BIN=${PDPOOL_LLMD_BIN_DIR:-$HOME/.cache/pdpool/llm-d-bin}
 WORK=$HOME/.cache/pdpool/llm-d-build
 
-llmd_require build-pd-sidecar "$ROUTER_SRC"
 mkdir -p "$BIN" "$WORK"
 exec 9>"$BIN/.lock"
 flock 9
-commit=$(llmd_commit "$ROUTER_SRC" "$REF")
+if git --git-dir="$ROUTER_SRC" rev-parse --verify -q HEAD >/dev/null 2>&1; then
+  commit=$(llmd_commit "$ROUTER_SRC" "$REF")
+  src=$WORK/llm-d-router-$commit
+  llmd_tree "$ROUTER_SRC" "$commit" "$src"
+else
+  # No fetched tree on this machine (any more): the tree an earlier build laid out, if any.
+  src=$(ls -dt "$WORK"/llm-d-router-*/ 2>/dev/null | head -n 1 || true)
+  src=${src%/}
+  if [[ -z $src || ! -f $src/go.mod ]]; then
+    echo "build-pd-sidecar: no llm-d source at $ROUTER_SRC and none laid out in $WORK (fetch github:llm-d/llm-d-router first)" >&2
+    exit 3
+  fi
+  commit=${src##*/llm-d-router-}
+fi
 llmd_cached "$BIN" pd-sidecar "$commit" && exit 0
-src=$WORK/llm-d-router-$commit
-llmd_tree "$ROUTER_SRC" "$commit" "$src"
+command -v go >/dev/null || { echo "build-pd-sidecar: go is not installed" >&2; exit 3; }
 echo "[build-pd-sidecar] building pd-sidecar at $commit" >&2
 (cd "$src" && go build -trimpath -ldflags "-s -w" -o "$BIN/pd-sidecar.new" ./cmd/pd-sidecar >&2)
 llmd_install "$BIN" pd-sidecar "$commit"

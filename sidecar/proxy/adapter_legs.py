@@ -160,32 +160,42 @@ class AdapterLegs:
         return None
 
     async def _load(self, endpoint: str, card: AdapterCard) -> bool:
-        lock = self._loading.setdefault((endpoint, card.name), asyncio.Lock())
-        async with lock:  # concurrent requests for one adapter load it once
-            if await self._lists(endpoint, card.name):
-                return True
-            url = f"{self.settings.upstream_scheme}://{endpoint}/v1/load_lora_adapter"
-            try:
-                answer = await self.next_client().post(
-                    url,
-                    json={"lora_name": card.name, "lora_path": card.root},
-                    timeout=LOAD_TIMEOUT_S,
-                )
-            except httpx.HTTPError as exc:
-                log.warning("loading adapter %r on %s failed: %r", card.name, endpoint, exc)
-                return False
-            # "already been loaded": another sidecar was first; either way it is there now.
-            ok = answer.status_code == 200 or "already been loaded" in answer.text
-            if not ok:
-                log.warning(
-                    "loading adapter %r on %s: %s %s",
-                    card.name,
-                    endpoint,
-                    answer.status_code,
-                    answer.text[:200],
-                )
-                return False
-            log.info("loaded adapter %r on prefill engine %s", card.name, endpoint)
-            expires, models = self._models.get(endpoint, (self._expiry(), set()))
-            self._models[endpoint] = (expires, models | {card.name})
+        key = (endpoint, card.name)
+        lock = self._loading.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:  # concurrent requests for one adapter load it once
+                return await self._load_once(endpoint, card)
+        finally:
+            # Engines come and go; their locks should not pile up. A newcomer after this
+            # may load again: the engine answers "already been loaded", taken as success.
+            if not lock.locked():
+                self._loading.pop(key, None)
+
+    async def _load_once(self, endpoint: str, card: AdapterCard) -> bool:
+        if await self._lists(endpoint, card.name):
             return True
+        url = f"{self.settings.upstream_scheme}://{endpoint}/v1/load_lora_adapter"
+        try:
+            answer = await self.next_client().post(
+                url,
+                json={"lora_name": card.name, "lora_path": card.root},
+                timeout=LOAD_TIMEOUT_S,
+            )
+        except httpx.HTTPError as exc:
+            log.warning("loading adapter %r on %s failed: %r", card.name, endpoint, exc)
+            return False
+        # "already been loaded": another sidecar was first; either way it is there now.
+        ok = answer.status_code == 200 or "already been loaded" in answer.text
+        if not ok:
+            log.warning(
+                "loading adapter %r on %s: %s %s",
+                card.name,
+                endpoint,
+                answer.status_code,
+                answer.text[:200],
+            )
+            return False
+        log.info("loaded adapter %r on prefill engine %s", card.name, endpoint)
+        expires, models = self._models.get(endpoint, (self._expiry(), set()))
+        self._models[endpoint] = (expires, models | {card.name})
+        return True

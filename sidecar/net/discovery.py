@@ -9,11 +9,11 @@ processes serve now (it rewrites the file atomically on each change)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from typing import Iterable, Optional
 
+from .periodic import Periodic
 from .security import ForbiddenTarget, normalize_host_port
 
 log = logging.getLogger("pdpool.sidecar.discovery")
@@ -45,7 +45,7 @@ class EndpointSet:
         self._service = parse_service(service) if service and self._file is None else None
         self._refresh_s = min(refresh_s, FILE_REFRESH_S) if self._file else refresh_s
         self._resolved: list[str] = []
-        self._task: Optional[asyncio.Task[None]] = None
+        self._refresh = Periodic(self.resolve_once, lambda: self._refresh_s, "endpoint discovery")
 
     @property
     def current(self) -> list[str]:
@@ -81,19 +81,10 @@ class EndpointSet:
             found.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
         self._resolved = sorted(found)
 
-    async def _refresh_forever(self) -> None:
-        while True:
-            await self.resolve_once()
-            await asyncio.sleep(self._refresh_s)
-
     async def start(self) -> None:
         if self._service or self._file:
             await self.resolve_once()
-            self._task = asyncio.create_task(self._refresh_forever())
+            self._refresh.start()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._refresh.stop()

@@ -24,13 +24,13 @@ and load (`adapter_cost`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
 from collections import OrderedDict
 from typing import Awaitable, Callable, Mapping, Optional, Sequence
 
+from ..net.periodic import Periodic
 from .lora_metrics_text import MAX_NAME_CHARS, LoraInfo, parse_lora_info
 
 log = logging.getLogger("pdpool.routing")
@@ -131,7 +131,7 @@ class LoraResidency:
         self.known: OrderedDict[str, None] = OrderedDict()  # adapters some engine listed
         self.fetch: Optional[Fetch] = None
         self.idle = False  # the last scrape read every page, and none had LoRA series
-        self._task: Optional[asyncio.Task[None]] = None
+        self._scrapes = Periodic(self.scrape_once, self.next_interval_s, "LoRA residency scrape")
 
     # --- what the engines say -----------------------------------------------------------
     def update(self, backend: str, text: Optional[str]) -> None:
@@ -197,29 +197,18 @@ class LoraResidency:
 
     async def start(self, fetch: Optional[Fetch]) -> None:
         """Reads every engine once (the first requests find residency known), then every
-        interval; no `fetch`: the router's own memory alone (nothing is scored then)."""
+        interval; no `fetch`: the router's own memory alone (nothing is scored then). A
+        failed scrape never stops routing; the next may work."""
         self.fetch = fetch
-        if fetch is not None and self._task is None:
+        if fetch is not None and not self._scrapes.running:
             try:
                 await self.scrape_once()
             except Exception:
                 log.exception("LoRA residency scrape failed")
-            self._task = asyncio.create_task(self._forever())
+            self._scrapes.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _forever(self) -> None:
-        while True:
-            try:
-                await self.scrape_once()
-            except Exception:  # a failed scrape never stops routing; the next may work
-                log.exception("LoRA residency scrape failed")
-            await asyncio.sleep(self.next_interval_s())
+        await self._scrapes.stop()
 
     def next_interval_s(self) -> float:
         """At least IDLE_INTERVAL_S while no engine has LoRA series (every page read: an

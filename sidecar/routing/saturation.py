@@ -24,12 +24,12 @@ No HTTP here: the front-end hands in `fetch(backend) -> text or None`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
+from ..net.periodic import Periodic
 from .concurrency_limit import AdaptiveLimit, EngineSample
 from .tenants import PoolLimits
 
@@ -122,7 +122,7 @@ class Saturation:
         self.on_change, self.pool = on_change, pool
         self.loads: dict[str, EngineLoad] = {}
         self.limits: dict[str, AdaptiveLimit] = {}  # engines that export an ITL histogram
-        self._task: Optional[asyncio.Task[None]] = None
+        self._scrapes = Periodic(self.scrape_once, lambda: self.interval_s, "engine metrics scrape")
 
     def level(self, admitted: int, limits: PoolLimits) -> int:
         """ROOM, FULL (the pending view's bound) or HARD (the engines report saturation)."""
@@ -196,20 +196,8 @@ class Saturation:
         limit.observe(load.sample())
 
     async def start(self) -> None:
-        if self.fetch is not None and self._task is None:
-            self._task = asyncio.create_task(self._forever())
+        if self.fetch is not None:  # a failed scrape never stops admission
+            self._scrapes.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _forever(self) -> None:
-        while True:
-            try:
-                await self.scrape_once()
-            except Exception:  # a scrape never stops admission; the next one may work
-                log.exception("engine metrics scrape failed")
-            await asyncio.sleep(self.interval_s)
+        await self._scrapes.stop()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import shutil
 import signal
@@ -31,6 +30,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pdpool.cpu_cores import usable_cores
 from pdpool.errors import CliError
 
 MAX_AUTO_WORKERS = 4  # beyond a few, a sidecar's share of the pod's cores is the limit
@@ -55,20 +55,6 @@ class Worker:
     @property
     def siblings(self) -> list[int]:
         return [i for i in range(self.count) if i != self.index]
-
-
-def usable_cores() -> int:
-    """The cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU
-    quota (a pod's CPU limit) when there is one."""
-    cores = len(os.sched_getaffinity(0))
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as fh:
-            quota, period = fh.read().split()[:2]
-    except (OSError, ValueError):
-        return cores
-    if quota == "max":
-        return cores
-    return max(1, min(cores, math.ceil(int(quota) / int(period))))
 
 
 def parse_workers(value: str) -> int:

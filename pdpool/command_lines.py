@@ -174,6 +174,7 @@ class SidecarLaunch:
     # Folders the sidecar may load a decode engine's adapter from onto a prefill engine
     # (the pool allows runtime LoRA updates); none: never loads, decode-only instead.
     lora_allowed_dirs: Sequence[str] = ()
+    workers: Optional[int] = None  # None: the sidecar's own default (its usable cores)
     extra_args: Sequence[str] = ()
 
 
@@ -202,6 +203,7 @@ def sidecar_argv(c: SidecarLaunch) -> list[str]:
     argv += _kv_index(c.kv_block_size, c.kv_tokenizer)
     for folder in c.lora_allowed_dirs:
         argv += ["--lora-allowed-dir", folder]
+    argv += _opt("--workers", str(c.workers) if c.workers is not None else None)
     argv += _tls(s, ("--tls-cert-file", "--tls-key-file")) + _client_tls(c.ca_file, c.any_name)
     return argv + _tracing(s) + list(c.extra_args)
 

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 from pdpool.cpu_cores import engine_share_of_cores
 from pdpool.ports import free_port
+from pdpool.sidecar.net.workers import MAX_AUTO_WORKERS
 from pdpool.command_lines import (
     EngineLaunch,
     KVEventsPublisher,
@@ -412,6 +413,7 @@ class Topology:
         """The sidecar in front of decode engine `dec`."""
         s = self.spec
         events = [f"127.0.0.1:{p.port}={p.kv_events}" for p in prefills if p.kv_events]
+        engines = s.prefill + s.decode
         launch = SidecarLaunch(
             self._serving(free_port()),
             decode_url=dec.url,
@@ -428,6 +430,9 @@ class Topology:
             prefill_kv_events=events,
             ca_file=self.ca_file,
             lora_allowed_dirs=s.lora_allowed_dirs,
+            # one machine for every process here: a sidecar's share of the cores, as an
+            # engine's (on their own, each sidecar would fork a worker per core)
+            workers=min(MAX_AUTO_WORKERS, engine_share_of_cores(engines, environ={}) or 1),
             extra_args=s.sidecar_args,
             **(self._kv_index() if events else {}),
         )

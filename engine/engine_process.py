@@ -210,7 +210,12 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -
     except Exception as exc:
         _first_message(conn, CoreFailedToStart(str(exc) or type(exc).__name__))
         return
-    facts = EngineFacts(engine.model_name, engine.max_model_len, engine.kv_capacity_tokens)
+    facts = EngineFacts(
+        engine.model_name,
+        engine.max_model_len,
+        engine.kv_capacity_tokens,
+        engine.memory.fingerprint,
+    )
     _first_message(conn, CoreReady(facts, engine_state(engine)))
     inbox = _CoreInbox(engine)
     channel = CoreChannel(conn, inbox.on_messages, inbox.on_closed, name="engine-core")
@@ -342,6 +347,7 @@ class EngineMirror:
         self.facts = facts
         self.model_name, self.max_model_len = facts.model_name, facts.max_model_len
         self.kv_capacity_tokens = facts.kv_capacity_tokens
+        self.kv_fingerprint = facts.kv_fingerprint
         self.latest = state
 
     def state(self) -> EngineState:

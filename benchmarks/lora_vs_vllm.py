@@ -29,13 +29,13 @@ from lora import NUM_ADAPTERS, make_model_and_adapters
 def start_servers(model: Path, adapters: list[Path], logs: Path, rank: int):
     import httpx  # noqa: F401
 
-    from devtools.engine_procs import EngineProcess, wait_healthy
+    from devtools.engine_procs import SpawnedEngine, wait_healthy
     from pdpool.up.topology import VLLM_ARGS, VLLM_ENV, free_port, vllm_command
 
     modules = [f"a{i}={d}" for i, d in enumerate(adapters)]
     lora = ["--enable-lora", "--max-loras", str(NUM_ADAPTERS), "--max-lora-rank", str(rank)]
     lora += ["--lora-modules", *modules]
-    ours = EngineProcess(model, logs, "--served-model-name", "base", "--cpu-threads", "1", *lora)
+    ours = SpawnedEngine(model, logs, "--served-model-name", "base", "--cpu-threads", "1", *lora)
     port = free_port()
     argv = [vllm_command(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--served-model-name", "base", *VLLM_ARGS, *lora]

@@ -72,6 +72,14 @@ def _add_lora_arguments(p: argparse.ArgumentParser) -> None:
         help="with KV-aware routing: the cost, in prompt tokens, of an engine whose slots "
         "are all taken by other adapters (a free slot costs a fifth of it or less)",
     )
+    p.add_argument(
+        "--model-rewrites",
+        dest="model_rewrites_file",
+        metavar="FILE",
+        help="GIE InferenceModelRewrite rules (YAML: rules of matches and weighted "
+        "targets, docs/lora.md): a request's model is rewritten by a weighted draw before "
+        "routing (adapter rollouts); re-read when it changes",
+    )
 
 
 def add_flow_arguments(p: argparse.ArgumentParser) -> None:
@@ -166,4 +174,5 @@ def routing_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "lora_affinity": args.lora_affinity,
         "lora_scrape_interval_s": args.lora_scrape_interval_s,
         "lora_load_cost": args.lora_load_cost,
+        "model_rewrites_file": args.model_rewrites_file,
     }

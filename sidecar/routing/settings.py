@@ -51,6 +51,9 @@ class RoutingSettings:
     lora_affinity: bool = True
     lora_scrape_interval_s: float = 0.5
     lora_load_cost: float = 256.0
+    # GIE's InferenceModelRewrite rules (model_rewrite.py): a request's model replaced by a
+    # weighted draw before routing. None: models go on as sent.
+    model_rewrites_file: Optional[str] = None
 
     @property
     def kv_routing(self) -> bool:

@@ -150,7 +150,7 @@ def _add_kv_arguments(p: argparse.ArgumentParser) -> None:
 
 def routing_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """RoutingSettings' fields from the parsed flags (raises ValueError on a bad --kv-events)."""
-    from .kv_events_spec import parse_kv_events
+    from ..kv.events_spec import parse_kv_events
 
     return {
         "decode_urls": args.decode_urls,

@@ -72,7 +72,7 @@ class RoutingSettings:
             raise ValueError("outlier failures must be >= 1")
         if self.tenant_header and not self.tenants_file:
             raise ValueError("--tenant-header needs --tenants-file")
-        from .kv_feeds import check_event_ports
+        from ..kv.feeds import check_event_ports
 
         self.kv_events_port, self.kv_events_replay_port = check_event_ports(
             self.kv_events_port,

@@ -22,7 +22,7 @@ from ..net.client_body import (
     with_priority,
 )
 from ..net.routes import is_generation
-from ..routing.admission import Slot
+from ..flow.admission import Slot
 from ..routing.core import PD_HEADER
 from . import protocol
 

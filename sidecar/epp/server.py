@@ -20,9 +20,9 @@ from prometheus_client import Histogram
 
 
 from ..net.asgi import Receive, Scope, Send, send_bytes, send_error, serve_lifespan
-from ..net.backends import Backends
+from ..routing.backends import Backends
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from ..routing.admission import FlowControl, Shed, Slot
+from ..flow.admission import FlowControl, Shed, Slot
 from ..routing.core import Routing
 from . import envoy_api as ext
 from . import protocol
@@ -74,7 +74,7 @@ class EndpointPicker:
         )
         self.grpc_server: Optional[grpc.aio.Server] = None
         self.health = health.aio.HealthServicer()
-        # Flow control (routing/admission.py, as in the gateway); None: off.
+        # Flow control (flow/admission.py, as in the gateway); None: off.
         self.flow = (
             FlowControl(
                 settings.tenants_file,

@@ -46,14 +46,14 @@ from ..net.asgi import (
 )
 from ..net.client_body import parse_client_body, strip_client_kv_params, with_priority
 from ..net.routes import GENERATION_PATHS, forwarded
-from ..net.backends import Backends
+from ..routing.backends import Backends
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from ..routing.core import PD_HEADER, Routing
 from ..routing.outlier import EjectionRace
 from ..net.sse import DONE, EventSplitter, event_json, json_event
-from ..routing.admission import FlowControl, Shed, Slot, shed_body
-from ..routing.tenants import Tenant
+from ..flow.admission import FlowControl, Shed, Slot, shed_body
+from ..flow.tenants import Tenant
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -84,7 +84,7 @@ class Gateway:
         self.api_keys = ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
         self.metrics = GatewayMetrics()
         self.routing = Routing(settings, self.metrics)
-        # Flow control (routing/admission.py); None: off, and no step of it on the hot path.
+        # Flow control (flow/admission.py); None: off, and no step of it on the hot path.
         self.flow = (
             FlowControl(
                 settings.tenants_file,

@@ -252,12 +252,12 @@ class SidecarSettings:
         if int(self.kv_block_size) < 1:
             raise ValueError("kv_block_size must be >= 1")
         if isinstance(self.prefill_kv_events, list):  # TARGET=SPEC items from a file
-            from ..routing.kv_events_spec import parse_kv_events
+            from ..kv.events_spec import parse_kv_events
 
             self.prefill_kv_events = parse_kv_events(self.prefill_kv_events, "prefill_kv_events")
         if not isinstance(self.prefill_kv_events, dict):
             raise ValueError("prefill_kv_events must map HOST:PORT to tcp://HOST:PORT")
-        from ..routing.kv_feeds import check_event_ports
+        from ..kv.feeds import check_event_ports
 
         self.prefill_kv_events_port, self.prefill_kv_events_replay_port = check_event_ports(
             self.prefill_kv_events_port,

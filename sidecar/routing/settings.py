@@ -11,7 +11,7 @@ from typing import Any, Optional
 from pdpool.settings_flags import setting
 
 from .affinity import DEFAULT_PREFIX_CHARS
-from .kv_events_spec import parse_kv_events
+from ..kv.events_spec import parse_kv_events
 
 
 def _kv_events(items: Any) -> dict[str, str]:
@@ -148,7 +148,7 @@ class RoutingSettings:
             raise ValueError("outlier failures must be >= 1")
         if self.tenant_header and not self.tenants_file:
             raise ValueError("--tenant-header needs --tenants-file")
-        from .kv_feeds import check_event_ports
+        from ..kv.feeds import check_event_ports
 
         self.kv_events_port, self.kv_events_replay_port = check_event_ports(
             self.kv_events_port,

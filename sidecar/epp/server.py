@@ -24,6 +24,7 @@ from ..routing.backends import Backends
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from ..flow.admission import FlowControl, Shed, Slot
 from ..routing.core import Routing
+from ..routing.model_rewrite import ModelRewrites, counted_rewrites
 from . import envoy_api as ext
 from . import protocol
 from .exchange import Exchange
@@ -71,6 +72,12 @@ class EndpointPicker:
         )
         self.sidecars = Backends(
             settings.tls_ca_file, settings.tls_any_name, settings.probe_timeout_s
+        )
+        # GIE's InferenceModelRewrite rules: the model replaced before routing (None: off).
+        self.rewrites: Optional[ModelRewrites] = (
+            counted_rewrites(settings.model_rewrites_file, self.metrics.registry)
+            if settings.model_rewrites_file
+            else None
         )
         self.grpc_server: Optional[grpc.aio.Server] = None
         self.health = health.aio.HealthServicer()

@@ -44,6 +44,7 @@ from ..net.asgi import (
     serve_lifespan,
     sse_error_event,
 )
+from ..routing.model_rewrite import ModelRewrites, counted_rewrites
 from ..net.client_body import parse_client_body, strip_client_kv_params, with_priority
 from ..net.routes import GENERATION_PATHS, forwarded
 from ..routing.backends import Backends
@@ -100,6 +101,12 @@ class Gateway:
             settings.tls_ca_file, settings.tls_any_name, settings.probe_timeout_s
         )
         self.scheme, self.tls = self.sidecars.scheme, self.sidecars.tls
+        # GIE's InferenceModelRewrite rules (routing/model_rewrite.py); None: off.
+        self.rewrites: Optional[ModelRewrites] = (
+            counted_rewrites(settings.model_rewrites_file, self.metrics.registry)
+            if settings.model_rewrites_file
+            else None
+        )
         self.pool = Http1Pool(
             connect_timeout=settings.connect_timeout,  # proxied traffic
             ssl_context=self.tls,
@@ -199,6 +206,8 @@ class Gateway:
         if read is None:
             return
         body, raw = read
+        if self.rewrites is not None:  # GIE's weighted model rewrite, before routing
+            body, raw = self.rewrites.apply(body, raw)
         slot = None
         if tenant is not None:  # flow control: wait for the request's turn
             slot = await self._admission(tenant, headers, body, receive, send)

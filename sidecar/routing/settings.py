@@ -130,6 +130,16 @@ class RoutingSettings:
         help="with KV-aware routing: the cost, in prompt tokens, of an engine whose slots "
         "are all taken by other adapters (a free slot costs a fifth of it or less)",
     )
+    # GIE's InferenceModelRewrite rules (model_rewrite.py): a request's model replaced by a
+    # weighted draw before routing. None: models go on as sent.
+    model_rewrites_file: Optional[str] = setting(
+        None,
+        name="--model-rewrites",
+        metavar="FILE",
+        help="GIE InferenceModelRewrite rules (YAML: rules of matches and weighted "
+        "targets, docs/lora.md): a request's model is rewritten by a weighted draw before "
+        "routing (adapter rollouts); re-read when it changes",
+    )
 
     @property
     def kv_routing(self) -> bool:

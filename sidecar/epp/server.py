@@ -18,7 +18,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
-from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 
 from ..net.asgi import Receive, Scope, Send, send_bytes, send_error, serve_lifespan
 from ..routing.backends import Backends
@@ -26,28 +25,14 @@ from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from ..flow.admission import FlowControl, Shed, Slot
 from ..routing.core import Routing
 from ..routing.model_rewrite import ModelRewrites, counted_rewrites
-from ..routing.settings import RoutingSettings
 from . import envoy_api as ext
 from . import protocol
 from .exchange import Exchange
+from .settings import EppSettings
 
 log = logging.getLogger("pdpool.epp")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-
-
-@dataclass
-class EppSettings(RoutingSettings):
-    grpc_host: str = "0.0.0.0"
-    grpc_port: int = 9002
-    health_port: Optional[int] = 9003  # the gRPC health service here too (GIE's layout)
-    connect_timeout: float = 2.0  # health probes and /tokenize to the sidecars
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    # GIE's conformance header (protocol.TEST_SELECTION_HEADER) restricts the choice: for
-    # tests only, a client must not steer routing in production.
-    test_endpoint_selection: bool = False
-    tls_ca_file: Optional[str] = None  # sidecars over HTTPS, verified against this CA
-    tls_any_name: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,14 @@ import logging
 import time
 import uuid
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, Awaitable, Iterable, Optional, Union
 
 import httpx
 
 from pdpool import tracing
-from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 
 from . import migration
+from .settings import GatewaySettings
 from .request_trace import CURRENT, GatewayRequest, answer_started, record_outcome
 from ..net.apikeys import OPEN_PATHS, ApiKeys, presented_key
 from ..net.asgi import (
@@ -53,7 +52,6 @@ from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from ..routing.core import PD_HEADER, Routing
 from ..routing.outlier import EjectionRace
-from ..routing.settings import RoutingSettings
 from ..net.sse import DONE, EventSplitter, event_json, json_event
 from ..flow.admission import FlowControl, Shed, Slot, shed_body
 from ..flow.tenants import Tenant
@@ -71,33 +69,6 @@ RELAY_DROP = frozenset({"content-length", "transfer-encoding", "connection", "da
 FLOW_SLOT: ContextVar[Optional[Slot]] = ContextVar("pdpool_flow_slot", default=None)
 # How one upstream attempt ended: None when the client was answered, else (reason, message).
 Attempt = Optional[tuple[str, str]]
-
-
-@dataclass
-class GatewaySettings(RoutingSettings):
-    connect_timeout: float = 2.0
-    # Migration of broken streams (see migration.py).
-    migrate: bool = True
-    max_migrations: int = 3
-    stall_timeout_s: float = 20.0  # no byte for this long mid-stream: broken
-    default_max_tokens: int = 16  # the engine's default when a request has none
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    # A file of API keys (apikeys.py): requests without one get 401. None: no keys asked.
-    api_keys_file: Optional[str] = None
-    # Sidecars over TLS: reached at https:// and verified against this CA bundle.
-    tls_ca_file: Optional[str] = None
-    tls_any_name: bool = False  # see SidecarSettings.tls_any_name
-
-    def validate(self) -> "GatewaySettings":
-        self.validate_routing()
-        if self.tenants_file and self.api_keys_file and not self.tenant_header:
-            raise ValueError(
-                "--tenants-file lists the API keys: give it or --api-keys-file, not both "
-                "(or name the tenant by --tenant-header)"
-            )
-        if self.max_migrations < 0:
-            raise ValueError("max migrations must be >= 0")
-        return self
 
 
 class _Leg:

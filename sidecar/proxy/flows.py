@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Optional
 from . import legs
 from .capability import EngineCapability, estimate_prompt_tokens
 from .exchange import Exchange
-from ..routing.kv_router import PD_HEADER as KV_PATH_HEADER
+from ..kv.router import PD_HEADER as KV_PATH_HEADER
 from ..net.metrics import SidecarMetrics
 from .prefill_legs import PrefillLegs
 from .relay import DecodeRelay, relay_buffered
@@ -54,7 +54,7 @@ class Flows:
         await self._remote_prefill_then_decode(ex, pull=None)
 
     async def decode_first(self, ex: Exchange) -> None:
-        # The gateway's precise router (kv_router.py) may have decided the path already
+        # The gateway's precise router (kv/router.py) may have decided the path already
         # from the engines' KV events: "pd" skips the decode-first attempt.
         hint = ex.headers.pop(KV_PATH_HEADER, None)
         if hint and ex.span is not None:

@@ -8,7 +8,7 @@ x-prefiller-host-port) always goes first.
 
 The events come from fixed endpoints (`events`), or follow the prefill endpoint set:
 `events_port` names the port every prefill engine publishes on, and `sync` keeps one
-subscription per engine the set lists (kv_feeds.py).
+subscription per engine the set lists (kv/feeds.py).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class PrefillRanking:
         self.router = None
         self.feeds = None
         if events or events_port:
-            from .kv_events_spec import split_spec
-            from .kv_router import KVRouter
+            from ..kv.events_spec import split_spec
+            from ..kv.router import KVRouter
             from ..net.security import normalize_host_port
 
             self.router = KVRouter(block_size, 0.0, load_cost_tokens, tokenizer_file)
@@ -45,7 +45,7 @@ class PrefillRanking:
             for target, spec in static.items():
                 self.router.subscribe(target, *split_spec(spec))
             if events_port:
-                from .kv_feeds import KVFeeds
+                from ..kv.feeds import KVFeeds
 
                 self.feeds = KVFeeds(self.router, events_port, events_replay_port, static)
 

@@ -14,10 +14,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from .kv_events_spec import split_spec
+from .events_spec import split_spec
 
 if TYPE_CHECKING:
-    from .kv_router import KVRouter
+    from .router import KVRouter
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Precise KV-aware routing for a front-end: the router fed by the decode engines' KV events
-(kv_router.py; static endpoints or, with an events port, whatever discovery lists through
-kv_feeds.py), the prompt's token ids (the router's own tokenizer, else the front-end's
+(kv/router.py; static endpoints or, with an events port, whatever discovery lists through
+kv/feeds.py), the prompt's token ids (the router's own tokenizer, else the front-end's
 `EngineTokenize`: a decode engine's /tokenize), and the affinity order reordered by cost,
 with the P/D path the sidecar should take. Routing never fails a request: on any trouble the
 affinity order stands."""
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Sequence
 
 from ..net.metrics import GatewayMetrics
 from ..net.security import normalize_host_port
-from .kv_events_spec import split_spec
-from .kv_router import KVRouter
+from ..kv.events_spec import split_spec
+from ..kv.router import KVRouter
 
 if TYPE_CHECKING:
-    from .kv_feeds import KVFeeds
+    from ..kv.feeds import KVFeeds
     from .settings import RoutingSettings
 
 log = logging.getLogger("pdpool.routing")
@@ -58,7 +58,7 @@ class KVRouting:
         s = self.settings
         if s.kv_events_port is None:
             return None
-        from .kv_feeds import KVFeeds
+        from ..kv.feeds import KVFeeds
 
         return KVFeeds(
             self.router,

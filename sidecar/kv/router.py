@@ -7,7 +7,7 @@
                    + load_cost_tokens * load(engine)    (in-flight / queued requests)
 
 `uncached = prompt_tokens - block_size * prefix_hit_blocks(engine)`, the hit read from the
-KV index (kv_index.py) fed by each engine's ZeroMQ events. The pending tokens are the
+KV index (index.py) fed by each engine's ZeroMQ events. The pending tokens are the
 blocks of requests routed to the engine that its events have not confirmed stored yet: their
 prefill is queued or running there. Those this request shares are left out (it waits for
 them rather than computing them again elsewhere). A request count alone weighs a queued
@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from pdpool.kv_events import KVEventSubscriber
 
-from .kv_index import KVIndex, request_block_keys
+from .index import KVIndex, request_block_keys
 
 log = logging.getLogger(__name__)
 

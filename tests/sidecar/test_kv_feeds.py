@@ -277,6 +277,7 @@ class Backend:
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
+@pytest.mark.slow  # a gateway process
 async def test_gateway_subscribes_to_the_engines_its_decode_service_lists(servers):
     backend = Backend()
     sidecar = await servers(backend)

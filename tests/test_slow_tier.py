@@ -209,7 +209,7 @@ def test_the_check_finds_an_unmarked_starter_and_accepts_each_marking(tmp_path):
         "import pytest\n"
         "@pytest.fixture\n"
         "def engine(tmp_path):\n"
-        "    with engine_process(tmp_path, tmp_path) as e:\n"
+        "    with spawned_engine(tmp_path, tmp_path) as e:\n"
         "        yield e\n"
     )
     (tests / "test_bare.py").write_text(

@@ -34,7 +34,7 @@ per request (epp_ms_p50/p99).
 
 Strategies: round-robin (the client sends to the sidecars in turn), hash affinity (the
 gateway as before), precise (the gateway with --kv-events: cost = uncached tokens + pending
-prefill tokens + load, sidecar/routing/kv_router.py), all with aggregated sidecars; then precise
+prefill tokens + load, sidecar/routing/kv_cost.py), all with aggregated sidecars; then precise
 again with decode-first sidecars, to count the decode-first round trips the up-front P/D
 decision saves (requests the gateway sent straight to P/D, which the engine would have
 rejected after a round trip) and its mispredictions.
@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import print_table, write_json
 from pdpool.block_hash import chain_hashes
 from pdpool.kv_events import BlockStored, KVEventBatch
-from pdpool.sidecar.routing.kv_index import KVIndex
+from pdpool.sidecar.kv.index import KVIndex
 from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
 
 # The default model's shape (see the module doc): `pdpool tiny-model` arguments.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from pdpool.engine.structured.limits import StructuredLimits
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
+from pdpool.settings_flags import comma_list, optional_size, setting, size
 from pdpool.units import parse_size  # noqa: F401 (re-exported: callers read sizes here)
 
 
@@ -18,72 +19,183 @@ OFFLOAD_BACKENDS = ("native", "disk", "shared")
 
 @dataclass
 class EngineConfig:
-    model: str
-    served_model_name: Optional[str] = None
-    device: str = "auto"
-    dtype: Optional[str] = None
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None
-    kv_cache_memory: Optional[int] = None  # bytes
-    max_model_len: Optional[int] = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    scheduling_policy: str = "fcfs"  # vLLM's --scheduling-policy (engine/request_queue.py)
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    prefix_aware_admission: bool = True
-    global_cache_hit_threshold: float = 0.0
-    seed: int = 0
+    """Each field with a `setting(...)` is a `pdpool serve` flag of the same name
+    (pdpool/settings_flags.py): its default here is the flag's."""
+
+    model: str = setting(
+        positional=True, metavar="MODEL_DIR", help="a Hugging Face checkpoint folder"
+    )
+    served_model_name: Optional[str] = setting(None)
+    device: str = setting("auto", choices=("auto", "cpu", "cuda"))
+    dtype: Optional[str] = setting(None, choices=("auto", "float32", "float16", "bfloat16"))
+    block_size: int = setting(16)
+    num_kv_blocks: Optional[int] = setting(None, type=int)
+    kv_cache_memory: Optional[int] = setting(None, help="e.g. 512MiB, 4GiB", parse=optional_size)
+    max_model_len: Optional[int] = setting(None, type=int)
+    max_num_batched_tokens: int = setting(2048)
+    max_num_seqs: int = setting(64)
+    # vLLM's --scheduling-policy (engine/request_queue.py)
+    scheduling_policy: str = setting(
+        "fcfs",
+        choices=("fcfs", "priority"),
+        help="vLLM's: fcfs (arrival order; a request's priority is ignored) or priority "
+        "(waiting requests by their `priority`, lower first, then arrival; when blocks run "
+        "out the lowest-priority running request is preempted)",
+    )
+    enable_chunked_prefill: bool = setting(
+        True, switch=True, help="split long prompts over steps (default)"
+    )
+    enable_prefix_caching: bool = setting(
+        True, switch=True, help="reuse cached prompt blocks (default)"
+    )
+    prefix_aware_admission: bool = setting(
+        True,
+        switch=True,
+        help="count cached blocks when admitting (default); --no-prefix-aware-admission admits "
+        "as if nothing were cached (only to measure what awareness brings)",
+    )
+    global_cache_hit_threshold: float = setting(0.0)
+    seed: int = setting(0)
     # torch threads on CPU (None: torch's default; `pdpool serve` passes cpu_threads.py's)
-    cpu_threads: Optional[int] = None
+    cpu_threads: Optional[int] = setting(
+        None,
+        type=int,
+        help="torch threads on CPU (default: $OMP_NUM_THREADS if set, else every usable "
+        "core but one, which the HTTP server keeps; a cgroup CPU limit counts)",
+    )
     # torch threads for steps computing many prompt tokens (None: cpu_threads)
-    cpu_prefill_threads: Optional[int] = None
+    cpu_prefill_threads: Optional[int] = setting(
+        None,
+        type=int,
+        help="torch threads on CPU for steps that compute 256 or more prompt tokens "
+        "(default: --cpu-threads if given, else $OMP_NUM_THREADS if set, else every usable "
+        "core with the engine in its own process, one fewer without)",
+    )
     # KV connector (P/D transfer)
-    kv_connector: str = "none"
-    kv_role: str = "both"
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 0
-    kv_peer_allowlist: list[str] = field(default_factory=list)
-    kv_pull_threshold: int = 0
-    kv_load_failure_policy: str = "recompute"
+    kv_connector: str = setting("none", choices=("none", "nixl"))
+    kv_role: str = setting("both", choices=("producer", "consumer", "both"))
+    kv_host: str = setting(
+        "127.0.0.1", help="address advertised to peers for KV transfer (the pod IP)"
+    )
+    kv_port: int = setting(0, help="KV handshake port (0: pick one)")
+    kv_peer_allowlist: list[str] = setting(
+        default_factory=list,
+        parse=comma_list,
+        help="comma-separated hosts or CIDRs this engine may pull KV from",
+    )
+    kv_pull_threshold: int = setting(
+        0, help="pull a remote prefix only when it saves at least this many tokens"
+    )
+    kv_load_failure_policy: str = setting("recompute", choices=("recompute", "fail"))
     # How long a lease holds KV for a peer unless renewed (the peer's queued request
     # renews it) or released (the peer's read, or a router that will not pull).
-    kv_producer_timeout: float = 10.0
+    kv_producer_timeout: float = setting(
+        10.0,
+        help="seconds a lease holds KV for a peer unless the peer renews it "
+        "(its request is queued) or releases it (read done, or no pull)",
+    )
     # The pool's shared secret for signing kv_transfer_params (else $PDPOOL_KV_SECRET_FILE
     # or $PDPOOL_KV_SECRET); without one, loads are checked by content alone.
-    kv_secret_file: Optional[str] = None
-    kv_load_timeout: float = 30.0
+    kv_secret_file: Optional[str] = setting(
+        None,
+        help="the pool's secret for signing and checking kv_transfer_params and the "
+        "shared offload tier's records (else $PDPOOL_KV_SECRET_FILE or $PDPOOL_KV_SECRET; "
+        "without one, loads are checked by content alone; the shared tier refuses to start)",
+    )
+    kv_load_timeout: float = setting(
+        30.0, help="seconds a consumer waits for a READ before computing locally"
+    )
     # HTTP server: bodies above this are refused with 413 while they arrive.
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = setting(
+        DEFAULT_MAX_BODY_BYTES,
+        parse=size,
+        help="request bodies above this size (bytes, or e.g. 64MiB) get 413, checked while "
+        "they arrive (default %(default)s: a 10 MB prompt fits)",
+    )
     # /ready fails when the engine loop has work and has not ticked for this long.
-    ready_max_stall_s: float = 30.0
+    ready_max_stall_s: float = setting(
+        30.0,
+        help="/ready answers 503 when the engine loop has work and has not "
+        "ticked for this long (/health is liveness only)",
+    )
     # Structured outputs: spec caps checked in the HTTP process (structured/limits.py), and
     # the core's grammar compiles (structured/compile_jobs.py, structured/grammar.py).
-    structured_limits: StructuredLimits = field(default_factory=StructuredLimits)
-    structured_compile_timeout_s: float = 30.0
-    structured_max_compiles: int = 2
-    structured_max_overrun_compiles: int = 2
-    structured_cache_bytes: int = 256 << 20
+    structured_limits: StructuredLimits = setting(
+        default_factory=StructuredLimits, nested=StructuredLimits, prefix="structured-"
+    )
+    structured_compile_timeout_s: float = setting(
+        30.0,
+        help="a guided request whose grammar has not compiled in this time gets 400 (the "
+        "compile runs on unattended; see --structured-max-overrun-compiles)",
+    )
+    structured_max_compiles: int = setting(
+        2, help="grammar compiles at once; more wait for a slot (default %(default)s)"
+    )
+    structured_max_overrun_compiles: int = setting(
+        2,
+        help="compiles past their deadline that may run on; while that many do, new guided "
+        "requests get 503 (default %(default)s)",
+    )
+    structured_cache_bytes: int = setting(
+        256 << 20,
+        parse=size,
+        help="memory for compiled grammars (bytes, or e.g. 1GiB), least recently used leave "
+        "first (default %(default)s)",
+    )
     # vLLM's --kv-events-config (JSON): publish KV cache events over ZeroMQ.
-    kv_events_config: Optional[str] = None
+    kv_events_config: Optional[str] = setting(
+        None,
+        help="vLLM's KV cache events config (JSON), e.g. '{\"enable_kv_cache_events\":"
+        ' true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\'',
+    )
     # KV offload tier below the pool (engine/kv/offload/): vLLM's --kv-offloading-size (GiB;
     # None: no tier) and --kv-offloading-backend (native, host memory; disk, a directory of
     # this engine; shared, a directory every engine of the pool mounts), the directory, and
     # whether each record is fsynced (off: a torn record is detected on read, recomputed).
-    kv_offloading_size: Optional[float] = None
-    kv_offloading_backend: str = "native"
-    kv_offloading_path: Optional[str] = None
-    kv_offloading_fsync: bool = False
-    extra: dict = field(default_factory=dict)
+    kv_offloading_size: Optional[float] = setting(
+        None,
+        type=float,
+        help="vLLM's: GiB of KV offload tier below the block pool (off unless given); "
+        "blocks are written through to it and a prefix it holds is loaded, not recomputed",
+    )
+    kv_offloading_backend: str = setting(
+        "native",
+        choices=OFFLOAD_BACKENDS,
+        help="native (vLLM's default): host memory; disk: a directory of this engine's (an "
+        "emptyDir); shared: a directory every engine of the pool mounts (a PVC), so one "
+        "engine's prefix is a hit for all",
+    )
+    kv_offloading_path: Optional[str] = setting(None, help="the offload tier's directory")
+    kv_offloading_fsync: bool = setting(
+        False,
+        switch=True,
+        help="fsync each record (durable across power loss; off by default: every read "
+        "checks the record's digest, so a torn one is a miss)",
+    )
     # LoRA (vLLM's flags): adapters named at start (name=path or vLLM's JSON form), how
     # many distinct adapters one step may batch, the largest rank, how many stay in memory;
     # runtime loads (VLLM_ALLOW_RUNTIME_LORA_UPDATING) only from --lora-allowed-dir.
-    enable_lora: bool = False
-    lora_modules: list[str] = field(default_factory=list)
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: Optional[int] = None
-    lora_allowed_dirs: list[str] = field(default_factory=list)
+    enable_lora: bool = setting(False, name="--enable-lora", help="serve LoRA adapters")
+    lora_modules: list[str] = setting(
+        default_factory=list,
+        repeat="extend",
+        metavar="NAME=PATH",
+        help="adapters to serve, as name=path or vLLM's JSON "
+        '\'{"name": "a", "path": "/adapters/a"}\' (repeatable); requests pick one by `model`',
+    )
+    max_loras: int = setting(1, help="distinct adapters in one step's batch")
+    max_lora_rank: int = setting(16, help="the largest adapter rank")
+    max_cpu_loras: Optional[int] = setting(
+        None, type=int, help="adapters kept in memory (default: --max-loras)"
+    )
+    lora_allowed_dirs: list[str] = setting(
+        default_factory=list,
+        name="--lora-allowed-dir",
+        repeat="append",
+        help="a folder /v1/load_lora_adapter may load adapters from (repeatable; runtime "
+        "loads need VLLM_ALLOW_RUNTIME_LORA_UPDATING=true and at least one)",
+    )
 
     def validate(self) -> None:
         """Raises ValueError, naming the flag, for the first setting that makes no sense."""

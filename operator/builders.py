@@ -20,7 +20,12 @@ from typing import Any
 from . import commands
 from .autoscaling import hpa, scaled_object
 from .children import Manifest, PoolRef, child_metadata
-from .gie_adapters import adapter_children, retired_rewrite
+from .gie_adapters import (
+    adapter_children,
+    retired_rewrite,
+    retired_rewrites_config,
+    rewrites_config_map,
+)
 from .inference_pool import inference_pool_children
 from .names import (
     DECODE,
@@ -45,8 +50,10 @@ def build_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
     ever runs unprotected."""
     config = router_config_map(ref, pool)
     config_hash = data_hash(config["data"])
+    rewrites = rewrites_config_map(ref, pool.loras)  # before the routers that mount it
     return [
         config,
+        *([rewrites] if rewrites is not None else []),
         prefill_service(ref, pool),
         decode_service(ref, pool),
         gateway_service(ref, pool),
@@ -100,10 +107,17 @@ def retired_children(ref: PoolRef, pool: PoolSpec) -> list[Manifest]:
     autoscalers, the adapters' InferenceModelRewrite once no adapter has a rollout."""
     rendered = {
         (m["kind"], m["metadata"]["name"])
-        for m in adapter_children(ref, pool.inference_pool, pool.loras)
+        for m in [
+            *adapter_children(ref, pool.inference_pool, pool.loras),
+            rewrites_config_map(ref, pool.loras) or {},
+        ]
+        if m
     }
-    rewrite = retired_rewrite(ref)
-    stale = [] if (rewrite["kind"], rewrite["metadata"]["name"]) in rendered else [rewrite]
+    stale = [
+        m
+        for m in (retired_rewrite(ref), retired_rewrites_config(ref))
+        if (m["kind"], m["metadata"]["name"]) not in rendered
+    ]
     return retired_autoscalers(ref, pool) + stale
 
 

@@ -25,6 +25,7 @@ from pdpool.command_lines import (
     VllmLaunch,
     epp_argv,
     gateway_argv,
+    last_flag_value,
     num,
     pdpool_engine_argv,
     sidecar_argv,
@@ -100,9 +101,8 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         block_size=pool.engine.block_size,
         priority_scheduling=pool.gateway.tenants_secret is not None,
         kv_events=_kv_events_publisher(pool),
-        # The tier's flags first: the user's extra args may override them.
+        offload=pool.kv_offload.launch() if pool.kv_offload else None,
         extra_args=(
-            *(pool.kv_offload.engine_args() if pool.kv_offload else ()),
             *(pool.loras.engine_args(pool.engine.kind) if pool.loras else ()),
             *pool.engine.extra_args,
             *spec.extra_args,
@@ -163,17 +163,8 @@ def _kv_events_publisher(pool: PoolSpec) -> KVEventsPublisher | None:
 def engine_block_size(pool: PoolSpec, role: str) -> int:
     """The KV block size the role's engines run with: the last --block-size of their
     command line (extraArgs may override spec.engine.blockSize, which both kinds get)."""
-    argv = engine_args(pool, role)
-    size = pool.engine.block_size
-    for i, arg in enumerate(argv):
-        value = (
-            arg.partition("=")[2]
-            if arg.startswith("--block-size=")
-            else (argv[i + 1] if arg == "--block-size" and i + 1 < len(argv) else "")
-        )
-        if value.isdigit():
-            size = int(value)
-    return size
+    given = last_flag_value(engine_args(pool, role), "--block-size")
+    return int(given) if given is not None and given.isdigit() else pool.engine.block_size
 
 
 def engine_env(pool: PoolSpec) -> list[dict[str, str]]:

@@ -14,11 +14,21 @@ rewrite object:
 
 renders, with spec.inferencePool enabled, rules: [{matches: [{model: {type: Exact,
 value: sql}}], targets: [{modelRewrite: sql, weight: 90}, {modelRewrite: sql-v3,
-weight: 10}]}]. The rewrite is applied by a GIE endpoint picker that reads these objects
-(llm-d's router); every target is an adapter the pool's engines serve (loras.py checks).
+weight: 10}]}]. Every target is an adapter the pool's engines serve (loras.py checks).
+
+A GIE endpoint picker that watches these objects (llm-d's router) applies them; ours
+(`pdpool epp`) and our gateway read the same rules from a file instead (no API access:
+their ServiceAccount mounts no token): the pool's `<pool>-model-rewrites` ConfigMap,
+mounted whole (an edit reaches the file, which they re-read) and named by
+`--model-rewrites` (sidecar/routing/model_rewrite.py). It is rendered for every pool with
+a rollout, so our gateway splits too when spec.inferencePool is off.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import yaml
 
 from .children import Manifest, PoolRef, child_metadata
 from .inference_pool_spec import InferencePoolSpec
@@ -29,15 +39,22 @@ REWRITE_VERSION = "v1alpha2"
 REWRITE_API = f"{REWRITE_GROUP}/{REWRITE_VERSION}"
 REWRITE_KIND = "InferenceModelRewrite"
 POOL_GROUP = "inference.networking.k8s.io"
+# The rules as the routers read them (`--model-rewrites`).
+REWRITES_KEY = "rewrites.yaml"
+REWRITES_DIR = "/etc/pdpool/model-rewrites"
+REWRITES_FILE = f"{REWRITES_DIR}/{REWRITES_KEY}"
+REWRITES_VOLUME = "model-rewrites"
 
 
 def rewrite_name(pool: str) -> str:
     return f"{pool}-adapters"
 
 
-def adapter_rewrite(ref: PoolRef, loras: LoRASpec) -> Manifest | None:
-    """The pool's InferenceModelRewrite (None when no adapter has a rollout)."""
-    rules = [
+def rewrite_rules(loras: LoRASpec | None) -> list[dict[str, Any]]:
+    """GIE's rules for the adapters with a rollout (empty when none has one)."""
+    if loras is None:
+        return []
+    return [
         {
             "matches": [{"model": {"type": "Exact", "value": adapter.name}}],
             "targets": [{"modelRewrite": t.adapter, "weight": t.weight} for t in adapter.rollout],
@@ -45,6 +62,11 @@ def adapter_rewrite(ref: PoolRef, loras: LoRASpec) -> Manifest | None:
         for adapter in loras.adapters
         if adapter.rollout
     ]
+
+
+def adapter_rewrite(ref: PoolRef, loras: LoRASpec) -> Manifest | None:
+    """The pool's InferenceModelRewrite (None when no adapter has a rollout)."""
+    rules = rewrite_rules(loras)
     if not rules:
         return None
     return {
@@ -65,6 +87,49 @@ def adapter_children(
         return []
     rewrite = adapter_rewrite(ref, loras)
     return [rewrite] if rewrite is not None else []
+
+
+def rewrites_config_name(pool: str) -> str:
+    return f"{pool}-model-rewrites"
+
+
+def rewrites_config_map(ref: PoolRef, loras: LoRASpec | None) -> Manifest | None:
+    """The rules as a file for `pdpool epp` and `pdpool gateway` (None without rollouts)."""
+    rules = rewrite_rules(loras)
+    if not rules:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_metadata(ref, rewrites_config_name(ref.name), "router"),
+        "data": {REWRITES_KEY: yaml.safe_dump({"rules": rules}, sort_keys=False)},
+    }
+
+
+def rewrites_args(loras: LoRASpec | None) -> list[str]:
+    return ["--model-rewrites", REWRITES_FILE] if rewrite_rules(loras) else []
+
+
+def rewrites_mounts(loras: LoRASpec | None) -> list[dict[str, Any]]:
+    if not rewrite_rules(loras):
+        return []
+    return [{"name": REWRITES_VOLUME, "mountPath": REWRITES_DIR, "readOnly": True}]
+
+
+def rewrites_volumes(ref: PoolRef, loras: LoRASpec | None) -> list[dict[str, Any]]:
+    """Mounted whole (no subPath): an edited ConfigMap reaches the file, which is re-read."""
+    if not rewrite_rules(loras):
+        return []
+    return [{"name": REWRITES_VOLUME, "configMap": {"name": rewrites_config_name(ref.name)}}]
+
+
+def retired_rewrites_config(ref: PoolRef) -> Manifest:
+    """Names only: the rules' ConfigMap, deleted when the spec no longer renders it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": rewrites_config_name(ref.name), "namespace": ref.namespace},
+    }
 
 
 def retired_rewrite(ref: PoolRef) -> Manifest:

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import commands
 from .children import Manifest, PoolRef, child_metadata
-from .gie_adapters import adapter_children
+from .gie_adapters import adapter_children, rewrites_args, rewrites_mounts, rewrites_volumes
 from .inference_pool_spec import InferencePoolSpec
 from .names import (
     TENANTS_FILE,
@@ -152,7 +152,8 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
             decode,
             (EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT),
             TENANTS_FILE if pool.gateway.tenants_secret else None,
-        ),
+        )
+        + rewrites_args(pool.loras),
         "ports": [
             {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
             {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
@@ -164,6 +165,7 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
             {"name": "tmp", "mountPath": TMP_MOUNT},
             *pool_tls_mounts(pool),
             *tenants_mounts(pool),
+            *rewrites_mounts(pool.loras),
         ],
         # gRPC health: SERVING once a decode sidecar is ready (the gateway's /ready rule).
         "readinessProbe": {
@@ -181,7 +183,12 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
         "serviceAccountName": epp_name(ref.name),
         "automountServiceAccountToken": False,
         "containers": [container],
-        "volumes": [empty_dir("tmp"), *pool_tls_volumes(pool), *tenants_volumes(pool)],
+        "volumes": [
+            empty_dir("tmp"),
+            *pool_tls_volumes(pool),
+            *tenants_volumes(pool),
+            *rewrites_volumes(ref, pool.loras),
+        ],
         **pod_security_fields(pool),
         **pod_scheduling_fields(pool, None),
         "topologySpreadConstraints": topology_spread(ref, EPP, None),

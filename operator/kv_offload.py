@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdpool.command_lines import KVOffload
+
 from .spec import SpecError
 
 KV_OFFLOAD_MOUNT = "/var/lib/pdpool/kv-offload"
@@ -31,14 +33,10 @@ class KVOffloadSpec:
     pvc: str | None = None
     fsync: bool = False
 
-    def engine_args(self) -> list[str]:
-        args = [
-            f"--kv-offloading-size={self.size_gib:g}",
-            f"--kv-offloading-backend={self.backend}",
-        ]
-        if self.backend != "native":
-            args.append(f"--kv-offloading-path={KV_OFFLOAD_MOUNT}")
-        return args + (["--kv-offloading-fsync"] if self.fsync else [])
+    def launch(self) -> KVOffload:
+        """The engines' tier, as pdpool/command_lines.py renders it: at the pod's mount."""
+        path = KV_OFFLOAD_MOUNT if self.backend != "native" else None
+        return KVOffload(self.size_gib, self.backend, path, self.fsync)
 
     @property
     def on_disk(self) -> bool:

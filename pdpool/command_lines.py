@@ -57,6 +57,28 @@ class KVLink:
 
 
 @dataclass(frozen=True)
+class KVOffload:
+    """A KV offload tier below an engine's block pool (vLLM's --kv-offloading-size and
+    --kv-offloading-backend; the directory and fsync are pdpool's)."""
+
+    size_gib: float
+    backend: str  # native (host memory), disk (this engine's directory), shared (the pool's)
+    path: Optional[str] = None  # the tier's directory (disk, shared)
+    fsync: bool = False
+    # shared without a KV link: the pool's key, so that the tier's records are signed
+    secret_file: Optional[str] = None
+
+
+def _offload(t: Optional[KVOffload]) -> list[str]:
+    if t is None:
+        return []
+    argv = [f"--kv-offloading-size={num(t.size_gib)}", f"--kv-offloading-backend={t.backend}"]
+    argv += [f"--kv-offloading-path={t.path}"] if t.path else []
+    argv += ["--kv-offloading-fsync"] if t.fsync else []
+    return argv + ([f"--kv-secret-file={t.secret_file}"] if t.secret_file else [])
+
+
+@dataclass(frozen=True)
 class Serving:
     """Flags every server shares: where it listens, TLS, tracing."""
 
@@ -80,6 +102,7 @@ class EngineLaunch:
     cpu_prefill_threads: Optional[int] = None
     priority_scheduling: bool = False
     kv_events: Optional[KVEventsPublisher] = None
+    offload: Optional[KVOffload] = None  # before extra_args, which may override it
     extra_args: Sequence[str] = ()  # last: later flags win
 
 
@@ -146,7 +169,7 @@ def _engine_common(e: EngineLaunch, tls_flags: tuple[str, str]) -> list[str]:
     argv += _tracing(e.serving)
     # with tenants, the engines order by the band the gateway or the EPP writes
     argv += ["--scheduling-policy", "priority"] if e.priority_scheduling else []
-    return argv + list(e.extra_args)
+    return argv + _offload(e.offload) + list(e.extra_args)
 
 
 @dataclass(frozen=True)
@@ -268,6 +291,18 @@ def _router_tail(r: RouterLaunch) -> list[str]:
 def _kv_index(block_size: Optional[int], tokenizer: Optional[str]) -> list[str]:
     argv = ["--kv-block-size", str(block_size)] if block_size is not None else []
     return argv + _opt("--kv-tokenizer", tokenizer)
+
+
+def last_flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The value the last `flag` of a command line gives (`--flag V` or `--flag=V`): what a
+    parser that lets later flags win reads (None: not given)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(flag + "="):
+            value = arg.partition("=")[2]
+        elif arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
 
 
 def _opt(flag: str, value: Optional[str]) -> list[str]:

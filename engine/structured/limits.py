@@ -16,27 +16,41 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdpool.protocol import MAX_JSON_DEPTH
+from pdpool.settings_flags import setting
 
 
 class SpecTooLarge(ValueError):
     """A spec over one of the caps (answered 400, naming the cap)."""
 
 
+def _cap(default: int, what: str) -> Any:
+    return setting(
+        default,
+        help=f"structured outputs: at most this many {what}; above it, 400 (default %(default)s)",
+    )
+
+
 @dataclass(frozen=True)
 class StructuredLimits:
+    """`pdpool serve --structured-max-*` (a field per flag, pdpool/settings_flags.py)."""
+
     # the spec's text: a schema's JSON, a regex, a grammar, the choices together (bytes)
-    max_bytes: int = 256 * 1024
+    max_bytes: int = _cap(
+        256 * 1024, "bytes of a spec's text (schema JSON, regex, grammar, the choices together)"
+    )
     # object properties in a schema, all objects together (OpenAI allows 5,000; 2,000 keeps
     # compiles within seconds on a 152k vocabulary)
-    max_properties: int = 2000
+    max_properties: int = _cap(2000, "object properties in a JSON schema, all objects together")
     # nesting of a schema's JSON (objects and arrays), as the request body's own cap
-    max_depth: int = MAX_JSON_DEPTH
+    max_depth: int = _cap(MAX_JSON_DEPTH, "levels of nesting (objects and arrays) in a JSON schema")
     # enum and const values in a schema, all enums together (OpenAI: 1,000)
-    max_enum_values: int = 1000
+    max_enum_values: int = _cap(1000, "enum and const values in a JSON schema, all together")
     # guided_choice alternatives (one enum: the same cap's reasoning)
-    max_choices: int = 1000
+    max_choices: int = _cap(1000, "guided_choice alternatives")
     # a regex: guided_regex, or a schema's `pattern` / `patternProperties` key
-    max_pattern_chars: int = 4096
+    max_pattern_chars: int = _cap(
+        4096, "characters of a regex (guided_regex, or a schema's pattern)"
+    )
 
     def validate(self) -> None:
         for name, value in vars(self).items():

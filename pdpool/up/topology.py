@@ -31,11 +31,13 @@ from pdpool.command_lines import (
     EngineLaunch,
     KVEventsPublisher,
     KVLink,
+    KVOffload,
     RouterLaunch,
     Serving,
     SidecarLaunch,
     VllmLaunch,
     gateway_argv,
+    last_flag_value,
     num,
     pdpool_engine_argv,
     sidecar_argv,
@@ -156,7 +158,7 @@ class TopologySpec:
     # certificate (127.0.0.1, localhost) made for this topology in <log dir>/tls.
     tls: bool = False
     # Precise KV-aware routing: decode engines publish KV events (--kv-events-config), the
-    # gateway indexes them and routes by cost (sidecar/routing/kv_router.py).
+    # gateway indexes them and routes by cost (sidecar/routing/kv_cost.py).
     kv_events: bool = False
     kv_load_cost: Optional[float] = None  # gateway --kv-load-cost (None: its default)
     # Flow control: the gateway's --tenants-file (tenants' fair queues, 429 when shed).
@@ -275,8 +277,8 @@ class Topology:
             s.model,
             priority_scheduling=bool(s.tenants_file),
             kv_events=events,
-            # later flags win (vLLM's parser too)
-            extra_args=(*self._offload_args(role, index), *s.engine_args),
+            offload=self._offload(role, index),
+            extra_args=tuple(s.engine_args),  # last: later flags win (vLLM's parser too)
         )
         env: dict[str, str] = {}
         if s.engine == "vllm":
@@ -297,25 +299,23 @@ class Topology:
             child.kv_events = f"tcp://127.0.0.1:{events.port}|tcp://127.0.0.1:{events.replay_port}"
         return child
 
-    def _offload_args(self, role: str, index: int) -> tuple[str, ...]:
-        """`pdpool serve`'s offload flags: one directory per engine (disk) or one for all
+    def _offload(self, role: str, index: int) -> Optional[KVOffload]:
+        """The engine's offload tier: one directory per engine (disk) or one for all
         (shared)."""
         s = self.spec
         if s.kv_offload is None:
-            return ()
-        flags = (
-            f"--kv-offloading-size={s.kv_offload_size_gib:g}",
-            f"--kv-offloading-backend={s.kv_offload}",
-        )
+            return None
         if s.kv_offload == "native":
-            return flags
+            return KVOffload(s.kv_offload_size_gib, "native")
         root = s.kv_offload_dir or os.path.join(self.log_dir, "kv-offload")
         path = root if s.kv_offload == "shared" else os.path.join(root, f"{role}-{index}")
-        flags = (*flags, f"--kv-offloading-path={path}")
-        if s.kv_offload == "shared" and self.kv_connector == "none":
-            # With a KV connector, its link passes the secret already.
-            flags = (*flags, f"--kv-secret-file={self.kv_secret_file}")
-        return flags
+        # With a KV connector, its link passes the secret already.
+        secret = (
+            self.kv_secret_file
+            if s.kv_offload == "shared" and self.kv_connector == "none"
+            else None
+        )
+        return KVOffload(s.kv_offload_size_gib, s.kv_offload, path, secret_file=secret)
 
     def _threads(self) -> Optional[int]:
         """The engines share this machine's cores: each one's prompt steps get an equal
@@ -505,14 +505,8 @@ class Topology:
 
     def _engine_block_size(self) -> int:
         """The engines' KV block size: their --block-size, else their default."""
-        args = self.spec.engine_args
-        block_size = 128 if self.spec.engine == "vllm" else 16
-        for i, arg in enumerate(args):
-            if arg.startswith("--block-size="):
-                block_size = int(arg.split("=", 1)[1])
-            elif arg == "--block-size" and i + 1 < len(args):
-                block_size = int(args[i + 1])
-        return block_size
+        given = last_flag_value(self.spec.engine_args, "--block-size")
+        return int(given) if given is not None else (128 if self.spec.engine == "vllm" else 16)
 
     @property
     def gateway(self) -> Child:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from pdpool.cli import add_switch
+from pdpool.settings_flags import add_flags, values_from_args
 
 from ..net.server_cli import add_listen_arguments, serve
-from ..routing.cli_args import add_routing_arguments, routing_settings_kwargs
+from .settings import EppSettings
 
 if TYPE_CHECKING:
     from .server import EndpointPicker
@@ -17,24 +17,10 @@ if TYPE_CHECKING:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # GIE's ports: ext_proc on --port (9002), the gRPC health service on --health-port
     # (9003, also on --port), HTTP /metrics and /health on --metrics-port (9090).
-    add_listen_arguments(p, port=9002, service="pdpool-epp")
-    p.add_argument("--health-port", type=int, default=9003, help="gRPC health service port")
+    defaults = EppSettings()
+    add_listen_arguments(p, port=defaults.grpc_port, service="pdpool-epp", host=defaults.grpc_host)
     p.add_argument("--metrics-port", type=int, default=9090, help="HTTP /metrics and /health port")
-    add_routing_arguments(p)
-    p.add_argument(
-        "--max-body-bytes", default="32MiB", help="request bodies above this size get 413"
-    )
-    p.add_argument(
-        "--tls-ca-file", help="reach the sidecars over HTTPS, verified against this CA bundle"
-    )
-    add_switch(p, "--tls-any-name", False, "accept any certificate the CA signed")
-    add_switch(
-        p,
-        "--test-endpoint-selection",
-        False,
-        "honour GIE's conformance header test-epp-endpoint-selection (tests only: it lets "
-        "a client choose the endpoint)",
-    )
+    add_flags(p, EppSettings)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -45,20 +31,12 @@ def main(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> EndpointPicker:
     from pdpool.errors import CliError
-    from pdpool.units import parse_size
 
-    from .server import EndpointPicker, EppSettings
+    from .server import EndpointPicker
 
     try:
         settings = EppSettings(
-            **routing_settings_kwargs(args),
-            grpc_host=args.host,
-            grpc_port=args.port,
-            health_port=args.health_port,
-            max_body_bytes=parse_size(args.max_body_bytes),
-            tls_ca_file=args.tls_ca_file,
-            tls_any_name=args.tls_any_name,
-            test_endpoint_selection=args.test_endpoint_selection,
+            **values_from_args(EppSettings, args), grpc_host=args.host, grpc_port=args.port
         )
         settings.validate_routing()
         return EndpointPicker(settings)

@@ -22,7 +22,7 @@ from ..net.client_body import (
     with_priority,
 )
 from ..net.routes import is_generation
-from ..routing.admission import Slot
+from ..flow.admission import Slot
 from ..routing.core import PD_HEADER
 from . import protocol
 
@@ -104,6 +104,8 @@ class Exchange:
             parsed, dropped = strip_client_kv_params(parsed)
             if dropped:  # the body goes on without them (a client never steers KV transfers)
                 raw = json.dumps(parsed).encode()
+            if self.picker.rewrites is not None:  # GIE's weighted model rewrite, then routing
+                parsed, raw = self.picker.rewrites.apply(parsed, raw)
         admission = await self.picker.admit(parsed, self.headers)
         if isinstance(admission, Slot):
             self._slot = admission

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Optional
 from google.protobuf import struct_pb2
 
 from ..net.asgi import error_body
-from ..routing.admission import Shed, shed_body
+from ..flow.admission import Shed, shed_body
 from . import envoy_api as ext
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"

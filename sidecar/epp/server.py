@@ -18,35 +18,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
-from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 
 from ..net.asgi import Receive, Scope, Send, send_bytes, send_error, serve_lifespan
-from ..net.backends import Backends
+from ..routing.backends import Backends
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
-from ..routing.admission import FlowControl, Shed, Slot
+from ..flow.admission import FlowControl, Shed, Slot
 from ..routing.core import Routing
-from ..routing.settings import RoutingSettings
+from ..routing.model_rewrite import ModelRewrites, counted_rewrites
 from . import envoy_api as ext
 from . import protocol
 from .exchange import Exchange
+from .settings import EppSettings
 
 log = logging.getLogger("pdpool.epp")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-
-
-@dataclass
-class EppSettings(RoutingSettings):
-    grpc_host: str = "0.0.0.0"
-    grpc_port: int = 9002
-    health_port: Optional[int] = 9003  # the gRPC health service here too (GIE's layout)
-    connect_timeout: float = 2.0  # health probes and /tokenize to the sidecars
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    # GIE's conformance header (protocol.TEST_SELECTION_HEADER) restricts the choice: for
-    # tests only, a client must not steer routing in production.
-    test_endpoint_selection: bool = False
-    tls_ca_file: Optional[str] = None  # sidecars over HTTPS, verified against this CA
-    tls_any_name: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,9 +73,15 @@ class EndpointPicker:
         self.sidecars = Backends(
             settings.tls_ca_file, settings.tls_any_name, settings.probe_timeout_s
         )
+        # GIE's InferenceModelRewrite rules: the model replaced before routing (None: off).
+        self.rewrites: Optional[ModelRewrites] = (
+            counted_rewrites(settings.model_rewrites_file, self.metrics.registry)
+            if settings.model_rewrites_file
+            else None
+        )
         self.grpc_server: Optional[grpc.aio.Server] = None
         self.health = health.aio.HealthServicer()
-        # Flow control (routing/admission.py, as in the gateway); None: off.
+        # Flow control (flow/admission.py, as in the gateway); None: off.
         self.flow = (
             FlowControl(
                 settings.tenants_file,

@@ -17,15 +17,14 @@ import logging
 import time
 import uuid
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any, Awaitable, Iterable, Optional, Union
 
 import httpx
 
 from pdpool import tracing
-from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 
 from . import migration
+from .settings import GatewaySettings
 from .request_trace import CURRENT, GatewayRequest, answer_started, record_outcome
 from ..net.apikeys import OPEN_PATHS, ApiKeys, presented_key
 from ..net.asgi import (
@@ -45,17 +44,17 @@ from ..net.asgi import (
     serve_lifespan,
     sse_error_event,
 )
+from ..routing.model_rewrite import ModelRewrites, counted_rewrites
 from ..net.client_body import parse_client_body, strip_client_kv_params, with_priority
 from ..net.routes import GENERATION_PATHS, forwarded
-from ..net.backends import Backends
+from ..routing.backends import Backends
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from ..routing.core import PD_HEADER, Routing
 from ..routing.outlier import EjectionRace
-from ..routing.settings import RoutingSettings
 from ..net.sse import DONE, EventSplitter, event_json, json_event
-from ..routing.admission import FlowControl, Shed, Slot, shed_body
-from ..routing.tenants import Tenant
+from ..flow.admission import FlowControl, Shed, Slot, shed_body
+from ..flow.tenants import Tenant
 
 log = logging.getLogger("pdpool.gateway")
 
@@ -72,33 +71,6 @@ FLOW_SLOT: ContextVar[Optional[Slot]] = ContextVar("pdpool_flow_slot", default=N
 Attempt = Optional[tuple[str, str]]
 
 
-@dataclass
-class GatewaySettings(RoutingSettings):
-    connect_timeout: float = 2.0
-    # Migration of broken streams (see migration.py).
-    migrate: bool = True
-    max_migrations: int = 3
-    stall_timeout_s: float = 20.0  # no byte for this long mid-stream: broken
-    default_max_tokens: int = 16  # the engine's default when a request has none
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
-    # A file of API keys (apikeys.py): requests without one get 401. None: no keys asked.
-    api_keys_file: Optional[str] = None
-    # Sidecars over TLS: reached at https:// and verified against this CA bundle.
-    tls_ca_file: Optional[str] = None
-    tls_any_name: bool = False  # see SidecarSettings.tls_any_name
-
-    def validate(self) -> "GatewaySettings":
-        self.validate_routing()
-        if self.tenants_file and self.api_keys_file and not self.tenant_header:
-            raise ValueError(
-                "--tenants-file lists the API keys: give it or --api-keys-file, not both "
-                "(or name the tenant by --tenant-header)"
-            )
-        if self.max_migrations < 0:
-            raise ValueError("max migrations must be >= 0")
-        return self
-
-
 class _Leg:
     """Progress of one upstream attempt, watched by `_supervised`."""
 
@@ -113,7 +85,7 @@ class Gateway:
         self.api_keys = ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
         self.metrics = GatewayMetrics()
         self.routing = Routing(settings, self.metrics)
-        # Flow control (routing/admission.py); None: off, and no step of it on the hot path.
+        # Flow control (flow/admission.py); None: off, and no step of it on the hot path.
         self.flow = (
             FlowControl(
                 settings.tenants_file,
@@ -129,6 +101,12 @@ class Gateway:
             settings.tls_ca_file, settings.tls_any_name, settings.probe_timeout_s
         )
         self.scheme, self.tls = self.sidecars.scheme, self.sidecars.tls
+        # GIE's InferenceModelRewrite rules (routing/model_rewrite.py); None: off.
+        self.rewrites: Optional[ModelRewrites] = (
+            counted_rewrites(settings.model_rewrites_file, self.metrics.registry)
+            if settings.model_rewrites_file
+            else None
+        )
         self.pool = Http1Pool(
             connect_timeout=settings.connect_timeout,  # proxied traffic
             ssl_context=self.tls,
@@ -228,6 +206,8 @@ class Gateway:
         if read is None:
             return
         body, raw = read
+        if self.rewrites is not None:  # GIE's weighted model rewrite, before routing
+            body, raw = self.rewrites.apply(body, raw)
         slot = None
         if tenant is not None:  # flow control: wait for the request's turn
             slot = await self._admission(tenant, headers, body, receive, send)

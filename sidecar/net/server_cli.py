@@ -13,11 +13,11 @@ from pdpool import metrics_listener, tracing
 
 
 def add_listen_arguments(
-    p: argparse.ArgumentParser, port: int, service: str = "pdpool-gateway"
+    p: argparse.ArgumentParser, port: int, service: str = "pdpool-gateway", host: str = "0.0.0.0"
 ) -> None:
     """`service`: the OpenTelemetry service name of the server's spans (OTEL_SERVICE_NAME
     wins)."""
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default=host)
     p.add_argument("--port", type=int, default=port)
     p.add_argument(
         "--tls-cert-file", help="serve HTTPS with this certificate (PEM; with --tls-key-file)"

@@ -53,7 +53,7 @@ from ..net.discovery import EndpointSet
 from .exchange import Exchange
 from .flows import Flow, Flows
 from ..net.metrics import CONTENT_TYPE_LATEST, SidecarMetrics
-from ..routing.saturation import ENGINE_METRICS_PATH
+from ..flow.saturation import ENGINE_METRICS_PATH
 from ..routing.picker import LoadPicker
 from .prefill_legs import PrefillLegs, prefill_outliers
 from ..routing.prefill_ranking import PrefillRanking

@@ -6,59 +6,170 @@ import dataclasses
 import json
 import os
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
+from pdpool.settings_flags import setting, size
 
 MODES = ("decode-first", "prefill-first", "aggregated")
 
 
+ENGINES, PATH, HEALTH, KV_EVENTS = (
+    "engines",
+    "the P/D path",
+    "prefill engine health",
+    "prefill legs by KV events",
+)
+
+
 @dataclass
 class SidecarSettings:
-    decode_url: str = "http://127.0.0.1:8001"
-    prefill_urls: list[str] = field(default_factory=list)
-    prefill_service: Optional[str] = None  # HOST:PORT of a headless Service
-    prefill_refresh_s: float = 5.0
-    mode: str = "decode-first"
-    cache_hit_threshold: float = 0.5
+    """Each field with a `setting(...)` is a `pdpool sidecar` flag (pdpool/settings_flags.py)
+    that overrides the config file; the default here applies when neither sets it."""
+
+    decode_url: str = setting(
+        "http://127.0.0.1:8001", group=ENGINES, help="the local decode engine"
+    )
+    prefill_urls: list[str] = setting(
+        default_factory=list,
+        name="--prefill-url",
+        repeat="append",
+        group=ENGINES,
+        help="a prefill engine (repeatable): HOST:PORT or http://HOST:PORT",
+    )
+    prefill_service: Optional[str] = setting(
+        None,
+        group=ENGINES,
+        help="HOST:PORT of a headless Service whose DNS lists the prefill pods",
+    )
+    prefill_refresh_s: float = setting(5.0, group=ENGINES, help="DNS refresh period")
+    mode: str = setting(
+        "decode-first",
+        choices=MODES,
+        group=PATH,
+        help="decode-first (prefill only when decode rejects), prefill-first, or aggregated",
+    )
+    cache_hit_threshold: float = setting(
+        0.5, group=PATH, help="pool threshold for decode-first (a request's own value wins)"
+    )
     # Give the decode engine's cached prefix to the prefill leg so prefill pulls it.
-    pull_from_decode: bool = True
-    kv_pull_threshold: int = 0  # offer a pull only for >= this many tokens
-    prefill_timeout: float = 30.0  # per prefill attempt, seconds
-    decode_retry_s: float = 5.0  # keep retrying an unreachable decode engine
+    pull_from_decode: bool = setting(
+        True, switch=True, group=PATH, help="let prefill pull decode's cached prefix"
+    )
+    # offer a pull only for >= this many tokens
+    kv_pull_threshold: int = setting(
+        0,
+        group=PATH,
+        help="offer decode's cached prefix to prefill only when it holds at least this many tokens",
+    )
+    # per prefill attempt, seconds
+    prefill_timeout: float = setting(30.0, group=PATH, help="seconds per prefill attempt")
+    # keep retrying an unreachable decode engine
+    decode_retry_s: float = setting(
+        5.0, group=PATH, help="how long to retry an unreachable decode engine"
+    )
     connect_timeout: float = 2.0
     # Outlier detection of prefill engines (see outlier.py).
-    probe_interval_s: float = 1.0  # health probe of every prefill engine
-    probe_timeout_s: float = 2.0  # (also the decode engine check of /ready)
-    outlier_failures: int = 3  # consecutive failed legs that eject
-    ejection_s: float = 2.0  # base ejection time (x recent ejections)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    probe_interval_s: float = setting(
+        1.0, group=HEALTH, help="health probe period of each prefill engine (0: off)"
+    )
+    # (also the decode engine check of /ready)
+    probe_timeout_s: float = setting(2.0, group=HEALTH, help="health probe timeout")
+    outlier_failures: int = setting(
+        3, group=HEALTH, help="consecutive failed prefill legs that eject an engine"
+    )
+    ejection_s: float = setting(
+        2.0, group=HEALTH, help="base ejection time of a sick prefill engine (x recent ejections)"
+    )
+    # larger request bodies get 413
+    max_body_bytes: int = setting(
+        DEFAULT_MAX_BODY_BYTES,
+        parse=size,
+        group=PATH,
+        help="request bodies above this size (bytes, or e.g. 64MiB) get 413",
+    )
     # Does the decode engine honour cache_hit_threshold? (capability.py) auto: probe it.
-    engine_rejects: str = "auto"
+    engine_rejects: str = setting(
+        "auto",
+        choices=("auto", "yes", "no"),
+        group=ENGINES,
+        help="does the decode engine honour cache_hit_threshold (pdpool serve: "
+        "yes; stock vLLM: no)? auto probes it once",
+    )
     # Engines that cannot reject: decode-first sends prompts of at least this many
     # (estimated) tokens prefill-first, shorter ones to decode only.
-    prefill_min_prompt_tokens: int = 128
+    prefill_min_prompt_tokens: int = setting(
+        128,
+        group=PATH,
+        help="decode-first with an engine that cannot reject: prompts of at least this many "
+        "tokens (estimated: characters / 4) go prefill-first, shorter ones to decode only",
+    )
     # Upstreams over TLS: prefill engines are reached at https:// and every upstream
     # certificate (decode_url too, when https://) is verified against this CA bundle.
-    tls_ca_file: Optional[str] = None
+    tls_ca_file: Optional[str] = setting(
+        None,
+        group=ENGINES,
+        help="reach prefill engines over HTTPS and verify every upstream (the "
+        "decode engine too, when --decode-url is https://) against this CA",
+    )
     # Accept any certificate that CA signed, whatever name it carries: for a CA dedicated
     # to one pool, whose peers are reached at pod IPs no certificate can name in advance.
-    tls_any_name: bool = False
+    tls_any_name: bool = setting(
+        False,
+        switch=True,
+        group=ENGINES,
+        help="with --tls-ca-file: accept any certificate that CA signed, whatever "
+        "its name (a CA dedicated to the pool; peers are reached by pod IP)",
+    )
     # Prefill engines' KV events ("HOST:PORT" -> "tcp://HOST:5557[|tcp://HOST:5558]"): the
     # one with the most of the prompt cached gets the leg (prefill_ranking.py).
-    prefill_kv_events: dict[str, str] = field(default_factory=dict)
+    prefill_kv_events: dict[str, str] = setting(
+        default_factory=dict,
+        repeat="append",
+        metavar="HOST:PORT=ENDPOINT[|REPLAY]",
+        group=KV_EVENTS,
+        help="a prefill engine and its KV events endpoint (vLLM "
+        "--kv-events-config), e.g. 10.0.0.7:8000=tcp://10.0.0.7:5557 "
+        "(repeatable): legs go to the engine with the most of the prompt "
+        "cached",
+    )
     # The same, following prefill_service: every prefill engine publishes on these ports.
-    prefill_kv_events_port: Optional[int] = None
-    prefill_kv_events_replay_port: Optional[int] = None
-    kv_block_size: int = 16
-    kv_tokenizer: Optional[str] = None  # the model's tokenizer.json (string prompts)
+    prefill_kv_events_port: Optional[int] = setting(
+        None,
+        type=int,
+        group=KV_EVENTS,
+        help="the same, following --prefill-service: every prefill engine "
+        "publishes its KV events on this port (--kv-events-config tcp://*:PORT)",
+    )
+    prefill_kv_events_replay_port: Optional[int] = setting(
+        None,
+        type=int,
+        group=KV_EVENTS,
+        help="with --prefill-kv-events-port: the prefill engines' replay port",
+    )
+    kv_block_size: int = setting(16, group=KV_EVENTS, help="the engines' KV block size")
+    # the model's tokenizer.json (string prompts)
+    kv_tokenizer: Optional[str] = setting(
+        None, group=KV_EVENTS, help="the model's tokenizer.json (string prompts)"
+    )
     # The pool allows runtime LoRA updates: an adapter no prefill engine serves is loaded
     # on one (the decode engine's path, only under these folders); empty: decode-only.
-    lora_allowed_dirs: list[str] = field(default_factory=list)
+    lora_allowed_dirs: list[str] = setting(
+        default_factory=list,
+        name="--lora-allowed-dir",
+        repeat="append",
+        metavar="DIR",
+        group=PATH,
+        help="the pool allows runtime LoRA updates: a prefill leg for an adapter no prefill "
+        "engine serves loads the decode engine's adapter there, when its path is under one "
+        "of these folders (repeatable); without any, such a request is served by decode alone",
+    )
     # How long a prefill engine's /v1/models (its adapters) is trusted before it is read
     # again; a leg that finds the adapter gone reads it at once.
-    adapter_models_ttl_s: float = 5.0
+    adapter_models_ttl_s: float = setting(
+        5.0, group=PATH, help="how long an engine's /v1/models answer (its adapters) is trusted"
+    )
 
     @property
     def upstream_scheme(self) -> str:
@@ -141,12 +252,12 @@ class SidecarSettings:
         if int(self.kv_block_size) < 1:
             raise ValueError("kv_block_size must be >= 1")
         if isinstance(self.prefill_kv_events, list):  # TARGET=SPEC items from a file
-            from ..routing.kv_events_spec import parse_kv_events
+            from ..kv.events_spec import parse_kv_events
 
             self.prefill_kv_events = parse_kv_events(self.prefill_kv_events, "prefill_kv_events")
         if not isinstance(self.prefill_kv_events, dict):
             raise ValueError("prefill_kv_events must map HOST:PORT to tcp://HOST:PORT")
-        from ..routing.kv_feeds import check_event_ports
+        from ..kv.feeds import check_event_ports
 
         self.prefill_kv_events_port, self.prefill_kv_events_replay_port = check_event_ports(
             self.prefill_kv_events_port,

@@ -2,7 +2,7 @@
 
 It owns the decode set (discovery), each backend's in-flight count, health and ejection
 (outlier.py), prefix affinity (affinity.py), LoRA adapter residency (lora_affinity.py) and
-precise KV-aware routing with the up-front P/D decision (kv_routing.py). No HTTP or gRPC
+precise KV-aware routing with the up-front P/D decision (kv_cost.py). No HTTP or gRPC
 here: the front-ends (the HTTP gateway and the ext_proc endpoint picker) do the talking,
 hand this core what they see (probe results, failed and served requests) and ask it for a
 `Route`."""
@@ -20,10 +20,10 @@ from pdpool import tracing
 from ..net.discovery import EndpointSet
 from ..net.metrics import GatewayMetrics
 from .affinity import HashRing, affinity_key, route_order
-from .kv_router import PD_HEADER
-from .kv_routing import EngineTokenize, KVRouting
+from .kv_cost import EngineTokenize, KVRouting
 from .lora_affinity import Fetch, LoraResidency, adapter_cost, adapter_order, residency
 from .outlier import OutlierDetector, endpoint_fault
+from .pd import PD_HEADER
 from .settings import RoutingSettings
 
 log = logging.getLogger("pdpool.routing")

@@ -14,8 +14,8 @@ import pytest
 
 from pdpool.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from pdpool.ports import free_ports
-from pdpool.sidecar.routing.kv_index import request_block_keys
-from pdpool.sidecar.routing.kv_router import KVRouter
+from pdpool.sidecar.kv.index import request_block_keys
+from pdpool.sidecar.routing.kv_cost import KVRouter
 
 BS = 16
 

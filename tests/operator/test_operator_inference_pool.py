@@ -432,6 +432,58 @@ def test_no_rewrite_without_a_rollout_or_without_the_inference_pool():
     }
 
 
+def _container(objects, deployment: str, name: str) -> dict:
+    spec = objects[("Deployment", deployment)]["spec"]["template"]["spec"]
+    container = next(c for c in spec["containers"] if c["name"] == name)
+    return {**container, "volumes": spec["volumes"]}
+
+
+def test_the_rules_reach_our_epp_and_gateway_as_a_mounted_file():
+    from pdpool.sidecar.routing.model_rewrite import parse_rewrites
+
+    objects = kids(dict(GIE, loras=ROLLOUT))
+    config = objects[("ConfigMap", "demo-model-rewrites")]
+    (text,) = config["data"].values()
+    rewrite = objects[("InferenceModelRewrite", "demo-adapters")]
+    assert yaml.safe_load(text) == {"rules": rewrite["spec"]["rules"]}  # the same rules
+    rules = parse_rewrites(text)  # as the routers read them
+    assert rules.by_model["sql"].targets == ("sql", "sql-v3")
+    assert rules.by_model["sql"].cumulative == (90, 100)
+    order = [k for k in objects]  # the ConfigMap exists before the routers that mount it
+    assert order.index(("ConfigMap", "demo-model-rewrites")) < min(
+        order.index(("Deployment", d)) for d in ("demo-epp", "demo-gateway")
+    )
+    for deployment, name in (("demo-epp", "epp"), ("demo-gateway", "gateway")):
+        c = _container(objects, deployment, name)
+        args = build_parser().parse_args(c["command"][1:])  # the real CLI takes it
+        path = args.model_rewrites_file
+        (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+        assert mount["readOnly"] is True and "subPath" not in mount  # edits reach the file
+        (volume,) = [v for v in c["volumes"] if v["name"] == mount["name"]]
+        assert volume["configMap"]["name"] == "demo-model-rewrites"
+        assert path.rsplit("/", 1)[1] in config["data"]
+    # Without the InferencePool our gateway still splits; without a rollout nothing is
+    # rendered, and the operator deletes the ConfigMap an earlier spec had.
+    plain_gateway = kids(dict(BASE, loras=ROLLOUT))
+    assert ("ConfigMap", "demo-model-rewrites") in plain_gateway
+    assert "--model-rewrites" in _container(plain_gateway, "demo-gateway", "gateway")["command"]
+    plain = {"adapters": [{"name": "legal", "path": "/models/legal"}]}
+    none = kids(dict(GIE, loras=plain))
+    assert ("ConfigMap", "demo-model-rewrites") not in none
+    for deployment, name in (("demo-epp", "epp"), ("demo-gateway", "gateway")):
+        assert "--model-rewrites" not in _container(none, deployment, name)["command"]
+    from pdpool.operator.builders import retired_children
+
+    def retired(loras):
+        return {
+            (m["kind"], m["metadata"]["name"])
+            for m in retired_children(REF, parse_pool_spec("demo", dict(GIE, loras=loras)))
+        }
+
+    assert ("ConfigMap", "demo-model-rewrites") in retired(plain)
+    assert ("ConfigMap", "demo-model-rewrites") not in retired(ROLLOUT)
+
+
 def test_the_api_server_accepts_the_rewrite_and_refuses_what_gie_forbids(
     gie_crds, admin_api, namespace
 ):

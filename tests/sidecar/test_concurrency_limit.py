@@ -1,5 +1,5 @@
 """The adaptive concurrency limit (concurrency_limit.py) and the fair shares it is split
-into (flow_control.py), without HTTP: an engine modelled by its step time against its
+into (sidecar/flow/queues.py), without HTTP: an engine modelled by its step time against its
 batch, a virtual clock, closed-loop tenants. No pool section anywhere: nothing is tuned."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import itertools
 
 import pytest
 
-from pdpool.sidecar.routing.concurrency_limit import (
+from pdpool.sidecar.flow.concurrency_limit import (
     PATIENCE,
     SMALL_BATCH,
     TOLERANCE,
     AdaptiveLimit,
     EngineSample,
 )
-from pdpool.sidecar.routing.flow_control import FlowController, FlowRequest
-from pdpool.sidecar.routing.saturation import FULL, ROOM, Saturation
-from pdpool.sidecar.routing.tenants import PoolLimits, Tenant, TenantsConfig
+from pdpool.sidecar.flow.queues import FlowController, FlowRequest
+from pdpool.sidecar.flow.saturation import FULL, ROOM, Saturation
+from pdpool.sidecar.flow.tenants import PoolLimits, Tenant, TenantsConfig
 
 BASE = 0.01  # the modelled engine's step time for a small batch
 

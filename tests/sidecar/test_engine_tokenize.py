@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdpool.sidecar.routing.engine_tokenize import token_ids_of, tokenize_body
+from pdpool.sidecar.kv.engine_tokenize import token_ids_of, tokenize_body
 
 CHAT = [{"role": "user", "content": "hi"}]
 

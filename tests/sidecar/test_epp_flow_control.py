@@ -1,4 +1,4 @@
-"""Flow control in `pdpool epp`: the same admission as the gateway (routing/admission.py),
+"""Flow control in `pdpool epp`: the same admission as the gateway (flow/admission.py),
 driven through the picker's real ext_proc exchange with Envoy's messages (no Envoy, no
 sockets: the routed answers are checked, nothing is sent)."""
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pdpool.sidecar.epp import protocol
-from pdpool.sidecar.routing.admission import Shed
+from pdpool.sidecar.flow.admission import Shed
 from pdpool.up.envoy_config import envoy_bootstrap
 
 ext = protocol.ext

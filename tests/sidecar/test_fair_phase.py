@@ -1,5 +1,5 @@
 """Weighted shares over a whole contended phase, tenants that go idle and return, and no
-starvation: flow control's scheduler (flow_control.py) against a modelled pool on a
+starvation: flow control's scheduler (sidecar/flow/queues.py) against a modelled pool on a
 virtual clock, without HTTP.
 
 The model: the pool's learned bound is `capacity` requests (FULL past it, as the engines'
@@ -20,9 +20,9 @@ from typing import Optional
 
 import pytest
 
-from pdpool.sidecar.routing.flow_control import FlowController, FlowRequest, Slot
-from pdpool.sidecar.routing.saturation import FULL, ROOM
-from pdpool.sidecar.routing.tenants import PoolLimits, Tenant, TenantsConfig
+from pdpool.sidecar.flow.queues import FlowController, FlowRequest, Slot
+from pdpool.sidecar.flow.saturation import FULL, ROOM
+from pdpool.sidecar.flow.tenants import PoolLimits, Tenant, TenantsConfig
 
 
 class Bounds:

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from pdpool.sidecar.routing.flow_control import FlowController, FlowRequest, Shed, estimate_tokens
-from pdpool.sidecar.routing.saturation import (
+from pdpool.sidecar.flow.queues import FlowController, FlowRequest, Shed, estimate_tokens
+from pdpool.sidecar.flow.saturation import (
     FULL,
     HARD,
     ROOM,
@@ -18,7 +18,7 @@ from pdpool.sidecar.routing.saturation import (
     Saturation,
     engine_load,
 )
-from pdpool.sidecar.routing.tenants import (
+from pdpool.sidecar.flow.tenants import (
     OBJECTIVE_HEADER,
     PRIORITY_HEADER,
     PoolLimits,

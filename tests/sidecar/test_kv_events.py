@@ -22,7 +22,7 @@ from pdpool.kv_events import (
     hash_key,
 )
 from pdpool.ports import free_ports
-from pdpool.sidecar.routing.kv_index import KVIndex, request_block_keys
+from pdpool.sidecar.kv.index import KVIndex, request_block_keys
 
 torch = pytest.importorskip("torch")
 

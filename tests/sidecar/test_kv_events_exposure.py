@@ -21,7 +21,7 @@ from pdpool.kv_events import (
     KVEventSubscriber,
 )
 from pdpool.ports import free_ports
-from pdpool.sidecar.routing.kv_index import KVIndex, request_block_keys
+from pdpool.sidecar.kv.index import KVIndex, request_block_keys
 from tests.support.listeners import listeners
 
 BS = 16

@@ -1,4 +1,4 @@
-"""KV event subscriptions that follow discovery (sidecar/routing/kv_feeds.py): the engines an
+"""KV event subscriptions that follow discovery (sidecar/kv/feeds.py): the engines an
 EndpointSet lists are subscribed on the pool's event ports, vanished ones are dropped and
 forgotten; a real `pdpool gateway --decode-service --kv-events-port` routes by the events
 of a real publisher (pdpool.kv_events.KVEventPublisher, the engines' own)."""
@@ -18,9 +18,9 @@ from pdpool.block_hash import chain_hashes
 from pdpool.kv_events import BlockStored, KVEventPublisher, KVEventsConfig
 from pdpool.ports import free_port
 from pdpool.sidecar.gateway.app import GatewaySettings
-from pdpool.sidecar.routing.kv_feeds import KVFeeds, check_event_ports, wanted_subscriptions
-from pdpool.sidecar.routing.kv_index import request_block_keys
-from pdpool.sidecar.routing.kv_router import KVRouter
+from pdpool.sidecar.kv.feeds import KVFeeds, check_event_ports, wanted_subscriptions
+from pdpool.sidecar.kv.index import request_block_keys
+from pdpool.sidecar.routing.kv_cost import KVRouter
 from pdpool.sidecar.routing.prefill_ranking import PrefillRanking
 from pdpool.sidecar.routing.picker import LoadPicker
 from pdpool.sidecar.proxy.settings import SidecarSettings
@@ -277,6 +277,7 @@ class Backend:
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
+@pytest.mark.slow  # a gateway process
 async def test_gateway_subscribes_to_the_engines_its_decode_service_lists(servers):
     backend = Backend()
     sidecar = await servers(backend)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pdpool.ports import free_ports
-from pdpool.sidecar.routing.kv_router import KVRouter
+from pdpool.sidecar.routing.kv_cost import KVRouter
 
 pytest.importorskip("torch")
 
@@ -131,7 +131,7 @@ def test_a_burst_on_a_new_prefix_goes_to_one_engine():
     """Before any engine has reported a new prefix, the requests already routed with it
     count as held where they went: a burst sharing it is not scattered by load."""
     from pdpool.kv_events import AllBlocksCleared, BlockRemoved, KVEventBatch
-    from pdpool.sidecar.routing.kv_index import request_block_keys
+    from pdpool.sidecar.kv.index import request_block_keys
 
     router = KVRouter(block_size=BS, load_cost_tokens=8.0, expect_s=60.0)
     for n in ("a", "b", "c"):

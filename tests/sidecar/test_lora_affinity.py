@@ -294,7 +294,7 @@ def metrics_app(text: bytes):
 async def test_an_engine_page_is_read_bounded(servers):
     import httpx
 
-    from pdpool.sidecar.net.backends import MAX_METRICS_BYTES, Backends
+    from pdpool.sidecar.routing.backends import MAX_METRICS_BYTES, Backends
 
     good = await servers(metrics_app(page("alpha").encode()))
     huge = await servers(metrics_app(b"#" * (MAX_METRICS_BYTES + 1)))

@@ -1,5 +1,5 @@
 """Metric series stay as few as the configuration makes them, whatever clients send: a
-request's priority band is one the tenants file names (routing/tenants.py), so distinct
+request's priority band is one the tenants file names (flow/tenants.py), so distinct
 x-pdpool-priority values (admitted or shed) add no series to the gateway's or the picker's
 /metrics, and a malformed value is the tenant's own band at both."""
 
@@ -17,7 +17,7 @@ from pdpool.sidecar.epp.server import EndpointPicker, EppSettings
 from pdpool.sidecar.gateway.app import Gateway, GatewaySettings
 from pdpool.sidecar.proxy.app import Sidecar
 from pdpool.sidecar.proxy.settings import SidecarSettings
-from pdpool.sidecar.routing.tenants import PRIORITY_HEADER
+from pdpool.sidecar.flow.tenants import PRIORITY_HEADER
 
 from tests.support.vllm_standin import VllmStandIn
 

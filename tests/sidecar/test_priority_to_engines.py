@@ -17,7 +17,7 @@ from pdpool.sidecar.epp.server import EndpointPicker, EppSettings
 from pdpool.sidecar.gateway.app import Gateway, GatewaySettings
 from pdpool.sidecar.proxy.app import Sidecar
 from pdpool.sidecar.proxy.settings import SidecarSettings
-from pdpool.sidecar.routing.tenants import engine_priority
+from pdpool.sidecar.flow.tenants import engine_priority
 
 from tests.support.vllm_standin import VllmStandIn
 

@@ -13,7 +13,7 @@ from typing import Callable
 import pytest
 
 from pdpool.sidecar.net.apikeys import ApiKeys
-from pdpool.sidecar.routing.tenants import TenantsFile
+from pdpool.sidecar.flow.tenants import TenantsFile
 
 
 def tenants_text(version: str) -> str:

@@ -17,8 +17,8 @@ import pytest
 
 from pdpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventSubscriber
 from pdpool.ports import free_port
-from pdpool.sidecar.routing.engine_tokenize import token_ids_of, tokenize_body
-from pdpool.sidecar.routing.kv_index import KVIndex, request_block_keys
+from pdpool.sidecar.kv.engine_tokenize import token_ids_of, tokenize_body
+from pdpool.sidecar.kv.index import KVIndex, request_block_keys
 from pdpool.up.topology import VLLM_ARGS, VLLM_ENV, served_model_name
 from devtools.engine_procs import wait_healthy
 

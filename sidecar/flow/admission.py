@@ -23,8 +23,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 from prometheus_client import CollectorRegistry
 
 from ..net.apikeys import presented_key
-from .flow_control import FlowController, FlowRequest, Shed, Slot, estimate_tokens
-from .flow_metrics import FlowMetrics
+from .queues import FlowController, FlowRequest, Shed, Slot, estimate_tokens
+from .metrics import FlowMetrics
 from .saturation import Fetch, Saturation
 from .tenants import PoolLimits, Tenant, TenantsFile, engine_priority
 

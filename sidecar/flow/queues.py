@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from .flow_metrics import FlowMetrics
+from .metrics import FlowMetrics
 from .saturation import FULL, HARD, ROOM
 from .tenants import PoolLimits, Tenant, TenantsConfig
 

@@ -13,12 +13,12 @@ import httpx
 
 from pdpool.tlsutil import client_context
 
-from ..routing.admission import FlowControl
-from ..routing.core import Routing
-from ..routing.saturation import ENGINE_METRICS_PATH
-from .engine_tokenizer import EngineTokenizer
-from .metrics import GatewayMetrics
-from .upstream import readiness
+from ..flow.admission import FlowControl
+from .core import Routing
+from ..flow.saturation import ENGINE_METRICS_PATH
+from ..kv.engine_tokenize import EngineTokenizer
+from ..net.metrics import GatewayMetrics
+from ..net.upstream import readiness
 
 # An engine's /metrics page larger than this is not read (a vLLM page is tens of KiB).
 MAX_METRICS_BYTES = 8 * 1024 * 1024

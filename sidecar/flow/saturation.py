@@ -11,7 +11,7 @@ Two views:
 - the router's pending view: the requests admitted and not yet finished, against the
   pool's bound. It moves at once, where scraped metrics lag a burst by up to one interval.
   At the bound the pool is FULL: only a tenant below its weighted share of the bound is
-  admitted (flow_control.py), so a tenant that took the whole pool while alone cannot make
+  admitted (queues.py), so a tenant that took the whole pool while alone cannot make
   a newcomer wait for its requests to end. The bound is `maxInFlightPerBackend` times the
   healthy backends when the tenants file sets it; else the sum of each engine's adaptive
   limit (concurrency_limit.py: learned from its inter-token latency, running and waiting
@@ -46,7 +46,7 @@ ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 Fetch = Callable[[str], Awaitable[Optional[str]]]
 ROOM, FULL, HARD = 0, 1, 2  # saturation levels
 # Requests admitted per healthy backend that may wait for their first token at once (the
-# starting bound, flow_control.py). A few prompts share one engine step's token budget
+# starting bound, queues.py). A few prompts share one engine step's token budget
 # (vLLM's and ours default to 2048 tokens with chunked prefill): a newcomer's prefill then
 # waits behind about one step of others' prefills, and a backend whose batch is full holds
 # only this many in its own first-come queue (the rest wait in the fair queues here).

@@ -78,7 +78,8 @@ def pool_manifest(decode_replicas: int) -> str:
             "kind": "PDInferencePool",
             "metadata": {"name": POOL, "namespace": NS},
             "spec": {
-                "model": {"path": "tiny-qwen3", "pvc": "models"},
+                # The served name stays when a rollout changes the model's revision.
+                "model": {"path": "tiny-qwen3", "pvc": "models", "servedName": "tiny-qwen3"},
                 "engine": {"image": ENGINE, "imagePullPolicy": "Never"},
                 "router": {"image": SLIM, "mode": "decode-first", "cacheHitThreshold": 0.5},
                 "prefill": {"replicas": 1},
@@ -166,7 +167,7 @@ def sidecar_paths(cluster: Cluster) -> dict[str, float]:
 def complete(url: str, max_tokens: int = 16, **extra) -> dict:
     body = {
         "model": "tiny-qwen3",
-        "prompt": PROMPT,
+        "prompt": extra.pop("prompt", PROMPT),
         "max_tokens": max_tokens,
         "temperature": 0,
         **extra,
@@ -179,8 +180,12 @@ def complete(url: str, max_tokens: int = 16, **extra) -> dict:
 @pytest.fixture(scope="module")
 def installed(pool_cluster: Cluster, tiny_qwen3: Path, tmp_path_factory) -> Iterator[dict]:
     cluster = pool_cluster
+    from pdpool.engine.tiny_model import TinyModelSpec, write_tiny_model
+
     models = tmp_path_factory.mktemp("cluster-models")
     shutil.copytree(tiny_qwen3, models / "tiny-qwen3")
+    # The same shapes with other weights: the revision the rolling update moves to.
+    write_tiny_model(models / "tiny-qwen3-r2", TinyModelSpec(arch="qwen3", seed=9))
     subprocess.run(["chmod", "-R", "a+rX", str(models)], check=True)
     models.chmod(0o755)
     cluster.kubectl("create", "namespace", NS)
@@ -308,6 +313,279 @@ def test_a_decode_pod_deleted_mid_stream_and_the_stream_completes(installed):
     assert "".join(pieces) == expected
     assert migrated == 1
     wait_ready(cluster, "decode", 2)  # the Deployment's replacement
+
+
+def pool_object(cluster: Cluster) -> dict:
+    return json.loads(cluster.kubectl("get", "pdip", "-n", NS, POOL, "-o", "json").stdout)
+
+
+def patch_pool(cluster: Cluster, spec: dict) -> int:
+    """Merges `spec` into the pool's spec; the pool's new generation."""
+    cluster.kubectl(
+        "patch", "pdip", "-n", NS, POOL, "--type", "merge", "-p", json.dumps({"spec": spec})
+    )
+    return int(pool_object(cluster)["metadata"]["generation"])
+
+
+def condition(pool: dict, kind: str) -> dict:
+    return next((c for c in pool.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def stream_text(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None, int]:
+    """(text, finish_reason, chunks) of a greedy stream through `url`."""
+    body = {
+        "model": "tiny-qwen3",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    pieces, finish = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk.get("choices", []):
+                pieces.append(c.get("text") or "")
+                finish = c.get("finish_reason") or finish
+    return "".join(pieces), finish, len(pieces)
+
+
+def in_flight(cluster: Cluster, pod: str) -> float:
+    return pod_metric(cluster, pod, 9091, "pdpool_sidecar_in_flight")
+
+
+def test_scaling_decode_down_drains_the_leaving_pod_before_it_goes(installed):
+    """The pool's decode replicas go from 2 to 1 while a long stream runs on the pod that
+    leaves: the pod stays (Terminating, out of the Service) until its stream has finished
+    on it, with no migration, and only then goes."""
+    import threading
+
+    cluster: Cluster = installed["cluster"]
+    url = installed["gateway"]
+    gateway_pod = pods(cluster, "gateway")[0]["metadata"]["name"]
+    migrations = "pdpool_gateway_migrations_total"
+    migrated_before = pod_metric(cluster, gateway_pod, 9090, migrations)
+    result: dict = {}
+
+    def run() -> None:
+        result["stream"] = stream_text(url, PROMPT + " (drain)", 600)
+        result["done_at"] = time.monotonic()
+
+    streamer = threading.Thread(target=run)
+    streamer.start()
+    deadline = time.monotonic() + 60
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        busy = [p["metadata"]["name"] for p in pods(cluster, "decode")]
+        busy = [name for name in busy if in_flight(cluster, name) > 0]
+        victim = busy[0] if busy else None
+        time.sleep(0.2)
+    assert victim, "the stream never showed on a decode pod"
+    # The ReplicaSet removes the pod of lowest deletion cost first: the busy one.
+    cluster.kubectl(
+        "annotate", "pod", "-n", NS, victim, "controller.kubernetes.io/pod-deletion-cost=-100"
+    )
+    patch_pool(cluster, {"decode": {"replicas": 1}})
+    terminating_seen = False
+    while streamer.is_alive():
+        out = cluster.kubectl("get", "pod", "-n", NS, victim, "-o", "json", check=False)
+        if out.returncode == 0 and json.loads(out.stdout)["metadata"].get("deletionTimestamp"):
+            terminating_seen = True
+        elif out.returncode != 0:
+            break  # gone: only after the stream, or the assertions below fail
+        time.sleep(0.5)
+    streamer.join(timeout=600)
+    gone_wait = time.monotonic()
+    while cluster.kubectl("get", "pod", "-n", NS, victim, check=False).returncode == 0:
+        assert time.monotonic() - gone_wait < 120, f"{victim} stayed after its stream"
+        time.sleep(0.5)
+    _text, finish, chunks = result["stream"]
+    migrated = pod_metric(cluster, gateway_pod, 9090, migrations) - migrated_before
+    print(
+        f"\nscale-down drain: {victim} Terminating while its stream ran ({chunks} chunks, "
+        f"finish {finish}), gone {time.monotonic() - gone_wait:.1f} s after it, migrations "
+        f"{migrated:.0f}"
+    )
+    assert terminating_seen and finish == "length" and chunks == 600
+    assert migrated == 0  # drained on its pod, not moved
+    assert len(pods(cluster, "decode")) == 1
+    assert pool_object(cluster)["status"]["decode"]["replicas"] == 1
+    patch_pool(cluster, {"decode": {"replicas": 2}})
+    wait_ready(cluster, "decode", 2)
+
+
+class Load:
+    """Requests through the gateway from two threads until stopped: streamed and not, new
+    prompts and repeated ones; every answer must be whole."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url, self.sent, self.failed = url, 0, []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            prompt = f"{PROMPT} {worker} {i % 7 if i % 2 else i}"
+            try:
+                if i % 2:
+                    _text, finish, chunks = stream_text(self.url, prompt, 24)
+                    assert finish == "length" and chunks == 24, (finish, chunks)
+                else:
+                    out = complete(self.url, max_tokens=24, ignore_eos=True, prompt=prompt)
+                    assert out["choices"][0]["finish_reason"] == "length", out
+                    assert out["usage"]["completion_tokens"] == 24, out
+            except Exception as exc:  # every failure is counted and shown
+                self.failed.append(f"{type(exc).__name__}: {str(exc)[:300]}")
+            self.sent += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=600)
+
+
+def test_a_rolling_update_under_load_fails_no_request_and_never_hands_kv_across_revisions(
+    installed,
+):
+    """The pool moves to another revision of its model (same served name) while requests
+    flow: prefill and decode pods roll (a new pod Ready before an old one goes, each old
+    one drained), no request fails, the RolledOut condition reports the progress, and
+    decode engines never use KV of the other revision (their sidecars skip prefill engines
+    of another KV fingerprint; a lease that still crossed is refused and recomputed)."""
+    cluster: Cluster = installed["cluster"]
+    url = installed["gateway"]
+    old_pods = {p["metadata"]["name"] for r in ("prefill", "decode") for p in pods(cluster, r)}
+    skipped: dict[str, float] = {}
+    refused: dict[str, float] = {}
+    progress: list[str] = []
+
+    def scrape() -> None:
+        for p in pods(cluster, "decode") + pods(cluster, "prefill"):
+            name = p["metadata"]["name"]
+            if ready_seconds(p) is None:
+                continue
+            try:
+                if p["metadata"]["labels"]["pdpool.io/role"] == "decode":
+                    skipped[name] = pod_metric(
+                        cluster, name, 9091, "pdpool_sidecar_prefill_other_revision_skipped_total"
+                    )
+                    refused[name] = pod_metric(
+                        cluster,
+                        name,
+                        8000,
+                        "pdpool_kv_connector",
+                        'stat="fingerprint_mismatches"',
+                    )
+            except AssertionError:
+                pass  # going away between the listing and the scrape
+
+    load = Load(url)
+    try:
+        time.sleep(5)
+        started = time.monotonic()
+        generation = patch_pool(cluster, {"model": {"path": "tiny-qwen3-r2"}})
+        while True:
+            scrape()
+            pool = pool_object(cluster)
+            rolled = condition(pool, "RolledOut")
+            if rolled.get("message") and (not progress or progress[-1] != rolled["message"]):
+                progress.append(rolled["message"])
+            current = {
+                p["metadata"]["name"] for r in ("prefill", "decode") for p in pods(cluster, r)
+            }
+            if (
+                pool.get("status", {}).get("observedGeneration") == generation
+                and rolled.get("status") == "True"
+                and rolled.get("observedGeneration") == generation
+                and not current & old_pods
+            ):
+                break
+            assert time.monotonic() - started < 900, f"no rollout in 900 s: {progress[-3:]}"
+            time.sleep(2)
+        rolled_s = time.monotonic() - started
+        time.sleep(5)
+        scrape()
+    finally:
+        load.stop()
+    # The new revision answers now: the gateway's text is a new decode engine's own.
+    via_gateway = complete(url)["choices"][0]["text"]
+    engine = Forward(cluster, f"{pods(cluster, 'decode')[0]['status']['podIP']}:8000")
+    try:
+        alone = complete(engine.url)["choices"][0]["text"]
+    finally:
+        engine.close()
+    print(
+        f"\nrolling update under load: {rolled_s:.0f} s, requests sent {load.sent}, "
+        f"failed {len(load.failed)}; mixed-revision prefill engines skipped "
+        f"{sum(skipped.values()):.0f}, leases refused {sum(refused.values()):.0f}; "
+        f"progress seen: {progress}"
+    )
+    assert load.failed == [], load.failed[:5]
+    assert load.sent >= 10
+    assert any(
+        "new replicas have been updated" in m or "pending termination" in m for m in progress
+    )
+    assert via_gateway == alone
+
+
+def test_helm_upgrade_rolls_the_operator_and_leaves_the_pool_serving(installed):
+    cluster: Cluster = installed["cluster"]
+    before = {
+        p["metadata"]["uid"] for r in ("prefill", "decode", "gateway") for p in pods(cluster, r)
+    }
+    operator_before = json.loads(cluster.kubectl("get", "pods", "-n", OP_NS, "-o", "json").stdout)[
+        "items"
+    ]
+    helm(
+        cluster,
+        "upgrade",
+        "pdpool",
+        str(REPO / "charts/pdpool-operator"),
+        "-n",
+        OP_NS,
+        "--reuse-values",
+        "--set",
+        "verbose=true",
+        "--wait",
+        "--timeout",
+        "5m",
+    )
+    deadline = time.monotonic() + 120
+    while True:
+        operators = [
+            p
+            for p in json.loads(cluster.kubectl("get", "pods", "-n", OP_NS, "-o", "json").stdout)[
+                "items"
+            ]
+            if not p["metadata"].get("deletionTimestamp")
+        ]
+        names = {p["metadata"]["name"] for p in operators}
+        if names and not names & {p["metadata"]["name"] for p in operator_before}:
+            break
+        assert time.monotonic() < deadline, "the operator pod was not replaced"
+        time.sleep(2)
+    args = operators[0]["spec"]["containers"][0]["command"]
+    assert "--verbose" in args
+    # The new operator adopts the pool as it is: nothing of the pool is replaced.
+    time.sleep(10)
+    after = {
+        p["metadata"]["uid"] for r in ("prefill", "decode", "gateway") for p in pods(cluster, r)
+    }
+    assert after == before
+    assert complete(installed["gateway"])["choices"][0]["text"]
+    assert condition(pool_object(cluster), "Ready").get("status") == "True"
+    print(f"\nhelm upgrade: operator replaced, {len(before)} pool pods kept")
 
 
 def test_helm_uninstall_leaves_nothing(installed):

@@ -29,7 +29,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, write_json
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 
 
 # The specs of the issue (tests/structured/test_hostile_specs.py sends the same ones).
@@ -115,11 +115,11 @@ def main() -> None:
 
         write_tiny_model(model, TinyModelSpec(arch="qwen3", seed=0))
     rows = []
-    with engine_process(model, work) as eng:
+    with spawned_engine(model, work) as eng:
         alone = _alone(eng.url)
         rows += [_row(name, eng.url, fields) for name, fields in HOSTILE.items()]
     if not args.no_overrun:
-        with engine_process(model, work, *RAISED_CAPS) as eng:
+        with spawned_engine(model, work, *RAISED_CAPS) as eng:
             fields = {"guided_choice": choices(8000)}
             rows.append(_row("guided_choice 8k, caps raised, 5 s deadline", eng.url, fields))
     print_table(rows, f"hostile specs (tiny completion alone: {alone:.3f}s, median of 5)")

@@ -34,7 +34,7 @@ from pdpool.engine.connector import lease_token
 from pdpool.engine.connector.handshake import lease_call
 from pdpool.engine.connector.load_plan import verified_positions
 from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
-from devtools.engine_procs import EngineProcess, connector_stat
+from devtools.engine_procs import SpawnedEngine, connector_stat
 from pdpool.ports import free_port
 from pdpool.up.topology import ensure_tiny_model
 
@@ -73,7 +73,7 @@ def time_per_call(fn, n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
-def pieces(prompt_len: int, engine: EngineProcess) -> list[dict]:
+def pieces(prompt_len: int, engine: SpawnedEngine) -> list[dict]:
     secret = b"k" * 32
     params = {
         "do_remote_prefill": True,
@@ -128,7 +128,7 @@ def pieces(prompt_len: int, engine: EngineProcess) -> list[dict]:
     ]
 
 
-def engine_kv_port(engine: EngineProcess) -> int:
+def engine_kv_port(engine: SpawnedEngine) -> int:
     return int(engine.flags[list(engine.flags).index("--kv-port") + 1])
 
 
@@ -138,8 +138,8 @@ def end_to_end(model: str, logs: str, n: int, prompt_len: int, secret_file: str)
     for label, extra in (("no secret", ()), ("pool secret", ("--kv-secret-file", secret_file))):
         common = ("--kv-connector", "nixl", "--num-kv-blocks", "512", *extra)
         pairs[label] = (
-            EngineProcess(Path(model), Path(logs), *common, "--kv-role", "producer").wait(),
-            EngineProcess(Path(model), Path(logs), *common, "--kv-role", "consumer").wait(),
+            SpawnedEngine(Path(model), Path(logs), *common, "--kv-role", "producer").wait(),
+            SpawnedEngine(Path(model), Path(logs), *common, "--kv-role", "consumer").wait(),
         )
     times: dict[str, list[float]] = {label: [] for label in pairs}
     try:
@@ -168,11 +168,11 @@ def end_to_end(model: str, logs: str, n: int, prompt_len: int, secret_file: str)
 def recovery(model: str, logs: str, prompt_len: int, secret_file: str) -> dict:
     common = ("--kv-connector", "nixl", "--num-kv-blocks", "512", "--kv-secret-file", secret_file)
     kv_port = free_port()
-    P = EngineProcess(
+    P = SpawnedEngine(
         Path(model), Path(logs), *common, "--kv-role", "producer", "--kv-port", str(kv_port)
     ).wait()
-    D = EngineProcess(Path(model), Path(logs), *common, "--kv-role", "consumer").wait()
-    A = EngineProcess(Path(model), Path(logs), "--num-kv-blocks", "512").wait()
+    D = SpawnedEngine(Path(model), Path(logs), *common, "--kv-role", "consumer").wait()
+    A = SpawnedEngine(Path(model), Path(logs), "--num-kv-blocks", "512").wait()
     counts = {"sent": 0, "served": 0, "failed": 0, "wrong": 0}
     first_read_after: dict = {}
     stop = threading.Event()
@@ -258,7 +258,7 @@ def main() -> None:
     secret_file = os.path.join(logs, "secret")
     Path(secret_file).write_text("b" * 64)
 
-    probe = EngineProcess(
+    probe = SpawnedEngine(
         Path(model), Path(logs), "--kv-connector", "nixl", "--kv-port", str(free_port())
     ).wait()
     try:

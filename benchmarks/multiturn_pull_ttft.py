@@ -29,7 +29,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import print_table, write_json
-from devtools.engine_procs import EngineProcess
+from devtools.engine_procs import SpawnedEngine
 
 
 def connector_stat(eng, stat: str) -> float:
@@ -86,8 +86,8 @@ def run_mode(model: Path, logs: Path, pull: bool, prefix_caching: bool, args) ->
     ]
     if not prefix_caching:
         pflags.append("--no-enable-prefix-caching")
-    P = EngineProcess(model, logs, *pflags)
-    D = EngineProcess(model, logs, "--kv-connector", "nixl", "--num-kv-blocks", str(args.blocks))
+    P = SpawnedEngine(model, logs, *pflags)
+    D = SpawnedEngine(model, logs, "--kv-connector", "nixl", "--num-kv-blocks", str(args.blocks))
     try:
         P.wait()
         D.wait()

@@ -34,7 +34,7 @@ per request (epp_ms_p50/p99).
 
 Strategies: round-robin (the client sends to the sidecars in turn), hash affinity (the
 gateway as before), precise (the gateway with --kv-events: cost = uncached tokens + pending
-prefill tokens + load, sidecar/kv/router.py), all with aggregated sidecars; then precise
+prefill tokens + load, sidecar/routing/kv_cost.py), all with aggregated sidecars; then precise
 again with decode-first sidecars, to count the decode-first round trips the up-front P/D
 decision saves (requests the gateway sent straight to P/D, which the engine would have
 rejected after a round trip) and its mispredictions.

@@ -34,7 +34,7 @@ import jsonschema
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, write_json
-from devtools.engine_procs import EngineProcess, wait_healthy
+from devtools.engine_procs import SpawnedEngine, wait_healthy
 from devtools.json_schemas import SCHEMAS, TOOLS, calls_valid
 from pdpool.up.topology import VLLM_ARGS, VLLM_ENV, free_port, served_model_name
 from pdpool.up.topology import vllm_command as default_vllm
@@ -231,10 +231,10 @@ def _row(name: str, temperature: float, counts: Counter) -> dict[str, Any]:
     }
 
 
-def start_ours(model: str, log_dir: str) -> EngineProcess:
+def start_ours(model: str, log_dir: str) -> SpawnedEngine:
     from pathlib import Path
 
-    return EngineProcess(Path(model), Path(log_dir), "--num-kv-blocks", "1024")
+    return SpawnedEngine(Path(model), Path(log_dir), "--num-kv-blocks", "1024")
 
 
 def start_vllm(model: str, log_dir: str, vllm_bin: str) -> tuple[subprocess.Popen, str]:

@@ -36,7 +36,7 @@ def wait_healthy(
     raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
-class EngineProcess:
+class SpawnedEngine:
     def __init__(
         self,
         model: Path,
@@ -81,7 +81,7 @@ class EngineProcess:
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
-    def wait(self, timeout: float = 120.0) -> "EngineProcess":
+    def wait(self, timeout: float = 120.0) -> "SpawnedEngine":
         for _ in range(3):
             try:
                 wait_healthy(self.url, self.proc, timeout, self.log)
@@ -102,7 +102,7 @@ class EngineProcess:
             os.killpg(self.proc.pid, sig)
             self.proc.wait(15)
 
-    def restart(self, timeout: float = 120.0) -> "EngineProcess":
+    def restart(self, timeout: float = 120.0) -> "SpawnedEngine":
         """The same engine again, on the same ports, after `kill`."""
         self._start()
         wait_healthy(self.url, self.proc, timeout, self.log)
@@ -128,15 +128,15 @@ class EngineProcess:
 
 
 @contextmanager
-def engine_process(model: Path, log_dir: Path, *flags: str) -> Iterator[EngineProcess]:
-    eng = EngineProcess(model, log_dir, *flags)
+def spawned_engine(model: Path, log_dir: Path, *flags: str) -> Iterator[SpawnedEngine]:
+    eng = SpawnedEngine(model, log_dir, *flags)
     try:
         yield eng.wait()
     finally:
         eng.stop()
 
 
-def connector_stat(eng: EngineProcess, name: str, default: Optional[float] = None) -> float:
+def connector_stat(eng: SpawnedEngine, name: str, default: Optional[float] = None) -> float:
     """One of the engine's `pdpool_kv_connector{stat=...}` figures (`default` when it has not
     published that one; AssertionError without a default)."""
     for line in httpx.get(f"{eng.url}/metrics", timeout=5).text.splitlines():

@@ -19,7 +19,7 @@ from typing import Optional
 
 import httpx
 
-from devtools.engine_procs import EngineProcess
+from devtools.engine_procs import SpawnedEngine
 
 CORE_MARKERS = (b"pdpool-engine-core", b"spawn_main")
 
@@ -96,7 +96,7 @@ class ServeTarget:
     def __init__(self, model: str, log_dir: Path, *flags: str):
         self.model = model
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        self.engine = EngineProcess(Path(model), Path(log_dir), *flags)
+        self.engine = SpawnedEngine(Path(model), Path(log_dir), *flags)
 
     def start(self, timeout_s: float = 180.0) -> "ServeTarget":
         self.engine.wait(timeout_s)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from pdpool.engine.structured.limits import StructuredLimits
@@ -173,7 +173,6 @@ class EngineConfig:
         help="fsync each record (durable across power loss; off by default: every read "
         "checks the record's digest, so a torn one is a miss)",
     )
-    extra: dict = field(default_factory=dict)
     # LoRA (vLLM's flags): adapters named at start (name=path or vLLM's JSON form), how
     # many distinct adapters one step may batch, the largest rank, how many stay in memory;
     # runtime loads (VLLM_ALLOW_RUNTIME_LORA_UPDATING) only from --lora-allowed-dir.

@@ -60,17 +60,3 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
-
-
-def find_stop(text: str, new_len: int, stops: list[str]) -> int:
-    """Index where the earliest stop string begins, searching only where the last
-    `new_len` characters could complete one; -1 if none."""
-    if not stops:
-        return -1
-    best = -1
-    for stop in stops:
-        start = max(0, len(text) - new_len - len(stop) + 1)
-        i = text.find(stop, start)
-        if i != -1 and (best == -1 or i < best):
-            best = i
-    return best

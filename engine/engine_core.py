@@ -1,8 +1,10 @@
 """The synchronous engine: add requests, step, collect outputs.
 
 One step = the scheduler decides, the runner computes, and this file applies the result:
-advance each request, publish its full blocks to the prefix cache, detokenize, check stop
-conditions and free the finished.
+the scheduler advances each request (its full blocks published to the prefix cache) and
+appends its sampled token (the token-level stops, stop_check.py), the output processor
+makes its text (stop strings, output_processor.py), and the finished are freed. The step
+loop that drives it is core_loop.py; its process, core_process.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.cpu_threads import StepThreads
-from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder, find_stop
 from pdpool.engine.engine_setup import (
     KVMemory,
     build_connector,
@@ -24,6 +25,7 @@ from pdpool.engine.engine_setup import (
     start_kv_events,
 )
 from pdpool.engine.model_loader import load_model, read_model_info, resolve_dtype
+from pdpool.engine.output_processor import OutputProcessor
 from pdpool.engine.outputs import (
     KVTransferRefused,
     RequestError,
@@ -80,7 +82,6 @@ class LLMEngine:
 
             tokenizer = AutoTokenizer.from_pretrained(str(self.info.path))
         self.tokenizer = tokenizer
-        self._fast_decoder = fast_decoder(tokenizer)
         self.eos_token_ids = eos_token_ids(self.info, tokenizer)
 
         self.memory = memory = KVMemory(config, self.info, self.model, self.dtype, self.device)
@@ -132,7 +133,8 @@ class LLMEngine:
         # Guided requests' grammars compile here, off the admission path, within a deadline.
         self.grammar_jobs = GrammarJobs(self.grammars.compile, CompileBounds.of(config))
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        # Detokenizing and stop strings: the token-level stops are the scheduler's.
+        self.output_processor = OutputProcessor(tokenizer)
         self.last_step_idle = True
         self.stats = {
             "prompt_tokens": 0,
@@ -164,10 +166,6 @@ class LLMEngine:
         )
 
     # --- setup --------------------------------------------------------------------------
-    def kv_layout(self) -> dict[str, Any]:
-        """What must match for a KV block to mean the same thing in two engines."""
-        return self.memory.layout()
-
     @property
     def kv(self) -> KVCacheManager:
         """The scheduler's KV cache manager, for tests and benchmarks that inspect the
@@ -243,9 +241,7 @@ class LLMEngine:
         if refusal is not None and self.config.kv_load_failure_policy == "fail":
             raise KVTransferRefused(f"KV transfer refused: {refusal}")
         self.requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, backend=self._fast_decoder
-        )
+        self.output_processor.add(req)
         self.scheduler.add_request(req)
         return req
 
@@ -276,7 +272,7 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
-        self._detok.pop(req.request_id, None)
+        self.output_processor.forget(req.request_id)
         self.runner.sampler.forget(req.request_id)
 
     # --- the step -----------------------------------------------------------------------
@@ -289,7 +285,7 @@ class LLMEngine:
         self.scheduler.flush_offload()  # blocks loaded just now, before anything reuses them
         out = self.scheduler.schedule()
         self.connector.start_loads()
-        outputs += [self._final_output(r, "", []) for r in out.rejected]
+        outputs += [self.output_processor.final_output(r) for r in out.rejected]
         for r in out.rejected:
             self._forget(r)
         self.last_step_idle = not out.scheduled
@@ -336,10 +332,8 @@ class LLMEngine:
             if not req.output_token_ids:
                 self._count_prompt_sources(req)
             self.stats["generation_tokens"] += 1
-            req.append_output_token(token)
-            if req.grammar is not None and not req.grammar.accept(token):
-                raise RuntimeError(f"the grammar refused the sampled token {token}")
-            return self._advance(req, token, result.logprobs.get(req.request_id))
+            token_status = self.scheduler.append_sampled(req, token)
+            return self._advance(req, token, token_status, result.logprobs.get(req.request_id))
         except Exception as exc:
             return self._fail_request(req, "output processing", exc)
 
@@ -360,7 +354,7 @@ class LLMEngine:
         )
         self.stats["failed"] += 1
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
-        output = self._final_output(req, "", [])
+        output = self.output_processor.final_output(req)
         self._forget(req)
         return output
 
@@ -419,60 +413,26 @@ class LLMEngine:
         if result.error and self.config.kv_load_failure_policy == "fail":
             req.error = f"KV transfer failed: {result.error}"
             self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR)
-            output = self._final_output(req, "", [])
+            output = self.output_processor.final_output(req)
             self._forget(req)
             return output
         self.scheduler.finish_loading(req, result.num_loaded_tokens, result.restart)
         return None
 
     def _advance(
-        self, req: Request, token: int, lp: Optional[TokenLogprob] = None
+        self,
+        req: Request,
+        token: int,
+        token_status: Optional[RequestStatus],
+        lp: Optional[TokenLogprob] = None,
     ) -> RequestOutput:
-        params = req.sampling_params
-        detok = self._detok[req.request_id]
-        status = None
-        stopped_by_token = token in params.stop_token_ids or (
-            token in req.eos_token_ids and not params.ignore_eos
-        )
-        # A grammar that has ended allows no further token: it ends the request even short
-        # of min_tokens (its end token was let through for that reason).
-        grammar_ended = req.grammar is not None and req.grammar.terminated
-        if grammar_ended or (stopped_by_token and len(req.output_token_ids) >= params.min_tokens):
-            status = RequestStatus.FINISHED_STOPPED
-        else:
-            delta = detok.add_token(token)
-            cut = (
-                find_stop(detok.text, len(delta), params.stop)
-                if len(req.output_token_ids) >= params.min_tokens
-                else -1
-            )
-            if cut != -1:
-                detok.text = detok.text[:cut]
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and (
-            len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len
-        ):
-            status = RequestStatus.FINISHED_LENGTH
-        # While running, hold back text that could still turn out to begin a stop string.
-        hold = max((len(s) for s in params.stop), default=1) - 1 if status is None else 0
-        end = max(len(detok.text) - hold, detok.emitted)
-        delta, detok.emitted = detok.text[detok.emitted : end], end
-        lps = [lp] if lp is not None else None
+        """The request's output for its new token, finished when the token (the scheduler's
+        verdict) or the text (the output processor's) ends it."""
+        text, status = self.output_processor.process(req, token_status)
         if status is None:
-            return RequestOutput(
-                req.request_id,
-                delta,
-                [token],
-                False,
-                None,
-                req.num_prompt_tokens,
-                len(req.output_token_ids),
-                (req.num_cached_tokens or 0),
-                logprobs=lps,
-            )
+            return self.output_processor.running_output(req, text, token, lp)
         self.scheduler.finish_request(req, status)
-        output = self._final_output(req, delta, [token])
-        output.logprobs = lps
+        output = self.output_processor.final_output(req, text, [token], lp)
         self._forget(req)
         return output
 
@@ -482,24 +442,6 @@ class LLMEngine:
         self.stats["prompt_tokens_local"] += cached - req.num_pulled_tokens
         self.stats["prompt_tokens_pulled"] += req.num_pulled_tokens
         self.stats["prompt_tokens_computed"] += req.num_prompt_tokens - cached
-
-    def _final_output(self, req: Request, delta: str, tokens: list[int]) -> RequestOutput:
-        out = RequestOutput(
-            req.request_id,
-            delta,
-            tokens,
-            True,
-            req.status.value,
-            req.num_prompt_tokens,
-            len(req.output_token_ids),
-            (req.num_cached_tokens or 0),
-            req.kv_params_out,
-            req.error,
-            req.error_status,
-        )
-        out.num_pulled_tokens = req.num_pulled_tokens
-        out.phases = req.phases
-        return out
 
     # --- convenience for tests and benchmarks ------------------------------------------
     def generate(

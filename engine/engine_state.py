@@ -114,7 +114,7 @@ class ServerTokenizer(Protocol):
 
 class EngineView(Protocol):
     """The facts and state the server reads of its engine: LiveEngineView (an engine on a
-    thread of the server's process) or engine_process.EngineMirror (an engine core)."""
+    thread of the server's process) or core_process_client.EngineMirror (an engine core)."""
 
     @property
     def config(self) -> EngineConfig: ...

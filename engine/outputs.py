@@ -3,7 +3,7 @@ imports torch) and the engine core share them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 
@@ -95,3 +95,39 @@ class EngineBusy(RuntimeError):
 class EngineUnavailable(RuntimeError):
     """The engine core is not there to serve (it exited and is being restarted, or the server
     is stopping): a retryable failure, answered 503."""
+
+
+def mergeable_runs(outputs: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """Consecutive outputs cut where tokens whose text is held back (an incomplete UTF-8
+    sequence, a possible stop string) follow tokens whose text was emitted, and before an
+    error. A merged output with text then covers its tokens' text as a single one does, which
+    a reader that takes them as complete relies on (the gateway resumes a broken stream after
+    those tokens); the tokens before an error are sent before it."""
+    runs: list[list[RequestOutput]] = []
+    run: list[RequestOutput] = []
+    run_has_text = False
+    for out in outputs:
+        if run and (out.finish_reason == "error" or (run_has_text and not out.new_text)):
+            runs.append(run)
+            run, run_has_text = [], False
+        run.append(out)
+        run_has_text = run_has_text or bool(out.new_text)
+    runs.append(run)
+    return runs
+
+
+def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output for consecutive outputs of one request: their new text, token ids and
+    logprobs joined; everything else (counts, finish, errors, times) as of the last."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    logprobs = None
+    if any(o.logprobs for o in outputs):
+        logprobs = [lp for o in outputs for lp in (o.logprobs or ())]
+    return replace(
+        last,
+        new_text="".join(o.new_text for o in outputs),
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        logprobs=logprobs,
+    )

@@ -36,6 +36,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # vLLM's: the stop string (or stop token's text) that ended the output stays in its text.
+    include_stop_str_in_output: bool = False
     n: int = 1
     # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely.
     logprobs: Optional[int] = None
@@ -68,6 +70,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_integer(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        include = self.include_stop_str_in_output
+        if not isinstance(include, bool):
+            raise ValueError(f"include_stop_str_in_output must be a boolean, got {include!r}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if not _is_number(value):

@@ -39,6 +39,7 @@ from pdpool.engine.kv.facts import KVCacheSpec, KVCacheUsage, KVStepView
 from pdpool.engine.kv.manager import KVCacheManager, cdiv
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.request_queue import priority_key, waiting_queue
+from pdpool.engine.stop_check import check_stop
 
 if TYPE_CHECKING:
     from pdpool.engine.connector.offload_tier import KVOffload
@@ -279,6 +280,15 @@ class Scheduler:
             req.num_computed_tokens += item.num_new_tokens
             copies += self.kv.commit_computed(req)
         return copies
+
+    def append_sampled(self, req: Request, token: int) -> Optional[RequestStatus]:
+        """Gives a request its sampled token (its grammar must accept it) and says whether
+        that token ends it (stop_check.py: stop tokens, EOS, length). Text stops are the
+        output processor's; whoever learns the final status finishes the request."""
+        req.append_output_token(token)
+        if req.grammar is not None and not req.grammar.accept(token):
+            raise RuntimeError(f"the grammar refused the sampled token {token}")
+        return check_stop(req, self.config.max_model_len)
 
     # --- the decision -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

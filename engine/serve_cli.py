@@ -64,17 +64,18 @@ def config_from_args(args: argparse.Namespace):
 
 def start_engine(config, own_process: bool, log_level: str):
     """The engine, loaded and ready to serve: in a child process or on a thread of this one."""
-    from pdpool.engine.async_engine import AsyncEngine
-    from pdpool.engine.engine_process import EngineProcess, EngineStartError
+    from pdpool.engine.core_client import InProcessClient
+    from pdpool.engine.core_process import EngineStartError
+    from pdpool.engine.core_process_client import CoreProcessClient
     from pdpool.engine.model_info import ModelLoadError
 
     try:
         config.validate()  # here, before a process is started for nothing
         if own_process:
-            return EngineProcess(config, log_level)
+            return CoreProcessClient(config, log_level)
         from pdpool.engine.engine_core import LLMEngine
 
-        return AsyncEngine(LLMEngine(config))
+        return InProcessClient(LLMEngine(config))
     except (ModelLoadError, EngineStartError, ValueError, OSError) as exc:
         raise CliError(str(exc)) from exc
 

@@ -195,7 +195,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _empty,
     "truncate_prompt_tokens": lambda v: v is None,
-    "include_stop_str_in_output": _empty,
     "chat_template": _empty,
     "chat_template_kwargs": _empty,
     "documents": _empty,
@@ -229,6 +228,7 @@ class _GenerationFields(BaseModel):
     stop: Optional[Union[Str, list[Str]]] = None
     stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: Bool = False
+    include_stop_str_in_output: Bool = False
     min_tokens: Annotated[Int, Field(ge=0)] = 0
     n: Annotated[Int, Field(ge=1)] = 1
     stream: Optional[Bool] = False

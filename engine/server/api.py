@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI
 
-from pdpool.engine.async_engine import EngineClient
+from pdpool.engine.core_client import EngineClient
 from pdpool.engine.lora.registry import LoRARegistry, registry_from_config, runtime_updates_enabled
 from pdpool.engine.server.choices import ChoiceRunner
 from pdpool.engine.server.lora_routes import LoRARoutes

@@ -10,7 +10,8 @@ from typing import Any, AsyncGenerator, Awaitable, Callable, Optional, Sequence,
 
 from fastapi import Request
 
-from pdpool.engine.async_engine import EngineClient, merge_deltas, mergeable_runs
+from pdpool.engine.core_client import EngineClient
+from pdpool.engine.outputs import merge_deltas, mergeable_runs
 from pdpool.engine.outputs import RequestOutput, TokenLogprob
 from pdpool.engine.server.errors import client_closed, engine_error, output_error
 from pdpool.engine.server.metrics import EngineMetrics

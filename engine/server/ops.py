@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdpool.engine.async_engine import EngineClient
+from pdpool.engine.core_client import EngineClient
 from pdpool.engine.server.errors import error_response
 from pdpool.engine.server.lora_routes import adapter_cards
 from pdpool.engine.server.metrics import EngineMetrics

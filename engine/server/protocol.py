@@ -34,6 +34,7 @@ class _SamplingFields(_MixedInto):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             min_tokens=self.min_tokens,
             n=self.n,
             logprobs=self._logprobs(),

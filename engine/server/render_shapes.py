@@ -52,6 +52,7 @@ def vllm_sampling_params(
     out["stop_token_ids"] = list(req.stop_token_ids or [])
     optional = {
         "ignore_eos": (req.ignore_eos, False),
+        "include_stop_str_in_output": (req.include_stop_str_in_output, False),
         "max_tokens": (max_tokens, VLLM_DEFAULT_MAX_TOKENS),
         "min_tokens": (req.min_tokens, 0),
         "logprobs": (logprobs, None),

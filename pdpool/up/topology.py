@@ -158,7 +158,7 @@ class TopologySpec:
     # certificate (127.0.0.1, localhost) made for this topology in <log dir>/tls.
     tls: bool = False
     # Precise KV-aware routing: decode engines publish KV events (--kv-events-config), the
-    # gateway indexes them and routes by cost (sidecar/kv/router.py).
+    # gateway indexes them and routes by cost (sidecar/routing/kv_cost.py).
     kv_events: bool = False
     kv_load_cost: Optional[float] = None  # gateway --kv-load-cost (None: its default)
     # Flow control: the gateway's --tenants-file (tenants' fair queues, 429 when shed).

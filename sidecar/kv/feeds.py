@@ -14,10 +14,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Iterable, Optional
 
+from ..net.security import normalize_host_port
 from .events_spec import split_spec
 
 if TYPE_CHECKING:
-    from .router import KVRouter
+    from .costs import KVCosts
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +60,13 @@ def wanted_subscriptions(
 
 
 class KVFeeds:
-    """Keeps a KVRouter subscribed to the engines of the current endpoint set: endpoints
+    """Keeps a router (KVCosts) subscribed to the engines of the current endpoint set: endpoints
     that appear are subscribed, those that vanish unsubscribed (and their blocks forgotten).
     Endpoints with a static subscription (--kv-events) are left to it."""
 
     def __init__(
         self,
-        router: KVRouter,
+        router: KVCosts,
         port: int,
         replay_port: Optional[int] = None,
         static: Iterable[str] = (),
@@ -138,3 +139,20 @@ class KVFeeds:
             await asyncio.to_thread(self.sync, endpoints)
         except Exception:
             log.exception("following the KV event endpoints failed")
+
+
+def subscribe_all(
+    router: KVCosts,
+    events: dict[str, str],
+    events_port: Optional[int] = None,
+    events_replay_port: Optional[int] = None,
+) -> Optional[KVFeeds]:
+    """Subscribes `router` to the fixed endpoints of `events` (HOST:PORT -> its engine's
+    events address) and, with `events_port`, returns the feeds that follow the endpoint set
+    (their `refresh` keeps one subscription per engine listed; None without it)."""
+    static = {normalize_host_port(target): spec for target, spec in events.items()}
+    for target, spec in static.items():
+        router.subscribe(target, *split_spec(spec))
+    if not events_port:
+        return None
+    return KVFeeds(router, events_port, events_replay_port, static)

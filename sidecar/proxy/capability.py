@@ -4,7 +4,8 @@ Decode-first relies on the engine rejecting a request whose prompt is too little
 (`cache_hit_threshold`, `finish_reason: "cache_threshold"`). Upstream vLLM has no such field:
 it ignores it and serves every request, so decode-first would silently never disaggregate.
 For such an engine the sidecar decides itself, by prompt length: prompts of at least
-`prefill_min_prompt_tokens` (estimated) go prefill-first, shorter ones straight to decode.
+`prefill_min_prompt_tokens` (estimated) go prefill-first, shorter ones straight to decode
+(routing/pd.py decides, from what this module knows).
 
 `engine_rejects`: `yes` (pdpool serve), `no` (vLLM; the operator renders this for
 `engine.kind: vllm`), or `auto`: probe once, with a never-cached prompt and threshold 1.0;
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
 from typing import Any, Callable, Optional
 
@@ -28,36 +28,10 @@ import httpx
 log = logging.getLogger("pdpool.sidecar")
 
 ENGINE_REJECTS = ("auto", "yes", "no")
-# llm-d's scheduler estimates prompt tokens from characters the same way (4 per token).
-CHARS_PER_TOKEN = 4
 # Pauses between failed capability probes: the first short (an engine just starting),
 # then doubling, so that an engine that never answers is asked twice a minute.
 PROBE_RETRY_FIRST_S = 0.5
 PROBE_RETRY_MAX_S = 30.0
-
-
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Prompt tokens of a completions or chat body, estimated without a tokenizer: token-id
-    prompts exactly, text as ceil(characters / 4) (the longest prompt of a batch)."""
-    if "messages" in body:
-        chars = 0
-        for message in body.get("messages") or []:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                chars += sum(
-                    len(part.get("text") or "") for part in content if isinstance(part, dict)
-                )
-        return math.ceil(chars / CHARS_PER_TOKEN)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return math.ceil(len(prompt) / CHARS_PER_TOKEN)
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) for t in prompt):
-            return len(prompt)
-        return max(estimate_prompt_tokens({"prompt": p}) for p in prompt)
-    return 0
 
 
 class EngineCapability:

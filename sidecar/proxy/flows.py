@@ -17,9 +17,9 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from . import legs
-from .capability import EngineCapability, estimate_prompt_tokens
+from .capability import EngineCapability
 from .exchange import Exchange
-from ..kv.router import PD_HEADER as KV_PATH_HEADER
+from ..routing.pd import PD_HEADER, DecodeFirstDecider
 from ..net.metrics import SidecarMetrics
 from .prefill_legs import PrefillLegs
 from .relay import DecodeRelay, relay_buffered
@@ -54,17 +54,25 @@ class Flows:
         await self._remote_prefill_then_decode(ex, pull=None)
 
     async def decode_first(self, ex: Exchange) -> None:
-        # The gateway's precise router (kv/router.py) may have decided the path already
-        # from the engines' KV events: "pd" skips the decode-first attempt.
-        hint = ex.headers.pop(KV_PATH_HEADER, None)
+        # The gateway's precise router may have decided the path already from the engines'
+        # KV events: "pd" skips the decode-first attempt. The decision is routing/pd.py's;
+        # here its steps are run and counted. Only what is known of the engine now counts:
+        # a request never waits for the capability probe.
+        hint = ex.headers.pop(PD_HEADER, None)
         if hint and ex.span is not None:
             ex.span.set_attribute("pdpool.kv_path_hint", hint)
-        if hint == "pd":
-            self.metrics.kv_path_hints.labels("pd", "honoured").inc()
+        decider = DecodeFirstDecider(self.settings.prefill_min_prompt_tokens)
+        decided = decider.decide(hint, self.capability.known, ex.body)
+        if decided.step == "pd":
+            if decided.by == "router":
+                self.metrics.kv_path_hints.labels("pd", "honoured").inc()
+            else:
+                self.metrics.length_decisions_by("pd").inc()
             return await self._remote_prefill_then_decode(ex, pull=None)
-        # Only what is known now: a request never waits for the capability probe.
-        if self.capability.known is False:
-            return await self._decided_by_length(ex)
+        if decided.step == "decode":  # an engine that cannot reject, a short prompt
+            self.metrics.length_decisions_by("decode").inc()
+            ex.path_taken = "decode"
+            return await self.decode.final(ex, legs.aggregated_leg(ex.body))
         self.metrics.legs_by("decode_first").inc()
         rejection = await self.decode.first(
             ex, legs.decode_first_leg(ex.body, self.settings.cache_hit_threshold)
@@ -91,16 +99,6 @@ class Flows:
                 rejection, ex.span
             )  # decode's prefix will not be pulled
         return pull
-
-    async def _decided_by_length(self, ex: Exchange) -> None:
-        """Decode-first for an engine that cannot reject (stock vLLM): long prompts are
-        prefilled remotely, short ones decoded here (capability.py)."""
-        if estimate_prompt_tokens(ex.body) >= self.settings.prefill_min_prompt_tokens:
-            self.metrics.length_decisions_by("pd").inc()
-            return await self._remote_prefill_then_decode(ex, pull=None)
-        self.metrics.length_decisions_by("decode").inc()
-        ex.path_taken = "decode"
-        await self.decode.final(ex, legs.aggregated_leg(ex.body))
 
     async def _remote_prefill_then_decode(
         self, ex: Exchange, pull: Optional[dict[str, Any]]

@@ -20,10 +20,10 @@ from pdpool import tracing
 from ..net.discovery import EndpointSet
 from ..net.metrics import GatewayMetrics
 from .affinity import HashRing, affinity_key, route_order
-from ..kv.router import PD_HEADER
 from .kv_cost import EngineTokenize, KVRouting
 from .lora_affinity import Fetch, LoraResidency, adapter_cost, adapter_order, residency
 from .outlier import OutlierDetector, endpoint_fault
+from .pd import PD_HEADER
 from .settings import RoutingSettings
 
 log = logging.getLogger("pdpool.routing")

@@ -1,9 +1,19 @@
-"""Precise KV-aware routing for a front-end: the router fed by the decode engines' KV events
-(kv/router.py; static endpoints or, with an events port, whatever discovery lists through
-kv/feeds.py), the prompt's token ids (the router's own tokenizer, else the front-end's
-`EngineTokenize`: a decode engine's /tokenize), and the affinity order reordered by cost,
-with the P/D path the sidecar should take. Routing never fails a request: on any trouble the
-affinity order stands."""
+"""Precise KV-aware routing: the KV index's costs (kv/costs.py) composed with the routing
+plugins, in four steps that `KVRouter.decide` runs in turn:
+
+    score    what each engine would compute of the prompt (KVCosts.costs)
+    pick     plugins.precise_profile: the healthy engines by cost + load, ties in the
+             affinity order, the unhealthy ones last
+    P/D      pd.PrefixHitDecider on the chosen engine's hit (the one P/D decision module)
+    expect   the prompt's blocks pending on the chosen engine (KVCosts.expect)
+
+`KVRouting` is a front-end's use of it (the gateway's and the EPP's decode set): the router
+fed by the decode engines' KV events (static endpoints or, with an events port, whatever
+discovery lists through kv/feeds.py), the prompt's token ids (the router's own tokenizer,
+else the front-end's `EngineTokenize`: a decode engine's /tokenize), and the affinity
+order reordered by cost, with the P/D path the sidecar should take. Routing never fails a
+request: on any trouble the affinity order stands. The sidecar's prefill ranking uses the
+same router over the prefill engines (prefill_ranking.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +21,95 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Sequence
 
+from ..kv.costs import TIER_COST, KVCosts
+from ..kv.feeds import subscribe_all
 from ..net.metrics import GatewayMetrics
-from ..net.security import normalize_host_port
-from ..kv.events_spec import split_spec
-from ..kv.router import KVRouter
+from .pd import PrefixHitDecider
+from .plugins import precise_profile
 
 if TYPE_CHECKING:
-    from ..kv.feeds import KVFeeds
     from .settings import RoutingSettings
 
 log = logging.getLogger("pdpool.routing")
 
 # (request body, backends in preference order, the request's headers) -> prompt ids or None.
 EngineTokenize = Callable[[Any, list[str], dict[str, str]], Awaitable[Optional[list[int]]]]
+
+
+@dataclass
+class RouteDecision:
+    order: list[str]
+    hit_tokens: int  # predicted cached tokens on order[0]
+    prompt_tokens: int
+    path: str  # "pd" or "decode"
+    precise: bool  # False: no engine known, affinity order kept
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class KVRouter(KVCosts):
+    def __init__(
+        self,
+        block_size: int,
+        threshold: float = 0.0,
+        load_cost_tokens: float = 64.0,
+        tokenizer_file: Optional[str] = None,
+        max_blocks_per_engine: int = 1_000_000,
+        expect_s: float = 5.0,
+        tier_cost: float = TIER_COST,
+    ):
+        super().__init__(block_size, tokenizer_file, max_blocks_per_engine, expect_s, tier_cost)
+        self.decider = PrefixHitDecider(threshold)
+        self.load_cost_tokens = load_cost_tokens
+
+    @property
+    def threshold(self) -> float:
+        return self.decider.threshold
+
+    def decide(
+        self,
+        order: Sequence[str],
+        token_ids: Sequence[int],
+        load: Callable[[str], float],
+        cache_salt: Optional[str] = None,
+        healthy: Callable[[str], bool] = lambda b: True,
+        model: Optional[str] = None,
+        extra_cost: Optional[Callable[[str], float]] = None,
+    ) -> RouteDecision:
+        """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last.
+        `extra_cost`: more cost per backend, in tokens (an adapter not loaded there)."""
+        costs = self.costs(order, token_ids, cache_salt, model)
+        n = costs.prompt_tokens
+        if not costs.known:
+            return RouteDecision(list(order), 0, n, "decode", False)
+        profile = precise_profile(costs, load, self.load_cost_tokens, healthy, extra_cost)
+        ranked = profile.order(order)
+        best = costs.hits[ranked[0]]
+        path = self.decider.decide(best, n)
+        self.expect(ranked[0], costs)
+        return RouteDecision(ranked, best, n, path, True)
+
+    async def decide_async(
+        self, order: Sequence[str], token_ids: Sequence[int], *args: Any
+    ) -> RouteDecision:
+        """`decide`, off the event loop for a long prompt (it hashes every block)."""
+        return await self.off_loop_if_long(len(token_ids), self.decide, order, token_ids, *args)
+
+    async def decide_request(
+        self,
+        body: dict[str, Any],
+        token_ids: Sequence[int],
+        order: Sequence[str],
+        load: Callable[[str], float],
+        healthy: Callable[[str], bool] = lambda b: True,
+        extra_cost: Optional[Callable[[str], float]] = None,
+    ) -> RouteDecision:
+        """`decide_async` for a request body: its cache_salt and model count."""
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        return await self.decide_async(order, token_ids, load, salt, healthy, model, extra_cost)
 
 
 @dataclass(frozen=True)
@@ -49,22 +135,9 @@ class KVRouting:
         self.engine_tokenize: Optional[EngineTokenize] = None
         s = settings
         self.router = KVRouter(s.kv_block_size, s.kv_threshold, s.kv_load_cost, s.kv_tokenizer)
-        for backend, spec in s.kv_events.items():
-            self.router.subscribe(normalize_host_port(backend), *split_spec(spec))
-        self.feeds = self._feeds()
-
-    def _feeds(self) -> Optional[KVFeeds]:
-        """Subscriptions that follow the decode Service (None without --kv-events-port)."""
-        s = self.settings
-        if s.kv_events_port is None:
-            return None
-        from ..kv.feeds import KVFeeds
-
-        return KVFeeds(
-            self.router,
-            s.kv_events_port,
-            s.kv_events_replay_port,
-            static=[normalize_host_port(b) for b in s.kv_events],
+        # The feeds follow the decode Service (None without --kv-events-port).
+        self.feeds = subscribe_all(
+            self.router, s.kv_events, s.kv_events_port, s.kv_events_replay_port
         )
 
     async def follow(self, backends: Sequence[str]) -> None:
@@ -92,10 +165,8 @@ class KVRouting:
             if ids is None:
                 self.metrics.kv_routes.labels("affinity", "none").inc()
                 return None
-            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            model = body.get("model") if isinstance(body.get("model"), str) else None
-            d = await self.router.decide_async(
-                order, ids, self.load, salt, self.healthy, model, extra_cost
+            d = await self.router.decide_request(
+                body, ids, order, self.load, self.healthy, extra_cost
             )
         except Exception:  # routing must not fail a request: affinity order stands
             log.exception("kv routing failed")

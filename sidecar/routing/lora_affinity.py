@@ -83,14 +83,11 @@ def adapter_order(
     balance: float,
 ) -> list[str]:
     """`order` (prefix affinity's) with the healthy engines under the load cap first, best
-    adapter score first (ties keep `order`), then the others as they were."""
-    alive = [b for b in order if healthy(b)]
-    cap = load_cap(alive, load, balance)
-    pos = {b: i for i, b in enumerate(order)}
-    under = sorted(
-        (b for b in alive if load(b) < cap), key=lambda b: (-scores.get(b, UNKNOWN), pos[b])
-    )
-    return under + [b for b in order if b not in under]
+    adapter score first (ties keep `order`), then the others as they were (the adapter
+    profile of plugins.py)."""
+    from .plugins import adapter_profile  # plugins reads this module's scores
+
+    return adapter_profile(scores, load, healthy, balance).order(order)
 
 
 def adapter_cost(

@@ -2,8 +2,8 @@
 
 With the prefill engines' KV events (`prefill_kv_events`), the one that would have the
 least left to compute: most of the prompt already cached, weighed against the legs in flight
-on it (`KVRouter.decide`'s cost). Without them, or for a prompt the router cannot tokenize,
-the least loaded (`LoadPicker`). A target the request names itself (a trusted
+on it (`KVRouter.decide`'s cost, kv_cost.py). Without them, or for a prompt the router
+cannot tokenize, the least loaded (`LoadPicker`). A target the request names itself (a trusted
 x-prefiller-host-port) always goes first.
 
 The events come from fixed endpoints (`events`), or follow the prefill endpoint set:
@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional, Sequence
 
+from ..kv.feeds import KVFeeds, subscribe_all
+from .kv_cost import KVRouter
 from .picker import LoadPicker
 
 log = logging.getLogger(__name__)
@@ -33,21 +35,11 @@ class PrefillRanking:
         events_replay_port: Optional[int] = None,
     ):
         self.picker = picker
-        self.router = None
-        self.feeds = None
+        self.router: Optional[KVRouter] = None
+        self.feeds: Optional[KVFeeds] = None
         if events or events_port:
-            from ..kv.events_spec import split_spec
-            from ..kv.router import KVRouter
-            from ..net.security import normalize_host_port
-
             self.router = KVRouter(block_size, 0.0, load_cost_tokens, tokenizer_file)
-            static = {normalize_host_port(t): spec for t, spec in events.items()}
-            for target, spec in static.items():
-                self.router.subscribe(target, *split_spec(spec))
-            if events_port:
-                from ..kv.feeds import KVFeeds
-
-                self.feeds = KVFeeds(self.router, events_port, events_replay_port, static)
+            self.feeds = subscribe_all(self.router, events, events_port, events_replay_port)
 
     async def sync(self, endpoints: Iterable[str]) -> None:
         """Follows the prefill endpoint set (with `events_port`); cheap when it did not
@@ -66,11 +58,7 @@ class PrefillRanking:
             ids = await self.router.prompt_token_ids_async(body)
             if ids is None:
                 return by_load, "load"
-            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            model = body.get("model") if isinstance(body.get("model"), str) else None
-            decision = await self.router.decide_async(
-                by_load, ids, self.picker.in_flight, salt, lambda b: True, model
-            )
+            decision = await self.router.decide_request(body, ids, by_load, self.picker.in_flight)
         except Exception:  # ranking must never fail a request: load order stands
             log.exception("ranking prefill engines by KV events failed")
             return by_load, "load"

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
-from devtools.engine_procs import EngineProcess, free_port
+from devtools.engine_procs import SpawnedEngine, free_port
 from tests.support.pd_router import (
     connector_stat,
     decode_leg,
@@ -253,14 +253,14 @@ def test_a_restarted_producer_heals_at_once(tiny_qwen3, logs, engines):
     port, kv_port = free_port(), free_port()
     flags = (*NIXL, "--kv-role", "producer", "--kv-port", str(kv_port), "--kv-secret-file", secret)
     b1, b2, b3 = body(ids(70, seed=40)), body(ids(70, seed=41)), body(ids(70, seed=42))
-    first = EngineProcess(tiny_qwen3, logs, *flags, port=port).wait()
+    first = SpawnedEngine(tiny_qwen3, logs, *flags, port=port).wait()
     try:
         decode_leg(Ds.url, b1, prefill_leg(first.url, b1))  # Ds now knows its agent
         stale = prefill_leg(first.url, b2)
     finally:
         first.stop()
     t_restart = time.monotonic()
-    second = EngineProcess(tiny_qwen3, logs, *flags, port=port).wait()
+    second = SpawnedEngine(tiny_qwen3, logs, *flags, port=port).wait()
     try:
         # Params of the dead engine: refused (other epoch), recomputed, still right.
         assert text_of(decode_leg(Ds.url, b2, stale)) == text_of(post(A.url, b2))

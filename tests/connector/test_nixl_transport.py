@@ -34,7 +34,8 @@ from tests.support.peer_process import (  # noqa: E402
     pattern,
 )
 
-pytestmark = pytest.mark.timeout(180)
+# peers in processes of their own: the full run's tier
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 LOOPBACK = parse_allowlist("")
 
 

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
-from devtools.engine_procs import EngineProcess
+from devtools.engine_procs import SpawnedEngine
 from tests.support.pd_router import (
     connector_stat,
     decode_leg,
@@ -150,7 +150,7 @@ def test_three_engines_concurrently(engines):
 
 def test_prefill_killed_before_the_pull(tiny_qwen3, logs, engines):
     D, A = engines["D"], engines["A"]
-    victim = EngineProcess(tiny_qwen3, logs, *NIXL, "--kv-role", "producer").wait()
+    victim = SpawnedEngine(tiny_qwen3, logs, *NIXL, "--kv-role", "producer").wait()
     try:
         b = body(prompt_ids(90, seed=300))
         kv = prefill_leg(victim.url, b)
@@ -222,7 +222,7 @@ def test_engine_with_other_block_size_is_refused(tiny_qwen3, logs, engines):
     it is refused before any connection (its hashes, chained over other blocks, would
     differ too)."""
     D, A = engines["D"], engines["A"]
-    other = EngineProcess(tiny_qwen3, logs, *NIXL, "--block-size", "8").wait()
+    other = SpawnedEngine(tiny_qwen3, logs, *NIXL, "--block-size", "8").wait()
     try:
         b = body(prompt_ids(40, seed=600))
         refused0 = connector_stat(D, "params_refused")

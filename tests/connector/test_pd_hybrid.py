@@ -19,6 +19,8 @@ from tests.support.pd_router import (
     wait_no_blocks,
 )
 
+pytestmark = pytest.mark.slow  # engine processes: the full run's tier
+
 NIXL = ("--kv-connector", "nixl", "--num-kv-blocks", "256")
 
 

@@ -12,7 +12,7 @@ import random
 import httpx
 import pytest
 
-from devtools.engine_procs import EngineProcess
+from devtools.engine_procs import SpawnedEngine
 
 # Starts engine processes: the full run's tier, not the fast one.
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def tail(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    eng = EngineProcess(
+    eng = SpawnedEngine(
         tiny_qwen3,
         tmp_path_factory.mktemp("logs"),
         "--global-cache-hit-threshold",

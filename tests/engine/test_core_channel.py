@@ -101,6 +101,7 @@ def _child(conn) -> None:
     conn.recv_bytes()  # then exit: its end of the socket closes
 
 
+@pytest.mark.slow  # a child process
 def test_only_the_peer_exiting_closes_the_channel_once():
     ctx = multiprocessing.get_context("spawn")
     a, b = ctx.Pipe(duplex=True)

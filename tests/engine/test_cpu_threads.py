@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from devtools.engine_procs import EngineProcess
+from devtools.engine_procs import SpawnedEngine
 from pdpool.engine import serve_cli
 from pdpool.engine.cpu_threads import (
     OPENMP_SPIN_ROUNDS,
@@ -126,11 +126,11 @@ def test_openmp_workers_spin_briefly_unless_the_user_chose():
 
 
 def test_a_served_engine_runs_with_the_policys_threads(tiny_qwen3, tmp_path, monkeypatch):
-    # EngineProcess pins OMP_NUM_THREADS=1 for tests; an explicit --cpu-threads wins over it,
+    # SpawnedEngine pins OMP_NUM_THREADS=1 for tests; an explicit --cpu-threads wins over it,
     # and the engine says what it applied.
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    eng = EngineProcess(
+    eng = SpawnedEngine(
         tiny_qwen3,
         tmp_path,
         "--cpu-threads",

@@ -19,7 +19,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 
 # Starts engine processes: the full run's tier, not the fast one.
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ BODY = {"prompt": [5, 6, 7, 8, 9] * 4, "max_tokens": 24, "temperature": 0, "igno
 def test_thread_and_process_give_the_same_answers(tiny_qwen3, tmp_path):
     answers = {}
     for mode in ("--engine-process", "--no-engine-process"):
-        with engine_process(tiny_qwen3, tmp_path, mode) as eng:
+        with spawned_engine(tiny_qwen3, tmp_path, mode) as eng:
             whole = httpx.post(f"{eng.url}/v1/completions", json=BODY, timeout=60).json()
             streamed = []
             with httpx.stream(
@@ -93,7 +93,7 @@ def test_thread_and_process_give_the_same_answers(tiny_qwen3, tmp_path):
 
 
 def test_a_dead_engine_core_fails_its_requests_then_serves_again(tiny_qwen3, tmp_path):
-    with engine_process(tiny_qwen3, tmp_path) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path) as eng:
         child = _engine_child(eng.proc.pid)
         with _busy(eng) as lines:
             os.kill(child, signal.SIGKILL)
@@ -124,7 +124,7 @@ def test_a_core_that_cannot_start_again_makes_the_server_exit_for_its_supervisor
 ):
     model = tmp_path / "model"
     shutil.copytree(tiny_qwen3, model)
-    with engine_process(model, tmp_path) as eng:
+    with spawned_engine(model, tmp_path) as eng:
         (model / "model.safetensors").unlink()  # the next core cannot load
         os.kill(_engine_child(eng.proc.pid), signal.SIGKILL)
         assert eng.proc.wait(60) == 2
@@ -133,7 +133,7 @@ def test_a_core_that_cannot_start_again_makes_the_server_exit_for_its_supervisor
 
 
 def test_the_server_process_does_not_load_torch(tiny_qwen3, tmp_path):
-    with engine_process(tiny_qwen3, tmp_path) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path) as eng:
         assert httpx.post(f"{eng.url}/v1/completions", json=BODY, timeout=60).status_code == 200
         maps = Path(f"/proc/{eng.proc.pid}/maps").read_text()
         assert "libtorch" not in maps
@@ -141,7 +141,7 @@ def test_the_server_process_does_not_load_torch(tiny_qwen3, tmp_path):
 
 
 def test_the_engine_process_leaves_with_the_server(tiny_qwen3, tmp_path):
-    with engine_process(tiny_qwen3, tmp_path) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path) as eng:
         child = _engine_child(eng.proc.pid)
         with _busy(eng):
             os.kill(eng.proc.pid, signal.SIGKILL)  # the server alone: no chance to stop it
@@ -150,7 +150,7 @@ def test_the_engine_process_leaves_with_the_server(tiny_qwen3, tmp_path):
 
 
 def test_sigterm_drains_then_stops_both(tiny_qwen3, tmp_path):
-    with engine_process(tiny_qwen3, tmp_path) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path) as eng:
         child = _engine_child(eng.proc.pid)
         os.killpg(eng.proc.pid, signal.SIGTERM)  # as a shell or `pdpool up` stops it
         # uvicorn re-raises the SIGTERM once it has drained and shut the app down

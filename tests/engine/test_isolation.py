@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from devtools.engine_procs import EngineProcess
+from devtools.engine_procs import SpawnedEngine
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.engine_core import LLMEngine
 from pdpool.engine.sampling_params import SamplingParams
@@ -104,7 +104,7 @@ def server(tiny_qwen3, tmp_path_factory):
     saved = {k: os.environ.get(k) for k in hooks}
     os.environ.update(hooks)
     try:
-        eng = EngineProcess(tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64")
+        eng = SpawnedEngine(tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64")
     finally:
         for k, v in saved.items():
             if v is None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 from tests.support.logprobs import LOGPROB_ATOL as ATOL
 from tests.support.logprobs import assert_logprobs_close
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(
+    with spawned_engine(
         tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "128"
     ) as eng:
         yield eng

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 from pdpool.ports import free_port
 
 # Starts engine processes: the full run's tier, not the fast one.
@@ -17,7 +17,7 @@ BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0, "ignore_eos":
 
 def test_the_metrics_port_serves_metrics_and_nothing_else(tiny_qwen3, tmp_path):
     port = free_port()
-    with engine_process(tiny_qwen3, tmp_path, "--metrics-port", str(port)) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path, "--metrics-port", str(port)) as eng:
         metrics = f"http://127.0.0.1:{port}"
         # The serving port serves both, as before.
         done = httpx.post(f"{eng.url}/v1/completions", json=BODY, timeout=60)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 from pdpool.engine.server.priority_metrics import MAX_PRIORITY_LABELS
 from tests.support.priority_mix import EXPECTED, QUEUED, run_mix
 
@@ -42,7 +42,7 @@ def post_one(url: str, priority: int) -> None:
 
 def test_high_priority_runs_before_the_queued_low_ones(tiny_qwen3, tmp_path):
     flags = ("--scheduling-policy", "priority", "--max-num-seqs", "1")
-    with engine_process(tiny_qwen3, tmp_path, *flags) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path, *flags) as eng:
 
         def waiting_by_priority() -> None:
             waiting = samples(eng.url, "pdpool_num_requests_waiting_by_priority")
@@ -74,6 +74,6 @@ def test_high_priority_runs_before_the_queued_low_ones(tiny_qwen3, tmp_path):
 def test_fcfs_accepts_and_ignores_priority(tiny_qwen3, tmp_path):
     """vLLM 0.32 dropped its 'Priority scheduling is not enabled' check: a priority under
     fcfs is served, in arrival order."""
-    with engine_process(tiny_qwen3, tmp_path, "--max-num-seqs", "1") as eng:
+    with spawned_engine(tiny_qwen3, tmp_path, "--max-num-seqs", "1") as eng:
         order = run_mix(eng.url, model_of(eng.url))
         assert order == [name for name, _, _ in QUEUED]

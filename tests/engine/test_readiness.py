@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdpool.engine.async_engine import AsyncEngine
+from pdpool.engine.core_client import InProcessClient
 
 
 class NoCompiles:
@@ -19,7 +19,7 @@ class NoCompiles:
 
 
 class SteppableEngine:
-    """Just what AsyncEngine drives; `step` blocks while `gate` is closed."""
+    """Just what InProcessClient drives; `step` blocks while `gate` is closed."""
 
     def __init__(self) -> None:
         self.work = False
@@ -60,7 +60,7 @@ def wait_for(predicate, timeout: float = 5.0) -> bool:
 
 def test_idle_loop_is_ready_a_wedged_step_is_not_and_recovers():
     eng = SteppableEngine()
-    aeng = AsyncEngine(eng)
+    aeng = InProcessClient(eng)
     try:
         time.sleep(0.4)
         assert aeng.readiness(max_stall_s=0.2) is None  # idle for long: still ready
@@ -80,7 +80,7 @@ def test_idle_loop_is_ready_a_wedged_step_is_not_and_recovers():
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_dead_engine_thread_is_not_ready():
     eng = SteppableEngine()
-    aeng = AsyncEngine(eng)
+    aeng = InProcessClient(eng)
     eng.die, eng.work = True, True
     assert wait_for(lambda: not aeng.alive)
     assert aeng.readiness(max_stall_s=60) == "the engine loop has stopped"

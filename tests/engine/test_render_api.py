@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 from tests.support.bos_checkpoint import with_bos_tokenizer
 from tests.support.render_cases import CHAT, COMPLETION, RENDER_CASES, SYSTEM, TURNS
 
@@ -25,7 +25,7 @@ CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_t
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
     model = with_bos_tokenizer(tiny_qwen3, tmp_path_factory.mktemp("bos") / "tiny-qwen3-bos")
-    with engine_process(model, tmp_path_factory.mktemp("logs")) as eng:
+    with spawned_engine(model, tmp_path_factory.mktemp("logs")) as eng:
         yield eng
 
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from devtools.engine_procs import EngineProcess
+from devtools.engine_procs import SpawnedEngine
 
 # Starts engine processes: the full run's tier, not the fast one.
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ MAX_NUM_SEQS = 3
 @pytest.fixture(scope="module")
 def eng(tiny_qwen3, tmp_path_factory):
     """At most three sequences run at once: a fourth request queues."""
-    proc = EngineProcess(
+    proc = SpawnedEngine(
         tiny_qwen3, tmp_path_factory.mktemp("logs"), "--max-num-seqs", str(MAX_NUM_SEQS)
     )
     try:
@@ -260,7 +260,7 @@ def test_health_answers_within_1s_while_a_10mb_body_is_prepared(eng):
     assert len(latencies) >= 10
 
 
-def _labelled(eng: EngineProcess, name: str, labels: str) -> float:
+def _labelled(eng: SpawnedEngine, name: str, labels: str) -> float:
     text = httpx.get(eng.url + "/metrics", timeout=5).text
     return sum(
         float(line.rsplit(" ", 1)[1])

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 
 # Starts engine processes: the full run's tier, not the fast one.
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
     # 64 blocks x 16 tokens: small enough to test "cannot fit in the KV cache".
-    with engine_process(
+    with spawned_engine(
         tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64"
     ) as eng:
         yield eng
@@ -123,6 +123,16 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut(client):
     )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[: text.index(stop)]
+    kept = client.completions.create(
+        model=model,
+        prompt="the cache",
+        max_tokens=16,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].finish_reason == "stop"
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
 
 
 @pytest.mark.parametrize(
@@ -141,6 +151,7 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut(client):
         ({"prompt": ""}, 400, "empty"),
         ({"prompt": "x " * 2000, "max_tokens": 4}, 400, "cannot fit in the KV cache"),
         ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": "hi", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output"),
     ],
 )
 def test_bad_input_gets_openai_400(server, body, status, needle):

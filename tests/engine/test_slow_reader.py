@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdpool.engine.async_engine import AsyncEngine, merge_deltas, mergeable_runs
+from pdpool.engine.core_client import InProcessClient
+from pdpool.engine.outputs import merge_deltas, mergeable_runs
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.engine_core import LLMEngine, RequestOutput
 from pdpool.engine.sampling import TokenLogprob
@@ -85,7 +86,7 @@ def test_a_reader_that_falls_behind_gets_merged_outputs(tiny_qwen3):
     prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 5, [12, 13] * 7]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)
     solo = {i: _one_step_at_a_time(engine, p, params) for i, p in enumerate(prompts)}
-    aengine = AsyncEngine(engine)
+    aengine = InProcessClient(engine)
     metrics = EngineMetrics(aengine.view, "m")
     runner = ChoiceRunner(aengine, metrics)
     specs = [

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 
 # Starts engine processes: the full run's tier, not the fast one.
 pytestmark = pytest.mark.slow
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(tiny_qwen3, tmp_path_factory.mktemp("logs")) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path_factory.mktemp("logs")) as eng:
         yield eng
 
 

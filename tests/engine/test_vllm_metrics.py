@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 from tests.support.vllm_metric_names import check_vllm_names
 
 # Starts engine processes: the full run's tier, not the fast one.
@@ -24,7 +24,7 @@ def value(fams: dict, name: str, sample: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(
+    with spawned_engine(
         tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "64"
     ) as eng:
         yield eng

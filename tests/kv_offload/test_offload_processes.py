@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from devtools.engine_procs import EngineProcess, engine_process
+from devtools.engine_procs import SpawnedEngine, spawned_engine
 from pdpool.engine.kv.offload.store import STALL_WRITE_ENV, TMP_PREFIX
 
 pytestmark = pytest.mark.slow
@@ -64,14 +64,14 @@ def _tokens(url: str, prompt: list[int] = PROMPT) -> list[int]:
     return ids
 
 
-def _offload_stat(eng: EngineProcess, stat: str) -> float:
+def _offload_stat(eng: SpawnedEngine, stat: str) -> float:
     for line in httpx.get(f"{eng.url}/metrics", timeout=5).text.splitlines():
         if line.startswith("pdpool_kv_offload{") and f'stat="{stat}"' in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no pdpool_kv_offload stat {stat}")
 
 
-def _wait_stat(eng: EngineProcess, stat: str, at_least: float, timeout: float = 30) -> None:
+def _wait_stat(eng: SpawnedEngine, stat: str, at_least: float, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while _offload_stat(eng, stat) < at_least:
         assert time.monotonic() < deadline, f"{stat} stayed below {at_least}"
@@ -80,19 +80,19 @@ def _wait_stat(eng: EngineProcess, stat: str, at_least: float, timeout: float = 
 
 def test_two_engines_share_a_tier_and_a_killed_writer_leaves_nothing_accepted(tiny_qwen3, tmp_path):
     tier = tmp_path / "tier"
-    with engine_process(tiny_qwen3, tmp_path, "--num-kv-blocks", "64") as plain:
+    with spawned_engine(tiny_qwen3, tmp_path, "--num-kv-blocks", "64") as plain:
         expected = _tokens(plain.url)
-    with engine_process(tiny_qwen3, tmp_path, *_tier_flags(tier)) as a:
+    with spawned_engine(tiny_qwen3, tmp_path, *_tier_flags(tier)) as a:
         assert _tokens(a.url) == expected
         _wait_stat(a, "stores", 12)  # the prompt's 12 full blocks reached the tier
-    with engine_process(tiny_qwen3, tmp_path, *_tier_flags(tier)) as b:
+    with spawned_engine(tiny_qwen3, tmp_path, *_tier_flags(tier)) as b:
         assert _tokens(b.url) == expected
         assert _offload_stat(b, "loaded_tokens") == 192
         assert _offload_stat(b, "records_rejected") == 0
         assert b.metric("pdpool_prompt_tokens_by_source_total") > 0
     # An engine killed while writing: its half-written records have temporary names only.
     other = [random.Random(6).randrange(3, 500) for _ in range(200)]
-    killed = EngineProcess(tiny_qwen3, tmp_path, *_tier_flags(tier), env={STALL_WRITE_ENV: "30"})
+    killed = SpawnedEngine(tiny_qwen3, tmp_path, *_tier_flags(tier), env={STALL_WRITE_ENV: "30"})
     try:
         killed.wait()
         assert _tokens(killed.url, other)
@@ -103,15 +103,15 @@ def test_two_engines_share_a_tier_and_a_killed_writer_leaves_nothing_accepted(ti
     finally:
         killed.kill()
     assert [p for p in tier.rglob(f"{TMP_PREFIX}*")], "the torn write should still be there"
-    with engine_process(tiny_qwen3, tmp_path, *_tier_flags(tier)) as c:
-        with engine_process(tiny_qwen3, tmp_path, "--num-kv-blocks", "64") as plain:
+    with spawned_engine(tiny_qwen3, tmp_path, *_tier_flags(tier)) as c:
+        with spawned_engine(tiny_qwen3, tmp_path, "--num-kv-blocks", "64") as plain:
             expected_other = _tokens(plain.url, other)
         assert _tokens(c.url, other) == expected_other
         assert _offload_stat(c, "loaded_tokens") == 0  # nothing of the killed write counts
         assert _tokens(c.url) == expected  # and A's prefix still serves
 
 
-class _SizeLimitedEngine(EngineProcess):
+class _SizeLimitedEngine(SpawnedEngine):
     """An engine whose files cannot grow past a few KiB (RLIMIT_FSIZE): every tier write
     fails as on a full disk. Its output goes through a pipe (unlimited) to the log."""
 
@@ -142,7 +142,7 @@ class _SizeLimitedEngine(EngineProcess):
 
 
 def test_a_full_disk_costs_hits_not_answers(tiny_qwen3, tmp_path):
-    with engine_process(tiny_qwen3, tmp_path, "--num-kv-blocks", "64") as plain:
+    with spawned_engine(tiny_qwen3, tmp_path, "--num-kv-blocks", "64") as plain:
         expected = _tokens(plain.url)
     eng = _SizeLimitedEngine(tiny_qwen3, tmp_path, *_tier_flags(tmp_path / "tier", "disk"))
     try:

@@ -15,7 +15,7 @@ import pytest
 from pdpool.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from pdpool.ports import free_ports
 from pdpool.sidecar.kv.index import request_block_keys
-from pdpool.sidecar.kv.router import KVRouter
+from pdpool.sidecar.routing.kv_cost import KVRouter
 
 BS = 16
 

@@ -17,7 +17,7 @@ from pdpool.engine.sampling_params import SamplingParams
 from pdpool.kv_events import BlockStored, KVEventBatch, KVEventSubscriber, encode_batch
 from pdpool.ports import free_ports
 from pdpool.sidecar.kv.index import request_block_keys
-from pdpool.sidecar.kv.router import KVRouter
+from pdpool.sidecar.routing.kv_cost import KVRouter
 from tests.support.parity import random_prompts
 
 

@@ -11,7 +11,7 @@ import shutil
 import httpx
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 from devtools.lora_maker import load_with_adapter, make_adapter
 from tests.support.parity import hf_greedy, random_prompts
 
@@ -57,7 +57,7 @@ def lora_server(tiny_qwen3, qwen3_adapters, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     try:
-        with engine_process(tiny_qwen3, root, *flags) as eng:
+        with spawned_engine(tiny_qwen3, root, *flags) as eng:
             yield eng, allowed
     finally:
         mp.undo()
@@ -183,7 +183,7 @@ def test_lora_requests_info_metric(lora_server):
 def test_runtime_routes_need_the_env_var(tiny_qwen3, qwen3_adapters, tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     flags = ["--enable-lora", "--lora-modules", f"alpha={qwen3_adapters['alpha']}"]
-    with engine_process(tiny_qwen3, tmp_path, *flags) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path, *flags) as eng:
         body = {"lora_name": "b", "lora_path": str(qwen3_adapters["beta"])}
         assert httpx.post(f"{eng.url}/v1/load_lora_adapter", json=body).status_code == 404
         assert _complete(eng.url, "alpha", [5, 6, 7])["model"] == "alpha"

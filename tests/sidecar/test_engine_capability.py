@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from pdpool.sidecar.proxy.capability import estimate_prompt_tokens
+from pdpool.sidecar.routing.pd import estimate_prompt_tokens
 from pdpool.sidecar.proxy.app import Sidecar
 from pdpool.sidecar.proxy.settings import SidecarSettings
 

@@ -86,6 +86,7 @@ async def test_gateway_without_a_key_file_is_open(servers):
     assert r.status_code == 200
 
 
+@pytest.mark.slow  # a gateway process
 def test_gateway_serves_https_with_the_given_certificate(tmp_path):
     """`pdpool gateway --tls-cert-file/--tls-key-file`: HTTPS that verifies against the CA;
     plain HTTP on that port gets nowhere; one flag without the other is refused."""

@@ -20,7 +20,7 @@ from pdpool.ports import free_port
 from pdpool.sidecar.gateway.app import GatewaySettings
 from pdpool.sidecar.kv.feeds import KVFeeds, check_event_ports, wanted_subscriptions
 from pdpool.sidecar.kv.index import request_block_keys
-from pdpool.sidecar.kv.router import KVRouter
+from pdpool.sidecar.routing.kv_cost import KVRouter
 from pdpool.sidecar.routing.prefill_ranking import PrefillRanking
 from pdpool.sidecar.routing.picker import LoadPicker
 from pdpool.sidecar.proxy.settings import SidecarSettings
@@ -277,6 +277,7 @@ class Backend:
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
+@pytest.mark.slow  # a gateway process
 async def test_gateway_subscribes_to_the_engines_its_decode_service_lists(servers):
     backend = Backend()
     sidecar = await servers(backend)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pdpool.ports import free_ports
-from pdpool.sidecar.kv.router import KVRouter
+from pdpool.sidecar.routing.kv_cost import KVRouter
 
 pytest.importorskip("torch")
 

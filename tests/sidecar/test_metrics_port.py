@@ -29,6 +29,7 @@ def _wait(url: str, ca: ssl.SSLContext) -> httpx.Response:
             time.sleep(0.2)
 
 
+@pytest.mark.slow  # a gateway process
 def test_gateway_metrics_port_serves_metrics_alone_over_the_same_tls(tmp_path):
     ca_file, (cert_file, key_file) = make_tls_files(str(tmp_path / "tls"))
     port, metrics_port = free_ports(2)

@@ -7,7 +7,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(
+    with spawned_engine(
         tiny_qwen3, tmp_path_factory.mktemp("logs"), "--num-kv-blocks", "512"
     ) as eng:
         yield eng

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from devtools.engine_procs import engine_process
+from devtools.engine_procs import spawned_engine
 from tests.support.hostile_specs import (
     HOSTILE,
     choices,
@@ -31,7 +31,7 @@ NOT_BLOCKED_S = 10.0
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen3, tmp_path_factory):
-    with engine_process(tiny_qwen3, tmp_path_factory.mktemp("logs")) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path_factory.mktemp("logs")) as eng:
         yield eng
 
 
@@ -91,7 +91,7 @@ def uncapped(tiny_qwen3, tmp_path_factory):
         "--structured-max-overrun-compiles", "1",
         "--ready-max-stall-s", "1.5",
     ]  # fmt: skip
-    with engine_process(tiny_qwen3, tmp_path_factory.mktemp("logs"), *flags) as eng:
+    with spawned_engine(tiny_qwen3, tmp_path_factory.mktemp("logs"), *flags) as eng:
         yield eng
 
 

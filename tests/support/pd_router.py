@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from devtools.engine_procs import EngineProcess, connector_stat
+from devtools.engine_procs import SpawnedEngine, connector_stat
 
 __all__ = ["connector_stat"]  # the engine-level tests take it from here with the legs
 
@@ -52,7 +52,7 @@ def wait_no_blocks(*engs, timeout=15.0) -> None:
 @contextmanager
 def engine_set(model: Path, logs: Path, specs: dict[str, tuple]):
     """Starts one engine process per name (flags as given), all at once; stops them all."""
-    procs = {name: EngineProcess(model, logs, *flags) for name, flags in specs.items()}
+    procs = {name: SpawnedEngine(model, logs, *flags) for name, flags in specs.items()}
     try:
         for p in procs.values():
             p.wait()

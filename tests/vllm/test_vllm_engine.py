@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from devtools.engine_procs import EngineProcess, wait_healthy
+from devtools.engine_procs import SpawnedEngine, wait_healthy
 from pdpool.otlp_receiver import OtlpReceiver
 from tests.support.vllm_metric_names import check_vllm_names
 from pdpool.up.topology import (
@@ -58,7 +58,7 @@ def receiver():
 @pytest.fixture(scope="module")
 def stack(tiny_qwen3, vllm_bin, tmp_path_factory, receiver):
     logs = tmp_path_factory.mktemp("vllm-logs")
-    ours = EngineProcess(tiny_qwen3, logs, "--num-kv-blocks", "256")
+    ours = SpawnedEngine(tiny_qwen3, logs, "--num-kv-blocks", "256")
     topo = Topology(
         TopologySpec(
             model=str(tiny_qwen3),

@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import pytest
 
-from devtools.engine_procs import EngineProcess, wait_healthy
+from devtools.engine_procs import SpawnedEngine, wait_healthy
 from devtools.lora_maker import load_with_adapter
 from pdpool.up.topology import VLLM_ARGS, VLLM_ENV, free_port
 from tests.support.parity import hf_greedy, random_prompts
@@ -29,7 +29,7 @@ def servers(tiny_qwen3, qwen3_adapters, vllm_bin, tmp_path_factory):
     port = free_port()
     argv = [vllm_bin, "serve", str(tiny_qwen3), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--served-model-name", "base", *VLLM_ARGS, *lora, *modules]
-    ours = EngineProcess(tiny_qwen3, logs, "--served-model-name", "base", *lora, *modules)
+    ours = SpawnedEngine(tiny_qwen3, logs, "--served-model-name", "base", *lora, *modules)
     with open(logs / "vllm.log", "wb") as fh:
         proc = subprocess.Popen(
             argv,

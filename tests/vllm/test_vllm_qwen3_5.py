@@ -13,7 +13,7 @@ import subprocess
 import httpx
 import pytest
 
-from devtools.engine_procs import EngineProcess, wait_healthy
+from devtools.engine_procs import SpawnedEngine, wait_healthy
 from pdpool.ports import free_port
 from pdpool.up.topology import VLLM_ARGS, VLLM_ENV
 
@@ -33,7 +33,7 @@ def engines(vllm_bin, tmp_path_factory):
     model = tmp_path_factory.mktemp("qwen3_5-bf16") / "tiny-qwen3_5-bf16"
     write_tiny_model(model, TinyModelSpec(arch="qwen3_5", seed=2, num_layers=4, dtype="bfloat16"))
     logs = tmp_path_factory.mktemp("vllm-qwen3_5-logs")
-    ours = EngineProcess(model, logs, "--dtype", "bfloat16")
+    ours = SpawnedEngine(model, logs, "--dtype", "bfloat16")
     port = free_port()
     with open(logs / "vllm.log", "wb") as log:  # the child holds its own copy
         theirs = subprocess.Popen(

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from devtools.engine_procs import EngineProcess, wait_healthy
+from devtools.engine_procs import SpawnedEngine, wait_healthy
 from pdpool.ports import free_port
 from tests.support.bos_checkpoint import with_bos_tokenizer
 from tests.support.render_cases import CHAT, COMPLETION, RENDER_CASES, TURNS
@@ -35,7 +35,7 @@ MAX_MODEL_LEN = "2048"
 def servers(vllm_bin, tiny_qwen3, tmp_path_factory):
     model = with_bos_tokenizer(tiny_qwen3, tmp_path_factory.mktemp("bos") / "tiny-qwen3-bos")
     logs = tmp_path_factory.mktemp("vllm-render-logs")
-    ours = EngineProcess(model, logs, "--max-model-len", MAX_MODEL_LEN)
+    ours = SpawnedEngine(model, logs, "--max-model-len", MAX_MODEL_LEN)
     port = free_port()
     argv = [vllm_bin, "launch", "render", str(model), "--port", str(port)]
     argv += ["--served-model-name", model.name, "--max-model-len", MAX_MODEL_LEN]

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from devtools.engine_procs import EngineProcess, wait_healthy
+from devtools.engine_procs import SpawnedEngine, wait_healthy
 from pdpool.up.topology import VLLM_ARGS, VLLM_ENV, free_port, served_model_name
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -37,7 +37,7 @@ HERMES = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</too
 @pytest.fixture(scope="module")
 def engines(tiny_qwen3, vllm_bin, tmp_path_factory):
     logs = tmp_path_factory.mktemp("vllm-structured-logs")
-    ours = EngineProcess(tiny_qwen3, logs, "--num-kv-blocks", "256")
+    ours = SpawnedEngine(tiny_qwen3, logs, "--num-kv-blocks", "256")
     port = free_port()
     tool_args = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     with open(logs / "vllm.log", "wb") as log:  # the child holds its own copy

@@ -1,10 +1,12 @@
-"""Precise KV-aware routing: pick the decode engine by cost, from the engines' KV events.
+"""What each engine would compute of a prompt, from the engines' KV events: the KV index's
+side of precise routing (routing/kv_cost.py turns it into an order and a P/D path).
 
-    cost(engine) = uncached prompt tokens (what it would have to prefill)
+    work(engine) = uncached prompt tokens (what it would have to prefill)
                    + tier_cost * tier tokens (loaded from an offload tier: cheaper than
                      computing them, dearer than a pool hit)
                    + pending prefill tokens (routed there, not yet reported stored)
-                   + load_cost_tokens * load(engine)    (in-flight / queued requests)
+
+(routing adds load_cost_tokens * load(engine) for the requests in flight or queued.)
 
 `uncached = prompt_tokens - block_size * prefix_hit_blocks(engine)`, the hit read from the
 KV index (index.py) fed by each engine's ZeroMQ events. The pending tokens are the
@@ -16,11 +18,9 @@ spreads over the engines instead of following the hash order onto a few. Engines
 does not know (no events configured, or a gap not yet resynchronised) are scored as holding
 nothing; when no engine is known the caller keeps today's hash-affinity order.
 
-The P/D path is decided up front: when the chosen engine's hit ratio
-(cached / prompt tokens) is below the pool's threshold, the request should go to a prefill
-engine first (`PD_HEADER: pd`), else decode-first (`PD_HEADER: decode`); the engine would
-have made the same decision from its own cache, so the decode-first attempt can be skipped.
-Tier tokens count as cached for that ratio, as the engine counts them.
+`hits` (cached + tier tokens per engine) is what the P/D decision reads (routing/pd.py):
+tier tokens count as cached there, as the engine counts them. Once routed, `expect` records
+the prompt's blocks as pending on the chosen engine.
 
 Tokenization: completions with token-id prompts need none; string prompts use the model's
 `tokenizer.json` through `tokenizers` (Rust, no torch), run off the event loop by callers.
@@ -35,32 +35,30 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from pdpool.kv_events import KVEventSubscriber
 
 from .index import KVIndex, request_block_keys
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-PD_HEADER = "x-pdpool-kv-path"  # "pd": skip decode-first; "decode": decode-first
 # Up to these sizes a prompt is tokenized and hashed on the event loop: well under a
 # millisecond, less than handing it to a thread and back.
 INLINE_PROMPT_CHARS = 8192
 INLINE_PROMPT_TOKENS = 4096
 
 
-@dataclass
-class RouteDecision:
-    order: list[str]
-    hit_tokens: int  # predicted cached tokens on order[0]
-    prompt_tokens: int
-    path: str  # "pd" or "decode"
-    precise: bool  # False: no engine known, affinity order kept
+@dataclass(frozen=True)
+class PromptCosts:
+    """One prompt against the engines of `order`."""
 
-    @property
-    def hit_ratio(self) -> float:
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+    keys: list[Any]  # the prompt's block keys (request_block_keys)
+    prompt_tokens: int
+    hits: dict[str, int]  # tokens cached or on a tier, per engine
+    work: dict[str, float]  # tokens to compute, tier loads and pending prefills, per engine
+    known: bool  # False: the index knows none of these engines (no precise order)
 
 
 @dataclass
@@ -76,20 +74,16 @@ class _Feed:
 TIER_COST = 0.2
 
 
-class KVRouter:
+class KVCosts:
     def __init__(
         self,
         block_size: int,
-        threshold: float = 0.0,
-        load_cost_tokens: float = 64.0,
         tokenizer_file: Optional[str] = None,
         max_blocks_per_engine: int = 1_000_000,
         expect_s: float = 5.0,
         tier_cost: float = TIER_COST,
     ):
         self.block_size = block_size
-        self.threshold = threshold
-        self.load_cost_tokens = load_cost_tokens
         if not 0.0 <= tier_cost <= 1.0:
             raise ValueError(f"tier_cost must be in [0, 1], got {tier_cost}")
         self.tier_cost = tier_cost
@@ -161,14 +155,13 @@ class KVRouter:
             return await asyncio.to_thread(self.prompt_token_ids, body)
         return self.prompt_token_ids(body)
 
-    async def decide_async(
-        self, order: Sequence[str], token_ids: Sequence[int], *args: Any
-    ) -> RouteDecision:
-        """`decide`, off the event loop for a long prompt (it hashes every block)."""
-        if len(token_ids) > INLINE_PROMPT_TOKENS:
+    async def off_loop_if_long(self, n_tokens: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, off the event loop for a long prompt (it hashes every block); those
+        run one at a time, each seeing the expectations of the one before."""
+        if n_tokens > INLINE_PROMPT_TOKENS:
             async with self._deciding:
-                return await asyncio.to_thread(self.decide, order, token_ids, *args)
-        return self.decide(order, token_ids, *args)
+                return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     def prompt_token_ids(self, body: Any) -> Optional[list[int]]:
         """A completion's prompt as token ids; None when this router cannot tell."""
@@ -181,29 +174,25 @@ class KVRouter:
             return list(self._tokenizer.encode(prompt, add_special_tokens=False).ids)
         return None
 
-    def decide(
+    def costs(
         self,
         order: Sequence[str],
         token_ids: Sequence[int],
-        load: Callable[[str], float],
         cache_salt: Optional[str] = None,
-        healthy: Callable[[str], bool] = lambda b: True,
         model: Optional[str] = None,
-        extra_cost: Optional[Callable[[str], float]] = None,
-    ) -> RouteDecision:
-        """Reorders `order` (today's affinity order) by cost; unhealthy backends stay last.
-        `model`: the request's; when engines published blocks under a LoRA adapter of that
-        name, the prompt's keys are that adapter's (another adapter's blocks never count).
-        `extra_cost`: more cost per backend, in tokens (an adapter not loaded there)."""
+    ) -> PromptCosts:
+        """The prompt's cost on each engine of `order`. `model`: the request's; when engines
+        published blocks under a LoRA adapter of that name, the prompt's keys are that
+        adapter's (another adapter's blocks never count)."""
         n = len(token_ids)
         lora = model if model is not None and model in self.index.lora_names else None
         keys = request_block_keys(token_ids, self.block_size, cache_salt, lora)
-        hits = {b: self.index.prefix_hit_blocks(b, keys) for b in order}
-        if all(h is None for h in hits.values()):
-            return RouteDecision(list(order), 0, n, "decode", False)
+        found = {b: self.index.prefix_hit_blocks(b, keys) for b in order}
+        if all(h is None for h in found.values()):
+            return PromptCosts(keys, n, dict.fromkeys(order, 0), {}, False)
         # As the engine: whole blocks, at least one token left to compute.
         limit = max(n - 1, 0) // self.block_size
-        cached = {b: min(h or 0, limit) * self.block_size for b, h in hits.items()}
+        cached = {b: min(h or 0, limit) * self.block_size for b, h in found.items()}
         tier = {
             b: min(
                 self.index.tier_hit_blocks(b, keys, cached[b] // self.block_size) * self.block_size,
@@ -212,18 +201,9 @@ class KVRouter:
             for b in order
         }
         pending = {b: self.block_size * self.index.pending_blocks(b, keys) for b in order}
-        pos = {b: i for i, b in enumerate(order)}
-        extra = {b: extra_cost(b) if extra_cost is not None else 0.0 for b in order}
+        work = {b: n - cached[b] - tier[b] + self.tier_cost * tier[b] + pending[b] for b in order}
+        return PromptCosts(keys, n, {b: cached[b] + tier[b] for b in order}, work, True)
 
-        def cost(b: str) -> tuple[float, int]:
-            uncached = n - cached[b] - tier[b]
-            work = uncached + self.tier_cost * tier[b] + pending[b] + extra[b]
-            return (work + self.load_cost_tokens * load(b), pos[b])
-
-        ranked = sorted((b for b in order if healthy(b)), key=cost) + [
-            b for b in order if not healthy(b)
-        ]
-        best = cached[ranked[0]] + tier[ranked[0]]
-        path = "pd" if n and best / n < self.threshold else "decode"
-        self.index.expect(ranked[0], keys)
-        return RouteDecision(ranked, best, n, path, True)
+    def expect(self, engine: str, costs: PromptCosts) -> None:
+        """The prompt was routed to `engine`: its blocks are pending there until stored."""
+        self.index.expect(engine, costs.keys)

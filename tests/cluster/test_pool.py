@@ -239,11 +239,13 @@ def test_requests_through_the_gateway_service_take_the_pd_path_with_the_engines_
     after = sidecar_paths(cluster)
     # Decode-first with threshold 0.5: a new prompt is rejected by decode, prefilled remotely.
     assert after.get("pd", 0) - before.get("pd", 0) == 1, (before, after)
-    # One engine alone (a decode pod's engine, no P/D) gives the same greedy text.
+    # One engine alone (a decode pod's engine, no P/D) gives the same greedy text. Decode
+    # engines reject prompts under the pool's cache-hit threshold (--global-cache-hit-
+    # threshold) unless the request sets its own: 0, never rejected.
     pod_ip = pods(cluster, "decode")[0]["status"]["podIP"]
     engine = Forward(cluster, f"{pod_ip}:8000")
     try:
-        alone = complete(engine.url)
+        alone = complete(engine.url, cache_hit_threshold=0.0)  # never rejected
     finally:
         engine.close()
     text = via_gateway["choices"][0]["text"]
@@ -522,7 +524,7 @@ def test_a_rolling_update_under_load_fails_no_request_and_never_hands_kv_across_
     via_gateway = complete(url)["choices"][0]["text"]
     engine = Forward(cluster, f"{pods(cluster, 'decode')[0]['status']['podIP']}:8000")
     try:
-        alone = complete(engine.url)["choices"][0]["text"]
+        alone = complete(engine.url, cache_hit_threshold=0.0)["choices"][0]["text"]
     finally:
         engine.close()
     print(

@@ -149,6 +149,33 @@ def wait_ready(cluster: Cluster, role: str, count: int, timeout: float = 600) ->
     raise AssertionError(f"{count} {role} pods not Ready in {timeout} s:\n{events}")
 
 
+def wait_prefill_known(cluster: Cluster, timeout: float = 120) -> None:
+    """Until every decode pod's sidecar has found every prefill pod (headless-Service DNS,
+    refreshed every 5 s) and probed it healthy: before that a prompt is served by decode
+    alone (the path `fallback`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        prefill_ips = {p["status"].get("podIP") for p in pods(cluster, "prefill")}
+        missing = []
+        for p in pods(cluster, "decode"):
+            text = cluster.kubectl(
+                "get",
+                "--raw",
+                f"/api/v1/namespaces/{NS}/pods/{p['metadata']['name']}:9091/proxy/metrics",
+                check=False,
+            ).stdout
+            healthy = set(
+                re.findall(
+                    r'^pdpool_sidecar_prefill_ejected\{endpoint="([^:"]+):\d+"\} 0', text, re.M
+                )
+            )
+            missing += [ip for ip in prefill_ips if ip not in healthy]
+        if not missing:
+            return
+        assert time.monotonic() < deadline, f"sidecars never found prefill pods {missing}"
+        time.sleep(1)
+
+
 def sidecar_paths(cluster: Cluster) -> dict[str, float]:
     """pdpool_sidecar_requests by path, summed over the decode pods (their sidecars' metrics)."""
     total: dict[str, float] = {}
@@ -221,6 +248,8 @@ def installed(pool_cluster: Cluster, tiny_qwen3: Path, tmp_path_factory) -> Iter
         "gateway": [ready_seconds(p) for p in wait_ready(cluster, "gateway", 1)],
     }
     times["apply_to_all_ready_s"] = round(time.monotonic() - t0, 1)
+    wait_prefill_known(cluster)
+    times["apply_to_prefill_known_s"] = round(time.monotonic() - t0, 1)
     print(f"\npod Ready times (s from creation): {json.dumps(times)}")
     svc = json.loads(
         cluster.kubectl("get", "svc", "-n", NS, f"{POOL}-gateway", "-o", "json").stdout

@@ -296,7 +296,9 @@ def pod_metric(cluster: Cluster, pod: str, port: int, name: str, label: str = ""
 def test_a_decode_pod_deleted_mid_stream_and_the_stream_completes(installed):
     cluster: Cluster = installed["cluster"]
     url = installed["gateway"]
-    tokens = 1500  # long enough (tens of seconds here) for the pod to go mid-stream
+    # Long enough (about 10 s here) to outlast the 1 s grace and the kubelet's 2 s more for
+    # the preStop drain: the pod dies mid-stream and the gateway moves the stream.
+    tokens = 4000
     expected = complete(url, max_tokens=tokens, ignore_eos=True)["choices"][0]["text"]
     gateway_pod = pods(cluster, "gateway")[0]["metadata"]["name"]
     migrations = "pdpool_gateway_migrations_total"
@@ -323,7 +325,7 @@ def test_a_decode_pod_deleted_mid_stream_and_the_stream_completes(installed):
                 finish = c.get("finish_reason") or finish
             if len(pieces) == 20 and victim is None:
                 # The decode pod serving this stream (its sidecar has it in flight) goes,
-                # with a 1 s grace period: no time to finish 1500 tokens.
+                # with a 1 s grace period: no time to finish its tokens.
                 serving = [
                     p["metadata"]["name"]
                     for p in pods(cluster, "decode")

@@ -365,7 +365,7 @@ def condition(pool: dict, kind: str) -> dict:
 
 
 def stream_text(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None, int]:
-    """(text, finish_reason, chunks) of a greedy stream through `url`."""
+    """(text, finish_reason, completion tokens from the usage chunk) of a greedy stream."""
     body = {
         "model": "tiny-qwen3",
         "prompt": prompt,
@@ -373,8 +373,9 @@ def stream_text(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
-    pieces, finish = [], None
+    pieces, finish, tokens = [], None, -1
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -385,7 +386,9 @@ def stream_text(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None
             for c in chunk.get("choices", []):
                 pieces.append(c.get("text") or "")
                 finish = c.get("finish_reason") or finish
-    return "".join(pieces), finish, len(pieces)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return "".join(pieces), finish, tokens
 
 
 def in_flight(cluster: Cluster, pod: str) -> float:
@@ -405,8 +408,13 @@ def test_scaling_decode_down_drains_the_leaving_pod_before_it_goes(installed):
     migrated_before = pod_metric(cluster, gateway_pod, 9090, migrations)
     result: dict = {}
 
+    prompt = PROMPT + " (drain)"
+    # Long enough (several seconds here) to still run when the pod is told to go.
+    expected = complete(url, max_tokens=3000, ignore_eos=True, prompt=prompt)
+    expected_text = expected["choices"][0]["text"]
+
     def run() -> None:
-        result["stream"] = stream_text(url, PROMPT + " (drain)", 600)
+        result["stream"] = stream_text(url, prompt, 3000)
         result["done_at"] = time.monotonic()
 
     streamer = threading.Thread(target=run)
@@ -437,14 +445,15 @@ def test_scaling_decode_down_drains_the_leaving_pod_before_it_goes(installed):
     while cluster.kubectl("get", "pod", "-n", NS, victim, check=False).returncode == 0:
         assert time.monotonic() - gone_wait < 120, f"{victim} stayed after its stream"
         time.sleep(0.5)
-    _text, finish, chunks = result["stream"]
+    text, finish, tokens = result["stream"]
     migrated = pod_metric(cluster, gateway_pod, 9090, migrations) - migrated_before
     print(
-        f"\nscale-down drain: {victim} Terminating while its stream ran ({chunks} chunks, "
+        f"\nscale-down drain: {victim} Terminating while its stream ran ({tokens} tokens, "
         f"finish {finish}), gone {time.monotonic() - gone_wait:.1f} s after it, migrations "
         f"{migrated:.0f}"
     )
-    assert terminating_seen and finish == "length" and chunks == 600
+    assert terminating_seen and finish == "length" and tokens == 3000
+    assert text == expected_text
     assert migrated == 0  # drained on its pod, not moved
     assert len(pods(cluster, "decode")) == 1
     assert pool_object(cluster)["status"]["decode"]["replicas"] == 1
@@ -472,8 +481,8 @@ class Load:
             prompt = f"{PROMPT} {worker} {i % 7 if i % 2 else i}"
             try:
                 if i % 2:
-                    _text, finish, chunks = stream_text(self.url, prompt, 24)
-                    assert finish == "length" and chunks == 24, (finish, chunks)
+                    _text, finish, tokens = stream_text(self.url, prompt, 24)
+                    assert finish == "length" and tokens == 24, (finish, tokens)
                 else:
                     out = complete(self.url, max_tokens=24, ignore_eos=True, prompt=prompt)
                     assert out["choices"][0]["finish_reason"] == "length", out

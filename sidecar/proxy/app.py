@@ -49,13 +49,11 @@ from ..net.asgi import (
 from .adapter_legs import AdapterLegs
 from .capability import EngineCapability
 from .capability_share import CapabilityShare
-from ..net.discovery import EndpointSet
 from .exchange import Exchange
 from .flows import Flow, Flows
 from ..net.metrics import CONTENT_TYPE_LATEST, SidecarMetrics
 from ..flow.saturation import ENGINE_METRICS_PATH
-from ..routing.picker import LoadPicker
-from .prefill_legs import PrefillLegs, prefill_outliers
+from .prefill_legs import PrefillLegs, prefill_pool
 from ..routing.prefill_ranking import PrefillRanking
 from .relay import RETRYABLE, DecodeRelay, UpstreamUnavailable
 from ..net.security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
@@ -72,7 +70,11 @@ class Sidecar:
     def __init__(self, settings: SidecarSettings) -> None:
         self.settings = settings.validate()
         self.metrics = SidecarMetrics()
-        self.picker = LoadPicker()
+        # The prefill engines: discovery, legs in flight, ejection and probes.
+        self.prefill_pool = prefill_pool(self.settings, self.metrics)
+        # The pool's parts, under the names tests read.
+        self.picker, self.endpoints = self.prefill_pool.picker, self.prefill_pool.endpoints
+        self.outliers = self.prefill_pool.outliers
         self.prefill_ranking = PrefillRanking(
             self.picker,
             settings.prefill_kv_events,
@@ -81,11 +83,7 @@ class Sidecar:
             events_port=settings.prefill_kv_events_port,
             events_replay_port=settings.prefill_kv_events_replay_port,
         )
-        self.endpoints = EndpointSet(
-            settings.prefill_urls, settings.prefill_service, settings.prefill_refresh_s
-        )
         self.clients: Optional[ClientShards] = None
-        self.outliers = prefill_outliers(self.settings, self.metrics)
         self._probe_task: Optional[asyncio.Task[None]] = None
         self.capability = EngineCapability(
             settings.engine_rejects, probe_timeout_s=settings.probe_timeout_s or 2.0
@@ -99,10 +97,8 @@ class Sidecar:
         self.prefill = PrefillLegs(
             self.settings,
             self.metrics,
-            picker=self.picker,
+            pool=self.prefill_pool,
             ranking=self.prefill_ranking,
-            endpoints=self.endpoints,
-            outliers=self.outliers,
             next_client=lambda: self.client,
             adapters=AdapterLegs(self.settings, self.metrics, lambda: self.client),
         )
@@ -120,7 +116,7 @@ class Sidecar:
         tls = self.settings.ssl_context()
         self.clients = ClientShards(connect_timeout=self.settings.connect_timeout, ssl_context=tls)
         self.decode.connect(tls)
-        await self.endpoints.start()
+        await self.prefill_pool.start()
         await self.prefill_ranking.sync(self.endpoints.current)
         if self.settings.probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self.prefill.probe_forever())
@@ -136,7 +132,7 @@ class Sidecar:
         self._capability_task = None
         await _cancelled(self._probe_task)
         self._probe_task = None
-        await self.endpoints.stop()
+        await self.prefill_pool.stop()
         self.prefill_ranking.close()
         if self.clients:
             await self.clients.aclose()

@@ -102,8 +102,8 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         priority_scheduling=pool.gateway.tenants_secret is not None,
         kv_events=_kv_events_publisher(pool),
         offload=pool.kv_offload.launch() if pool.kv_offload else None,
+        adapters=pool.loras.launch() if pool.loras else None,
         extra_args=(
-            *(pool.loras.engine_args(pool.engine.kind) if pool.loras else ()),
             *pool.engine.extra_args,
             *spec.extra_args,
         ),

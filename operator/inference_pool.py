@@ -193,7 +193,7 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
         **pod_scheduling_fields(pool, None),
         "topologySpreadConstraints": topology_spread(ref, EPP, None),
     }
-    return deployment(ref, EPP, gie.epp_replicas, pod_spec, {})
+    return deployment(ref, EPP, gie.epp_replicas, pod_spec, {}, pool.rollout)
 
 
 def epp_network_policy(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Manifest:

@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parent
 # Names whose use starts processes that outlive a call: devtools' and tests/support's
 # starters, and the standard library's.
 STARTERS = {
-    "EngineProcess",  # devtools/engine_procs.py
-    "engine_process",
+    "SpawnedEngine",  # devtools/engine_procs.py
+    "spawned_engine",
+    "CoreProcessClient",  # engine/core_process_client.py: spawns an engine core
     "start_topology",  # tests/support/e2e_helpers.py: a `pdpool up` topology
     "LocalCluster",  # devtools/devcluster.py: etcd, kube-apiserver, ...
     "OperatorProcess",  # devtools/operator_kube.py
@@ -208,7 +209,7 @@ def test_the_check_finds_an_unmarked_starter_and_accepts_each_marking(tmp_path):
         "import pytest\n"
         "@pytest.fixture\n"
         "def engine(tmp_path):\n"
-        "    with engine_process(tmp_path, tmp_path) as e:\n"
+        "    with spawned_engine(tmp_path, tmp_path) as e:\n"
         "        yield e\n"
     )
     (tests / "test_bare.py").write_text(

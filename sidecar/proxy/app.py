@@ -56,6 +56,7 @@ from ..flow.saturation import ENGINE_METRICS_PATH
 from .prefill_legs import PrefillLegs, prefill_pool
 from ..routing.prefill_ranking import PrefillRanking
 from .relay import RETRYABLE, DecodeRelay, UpstreamUnavailable
+from .revision_legs import RevisionLegs
 from ..net.security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
 from .settings import SidecarSettings
 from ..net.upstream import ClientShards, readiness
@@ -101,6 +102,7 @@ class Sidecar:
             ranking=self.prefill_ranking,
             next_client=lambda: self.client,
             adapters=AdapterLegs(self.settings, self.metrics, lambda: self.client),
+            revisions=RevisionLegs(self.settings, self.metrics, lambda: self.client),
         )
         self.decode = DecodeRelay(self.settings, self.metrics)
         self.flows = Flows(
@@ -118,6 +120,7 @@ class Sidecar:
         self.decode.connect(tls)
         await self.prefill_pool.start()
         await self.prefill_ranking.sync(self.endpoints.current)
+        self.prefill.revisions.refresh(self.endpoints.current)  # known before the first leg
         if self.settings.probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self.prefill.probe_forever())
         if self.settings.mode == "decode-first" and self.capability.known is None:

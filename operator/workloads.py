@@ -62,7 +62,7 @@ from .pool_secrets import (
     tenants_mounts,
     tenants_volumes,
 )
-from .gie_adapters import rewrites_args, rewrites_mounts, rewrites_volumes
+from .gie_adapters import rewrites_mounts, rewrites_volumes
 from .loras import HUB_MOUNT, HUB_VOLUME
 from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
 
@@ -319,8 +319,7 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
             API_KEYS_FILE if keys else None,
             TLS_DIR if tls else None,
             TENANTS_FILE if pool.gateway.tenants_secret else None,
-        )
-        + rewrites_args(pool.loras),
+        ),
         # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [
             _tcp_port("https" if tls else "http", SIDECAR_PORT),

@@ -267,6 +267,7 @@ class RouterLaunch:
     kv_load_cost: Optional[str] = None
     tenants_file: Optional[str] = None
     api_keys_file: Optional[str] = None
+    model_rewrites_file: Optional[str] = None  # GIE's InferenceModelRewrite rules
     ca_file: Optional[str] = None
     any_name: bool = False
     extra_args: Sequence[str] = field(default_factory=tuple)
@@ -301,7 +302,7 @@ def _routing(r: RouterLaunch) -> list[str]:
     argv += _kv_index(r.kv_block_size, r.kv_tokenizer)
     argv += _opt("--kv-threshold", r.kv_threshold) + _opt("--kv-load-cost", r.kv_load_cost)
     argv += _opt("--tenants-file", r.tenants_file) + _opt("--api-keys-file", r.api_keys_file)
-    return argv
+    return argv + _opt("--model-rewrites", r.model_rewrites_file)
 
 
 def _router_tail(r: RouterLaunch) -> list[str]:

@@ -33,6 +33,9 @@ class EngineFacts:
     model_name: str
     max_model_len: int
     kv_capacity_tokens: int
+    # What must match for another engine's KV to mean the same here (model revision,
+    # dtype, block size, layout): routers keep P/D pairs within one fingerprint.
+    kv_fingerprint: str = ""
 
 
 # --- server -> core -----------------------------------------------------------------------

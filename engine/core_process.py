@@ -191,7 +191,12 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -
     except Exception as exc:
         _first_message(conn, CoreFailedToStart(str(exc) or type(exc).__name__))
         return
-    facts = EngineFacts(engine.model_name, engine.max_model_len, engine.kv_capacity_tokens)
+    facts = EngineFacts(
+        engine.model_name,
+        engine.max_model_len,
+        engine.kv_capacity_tokens,
+        engine.memory.fingerprint,
+    )
     _first_message(conn, CoreReady(facts, engine_state(engine)))
     inbox = _CoreInbox(engine)
     channel = CoreChannel(conn, inbox.on_messages, inbox.on_closed, name="engine-core")

@@ -70,6 +70,7 @@ class EngineMirror:
         self.facts = facts
         self.model_name, self.max_model_len = facts.model_name, facts.max_model_len
         self.kv_capacity_tokens = facts.kv_capacity_tokens
+        self.kv_fingerprint = facts.kv_fingerprint
         self.latest = state
 
     def state(self) -> EngineState:

@@ -132,6 +132,9 @@ class EngineView(Protocol):
     def kv_capacity_tokens(self) -> int: ...
 
     @property
+    def kv_fingerprint(self) -> str: ...
+
+    @property
     def tokenizer(self) -> ServerTokenizer: ...
 
     @property
@@ -149,6 +152,7 @@ class LiveEngineView:
         self.config, self.info = engine.config, engine.info
         self.model_name, self.max_model_len = engine.model_name, engine.max_model_len
         self.kv_capacity_tokens = engine.kv_capacity_tokens
+        self.kv_fingerprint = engine.memory.fingerprint
         self.tokenizer: ServerTokenizer = engine.tokenizer
 
     def state(self) -> EngineState:

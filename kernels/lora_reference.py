@@ -45,3 +45,40 @@ def lora_masked(
     h = x @ a.T
     h.mul_(mask)
     return y.addmm_(h, b.T)
+
+
+# A step whose adapter tokens come in runs at least this long on average (prompt chunks)
+# computes each run with its own slot's A and B: 1/S of the masked form's work, for two
+# calls per run. Shorter runs (decode: a token per request) keep the masked form.
+RUN_MIN_TOKENS = 32
+
+
+def slot_runs(request_slots: list[int], num_tokens: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, slot) of each run of consecutive tokens under one adapter (a request's
+    tokens are contiguous in the step; neighbours under the same adapter merge)."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for slot, n in zip(request_slots, num_tokens, strict=True):
+        end = start + n
+        if slot >= 0 and n > 0:
+            if runs and runs[-1][1] == start and runs[-1][2] == slot:
+                runs[-1] = (runs[-1][0], end, slot)
+            else:
+                runs.append((start, end, slot))
+        start = end
+    return runs
+
+
+def lora_runs(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    rank: int,
+) -> torch.Tensor:
+    """Run by run, each with its slot's own A and B (views: nothing is gathered)."""
+    for start, end, s in runs:
+        h = x[start:end] @ a[s * rank : (s + 1) * rank].T
+        y[start:end].addmm_(h, b[:, s * rank : (s + 1) * rank].T)
+    return y

@@ -1,17 +1,7 @@
-"""Pure builders of what autoscaling adds to a pool: the drain of a leaving engine
-(preStop hooks), the replicas the planner applies, the HorizontalPodAutoscalers of
-`mode: hpa` and the KEDA ScaledObjects of `mode: keda`, the metrics targets of a pool's
-pods and the status of the last decision.
-
-Drain: when a pod is deleted (scale-down), it leaves its Service's endpoints at once, so
-the gateway (decode) or the sidecars (prefill) drop it at their next DNS refresh (5 s); its
-preStop hooks first hold the containers for DRAIN_HOLD_S (no SIGTERM yet: requests routed
-meanwhile are still served), then wait until nothing is in flight: for a decode pod the
-sidecar's requests (a request between its prefill and decode legs still needs the engine),
-the engine's running and queued requests and its KV leases (a prefill engine's computed
-blocks stay until decode has read them). Only then does SIGTERM come, and the servers'
-graceful shutdown finds nothing left to finish. terminationGracePeriodSeconds
-(autoscaling.drainSeconds) bounds the whole."""
+"""Pure builders of what autoscaling adds to a pool: the replicas the planner applies, the
+HorizontalPodAutoscalers of `mode: hpa` and the KEDA ScaledObjects of `mode: keda`, the
+metrics targets of a pool's pods and the status of the last decision. (A leaving pod's
+drain, on scale-down as on a rolling update, is drain.py's.)"""
 
 from __future__ import annotations
 
@@ -27,62 +17,6 @@ from .names import DECODE, ENGINE_PORT, PREFILL, SIDECAR_PORT, child_name
 from .spec import PoolSpec
 
 AUTOSCALER_FIELD_MANAGER = "pdpool-autoscaler"
-DRAIN_HOLD_S = 15  # > the routers' DNS refresh (5 s) + a probe, with margin
-# Runs in the engine and sidecar images (both have python3): hold, then poll the local
-# /metrics until every watched series is 0 (or the endpoint stops answering).
-# Arguments: HOLD_S LIMIT_S URL=SERIES[,SERIES...] ...; a SERIES is `name` or
-# `name|label="value"` (a labelled gauge such as the KV connector's leases).
-DRAIN_SCRIPT = """\
-import ssl, sys, time, urllib.request
-hold, limit = float(sys.argv[1]), float(sys.argv[2])
-checks = [(u, [s.split("|") for s in n.split(",")]) for u, n in
-          (a.split("=", 1) for a in sys.argv[3:])]
-ctx = ssl._create_unverified_context()
-def busy(url, series):
-    try:
-        text = urllib.request.urlopen(url, timeout=2, context=ctx).read().decode()
-    except Exception:
-        return False
-    total = 0.0
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        for want in series:
-            if line[:1] != "#" and name == want[0] and (len(want) == 1 or want[1] in line):
-                total += float(line.rsplit(" ", 1)[1])
-    return total > 0
-time.sleep(hold)
-end = time.time() + limit
-while time.time() < end and any(busy(u, s) for u, s in checks):
-    time.sleep(1)
-"""
-ENGINE_BUSY = "vllm:num_requests_running,vllm:num_requests_waiting"
-LEASES = 'pdpool_kv_connector|stat="leases_active"'
-
-
-def _local(pool: PoolSpec, port: int) -> str:
-    scheme = "https" if pool.tls_secret else "http"
-    return f"{scheme}://127.0.0.1:{port}/metrics"
-
-
-def _hook(scaling: AutoscalingSpec, *checks: str) -> dict[str, Any]:
-    limit = max(scaling.drain_seconds - DRAIN_HOLD_S - 5, 1)
-    command = ["python3", "-c", DRAIN_SCRIPT, str(DRAIN_HOLD_S), str(limit), *checks]
-    return {"preStop": {"exec": {"command": command}}}
-
-
-def engine_drain(pool: PoolSpec, role_name: str) -> dict[str, Any]:
-    """The engine container's lifecycle: held until its pod has nothing in flight."""
-    assert pool.autoscaling is not None
-    engine = ENGINE_BUSY + ("," + LEASES if pool.engine.kind == "pdpool" else "")
-    checks = [f"{_local(pool, ENGINE_PORT)}={engine}"]
-    if role_name == DECODE:
-        checks.append(f"{_local(pool, SIDECAR_PORT)}=pdpool_sidecar_in_flight")
-    return _hook(pool.autoscaling, *checks)
-
-
-def sidecar_drain(pool: PoolSpec) -> dict[str, Any]:
-    assert pool.autoscaling is not None
-    return _hook(pool.autoscaling, f"{_local(pool, SIDECAR_PORT)}=pdpool_sidecar_in_flight")
 
 
 def replicas_manifest(ref: PoolRef, role_name: str, replicas: int) -> Manifest:

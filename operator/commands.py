@@ -32,6 +32,7 @@ from pdpool.command_lines import (
     vllm_engine_argv,
 )
 
+from .gie_adapters import rewrites_file
 from .names import (
     DECODE,
     ENGINE_METRICS_PORT,
@@ -102,8 +103,8 @@ def engine_args(pool: PoolSpec, role: str, default_peers: tuple[str, ...] = ()) 
         priority_scheduling=pool.gateway.tenants_secret is not None,
         kv_events=_kv_events_publisher(pool),
         offload=pool.kv_offload.launch() if pool.kv_offload else None,
+        adapters=pool.loras.launch() if pool.loras else None,
         extra_args=(
-            *(pool.loras.engine_args(pool.engine.kind) if pool.loras else ()),
             *pool.engine.extra_args,
             *spec.extra_args,
         ),
@@ -224,7 +225,15 @@ def _router(pool: PoolSpec, serving: Serving, decode_service: str, **kw: Any) ->
             kv_threshold=num(pool.router.cache_hit_threshold),
             kv_load_cost=num(events.load_cost_tokens),
         )
-    return RouterLaunch(serving, decode_service, ca_file=_pool_ca(pool), any_name=True, **kv, **kw)
+    return RouterLaunch(
+        serving,
+        decode_service,
+        model_rewrites_file=rewrites_file(pool.loras),
+        ca_file=_pool_ca(pool),
+        any_name=True,
+        **kv,
+        **kw,
+    )
 
 
 def gateway_args(

@@ -106,8 +106,9 @@ def rewrites_config_map(ref: PoolRef, loras: LoRASpec | None) -> Manifest | None
     }
 
 
-def rewrites_args(loras: LoRASpec | None) -> list[str]:
-    return ["--model-rewrites", REWRITES_FILE] if rewrite_rules(loras) else []
+def rewrites_file(loras: LoRASpec | None) -> str | None:
+    """Where the routers read the rules (RouterLaunch.model_rewrites_file); None: none."""
+    return REWRITES_FILE if rewrite_rules(loras) else None
 
 
 def rewrites_mounts(loras: LoRASpec | None) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import commands
 from .children import Manifest, PoolRef, child_metadata
-from .gie_adapters import adapter_children, rewrites_args, rewrites_mounts, rewrites_volumes
+from .gie_adapters import adapter_children, rewrites_mounts, rewrites_volumes
 from .inference_pool_spec import InferencePoolSpec
 from .names import (
     TENANTS_FILE,
@@ -152,8 +152,7 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
             decode,
             (EPP_GRPC_PORT, EPP_HEALTH_PORT, EPP_METRICS_PORT),
             TENANTS_FILE if pool.gateway.tenants_secret else None,
-        )
-        + rewrites_args(pool.loras),
+        ),
         "ports": [
             {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
             {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
@@ -193,7 +192,7 @@ def epp_deployment(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Mani
         **pod_scheduling_fields(pool, None),
         "topologySpreadConstraints": topology_spread(ref, EPP, None),
     }
-    return deployment(ref, EPP, gie.epp_replicas, pod_spec, {})
+    return deployment(ref, EPP, gie.epp_replicas, pod_spec, {}, pool.rollout)
 
 
 def epp_network_policy(ref: PoolRef, pool: PoolSpec, gie: InferencePoolSpec) -> Manifest:

@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdpool.command_lines import Adapters
+
 from .spec import SpecError
 
 LORA_MOUNT = "/var/lib/pdpool/loras"  # claims, one folder per adapter
@@ -87,15 +89,14 @@ class LoRASpec:
     runtime_updates: bool = False
     allowed_dirs: tuple[str, ...] = ()
 
-    def engine_args(self, engine_kind: str = "pdpool") -> list[str]:
-        args = [
-            "--enable-lora",
-            f"--max-loras={self.max_loras}",
-            f"--max-lora-rank={self.max_rank}",
-        ]
-        if self.runtime_updates and engine_kind == "pdpool":  # stock vLLM has no such flag
-            args += [f"--lora-allowed-dir={d}" for d in self.allowed_dirs]
-        return args + [f"--lora-modules={a.name}={a.folder}" for a in self.adapters]
+    def launch(self) -> Adapters:
+        """The engines' adapters, as pdpool/command_lines.py renders them."""
+        return Adapters(
+            self.max_loras,
+            self.max_rank,
+            tuple((a.name, a.folder) for a in self.adapters),
+            self.allowed_dirs if self.runtime_updates else (),
+        )
 
     def engine_env(self) -> list[dict[str, Any]]:
         if not self.runtime_updates:

@@ -12,7 +12,7 @@ from typing import Any
 from .children import Manifest, PoolRef, child_metadata
 from .names import child_name, labels, selector_labels
 from .pod_security import pod_security_context
-from .spec import PoolSpec, RoleSpec
+from .spec import PoolSpec, RoleSpec, RolloutSpec
 
 # Probe design (docs/kubernetes.md, "Probes and readiness"):
 # - readiness decides traffic: engines' /ready (fails while the loop is wedged with work),
@@ -127,6 +127,7 @@ def deployment(
     replicas: int | None,
     pod_spec: dict[str, Any],
     annotations: dict[str, str],
+    rollout: RolloutSpec,
 ) -> Manifest:
     """replicas None: left out, for an autoscaled role (the planner or an HPA owns it)."""
     template_meta: dict[str, Any] = {"labels": labels(ref.name, role_name)}
@@ -134,6 +135,13 @@ def deployment(
         template_meta["annotations"] = annotations
     spec: dict[str, Any] = {} if replicas is None else {"replicas": replicas}
     spec["selector"] = {"matchLabels": selector_labels(ref.name, role_name)}
+    spec["strategy"] = {
+        "type": "RollingUpdate",
+        "rollingUpdate": {
+            "maxSurge": rollout.max_surge,
+            "maxUnavailable": rollout.max_unavailable,
+        },
+    }
     spec["template"] = {"metadata": template_meta, "spec": pod_spec}
     return {
         "apiVersion": "apps/v1",

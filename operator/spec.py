@@ -193,6 +193,18 @@ class DisruptionBudgetSpec:
 
 
 @dataclass(frozen=True)
+class RolloutSpec:
+    """How a changed pool replaces its pods (every role's Deployment strategy) and how long
+    a leaving pod may drain. The defaults never serve with fewer ready pods than asked for:
+    a new pod is Ready before an old one goes (a GPU-tight cluster sets maxSurge 0 and
+    maxUnavailable 1)."""
+
+    max_surge: int | str = 1
+    max_unavailable: int | str = 0
+    drain_seconds: int = 300
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     model: ModelSpec
     engine: EngineSpec
@@ -203,6 +215,7 @@ class PoolSpec:
     image_pull_secrets: tuple[str, ...] = field(default=())
     security: SecuritySpec = field(default_factory=SecuritySpec)
     disruption_budget: DisruptionBudgetSpec = field(default_factory=DisruptionBudgetSpec)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
     network_policy: NetworkPolicySpec = field(default_factory=NetworkPolicySpec)
     # HTTPS inside the pool (gateway -> sidecars -> engines): a Secret with tls.crt,
     # tls.key and ca.crt (cert-manager's layout), the CA dedicated to this pool.
@@ -236,6 +249,7 @@ def parse_pool_spec(name: str, spec: dict[str, Any] | None) -> PoolSpec:
         image_pull_secrets=tuple(_str_list(spec, "imagePullSecrets")),
         security=_security(_section(spec, "security")),
         disruption_budget=_disruption_budget(_section(spec, "disruptionBudget")),
+        rollout=_rollout(_section(spec, "rollout")),
         network_policy=_network_policy(_section(spec, "networkPolicy")),
         tls_secret=_section(spec, "tls").get("secretName") or None,
         autoscaling=parse_autoscaling(spec),
@@ -521,6 +535,27 @@ def _disruption_budget(d: dict[str, Any]) -> DisruptionBudgetSpec:
             f"percentage, got {value!r}"
         )
     return DisruptionBudgetSpec(enabled=enabled, max_unavailable=value)
+
+
+def _count_or_percent(d: dict[str, Any], key: str, default: int, where: str) -> int | str:
+    value = d.get(key, default)
+    if isinstance(value, bool) or not (
+        (isinstance(value, int) and 0 <= value <= 1_000_000)
+        or (isinstance(value, str) and re.fullmatch(r"[0-9]{1,3}%", value))
+    ):
+        raise SpecError(f"{where}.{key} must be a count >= 0 or a percentage, got {value!r}")
+    return value
+
+
+def _rollout(d: dict[str, Any]) -> RolloutSpec:
+    where = "spec.rollout"
+    surge = _count_or_percent(d, "maxSurge", 1, where)
+    unavailable = _count_or_percent(d, "maxUnavailable", 0, where)
+    if str(surge).rstrip("%") == "0" and str(unavailable).rstrip("%") == "0":
+        # The deployment controller refuses it too: nothing could ever be replaced.
+        raise SpecError(f"{where}: maxSurge and maxUnavailable cannot both be 0")
+    drain = _int(d, "drainSeconds", 300, where, minimum=10, maximum=86_400)
+    return RolloutSpec(max_surge=surge, max_unavailable=unavailable, drain_seconds=drain)
 
 
 def _quantity(d: dict[str, Any], key: str, default: str | None, where: str) -> str | None:

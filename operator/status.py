@@ -14,7 +14,7 @@ from typing import Any
 from .names import DECODE, GATEWAY, PREFILL, child_name, gateway_endpoint
 
 ROLE_CONDITIONS = {PREFILL: "PrefillReady", DECODE: "DecodeReady", GATEWAY: "GatewayReady"}
-CONDITION_TYPES = (*ROLE_CONDITIONS.values(), "Ready")
+CONDITION_TYPES = (*ROLE_CONDITIONS.values(), "RolledOut", "Ready")
 # Ready=False reasons that come from the spec itself: they stay until the spec changes.
 SPEC_FAILURE_REASONS = ("InvalidSpec", "ApplyFailed")
 
@@ -27,6 +27,8 @@ class RoleState:
     ready: int
     updated: int
     rolled_out: bool  # the deployment controller has seen its latest spec
+    total: int = 0  # pods of every revision (status.replicas): old ones still terminating
+    available: int = 0
 
     @classmethod
     def from_deployment(cls, deployment: dict[str, Any]) -> "RoleState":
@@ -37,6 +39,8 @@ class RoleState:
             ready=int(status.get("readyReplicas") or 0),
             updated=int(status.get("updatedReplicas") or 0),
             rolled_out=int(status.get("observedGeneration") or 0) >= generation,
+            total=int(status.get("replicas") or 0),
+            available=int(status.get("availableReplicas") or 0),
         )
 
 
@@ -57,6 +61,34 @@ def role_condition(pool: str, role: str, state: RoleState | None) -> tuple[bool,
     if state.ready >= state.desired and state.updated >= state.desired:
         return True, "ReplicasReady", f"Deployment {deployment}: {progress}"
     return False, "ReplicasNotReady", f"Deployment {deployment}: {progress}"
+
+
+def rollout_progress(deployment: str, state: RoleState | None) -> tuple[bool, str]:
+    """(done, message) for one role, in `kubectl rollout status`'s words and order."""
+    if state is None:
+        return False, f"Deployment {deployment} does not exist yet"
+    wait = f'Waiting for deployment "{deployment}" rollout to finish: '
+    if not state.rolled_out:
+        return False, f'Waiting for deployment "{deployment}" spec update to be observed'
+    if state.updated < state.desired:
+        return False, f"{wait}{state.updated} out of {state.desired} new replicas have been updated"
+    if state.total > state.updated:
+        return False, f"{wait}{state.total - state.updated} old replicas are pending termination"
+    if state.available < state.updated:
+        return False, f"{wait}{state.available} of {state.updated} updated replicas are available"
+    return True, f'deployment "{deployment}" successfully rolled out'
+
+
+def rollout_condition(
+    pool: str, roles: dict[str, RoleState | None], generation: int
+) -> dict[str, Any]:
+    """RolledOut: every role runs the pool's latest spec and nothing older is left; while
+    not, the message is the first unfinished role's progress."""
+    for role in ROLE_CONDITIONS:
+        done, message = rollout_progress(child_name(pool, role), roles.get(role))
+        if not done:
+            return _condition("RolledOut", False, "RollingUpdate", message, generation)
+    return _condition("RolledOut", True, "RolloutComplete", "every role is rolled out", generation)
 
 
 def compute_status(
@@ -93,6 +125,7 @@ def compute_status(
             "Ready", False, "RolesNotReady", "waiting for " + ", ".join(not_ready), generation
         )
         phase = "Progressing" if any(roles.get(r) for r in ROLE_CONDITIONS) else "Pending"
+    fresh.append(rollout_condition(pool, roles, generation))
     fresh.append(ready)
 
     status: dict[str, Any] = {
@@ -102,7 +135,11 @@ def compute_status(
     for role in (PREFILL, DECODE, GATEWAY):
         state = roles.get(role)
         desired, ready_n = (state.desired, state.ready) if state else (0, 0)
-        status[role] = {"replicas": desired, "readyReplicas": ready_n}
+        status[role] = {
+            "replicas": desired,
+            "readyReplicas": ready_n,
+            "updatedReplicas": state.updated if state else 0,
+        }
         status[f"{role}Ready"] = f"{ready_n}/{desired}"
     status[GATEWAY]["endpoint"] = gateway_endpoint(pool, namespace, gateway_port)
     return status

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from . import commands
-from .autoscaling import engine_drain, sidecar_drain
+from .drain import drain_seconds, engine_drain, sidecar_drain
 from .children import Manifest, PoolRef
 from .names import (
     ANNOTATION_ROUTER_HASH,
@@ -62,7 +62,7 @@ from .pool_secrets import (
     tenants_mounts,
     tenants_volumes,
 )
-from .gie_adapters import rewrites_args, rewrites_mounts, rewrites_volumes
+from .gie_adapters import rewrites_mounts, rewrites_volumes
 from .loras import HUB_MOUNT, HUB_VOLUME
 from .spec import GPU_RESOURCE, PoolSpec, RoleSpec, SecretKeyRef
 
@@ -279,7 +279,6 @@ def engine_deployment(
     pod_spec: dict[str, Any] = {
         "containers": containers,
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,
         **pod_security_fields(pool),
         **pod_scheduling_fields(pool, role),
         "topologySpreadConstraints": topology_spread(ref, role_name, role),
@@ -297,14 +296,14 @@ def engine_deployment(
     if init_containers:
         pod_spec["initContainers"] = init_containers
     annotations = {ANNOTATION_ROUTER_HASH: router_hash} if router_hash else {}
-    if pool.autoscaling is None:
-        return deployment(ref, role_name, role.replicas, pod_spec, annotations)
-    # Autoscaled: the replicas are the planner's (or an HPA's); a leaving pod drains first.
+    # A leaving pod (scale-down, rolling update, deletion) drains first.
     containers[0]["lifecycle"] = engine_drain(pool, role_name)
     if role_name == DECODE:
         containers[1]["lifecycle"] = sidecar_drain(pool)
-    pod_spec["terminationGracePeriodSeconds"] = pool.autoscaling.drain_seconds
-    return deployment(ref, role_name, None, pod_spec, annotations)
+    pod_spec["terminationGracePeriodSeconds"] = drain_seconds(pool)
+    # Autoscaled: the replicas are the planner's (or an HPA's).
+    replicas = role.replicas if pool.autoscaling is None else None
+    return deployment(ref, role_name, replicas, pod_spec, annotations, pool.rollout)
 
 
 def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manifest:
@@ -320,8 +319,7 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
             API_KEYS_FILE if keys else None,
             TLS_DIR if tls else None,
             TENANTS_FILE if pool.gateway.tenants_secret else None,
-        )
-        + rewrites_args(pool.loras),
+        ),
         # Named https when serving TLS, so a PodMonitor scrapes it with the right scheme.
         "ports": [
             _tcp_port("https" if tls else "http", SIDECAR_PORT),
@@ -371,5 +369,10 @@ def gateway_deployment(ref: PoolRef, pool: PoolSpec, router_hash: str) -> Manife
         "topologySpreadConstraints": topology_spread(ref, GATEWAY, None),
     }
     return deployment(
-        ref, GATEWAY, pool.gateway.replicas, pod_spec, {ANNOTATION_ROUTER_HASH: router_hash}
+        ref,
+        GATEWAY,
+        pool.gateway.replicas,
+        pod_spec,
+        {ANNOTATION_ROUTER_HASH: router_hash},
+        pool.rollout,
     )

@@ -79,6 +79,25 @@ def _offload(t: Optional[KVOffload]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Adapters:
+    """LoRA adapters served by every engine (vLLM's --enable-lora flags)."""
+
+    max_loras: int
+    max_rank: int
+    modules: Sequence[tuple[str, str]] = ()  # (name, folder) served from the start
+    # folders runtime loads may read (pdpool's --lora-allowed-dir; stock vLLM has none)
+    allowed_dirs: Sequence[str] = ()
+
+
+def _adapters(a: Optional[Adapters], pdpool: bool) -> list[str]:
+    if a is None:
+        return []
+    argv = ["--enable-lora", f"--max-loras={a.max_loras}", f"--max-lora-rank={a.max_rank}"]
+    argv += [f"--lora-allowed-dir={d}" for d in a.allowed_dirs] if pdpool else []
+    return argv + [f"--lora-modules={name}={folder}" for name, folder in a.modules]
+
+
+@dataclass(frozen=True)
 class Serving:
     """Flags every server shares: where it listens, TLS, tracing."""
 
@@ -103,6 +122,7 @@ class EngineLaunch:
     priority_scheduling: bool = False
     kv_events: Optional[KVEventsPublisher] = None
     offload: Optional[KVOffload] = None  # before extra_args, which may override it
+    adapters: Optional[Adapters] = None  # the same
     extra_args: Sequence[str] = ()  # last: later flags win
 
 
@@ -134,7 +154,7 @@ def pdpool_engine_argv(e: EngineLaunch) -> list[str]:
     argv += ["--block-size", str(e.block_size)] if e.block_size is not None else []
     if e.cpu_prefill_threads is not None:
         argv += ["--cpu-prefill-threads", str(e.cpu_prefill_threads)]
-    return argv + _engine_common(e, ("--tls-cert-file", "--tls-key-file"))
+    return argv + _engine_common(e, ("--tls-cert-file", "--tls-key-file"), pdpool=True)
 
 
 @dataclass(frozen=True)
@@ -159,17 +179,17 @@ def vllm_engine_argv(v: VllmLaunch) -> list[str]:
         if v.kv_buffer_device:
             config["kv_buffer_device"] = v.kv_buffer_device
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-    return argv + _engine_common(e, ("--ssl-certfile", "--ssl-keyfile"))
+    return argv + _engine_common(e, ("--ssl-certfile", "--ssl-keyfile"), pdpool=False)
 
 
-def _engine_common(e: EngineLaunch, tls_flags: tuple[str, str]) -> list[str]:
+def _engine_common(e: EngineLaunch, tls_flags: tuple[str, str], pdpool: bool) -> list[str]:
     """Flags both engine kinds take alike (vLLM's names), then the user's extra ones."""
     argv = _tls(e.serving, tls_flags)
     argv += ["--kv-events-config", e.kv_events.config()] if e.kv_events else []
     argv += _tracing(e.serving)
     # with tenants, the engines order by the band the gateway or the EPP writes
     argv += ["--scheduling-policy", "priority"] if e.priority_scheduling else []
-    return argv + _offload(e.offload) + list(e.extra_args)
+    return argv + _offload(e.offload) + _adapters(e.adapters, pdpool) + list(e.extra_args)
 
 
 @dataclass(frozen=True)
@@ -247,6 +267,7 @@ class RouterLaunch:
     kv_load_cost: Optional[str] = None
     tenants_file: Optional[str] = None
     api_keys_file: Optional[str] = None
+    model_rewrites_file: Optional[str] = None  # GIE's InferenceModelRewrite rules
     ca_file: Optional[str] = None
     any_name: bool = False
     extra_args: Sequence[str] = field(default_factory=tuple)
@@ -281,7 +302,7 @@ def _routing(r: RouterLaunch) -> list[str]:
     argv += _kv_index(r.kv_block_size, r.kv_tokenizer)
     argv += _opt("--kv-threshold", r.kv_threshold) + _opt("--kv-load-cost", r.kv_load_cost)
     argv += _opt("--tenants-file", r.tenants_file) + _opt("--api-keys-file", r.api_keys_file)
-    return argv
+    return argv + _opt("--model-rewrites", r.model_rewrites_file)
 
 
 def _router_tail(r: RouterLaunch) -> list[str]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pdpool.kernels import ops
+from pdpool.kernels.lora_reference import lora_runs
 
 
 @dataclass
@@ -18,7 +19,10 @@ class LoRABatch:
     base model), and the CPU path's column mask (kernels/lora_reference.slot_mask)."""
 
     token_slots: torch.Tensor  # [T] int64
-    mask: Optional[torch.Tensor]  # [T, S * R], None on CUDA
+    mask: Optional[torch.Tensor]  # [T, S * R], None on CUDA and with runs
+    # CPU, long runs of one adapter's tokens (prompt chunks): (start, end, slot) each
+    # computed with its own slot (kernels/lora_reference.lora_runs), instead of the mask.
+    runs: Optional[list[tuple[int, int, int]]] = None
 
 
 class StepLoRA:
@@ -59,6 +63,10 @@ class LoRALinear(nn.Module):
             return y
         lead = y.shape[:-1]
         flat_y = y.reshape(-1, self.out_features)
+        if batch.runs is not None:
+            flat_x = x.reshape(-1, self.in_features)
+            lora_runs(flat_y, flat_x, self.a, self.b, batch.runs, self.rank)
+            return flat_y.view(*lead, self.out_features)
         ops.lora_apply(
             flat_y,
             x.reshape(-1, self.in_features),

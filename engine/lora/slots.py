@@ -19,7 +19,7 @@ from torch import nn
 from pdpool.engine.lora.adapter_dir import SUPPORTED_TARGETS, AdapterError, read_adapter
 from pdpool.engine.lora.linear import LoRABatch, LoRALinear, StepLoRA
 from pdpool.engine.lora.registry import LoRARef
-from pdpool.kernels.lora_reference import slot_mask
+from pdpool.kernels.lora_reference import RUN_MIN_TOKENS, slot_mask, slot_runs
 from pdpool.kernels.ops import use_triton
 
 log = logging.getLogger("pdpool.engine.lora")
@@ -135,10 +135,15 @@ class LoRAManager:
         slots = torch.tensor(per_request, dtype=torch.int64).repeat_interleave(
             torch.tensor(list(num_tokens), dtype=torch.int64)
         )
-        mask = None
-        if not use_triton(self.device):
-            mask = slot_mask(slots, self.max_loras, self.max_rank, self.dtype)
-        self.step.batch = LoRABatch(slots.to(self.device), mask)
+        if use_triton(self.device):
+            self.step.batch = LoRABatch(slots.to(self.device), None)
+            return
+        runs = slot_runs(per_request, list(num_tokens))
+        if sum(e - s for s, e, _ in runs) >= RUN_MIN_TOKENS * len(runs):
+            self.step.batch = LoRABatch(slots, None, runs)  # prompt chunks: run by run
+            return
+        mask = slot_mask(slots, self.max_loras, self.max_rank, self.dtype)
+        self.step.batch = LoRABatch(slots, mask)
 
     def finish_step(self) -> None:
         self.step.batch = None

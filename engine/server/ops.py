@@ -76,6 +76,9 @@ class OpsRoutes:
                     "max_model_len": self.engine.max_model_len,
                     "root": self.engine.config.model,
                     "parent": None,
+                    # Not vLLM's: what a P/D router compares so that a prefill engine of
+                    # another model revision never computes KV for this one (rollouts).
+                    "kv_fingerprint": self.engine.kv_fingerprint,
                 },
                 *(adapter_cards(self.translator.loras) if self.translator.loras else []),
             ],

@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-min-prompt-tokens",
         type=int,
         help="sidecar, engines that cannot reject: prompts of at least this many "
-        "tokens go prefill-first in decode-first mode (default 128)",
+        "tokens go prefill-first in decode-first mode (default: the sidecar's, "
+        "`pdpool sidecar --help`)",
     )
     p.add_argument(
         "--tls",

@@ -83,6 +83,14 @@ class SidecarMetrics:
                 registry=r,
             )
         )
+        # Prefill engines left out of a leg because their KV fingerprint (model revision,
+        # dtype, block size, layout) differs from the decode engine's: a rollout's
+        # mixed-revision handoffs avoided (revision_legs.py).
+        self.other_revision_skipped = Counter(
+            "pdpool_sidecar_prefill_other_revision_skipped",
+            "Prefill engines skipped for a KV fingerprint other than the decode engine's",
+            registry=r,
+        )
         self.forbidden_targets = Counter(
             "pdpool_sidecar_forbidden_prefill_targets",
             "x-prefiller-host-port outside the prefill set",

@@ -58,6 +58,7 @@ from ..routing.picker import LoadPicker
 from .prefill_legs import PrefillLegs, prefill_outliers
 from ..routing.prefill_ranking import PrefillRanking
 from .relay import RETRYABLE, DecodeRelay, UpstreamUnavailable
+from .revision_legs import RevisionLegs
 from ..net.security import PREFILLER_HEADER, ForbiddenTarget, allowed_targets
 from .settings import SidecarSettings
 from ..net.upstream import ClientShards, readiness
@@ -105,6 +106,7 @@ class Sidecar:
             outliers=self.outliers,
             next_client=lambda: self.client,
             adapters=AdapterLegs(self.settings, self.metrics, lambda: self.client),
+            revisions=RevisionLegs(self.settings, self.metrics, lambda: self.client),
         )
         self.decode = DecodeRelay(self.settings, self.metrics)
         self.flows = Flows(
@@ -122,6 +124,7 @@ class Sidecar:
         self.decode.connect(tls)
         await self.endpoints.start()
         await self.prefill_ranking.sync(self.endpoints.current)
+        self.prefill.revisions.refresh(self.endpoints.current)  # known before the first leg
         if self.settings.probe_interval_s > 0:
             self._probe_task = asyncio.create_task(self.prefill.probe_forever())
         if self.settings.mode == "decode-first" and self.capability.known is None:

@@ -20,6 +20,7 @@ from pdpool import tracing
 
 from . import legs
 from .adapter_legs import AdapterLegs
+from .revision_legs import RevisionLegs
 from ..net.discovery import EndpointSet
 from .exchange import Exchange, PrefillResult, json_or_none
 from ..net.metrics import SidecarMetrics
@@ -70,6 +71,8 @@ class PrefillLegs:
     next_client: Callable[[], httpx.AsyncClient]  # the upstream clients exist from startup on
     # Which prefill engines serve the request's adapter (loading it on one if allowed).
     adapters: AdapterLegs
+    # Which prefill engines compute KV the decode engine can use (rollouts).
+    revisions: RevisionLegs
     # Fire-and-forget lease releases, held until done.
     _background: set[asyncio.Future[None]] = field(default_factory=set, init=False, repr=False)
 
@@ -90,6 +93,11 @@ class PrefillLegs:
         if ranked and not candidates:  # no prefill engine can run it under its adapter
             tracing.set_attributes(span, {"pdpool.prefill.adapter": "decode_only"})
             return PrefillResult()
+        same = self.revisions.same_revision(candidates)
+        if candidates and not same:  # every prefill engine is of another revision
+            tracing.set_attributes(span, {"pdpool.prefill.revision": "decode_only"})
+            return PrefillResult()
+        candidates = same
         for endpoint in candidates:
             self.metrics.legs.labels("prefill").inc()
             started = time.perf_counter()
@@ -212,6 +220,7 @@ class PrefillLegs:
             await asyncio.sleep(self.settings.probe_interval_s)
             current = self.endpoints.current
             self.outliers.forget(current)
+            self.revisions.refresh(current)
             try:
                 await asyncio.gather(*(self._probe(e) for e in current))
             except Exception:  # a probe bug must not end the loop

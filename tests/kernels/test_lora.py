@@ -6,7 +6,13 @@ import torch
 
 from pdpool.kernels import ops
 from pdpool.kernels.lora_kernel import lora_triton
-from pdpool.kernels.lora_reference import lora_masked, lora_reference, slot_mask
+from pdpool.kernels.lora_reference import (
+    lora_masked,
+    lora_reference,
+    lora_runs,
+    slot_mask,
+    slot_runs,
+)
 
 
 def _case(device, dtype, num_tokens, k, n, num_slots, rank, seed=0):
@@ -39,6 +45,26 @@ def test_masked_dense_matches_reference(num_slots, rank):
     y, x, a, b, slots = _case("cpu", torch.float32, 11, 64, 96, num_slots, rank, seed=3)
     want = lora_reference(y.clone(), x, a, b, slots, rank)
     got = lora_masked(y.clone(), x, a, b, slot_mask(slots, num_slots, rank, x.dtype))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(want, y), "the case adds nothing: it could not fail"
+
+
+def test_slot_runs_merge_neighbours_and_skip_base_requests():
+    # requests: slot 2 x3 tokens, slot 2 x2, base x4, slot 0 x1, slot 2 x0, slot 0 x2
+    runs = slot_runs([2, 2, -1, 0, 2, 0], [3, 2, 4, 1, 0, 2])
+    assert runs == [(0, 5, 2), (9, 12, 0)]  # an empty request splits nothing
+    assert slot_runs([-1, -1], [3, 4]) == []
+
+
+@pytest.mark.parametrize("num_slots,rank", [(1, 8), (3, 4), (8, 16)])
+def test_runs_match_reference(num_slots, rank):
+    gen = torch.Generator().manual_seed(5)
+    sizes = [int(n) for n in torch.randint(0, 40, (9,), generator=gen)]
+    request_slots = [int(s) for s in torch.randint(-1, num_slots, (9,), generator=gen)]
+    slots = torch.tensor(request_slots).repeat_interleave(torch.tensor(sizes))
+    y, x, a, b, _ = _case("cpu", torch.float32, len(slots), 64, 96, num_slots, rank, seed=4)
+    want = lora_reference(y.clone(), x, a, b, slots, rank)
+    got = lora_runs(y.clone(), x, a, b, slot_runs(request_slots, sizes), rank)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert not torch.allclose(want, y), "the case adds nothing: it could not fail"
 

@@ -75,15 +75,18 @@ def _check(model_dir, adapters, jobs, tokens, first=None):
         assert tokens[rid] == want, f"{rid}: {tokens[rid]} vs transformers+peft {want}"
 
 
+# Short prompts: every step's LoRA is the masked dense form; long ones: prompt steps go run
+# by run (kernels/lora_reference.RUN_MIN_TOKENS), decode steps stay masked.
+@pytest.mark.parametrize("lengths", [(5, 40), (40, 90)], ids=["short", "long"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_mixed_adapter_batches_equal_transformers_peft(
-    arch, tiny_qwen3, tiny_qwen3_5, qwen3_adapters, qwen3_5_adapters
+    arch, lengths, tiny_qwen3, tiny_qwen3_5, qwen3_adapters, qwen3_5_adapters
 ):
     model_dir, adapters = (
         (tiny_qwen3, qwen3_adapters) if arch == "qwen3" else (tiny_qwen3_5, qwen3_5_adapters)
     )
     refs = [_ref(n, p, i + 1) for i, (n, p) in enumerate(adapters.items())]
-    prompts = random_prompts(2 * (len(refs) + 1), 5, 40, 500, seed=7)
+    prompts = random_prompts(2 * (len(refs) + 1), *lengths, 500, seed=7)
     choices = [None, *refs]
     jobs = [(f"r{i}", p, choices[i % len(choices)]) for i, p in enumerate(prompts)]
     engine = _engine(model_dir, max_loras=len(refs))

@@ -14,7 +14,8 @@ import pytest
 
 from devtools.operator_kube import pool_manifest
 from pdpool.operator.autoscaler import Autoscaler
-from pdpool.operator.autoscaling import DRAIN_SCRIPT, scrape_targets
+from pdpool.operator.autoscaling import scrape_targets
+from pdpool.operator.drain import DRAIN_SCRIPT
 from pdpool.operator.builders import build_children
 from pdpool.operator.children import PoolRef
 from pdpool.operator.spec import SpecError, parse_pool_spec
@@ -70,13 +71,15 @@ def test_planner_mode_leaves_replicas_to_the_planner_and_drains_leaving_pods():
     assert not [k for k in out if k[0] == "HorizontalPodAutoscaler"]
 
 
-def test_without_autoscaling_nothing_changes():
+def test_without_autoscaling_replicas_are_the_specs_and_pods_drain_for_the_rollout_grace():
     pool = parse_pool_spec("qwen", pool_manifest("qwen")["spec"])
     for m in build_children(REF, pool):
         assert m["kind"] != "HorizontalPodAutoscaler"
         if m["kind"] == "Deployment":
             assert "replicas" in m["spec"]
-            assert "lifecycle" not in m["spec"]["template"]["spec"]["containers"][0]
+            if m["metadata"]["name"] != "qwen-gateway":
+                pod = m["spec"]["template"]["spec"]
+                assert pod["terminationGracePeriodSeconds"] == pool.rollout.drain_seconds
 
 
 def test_hpa_mode_renders_one_hpa_per_role_with_the_same_bounds_and_behavior():

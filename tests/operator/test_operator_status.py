@@ -49,7 +49,7 @@ def test_partially_ready_is_progressing_with_counts():
     assert c["DecodeReady"]["status"] == "True"
     assert c["Ready"]["message"] == "waiting for prefill, gateway"
     assert s["prefillReady"] == "1/2" and s["decodeReady"] == "1/1"
-    assert s["prefill"] == {"replicas": 2, "readyReplicas": 1}
+    assert s["prefill"] == {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 1}
     assert s["gateway"]["endpoint"] == "http://demo-gateway.llm.svc:8080"
 
 

@@ -31,8 +31,8 @@ StreamItem = Union[RequestOutput, BaseException]
 class EngineClient(abc.ABC):
     """What the server calls, wherever the engine runs: InProcessClient (the core's loop on a
     thread of this process) or core_process_client.CoreProcessClient (a core process of its
-    own). The asyncio side of requests in
-    flight is shared: one queue per request, read by `generate`."""
+    own). The asyncio side of requests in flight is shared: one queue per request, read by
+    `generate`."""
 
     if TYPE_CHECKING:  # a subclass's attribute or cached property
 

@@ -1,5 +1,6 @@
 """What an engine gives back, in types that need no torch: the HTTP process (which never
-imports torch) and the engine core share them."""
+imports torch) and the engine core share them; and how a reader that fell behind merges a
+request's outputs that wait for it (mergeable_runs, merge_deltas)."""
 
 from __future__ import annotations
 

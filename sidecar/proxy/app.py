@@ -49,13 +49,11 @@ from ..net.asgi import (
 from .adapter_legs import AdapterLegs
 from .capability import EngineCapability
 from .capability_share import CapabilityShare
-from ..net.discovery import EndpointSet
 from .exchange import Exchange
 from .flows import Flow, Flows
 from ..net.metrics import CONTENT_TYPE_LATEST, SidecarMetrics
 from ..flow.saturation import ENGINE_METRICS_PATH
-from ..routing.picker import LoadPicker
-from .prefill_legs import PrefillLegs, prefill_outliers
+from .prefill_legs import PrefillLegs, prefill_pool
 from ..routing.prefill_ranking import PrefillRanking
 from .relay import RETRYABLE, DecodeRelay, UpstreamUnavailable
 from .revision_legs import RevisionLegs
@@ -73,7 +71,11 @@ class Sidecar:
     def __init__(self, settings: SidecarSettings) -> None:
         self.settings = settings.validate()
         self.metrics = SidecarMetrics()
-        self.picker = LoadPicker()
+        # The prefill engines: discovery, legs in flight, ejection and probes.
+        self.prefill_pool = prefill_pool(self.settings, self.metrics)
+        # The pool's parts, under the names tests read.
+        self.picker, self.endpoints = self.prefill_pool.picker, self.prefill_pool.endpoints
+        self.outliers = self.prefill_pool.outliers
         self.prefill_ranking = PrefillRanking(
             self.picker,
             settings.prefill_kv_events,
@@ -82,11 +84,7 @@ class Sidecar:
             events_port=settings.prefill_kv_events_port,
             events_replay_port=settings.prefill_kv_events_replay_port,
         )
-        self.endpoints = EndpointSet(
-            settings.prefill_urls, settings.prefill_service, settings.prefill_refresh_s
-        )
         self.clients: Optional[ClientShards] = None
-        self.outliers = prefill_outliers(self.settings, self.metrics)
         self._probe_task: Optional[asyncio.Task[None]] = None
         self.capability = EngineCapability(
             settings.engine_rejects, probe_timeout_s=settings.probe_timeout_s or 2.0
@@ -100,10 +98,8 @@ class Sidecar:
         self.prefill = PrefillLegs(
             self.settings,
             self.metrics,
-            picker=self.picker,
+            pool=self.prefill_pool,
             ranking=self.prefill_ranking,
-            endpoints=self.endpoints,
-            outliers=self.outliers,
             next_client=lambda: self.client,
             adapters=AdapterLegs(self.settings, self.metrics, lambda: self.client),
             revisions=RevisionLegs(self.settings, self.metrics, lambda: self.client),
@@ -122,7 +118,7 @@ class Sidecar:
         tls = self.settings.ssl_context()
         self.clients = ClientShards(connect_timeout=self.settings.connect_timeout, ssl_context=tls)
         self.decode.connect(tls)
-        await self.endpoints.start()
+        await self.prefill_pool.start()
         await self.prefill_ranking.sync(self.endpoints.current)
         self.prefill.revisions.refresh(self.endpoints.current)  # known before the first leg
         if self.settings.probe_interval_s > 0:
@@ -139,7 +135,7 @@ class Sidecar:
         self._capability_task = None
         await _cancelled(self._probe_task)
         self._probe_task = None
-        await self.endpoints.stop()
+        await self.prefill_pool.stop()
         self.prefill_ranking.close()
         if self.clients:
             await self.clients.aclose()

@@ -25,7 +25,7 @@ from ..net.discovery import EndpointSet
 from .exchange import Exchange, PrefillResult, json_or_none
 from ..net.metrics import SidecarMetrics
 from ..routing.outlier import EjectionRace, OutlierDetector
-from ..routing.picker import LoadPicker
+from ..routing.pool import EndpointPool
 from ..routing.prefill_ranking import PrefillRanking
 from .settings import SidecarSettings
 from .span_attributes import prefill_result_attributes
@@ -64,10 +64,8 @@ class PrefillLegs:
     settings: SidecarSettings
     metrics: SidecarMetrics
     _: KW_ONLY
-    picker: LoadPicker
+    pool: EndpointPool  # the prefill engines
     ranking: PrefillRanking
-    endpoints: EndpointSet
-    outliers: OutlierDetector
     next_client: Callable[[], httpx.AsyncClient]  # the upstream clients exist from startup on
     # Which prefill engines serve the request's adapter (loading it on one if allowed).
     adapters: AdapterLegs
@@ -108,9 +106,9 @@ class PrefillLegs:
                 tracing.set_attributes(attempt, {"pdpool.outcome": outcome})
             self.metrics.prefill_attempts.labels(outcome).inc()
             if outcome in ENGINE_FAILURES:
-                self.outliers.failure(endpoint, outcome)
+                self.pool.outliers.failure(endpoint, outcome)
             elif outcome != "ejected":
-                self.outliers.success(endpoint)
+                self.pool.outliers.success(endpoint)
             if outcome == "ok":
                 self.metrics.prefill_seconds.observe(time.perf_counter() - started)
                 ex.reply_headers["x-pdpool-prefill-endpoint"] = endpoint
@@ -125,17 +123,16 @@ class PrefillLegs:
         # Ejected engines are skipped (also a trusted x-prefiller-host-port naming them);
         # when all are ejected, decode prefills itself (fallback).
         # Several named (llm-d's comma-separated list): the least loaded of them goes first.
-        due = self.outliers.due(self.endpoints.current)
+        outliers = self.pool.outliers
+        due = outliers.due(self.pool.current)
         if due:
             # Probe them now rather than at the next round: an engine that has just come up
             # (or back) serves this leg instead of leaving it to decode.
-            await asyncio.gather(*(self._probe(e) for e in due))
-        named = [t for t in ex.targets if not self.outliers.is_ejected(t)]
-        preferred = self.picker.order(named)[0] if named else None
-        await self.ranking.sync(self.endpoints.current)  # prefill pods come and go
-        candidates, ranked_by = await self.ranking.order(
-            self.outliers.available(self.endpoints.current), preferred, ex.body
-        )
+            await self.pool.probe_all(self._probe, due)
+        named = [t for t in ex.targets if not outliers.is_ejected(t)]
+        preferred = self.pool.by_load(named)[0] if named else None
+        await self.ranking.sync(self.pool.current)  # prefill pods come and go
+        candidates, ranked_by = await self.ranking.order(self.pool.available(), preferred, ex.body)
         self.metrics.prefill_ranking.labels(ranked_by).inc()
         tracing.set_attributes(
             span, {"pdpool.prefill.ranked_by": ranked_by, "pdpool.prefill.candidates": candidates}
@@ -146,7 +143,7 @@ class PrefillLegs:
         self, ex: Exchange, endpoint: str, leg: dict[str, Any], span: Any = None
     ) -> tuple[str, Optional[PrefillResult]]:
         """(outcome, the result when the answer goes on: "ok" or "client_error")."""
-        with self.picker.track(endpoint):
+        with self.pool.tracked(endpoint):
             answer = await self._post_unless_ejected(ex, endpoint, leg, span)
         if isinstance(answer, str):
             return answer, None
@@ -176,7 +173,7 @@ class PrefillLegs:
         url = f"{self.settings.upstream_scheme}://{endpoint}{ex.route}"
         headers = ex.headers if span is None else tracing.inject(span, ex.headers)
         call = self.next_client().post(url, json=leg, headers=headers)
-        async with EjectionRace(self.outliers, endpoint, call, httpx.HTTPError) as race:
+        async with EjectionRace(self.pool.outliers, endpoint, call, httpx.HTTPError) as race:
             outcome = await race.wait(self.settings.prefill_timeout or None)
         if outcome != "done":
             return outcome
@@ -218,17 +215,17 @@ class PrefillLegs:
         ejected one comes back once it answers again."""
         while True:
             await asyncio.sleep(self.settings.probe_interval_s)
-            current = self.endpoints.current
-            self.outliers.forget(current)
+            current = self.pool.current
+            self.pool.outliers.forget(current)
             self.revisions.refresh(current)
             try:
-                await asyncio.gather(*(self._probe(e) for e in current))
+                await self.pool.probe_all(self._probe, current)
             except Exception:  # a probe bug must not end the loop
                 log.exception("prefill probe failed")
 
-    async def _probe(self, endpoint: str) -> None:
-        # Readiness (an engine whose loop is stuck is not ready); /health where an
-        # engine has no /ready (vLLM: any answer but 200 or 503).
+    async def _probe(self, endpoint: str) -> bool:
+        """Whether a prefill engine is ready: its /ready (an engine whose loop is stuck is
+        not ready); /health where an engine has none (vLLM: any answer but 200 or 503)."""
         timeout = self.settings.probe_timeout_s or None
         base = f"{self.settings.upstream_scheme}://{endpoint}"
         try:
@@ -241,8 +238,21 @@ class PrefillLegs:
         except httpx.HTTPError as exc:
             ok = False
             log.warning("probe of prefill engine %s failed: %r", endpoint, exc)
-        self.outliers.probe(endpoint, ok)
-        # Every known engine has its 0/1 series (a dashboard's "ejected" panel shows the
-        # healthy ones too, not only those ever ejected).
-        ejected = self.outliers.is_ejected(endpoint)
-        self.metrics.prefill_ejected.labels(endpoint).set(1 if ejected else 0)
+        return ok
+
+
+def prefill_pool(settings: SidecarSettings, metrics: SidecarMetrics) -> EndpointPool:
+    """The prefill engines of a sidecar: discovery, legs in flight, ejection (logged and
+    counted) and probes, every probed engine with its 0/1 ejected series (a dashboard's
+    "ejected" panel shows the healthy ones too, not only those ever ejected)."""
+
+    def on_mark(endpoint: str) -> None:
+        ejected = pool.outliers.is_ejected(endpoint)
+        metrics.prefill_ejected.labels(endpoint).set(1 if ejected else 0)
+
+    pool = EndpointPool(
+        EndpointSet(settings.prefill_urls, settings.prefill_service, settings.prefill_refresh_s),
+        prefill_outliers(settings, metrics),
+        on_mark=on_mark,
+    )
+    return pool

@@ -1,8 +1,9 @@
 """The routing core: which decode backend serves a request, and which backends are fit to.
 
-It owns the decode set (discovery), each backend's in-flight count, health and ejection
-(outlier.py), prefix affinity (affinity.py), LoRA adapter residency (lora_affinity.py) and
-precise KV-aware routing with the up-front P/D decision (kv_cost.py). No HTTP or gRPC
+It owns the decode set (an EndpointPool, pool.py: discovery, each backend's in-flight
+count, health and ejection by outlier.py), prefix affinity (affinity.py), LoRA adapter
+residency (lora_affinity.py) and precise KV-aware routing with the up-front P/D decision
+(kv_cost.py, pd.py). No HTTP or gRPC
 here: the front-ends (the HTTP gateway and the ext_proc endpoint picker) do the talking,
 hand this core what they see (probe results, failed and served requests) and ask it for a
 `Route`."""
@@ -13,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterator, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from pdpool import tracing
 
@@ -23,6 +24,7 @@ from .affinity import HashRing, affinity_key, route_order
 from .kv_cost import EngineTokenize, KVRouting
 from .lora_affinity import Fetch, LoraResidency, adapter_cost, adapter_order, residency
 from .outlier import OutlierDetector, endpoint_fault
+from .pool import EndpointPool
 from .pd import PD_HEADER
 from .settings import RoutingSettings
 
@@ -47,23 +49,26 @@ class Routing:
     def __init__(self, settings: RoutingSettings, metrics: GatewayMetrics) -> None:
         settings.validate_routing()
         self.settings, self.metrics = settings, metrics
-        self.backends = EndpointSet(
-            settings.decode_urls, settings.decode_service, settings.refresh_s
+        self.pool = EndpointPool(
+            EndpointSet(settings.decode_urls, settings.decode_service, settings.refresh_s),
+            OutlierDetector(
+                consecutive_failures=settings.outlier_failures,
+                probe_failures=1,
+                base_ejection_s=settings.ejection_s,
+                on_eject=self._on_eject,
+                on_readmit=self._on_readmit,
+            ),
+            on_load=self._on_load,
+            on_mark=self._on_mark,
         )
-        self.in_flight: dict[str, int] = {}
-        self.unhealthy: set[str] = set()
+        # The pool's parts, under the names the front-ends (and tests) read.
+        self.backends, self.outliers = self.pool.endpoints, self.pool.outliers
+        self.unhealthy = self.pool.unhealthy
         self._ring = HashRing([])
         self.kv = (
             KVRouting(settings, metrics, load=self.load, healthy=self.healthy)
             if settings.kv_routing
             else None
-        )
-        self.outliers = OutlierDetector(
-            consecutive_failures=settings.outlier_failures,
-            probe_failures=1,
-            base_ejection_s=settings.ejection_s,
-            on_eject=self._on_eject,
-            on_readmit=self._on_readmit,
         )
         self._health_task: Optional[asyncio.Task[None]] = None
         self.lora = (
@@ -86,7 +91,7 @@ class Routing:
         self._probe = probe
         if self.kv is not None:
             self.kv.engine_tokenize = engine_tokenize
-        await self.backends.start()
+        await self.pool.start()
         await self.check_health()
         if self.kv is not None:
             await self.kv.follow(self.backends.current)
@@ -101,28 +106,25 @@ class Routing:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
-        await self.backends.stop()
+        await self.pool.stop()
         if self.kv is not None:
             self.kv.close()
 
     # ------------------------------------------------------------------ health
     def load(self, backend: str) -> int:
-        return self.in_flight.get(backend, 0)
+        return self.pool.load(backend)
 
     def healthy(self, backend: str) -> bool:
-        return backend not in self.unhealthy
+        return self.pool.healthy(backend)
 
     def healthy_backends(self) -> list[str]:
-        return [b for b in self.backends.current if b not in self.unhealthy]
+        return self.pool.healthy_endpoints()
 
     def others_healthy(self, backend: str) -> bool:
         return any(b != backend and b not in self.unhealthy for b in self.backends.current)
 
     async def check_health(self) -> None:
-        async def probe(backend: str) -> None:
-            self.mark(backend, await self._probe(backend))
-
-        await asyncio.gather(*(probe(b) for b in self.backends.current))
+        await self.pool.probe_all(self._probe)
 
     async def _health_forever(self) -> None:
         while True:
@@ -134,11 +136,9 @@ class Routing:
     def mark(self, backend: str, ok: bool) -> None:
         """A probe's result: a failure ejects at once; success readmits once the
         ejection time has passed."""
-        self.outliers.probe(backend, ok)
-        if not ok:
-            self.unhealthy.add(backend)
-        elif not self.outliers.is_ejected(backend):
-            self.unhealthy.discard(backend)
+        self.pool.mark(backend, ok)
+
+    def _on_mark(self, backend: str) -> None:
         self.metrics.healthy.labels(backend).set(0 if backend in self.unhealthy else 1)
         # Every backend has its 0/1 series from its first probe on (not only once ejected).
         self.metrics.ejected.labels(backend).set(1 if self.outliers.is_ejected(backend) else 0)
@@ -230,13 +230,9 @@ class Routing:
         ranked = sorted(order, key=lambda b: (b in self.unhealthy, failed.count(b)))
         return ranked[0]
 
-    @contextlib.contextmanager
-    def tracked(self, backend: str) -> Iterator[None]:
+    def tracked(self, backend: str) -> contextlib.AbstractContextManager[None]:
         """Counts a request in flight on `backend` for as long as the block runs."""
-        self.in_flight[backend] = self.in_flight.get(backend, 0) + 1
-        self.metrics.in_flight.labels(backend).inc()
-        try:
-            yield
-        finally:
-            self.in_flight[backend] -= 1
-            self.metrics.in_flight.labels(backend).dec()
+        return self.pool.tracked(backend)
+
+    def _on_load(self, backend: str, change: int) -> None:
+        self.metrics.in_flight.labels(backend).inc(change)

@@ -51,7 +51,7 @@ class RoutingSettings:
     ejection_s: float = setting(
         2.0, help="base ejection time (times the recent ejections, at most 30 s)"
     )
-    # Precise KV-aware routing (kv_router.py): backend -> its engine's KV events endpoint
+    # Precise KV-aware routing (kv_cost.py): backend -> its engine's KV events endpoint
     # ("tcp://host:5557" or "tcp://host:5557|tcp://host:5558" with replay).
     kv_events: dict[str, str] = setting(
         default_factory=dict,

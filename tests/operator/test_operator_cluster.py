@@ -67,6 +67,7 @@ def test_apply_creates_owned_children_with_the_right_specs(operator_process, poo
         "PrefillReady",
         "DecodeReady",
         "GatewayReady",
+        "RolledOut",
         "Ready",
     }
 

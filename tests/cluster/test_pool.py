@@ -303,40 +303,23 @@ def test_a_decode_pod_deleted_mid_stream_and_the_stream_completes(installed):
     gateway_pod = pods(cluster, "gateway")[0]["metadata"]["name"]
     migrations = "pdpool_gateway_migrations_total"
     migrated_before = pod_metric(cluster, gateway_pod, 9090, migrations, 'outcome="ok"')
-    body = {
-        "model": "tiny-qwen3",
-        "prompt": PROMPT,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
     pieces: list[str] = []
     finish, victim = None, None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            for c in chunk.get("choices", []):
-                pieces.append(c.get("text") or "")
-                finish = c.get("finish_reason") or finish
-            if len(pieces) == 20 and victim is None:
-                # The decode pod serving this stream (its sidecar has it in flight) goes,
-                # with a 1 s grace period: no time to finish its tokens.
-                serving = [
-                    p["metadata"]["name"]
-                    for p in pods(cluster, "decode")
-                    if pod_metric(cluster, p["metadata"]["name"], 9091, "pdpool_sidecar_in_flight")
-                    > 0
-                ]
-                assert len(serving) == 1, serving
-                victim = serving[0]
-                cluster.kubectl(
-                    "delete", "pod", "-n", NS, victim, "--grace-period=1", "--wait=false"
-                )
+    for chunk in stream_chunks(url, PROMPT, tokens):
+        for c in chunk.get("choices", []):
+            pieces.append(c.get("text") or "")
+            finish = c.get("finish_reason") or finish
+        if len(pieces) == 20 and victim is None:
+            # The decode pod serving this stream (its sidecar has it in flight) goes,
+            # with a 1 s grace period: no time to finish its tokens.
+            serving = [
+                p["metadata"]["name"]
+                for p in pods(cluster, "decode")
+                if pod_metric(cluster, p["metadata"]["name"], 9091, "pdpool_sidecar_in_flight") > 0
+            ]
+            assert len(serving) == 1, serving
+            victim = serving[0]
+            cluster.kubectl("delete", "pod", "-n", NS, victim, "--grace-period=1", "--wait=false")
     migrated = pod_metric(cluster, gateway_pod, 9090, migrations, 'outcome="ok"') - migrated_before
     print(
         f"\nstream across deleted decode pod {victim}: {len(pieces)} chunks, "
@@ -364,8 +347,9 @@ def condition(pool: dict, kind: str) -> dict:
     return next((c for c in pool.get("status", {}).get("conditions", []) if c["type"] == kind), {})
 
 
-def stream_text(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None, int]:
-    """(text, finish_reason, completion tokens from the usage chunk) of a greedy stream."""
+def stream_chunks(url: str, prompt: str, max_tokens: int) -> Iterator[dict]:
+    """The parsed chunks of a greedy stream (with a usage chunk at the end); none is an
+    error."""
     body = {
         "model": "tiny-qwen3",
         "prompt": prompt,
@@ -375,7 +359,6 @@ def stream_text(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    pieces, finish, tokens = [], None, -1
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -383,11 +366,18 @@ def stream_text(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None
                 continue
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
-            for c in chunk.get("choices", []):
-                pieces.append(c.get("text") or "")
-                finish = c.get("finish_reason") or finish
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+            yield chunk
+
+
+def stream_text(url: str, prompt: str, max_tokens: int) -> tuple[str, str | None, int]:
+    """(text, finish_reason, completion tokens from the usage chunk) of a greedy stream."""
+    pieces, finish, tokens = [], None, -1
+    for chunk in stream_chunks(url, prompt, max_tokens):
+        for c in chunk.get("choices", []):
+            pieces.append(c.get("text") or "")
+            finish = c.get("finish_reason") or finish
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     return "".join(pieces), finish, tokens
 
 

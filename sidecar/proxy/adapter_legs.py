@@ -42,6 +42,16 @@ MAX_MODELS = 4096  # cards read from one /v1/models answer
 RESIDENT, LOADED, DECODE_ONLY = "resident", "loaded", "decode_only"
 
 
+async def read_models(client: httpx.AsyncClient, base: str) -> Any:
+    """An engine's /v1/models answer, or None when it gives none (logged)."""
+    try:
+        answer = await client.get(f"{base}/v1/models", timeout=MODELS_TIMEOUT_S)
+        return answer.json() if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        log.info("reading %s/v1/models failed: %r", base, exc)
+        return None
+
+
 @dataclass(frozen=True)
 class AdapterCard:
     name: str
@@ -129,12 +139,7 @@ class AdapterLegs:
         return model in cached[1]
 
     async def _get_models(self, base: str) -> Any:
-        try:
-            answer = await self.next_client().get(f"{base}/v1/models", timeout=MODELS_TIMEOUT_S)
-            return answer.json() if answer.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
-            log.info("reading %s/v1/models failed: %r", base, exc)
-            return None
+        return await read_models(self.next_client(), base)
 
     async def _load_somewhere(self, card: AdapterCard, candidates: list[str]) -> Optional[str]:
         dirs = resolved_dirs(self.settings.lora_allowed_dirs)

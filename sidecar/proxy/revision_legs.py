@@ -16,7 +16,6 @@ known ones: the lease check still refuses a mismatch.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,11 +23,10 @@ from typing import Any, Callable
 import httpx
 
 from ..net.metrics import SidecarMetrics
+from .adapter_legs import read_models
 from .settings import SidecarSettings
 
-log = logging.getLogger("pdpool.sidecar")
 
-MODELS_TIMEOUT_S = 2.0
 MAX_FINGERPRINT_CHARS = 256
 UNKNOWN = ""
 
@@ -99,12 +97,7 @@ class RevisionLegs:
         return UNKNOWN if cached is None else cached[1]
 
     async def _read(self, base: str) -> None:
-        try:
-            answer = await self.next_client().get(f"{base}/v1/models", timeout=MODELS_TIMEOUT_S)
-            payload = answer.json() if answer.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
-            log.info("reading %s/v1/models failed: %r", base, exc)
-            payload = None
+        payload = await read_models(self.next_client(), base)
         expiry = self.clock() + float(self.settings.adapter_models_ttl_s)
         if payload is None:
             # Unreachable: keep what was known (or unknown) and ask again after the TTL.

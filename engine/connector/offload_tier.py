@@ -168,6 +168,7 @@ class KVOffload:
             "stores": 0,
             "store_failures": 0,
             "store_bytes": 0,
+            "store_seconds": 0.0,
             "evictions": 0,
             "staged_reads": 0,  # reads started at a request's arrival
             "staged_ready": 0,  # ... done by its admission: copied at once, no wait
@@ -379,6 +380,7 @@ class KVOffload:
 
     def _on_saved(self, res: Saved) -> None:
         notes = [self._saving.pop(key, None) for key in res.keys]
+        self.counters["store_seconds"] += res.seconds
         for key in res.evicted:
             self.counters["evictions"] += 1
             gone = self._named.pop(key, None)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import print_table, write_json
 
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
 MODES = {"off": None, "native": "native", "disk": "disk", "shared": "shared"}
 
@@ -137,6 +137,7 @@ def run_mode(name: str, args, model_dir: str, log_dir: Path) -> dict:
         ],
         kv_offload=tier,
         kv_offload_size_gib=args.tier_gib,
+        **SIDE_BY_SIDE,
     )
     rng = random.Random(args.seed)
     prefixes = [

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdpool.engine.structured.limits import StructuredLimits
+from pdpool.pool_defaults import KV_BLOCK_SIZE
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.settings_flags import comma_list, optional_size, setting, size
 from pdpool.units import parse_size  # noqa: F401 (re-exported: callers read sizes here)
@@ -28,7 +29,7 @@ class EngineConfig:
     served_model_name: Optional[str] = setting(None)
     device: str = setting("auto", choices=("auto", "cpu", "cuda"))
     dtype: Optional[str] = setting(None, choices=("auto", "float32", "float16", "bfloat16"))
-    block_size: int = setting(16)
+    block_size: int = setting(KV_BLOCK_SIZE)
     num_kv_blocks: Optional[int] = setting(None, type=int)
     kv_cache_memory: Optional[int] = setting(None, help="e.g. 512MiB, 4GiB", parse=optional_size)
     max_model_len: Optional[int] = setting(None, type=int)

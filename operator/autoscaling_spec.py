@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdpool.planner.policy import PlannerConfig, PlannerConfigError, RoleBounds
+from pdpool.settings_flags import default_of
 
-from .spec import QUANTITY, SpecError
+from .spec import QUANTITY, RolloutSpec, SpecError
 
 MODES = ("planner", "hpa", "keda")
 WHERE = "spec.autoscaling"
@@ -70,6 +71,12 @@ class AutoscalingSpec:
     def metric(self, role: str) -> HpaMetric:
         """The role's metric (hpa's Pods metric, keda's query and threshold)."""
         return self.prefill_metric if role == "prefill" else self.decode_metric
+
+
+def planner_default(name: str) -> Any:
+    """The planner's own default of a setting (pdpool/planner/policy.py, which `pdpool up
+    --autoscale` runs with too): written there once."""
+    return default_of(PlannerConfig, name)
 
 
 def _obj(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
@@ -147,23 +154,41 @@ def parse_autoscaling(spec: dict[str, Any]) -> AutoscalingSpec | None:
     targets = _obj(a, "targets", WHERE)
     behavior = _obj(a, "behavior", WHERE)
     tw, bw = f"{WHERE}.targets", f"{WHERE}.behavior"
-    scale_to_zero = a.get("scaleToZero", False)
+    scale_to_zero = a.get("scaleToZero", planner_default("scale_to_zero"))
     if not isinstance(scale_to_zero, bool):
         raise SpecError(f"{WHERE}.scaleToZero must be a boolean")
     try:
         planner = PlannerConfig(
             prefill=_bounds(a, "prefill"),
             decode=_bounds(a, "decode"),
-            ttft_seconds=_number(targets, "ttftSeconds", 1.0, tw, minimum=0.001),
-            itl_seconds=_number(targets, "itlSeconds", 0.05, tw, minimum=0.0001),
-            kv_usage_target=_number(targets, "kvCacheUsage", 0.85, tw, minimum=0.01),
-            waiting_per_engine=_number(targets, "waitingPerEngine", 4.0, tw, minimum=0.1),
-            up_window_s=_number(behavior, "scaleUpStabilizationSeconds", 0.0, bw),
-            down_window_s=_number(behavior, "scaleDownStabilizationSeconds", 120.0, bw),
-            max_step_up=_count(behavior, "maxStepUp", 2, bw, minimum=1),
-            max_step_down=_count(behavior, "maxStepDown", 1, bw, minimum=1),
-            up_cooldown_s=_number(behavior, "upCooldownSeconds", 30.0, bw),
-            down_cooldown_s=_number(behavior, "downCooldownSeconds", 60.0, bw),
+            ttft_seconds=_number(
+                targets, "ttftSeconds", planner_default("ttft_seconds"), tw, 0.001
+            ),
+            itl_seconds=_number(targets, "itlSeconds", planner_default("itl_seconds"), tw, 0.0001),
+            kv_usage_target=_number(
+                targets, "kvCacheUsage", planner_default("kv_usage_target"), tw, minimum=0.01
+            ),
+            waiting_per_engine=_number(
+                targets, "waitingPerEngine", planner_default("waiting_per_engine"), tw, minimum=0.1
+            ),
+            up_window_s=_number(
+                behavior, "scaleUpStabilizationSeconds", planner_default("up_window_s"), bw
+            ),
+            down_window_s=_number(
+                behavior, "scaleDownStabilizationSeconds", planner_default("down_window_s"), bw
+            ),
+            max_step_up=_count(
+                behavior, "maxStepUp", planner_default("max_step_up"), bw, minimum=1
+            ),
+            max_step_down=_count(
+                behavior, "maxStepDown", planner_default("max_step_down"), bw, minimum=1
+            ),
+            up_cooldown_s=_number(
+                behavior, "upCooldownSeconds", planner_default("up_cooldown_s"), bw
+            ),
+            down_cooldown_s=_number(
+                behavior, "downCooldownSeconds", planner_default("down_cooldown_s"), bw
+            ),
             scale_to_zero=scale_to_zero,
         ).validate()
     except PlannerConfigError as exc:
@@ -172,8 +197,13 @@ def parse_autoscaling(spec: dict[str, Any]) -> AutoscalingSpec | None:
     return AutoscalingSpec(
         mode=mode,
         planner=planner,
+        # Slower than `pdpool up --autoscale`'s 2 s: a cluster's signals are scraped every
+        # 15 s or so (Prometheus), deciding faster reads the same samples again.
         interval_s=_number(behavior, "intervalSeconds", 15.0, bw, minimum=1.0),
-        drain_seconds=_count(a, "drainSeconds", 300, WHERE, minimum=10),
+        # a leaving engine drains as long as one a rollout replaces
+        drain_seconds=_count(
+            a, "drainSeconds", default_of(RolloutSpec, "drain_seconds"), WHERE, minimum=10
+        ),
         prefill_metric=_metric(hpa, "prefill"),
         decode_metric=_metric(hpa, "decode"),
         keda=_keda(a, mode),

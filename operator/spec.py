@@ -12,6 +12,18 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdpool.pool_defaults import (
+    CACHE_HIT_THRESHOLD,
+    GATEWAY_PORT,
+    KV_BLOCK_SIZE,
+    KV_LOAD_COST_TOKENS,
+    KV_PULL_THRESHOLD,
+    PREFILL_TIMEOUT_S,
+    ROUTER_MODE,
+    ROUTER_MODES,
+)
+from pdpool.settings_flags import default_of
+
 from .names import (
     API_KEYS_KEY,
     ENGINE_METRICS_PORT,
@@ -30,7 +42,6 @@ if TYPE_CHECKING:
 
 GPU_RESOURCE = "nvidia.com/gpu"
 ENGINE_KINDS = ("pdpool", "vllm")
-ROUTER_MODES = ("decode-first", "prefill-first", "aggregated")
 DEFAULT_SIDECAR_IMAGE = "ghcr.io/pdpool/pdpool-slim:0.1.0"
 # Requests/limits of the containers that are not engines, when the spec names none: the
 # sidecar and the gateway are small async proxies; the model download streams to disk.
@@ -132,9 +143,11 @@ class KVEventsSpec:
     prefill engines'."""
 
     enabled: bool = False
+    # vLLM's own example ports for --kv-events-config; the processes have no default (a
+    # local topology picks free ports), a pod needs fixed ones its NetworkPolicy names.
     port: int = 5557
     replay_port: int = 5558
-    load_cost_tokens: float = 64.0  # the gateway's cost of one in-flight request
+    load_cost_tokens: float = KV_LOAD_COST_TOKENS  # the gateway's cost of one in-flight request
 
     def ports(self) -> list[int]:
         """The ports engines publish KV events on (PUB, replay); none when not enabled."""
@@ -343,7 +356,9 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
         kind=kind,
         image=image,
         image_pull_policy=e.get("imagePullPolicy", "IfNotPresent"),
-        block_size=_int(e, "blockSize", 16, "spec.engine", minimum=1),
+        block_size=_int(e, "blockSize", KV_BLOCK_SIZE, "spec.engine", minimum=1),
+        # Fixed, unlike `pdpool serve`'s (0: any free port): the NetworkPolicy and UCX's
+        # port range (ucx_port_range) name it.
         kv_port=_int(e, "kvPort", 5600, "spec.engine", minimum=1, maximum=65535),
         # Empty: the pool's own pods (its headless Services' names; see builders.py).
         peer_allowlist=tuple(_str_list(e, "kvPeerAllowlist")),
@@ -356,7 +371,12 @@ def _engine(e: dict[str, Any]) -> EngineSpec:
             e, "ucxPortCount", DEFAULT_UCX_PORT_COUNT, "spec.engine", minimum=0, maximum=4096
         ),
         startup_timeout_s=_int(
-            e, "startupTimeoutSeconds", 1800, "spec.engine", minimum=10, maximum=86400
+            e,
+            "startupTimeoutSeconds",
+            default_of(EngineSpec, "startup_timeout_s"),
+            "spec.engine",
+            minimum=10,
+            maximum=86400,
         ),
         cache_size_limit=_quantity(e, "cacheSizeLimit", None, "spec.engine"),
     )
@@ -401,19 +421,19 @@ def _role(role: str, r: dict[str, Any]) -> RoleSpec:
 
 
 def _router(r: dict[str, Any]) -> RouterSpec:
-    mode = r.get("mode", "decode-first")
+    mode = r.get("mode", ROUTER_MODE)
     if mode not in ROUTER_MODES:
         raise SpecError(f"spec.router.mode must be one of {', '.join(ROUTER_MODES)}, got {mode!r}")
-    threshold = float(r.get("cacheHitThreshold", 0.5))
+    threshold = float(r.get("cacheHitThreshold", CACHE_HIT_THRESHOLD))
     if not 0.0 <= threshold <= 1.0:
         raise SpecError(f"spec.router.cacheHitThreshold must be in [0, 1], got {threshold}")
-    timeout = float(r.get("prefillTimeoutSeconds", 60))
+    timeout = float(r.get("prefillTimeoutSeconds", PREFILL_TIMEOUT_S))
     if timeout <= 0:
         raise SpecError("spec.router.prefillTimeoutSeconds must be > 0")
     return RouterSpec(
         mode=mode,
         cache_hit_threshold=threshold,
-        kv_pull_threshold=_int(r, "kvPullThreshold", 0, "spec.router", minimum=0),
+        kv_pull_threshold=_int(r, "kvPullThreshold", KV_PULL_THRESHOLD, "spec.router", minimum=0),
         prefill_timeout_seconds=timeout,
         image=r.get("image") or DEFAULT_SIDECAR_IMAGE,
         resources=_resources(r, "spec.router") or dict(DEFAULT_SIDECAR_RESOURCES),
@@ -426,16 +446,23 @@ def _kv_events(r: dict[str, Any]) -> KVEventsSpec:
     k = r.get("kvEvents") or {}
     if not isinstance(k, dict):
         raise SpecError(f"{where} must be an object")
-    enabled = k.get("enabled", False)
+    enabled = k.get("enabled", default_of(KVEventsSpec, "enabled"))
     if not isinstance(enabled, bool):
         raise SpecError(f"{where}.enabled must be a boolean")
-    cost = k.get("loadCostTokens", 64)
+    cost = k.get("loadCostTokens", KV_LOAD_COST_TOKENS)
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or cost < 0:
         raise SpecError(f"{where}.loadCostTokens must be a number >= 0, got {cost!r}")
     return KVEventsSpec(
         enabled=enabled,
-        port=_int(k, "port", 5557, where, minimum=1, maximum=65535),
-        replay_port=_int(k, "replayPort", 5558, where, minimum=1, maximum=65535),
+        port=_int(k, "port", default_of(KVEventsSpec, "port"), where, minimum=1, maximum=65535),
+        replay_port=_int(
+            k,
+            "replayPort",
+            default_of(KVEventsSpec, "replay_port"),
+            where,
+            minimum=1,
+            maximum=65535,
+        ),
         load_cost_tokens=float(cost),
     )
 
@@ -476,7 +503,7 @@ def _gateway(g: dict[str, Any]) -> GatewaySpec:
         )
     return GatewaySpec(
         replicas=_int(g, "replicas", 1, "spec.gateway", minimum=0),
-        port=_int(g, "port", 8080, "spec.gateway", minimum=1, maximum=65535),
+        port=_int(g, "port", GATEWAY_PORT, "spec.gateway", minimum=1, maximum=65535),
         service_type=service_type,
         resources=_resources(g, "spec.gateway") or dict(DEFAULT_GATEWAY_RESOURCES),
         api_keys_secret=_secret_ref(g, "apiKeysSecret", "spec.gateway", API_KEYS_KEY),
@@ -489,7 +516,9 @@ def _security(s: dict[str, Any]) -> SecuritySpec:
     for key in ("podSecurityContext", "containerSecurityContext"):
         if not isinstance(s.get(key) or {}, dict):
             raise SpecError(f"spec.security.{key} must be an object")
-    automount = s.get("automountServiceAccountToken", False)
+    automount = s.get(
+        "automountServiceAccountToken", default_of(SecuritySpec, "automount_service_account_token")
+    )
     if not isinstance(automount, bool):
         raise SpecError("spec.security.automountServiceAccountToken must be a boolean")
     return SecuritySpec(
@@ -510,7 +539,7 @@ def _peers(d: dict[str, Any], key: str) -> tuple[dict[str, Any], ...] | None:
 
 
 def _network_policy(n: dict[str, Any]) -> NetworkPolicySpec:
-    enabled = n.get("enabled", True)
+    enabled = n.get("enabled", default_of(NetworkPolicySpec, "enabled"))
     if not isinstance(enabled, bool):
         raise SpecError("spec.networkPolicy.enabled must be a boolean")
     metrics = _peers(n, "metricsFrom")
@@ -522,8 +551,8 @@ def _network_policy(n: dict[str, Any]) -> NetworkPolicySpec:
 
 
 def _disruption_budget(d: dict[str, Any]) -> DisruptionBudgetSpec:
-    enabled = d.get("enabled", True)
-    value = d.get("maxUnavailable", 1)
+    enabled = d.get("enabled", default_of(DisruptionBudgetSpec, "enabled"))
+    value = d.get("maxUnavailable", default_of(DisruptionBudgetSpec, "max_unavailable"))
     if not isinstance(enabled, bool):
         raise SpecError("spec.disruptionBudget.enabled must be a boolean")
     if isinstance(value, bool) or not (
@@ -537,7 +566,7 @@ def _disruption_budget(d: dict[str, Any]) -> DisruptionBudgetSpec:
     return DisruptionBudgetSpec(enabled=enabled, max_unavailable=value)
 
 
-def _count_or_percent(d: dict[str, Any], key: str, default: int, where: str) -> int | str:
+def _count_or_percent(d: dict[str, Any], key: str, default: int | str, where: str) -> int | str:
     value = d.get(key, default)
     if isinstance(value, bool) or not (
         (isinstance(value, int) and 0 <= value <= 1_000_000)
@@ -549,12 +578,21 @@ def _count_or_percent(d: dict[str, Any], key: str, default: int, where: str) -> 
 
 def _rollout(d: dict[str, Any]) -> RolloutSpec:
     where = "spec.rollout"
-    surge = _count_or_percent(d, "maxSurge", 1, where)
-    unavailable = _count_or_percent(d, "maxUnavailable", 0, where)
+    surge = _count_or_percent(d, "maxSurge", default_of(RolloutSpec, "max_surge"), where)
+    unavailable = _count_or_percent(
+        d, "maxUnavailable", default_of(RolloutSpec, "max_unavailable"), where
+    )
     if str(surge).rstrip("%") == "0" and str(unavailable).rstrip("%") == "0":
         # The deployment controller refuses it too: nothing could ever be replaced.
         raise SpecError(f"{where}: maxSurge and maxUnavailable cannot both be 0")
-    drain = _int(d, "drainSeconds", 300, where, minimum=10, maximum=86_400)
+    drain = _int(
+        d,
+        "drainSeconds",
+        default_of(RolloutSpec, "drain_seconds"),
+        where,
+        minimum=10,
+        maximum=86_400,
+    )
     return RolloutSpec(max_surge=surge, max_unavailable=unavailable, drain_seconds=drain)
 
 

@@ -73,6 +73,18 @@ def field_default(f: dataclasses.Field) -> Any:
     return MISSING
 
 
+def default_of(cls: type, name: str) -> Any:
+    """The default of `cls`'s field `name`, for code that fills the same setting from
+    elsewhere (a pool spec) and must not write the value again."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            value = field_default(f)
+            if value is MISSING:
+                raise TypeError(f"{cls.__name__}.{name} has no default")
+            return value
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")
+
+
 def option_name(f: dataclasses.Field, flag: Flag, prefix: str = "") -> str:
     return flag.name or "--" + prefix + f.name.replace("_", "-")
 

@@ -11,16 +11,20 @@ import importlib
 import inspect
 import re
 from dataclasses import MISSING
+from pathlib import Path
 
 import pytest
+import yaml
 
 from pdpool.cli import COMMANDS as COMMAND_MODULES
 from pdpool.cli import CliError, build_parser
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.structured.limits import StructuredLimits
+from pdpool.planner.policy import PlannerConfig
 from pdpool.settings_flags import (
     Flag,
     add_flags,
+    default_of,
     field_default,
     flagged_fields,
     option_name,
@@ -30,6 +34,7 @@ from pdpool.settings_flags import (
 from pdpool.sidecar.epp.settings import EppSettings
 from pdpool.sidecar.gateway.settings import GatewaySettings
 from pdpool.sidecar.proxy.settings import SidecarSettings
+from pdpool.sidecar.routing.settings import RoutingSettings
 from pdpool.up.spec import SIDE_BY_SIDE, AutoscaleSettings, RunSettings, TopologySpec
 
 # command, its settings classes, the arguments it cannot do without, overlay (flags over a file)
@@ -287,3 +292,167 @@ def test_a_generated_flag_follows_its_field():
         "ratio": 1.0
     }
     assert Flag().repeat is None
+
+
+# --- the operator's pool spec -------------------------------------------------------------
+# A PDInferencePool field whose setting a process (or the planner) also has: its CRD path
+# -> the settings fields holding the same default. pdpool/pool_defaults.py writes the shared
+# ones once; the operator (which may not import the engine or the sidecar) reads it there.
+ROOT = Path(__file__).resolve().parent.parent
+CRD = ROOT / "crds" / "pdinferencepools.pdpool.io.yaml"
+PLANNER_FIELDS = {
+    ("targets", "ttftSeconds"): "ttft_seconds",
+    ("targets", "itlSeconds"): "itl_seconds",
+    ("targets", "kvCacheUsage"): "kv_usage_target",
+    ("targets", "waitingPerEngine"): "waiting_per_engine",
+    ("behavior", "scaleUpStabilizationSeconds"): "up_window_s",
+    ("behavior", "scaleDownStabilizationSeconds"): "down_window_s",
+    ("behavior", "maxStepUp"): "max_step_up",
+    ("behavior", "maxStepDown"): "max_step_down",
+    ("behavior", "upCooldownSeconds"): "up_cooldown_s",
+    ("behavior", "downCooldownSeconds"): "down_cooldown_s",
+    ("scaleToZero",): "scale_to_zero",
+}
+SHARED_WITH_PROCESSES: dict[tuple[str, ...], list[tuple[type, str]]] = {
+    ("engine", "blockSize"): [
+        (EngineConfig, "block_size"),
+        (SidecarSettings, "kv_block_size"),
+        (RoutingSettings, "kv_block_size"),
+    ],
+    ("router", "mode"): [(SidecarSettings, "mode")],
+    ("router", "cacheHitThreshold"): [(SidecarSettings, "cache_hit_threshold")],
+    ("router", "kvPullThreshold"): [(SidecarSettings, "kv_pull_threshold")],
+    ("router", "prefillTimeoutSeconds"): [(SidecarSettings, "prefill_timeout")],
+    ("router", "kvEvents", "loadCostTokens"): [(RoutingSettings, "kv_load_cost")],
+    ("gateway", "port"): [(TopologySpec, "port")],
+    **{("autoscaling", *k): [(PlannerConfig, v)] for k, v in PLANNER_FIELDS.items()},
+}
+# Where the operator reads each section of a pool spec, defaults included: (module, function).
+OPERATOR_PARSERS = {
+    "engine": ("operator/spec.py", "_engine"),
+    "router": ("operator/spec.py", "_router"),
+    "router.kvEvents": ("operator/spec.py", "_kv_events"),
+    "gateway": ("operator/spec.py", "_gateway"),
+    "autoscaling": ("operator/autoscaling_spec.py", "parse_autoscaling"),
+}
+
+
+def parser_of(path: tuple[str, ...]) -> tuple[str, str]:
+    """The parser of the section holding `path`: the longest section that names it."""
+    for n in range(len(path) - 1, 0, -1):
+        if ".".join(path[:n]) in OPERATOR_PARSERS:
+            return OPERATOR_PARSERS[".".join(path[:n])]
+    raise LookupError(path)
+
+
+def crd_default(path: tuple[str, ...]):
+    (version,) = yaml.safe_load(CRD.read_text())["spec"]["versions"]
+    schema = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    for key in path:
+        schema = schema["properties"][key]
+    return schema["default"]
+
+
+def _literal(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and node.value is not None
+
+
+def parser_literal_defaults(source: str, function: str) -> dict[str, int]:
+    """spec key -> how many calls in `function` write its default as a literal:
+    `d.get("key", 16)`, `_int(d, "key", 16, ...)`."""
+    counts: dict[str, int] = {}
+    (parser,) = (
+        n
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.FunctionDef) and n.name == function
+    )
+    for node in ast.walk(parser):
+        if isinstance(node, ast.Call):
+            for key, default in zip(node.args, node.args[1:], strict=False):
+                if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                    if _literal(default):
+                        counts[key.value] = counts.get(key.value, 0) + 1
+                    break
+    return counts
+
+
+def field_node(source: str, cls: str, name: str) -> ast.AnnAssign:
+    """Field `name` of class `cls` in `source`."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and getattr(item.target, "id", "") == name:
+                    return item
+    raise LookupError(f"{cls}.{name}")
+
+
+def writes_literal(field: ast.AnnAssign) -> bool:
+    """`x: int = 16` or `x: int = setting(16, ...)`."""
+    value = field.value
+    if isinstance(value, ast.Call):
+        value = value.args[0] if value.args else None
+    return _literal(value)
+
+
+def pool_default_names(source: str) -> set[str]:
+    """The constants pdpool/pool_defaults.py writes."""
+    return {
+        t.id
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and _literal(node.value)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+
+
+def default_places(root: Path) -> dict[str, int]:
+    """CRD path -> the places writing its default in the tree at `root`: the CRD (its chart
+    copy is byte-identical, tests/operator/test_operator_helm.py), literals in the operator's
+    parsers, settings fields writing it as a literal, and a pool_defaults.py constant."""
+    shared_file = root / "pdpool" / "pool_defaults.py"
+    shared = pool_default_names(shared_file.read_text()) if shared_file.exists() else set()
+    places = {}
+    for path, fields in SHARED_WITH_PROCESSES.items():
+        rel, function = parser_of(path)
+        literals = parser_literal_defaults((root / rel).read_text(), function)
+        count, constants = 1 + literals.get(path[-1], 0), set()
+        for cls, name in fields:
+            module = Path(inspect.getsourcefile(cls) or "").resolve().relative_to(ROOT)
+            field = field_node((root / module).read_text(), cls.__name__, name)
+            count += writes_literal(field)
+            constants |= {n.id for n in ast.walk(field) if isinstance(n, ast.Name)} & shared
+        places[".".join(path)] = count + len(constants)
+    return places
+
+
+def test_the_pool_specs_process_settings_default_as_the_processes():
+    """A pool the operator starts gets the defaults `pdpool up` gives its processes: the
+    CRD's default (equal to the operator's: tests/operator/test_crd_defaults.py) is each
+    settings field's."""
+    for path, fields in SHARED_WITH_PROCESSES.items():
+        for cls, name in fields:
+            assert crd_default(path) == default_of(cls, name), (path, cls.__name__, name)
+
+
+def test_the_pool_specs_process_settings_are_written_in_two_places():
+    """The CRD (for `kubectl explain` and the API server, held equal by a test) and one
+    Python place: a pool_defaults.py constant, or the owning dataclass's field. Never a
+    literal in the operator's parsers, nor one per process."""
+    places = default_places(ROOT)
+    assert places == {p: 2 for p in places}, {p: n for p, n in places.items() if n != 2}
+    assert len(places) == 18
+    # the operator's own settings (replicas, ports of a pod, ...): one literal each at most
+    for rel, function in OPERATOR_PARSERS.values():
+        literals = parser_literal_defaults((ROOT / rel).read_text(), function)
+        assert all(n == 1 for n in literals.values()), (function, literals)
+    # ...and sections whose dataclass holds every default (KVEventsSpec, RolloutSpec, ...)
+    # read it from there: none written again in their parsers
+    spec = (ROOT / "operator" / "spec.py").read_text()
+    for function in (
+        "_kv_events",
+        "_security",
+        "_network_policy",
+        "_disruption_budget",
+        "_rollout",
+    ):
+        assert parser_literal_defaults(spec, function) == {}, function

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdpool.planner.policy import PlannerConfig
+from pdpool.pool_defaults import GATEWAY_PORT
 from pdpool.settings_flags import FLAG, Flag, field_default, option_name, setting
 from pdpool.sidecar.proxy.settings import SidecarSettings
 
@@ -91,7 +92,7 @@ class TopologySpec:
     model: str  # a checkpoint folder (RunSettings.model, or the tiny model, fills it in)
     prefill: int = setting(1, help="prefill engines")
     decode: int = setting(1, help="decode engines (one sidecar each)")
-    port: int = setting(8080, help="gateway port (0: any free port)")
+    port: int = setting(GATEWAY_PORT, help="gateway port (0: any free port)")
     mode: str = sidecar_setting("mode")
     cache_hit_threshold: float = sidecar_setting("cache_hit_threshold")
     pull_from_decode: bool = sidecar_setting("pull_from_decode")

@@ -9,10 +9,18 @@ import ssl
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pdpool.pool_defaults import (
+    CACHE_HIT_THRESHOLD,
+    KV_BLOCK_SIZE,
+    KV_PULL_THRESHOLD,
+    PREFILL_TIMEOUT_S,
+    ROUTER_MODE,
+    ROUTER_MODES,
+)
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.settings_flags import setting, size
 
-MODES = ("decode-first", "prefill-first", "aggregated")
+MODES = ROUTER_MODES
 
 
 ENGINES, PATH, HEALTH, KV_EVENTS = (
@@ -45,13 +53,15 @@ class SidecarSettings:
     )
     prefill_refresh_s: float = setting(5.0, group=ENGINES, help="DNS refresh period")
     mode: str = setting(
-        "decode-first",
+        ROUTER_MODE,
         choices=MODES,
         group=PATH,
         help="decode-first (prefill only when decode rejects), prefill-first, or aggregated",
     )
     cache_hit_threshold: float = setting(
-        0.5, group=PATH, help="pool threshold for decode-first (a request's own value wins)"
+        CACHE_HIT_THRESHOLD,
+        group=PATH,
+        help="pool threshold for decode-first (a request's own value wins)",
     )
     # Give the decode engine's cached prefix to the prefill leg so prefill pulls it.
     pull_from_decode: bool = setting(
@@ -59,12 +69,14 @@ class SidecarSettings:
     )
     # offer a pull only for >= this many tokens
     kv_pull_threshold: int = setting(
-        0,
+        KV_PULL_THRESHOLD,
         group=PATH,
         help="offer decode's cached prefix to prefill only when it holds at least this many tokens",
     )
     # per prefill attempt, seconds
-    prefill_timeout: float = setting(30.0, group=PATH, help="seconds per prefill attempt")
+    prefill_timeout: float = setting(
+        PREFILL_TIMEOUT_S, group=PATH, help="seconds per prefill attempt"
+    )
     # keep retrying an unreachable decode engine
     decode_retry_s: float = setting(
         5.0, group=PATH, help="how long to retry an unreachable decode engine"
@@ -148,7 +160,7 @@ class SidecarSettings:
         group=KV_EVENTS,
         help="with --prefill-kv-events-port: the prefill engines' replay port",
     )
-    kv_block_size: int = setting(16, group=KV_EVENTS, help="the engines' KV block size")
+    kv_block_size: int = setting(KV_BLOCK_SIZE, group=KV_EVENTS, help="the engines' KV block size")
     # the model's tokenizer.json (string prompts)
     kv_tokenizer: Optional[str] = setting(
         None, group=KV_EVENTS, help="the model's tokenizer.json (string prompts)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pdpool.pool_defaults import KV_BLOCK_SIZE, KV_LOAD_COST_TOKENS
 from pdpool.settings_flags import setting
 
 from .affinity import DEFAULT_PREFIX_CHARS
@@ -63,7 +64,7 @@ class RoutingSettings:
         "http://10.0.0.5:8000=tcp://10.0.0.5:5557|tcp://10.0.0.5:5558 "
         "(repeatable; sidecars without one keep hash affinity)",
     )
-    kv_block_size: int = setting(16, help="the engines' KV block size")
+    kv_block_size: int = setting(KV_BLOCK_SIZE, help="the engines' KV block size")
     # the model's tokenizer.json (string prompts)
     kv_tokenizer: Optional[str] = setting(None, help="the model's tokenizer.json")
     # Prompts it cannot tokenize itself (chats; strings without kv_tokenizer) are tokenized
@@ -82,7 +83,7 @@ class RoutingSettings:
         "cache-hit threshold)",
     )
     kv_load_cost: float = setting(
-        64.0, help="cost of one in-flight request on a sidecar, in prompt tokens"
+        KV_LOAD_COST_TOKENS, help="cost of one in-flight request on a sidecar, in prompt tokens"
     )
     # The same, following discovery: every listed backend's engine (same pod, same IP)
     # publishes on these ports (kv_feeds.py).

@@ -70,8 +70,12 @@ def check_range(
     value = getattr(settings, name)
     if not ((value > low if above else value >= low) and value <= high):
         f = next(f for f in dataclasses.fields(settings) if f.name == name)  # type: ignore[arg-type]
-        span = f"{'(' if above else '['}{low:g}, {high:g}]"
+        span = f"{'(' if above else '['}{_shown(low)}, {_shown(high)}]"
         raise ValueError(f"{option_name(f, f.metadata[FLAG])} must be in {span}, got {value}")
+
+
+def _shown(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else format(bound, "g")
 
 
 def absolute(path: Optional[str]) -> Optional[str]:

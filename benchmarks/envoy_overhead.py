@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import print_table, write_json
 from pdpool.command_lines import gateway_argv
 from pdpool.ports import free_port
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model, healthy
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model, healthy
 from routing import epp_decision_ms
 
 
@@ -66,6 +66,7 @@ def main() -> None:
         gateway="envoy",
         log_dir=log_dir,
         engine_args=["--num-kv-blocks", "512"],
+        **SIDE_BY_SIDE,
     )
     topo = Topology(spec)
     topo.start(timeout_s=240)

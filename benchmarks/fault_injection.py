@@ -225,7 +225,7 @@ def main() -> int:
         model=model_dir,
         prefill=2,
         decode=2,
-        decode_retry_s=30.0,
+        port=0,  # the command line's decode retry (30 s): restarts are ridden out
         engine_args=["--max-model-len", "2048", "--num-kv-blocks", str(args.kv_blocks)],
     )
     with Topology(spec) as topo:

@@ -50,7 +50,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, write_json
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
 QUIET_KEY = "quiet-tenant-key-000001"
 WORDS = "river stone cloud lantern harbor meadow copper violet engine orbit signal garden".split()
@@ -369,6 +369,7 @@ def run_topologies(
                         mode="aggregated",
                         tenants_file=file,
                         engine_args=list(args.engine_arg),
+                        **SIDE_BY_SIDE,
                     )
                 )
             )

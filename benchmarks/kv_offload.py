@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import print_table, write_json
 
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
 MODES = {"off": None, "native": "native", "disk": "disk", "shared": "shared"}
 
@@ -137,6 +137,7 @@ def run_mode(name: str, args, model_dir: str, log_dir: Path) -> dict:
         ],
         kv_offload=tier,
         kv_offload_size_gib=args.tier_gib,
+        **SIDE_BY_SIDE,
     )
     rng = random.Random(args.seed)
     prefixes = [
@@ -198,6 +199,10 @@ def run_mode(name: str, args, model_dir: str, log_dir: Path) -> dict:
         "tier_loaded_tokens": offload_stat(after, "loaded_tokens")
         - offload_stat(before, "loaded_tokens"),
         "tier_rejected": offload_stat(after, "records_rejected"),
+        # Reads started at a request's arrival, and those done by its admission (no wait).
+        "tier_staged": offload_stat(after, "staged_reads") - offload_stat(before, "staged_reads"),
+        "tier_staged_ready": offload_stat(after, "staged_ready")
+        - offload_stat(before, "staged_ready"),
         "tier_mb": offload_stat(after, "bytes_used") / 1e6,
     }
     # Returning turns only (from the end of the first turns): the engines' TTFT split;

@@ -66,7 +66,7 @@ def workload(args, rng: random.Random) -> list[dict]:
 def start(model: Path, adapters: list[Path], rank: int, log_dir: Path):
     from pdpool.command_lines import gateway_argv
     from pdpool.ports import free_port
-    from pdpool.up.topology import Child, Topology, TopologySpec
+    from pdpool.up.topology import SIDE_BY_SIDE, Child, Topology, TopologySpec
 
     lora = ["--enable-lora", f"--max-loras={MAX_LORAS}", f"--max-lora-rank={rank}"]
     lora += [f"--max-cpu-loras={NUM_ADAPTERS}"]
@@ -78,6 +78,7 @@ def start(model: Path, adapters: list[Path], rank: int, log_dir: Path):
         mode="aggregated",
         log_dir=str(log_dir),
         engine_args=["--num-kv-blocks=512", "--cpu-threads=1", *lora],
+        **SIDE_BY_SIDE,
     )
     topo = Topology(spec)
     # a second gateway over the same sidecars, adapter-blind

@@ -27,7 +27,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODES = {
@@ -158,6 +158,7 @@ def run_mode(name: str, args, model_dir: str) -> dict:
         device=args.device,
         engine_args=["--max-model-len", "4096", "--num-kv-blocks", str(args.kv_blocks)],
         **MODES[name],
+        **SIDE_BY_SIDE,
     )
     with Topology(spec) as topo:
         engines = {role: [c.url for c in topo.by_role(role)] for role in ("prefill", "decode")}

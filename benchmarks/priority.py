@@ -40,7 +40,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, write_json
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
 KEYS = {"interactive": "interactive-key-0000000001", "batch": "batch-key-00000000000001"}
 TENANTS = f"""tenants:
@@ -180,7 +180,7 @@ def run_policy(policy: str, model: str, tenants: str, args: argparse.Namespace) 
     """One `pdpool up` on its defaults with the tenants file (engines: priority); `fcfs`
     tells its engines otherwise, for comparison."""
     engine_args = [] if policy == "priority" else ["--scheduling-policy", policy]
-    spec = TopologySpec(model=model, tenants_file=tenants, engine_args=engine_args)
+    spec = TopologySpec(model=model, tenants_file=tenants, engine_args=engine_args, **SIDE_BY_SIDE)
     alone, loaded = Run("alone"), Run("loaded")
     with Topology(spec) as topo:
         url = topo.gateway.url

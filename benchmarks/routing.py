@@ -69,7 +69,7 @@ from common import print_table, write_json
 from pdpool.block_hash import chain_hashes
 from pdpool.kv_events import BlockStored, KVEventBatch
 from pdpool.sidecar.kv.index import KVIndex
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
 # The default model's shape (see the module doc): `pdpool tiny-model` arguments.
 MODEL_SHAPE = [
@@ -234,6 +234,7 @@ def run_strategy(
         kv_events=name.startswith("precise"),
         kv_load_cost=args.load_cost,
         gateway="envoy" if name.endswith("envoy") else "ours",
+        **SIDE_BY_SIDE,
     )
     topo = Topology(spec)
     topo.start(timeout_s=300)

@@ -30,7 +30,7 @@ from devtools.prometheus_run import (
     shed_one,
     write_tenants,
 )
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
 
 def legend(fmt: str, labels: dict[str, str]) -> str:
@@ -98,6 +98,7 @@ def main() -> int:
         log_dir=str(work / "logs"),
         engine_args=["--max-model-len", "2048", "--num-kv-blocks", "512"],
         tenants_file=write_tenants(work / "tenants.yaml"),
+        **SIDE_BY_SIDE,
     )
     topo = Topology(spec)
     topo.start(240)

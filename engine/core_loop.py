@@ -160,7 +160,8 @@ class EngineLoop:
                 self._fail_all(f"engine error: {exc}")
                 continue
             if self.engine.last_step_idle:
-                time.sleep(0.001)  # only remote loads in flight: do not spin
+                # Only loads in flight: do not spin (a tier read's end wakes it).
+                self.engine.wait_for_transfers(0.001)
             now = time.monotonic()
             for out in outputs:
                 out.produced_at = now

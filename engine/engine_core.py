@@ -10,6 +10,7 @@ loop that drives it is core_loop.py; its process, core_process.py.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -177,6 +178,14 @@ class LLMEngine:
         self.scheduler.close()
         if self.kv_events is not None:
             self.kv_events.close()
+
+    def wait_for_transfers(self, timeout: float) -> None:
+        """A step with nothing to compute (only loads in flight): returns as soon as a
+        tier read is done, else after `timeout` (remote loads are polled)."""
+        if self.offload is not None and self.scheduler.tier_loading:
+            self.offload.worker.wait(timeout)
+        else:
+            time.sleep(timeout)
 
     def idle_tick(self) -> None:
         """Connector housekeeping while no request runs (notifications, held blocks)."""

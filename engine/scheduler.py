@@ -165,6 +165,17 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        self._prefetch_from_tier(request)
+
+    def _prefetch_from_tier(self, req: Request) -> None:
+        """A prefix the offload tier holds starts loading into host memory now, while the
+        request waits in line for blocks (at its admission only the copy is left)."""
+        if self.offload is None or not self.kv.enable_caching:
+            return
+        first = self.kv.peek_computed_tokens(req) // self.kv.block_size
+        num = self._tier_hit(req, first * self.kv.block_size) // self.kv.block_size
+        if num:
+            self.offload.prefetch(req.request_id, req.block_hashes, first, first + num)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Ends a request wherever it is. The connector answers the response's
@@ -181,10 +192,10 @@ class Scheduler:
             if request.request_id in self.tier_loading:
                 # A tier read lands in host memory first: the blocks may go now.
                 self.tier_loading.discard(request.request_id)
-                assert self.offload is not None
-                self.offload.cancel(request.request_id)
             else:
                 still_reading = self.connector.request_aborted(request)
+        if self.offload is not None:
+            self.offload.cancel(request.request_id)  # its read, staged or loading
         request.status = status
         handoff = self.connector.request_finished(
             request, status, self._finished_kv(request, status)
@@ -392,6 +403,8 @@ class Scheduler:
             # Nothing will arrive after all: the hit must include the state.
             hits, num_local = self.kv.get_computed_blocks(req)
         num_tier = 0 if num_external else self._tier_hit(req, num_local)
+        if not num_tier and self.offload is not None:
+            self.offload.cancel(req.request_id)  # a read staged at its arrival is of no use
         # Tokens coming from a remote engine or an offload tier count as cached for the
         # threshold (a decode that can load the prefix need not prefill elsewhere).
         decision = self.threshold_decision(req, num_local + num_external + num_tier)
@@ -404,7 +417,7 @@ class Scheduler:
         if num_external:
             return 0 if self._start_loading(req, hits, num_local, num_external) else None
         if num_tier:
-            return 0 if self._start_tier_load(req, hits, num_local, num_tier) else None
+            return self._start_tier_load(req, hits, num_local, num_tier, out, budget)
         return self._start_running(req, hits, num_local, out, budget)
 
     def _tier_hit(self, req: Request, num_local: int) -> int:
@@ -417,15 +430,23 @@ class Scheduler:
         return self.offload.lookup(req.block_hashes, num_local // bs, limit) * bs
 
     def _start_tier_load(
-        self, req: Request, hits: list[list[Block]], num_local: int, num_tier: int
-    ) -> bool:
-        """Blocks for the tier's tokens now; the read runs on the tier's I/O thread while
-        others compute, and the request waits as it waits on a remote load."""
+        self,
+        req: Request,
+        hits: list[list[Block]],
+        num_local: int,
+        num_tier: int,
+        out: SchedulerOutput,
+        budget: int,
+    ) -> Optional[int]:
+        """Blocks for the tier's tokens now. A read staged while the request waited in
+        line is copied at once and the request runs in this step; else the read runs on
+        the tier's I/O thread while others compute, and the request waits as it waits on a
+        remote load. Returns the budget taken, None when the pool has no room."""
         if not self._allocate_for_load(req, hits, num_local, num_tier):
-            return False
+            return None
         assert self.offload is not None
         bs, rid = self.kv.block_size, req.request_id
-        self.offload.start_load(
+        loaded = self.offload.start_load(
             rid,
             req.block_hashes,
             self.kv.block_tables(rid),
@@ -435,8 +456,11 @@ class Scheduler:
         )
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[rid] = req
-        self.tier_loading.add(rid)
-        return True
+        if loaded is None:
+            self.tier_loading.add(rid)
+            return 0
+        self.finish_loading(req, loaded.num_loaded_tokens, loaded.restart)
+        return self._admit(req, out, budget)  # holding its blocks: it starts running
 
     def _allocate_for_load(
         self, req: Request, hits: list[list[Block]], num_local: int, num_loaded: int
@@ -575,6 +599,8 @@ class Scheduler:
 
     def _reject(self, req: Request, d: ThresholdDecision, num_cached: int) -> None:
         req.status = RequestStatus.FINISHED_CACHE_THRESHOLD
+        if self.offload is not None:
+            self.offload.cancel(req.request_id)
         if req.num_cached_tokens is None:
             req.num_cached_tokens = num_cached
         self.num_threshold_rejections[d.source] += 1

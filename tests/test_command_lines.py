@@ -23,7 +23,7 @@ from pdpool.operator.builders import build_children
 from pdpool.operator.children import PoolRef
 from pdpool.operator.commands import ROUTER_ENV
 from pdpool.operator.spec import parse_pool_spec
-from pdpool.up.topology import Topology, TopologySpec
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec
 
 REF = PoolRef(name="demo", namespace="llm", uid="uid-123")
 POOL = {
@@ -76,6 +76,7 @@ def local(tmp_path_factory) -> Topology:
         tenants_file=str(tenants),
         otlp_traces_endpoint="http://collector:4317",
         log_dir=str(tmp_path_factory.mktemp("logs")),
+        **SIDE_BY_SIDE,
     )
     return Topology(spec)  # planned, never started
 

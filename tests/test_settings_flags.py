@@ -5,11 +5,16 @@ values a flag gives as text (sizes, lists) reach the settings in their types."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import importlib
+import inspect
 import re
+from dataclasses import MISSING
 
 import pytest
 
+from pdpool.cli import COMMANDS as COMMAND_MODULES
 from pdpool.cli import CliError, build_parser
 from pdpool.engine.config import EngineConfig
 from pdpool.engine.structured.limits import StructuredLimits
@@ -25,14 +30,17 @@ from pdpool.settings_flags import (
 from pdpool.sidecar.epp.settings import EppSettings
 from pdpool.sidecar.gateway.settings import GatewaySettings
 from pdpool.sidecar.proxy.settings import SidecarSettings
+from pdpool.up.spec import SIDE_BY_SIDE, AutoscaleSettings, RunSettings, TopologySpec
 
-# command, its settings, the arguments it cannot do without, overlay (flags over a file)
+# command, its settings classes, the arguments it cannot do without, overlay (flags over a file)
 COMMANDS = [
-    ("serve", EngineConfig, ["/models/m"], False),
-    ("gateway", GatewaySettings, [], False),
-    ("epp", EppSettings, [], False),
-    ("sidecar", SidecarSettings, [], True),
+    ("serve", (EngineConfig,), ["/models/m"], False),
+    ("gateway", (GatewaySettings,), [], False),
+    ("epp", (EppSettings,), [], False),
+    ("sidecar", (SidecarSettings,), [], True),
+    ("up", (RunSettings, TopologySpec, AutoscaleSettings), [], False),
 ]
+IDS = [c[0] for c in COMMANDS]
 
 
 def subparser(command: str) -> argparse.ArgumentParser:
@@ -50,36 +58,109 @@ def flags_of(cls: type, prefix: str = ""):
             yield f, flag, option_name(f, flag, prefix)
 
 
-@pytest.mark.parametrize("command,cls,required,overlay", COMMANDS, ids=[c[0] for c in COMMANDS])
-def test_each_flags_default_is_its_fields_default(command, cls, required, overlay):
+@pytest.mark.parametrize("command,classes,required,overlay", COMMANDS, ids=IDS)
+def test_each_flags_default_is_its_fields_default(command, classes, required, overlay):
     actions = {s: a for a in subparser(command)._actions for s in a.option_strings}
     seen = 0
-    for f, flag, option in flags_of(cls):
-        action = actions[option]  # every flagged field has its flag
-        default = field_default(f)
-        if overlay:
-            assert action.default is None, option  # not given: the file's value stands
-        elif flag.repeat is not None:
-            assert action.default == list(default), option  # appended to: a list
-        else:
-            assert action.default == default and type(action.default) is type(default), option
-        seen += 1
+    for cls in classes:
+        for f, flag, option in flags_of(cls):
+            action = actions[option]  # every flagged field has its flag
+            default = field_default(f)
+            if overlay:
+                assert action.default is None, option  # not given: the file's value stands
+            elif flag.repeat is not None:
+                assert action.default == list(default), option  # appended to: a list
+            else:
+                assert action.default == default and type(action.default) is type(default), option
+            seen += 1
     assert seen >= 20
-    # ...and read back, a command line without flags gives the dataclass's defaults
+    # ...and read back, a command line without flags gives the dataclasses' defaults
     args = subparser(command).parse_args(required)
-    built = values_from_args(cls, args, overlay=overlay)
-    expected = {f.name: field_default(f) for f, _ in flagged_fields(cls)}
-    if overlay:
-        assert built == {}  # nothing given, nothing overrides
-    else:
-        assert built == {**expected, **({"model": "/models/m"} if cls is EngineConfig else {})}
+    for cls in classes:
+        built = values_from_args(cls, args, overlay=overlay)
+        expected = {f.name: field_default(f) for f, _ in flagged_fields(cls)}
+        if overlay:
+            assert built == {}  # nothing given, nothing overrides
+        else:
+            assert built == {**expected, **({"model": "/models/m"} if cls is EngineConfig else {})}
 
 
-@pytest.mark.parametrize("command,cls,required,overlay", COMMANDS, ids=[c[0] for c in COMMANDS])
-def test_no_help_spells_out_a_default_that_could_drift(command, cls, required, overlay):
+def hand_written_defaults(command: str) -> dict[str, int]:
+    """option -> how many defaults the command's module writes in its parser itself:
+    `add_argument(OPTION, default=X)` or `add_switch(p, OPTION, X, ...)`, X not None."""
+    module = importlib.import_module(COMMAND_MODULES[command][0])
+    counts: dict[str, int] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+        if name == "add_argument":
+            option, default = (
+                node.args[0],
+                next((k.value for k in node.keywords if k.arg == "default"), None),
+            )
+        elif name == "add_switch" and len(node.args) >= 3:
+            option, default = node.args[1], node.args[2]
+        else:
+            continue
+        if default is None or (isinstance(default, ast.Constant) and default.value is None):
+            continue
+        assert isinstance(option, ast.Constant), ast.dump(option)
+        counts[option.value] = counts.get(option.value, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("command,classes,required,overlay", COMMANDS, ids=IDS)
+def test_each_default_is_held_in_one_place(command, classes, required, overlay):
+    """The places holding a flag's default: its field, and any default the command's parser
+    writes itself (where, the listen address, is no setting). One each, never both."""
+    hand = hand_written_defaults(command)
+    fields = {
+        option: field_default(f)
+        for cls in classes
+        for f, _, option in flags_of(cls)
+        if field_default(f) not in (None, MISSING)
+    }
+    assert not set(hand) & set(fields), "a default in both the parser and its field"
+    assert all(n == 1 for n in hand.values()), hand
+    places = sum(hand.values()) + len(fields)
+    options = {s for a in subparser(command)._actions for s in a.option_strings}
+    assert places == len(set(hand) | set(fields)) and set(hand) <= options
+    if command == "up":  # every flag of `pdpool up` is a setting's: none written by hand
+        assert hand == {} and places >= 20
+
+
+def test_up_hands_the_sidecars_their_own_defaults_and_help():
+    """A topology setting passed on to every sidecar reads the sidecar's field: one default,
+    one help text; those `pdpool up` chooses differently say so in spec.py."""
+    sidecar = {f.name: (f, flag) for f, flag in flagged_fields(SidecarSettings)}
+    up = {f.name: (f, flag) for f, flag in flagged_fields(TopologySpec)}
+    for name in ("mode", "cache_hit_threshold", "pull_from_decode", "prefill_timeout"):
+        (f, flag), (sf, sflag) = up[name], sidecar[name]
+        assert field_default(f) == field_default(sf), name
+        assert flag.help == f"sidecars: {sflag.help}" and flag.choices == sflag.choices, name
+    # chosen here: a user's decode restart is ridden out; the engine decides rejecting
+    assert (
+        field_default(up["decode_retry_s"][0])
+        == 30.0
+        != field_default(sidecar["decode_retry_s"][0])
+    )
+    assert field_default(up["engine_rejects"][0]) is None
+    # not given: the sidecar's own, named in the help from its field
+    tokens = field_default(sidecar["prefill_min_prompt_tokens"][0])
+    assert f"the sidecar's, {tokens})" in up["prefill_min_prompt_tokens"][1].help
+    # what programs starting topologies side by side pass: any port, the sidecar's retry
+    assert {
+        "port": 0,
+        "decode_retry_s": field_default(sidecar["decode_retry_s"][0]),
+    } == SIDE_BY_SIDE
+
+
+@pytest.mark.parametrize("command,classes,required,overlay", COMMANDS, ids=IDS)
+def test_no_help_spells_out_a_default_that_could_drift(command, classes, required, overlay):
     """A default written again in a help text is a second place to change; the generated
     ones (%(default)s, or the overlay's suffix) read the field."""
-    for f, flag, option in flags_of(cls):
+    for f, flag, option in (x for cls in classes for x in flags_of(cls)):
         default = field_default(f)
         if flag.help is None or default in (None, [], {}) or isinstance(default, bool):
             continue

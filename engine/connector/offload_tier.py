@@ -3,8 +3,12 @@
 Scheduler side (engine thread, no I/O beyond a directory lookup on a shared tier):
 - `lookup`: how many blocks past the local prefix hit the tier holds, for every KV group
   (and, for recurrent-state models, the state snapshot at the hit's end);
-- `start_load`: the blocks allocated for them; the read runs on the I/O thread while the
-  request waits as it waits on a remote load;
+- `prefetch`: a request just arrived whose prefix the tier holds: its read starts now,
+  into host memory, while it waits in line for blocks (bounded in bytes; dropped with
+  `cancel`);
+- `start_load`: the blocks allocated for them; a read staged and done already is copied
+  into them at once (the request runs in this step), else the read (the staged one, or a
+  new one) runs on the I/O thread while the request waits as it waits on a remote load;
 - `note_block` / `note_snapshot`: blocks and state snapshots just published to the prefix
   cache, to be written through to the tier.
 Engine side: `save_pending` takes host copies of the noted blocks (right after the step
@@ -14,9 +18,9 @@ copies finished reads into the blocks and answers `LoadResult`s as a connector d
 
 from __future__ import annotations
 
+import itertools
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -52,17 +56,36 @@ class BlockNote:
 
 @dataclass
 class _Load:
+    """Where a read's blocks go: the request's blocks, allocated."""
+
     tables: list[list[int]]
     state_slot: Optional[int]
     first: int  # first block loaded
     last: int  # one past the last block loaded
-    started: float = field(default_factory=time.monotonic)
+    offset: int = 0  # blocks of the read before `first` (the pool had them at admission)
+
+
+@dataclass
+class _Read:
+    """One read of the I/O thread, for a request: staged (started at arrival, `load` None
+    until its admission) or a load (blocks allocated, the request waiting on it)."""
+
+    request_id: str
+    first: int
+    last: int
+    num_keys: int
+    staged_bytes: int = 0  # of the staging budget, held until the read is dropped or used
+    load: Optional[_Load] = None
+    result: Optional[Loaded] = None  # a staged read done before its request's admission
     cancelled: bool = False
 
 
 # What one record may carry (the I/O thread's queue drops saves past 256 MiB in flight).
 RECORD_MAX_BYTES = 64 << 20
 RECORD_MAX_ENTRIES = 1024
+# Host memory that reads staged for requests still in line may hold; past it a request
+# reads at admission instead.
+STAGE_MAX_BYTES = 256 << 20
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -109,6 +132,7 @@ class KVOffload:
         secret: Optional[bytes] = None,
         locality: str = "LOCAL",
         medium: str = "STORAGE",
+        stage_max_bytes: int = STAGE_MAX_BYTES,
     ) -> None:
         self.medium = medium
         self.store = store
@@ -125,7 +149,13 @@ class KVOffload:
         self._saving: dict[str, Optional[BlockNote]] = {}  # keys being written
         # key -> what it names, for the removal events of keys this engine wrote
         self._named: dict[str, BlockNote] = {}
-        self._loads: dict[str, _Load] = {}
+        # Reads in flight or staged, by ticket (a request may drop a staged read and start
+        # another: the ticket tells their results apart); the request's current one.
+        self._reads: dict[int, _Read] = {}
+        self._ticket_of: dict[str, int] = {}
+        self._tickets = itertools.count()
+        self.stage_max_bytes = stage_max_bytes
+        self._staged_bytes = 0
         self.counters: dict[str, float] = {
             "lookup_hits": 0,
             "hit_tokens": 0,
@@ -138,7 +168,11 @@ class KVOffload:
             "stores": 0,
             "store_failures": 0,
             "store_bytes": 0,
+            "store_seconds": 0.0,
             "evictions": 0,
+            "staged_reads": 0,  # reads started at a request's arrival
+            "staged_ready": 0,  # ... done by its admission: copied at once, no wait
+            "staged_skipped": 0,  # not staged: the staging budget was full
         }
 
     @property
@@ -166,6 +200,43 @@ class KVOffload:
                 end -= 1
         return end - first
 
+    def _keys(self, hashes: list[bytes], first: int, last: int) -> list[str]:
+        keys = [
+            self._key(KIND_KV, g, hashes[i])
+            for i in range(first, last)
+            for g in range(len(self.group_layers))
+        ]
+        if self.has_state:
+            keys.append(self._key(KIND_STATE, 0, hashes[last - 1]))
+        return keys
+
+    def _block_bytes(self) -> int:
+        per_layer = self.cache[0, 0].numel() * self.cache.element_size()
+        return per_layer * sum(self.group_layers)
+
+    def _submit_read(self, read: _Read, keys: list[str]) -> None:
+        ticket = next(self._tickets)
+        self._reads[ticket] = read
+        self._ticket_of[read.request_id] = ticket
+        self.worker.submit_load(LoadJob(str(ticket), keys))
+
+    def prefetch(self, request_id: str, hashes: list[bytes], first: int, last: int) -> bool:
+        """Starts reading blocks [first, last) of a request that just arrived, so the read
+        overlaps its wait in line; False when the staging budget has no room (the read
+        then starts at its admission)."""
+        if request_id in self._ticket_of or last <= first:
+            return False
+        state = sum(t[0].numel() * t.element_size() for t in self.state_tensors)
+        nbytes = (last - first) * self._block_bytes() + state
+        if self._staged_bytes + nbytes > self.stage_max_bytes:
+            self.counters["staged_skipped"] += 1
+            return False
+        self._staged_bytes += nbytes
+        self.counters["staged_reads"] += 1
+        keys = self._keys(hashes, first, last)
+        self._submit_read(_Read(request_id, first, last, len(keys), nbytes), keys)
+        return True
+
     def start_load(
         self,
         request_id: str,
@@ -174,26 +245,56 @@ class KVOffload:
         state_slot: Optional[int],
         first: int,
         last: int,
-    ) -> None:
-        keys = [
-            self._key(KIND_KV, g, hashes[i])
-            for i in range(first, last)
-            for g in range(len(self.group_layers))
-        ]
-        if self.has_state:
-            keys.append(self._key(KIND_STATE, 0, hashes[last - 1]))
+    ) -> Optional[LoadResult]:
+        """Loads blocks [first, last) into the request's blocks. A read staged at its
+        arrival that covers `first` serves (up to where it ends); done already, it is
+        copied now and its result returned; else the result comes from `poll`."""
         # Counted here, not at lookup: a request waiting for blocks looks up every step.
         self.counters["lookup_hits"] += 1
         self.counters["hit_tokens"] += (last - first) * self.block_size
-        self._loads[request_id] = _Load([list(t) for t in tables], state_slot, first, last)
-        self.worker.submit_load(LoadJob(request_id, keys))
+        tables = [list(t) for t in tables]
+        ticket = self._ticket_of.get(request_id)
+        read = self._reads.get(ticket) if ticket is not None else None
+        # A state model resumes from the state at the read's end: it must be in the blocks.
+        if (
+            read is not None
+            and read.load is None
+            and read.first <= first < read.last
+            and (read.last <= last if self.has_state else True)
+        ):
+            read.load = _Load(tables, state_slot, first, min(last, read.last), first - read.first)
+            if read.result is None:
+                return None  # still reading: the request waits on it
+            self.counters["staged_ready"] += 1
+            assert ticket is not None
+            return self._finish_read(ticket, read.result)
+        self.cancel(request_id)
+        keys = self._keys(hashes, first, last)
+        self._submit_read(
+            _Read(request_id, first, last, len(keys), load=_Load(tables, state_slot, first, last)),
+            keys,
+        )
+        return None
 
     def cancel(self, request_id: str) -> None:
-        """The request went away: its read's data is dropped when it comes back (the read
-        writes only host memory, so its blocks may go at once)."""
-        load = self._loads.get(request_id)
-        if load is not None:
-            load.cancelled = True
+        """The request went away, or will not use its staged read: the read's data is
+        dropped (now, or when it comes back: a read writes only host memory, so the
+        request's blocks may go at once)."""
+        ticket = self._ticket_of.pop(request_id, None)
+        if ticket is None:
+            return
+        read = self._reads[ticket]
+        if read.result is not None:
+            self._drop(ticket)
+        else:
+            read.cancelled = True
+
+    def _drop(self, ticket: int) -> _Read:
+        read = self._reads.pop(ticket)
+        self._staged_bytes -= read.staged_bytes
+        if self._ticket_of.get(read.request_id) == ticket:
+            del self._ticket_of[read.request_id]
+        return read
 
     def note_block(self, note: BlockNote) -> None:
         self._notes.append(note)
@@ -256,19 +357,30 @@ class KVOffload:
 
     def poll(self) -> list[LoadResult]:
         """Applies what the I/O thread finished: writes (events, evictions) and reads
-        (copied into their blocks). Call on the engine thread."""
+        (copied into their blocks; a staged read is kept until its request is admitted).
+        Call on the engine thread."""
         out = []
         for res in self.worker.results():
             if isinstance(res, Saved):
                 self._on_saved(res)
+                continue
+            ticket = int(res.request_id)
+            read = self._reads.get(ticket)
+            if read is None:
+                continue
+            if read.cancelled:
+                self._drop(ticket)
+            elif read.load is None:
+                read.result = res  # staged: its request still waits in line
             else:
-                result = self._on_loaded(res)
+                result = self._finish_read(ticket, res)
                 if result is not None:
                     out.append(result)
         return out
 
     def _on_saved(self, res: Saved) -> None:
         notes = [self._saving.pop(key, None) for key in res.keys]
+        self.counters["store_seconds"] += res.seconds
         for key in res.evicted:
             self.counters["evictions"] += 1
             gone = self._named.pop(key, None)
@@ -284,25 +396,28 @@ class KVOffload:
                 self._named[key] = note
                 self._record_stored(note)
 
-    def _on_loaded(self, res: Loaded) -> Optional[LoadResult]:
-        load = self._loads.pop(res.request_id, None)
-        if load is None or load.cancelled:
-            return None
+    def _finish_read(self, ticket: int, res: Loaded) -> LoadResult:
+        """Copies a read's records into the request's blocks (whole blocks only, up to the
+        first that failed its check); the request's LoadResult."""
+        read = self._drop(ticket)
+        load = read.load
+        assert load is not None
         self.counters["load_seconds"] += res.seconds
         self.counters["load_bytes"] += res.nbytes
         if res.rejected_key is not None:
             self.counters["records_rejected"] += 1
         groups = len(self.group_layers)
         num_blocks = load.last - load.first
+        records = res.records[load.offset * groups :]
         # Whole blocks only: block i counts when every group's record of it arrived.
-        whole = min(len(res.records) // groups, num_blocks)
-        state_ok = self.has_state and len(res.records) == num_blocks * groups + 1
+        whole = min(len(records) // groups, num_blocks)
+        state_ok = self.has_state and len(res.records) == read.num_keys
         applied = 0
         for i in range(whole):
             for g in range(groups):
                 block_id = load.tables[g][load.first + i]
                 dst = self.cache[block_id, : self.group_layers[g]]
-                src = _tensor(res.records[i * groups + g][0], dst)
+                src = _tensor(records[i * groups + g][0], dst)
                 if src is None:
                     break
                 dst.copy_(src)
@@ -310,14 +425,15 @@ class KVOffload:
                 applied += 1
                 continue
             break
+        rid = read.request_id
         if self.has_state:
             if state_ok and applied == num_blocks and self._apply_state(res.records[-1], load):
-                return self._loaded(res.request_id, num_blocks)
+                return self._loaded(rid, num_blocks)
             # Without the state at the end, the prefix cannot resume: start over.
             self.counters["loads_failed"] += 1
-            log.info("tier load for %s: %s; recomputing", res.request_id, res.error or "no state")
-            return LoadResult(res.request_id, 0, None, restart=True)
-        return self._loaded(res.request_id, applied, res.error)
+            log.info("tier load for %s: %s; recomputing", rid, res.error or "no state")
+            return LoadResult(rid, 0, None, restart=True)
+        return self._loaded(rid, applied, res.error)
 
     def _apply_state(self, blobs: list[TensorBlob], load: _Load) -> bool:
         """Copies a state record into the request's running slot; False if it does not fit."""
@@ -378,7 +494,8 @@ class KVOffload:
             "capacity_bytes": self.store.capacity_bytes,
             "records": len(self.store),
             "saves_dropped": self.worker.saves_dropped,
-            "loads_in_flight": len(self._loads),
+            "loads_in_flight": sum(r.load is not None for r in self._reads.values()),
+            "staged_bytes": self._staged_bytes,
         }
 
     def close(self) -> None:

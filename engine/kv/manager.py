@@ -167,6 +167,24 @@ class KVCacheManager:
         if not self.enable_caching:
             return empty, 0
         hashes = request.block_hashes
+        n, lengths = self._hit_len(request, skip_state)
+        self.last_hit_lengths = {k: v * self.block_size for k, v in lengths.items()}
+        self.pool.queries += request.num_tokens
+        self.pool.hits += n * self.block_size
+        if n == 0:
+            return empty, 0
+        return [
+            self._group_hit_blocks(g, hashes, n) for g in range(len(self.groups))
+        ], n * self.block_size
+
+    def peek_computed_tokens(self, request: Request) -> int:
+        """The local hit get_computed_blocks would find now, counting nothing (for a look
+        ahead at a request still in line)."""
+        return self._hit_len(request, False)[0] * self.block_size if self.enable_caching else 0
+
+    def _hit_len(self, request: Request, skip_state: bool) -> tuple[int, dict[str, int]]:
+        """The blocks every group (and the state) agree on, and each one's own length."""
+        hashes = request.block_hashes
         n = min((request.num_tokens - 1) // self.block_size, len(hashes))
         while True:
             agreed = n
@@ -178,16 +196,8 @@ class KVCacheManager:
                 agreed = self._state_hit_len(hashes, agreed)
                 lengths["state"] = agreed
             if agreed == n:
-                break
+                return n, lengths
             n = agreed
-        self.last_hit_lengths = {k: v * self.block_size for k, v in lengths.items()}
-        self.pool.queries += request.num_tokens
-        self.pool.hits += n * self.block_size
-        if n == 0:
-            return empty, 0
-        return [
-            self._group_hit_blocks(g, hashes, n) for g in range(len(self.groups))
-        ], n * self.block_size
 
     # --- allocation ---------------------------------------------------------------------
     def _release_outside_window(self, request: Request) -> None:

@@ -315,6 +315,7 @@ class EngineMetrics:
             multiprocess_mode="mostrecent",
         ).labels(**info).set(1)
         r.register(_VllmCounters(view, vl))
+        r.register(_VllmOffloadCounters(state, vl))
         if cfg.enable_lora:
             from pdpool.engine.server.lora_metrics import LoRARequestsInfo
 
@@ -428,6 +429,46 @@ class EngineMetrics:
     def client_disconnected(self, phase: str) -> None:
         """Counts a client that went away: phase is body, waiting or running."""
         self.client_disconnects.labels(phase=phase, **self.labels).inc()
+
+
+# vLLM's offloading connector's counters (kv_connector/v1/offloading/metrics.py), from the
+# tier's stats: load and store bytes and seconds, and stores it had no room for.
+VLLM_OFFLOAD_COUNTERS = (
+    ("vllm:kv_offload_load_bytes", "Total bytes loaded from offload storage.", "load_bytes"),
+    (
+        "vllm:kv_offload_load_time",
+        "Total load time from offload storage, in seconds.",
+        "load_seconds",
+    ),
+    ("vllm:kv_offload_store_bytes", "Total bytes stored to offload storage.", "store_bytes"),
+    (
+        "vllm:kv_offload_store_time",
+        "Total store time to offload storage, in seconds.",
+        "store_seconds",
+    ),
+    (
+        "vllm:kv_offload_allocation_failure",
+        "Number of KV offload store allocation attempts that failed.",
+        "saves_dropped",
+    ),
+)
+
+
+class _VllmOffloadCounters:
+    """The tier's stats under vLLM's offload metric names, as counters (none without a
+    tier)."""
+
+    def __init__(self, state: Callable[[], Any], labels: dict[str, str]) -> None:
+        self.state, self.labels = state, labels
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.state().offload
+        if not stats:
+            return
+        for name, doc, stat in VLLM_OFFLOAD_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), float(stats.get(stat, 0.0)))
+            yield family
 
 
 def _offload_series(r: CollectorRegistry, labels: dict[str, str], state: Callable[[], Any]) -> None:

@@ -47,6 +47,9 @@ from pdpool.tlsutil import make_ca_and_certificate
 
 from .envoy_gateway import swap_in_envoy
 
+# re-exported: callers build the spec and the topology from here
+from .spec import SIDE_BY_SIDE as SIDE_BY_SIDE, TopologySpec as TopologySpec
+
 
 def pdpool_command(*args: str) -> list[str]:
     # Not `-m pdpool.cli`: that runs cli.py as __main__, a second copy of the module whose
@@ -124,64 +127,6 @@ class Child:
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
-
-
-@dataclass
-class TopologySpec:
-    model: str
-    prefill: int = 1
-    decode: int = 1
-    port: int = 0  # gateway port (0: pick a free one)
-    mode: str = "decode-first"
-    cache_hit_threshold: float = 0.5
-    pull_from_decode: bool = True
-    kv_connector: str = "auto"  # auto: nixl when the engine supports it, else none
-    device: str = "cpu"
-    prefill_timeout: float = 30.0
-    decode_retry_s: float = 5.0
-    engine_args: list[str] = field(default_factory=list)
-    log_dir: Optional[str] = None
-    # KV offload tier below every engine's pool (engine/kv/offload/): None (off), native
-    # (host memory), disk (a
-    # directory per engine, as an emptyDir per pod) or shared (one directory for every
-    # engine, as a PVC shared by the pool); its size in GiB per engine; where (default:
-    # <log dir>/kv-offload).
-    kv_offload: Optional[str] = None
-    kv_offload_size_gib: float = 1.0
-    kv_offload_dir: Optional[str] = None
-    # pdpool (`pdpool serve`) or vllm (stock `vllm serve`, CPU build: see vllm_command())
-    engine: str = "pdpool"
-    vllm_bin: Optional[str] = None  # the `vllm` executable (default: vllm_command())
-    engine_rejects: Optional[str] = None  # sidecar --engine-rejects (default: by engine)
-    prefill_min_prompt_tokens: Optional[int] = None
-    # Every hop over HTTPS (client -> gateway -> sidecar -> engines), with a CA and one
-    # certificate (127.0.0.1, localhost) made for this topology in <log dir>/tls.
-    tls: bool = False
-    # Precise KV-aware routing: decode engines publish KV events (--kv-events-config), the
-    # gateway indexes them and routes by cost (sidecar/routing/kv_cost.py).
-    kv_events: bool = False
-    kv_load_cost: Optional[float] = None  # gateway --kv-load-cost (None: its default)
-    # Flow control: the gateway's --tenants-file (tenants' fair queues, 429 when shed).
-    tenants_file: Optional[str] = None
-    # Tracing: every child (engines, stock vLLM too, sidecars, gateway) exports its spans
-    # here (--otlp-traces-endpoint), with these variables added to its environment
-    # (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_BSP_SCHEDULE_DELAY, ...).
-    otlp_traces_endpoint: Optional[str] = None
-    # The gateway and the sidecars find their upstreams in files (file: discovery), so that
-    # engines can be added and removed while serving (pdpool up --autoscale, autoscale.py).
-    discovery_files: bool = False
-    tracing_env: dict[str, str] = field(default_factory=dict)
-    # The front door: ours (pdpool gateway) or envoy (real Envoy asking `pdpool epp`, the
-    # Gateway API Inference Extension endpoint picker: envoy_gateway.py).
-    gateway: str = "ours"
-    envoy_bin: Optional[str] = None  # default: envoy_gateway.find_envoy()
-    epp_failure_mode: str = "close"  # Envoy's ext_proc failure_mode_allow: open or close
-    epp_args: list[str] = field(default_factory=list)  # more `pdpool epp` flags
-    gateway_args: list[str] = field(default_factory=list)  # more `pdpool gateway` flags
-    # The sidecars may load a decode engine's LoRA adapter on a prefill engine from these
-    # folders (sidecar --lora-allowed-dir; the engines need runtime LoRA updates on).
-    lora_allowed_dirs: list[str] = field(default_factory=list)
-    sidecar_args: list[str] = field(default_factory=list)  # more `pdpool sidecar` flags
 
 
 ENGINES = ("pdpool", "vllm")

@@ -267,20 +267,92 @@ def test_cache_hit_threshold_counts_tier_tokens(tiny_qwen3, tmp_path):
     engine.close()
 
 
+def _drain_reads(engine: LLMEngine) -> None:
+    deadline = time.monotonic() + 10
+    while engine.offload is not None and engine.offload._reads:
+        assert time.monotonic() < deadline, "tier reads did not come back"
+        engine.idle_tick()  # a dropped read's result comes back and is discarded
+        time.sleep(0.005)
+
+
 def test_aborting_a_request_while_its_tier_read_runs_frees_its_blocks(tiny_qwen3, tmp_path):
     prompts = _prompts(3)
     engine = _engine(tiny_qwen3, tmp_path, backend="disk")
     _run(engine, prompts)
+    assert engine.offload is not None
+    engine.offload.stage_max_bytes = 0  # no read at arrival: it starts at admission
     engine.add_request("gone", prompts[0], PARAMS)
     engine.step()  # admitted: its tier read starts
     assert "gone" in engine.scheduler.tier_loading
+    assert engine.offload.counters["staged_skipped"] == 1
     engine.abort_request("gone")
     assert engine.kv.pool.num_used_blocks == 0  # at once: the read lands in host memory
-    deadline = time.monotonic() + 10
-    while engine.offload is not None and engine.offload._loads:
-        assert time.monotonic() < deadline
-        engine.idle_tick()  # the read's result comes back and is dropped
-        time.sleep(0.005)
+    _drain_reads(engine)
     assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
     assert _run(engine, [prompts[0]]) == _run(_engine(tiny_qwen3, None), [prompts[0]])
+    engine.close()
+
+
+def test_read_staged_at_arrival_is_copied_at_admission(tiny_qwen3, tmp_path):
+    """A returning request's tier read starts when it arrives (while it waits in line):
+    once it is done, admission copies it into the blocks and the request runs in the same
+    step, without waiting on a load; an aborted request's staged read is dropped."""
+    prompts = _prompts(3)
+    expected = _run(_engine(tiny_qwen3, None), [prompts[0]])
+    writer = _engine(tiny_qwen3, tmp_path)
+    _run(writer, prompts)
+    writer.close()
+    engine = _engine(tiny_qwen3, tmp_path)  # its pool empty: every prefix is in the tier
+    tier = engine.offload
+    assert tier is not None
+    engine.add_request("dropped", prompts[1], PARAMS)
+    assert tier.counters["staged_reads"] == 1 and tier.stats()["staged_bytes"] > 0
+    engine.abort_request("dropped")
+    _drain_reads(engine)
+    assert tier.stats()["staged_bytes"] == 0 and engine.kv.pool.num_used_blocks == 0
+    engine.add_request("back", prompts[0], PARAMS)
+    assert tier.counters["staged_reads"] == 2
+    deadline = time.monotonic() + 10
+    while not any(r.result is not None for r in tier._reads.values()):
+        assert time.monotonic() < deadline, "the staged read did not finish"
+        engine.idle_tick()  # the engine thread takes the I/O thread's results
+        time.sleep(0.005)
+    first = engine.step()  # not in a step of its own: it runs (and samples) in this one
+    assert tier.counters["staged_ready"] == 1
+    assert "back" not in engine.scheduler.loading
+    req = engine.requests["back"]
+    assert req.num_pulled_tokens == tier.counters["loaded_tokens"] == 144
+    tokens = [t for out in first for t in out.new_token_ids]
+    assert len(tokens) == 1
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert [tokens] == expected
+    assert tier.stats()["staged_bytes"] == 0 and not tier._reads
+    engine.close()
+
+
+def test_staged_read_is_bounded(tiny_qwen3, tmp_path):
+    """Reads staged for requests in line hold at most the staging budget: past it a
+    request reads at admission, with the same tokens."""
+    prompts = _prompts(3)
+    expected = _run(_engine(tiny_qwen3, None), prompts)
+    writer = _engine(tiny_qwen3, tmp_path)
+    _run(writer, prompts)
+    writer.close()
+    engine = _engine(tiny_qwen3, tmp_path)  # its pool empty: every prefix is in the tier
+    tier = engine.offload
+    assert tier is not None
+    one = 9 * tier._block_bytes()  # 9 full blocks of a 150-token prompt
+    tier.stage_max_bytes = one + one // 2
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, PARAMS)
+    assert tier.counters["staged_reads"] == 1 and tier.counters["staged_skipped"] == 2
+    assert tier.stats()["staged_bytes"] <= tier.stage_max_bytes
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [got[f"r{i}"] for i in range(3)] == expected
+    assert tier.counters["loads_ok"] == 3 and not tier._reads
     engine.close()

@@ -85,10 +85,18 @@ def test_two_engines_share_a_tier_and_a_killed_writer_leaves_nothing_accepted(ti
     with spawned_engine(tiny_qwen3, tmp_path, *_tier_flags(tier)) as a:
         assert _tokens(a.url) == expected
         _wait_stat(a, "stores", 12)  # the prompt's 12 full blocks reached the tier
+        # vLLM's offload counters, under its names, say the same.
+        stored = _offload_stat(a, "store_bytes")
+        assert a.metric("vllm:kv_offload_store_bytes_total") == stored > 12 * 1024
+        assert a.metric("vllm:kv_offload_store_time_total") > 0
+        assert a.metric("vllm:kv_offload_load_bytes_total") == 0
     with spawned_engine(tiny_qwen3, tmp_path, *_tier_flags(tier)) as b:
         assert _tokens(b.url) == expected
         assert _offload_stat(b, "loaded_tokens") == 192
         assert _offload_stat(b, "records_rejected") == 0
+        loaded = _offload_stat(b, "load_bytes")
+        assert b.metric("vllm:kv_offload_load_bytes_total") == loaded > 12 * 1024
+        assert b.metric("vllm:kv_offload_load_time_total") == _offload_stat(b, "load_seconds") > 0
         assert b.metric("pdpool_prompt_tokens_by_source_total") > 0
     # An engine killed while writing: its half-written records have temporary names only.
     other = [random.Random(6).randrange(3, 500) for _ in range(200)]

@@ -22,7 +22,7 @@ import yaml
 
 from pdpool.ports import free_port
 from pdpool.up.envoy_gateway import find_envoy
-from pdpool.up.topology import Topology, TopologySpec, healthy, pdpool_command
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, healthy, pdpool_command
 from tests.lora.test_lora_routing import BACKEND, body, sidecar_hostports, streaming, wait_running
 from tests.support.e2e_helpers import metric
 from tests.support.prerequisites import built_by
@@ -59,6 +59,7 @@ def topo(tiny_qwen3, qwen3_adapters, tmp_path_factory):
             "--lora-scrape-interval-s=0.1",
             f"--model-rewrites={rules_file(logs / 'rewrites.yaml')}",
         ],
+        **SIDE_BY_SIDE,
     )
     t = Topology(spec)
     t.start(timeout_s=300)

@@ -14,7 +14,7 @@ import random
 import httpx
 import pytest
 
-from pdpool.up.topology import Topology, TopologySpec
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec
 from tests.support.e2e_helpers import metric
 
 pytestmark = pytest.mark.slow
@@ -45,6 +45,7 @@ def topo(tiny_qwen3, qwen3_adapters, tmp_path_factory):
         # The sidecar trusts a /v1/models answer for long: an unload behind its back is
         # found by the leg's 404, not by a timely re-read (the last step of the test).
         sidecar_args=["--adapter-models-ttl-s", "600"],
+        **SIDE_BY_SIDE,
     )
     t = Topology(spec)
     try:

@@ -14,7 +14,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from pdpool.up.topology import Topology, TopologySpec
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +33,7 @@ def topo(tiny_qwen3, qwen3_adapters, tmp_path_factory):
         log_dir=str(tmp_path_factory.mktemp("lora-routing")),
         engine_args=["--num-kv-blocks=512", *lora],
         gateway_args=["--lora-scrape-interval-s=0.1"],
+        **SIDE_BY_SIDE,
     )
     t = Topology(spec)
     t.start(timeout_s=300)

@@ -10,7 +10,7 @@ import random
 import httpx
 import pytest
 
-from pdpool.up.topology import Topology, TopologySpec
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec
 from tests.support.e2e_helpers import metric
 
 pytestmark = pytest.mark.slow
@@ -31,6 +31,7 @@ def topo(tiny_qwen3, qwen3_adapters, tmp_path_factory):
         cache_hit_threshold=0.5,
         log_dir=str(tmp_path_factory.mktemp("lora-up")),
         engine_args=["--num-kv-blocks", "256", *lora],
+        **SIDE_BY_SIDE,
     )
     t = Topology(spec)
     t.start(timeout_s=240)

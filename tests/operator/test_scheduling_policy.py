@@ -11,7 +11,7 @@ from pdpool.cli import build_parser
 from pdpool.operator.builders import build_children
 from pdpool.operator.children import PoolRef
 from pdpool.operator.spec import parse_pool_spec
-from pdpool.up.topology import Topology, TopologySpec
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec
 
 REF = PoolRef(name="demo", namespace="llm", uid="uid-123")
 BASE = {"model": {"path": "/models/qwen3"}, "router": {"image": "r:1"}}
@@ -64,7 +64,7 @@ def test_pdpool_up_runs_priority_scheduling_with_a_tenants_file(tmp_path, engine
                 vllm_bin="vllm",
                 prefill=1,
                 decode=1,
-                port=0,
+                **SIDE_BY_SIDE,
                 log_dir=str(tmp_path / f"logs-{len(spec)}"),
                 kv_connector="none",
                 **spec,

@@ -349,7 +349,7 @@ def test_client_disconnect_while_the_prefill_leg_waits_aborts_it(tmp_path_factor
     """A prefill engine that serves one request at a time is busy; a P/D request's prefill
     leg waits in its queue; the client gives up: the queued request is aborted at once
     (not computed when the engine frees up) and no decode leg follows."""
-    from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+    from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
     log_dir = str(tmp_path_factory.mktemp("up-cancel"))
     # The tiny model with room for a long busy request: 19000 decode steps keep the engine
@@ -374,6 +374,7 @@ def test_client_disconnect_while_the_prefill_leg_waits_aborts_it(tmp_path_factor
                 "--max-num-seqs",
                 "1",
             ],
+            **SIDE_BY_SIDE,
         )
     )
     topo.start(timeout_s=240)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from pdpool.cpu_cores import engine_share_of_cores, usable_cores
-from pdpool.up.topology import Topology, TopologySpec
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec
 
 
 @pytest.mark.parametrize("engines,cores,threads", [(1, 2, 2), (2, 2, 1), (3, 2, 1), (2, 16, 8)])
@@ -18,7 +18,11 @@ def test_an_equal_share_of_the_cores(engines, cores, threads):
 
 
 def _engine_argvs(tmp_path, **spec):
-    topo = Topology(TopologySpec(model=str(tmp_path), log_dir=str(tmp_path / "logs"), **spec))
+    topo = Topology(
+        TopologySpec(
+            model=str(tmp_path), log_dir=str(tmp_path / "logs"), **{**SIDE_BY_SIDE, **spec}
+        )
+    )
     try:
         return [c.argv for c in topo.children if c.role in ("prefill", "decode")]
     finally:

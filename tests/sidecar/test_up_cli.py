@@ -115,7 +115,7 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["--decode", "0"], "--decode >= 1"),
+        (["--decode", "0"], "--decode must be in [1,"),
         (["--cache-hit-threshold", "2"], "[0, 1]"),
         (["--model", "/nonexistent/model"], ""),
         (["--otel", "-", "--otlp-traces-endpoint", "http://127.0.0.1:1"], "choose one"),

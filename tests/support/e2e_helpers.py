@@ -8,7 +8,7 @@ import shutil
 import httpx
 import pytest
 
-from pdpool.up.topology import Topology, TopologySpec, ensure_tiny_model
+from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
 
 
 def engine_available() -> bool:
@@ -32,7 +32,11 @@ def start_topology(tmp_path_factory, arch: str = "qwen3", **spec) -> Topology:
     log_dir = str(tmp_path_factory.mktemp(f"up-{arch}"))
     # Small KV pools keep start-up and memory low on a 2-core CI machine.
     engine_args = ["--max-model-len", "2048", "--num-kv-blocks", "512"]
-    topo = Topology(TopologySpec(model=model, log_dir=log_dir, engine_args=engine_args, **spec))
+    topo = Topology(
+        TopologySpec(
+            model=model, log_dir=log_dir, engine_args=engine_args, **{**SIDE_BY_SIDE, **spec}
+        )
+    )
     topo.start(timeout_s=240)
     return topo
 

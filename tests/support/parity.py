@@ -28,7 +28,7 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[
 def hf_greedy(model, prompt: list[int], max_new: int):
     """Greedy tokens and the logits of every step, from transformers' generate."""
     out = model.generate(
-        torch.tensor([prompt]),
+        torch.tensor([prompt], device=getattr(model, "device", "cpu")),
         max_new_tokens=max_new,
         do_sample=False,
         eos_token_id=None,
@@ -37,7 +37,7 @@ def hf_greedy(model, prompt: list[int], max_new: int):
         return_dict_in_generate=True,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, [step[0].float() for step in out.logits]
+    return tokens, [step[0].float().cpu() for step in out.logits]
 
 
 def run_engine_recording_first_logits(engine, prompts, params):
@@ -55,22 +55,22 @@ def run_engine_recording_first_logits(engine, prompts, params):
     return [tokens[r] for r in ids], [first_logits[r] for r in ids]
 
 
-def compare(hf_model, prompts, engine_tokens, engine_first_logits, max_new) -> ParityReport:
+def compare(
+    hf_model, prompts, engine_tokens, engine_first_logits, max_new, atol: float = LOGIT_ATOL
+) -> ParityReport:
     report = ParityReport()
     for i, (prompt, got) in enumerate(zip(prompts, engine_tokens, strict=True)):
         ref, ref_logits = hf_greedy(hf_model, prompt, max_new)
-        diff = (engine_first_logits[i] - ref_logits[0]).abs().max().item()
+        diff = (engine_first_logits[i].float().cpu() - ref_logits[0]).abs().max().item()
         report.max_logit_diff = max(report.max_logit_diff, diff)
-        assert diff < LOGIT_ATOL, (
-            f"prompt {i} (len {len(prompt)}): first-step logits differ by {diff}"
-        )
+        assert diff < atol, f"prompt {i} (len {len(prompt)}): first-step logits differ by {diff}"
         report.compared += 1
         if got == ref:
             continue
         step = next(j for j, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b)
         top2 = ref_logits[step].topk(2).values
         gap = (top2[0] - top2[1]).item()
-        assert gap < LOGIT_ATOL, (
+        assert gap < atol, (
             f"prompt {i} (len {len(prompt)}) diverges at step {step} "
             f"with a clear winner (gap {gap}): {got} vs {ref}"
         )

@@ -29,6 +29,7 @@ from devtools.engine_procs import SpawnedEngine, wait_healthy
 from pdpool.otlp_receiver import OtlpReceiver
 from tests.support.vllm_metric_names import check_vllm_names
 from pdpool.up.topology import (
+    SIDE_BY_SIDE,
     Topology,
     TopologySpec,
     free_port,
@@ -66,7 +67,7 @@ def stack(tiny_qwen3, vllm_bin, tmp_path_factory, receiver):
             vllm_bin=vllm_bin,
             prefill=1,
             decode=1,
-            port=0,
+            **SIDE_BY_SIDE,
             log_dir=str(logs),
             prefill_min_prompt_tokens=MIN_PD_TOKENS,
             prefill_timeout=120.0,

@@ -53,6 +53,7 @@ class Saved:
     nbytes: int
     evicted: list[str]
     error: Optional[str] = None
+    seconds: float = 0.0  # encoding, MAC and write
 
 
 @dataclass
@@ -90,6 +91,8 @@ class IOWorker:
         self._seq = itertools.count()
         self._pending_save_bytes = 0
         self._lock = threading.Lock()
+        # Set when a result is ready: an engine with nothing to compute waits on it.
+        self._ready = threading.Event()
         self.saves_dropped = 0
         self._thread = threading.Thread(target=self._run, name="kv-offload-io", daemon=True)
         self._thread.start()
@@ -107,7 +110,12 @@ class IOWorker:
     def submit_load(self, job: LoadJob) -> None:
         self._jobs.put(_Queued(0, next(self._seq), job))
 
+    def wait(self, timeout: float) -> None:
+        """Returns when a result is ready, or after `timeout` seconds."""
+        self._ready.wait(timeout)
+
     def results(self) -> list[Result]:
+        self._ready.clear()  # before draining: a result put after this sets it again
         out = []
         while True:
             try:
@@ -134,15 +142,18 @@ class IOWorker:
                 log.exception("KV offload I/O job failed")
                 if isinstance(item.job, LoadJob):
                     self._results.put(Loaded(item.job.request_id, [], 0, 0.0, str(exc)))
+            self._ready.set()
 
     def _save(self, job: SaveJob) -> Saved:
+        start = time.monotonic()
         try:
             parts = record_parts(self.fingerprint, job.entries(), self.secret)
             evicted = self.store.put(job.keys, parts)
-            return Saved(job.keys, True, sum(memoryview(p).nbytes for p in parts), evicted)
+            size = sum(memoryview(p).nbytes for p in parts)
+            return Saved(job.keys, True, size, evicted, None, time.monotonic() - start)
         except OSError as exc:
             log.warning("KV offload write failed (%s): the blocks stay uncached", exc)
-            return Saved(job.keys, False, 0, [], str(exc))
+            return Saved(job.keys, False, 0, [], str(exc), time.monotonic() - start)
         finally:
             with self._lock:
                 self._pending_save_bytes -= job.nbytes

@@ -199,6 +199,10 @@ def run_mode(name: str, args, model_dir: str, log_dir: Path) -> dict:
         "tier_loaded_tokens": offload_stat(after, "loaded_tokens")
         - offload_stat(before, "loaded_tokens"),
         "tier_rejected": offload_stat(after, "records_rejected"),
+        # Reads started at a request's arrival, and those done by its admission (no wait).
+        "tier_staged": offload_stat(after, "staged_reads") - offload_stat(before, "staged_reads"),
+        "tier_staged_ready": offload_stat(after, "staged_ready")
+        - offload_stat(before, "staged_ready"),
         "tier_mb": offload_stat(after, "bytes_used") / 1e6,
     }
     # Returning turns only (from the end of the first turns): the engines' TTFT split;

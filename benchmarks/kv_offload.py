@@ -15,12 +15,18 @@ prompt tokens/s over the whole run), with the tier's counters. Every mode runs i
 ratios are taken within a round, and the table gives each mode's median over the rounds.
 
     python benchmarks/kv_offload.py [--sessions 22] [--turns 4] [--prefix-tokens 3000]
+
+`--shape large` runs the larger random Qwen3 of engine_vs_vllm.py (4 layers, hidden 512)
+instead of the tiny one (2 layers, hidden 64): a tier trades a read of KV bytes for a
+recompute's FLOPs, so the script prints the model's FLOPs per KV byte (the tiny model's is
+far below a real model's, which makes a tier look worse than it would be).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -38,6 +44,37 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from common import print_table, write_json
 
 from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, ensure_tiny_model
+
+SHAPES = ("tiny", "large")  # tiny: `pdpool up`'s default model; large: engine_vs_vllm's
+
+
+def model_for_shape(shape: str) -> str:
+    if shape == "large":
+        from engine_vs_vllm import model_for  # the same cached checkpoint, made once
+
+        return model_for("large")
+    return ensure_tiny_model("qwen3")
+
+
+def flops_per_kv_byte(config: dict, tokens: int, kv_bytes_per_value: int) -> dict[str, float]:
+    """What recomputing a prefix of `tokens` costs per byte of KV a tier would read instead,
+    for a dense decoder (HF config fields). `weights`: the projections and MLP of every layer
+    (2 FLOPs per weight and token; the vocabulary head runs for the last token only);
+    `with_attention`: plus QK^T and PV over the causal context (mean (tokens + 1) / 2)."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    inter = config["intermediate_size"]
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * inter
+    weights = 2 * layers * per_layer
+    attention = 4 * layers * heads * head_dim * (tokens + 1) / 2
+    kv_bytes = 2 * layers * kv_heads * head_dim * kv_bytes_per_value
+    return {
+        "kv_bytes_per_token": kv_bytes,
+        "weights": weights / kv_bytes,
+        "with_attention": (weights + attention) / kv_bytes,
+    }
+
 
 MODES = {"off": None, "native": "native", "disk": "disk", "shared": "shared"}
 
@@ -104,8 +141,6 @@ async def one_turn(client: httpx.AsyncClient, model: str, prompt: list[int], max
         "stream": True,
         "return_token_ids": True,
     }
-    import json
-
     started, first, ids = time.perf_counter(), None, []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -240,9 +275,28 @@ def main() -> None:
     ap.add_argument("--modes", default="off,disk,shared")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every mode, alternating")
-    ap.add_argument("--model", help="checkpoint (default: the tiny random Qwen3)")
+    ap.add_argument("--shape", choices=SHAPES, default="tiny", help="random Qwen3 to run")
+    ap.add_argument("--model", help="checkpoint (default: the random Qwen3 of --shape)")
     args = ap.parse_args()
-    model_dir = args.model or ensure_tiny_model("qwen3")
+    model_dir = args.model or model_for_shape(args.shape)
+    try:
+        with open(Path(model_dir) / "config.json") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError) as e:
+        ap.error(f"--model {model_dir}: no readable config.json ({e})")
+    # The engine keeps KV in the checkpoint's dtype (these random ones: float32).
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    try:
+        ratio: dict[str, float] = flops_per_kv_byte(config, args.prefix_tokens, width)
+        print(
+            f"model {model_dir}: {ratio['kv_bytes_per_token']:.0f} KV bytes per token; "
+            f"recomputing {args.prefix_tokens} tokens costs {ratio['weights']:.0f} FLOPs per "
+            f"KV byte in the weights, {ratio['with_attention']:.0f} with attention"
+        )
+    except (KeyError, TypeError, ZeroDivisionError) as e:  # not a dense decoder's config
+        ratio = {}
+        print(f"model {model_dir}: FLOPs per KV byte unknown (config lacks {e})")
     pool_tokens = args.engines * args.kv_blocks * 16
     working_set = args.sessions * (
         args.prefix_tokens + args.turns * (args.question_tokens + args.max_tokens)
@@ -284,9 +338,11 @@ def main() -> None:
     print(f"greedy tokens equal to tiers-off: {equal}")
     print(f"load average at the end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     path = write_json(
-        "kv_offload",
+        "kv_offload" if args.shape == "tiny" or args.model else f"kv_offload_{args.shape}",
         {
             "args": vars(args),
+            "model_config": config,
+            "flops_per_kv_byte": ratio,
             "working_set_tokens": working_set,
             "pool_tokens": pool_tokens,
             "load_average_start": load,

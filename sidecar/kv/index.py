@@ -307,6 +307,11 @@ class KVIndex:
         st = self.engines.get(engine)
         return len(st.blocks) if st else 0
 
+    def block_counts(self) -> dict[str, int]:
+        """{engine: blocks it holds} for every engine whose events are followed."""
+        with self._lock:
+            return {e: len(st.blocks) for e, st in self.engines.items() if st.known}
+
 
 MAX_LORA_NAMES = 4096  # adapter names remembered (events are trusted, but bounded anyway)
 

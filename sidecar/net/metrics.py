@@ -5,10 +5,11 @@ in-process tools) without clashing on the global registry."""
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Callable, Generic, Iterator, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import GaugeMetricFamily
 
 __all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics", "SidecarMetrics"]
 
@@ -33,6 +34,23 @@ class Children(Generic[M]):
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
         return child
+
+
+class KVBlocksCollector:
+    """A gauge read at scrape time: the blocks a KV index knows each engine holds (from
+    that engine's events). It shows whether a router is fed, and how far it has got."""
+
+    def __init__(
+        self, name: str, documentation: str, label: str, counts: Callable[[], dict[str, int]]
+    ) -> None:
+        self.name, self.documentation, self.label = name, documentation, label
+        self.counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=[self.label])
+        for engine, n in sorted(self.counts().items()):
+            family.add_metric([engine], n)
+        yield family
 
 
 class SidecarMetrics:

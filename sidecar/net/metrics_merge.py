@@ -3,7 +3,8 @@
 Counters and histograms add up; `_created` timestamps take the earliest; gauges add up
 (requests in flight), except those that describe one shared thing each worker sees alike,
 which take the largest value (the engine's capability: -1 unknown below 0 and 1 known; an
-ejected prefill engine: 1 when any worker ejected it). Pure: text in, text out."""
+ejected prefill engine: 1 when any worker ejected it), or the smallest (the blocks the
+workers' KV indexes know: what every worker knows). Pure: text in, text out."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 MAX_GAUGES = frozenset({"pdpool_sidecar_engine_rejects", "pdpool_sidecar_prefill_ejected"})
+# Each worker follows the same engines' events on its own: what every one of them knows.
+MIN_GAUGES = frozenset({"pdpool_sidecar_prefill_kv_blocks"})
 
 _SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -58,4 +61,6 @@ def _combine(family: str, kind: str, a: float, b: float) -> float:
         return min(a, b)
     if kind == "gauge" and family in MAX_GAUGES:
         return max(a, b)
+    if kind == "gauge" and family in MIN_GAUGES:
+        return min(a, b)
     return a + b

@@ -51,7 +51,7 @@ from .capability import EngineCapability
 from .capability_share import CapabilityShare
 from .exchange import Exchange
 from .flows import Flow, Flows
-from ..net.metrics import CONTENT_TYPE_LATEST, SidecarMetrics
+from ..net.metrics import CONTENT_TYPE_LATEST, KVBlocksCollector, SidecarMetrics
 from ..flow.saturation import ENGINE_METRICS_PATH
 from .prefill_legs import PrefillLegs, prefill_pool
 from ..routing.prefill_ranking import PrefillRanking
@@ -84,6 +84,15 @@ class Sidecar:
             events_port=settings.prefill_kv_events_port,
             events_replay_port=settings.prefill_kv_events_replay_port,
         )
+        if self.prefill_ranking.router is not None:
+            self.metrics.registry.register(
+                KVBlocksCollector(
+                    "pdpool_sidecar_prefill_kv_blocks",
+                    "Blocks each prefill engine holds, as its KV events told the ranking",
+                    "endpoint",
+                    self.prefill_ranking.router.index.block_counts,
+                )
+            )
         self.clients: Optional[ClientShards] = None
         self._probe_task: Optional[asyncio.Task[None]] = None
         self.capability = EngineCapability(

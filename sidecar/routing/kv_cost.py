@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional, Sequence
 
 from ..kv.costs import TIER_COST, KVCosts
 from ..kv.feeds import subscribe_all
-from ..net.metrics import GatewayMetrics
+from ..net.metrics import GatewayMetrics, KVBlocksCollector
 from .pd import PrefixHitDecider
 from .plugins import precise_profile
 
@@ -135,6 +135,14 @@ class KVRouting:
         self.engine_tokenize: Optional[EngineTokenize] = None
         s = settings
         self.router = KVRouter(s.kv_block_size, s.kv_threshold, s.kv_load_cost, s.kv_tokenizer)
+        metrics.registry.register(
+            KVBlocksCollector(
+                "pdpool_gateway_kv_blocks",
+                "Blocks each backend's engine holds, as its KV events told the gateway",
+                "backend",
+                self.router.index.block_counts,
+            )
+        )
         # The feeds follow the decode Service (None without --kv-events-port).
         self.feeds = subscribe_all(
             self.router, s.kv_events, s.kv_events_port, s.kv_events_replay_port

@@ -6,6 +6,7 @@ Prefill engines publish too: a sidecar sends the prefill leg to the one holding 
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import httpx
@@ -38,17 +39,54 @@ def _chat(url: str, model: str, messages: list[dict]) -> httpx.Response:
     return _generate(url, "/v1/chat/completions", {"model": model, "messages": messages})
 
 
-def _warm_directly(holders, model: str, rng, n: int = 6) -> list[tuple[list[int], int]]:
+BLOCK = 16  # the engines' default block size
+DOC_TOKENS = 96
+
+
+def _blocks_known(routers, name: str) -> dict[tuple[int, str], float]:
+    """{(router's port, engine): blocks its KV index knows that engine holds}."""
+    out = {}
+    for r in routers:
+        text = httpx.get(r.url + "/metrics", timeout=5).text
+        for m in re.finditer(rf'^{name}{{\w+="([^"]+)"}} (\S+)$', text, re.M):
+            out[(r.port, m.group(1))] = float(m.group(2))
+    return out
+
+
+def _warm_directly(
+    holders, model: str, rng, routers, blocks_metric: str, n: int = 6
+) -> list[tuple[list[int], int]]:
     """Each of n prompts sent straight to one of `holders` (in turn), past the gateway and
-    sidecars: [(prompt, holder's port)], once their events have had time to arrive."""
+    sidecars: [(prompt, holder's port)], once every router's KV index (`blocks_metric` on
+    each of `routers`) has the blocks their events announced."""
+    before = _blocks_known(routers, blocks_metric)
     docs = []
     for i in range(n):
-        doc = [rng.randrange(3, 500) for _ in range(96)]
+        doc = [rng.randrange(3, 500) for _ in range(DOC_TOKENS)]
         holder = holders[i % len(holders)]
         _complete(holder.url, model, doc)
         docs.append((doc, holder.port))
-    time.sleep(0.5)
+    grown = {
+        (r.port, f"127.0.0.1:{h.port}"): sum(1 for _, p in docs if p == h.port)
+        * (DOC_TOKENS // BLOCK)
+        for r in routers
+        for h in holders
+    }
+    _await_indexed(routers, blocks_metric, before, grown)
     return docs
+
+
+def _await_indexed(routers, blocks_metric: str, before: dict, grown: dict) -> None:
+    """Until each (router, engine) of `grown` knows at least that many more blocks than
+    `before`: events travel and are indexed asynchronously, slower on a loaded machine."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = _blocks_known(routers, blocks_metric)
+        short = {k: n for k, n in grown.items() if now.get(k, 0) < before.get(k, 0) + n}
+        if not short:
+            return
+        assert time.monotonic() < deadline, f"events not indexed: {short} of {now}"
+        time.sleep(0.1)
 
 
 def _continued(doc: list[int], rng) -> list[int]:
@@ -67,7 +105,7 @@ def test_routes_to_the_engine_holding_the_prefix(topo):
     sidecars = topo.by_role("sidecar")
     rng = random.Random(5)
     # Only the KV events can tell the gateway where these prefixes live.
-    docs = _warm_directly(sidecars, model, rng)
+    docs = _warm_directly(sidecars, model, rng, [topo.gateway], "pdpool_gateway_kv_blocks")
     for doc, port in docs:
         r = _complete(gw, model, _continued(doc, rng))
         assert r.headers["x-pdpool-backend"].endswith(f":{port}"), r.headers
@@ -90,8 +128,8 @@ def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
     rng = random.Random(11)
     # No decode engine holds these prompts, so the legs go P/D, and only the prefill
     # engines' events say which one has each.
-    docs = _warm_directly(prefills, model, rng)
     sidecars = topo.by_role("sidecar")
+    docs = _warm_directly(prefills, model, rng, sidecars, "pdpool_sidecar_prefill_kv_blocks")
     ranked0 = _total(sidecars, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
     for doc, port in docs:
         r = _complete(gw, model, _continued(doc, rng))
@@ -110,13 +148,19 @@ def test_chats_are_routed_by_the_tokens_an_engine_renders(topo):
     rng = random.Random(23)
     words = ["river", "stone", "bright", "quiet", "market", "window", "seven", "garden"]
     chats = []
+    before = _blocks_known([topo.gateway], "pdpool_gateway_kv_blocks")
     for i in range(6):
         system = " ".join(rng.choice(words) for _ in range(120))
         messages = [{"role": "system", "content": system}, {"role": "user", "content": "why?"}]
         holder = sidecars[i % len(sidecars)]
         _chat(holder.url, model, messages)
         chats.append((messages, holder.port))
-    time.sleep(0.5)
+    # The system prompt alone is over 120 tokens: at least 7 blocks per chat.
+    grown = {
+        (topo.gateway.port, f"127.0.0.1:{h.port}"): 7 * sum(1 for _, p in chats if p == h.port)
+        for h in sidecars
+    }
+    _await_indexed([topo.gateway], "pdpool_gateway_kv_blocks", before, grown)
     asked0 = metric(gw, "pdpool_gateway_kv_engine_tokenize_total", 'result="ok"')
     for messages, port in chats:
         r = _chat(gw, model, messages)

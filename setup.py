@@ -23,7 +23,8 @@ def discover():
         for root, dirs, files in os.walk(folder):
             dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
             rel = os.path.relpath(root, folder)
-            # A folder's top may lack __init__.py (operator/ must not shadow the stdlib).
+            # A folder's top may lack __init__.py: operator/ must not shadow the stdlib, nor
+            # kernels/ Hugging Face's `kernels` package when run from the repository root.
             if "__init__.py" not in files and rel != ".":
                 continue
             pkg = name if rel == "." else name + "." + rel.replace(os.sep, ".")

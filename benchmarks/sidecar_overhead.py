@@ -525,11 +525,19 @@ def llmd_pd_sidecar_binary() -> str:
     return lines[-1]
 
 
+def llmd_upstream_port_flag(binary: str) -> str:
+    """The flag naming the engine's port: llm-d-router's pd-sidecar takes
+    --model-server-port, llm-d-inference-scheduler's (the module proxy's) --vllm-port."""
+    done = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
+    newer = "--model-server-port" in done.stdout + done.stderr
+    return "--model-server-port" if newer else "--vllm-port"
+
+
 def start_llmd_sidecar(binary: str, port: int, upstream_port: int) -> subprocess.Popen:
     """llm-d's pd-sidecar on `port` in front of the engine on `upstream_port`, plain HTTP
     (its default is a self-signed TLS listener), its default connector; requests without
     its prefill header (x-prefiller-host-port) go to the decoder alone."""
-    command = [binary, "--port", str(port), "--model-server-port", str(upstream_port)]
+    command = [binary, "--port", str(port), llmd_upstream_port_flag(binary), str(upstream_port)]
     command += ["--secure-proxy=false", "--zap-log-level", "error"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL)
 

@@ -26,7 +26,7 @@ export PYTHONPATH=/tmp/pd:$PWD${PYTHONPATH:+:$PYTHONPATH}
 step() { [[ ",$STEPS," == *",$1,"* ]]; }
 rc=0
 if step kernels; then
-  timeout 240 $PY -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernels.log" | tail -30
+  timeout 240 $PY -m pytest -q -p no:cacheprovider tests/kernel_ops 2>&1 | tee "$OUT/kernels.log" | tail -30
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if step parity; then

@@ -6,7 +6,10 @@
 #   PDPOOL_LLMD_ROUTER_SRC=<git dir of llm-d/llm-d-router> scripts/llm-d/build-pd-sidecar.sh
 #
 # The router's tree comes from a git dir (default: where the fetch tool puts it), at
-# PDPOOL_LLMD_ROUTER_REF (default HEAD); its dependencies from the Go module proxy. A cold
+# PDPOOL_LLMD_ROUTER_REF (default HEAD); where there is none, from the Go module proxy as
+# github.com/llm-d/llm-d-inference-scheduler@$PDPOOL_LLMD_MODULE_VERSION (default v0.7.1, the
+# router's name before it was renamed; its pd-sidecar takes --vllm-port where the router's
+# takes --model-server-port). Its dependencies come from the Go module proxy. A cold
 # build takes about 5 minutes on 2 cores. Idempotent: a binary built from the same commit is
 # kept. Prints the binary's path on its last line.
 set -euo pipefail
@@ -18,6 +21,8 @@ ROUTER_SRC=${PDPOOL_LLMD_ROUTER_SRC:-/work/.mirror/llm-d+llm-d-router/repo}
 REF=${PDPOOL_LLMD_ROUTER_REF:-HEAD}
 BIN=${PDPOOL_LLMD_BIN_DIR:-$HOME/.cache/pdpool/llm-d-bin}
 WORK=$HOME/.cache/pdpool/llm-d-build
+MODULE=github.com/llm-d/llm-d-inference-scheduler
+MODULE_VERSION=${PDPOOL_LLMD_MODULE_VERSION:-v0.7.1}
 
 mkdir -p "$BIN" "$WORK"
 exec 9>"$BIN/.lock"
@@ -27,14 +32,13 @@ if git --git-dir="$ROUTER_SRC" rev-parse --verify -q HEAD >/dev/null 2>&1; then
   src=$WORK/llm-d-router-$commit
   llmd_tree "$ROUTER_SRC" "$commit" "$src"
 else
-  # No fetched tree on this machine (any more): the tree an earlier build laid out, if any.
-  src=$(ls -dt "$WORK"/llm-d-router-*/ 2>/dev/null | head -n 1 || true)
-  src=${src%/}
-  if [[ -z $src || ! -f $src/go.mod ]]; then
-    echo "build-pd-sidecar: no llm-d source at $ROUTER_SRC and none laid out in $WORK (fetch github:llm-d/llm-d-router first)" >&2
-    exit 3
+  # No fetched tree on this machine (a fresh one): the router's earlier module,
+  # llm-d-inference-scheduler, whose cmd/pd-sidecar the Go module proxy serves.
+  commit="$MODULE@$MODULE_VERSION"
+  src=$WORK/llm-d-inference-scheduler-$MODULE_VERSION
+  if ! llmd_cached "$BIN" pd-sidecar "$commit" >/dev/null; then
+    llmd_module_tree "$MODULE" "$MODULE_VERSION" "$src"
   fi
-  commit=${src##*/llm-d-router-}
 fi
 llmd_cached "$BIN" pd-sidecar "$commit" && exit 0
 command -v go >/dev/null || { echo "build-pd-sidecar: go is not installed" >&2; exit 3; }

@@ -35,6 +35,22 @@ llmd_tree() {
   fi
 }
 
+# llmd_module_tree MODULE VERSION DEST: the module's files from the Go module proxy in DEST
+# (a writable copy: the module cache is read-only, and -mod=mod may touch go.mod).
+llmd_module_tree() {
+  local module=$1 version=$2 dest=$3 dir
+  if [[ ! -f $dest/go.mod ]]; then
+    command -v go >/dev/null || { echo "llm-d: go is not installed" >&2; exit 3; }
+    dir=$(go mod download -json "$module@$version" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+    [[ -n $dir && -f $dir/go.mod ]] || {
+      echo "llm-d: the Go module proxy did not serve $module@$version" >&2
+      exit 3
+    }
+    rm -rf "$dest.part" && cp -r "$dir" "$dest.part" && chmod -R u+w "$dest.part"
+    mv "$dest.part" "$dest"
+  fi
+}
+
 # llmd_cached BIN_DIR NAME COMMIT: true (and prints the path) when BIN_DIR/NAME was built
 # from COMMIT.
 llmd_cached() {

@@ -21,7 +21,14 @@ from pdpool.ports import free_port
 from pdpool.up.envoy_config import envoy_bootstrap
 from pdpool.up.envoy_gateway import find_envoy
 from pdpool.up.topology import healthy
-from tests.support.e2e_helpers import cleanup, metric, model_name, start_topology
+from tests.support.e2e_helpers import (
+    await_indexed,
+    blocks_known,
+    cleanup,
+    metric,
+    model_name,
+    start_topology,
+)
 from tests.support.prerequisites import built_by
 
 pytestmark = pytest.mark.slow
@@ -118,12 +125,15 @@ def test_precise_routing_hits_the_warmed_engine(topo, model):
     sidecars = topo.by_role("sidecar")
     rng = random.Random(5)
     docs = []
+    before = blocks_known([topo.router], "pdpool_gateway_kv_blocks")
     for i in range(4):
         doc = [rng.randrange(3, 500) for _ in range(96)]
         holder = sidecars[i % 2]
         assert _complete(holder.url, {"model": model, "prompt": doc}).status_code == 200
         docs.append((doc, holder))
-    time.sleep(0.5)
+    # 96 tokens: 6 blocks of 16 per prompt, two prompts per engine.
+    grown = {(topo.router.port, _endpoint(s)): 12 for s in sidecars}
+    await_indexed([topo.router], "pdpool_gateway_kv_blocks", before, grown)
     for doc, holder in docs:
         r = _complete(topo.gateway.url, {"model": model, "prompt": [*doc, 7, 8, 9]})
         assert r.status_code == 200, r.text

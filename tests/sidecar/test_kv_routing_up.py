@@ -6,13 +6,18 @@ Prefill engines publish too: a sidecar sends the prefill leg to the one holding 
 from __future__ import annotations
 
 import random
-import re
-import time
 
 import httpx
 import pytest
 
-from tests.support.e2e_helpers import cleanup, metric, model_name, start_topology
+from tests.support.e2e_helpers import (
+    await_indexed,
+    blocks_known,
+    cleanup,
+    metric,
+    model_name,
+    start_topology,
+)
 
 # Starts engine processes: the full run's tier, not the fast one.
 pytestmark = pytest.mark.slow
@@ -43,23 +48,13 @@ BLOCK = 16  # the engines' default block size
 DOC_TOKENS = 96
 
 
-def _blocks_known(routers, name: str) -> dict[tuple[int, str], float]:
-    """{(router's port, engine): blocks its KV index knows that engine holds}."""
-    out = {}
-    for r in routers:
-        text = httpx.get(r.url + "/metrics", timeout=5).text
-        for m in re.finditer(rf'^{name}{{\w+="([^"]+)"}} (\S+)$', text, re.M):
-            out[(r.port, m.group(1))] = float(m.group(2))
-    return out
-
-
 def _warm_directly(
     holders, model: str, rng, routers, blocks_metric: str, n: int = 6
 ) -> list[tuple[list[int], int]]:
     """Each of n prompts sent straight to one of `holders` (in turn), past the gateway and
     sidecars: [(prompt, holder's port)], once every router's KV index (`blocks_metric` on
     each of `routers`) has the blocks their events announced."""
-    before = _blocks_known(routers, blocks_metric)
+    before = blocks_known(routers, blocks_metric)
     docs = []
     for i in range(n):
         doc = [rng.randrange(3, 500) for _ in range(DOC_TOKENS)]
@@ -72,21 +67,8 @@ def _warm_directly(
         for r in routers
         for h in holders
     }
-    _await_indexed(routers, blocks_metric, before, grown)
+    await_indexed(routers, blocks_metric, before, grown)
     return docs
-
-
-def _await_indexed(routers, blocks_metric: str, before: dict, grown: dict) -> None:
-    """Until each (router, engine) of `grown` knows at least that many more blocks than
-    `before`: events travel and are indexed asynchronously, slower on a loaded machine."""
-    deadline = time.monotonic() + 30
-    while True:
-        now = _blocks_known(routers, blocks_metric)
-        short = {k: n for k, n in grown.items() if now.get(k, 0) < before.get(k, 0) + n}
-        if not short:
-            return
-        assert time.monotonic() < deadline, f"events not indexed: {short} of {now}"
-        time.sleep(0.1)
 
 
 def _continued(doc: list[int], rng) -> list[int]:
@@ -148,7 +130,7 @@ def test_chats_are_routed_by_the_tokens_an_engine_renders(topo):
     rng = random.Random(23)
     words = ["river", "stone", "bright", "quiet", "market", "window", "seven", "garden"]
     chats = []
-    before = _blocks_known([topo.gateway], "pdpool_gateway_kv_blocks")
+    before = blocks_known([topo.gateway], "pdpool_gateway_kv_blocks")
     for i in range(6):
         system = " ".join(rng.choice(words) for _ in range(120))
         messages = [{"role": "system", "content": system}, {"role": "user", "content": "why?"}]
@@ -160,7 +142,7 @@ def test_chats_are_routed_by_the_tokens_an_engine_renders(topo):
         (topo.gateway.port, f"127.0.0.1:{h.port}"): 7 * sum(1 for _, p in chats if p == h.port)
         for h in sidecars
     }
-    _await_indexed([topo.gateway], "pdpool_gateway_kv_blocks", before, grown)
+    await_indexed([topo.gateway], "pdpool_gateway_kv_blocks", before, grown)
     asked0 = metric(gw, "pdpool_gateway_kv_engine_tokenize_total", 'result="ok"')
     for messages, port in chats:
         r = _chat(gw, model, messages)

@@ -1,8 +1,9 @@
 """llm-d's pd-sidecar as a target of benchmarks/sidecar_overhead.py --llmd: built from the
-fetched llm-d-router tree by scripts/llm-d/build-pd-sidecar.sh (the test fails with the
-build's reason when it cannot be built), started as the benchmark starts it, in front of the
-benchmark's vLLM stand-in (a labelled fake of that third party), and streamed through by the
-benchmark's own client: every stream served whole, none failed."""
+fetched llm-d-router tree, else from the Go module proxy's llm-d-inference-scheduler, by
+scripts/llm-d/build-pd-sidecar.sh (the test fails with the build's reason when it cannot be
+built), started as the benchmark starts it, in front of the benchmark's vLLM stand-in (a
+labelled fake of that third party), and streamed through by the benchmark's own client:
+every stream served whole, none failed."""
 
 from __future__ import annotations
 

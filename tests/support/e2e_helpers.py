@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 
 import httpx
 import pytest
@@ -52,6 +53,31 @@ def metric(url: str, name: str, labels: str = "") -> float:
         if m and m.group(1) == name and labels in (m.group(2) or ""):
             total += float(m.group(3))
     return total
+
+
+def blocks_known(routers, name: str) -> dict[tuple[int, str], float]:
+    """{(router's port, engine): blocks its KV index knows the engine holds}, from each
+    router's gauge `name` (pdpool_gateway_kv_blocks, pdpool_sidecar_prefill_kv_blocks)."""
+    out = {}
+    for r in routers:
+        text = httpx.get(r.url + "/metrics", timeout=5).text
+        for m in re.finditer(rf'^{name}{{\w+="([^"]+)"}} (\S+)$', text, re.M):
+            out[(r.port, m.group(1))] = float(m.group(2))
+    return out
+
+
+def await_indexed(routers, name: str, before: dict, grown: dict, timeout_s: float = 30) -> None:
+    """Until each (router's port, engine) of `grown` knows at least that many more blocks
+    than `before` (`blocks_known`): events travel and are indexed asynchronously, slower
+    on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = blocks_known(routers, name)
+        short = {k: n for k, n in grown.items() if now.get(k, 0) < before.get(k, 0) + n}
+        if not short:
+            return
+        assert time.monotonic() < deadline, f"events not indexed: {short} of {now}"
+        time.sleep(0.1)
 
 
 def model_name(url: str) -> str:

@@ -41,7 +41,7 @@ if not HAS_CUDA:
 
     if not _pa._interpreting():
         raise RuntimeError(
-            "pdpool.kernels was imported before tests/kernels/conftest.py set "
+            "pdpool.kernels was imported before tests/kernel_ops/conftest.py set "
             "TRITON_INTERPRET=1; run the kernel tests in their own process"
         )
 

@@ -24,7 +24,7 @@ Pure: no I/O."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pdpool.planner.policy import PlannerConfig, PlannerConfigError, RoleBounds
 from pdpool.settings_flags import default_of
@@ -102,6 +102,22 @@ def _count(d: dict[str, Any], key: str, default: int, where: str, minimum: int =
     return value
 
 
+# PlannerConfig field -> (section of spec.autoscaling, key there, reader, minimum); absent
+# keys take the planner's own default.
+PLANNER_FIELDS: dict[str, tuple[str, str, Callable[..., Any], float]] = {
+    "ttft_seconds": ("targets", "ttftSeconds", _number, 0.001),
+    "itl_seconds": ("targets", "itlSeconds", _number, 0.0001),
+    "kv_usage_target": ("targets", "kvCacheUsage", _number, 0.01),
+    "waiting_per_engine": ("targets", "waitingPerEngine", _number, 0.1),
+    "up_window_s": ("behavior", "scaleUpStabilizationSeconds", _number, 0.0),
+    "down_window_s": ("behavior", "scaleDownStabilizationSeconds", _number, 0.0),
+    "max_step_up": ("behavior", "maxStepUp", _count, 1),
+    "max_step_down": ("behavior", "maxStepDown", _count, 1),
+    "up_cooldown_s": ("behavior", "upCooldownSeconds", _number, 0.0),
+    "down_cooldown_s": ("behavior", "downCooldownSeconds", _number, 0.0),
+}
+
+
 def _bounds(a: dict[str, Any], role: str) -> RoleBounds:
     where = f"{WHERE}.{role}"
     r = _obj(a, role, WHERE)
@@ -153,43 +169,20 @@ def parse_autoscaling(spec: dict[str, Any]) -> AutoscalingSpec | None:
         raise SpecError(f"{WHERE}.mode must be one of {', '.join(MODES)}, got {mode!r}")
     targets = _obj(a, "targets", WHERE)
     behavior = _obj(a, "behavior", WHERE)
-    tw, bw = f"{WHERE}.targets", f"{WHERE}.behavior"
     scale_to_zero = a.get("scaleToZero", planner_default("scale_to_zero"))
     if not isinstance(scale_to_zero, bool):
         raise SpecError(f"{WHERE}.scaleToZero must be a boolean")
+    sections = {"targets": targets, "behavior": behavior}
+    tuned: dict[str, Any] = {}
+    for field, (section, key, read, minimum) in PLANNER_FIELDS.items():
+        where = f"{WHERE}.{section}"
+        tuned[field] = read(sections[section], key, planner_default(field), where, minimum)
     try:
         planner = PlannerConfig(
             prefill=_bounds(a, "prefill"),
             decode=_bounds(a, "decode"),
-            ttft_seconds=_number(
-                targets, "ttftSeconds", planner_default("ttft_seconds"), tw, 0.001
-            ),
-            itl_seconds=_number(targets, "itlSeconds", planner_default("itl_seconds"), tw, 0.0001),
-            kv_usage_target=_number(
-                targets, "kvCacheUsage", planner_default("kv_usage_target"), tw, minimum=0.01
-            ),
-            waiting_per_engine=_number(
-                targets, "waitingPerEngine", planner_default("waiting_per_engine"), tw, minimum=0.1
-            ),
-            up_window_s=_number(
-                behavior, "scaleUpStabilizationSeconds", planner_default("up_window_s"), bw
-            ),
-            down_window_s=_number(
-                behavior, "scaleDownStabilizationSeconds", planner_default("down_window_s"), bw
-            ),
-            max_step_up=_count(
-                behavior, "maxStepUp", planner_default("max_step_up"), bw, minimum=1
-            ),
-            max_step_down=_count(
-                behavior, "maxStepDown", planner_default("max_step_down"), bw, minimum=1
-            ),
-            up_cooldown_s=_number(
-                behavior, "upCooldownSeconds", planner_default("up_cooldown_s"), bw
-            ),
-            down_cooldown_s=_number(
-                behavior, "downCooldownSeconds", planner_default("down_cooldown_s"), bw
-            ),
             scale_to_zero=scale_to_zero,
+            **tuned,
         ).validate()
     except PlannerConfigError as exc:
         raise SpecError(f"{WHERE}: {exc}") from None
@@ -199,7 +192,7 @@ def parse_autoscaling(spec: dict[str, Any]) -> AutoscalingSpec | None:
         planner=planner,
         # Slower than `pdpool up --autoscale`'s 2 s: a cluster's signals are scraped every
         # 15 s or so (Prometheus), deciding faster reads the same samples again.
-        interval_s=_number(behavior, "intervalSeconds", 15.0, bw, minimum=1.0),
+        interval_s=_number(behavior, "intervalSeconds", 15.0, f"{WHERE}.behavior", minimum=1.0),
         # a leaving engine drains as long as one a rollout replaces
         drain_seconds=_count(
             a, "drainSeconds", default_of(RolloutSpec, "drain_seconds"), WHERE, minimum=10

@@ -6,7 +6,7 @@ a strict json.loads refuses:
 - a string with minLength/maxLength: each character is `[^"\\\r\n]` (U+000B, U+001B ...
   pass; escapes do not);
 - the json-pointer formats: `[\0-.]` and `[0-}]` (control characters, and a raw `"` or `\`
-  that ends or breaks the string).
+  that ends or breaks the string); fixed in xgrammar 0.2.9, whose EBNF no longer has it.
 Their plain string rule is right. So the schema goes through xgrammar's own converter and
 the faulty rules are replaced in its EBNF text; a schema without them compiles from
 xgrammar's grammar unchanged (the same masks as stock vLLM).

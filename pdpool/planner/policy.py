@@ -59,6 +59,11 @@ class PlannerConfig:
     down_cooldown_s: float = 60.0  # after any change, a scale-down waits this long
     scale_to_zero: bool = False  # prefill only: the sidecars prefill on decode meanwhile
 
+    def targets(self) -> tuple[float, float, float, float]:
+        """What a pressure is measured against: a saturation seen under other targets
+        says nothing about these."""
+        return (self.ttft_seconds, self.itl_seconds, self.kv_usage_target, self.waiting_per_engine)
+
     def validate(self) -> "PlannerConfig":
         for role in ROLES:
             b = self.bounds(role)

@@ -23,6 +23,9 @@ class RoleState:
     last_change: Optional[float] = None
     since: Optional[float] = None  # the first tick this state has seen
     saturated_per_engine: Optional[float] = None  # load per engine at the last scale-up
+    # The targets that scale-up was measured against (PlannerConfig.targets): once they
+    # change (a pool's spec edited), the load that needed it is forgotten.
+    saturated_targets: Optional[tuple[float, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,9 @@ def _step(cfg: PlannerConfig, n: int, want: int) -> int:
 def plan_role(
     cfg: PlannerConfig, role: str, st: RoleState, now: float, sig: Signals
 ) -> tuple[RoleState, RoleDecision]:
-    rec = recommend(role, st.replicas, sig, cfg, st.saturated_per_engine)
+    targets = cfg.targets()
+    held = st.saturated_per_engine if st.saturated_targets == targets else None
+    rec = recommend(role, st.replicas, sig, cfg, held)
     keep = max(cfg.up_window_s, cfg.down_window_s)
     history = (*(h for h in st.history if now - h[0] <= keep), (now, rec.replicas))
     since = st.since if st.since is not None else now
@@ -135,7 +140,7 @@ def plan_role(
     if desired == st.replicas:
         return st, decision
     up = desired > st.replicas
-    saturated = st.saturated_per_engine
+    saturated = held
     if up and st.replicas > 0:
         load = demand(sig.prefill if role == "prefill" else sig.decode) / st.replicas
         saturated = load or saturated  # the latest saturation (none measured: keep the last)
@@ -146,6 +151,7 @@ def plan_role(
             last_change=now,
             last_up=now if up else st.last_up,
             saturated_per_engine=saturated or None,
+            saturated_targets=targets if saturated else None,
         ),
         decision,
     )

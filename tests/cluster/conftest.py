@@ -93,10 +93,11 @@ def stop(cluster: Cluster) -> None:
     assert done.returncode == 0, f"scripts/cluster/down.sh failed: {done.stderr.strip()}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool_cluster() -> Iterator[Cluster]:
-    """One cluster with both images for the session's pool tests (a fixed name, so that
-    containerd's store keeps the imported images between runs)."""
+    """One cluster with both images for the tier's pool tests (a fixed name, so that
+    containerd's store keeps the imported images between runs), down once the tier's last
+    test is done: its node's daemons would otherwise take CPU from every later test."""
     require_root()
     images()
     cluster = start("pdpool-tests", SLIM, ENGINE)

@@ -169,6 +169,26 @@ def test_an_engine_a_scale_up_bought_is_kept_while_the_load_that_needed_it_stays
     assert recommend("decode", 2, signals(3), cfg, saturated_per_engine=6.0).replicas == 1
 
 
+def test_a_saturation_measured_under_other_targets_is_forgotten():
+    """The load per engine a scale-up needed holds engines only while the targets it was
+    measured against stand: relaxed targets (a pool's spec edited) let the same load
+    scale down at once."""
+    from dataclasses import replace
+
+    from pdpool.planner.stabilize import RoleState, plan_role
+
+    cfg = config(down_window_s=0.0, down_cooldown_s=0.0)
+    busy = _decode_signals(2, 8, 0, itl_p90=0.01)
+    st = RoleState(2, since=0.0, saturated_per_engine=6.0, saturated_targets=cfg.targets())
+    kept, held = plan_role(cfg, "decode", st, 100.0, busy)
+    assert held.desired == 2 and "would not fit 1" in held.reason
+    assert kept.saturated_per_engine == 6.0
+    relaxed = replace(cfg, itl_seconds=cfg.itl_seconds * 10)
+    after, down = plan_role(relaxed, "decode", st, 100.0, busy)
+    assert down.desired == 1, down.reason
+    assert after.saturated_per_engine is None and after.saturated_targets is None
+
+
 def _decode_signals(engines, running, waiting, itl_p90=0.02, decode_ttft_p90=None):
     from pdpool.planner.signals import PoolSignals, RoleSignals, Signals
 

@@ -83,6 +83,8 @@ class Pending:
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = True
     cancelled: bool = False  # a launch a later scale-down no longer wants
+    # When it began (monotonic): for a drain, when its engine was unlisted.
+    started_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass

@@ -144,7 +144,7 @@ def test_load_scales_up_a_busy_scale_down_drains_and_idle_returns_to_the_minimum
         wait(lambda: scaler.drains, 30, "a scale-down decision")
         paused.set()
         leaving = list(scaler.drains[0].children)
-        retired_at = time.monotonic()
+        retired_at = scaler.drains[0].started_at  # unlisted then, not when this loop saw it
         exited: dict[str, float] = {}
 
         def watch(child):

@@ -5,6 +5,7 @@ out), then decode token by token from those states. The result must match transf
 `Qwen3_5GatedDeltaNet` run over the whole sequence at once.
 """
 
+import copy
 import importlib.util
 
 import pytest
@@ -94,21 +95,24 @@ def our_decode(layer, hidden, conv_state, state, pool_rows):
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_prefill_then_decode_matches_hf_layer(hf_layer, kernels, monkeypatch):
-    if kernels == "triton":  # decode ops through the Triton kernels (interpreter on CPU)
+    # the Triton variant runs compiled on a GPU, through the interpreter on a CPU
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    if kernels == "triton":
         monkeypatch.setattr(ops, "use_triton", lambda device: True)
+    layer = copy.deepcopy(hf_layer).to(device)
     torch.manual_seed(1)
-    hidden = torch.randn(2, 12, 64)
+    hidden = torch.randn(2, 12, 64).to(device)
     with torch.no_grad():
-        expected = hf_layer(hidden)
-        prompt, conv_state, state = our_prefill(hf_layer, hidden[:, :9])
+        expected = layer(hidden)
+        prompt, conv_state, state = our_prefill(layer, hidden[:, :9])
         # float32, our ops against HF's layer (chunked vs recurrent sums, another order):
         # rounding only, growing over 12 steps; far below a wrong gate, norm or projection.
         torch.testing.assert_close(prompt, expected[:, :9], rtol=1e-4, atol=1e-4)
         # the engine keeps states in pools: rows 3 and 0 of 5, decoding in that order
-        rows = torch.tensor([3, 0])
-        conv_pool = torch.zeros(5, *conv_state.shape[1:])
-        state_pool = torch.zeros(5, *state.shape[1:])
+        rows = torch.tensor([3, 0], device=device)
+        conv_pool = torch.zeros(5, *conv_state.shape[1:], device=device)
+        state_pool = torch.zeros(5, *state.shape[1:], device=device)
         conv_pool[rows], state_pool[rows] = conv_state, state
         for t in range(9, 12):
-            out = our_decode(hf_layer, hidden[:, t : t + 1], conv_pool, state_pool, rows)
+            out = our_decode(layer, hidden[:, t : t + 1], conv_pool, state_pool, rows)
             torch.testing.assert_close(out, expected[:, t : t + 1], rtol=1e-4, atol=1e-4)

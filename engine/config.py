@@ -68,9 +68,11 @@ class EngineConfig:
     cpu_prefill_threads: Optional[int] = setting(
         None,
         type=int,
-        help="torch threads on CPU for steps that compute 256 or more prompt tokens "
-        "(default: --cpu-threads if given, else $OMP_NUM_THREADS if set, else every usable "
-        "core with the engine in its own process, one fewer without)",
+        help="torch threads on CPU for steps that compute 256 or more prompt tokens, while "
+        "they compute faster than --cpu-threads (measured as the steps come: other busy "
+        "processes can make more threads slower) (default: --cpu-threads if given, else "
+        "$OMP_NUM_THREADS if set, else every usable core with the engine in its own "
+        "process, one fewer without)",
     )
     # KV connector (P/D transfer)
     kv_connector: str = setting("none", choices=("none", "nixl"))

@@ -45,6 +45,7 @@ from pdpool.engine.core_messages import (
 )
 from pdpool.engine.engine_state import EngineState, engine_state
 from pdpool.engine.outputs import RequestOutput
+from pdpool.start_up_gc import freeze_start_up_objects
 
 if TYPE_CHECKING:  # for annotations only: the server process never imports torch
     from pdpool.engine.config import EngineConfig
@@ -197,6 +198,7 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -
         engine.kv_capacity_tokens,
         engine.memory.fingerprint,
     )
+    freeze_start_up_objects()  # the model's modules, the KV pools' bookkeeping
     _first_message(conn, CoreReady(facts, engine_state(engine)))
     inbox = _CoreInbox(engine)
     channel = CoreChannel(conn, inbox.on_messages, inbox.on_closed, name="engine-core")

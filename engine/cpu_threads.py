@@ -12,6 +12,14 @@ over every core, and while it runs the server (in its own process by default) ha
 to do. Such steps get every core (`serving_prefill_threads`); `StepThreads` switches torch
 between the two counts as the steps come. --cpu-prefill-threads overrides it.
 
+Whether every core is in fact faster is measured, not assumed: when other processes keep the
+other cores busy (the server relaying many streams, `pdpool up`'s sidecar and gateway, other
+jobs), each parallel region of a many-thread step waits for a core one of them holds. Under
+40 streams on 2 cores a wide step then took about 100 ms where one thread took a few, and
+every stream's next token waited for it. So `WideStepThreads` gives wide steps whichever of
+the two counts has computed a prompt token faster lately, and tries the other one now and
+then.
+
 Between two parallel regions GNU OpenMP's idle workers spin (300000 rounds by default,
 milliseconds) before they sleep. A spinning worker takes a core from whatever runs next:
 the attention kernels' own threads, the server. `pdpool serve` shortens the spin
@@ -76,14 +84,61 @@ def step_thread_count(tokens: int, decode: int, prefill: int) -> int:
     return prefill if tokens >= WIDE_STEP_TOKENS else decode
 
 
+# Wide steps between two tries of the count not in use: rare enough that a slow try seldom
+# meets a stream, often enough to follow a machine whose load changes within a minute.
+EXPLORE_EVERY = 50
+COST_SMOOTHING = 0.3
+
+
+class WideStepThreads:
+    """Chooses a wide step's thread count among `counts`: the one with the lowest recent
+    seconds per computed token; every EXPLORE_EVERY wide steps the other one, whose cost is
+    then replaced by what it measures (an old figure says nothing of the machine now)."""
+
+    def __init__(self, counts: tuple[int, ...]) -> None:
+        self.cost: dict[int, Optional[float]] = dict.fromkeys(counts)
+        self.wide_steps = 0
+        self.exploring: Optional[int] = None
+
+    def choose(self) -> int:
+        self.wide_steps += 1
+        self.exploring = None
+        for count, cost in self.cost.items():
+            if cost is None:
+                self.exploring = count
+                return count
+        best = min(self.cost, key=lambda c: self.cost[c] or 0.0)
+        if self.wide_steps % EXPLORE_EVERY == 0:
+            self.exploring = next(c for c in self.cost if c != best)
+            return self.exploring
+        return best
+
+    def record(self, count: int, tokens: int, seconds: float) -> None:
+        per_token = seconds / max(1, tokens)
+        old = self.cost.get(count)
+        if old is None or count == self.exploring:
+            self.cost[count] = per_token
+        else:
+            self.cost[count] = old + COST_SMOOTHING * (per_token - old)
+
+    def describe(self) -> str:
+        known = {c: f"{v * 1e6:.1f} us" for c, v in self.cost.items() if v is not None}
+        return f"wide-step cost per token by threads: {known or 'not measured yet'}"
+
+
 class StepThreads:
     """Sets torch's thread count before each step (only when it changes: a change costs a
-    few microseconds, a step milliseconds)."""
+    few microseconds, a step milliseconds). Wide steps get the prefill count or the decode
+    count, whichever `WideStepThreads` finds faster."""
 
     def __init__(self, decode: Optional[int], prefill: Optional[int]) -> None:
         self.decode = decode or torch_threads()
         self.prefill = prefill or self.decode
         self.current = torch_threads()
+        self.wide: Optional[WideStepThreads] = None
+        if self.prefill != self.decode:
+            self.wide = WideStepThreads((self.prefill, self.decode))
+        self.step_count: Optional[int] = None  # the wide step's count, for after_step
         from pdpool.kernels import cpu_parallel
 
         cpu_parallel.allow_big_calls(self.prefill)
@@ -91,13 +146,23 @@ class StepThreads:
     def describe(self) -> str:
         if self.prefill == self.decode:
             return f"{self.decode} threads"
-        return f"{self.decode} threads ({self.prefill} for steps of {WIDE_STEP_TOKENS}+ tokens)"
+        return (
+            f"{self.decode} threads (up to {self.prefill} for steps of {WIDE_STEP_TOKENS}+ "
+            "tokens, where measured faster)"
+        )
 
     def before_step(self, tokens: int) -> None:
         wanted = step_thread_count(tokens, self.decode, self.prefill)
+        self.step_count = None
+        if wanted != self.decode and self.wide is not None:
+            wanted = self.step_count = self.wide.choose()
         if wanted != self.current:
             set_torch_threads(wanted)
             self.current = wanted
+
+    def after_step(self, tokens: int, seconds: float) -> None:
+        if self.step_count is not None and self.wide is not None:
+            self.wide.record(self.step_count, tokens, seconds)
 
 
 def torch_threads() -> int:

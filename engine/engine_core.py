@@ -317,10 +317,13 @@ class LLMEngine:
         """The model's forward for a scheduled step, and the outputs of requests it failed."""
         if self.step_threads is not None:
             self.step_threads.before_step(out.num_scheduled_tokens)
+        started = time.perf_counter()
         try:
             result = self.runner.execute(out)
         except Exception as exc:
             return self._execute_isolating(out, exc)
+        if self.step_threads is not None:
+            self.step_threads.after_step(out.num_scheduled_tokens, time.perf_counter() - started)
         self._forward_succeeded()
         return result, []
 

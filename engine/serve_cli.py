@@ -9,6 +9,7 @@ from typing import Any, Optional
 from pdpool import metrics_listener, tracing
 from pdpool.cli import CliError, add_switch
 from pdpool.settings_flags import add_flags, values_from_args
+from pdpool.start_up_gc import freeze_start_up_objects
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,6 +140,7 @@ def main(args: argparse.Namespace) -> int:
         # An engine that gives up stops the server as a signal would (drain, then stop),
         # without a signal: the exit status then says why.
         aengine.stop_server = lambda: setattr(server, "should_exit", True)
+        freeze_start_up_objects()
         listeners.run(server)
     finally:
         aengine.shutdown()

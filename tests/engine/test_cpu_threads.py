@@ -15,9 +15,11 @@ import torch
 from devtools.engine_procs import SpawnedEngine
 from pdpool.engine import serve_cli
 from pdpool.engine.cpu_threads import (
+    EXPLORE_EVERY,
     OPENMP_SPIN_ROUNDS,
     WIDE_STEP_TOKENS,
     StepThreads,
+    WideStepThreads,
     quiet_openmp_spin,
     serving_cpu_threads,
     serving_prefill_threads,
@@ -64,6 +66,51 @@ def test_steps_switch_between_the_two_counts():
         assert unset.prefill == unset.decode == 1
     finally:
         torch.set_num_threads(before)
+
+
+def _run_wide_steps(chooser: WideStepThreads, steps: int, seconds_per_token) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        count = chooser.choose()
+        chosen.append(count)
+        chooser.record(count, 512, 512 * seconds_per_token[count])
+    return chosen
+
+
+QUIET = {2: 6e-6, 1: 10e-6}  # seconds a prompt token: two threads 1.7x faster
+CONTENDED = {2: 200e-6, 1: 10e-6}  # the other core busy: every parallel region waits
+
+
+def test_wide_steps_take_the_count_that_computes_faster():
+    explored = [i for i in range(2, 200) if (i + 1) % EXPLORE_EVERY == 0]
+    chosen = _run_wide_steps(WideStepThreads((2, 1)), 200, QUIET)
+    assert chosen[:2] == [2, 1]  # each measured once
+    assert [i for i in range(2, 200) if chosen[i] == 1] == explored
+    chosen = _run_wide_steps(WideStepThreads((2, 1)), 200, CONTENDED)
+    assert [i for i in range(2, 200) if chosen[i] == 2] == explored
+
+
+def test_wide_steps_follow_a_change_of_the_machines_load():
+    chooser = WideStepThreads((2, 1))
+    _run_wide_steps(chooser, 120, QUIET)
+    contended = _run_wide_steps(chooser, 60, CONTENDED)
+    # the count in use slows down: its smoothed cost passes the other's within two steps,
+    # and two threads come back only for the one exploration among these steps (the 150th)
+    assert contended[:2].count(1) >= 1 and contended[2:].count(2) == 1
+    quiet_again = _run_wide_steps(chooser, 2 * EXPLORE_EVERY, QUIET)
+    # the count not in use is tried again at the next exploration, measured fast, and kept
+    back = quiet_again.index(2)
+    assert back < EXPLORE_EVERY
+    assert set(quiet_again[back:]) == {2, 1} and quiet_again[back:].count(1) == 1
+
+
+def test_one_slow_step_of_the_count_in_use_does_not_switch_for_good():
+    chooser = WideStepThreads((2, 1))
+    _run_wide_steps(chooser, 10, QUIET)
+    chooser.record(2, 512, 512 * 200e-6)  # one outlier (another process's burst)
+    chosen = _run_wide_steps(chooser, 2 * EXPLORE_EVERY, QUIET)
+    # one thread for a while, two again from the next exploration on (but for the one after)
+    assert chosen[0] == 1 and chosen[EXPLORE_EVERY:].count(1) == 1
 
 
 @pytest.mark.parametrize(
@@ -149,7 +196,7 @@ def test_a_served_engine_runs_with_the_policys_threads(tiny_qwen3, tmp_path, mon
     finally:
         eng.stop()
     line = next(x for x in eng.log.read_text().splitlines() if "engine ready" in x)
-    assert re.search(r"\b2 threads \(3 for steps of 256\+ tokens\)", line), line
+    assert re.search(r"\b2 threads \(up to 3 for steps of 256\+ tokens", line), line
 
 
 def test_an_engine_runs_prompt_steps_wide_and_decode_steps_narrow(tiny_qwen3):
@@ -175,3 +222,37 @@ def test_an_engine_runs_prompt_steps_wide_and_decode_steps_narrow(tiny_qwen3):
     finally:
         torch.set_num_threads(before)
     assert seen == [(WIDE_STEP_TOKENS + 40, 2), (1, 1), (1, 1)]
+
+
+def test_an_engine_gives_up_wide_threads_that_compute_slower(tiny_qwen3):
+    """Two threads made slow (as when another process holds the second core): after one
+    wide step on each count, the engine's prompt steps run on one thread."""
+    import time
+
+    from pdpool.engine.config import EngineConfig
+    from pdpool.engine.engine_core import LLMEngine
+    from pdpool.engine.sampling_params import SamplingParams
+
+    before = torch.get_num_threads()
+    try:
+        engine = LLMEngine(
+            EngineConfig(model=str(tiny_qwen3), device="cpu", cpu_threads=1, cpu_prefill_threads=2)
+        )
+        wide = []
+        execute = engine.runner.execute
+
+        def contended(out):
+            threads = torch.get_num_threads()
+            if out.num_scheduled_tokens >= WIDE_STEP_TOKENS:
+                wide.append(threads)
+            if threads == 2:
+                time.sleep(0.05)
+            return execute(out)
+
+        engine.runner.execute = contended
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for i in range(6):  # one prompt at a time: one wide step each
+            engine.generate([list(range(3 + i, 3 + i + WIDE_STEP_TOKENS + 40))], params)
+    finally:
+        torch.set_num_threads(before)
+    assert wide == [2, 1, 1, 1, 1, 1]

@@ -29,10 +29,13 @@ measured 6-9% faster in-process, with less CPU time.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
 from pdpool.cpu_cores import usable_cores
+
+log = logging.getLogger(__name__)
 
 
 def serving_cpu_threads(cores: Optional[int] = None, environ=os.environ) -> Optional[int]:
@@ -84,21 +87,30 @@ def step_thread_count(tokens: int, decode: int, prefill: int) -> int:
     return prefill if tokens >= WIDE_STEP_TOKENS else decode
 
 
-# Wide steps between two tries of the count not in use: rare enough that a slow try seldom
-# meets a stream, often enough to follow a machine whose load changes within a minute.
+# Wide steps between two tries of the count not in use, times how much slower it measured
+# (at most 8x): a count far slower (threads waiting for busy cores) is retried every 400 wide
+# steps, since each try stalls every stream once; one 1.7x slower every 85.
 EXPLORE_EVERY = 50
+EXPLORE_SCALE_CAP = 8.0
 COST_SMOOTHING = 0.3
+SAMPLE_CLIP = 2.0
 
 
 class WideStepThreads:
     """Chooses a wide step's thread count among `counts`: the one with the lowest recent
-    seconds per computed token; every EXPLORE_EVERY wide steps the other one, whose cost is
-    then replaced by what it measures (an old figure says nothing of the machine now)."""
+    seconds per computed token. Now and then (`explore_interval`) the other one, whose cost
+    is then replaced by what it measures (an old figure says nothing of the machine now)."""
 
     def __init__(self, counts: tuple[int, ...]) -> None:
         self.cost: dict[int, Optional[float]] = dict.fromkeys(counts)
         self.wide_steps = 0
+        self.last_try = 0
         self.exploring: Optional[int] = None
+        self.in_use = counts[0]
+
+    def explore_interval(self, best: int, other: int) -> float:
+        ratio = (self.cost[other] or 0.0) / max(self.cost[best] or 0.0, 1e-12)
+        return EXPLORE_EVERY * min(max(ratio, 1.0), EXPLORE_SCALE_CAP)
 
     def choose(self) -> int:
         self.wide_steps += 1
@@ -106,11 +118,23 @@ class WideStepThreads:
         for count, cost in self.cost.items():
             if cost is None:
                 self.exploring = count
+                self.last_try = self.wide_steps
                 return count
         best = min(self.cost, key=lambda c: self.cost[c] or 0.0)
-        if self.wide_steps % EXPLORE_EVERY == 0:
-            self.exploring = next(c for c in self.cost if c != best)
-            return self.exploring
+        other = next(c for c in self.cost if c != best)
+        if best != self.in_use:
+            log.info(
+                "prompt steps now on %d threads: %.2f us a token, against %.2f on %d",
+                best,
+                (self.cost[best] or 0.0) * 1e6,
+                (self.cost[other] or 0.0) * 1e6,
+                other,
+            )
+            self.in_use = best
+        if self.wide_steps - self.last_try >= self.explore_interval(best, other):
+            self.exploring = other
+            self.last_try = self.wide_steps
+            return other
         return best
 
     def record(self, count: int, tokens: int, seconds: float) -> None:
@@ -118,12 +142,11 @@ class WideStepThreads:
         old = self.cost.get(count)
         if old is None or count == self.exploring:
             self.cost[count] = per_token
-        else:
-            self.cost[count] = old + COST_SMOOTHING * (per_token - old)
-
-    def describe(self) -> str:
-        known = {c: f"{v * 1e6:.1f} us" for c, v in self.cost.items() if v is not None}
-        return f"wide-step cost per token by threads: {known or 'not measured yet'}"
+            return
+        # One sample moves the figure at most 2x (then smoothed): a lone outlier (another
+        # process's burst) does not switch counts; two slow steps in a row do.
+        per_token = min(max(per_token, old / SAMPLE_CLIP), old * SAMPLE_CLIP)
+        self.cost[count] = old + COST_SMOOTHING * (per_token - old)
 
 
 class StepThreads:

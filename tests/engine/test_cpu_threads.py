@@ -15,7 +15,6 @@ import torch
 from devtools.engine_procs import SpawnedEngine
 from pdpool.engine import serve_cli
 from pdpool.engine.cpu_threads import (
-    EXPLORE_EVERY,
     OPENMP_SPIN_ROUNDS,
     WIDE_STEP_TOKENS,
     StepThreads,
@@ -81,36 +80,43 @@ QUIET = {2: 6e-6, 1: 10e-6}  # seconds a prompt token: two threads 1.7x faster
 CONTENDED = {2: 200e-6, 1: 10e-6}  # the other core busy: every parallel region waits
 
 
+def _tries(chosen: list[int], of: int) -> list[int]:
+    return [i for i, c in enumerate(chosen) if c == of]
+
+
 def test_wide_steps_take_the_count_that_computes_faster():
-    explored = [i for i in range(2, 200) if (i + 1) % EXPLORE_EVERY == 0]
-    chosen = _run_wide_steps(WideStepThreads((2, 1)), 200, QUIET)
+    chosen = _run_wide_steps(WideStepThreads((2, 1)), 400, QUIET)
     assert chosen[:2] == [2, 1]  # each measured once
-    assert [i for i in range(2, 200) if chosen[i] == 1] == explored
-    chosen = _run_wide_steps(WideStepThreads((2, 1)), 200, CONTENDED)
-    assert [i for i in range(2, 200) if chosen[i] == 2] == explored
+    # one thread, 1.7x slower, is tried again every 50 x 1.7 wide steps
+    tries = _tries(chosen, 1)
+    assert tries[0] == 1 and len(tries) == 5
+    assert all(83 <= b - a <= 85 for a, b in zip(tries, tries[1:]))
+    # two threads, 20x slower, every 400 (the most it waits)
+    chosen = _run_wide_steps(WideStepThreads((2, 1)), 800, CONTENDED)
+    assert chosen[:2] == [2, 1] and _tries(chosen, 2) == [0, 401]
 
 
 def test_wide_steps_follow_a_change_of_the_machines_load():
     chooser = WideStepThreads((2, 1))
     _run_wide_steps(chooser, 120, QUIET)
     contended = _run_wide_steps(chooser, 60, CONTENDED)
-    # the count in use slows down: its smoothed cost passes the other's within two steps,
-    # and two threads come back only for the one exploration among these steps (the 150th)
-    assert contended[:2].count(1) >= 1 and contended[2:].count(2) == 1
-    quiet_again = _run_wide_steps(chooser, 2 * EXPLORE_EVERY, QUIET)
-    # the count not in use is tried again at the next exploration, measured fast, and kept
+    # the count in use slows down: two slow steps and it is left (two threads come back
+    # once: the try due while both counts measured about the same, which finds them slow)
+    assert contended[:2] == [2, 2] and contended[2:].count(2) == 1
+    quiet_again = _run_wide_steps(chooser, 600, QUIET)
+    # two threads are tried again (the sooner, the less slower they were last seen), found
+    # fast, and kept but for the tries of one thread
     back = quiet_again.index(2)
-    assert back < EXPLORE_EVERY
-    assert set(quiet_again[back:]) == {2, 1} and quiet_again[back:].count(1) == 1
+    assert back < 400
+    assert len(_tries(quiet_again[back:], 1)) <= len(quiet_again[back:]) // 80 + 1
 
 
-def test_one_slow_step_of_the_count_in_use_does_not_switch_for_good():
+def test_one_slow_step_of_the_count_in_use_does_not_switch():
     chooser = WideStepThreads((2, 1))
     _run_wide_steps(chooser, 10, QUIET)
     chooser.record(2, 512, 512 * 200e-6)  # one outlier (another process's burst)
-    chosen = _run_wide_steps(chooser, 2 * EXPLORE_EVERY, QUIET)
-    # one thread for a while, two again from the next exploration on (but for the one after)
-    assert chosen[0] == 1 and chosen[EXPLORE_EVERY:].count(1) == 1
+    chosen = _run_wide_steps(chooser, 60, QUIET)
+    assert set(chosen) == {2}
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,8 @@ import pdpool.engine.engine_core  # torch, transformers: what an engine process 
 from pdpool.start_up_gc import freeze_start_up_objects
 before = len(gc.get_objects())
 freeze_start_up_objects()
-print(json.dumps({"before": before, "after": len(gc.get_objects()), "frozen": gc.get_freeze_count()}))
+after, frozen = len(gc.get_objects()), gc.get_freeze_count()
+print(json.dumps({"before": before, "after": after, "frozen": frozen}))
 """
 
 

@@ -6,6 +6,7 @@ that applies it."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def test_wide_steps_take_the_count_that_computes_faster():
     # one thread, 1.7x slower, is tried again every 50 x 1.7 wide steps
     tries = _tries(chosen, 1)
     assert tries[0] == 1 and len(tries) == 5
-    assert all(83 <= b - a <= 85 for a, b in zip(tries, tries[1:]))
+    assert all(83 <= b - a <= 85 for a, b in itertools.pairwise(tries))
     # two threads, 20x slower, every 400 (the most it waits)
     chosen = _run_wide_steps(WideStepThreads((2, 1)), 800, CONTENDED)
     assert chosen[:2] == [2, 1] and _tries(chosen, 2) == [0, 401]

@@ -54,7 +54,13 @@ def _heads_as_values(q, k, v):
 def test_recurrent_reference_matches_hf(hf, num_k_heads, num_v_heads):
     q, k, v, g, beta, state = _inputs(2, 9, num_k_heads, num_v_heads, 32, 16, F32)
     expected, expected_state = hf.torch_recurrent_gated_delta_rule(
-        *_heads_as_values(q, k, v), v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+        *_heads_as_values(q, k, v),
+        v,
+        g,
+        beta,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     out, final = ref.gated_delta_rule_recurrent_reference(q, k, v, g, beta, state)
     # float32, the same recurrence written another way: rounding only, over 9 steps.
@@ -66,7 +72,13 @@ def test_recurrent_reference_matches_hf(hf, num_k_heads, num_v_heads):
 def test_chunked_reference_matches_hf_and_recurrent(hf, seq_len, chunk):
     q, k, v, g, beta, state = _inputs(2, seq_len, 2, 4, 32, 24, F32, seed=1)
     hf_out, hf_state = hf.torch_chunk_gated_delta_rule(
-        *_heads_as_values(q, k, v), v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+        *_heads_as_values(q, k, v),
+        v,
+        g,
+        beta,
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
     out, final = ref.gated_delta_rule_chunked_reference(q, k, v, g, beta, state, chunk_size=chunk)
     rec_out, rec_state = ref.gated_delta_rule_recurrent_reference(q, k, v, g, beta, state)

@@ -6,8 +6,10 @@ that applies it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -206,60 +208,57 @@ def test_a_served_engine_runs_with_the_policys_threads(tiny_qwen3, tmp_path, mon
     assert re.search(r"\b2 threads \(up to 3 for steps of 256\+ tokens", line), line
 
 
-def test_an_engine_runs_prompt_steps_wide_and_decode_steps_narrow(tiny_qwen3):
+@contextlib.contextmanager
+def _engine_watching_steps(model, before_execute):
+    """A real engine on one thread (two for wide steps) that calls `before_execute(out)` as
+    each step starts; torch's thread count is restored after."""
     from pdpool.engine.config import EngineConfig
     from pdpool.engine.engine_core import LLMEngine
-    from pdpool.engine.sampling_params import SamplingParams
 
     before = torch.get_num_threads()
     try:
         engine = LLMEngine(
-            EngineConfig(model=str(tiny_qwen3), device="cpu", cpu_threads=1, cpu_prefill_threads=2)
+            EngineConfig(model=str(model), device="cpu", cpu_threads=1, cpu_prefill_threads=2)
         )
-        seen = []
         execute = engine.runner.execute
 
-        def recording(out):
-            seen.append((out.num_scheduled_tokens, torch.get_num_threads()))
+        def watched(out):
+            before_execute(out)
             return execute(out)
 
-        engine.runner.execute = recording
-        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        engine.generate([list(range(3, 3 + WIDE_STEP_TOKENS + 40))], params)
+        engine.runner.execute = watched
+        yield engine
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_engine_runs_prompt_steps_wide_and_decode_steps_narrow(tiny_qwen3):
+    from pdpool.engine.sampling_params import SamplingParams
+
+    seen = []
+    record = lambda out: seen.append((out.num_scheduled_tokens, torch.get_num_threads()))  # noqa: E731
+    with _engine_watching_steps(tiny_qwen3, record) as engine:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        engine.generate([list(range(3, 3 + WIDE_STEP_TOKENS + 40))], params)
     assert seen == [(WIDE_STEP_TOKENS + 40, 2), (1, 1), (1, 1)]
 
 
 def test_an_engine_gives_up_wide_threads_that_compute_slower(tiny_qwen3):
     """Two threads made slow (as when another process holds the second core): after one
     wide step on each count, the engine's prompt steps run on one thread."""
-    import time
-
-    from pdpool.engine.config import EngineConfig
-    from pdpool.engine.engine_core import LLMEngine
     from pdpool.engine.sampling_params import SamplingParams
 
-    before = torch.get_num_threads()
-    try:
-        engine = LLMEngine(
-            EngineConfig(model=str(tiny_qwen3), device="cpu", cpu_threads=1, cpu_prefill_threads=2)
-        )
-        wide = []
-        execute = engine.runner.execute
+    wide = []
 
-        def contended(out):
-            threads = torch.get_num_threads()
-            if out.num_scheduled_tokens >= WIDE_STEP_TOKENS:
-                wide.append(threads)
-            if threads == 2:
-                time.sleep(0.05)
-            return execute(out)
+    def contended(out):
+        threads = torch.get_num_threads()
+        if out.num_scheduled_tokens >= WIDE_STEP_TOKENS:
+            wide.append(threads)
+        if threads == 2:
+            time.sleep(0.05)
 
-        engine.runner.execute = contended
+    with _engine_watching_steps(tiny_qwen3, contended) as engine:
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         for i in range(6):  # one prompt at a time: one wide step each
             engine.generate([list(range(3 + i, 3 + i + WIDE_STEP_TOKENS + 40))], params)
-    finally:
-        torch.set_num_threads(before)
     assert wide == [2, 1, 1, 1, 1, 1]

@@ -14,11 +14,11 @@ between the two counts as the steps come. --cpu-prefill-threads overrides it.
 
 Whether every core is in fact faster is measured, not assumed: when other processes keep the
 other cores busy (the server relaying many streams, `pdpool up`'s sidecar and gateway, other
-jobs), each parallel region of a many-thread step waits for a core one of them holds. Under
-40 streams on 2 cores a wide step then took about 100 ms where one thread took a few, and
-every stream's next token waited for it. So `WideStepThreads` gives wide steps whichever of
-the two counts has computed a prompt token faster lately, and tries the other one now and
-then.
+jobs), each parallel region of a many-thread step waits for a core one of them holds: with
+40 streams in the batch beside `pdpool up`'s other processes on 2 cores, two threads took
+56 us a prompt token and one 16, and every stream's next token waits for such a step. So
+`WideStepThreads` gives wide steps whichever of the two counts has computed a prompt token
+faster lately, and tries the other one now and then.
 
 Between two parallel regions GNU OpenMP's idle workers spin (300000 rounds by default,
 milliseconds) before they sleep. A spinning worker takes a core from whatever runs next:

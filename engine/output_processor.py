@@ -14,6 +14,7 @@ from typing import Any, Optional
 from pdpool.engine.detokenizer import IncrementalDetokenizer, fast_decoder
 from pdpool.engine.outputs import RequestOutput, TokenLogprob
 from pdpool.engine.request import Request, RequestStatus
+from pdpool.engine.stop_check import stop_token_reason
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> Optional[tuple[int, int]]:
@@ -33,6 +34,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._backend = fast_decoder(tokenizer)  # looked up once: it is per tokenizer
+        self._tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
         self._detok: dict[str, IncrementalDetokenizer] = {}
 
     def add(self, req: Request) -> None:
@@ -55,7 +57,7 @@ class OutputProcessor:
         (even when the length ran out too) and cuts the text where it begins (after it
         with include_stop_str_in_output). A stop token's own text is left out unless
         include_stop_str_in_output. While running, text that could still turn out to
-        begin a stop string is held back."""
+        begin a stop string is held back. A stop sets the request's stop_reason."""
         params = req.sampling_params
         include_stop = params.include_stop_str_in_output
         detok = self._detok[req.request_id]
@@ -68,8 +70,11 @@ class OutputProcessor:
             ):
                 found = find_stop(detok.text, len(delta), params.stop)
             if found is not None:
+                req.stop_reason = detok.text[found[0] : found[1]]
                 detok.text = detok.text[: found[1] if include_stop else found[0]]
                 status = RequestStatus.FINISHED_STOPPED
+        if token_status is RequestStatus.FINISHED_STOPPED:
+            req.stop_reason = stop_token_reason(req, self._tokenizer_eos)
         hold = 0
         if status is None and params.stop and not include_stop:
             hold = max(len(s) for s in params.stop) - 1
@@ -118,4 +123,5 @@ class OutputProcessor:
         out.logprobs = [logprob] if logprob is not None else None
         out.num_pulled_tokens = req.num_pulled_tokens
         out.phases = req.phases
+        out.stop_reason = req.stop_reason
         return out

@@ -5,7 +5,7 @@ request's outputs that wait for it (mergeable_runs, merge_deltas)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 class RequestRejected(ValueError):
@@ -51,6 +51,8 @@ class RequestOutput:
     produced_at: float = 0.0
     # On a final output: the core's RequestPhases (queue, KV load, prefill, decode times).
     phases: Optional[RequestPhases] = None
+    # On a final output: the stop string or stop token id that ended it (vLLM's stop_reason).
+    stop_reason: Union[int, str, None] = None
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pdpool.engine.kv.hashing import BlockHasher
 from pdpool.engine.outputs import RequestPhases
@@ -83,6 +83,9 @@ class Request:
         self.num_preemptions = 0
         self.error: Optional[str] = None
         self.error_status: Optional[int] = None  # the HTTP status its error maps to
+        # What ended it, as vLLM's stop_reason: the stop string or stop token id (None for
+        # the tokenizer's EOS, a length, or an ended grammar).
+        self.stop_reason: Union[int, str, None] = None
         # Connector bookkeeping: its remote KV was pulled already (never twice), and the
         # kv_transfer_params the response carries.
         self.kv_consumed = False

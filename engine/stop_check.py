@@ -32,3 +32,17 @@ def check_stop(request: Request, max_model_len: int) -> Optional[RequestStatus]:
     if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def stop_token_reason(request: Request, tokenizer_eos: Optional[int]) -> Optional[int]:
+    """The token id a request that its last token stopped reports as `stop_reason`, as vLLM
+    does: a stop token id, the checkpoint's extra end-of-sequence ids among them (vLLM folds
+    generation_config's into the stop token ids); None for the tokenizer's own EOS (unless
+    ignore_eos made it an ordinary token) and for the last token of an ended grammar."""
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if token == tokenizer_eos and not params.ignore_eos:
+        return None
+    if token in params.stop_token_ids or (token in request.eos_token_ids and not params.ignore_eos):
+        return token
+    return None

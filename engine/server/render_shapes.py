@@ -11,7 +11,7 @@ source); tests/vllm compares the render answers with `vllm launch render` field 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.protocol import ChatCompletionRequest, GenerationRequest
@@ -270,15 +270,19 @@ def generate_usage(
 
 
 def generate_choice(
-    index: int, finish_reason: Optional[str], token_ids: list[int], stream: bool
+    index: int,
+    finish_reason: Optional[str],
+    token_ids: list[int],
+    stream: bool,
+    stop_reason: Union[int, str, None] = None,
 ) -> dict[str, Any]:
-    """One choice of GenerateTokensResponse (stream: of a chunk). We do not record which stop
-    string or token ended a choice: stop_reason stays null."""
+    """One choice of GenerateTokensResponse (stream: of a chunk); stop_reason: the stop
+    string or token id that ended it."""
     return {
         "index": index,
         # vLLM: a whole answer's choice always has a finish_reason, a chunk's only at its end
         "finish_reason": finish_reason if stream else (finish_reason or "stop"),
-        "stop_reason": None,
+        "stop_reason": stop_reason,
         "token_ids": token_ids,
         "routed_experts": None,
         "sampling_mask": None,
@@ -314,7 +318,9 @@ def generate_response(
         "ec_transfer_params": None,
         "output_mode": "tokens",
         "choices": [
-            generate_choice(index, out.finish_reason, ids, stream=False)
+            generate_choice(
+                index, out.finish_reason, ids, stream=False, stop_reason=out.stop_reason
+            )
             for index, out, ids in finals
         ],
     }

@@ -129,13 +129,14 @@ class CompletionFormat(ChoiceFormat):
         text: str,
         finish_reason: Optional[str],
         logprobs: Optional[dict[str, Any]],
+        stop_reason: Union[int, str, None] = None,
     ) -> dict[str, Any]:
         return {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
-            "stop_reason": None,
+            "stop_reason": stop_reason,
         }
 
     def chunk_choice(
@@ -146,6 +147,7 @@ class CompletionFormat(ChoiceFormat):
             "text": out.new_text,
             "logprobs": logprobs,
             "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
         }
 
 
@@ -170,13 +172,14 @@ class ChatFormat(ChoiceFormat):
         text: str,
         finish_reason: Optional[str],
         logprobs: Optional[dict[str, Any]],
+        stop_reason: Union[int, str, None] = None,
     ) -> dict[str, Any]:
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
             "logprobs": logprobs,
             "finish_reason": finish_reason,
-            "stop_reason": None,
+            "stop_reason": stop_reason,
         }
 
     def chunk_choice(
@@ -184,12 +187,15 @@ class ChatFormat(ChoiceFormat):
     ) -> dict[str, Any]:
         # a last chunk without new text has an empty delta
         content = {"content": out.new_text} if out.new_text or not out.finished else {}
-        return {
+        choice = {
             "index": index,
             "delta": content,
             "logprobs": logprobs,
             "finish_reason": out.finish_reason,
         }
+        if out.finished:  # vLLM's chat stream names stop_reason in the last chunk only
+            choice["stop_reason"] = out.stop_reason
+        return choice
 
     def opening_choice(self, index: int) -> Optional[dict[str, Any]]:
         return {
@@ -214,8 +220,9 @@ class ToolChatFormat(ChatFormat):
         text: str,
         finish_reason: Optional[str],
         logprobs: Optional[dict[str, Any]],
+        stop_reason: Union[int, str, None] = None,
     ) -> dict[str, Any]:
-        choice = super().full_choice(index, text, finish_reason, logprobs)
+        choice = super().full_choice(index, text, finish_reason, logprobs, stop_reason)
         if self.tools.choice == "none":
             return choice
         content, calls = parse_calls(text, self.tools)

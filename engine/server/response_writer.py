@@ -48,6 +48,7 @@ class ChoiceFormat(abc.ABC):
         text: str,
         finish_reason: Optional[str],
         logprobs: Optional[dict[str, Any]],
+        stop_reason: Union[int, str, None] = None,
     ) -> dict[str, Any]:
         """One choice of a whole (non-streamed) answer."""
 
@@ -94,7 +95,11 @@ def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) 
         **head.of(fmt.response_object),
         "choices": [
             fmt.full_choice(
-                c.index, "".join(c.text), c.last.finish_reason, fmt.merge_logprobs(c.logprobs)
+                c.index,
+                "".join(c.text),
+                c.last.finish_reason,
+                fmt.merge_logprobs(c.logprobs),
+                c.last.stop_reason,
             )
             for c in choices
         ],

@@ -114,7 +114,11 @@ class TokenGenerateRoute:
                         else None
                     )
                     choice = generate_choice(
-                        c.index, out.finish_reason, out.new_token_ids, stream=True
+                        c.index,
+                        out.finish_reason,
+                        out.new_token_ids,
+                        stream=True,
+                        stop_reason=out.stop_reason,
                     )
                     yield sse(generate_chunk(request_id, choice, usage, prompt_ids))
                     prompt_ids = None

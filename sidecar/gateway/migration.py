@@ -171,6 +171,7 @@ class StreamState:
         """A continuation's completion choice in the client's shape."""
         text = choice.get("text") or ""
         reason = choice.get("finish_reason")
+        stop_reason = choice.get("stop_reason")
         if self.chat:
             out = {
                 "index": 0,
@@ -178,8 +179,16 @@ class StreamState:
                 "logprobs": None,
                 "finish_reason": reason,
             }
+            if reason is not None:  # as the engine's chat stream: in the last chunk only
+                out["stop_reason"] = stop_reason
         else:
-            out = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            out = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": reason,
+                "stop_reason": stop_reason,
+            }
         if self.client_wants_ids:
             out["token_ids"] = choice.get("token_ids") or []
         return out

@@ -32,6 +32,12 @@ def text_ids(tokenizer) -> list[int]:
 def _run(tokenizer, outputs, eos=(), **params):
     """Feeds `outputs` one token at a time as the engine does; returns the deltas, the final
     status and how many tokens were taken."""
+    deltas, status, taken, _ = _run_to_reason(tokenizer, outputs, eos, **params)
+    return deltas, status, taken
+
+
+def _run_to_reason(tokenizer, outputs, eos=(), **params):
+    """_run's results and the request's stop_reason."""
     proc = OutputProcessor(tokenizer)
     req = Request("r", tokenizer.encode("Hi:"), SamplingParams(**params), eos_token_ids=eos)
     proc.add(req)
@@ -45,7 +51,7 @@ def _run(tokenizer, outputs, eos=(), **params):
             break
     proc.forget("r")
     assert len(proc) == 0
-    return deltas, status, len(req.output_token_ids)
+    return deltas, status, len(req.output_token_ids), req.stop_reason
 
 
 def _token_ending_at(tokenizer, ids: list[int], end: int) -> int:
@@ -119,6 +125,27 @@ def test_an_eos_ends_the_text_and_flushes_what_was_held(tokenizer, text_ids):
     deltas, status, _ = _run(tokenizer, tokens, eos=(eos,), max_tokens=100, stop=["zzzzzz"])
     assert status is STOPPED and "".join(deltas) == tokenizer.decode(text_ids[:6])
     assert deltas[-1] != ""  # held back while it could begin "zzzzzz", flushed at the end
+
+
+def test_the_stop_reason_names_the_stop_string_or_token_that_ended_it(tokenizer, text_ids):
+    # as vLLM's stop_reason: the matched string (the first listed of those starting at the
+    # earliest place), the stop token id; None for the tokenizer's EOS and for a length
+    *_, reason = _run_to_reason(tokenizer, text_ids, max_tokens=100, stop=["lazy", "fox"])
+    assert reason == "fox"
+    *_, reason = _run_to_reason(
+        tokenizer, text_ids, max_tokens=100, stop=["fox"], include_stop_str_in_output=True
+    )
+    assert reason == "fox"
+    stop_id = text_ids[4]
+    *_, reason = _run_to_reason(tokenizer, text_ids, max_tokens=100, stop_token_ids=[stop_id])
+    assert reason == stop_id
+    eos = tokenizer.eos_token_id
+    *_, status, _, reason = _run_to_reason(
+        tokenizer, [*text_ids[:3], eos], eos=(eos,), max_tokens=9
+    )
+    assert (status, reason) == (STOPPED, None)
+    *_, status, _, reason = _run_to_reason(tokenizer, text_ids, max_tokens=3, stop=["zzz"])
+    assert (status, reason) == (LENGTH, None)
 
 
 def test_find_stop_searches_only_where_new_text_completes_one():

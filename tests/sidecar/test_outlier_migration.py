@@ -111,6 +111,11 @@ def test_chat_stream_state_builds_an_exact_continuation_and_client_shaped_chunks
     )
     assert chunk["id"] == "chatcmpl-1" and chunk["object"] == "chat.completion.chunk"
     assert chunk["choices"][0]["delta"] == {"content": "cd"}
+    assert "stop_reason" not in chunk["choices"][0]  # a chat stream's last chunk has it
+    last = {"index": 0, "text": "e", "token_ids": [11], "finish_reason": "stop"}
+    chunk = st.observe({"id": "cmpl-x", "choices": [{**last, "stop_reason": "zz"}]}, True)
+    assert chunk["choices"][0]["finish_reason"] == "stop"
+    assert chunk["choices"][0]["stop_reason"] == "zz"
     usage = st.observe(
         {
             "id": "cmpl-x",

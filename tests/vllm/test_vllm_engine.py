@@ -8,6 +8,9 @@ decode engine behind our sidecar, our gateway; P/D through vLLM's NixlConnector)
 - through our sidecars and gateway, aggregated, decode-first (decided by length: stock vLLM
   cannot reject) and prefill-first give the same greedy text as one vLLM engine, streaming
   and not, completions and chat, through the official `openai` client;
+- a stop string or stop token id ends an answer as in vLLM: the same text, finish_reason and
+  stop_reason, streamed and not, completions and chat, from our engine and through the
+  gateway;
 - P/D really moved the KV (the decode engine counts prompt tokens from external transfer);
 - vLLM's /metrics has the names, types and labels our engine copies;
 - vLLM engines join a traced request's trace (`--otlp-traces-endpoint`, as every child of
@@ -17,6 +20,8 @@ vLLM starts in 45-165 s here, so each server starts once for the module.
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import subprocess
 import time
@@ -209,6 +214,67 @@ def test_sidecar_modes_equal_one_vllm(stack, mode, expected_path, stream):
     want, _ = chat(one_vllm(stack), model, LONG[0], stream=False)
     got, path = chat(url, model, LONG[0], stream=stream)
     assert got == want and path == expected_path
+
+
+def ending(url: str, model: str, chat: bool, stream: bool, **fields) -> tuple:
+    """(text, finish_reason, stop_reason) of a greedy answer, read from the raw JSON or SSE
+    (every field as the server wrote it), and its streamed token ids (None unstreamed)."""
+    body: dict = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+    body.update(fields)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    resp = httpx.post(url + path, json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+
+    def text_of(choice: dict) -> str:
+        if not chat:
+            return choice.get("text") or ""
+        return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+
+    if not stream:
+        choice = resp.json()["choices"][0]
+        return (text_of(choice), choice["finish_reason"], choice["stop_reason"]), None
+    text, ids, last = "", [], None
+    for line in resp.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        for choice in json.loads(line[6:]).get("choices") or []:
+            text += text_of(choice)
+            ids += choice.get("token_ids") or []
+            if choice.get("finish_reason") is not None:
+                last = choice
+    assert last is not None, resp.text
+    return (text, last["finish_reason"], last.get("stop_reason")), ids
+
+
+def ascii_word_in(text: str) -> str:
+    """Three ASCII letters from inside the text (after its first characters)."""
+    found = re.search(r"[A-Za-z]{3}", text[3:])
+    assert found, text
+    return found.group(0)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stop_strings_and_stop_tokens_end_answers_as_vllm_does(stack, chat):
+    model, vllm_url = stack["model"], one_vllm(stack)
+    targets = {"ours": stack["ours"].url, "gateway": stack["topology"].gateway.url}
+    prompt = {"messages": [{"role": "user", "content": SHORT[0]}]} if chat else {"prompt": LONG[0]}
+    (text, *_), ids = ending(
+        vllm_url, model, chat, True, ignore_eos=True, return_token_ids=True, **prompt
+    )
+    stop_at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+    cases = [
+        {"stop": [ascii_word_in(text)]},
+        {"stop": ["zz", ascii_word_in(text)], "include_stop_str_in_output": True},
+        {"stop_token_ids": [ids[stop_at]]},
+        {"stop": ["#%never%#"]},  # ends by length: no stop_reason
+    ]
+    for case in cases:
+        for stream in (False, True):
+            want, _ = ending(vllm_url, model, chat, stream, ignore_eos=True, **prompt, **case)
+            assert want[1] == ("length" if "never" in str(case) else "stop"), (case, want)
+            for name, url in targets.items():
+                got, _ = ending(url, model, chat, stream, ignore_eos=True, **prompt, **case)
+                assert got == want, (name, case, stream)
 
 
 def test_pd_moved_kv_through_nixl(stack):

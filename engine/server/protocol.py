@@ -93,7 +93,7 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):
                     f"top_logprobs must be in [0, {MAX_LOGPROBS}] (the maximum "
                     f"allowed is {MAX_LOGPROBS}), got {self.top_logprobs}"
                 )
-            if not self.logprobs:
+            if self.top_logprobs > 0 and not self.logprobs:  # 0 asks for nothing (vLLM)
                 raise ValueError(
                     "top_logprobs: when using top_logprobs, logprobs must be set to true"
                 )

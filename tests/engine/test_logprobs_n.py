@@ -218,6 +218,14 @@ def test_bad_logprobs_and_n_are_400(server, path, body, needle):
     assert needle in r.json()["error"]["message"]
 
 
+def test_top_logprobs_zero_without_logprobs_asks_for_nothing(server):
+    # as vLLM: only a positive top_logprobs needs logprobs set (clients send 0 by default)
+    body = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0, "max_tokens": 2}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
 def _texts(resp: dict) -> list[str]:
     choices = sorted(resp["choices"], key=lambda c: c["index"])
     assert [c["index"] for c in choices] == list(range(len(choices)))

@@ -153,8 +153,16 @@ class ModelRunner:
         ]
         if pending is not None:
             _grammar_may_end(logits, reqs, suppress)
+        histories = [
+            (r.prompt_token_ids, r.output_token_ids) if r.sampling_params.penalized else None
+            for r in reqs
+        ]
         res = self.sampler.sample(
-            logits, [r.request_id for r in reqs], [r.sampling_params for r in reqs], suppress
+            logits,
+            [r.request_id for r in reqs],
+            [r.sampling_params for r in reqs],
+            suppress,
+            histories if any(histories) else None,
         )
         kept = (
             {r.request_id: logits[i].float().cpu() for i, r in enumerate(reqs)}

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from pdpool.engine.outputs import RequestError, TokenLogprob  # re-exported
+from pdpool.engine.penalties import apply_min_p, apply_penalties
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.structured.logits import LogitBiases
 
@@ -79,10 +80,11 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         suppress: list[Optional[list[int]]],
+        histories: Optional[list[Optional[tuple[list[int], list[int]]]]] = None,
     ) -> SampleResult:
-        """logits `[B, V]`; `suppress[b]` lists token ids banned for row b (min_tokens)."""
+        """logits `[B, V]`; `suppress[b]` lists token ids banned for row b (min_tokens);
+        `histories[b]`: row b's prompt and output token ids, where its params penalize."""
         logits = logits.float()
-        vocab = logits.shape[-1]
         want = [b for b, p in enumerate(params) if p.logprobs is not None]
         raw = torch.log_softmax(logits[want], dim=-1) if want else None
         raw_row = {b: i for i, b in enumerate(want)}
@@ -90,12 +92,14 @@ class Sampler:
         # As vLLM: logit_bias after the raw logprobs, before min_tokens and temperature.
         if any(p.logit_bias for p in params):
             self.logit_biases.apply(logits, request_ids, [p.logit_bias for p in params])
-        for b, ids in enumerate(suppress):
-            if ids:
-                if any(not 0 <= t < vocab for t in ids):
-                    errors[b] = RequestError(f"stop_token_ids must be in [0, {vocab})")
-                    continue
-                logits[b, ids] = float("-inf")
+        _suppress(logits, suppress, errors)
+        # As vLLM: the penalties after min_tokens and logit_bias, before the greedy choice.
+        for b, history in enumerate(histories or ()):
+            if history is not None and b not in errors:
+                try:
+                    apply_penalties(logits[b], history[0], history[1], params[b])
+                except Exception as exc:  # this row only
+                    errors[b] = exc
         greedy = logits.argmax(dim=-1).tolist()
         tokens: list[Optional[int]] = [None] * len(params)
         logprobs: list[Optional[TokenLogprob]] = [None] * len(params)
@@ -147,6 +151,8 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
         row = row / p.temperature
+        if p.min_p > 0.0:
+            row = apply_min_p(row, p.min_p)
         if 0 < p.top_k < row.shape[-1]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -159,6 +165,19 @@ class Sampler:
             probs = probs / probs.sum()
         gen = self._generator(request_id, p.seed, row.device)
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _suppress(
+    logits: torch.Tensor, suppress: list[Optional[list[int]]], errors: dict[int, Exception]
+) -> None:
+    """Bans each row's `suppress` ids (an id outside the vocabulary fails that row)."""
+    vocab = logits.shape[-1]
+    for b, ids in enumerate(suppress):
+        if ids:
+            if any(not 0 <= t < vocab for t in ids):
+                errors[b] = RequestError(f"stop_token_ids must be in [0, {vocab})")
+                continue
+            logits[b, ids] = float("-inf")
 
 
 def _token_logprob(row: torch.Tensor, token: int, num_top: int) -> TokenLogprob:

@@ -45,6 +45,19 @@ class SamplingParams:
     guided: Optional[GuidedSpec] = None
     # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits.
     logit_bias: Optional[dict[int, float]] = None
+    # vLLM's penalties (penalties.py): presence and frequency of output tokens, in [-2, 2];
+    # repetition (> 0, 1: none) of prompt and output tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Sampled rows only: tokens below min_p times the likeliest token's probability are out.
+    min_p: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -73,7 +86,14 @@ class SamplingParams:
         include = self.include_stop_str_in_output
         if not isinstance(include, bool):
             raise ValueError(f"include_stop_str_in_output must be a boolean, got {include!r}")
-        for name in ("temperature", "top_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_p",
+        ):
             value = getattr(self, name)
             if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -121,6 +141,16 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     def _check_stop(self) -> None:
         if any(not isinstance(s, str) or not s for s in self.stop):

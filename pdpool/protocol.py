@@ -181,10 +181,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v is None or v == "none",
     "suffix": _empty,
     "echo": _empty,
-    "presence_penalty": _none_or_number(0),
-    "frequency_penalty": _none_or_number(0),
-    "repetition_penalty": _none_or_number(1),
-    "min_p": _none_or_number(0),
     "use_beam_search": _empty,
     "length_penalty": _none_or_number(1),
     "structural_tag": _empty,
@@ -240,6 +236,10 @@ class _GenerationFields(BaseModel):
     return_token_ids: Optional[Bool] = False
     return_tokens_as_token_ids: Optional[Bool] = False
     priority: Annotated[Int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    presence_penalty: Optional[Annotated[Number, Field(ge=-2.0, le=2.0)]] = None
+    frequency_penalty: Optional[Annotated[Number, Field(ge=-2.0, le=2.0)]] = None
+    repetition_penalty: Optional[Annotated[Number, Field(gt=0.0)]] = None
+    min_p: Optional[Annotated[Number, Field(ge=0.0, le=1.0)]] = None
 
     def _limit(self) -> Optional[int]:
         return self.max_tokens

@@ -38,6 +38,10 @@ class _SamplingFields(_MixedInto):
             min_tokens=self.min_tokens,
             n=self.n,
             logprobs=self._logprobs(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
         )
         params.validate()
         return params

@@ -39,13 +39,16 @@ def vllm_sampling_params(
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     out: dict[str, Any] = {} if req.n == 1 else {"n": req.n}
     out.update(
-        presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, temperature=temperature
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+        temperature=temperature,
     )
     if temperature >= GREEDY_EPS:
         out["top_p"] = 1.0 if req.top_p is None else float(req.top_p)
         if req.top_k not in (None, 0):
             out["top_k"] = req.top_k
-        out["min_p"] = 0.0
+        out["min_p"] = float(req.min_p or 0.0)
     if req.seed is not None:
         out["seed"] = req.seed
     out["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])

@@ -82,6 +82,9 @@ def can_migrate(route: str, body: Any) -> bool:
         return False
     if body.get("echo") or body.get("logprobs") or body.get("tools"):
         return False
+    # These count the output's tokens, which a continuation would see as its prompt.
+    if body.get("presence_penalty") or body.get("frequency_penalty"):
+        return False
     return route in ("/v1/completions", "/v1/chat/completions")
 
 

@@ -176,7 +176,7 @@ BAD = [
     (COMPLETION, {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
     (COMPLETION, {"prompt": "a", "max_tokens": 10**6}, "prompt"),
     (COMPLETION, {"prompt": [10**6]}, "prompt"),
-    (COMPLETION, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    (COMPLETION, {"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
     (COMPLETION, {"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
     (CHAT, {"messages": [TURNS[0]], "response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"messages": []}, "messages"),

@@ -160,6 +160,11 @@ HOSTILE = [
     ("best-of", None, c(best_of=2), 400),
     # implemented, so refused only for bad values
     ("logit-bias-out-of-range", None, c(logit_bias={"1": 500}), 400),
+    ("presence-penalty-out-of-range", None, c(presence_penalty=2.5), 400),
+    ("frequency-penalty-out-of-range", None, c(frequency_penalty=-3), 400),
+    ("repetition-penalty-zero", None, c(repetition_penalty=0), 400),
+    ("repetition-penalty-a-string", None, c(repetition_penalty="1.2"), 400),
+    ("min-p-above-one", None, c(min_p=1.5), 400),
     ("response-format-unknown", CHAT, chat(response_format={"type": "xml"}), 400),
     ("tools-without-function", CHAT, chat(tools=[{"type": "function"}]), 400),
     ("tool-choice", CHAT, chat(tool_choice="required"), 400),
@@ -167,9 +172,6 @@ HOSTILE = [
     ("function-call", CHAT, chat(function_call="auto"), 400),
     ("suffix", None, c(suffix="end"), 400),
     ("echo", None, c(echo=True), 400),
-    ("presence-penalty", None, c(presence_penalty=0.5), 400),
-    ("frequency-penalty", None, c(frequency_penalty=0.5), 400),
-    ("repetition-penalty", None, c(repetition_penalty=1.2), 400),
     ("guided-json-not-a-schema", None, c(guided_json={"type": "objekt"}), 400),
     ("beam-search", None, c(use_beam_search=True), 400),
     # --- sizes ----------------------------------------------------------------------------

@@ -68,6 +68,10 @@ def test_chat_stream_state_builds_an_exact_continuation_and_client_shaped_chunks
     }
     assert migration.can_migrate("/v1/chat/completions", body)
     assert not migration.can_migrate("/v1/chat/completions", {**body, "n": 2})
+    # a continuation would count the sent tokens as its prompt, not its output
+    assert not migration.can_migrate("/v1/chat/completions", {**body, "presence_penalty": 1})
+    assert not migration.can_migrate("/v1/chat/completions", {**body, "frequency_penalty": -1})
+    assert migration.can_migrate("/v1/chat/completions", {**body, "repetition_penalty": 1.2})
     st = migration.StreamState("/v1/chat/completions", body)
     opening = st.observe(
         {

@@ -11,6 +11,8 @@ decode engine behind our sidecar, our gateway; P/D through vLLM's NixlConnector)
 - a stop string or stop token id ends an answer as in vLLM: the same text, finish_reason and
   stop_reason, streamed and not, completions and chat, from our engine and through the
   gateway;
+- presence, frequency and repetition penalties change greedy answers as in vLLM: the same
+  text from our engine and through the gateway (P/D);
 - P/D really moved the KV (the decode engine counts prompt tokens from external transfer);
 - vLLM's /metrics has the names, types and labels our engine copies;
 - vLLM engines join a traced request's trace (`--otlp-traces-endpoint`, as every child of
@@ -275,6 +277,30 @@ def test_stop_strings_and_stop_tokens_end_answers_as_vllm_does(stack, chat):
             for name, url in targets.items():
                 got, _ = ending(url, model, chat, stream, ignore_eos=True, **prompt, **case)
                 assert got == want, (name, case, stream)
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 0.7},
+        {"repetition_penalty": 1.3},
+        {"repetition_penalty": 0.7, "frequency_penalty": -0.5, "presence_penalty": 0.3},
+    ],
+)
+def test_penalties_change_greedy_answers_as_in_vllm(stack, penalties):
+    model, vllm_url = stack["model"], one_vllm(stack)
+    prompt = {"prompt": LONG[0], "ignore_eos": True}
+    plain, _ = ending(vllm_url, model, False, False, **prompt)
+    want, _ = ending(vllm_url, model, False, False, **prompt, **penalties)
+    assert want[0] != plain[0], "the penalties must change this answer to test anything"
+    for name, url in (("ours", stack["ours"].url), ("gateway", stack["topology"].gateway.url)):
+        for stream in (False, True):
+            got, _ = ending(url, model, False, stream, **prompt, **penalties)
+            assert got == want, (name, stream)
+    chat = {"messages": [{"role": "user", "content": SHORT[1]}], "ignore_eos": True}
+    want, _ = ending(vllm_url, model, True, False, **chat, **penalties)
+    assert ending(stack["ours"].url, model, True, False, **chat, **penalties)[0] == want
 
 
 def test_pd_moved_kv_through_nixl(stack):

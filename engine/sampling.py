@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from pdpool.engine.allowed_tokens import AllowedTokens
 from pdpool.engine.outputs import RequestError, TokenLogprob  # re-exported
 from pdpool.engine.penalties import apply_min_p, apply_penalties
 from pdpool.engine.sampling_params import SamplingParams
@@ -51,11 +52,13 @@ class Sampler:
         self.fail_for = _fault_specs(os.environ.get(FAIL_SAMPLING_ENV))
         self._sampled: dict[str, int] = {}  # tokens sampled per request, while armed
         self.logit_biases = LogitBiases()
+        self.allowed_tokens = AllowedTokens()
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._sampled.pop(request_id, None)
         self.logit_biases.forget(request_id)
+        self.allowed_tokens.forget(request_id)
 
     def _injected_fault(self, request_id: str) -> None:
         done = self._sampled.get(request_id, 0)
@@ -89,9 +92,7 @@ class Sampler:
         raw = torch.log_softmax(logits[want], dim=-1) if want else None
         raw_row = {b: i for i, b in enumerate(want)}
         errors: dict[int, Exception] = {}
-        # As vLLM: logit_bias after the raw logprobs, before min_tokens and temperature.
-        if any(p.logit_bias for p in params):
-            self.logit_biases.apply(logits, request_ids, [p.logit_bias for p in params])
+        self._bias_and_restrict(logits, request_ids, params)
         _suppress(logits, suppress, errors)
         # As vLLM: the penalties after min_tokens and logit_bias, before the greedy choice.
         for b, history in enumerate(histories or ()):
@@ -118,6 +119,16 @@ class Sampler:
         if want:
             self._logprobs(raw, raw_row, tokens, params, logprobs, errors)
         return SampleResult(tokens, logprobs, errors)
+
+    def _bias_and_restrict(
+        self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    ) -> None:
+        """As vLLM: logit_bias and allowed_token_ids after the raw logprobs, before
+        min_tokens and temperature."""
+        if any(p.logit_bias for p in params):
+            self.logit_biases.apply(logits, request_ids, [p.logit_bias for p in params])
+        if any(p.allowed_token_ids for p in params):
+            self.allowed_tokens.apply(logits, request_ids, [p.allowed_token_ids for p in params])
 
     @staticmethod
     def _logprobs(raw, raw_row, tokens, params, logprobs, errors) -> None:

@@ -52,6 +52,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Sampled rows only: tokens below min_p times the likeliest token's probability are out.
     min_p: float = 0.0
+    # vLLM's: the only tokens the output may hold (None: any).
+    allowed_token_ids: Optional[list[int]] = None
 
     @property
     def penalized(self) -> bool:
@@ -74,6 +76,7 @@ class SamplingParams:
                 f"{MAX_TEMPERATURE}], got {self.temperature}"
             )
         self._check_stop_token_ids(vocab_size)
+        self._check_allowed_token_ids(vocab_size)
         self._check_logit_bias(vocab_size)
         self._check_ranges()
         self._check_stop()
@@ -109,6 +112,19 @@ class SamplingParams:
             if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise ValueError(
                     f"stop_token_ids must be token ids in [0, "
+                    f"{vocab_size or 'vocab size'}), got {t!r}"
+                )
+
+    def _check_allowed_token_ids(self, vocab_size: Optional[int]) -> None:
+        ids = self.allowed_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        for t in ids:
+            if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise ValueError(
+                    f"allowed_token_ids must be token ids in [0, "
                     f"{vocab_size or 'vocab size'}), got {t!r}"
                 )
 

@@ -184,7 +184,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _empty,
     "length_penalty": _none_or_number(1),
     "structural_tag": _empty,
-    "allowed_token_ids": lambda v: v is None,
     "bad_words": _empty,
     "prompt_embeds": _empty,
     "audio": _empty,
@@ -240,6 +239,7 @@ class _GenerationFields(BaseModel):
     frequency_penalty: Optional[Annotated[Number, Field(ge=-2.0, le=2.0)]] = None
     repetition_penalty: Optional[Annotated[Number, Field(gt=0.0)]] = None
     min_p: Optional[Annotated[Number, Field(ge=0.0, le=1.0)]] = None
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
 
     def _limit(self) -> Optional[int]:
         return self.max_tokens

@@ -42,6 +42,7 @@ class _SamplingFields(_MixedInto):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=self.min_p or 0.0,
+            allowed_token_ids=self.allowed_token_ids,
         )
         params.validate()
         return params

@@ -59,6 +59,7 @@ def vllm_sampling_params(
         "max_tokens": (max_tokens, VLLM_DEFAULT_MAX_TOKENS),
         "min_tokens": (req.min_tokens, 0),
         "logprobs": (logprobs, None),
+        "allowed_token_ids": (req.allowed_token_ids, None),
     }
     out.update({name: value for name, (value, default) in optional.items() if value != default})
     if offers_tools(req.model_extra or {}):
@@ -175,6 +176,7 @@ PASSED_SAMPLING_PARAMS = (
     "frequency_penalty",
     "repetition_penalty",
     "min_p",
+    "allowed_token_ids",
     "bad_words",
     "include_stop_str_in_output",
 )

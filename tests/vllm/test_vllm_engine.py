@@ -11,8 +11,8 @@ decode engine behind our sidecar, our gateway; P/D through vLLM's NixlConnector)
 - a stop string or stop token id ends an answer as in vLLM: the same text, finish_reason and
   stop_reason, streamed and not, completions and chat, from our engine and through the
   gateway;
-- presence, frequency and repetition penalties change greedy answers as in vLLM: the same
-  text from our engine and through the gateway (P/D);
+- presence, frequency and repetition penalties and allowed_token_ids change greedy answers
+  as in vLLM: the same text from our engine and through the gateway (P/D);
 - P/D really moved the KV (the decode engine counts prompt tokens from external transfer);
 - vLLM's /metrics has the names, types and labels our engine copies;
 - vLLM engines join a traced request's trace (`--otlp-traces-endpoint`, as every child of
@@ -286,9 +286,10 @@ def test_stop_strings_and_stop_tokens_end_answers_as_vllm_does(stack, chat):
         {"frequency_penalty": 0.7},
         {"repetition_penalty": 1.3},
         {"repetition_penalty": 0.7, "frequency_penalty": -0.5, "presence_penalty": 0.3},
+        {"allowed_token_ids": list(range(40, 90))},
     ],
 )
-def test_penalties_change_greedy_answers_as_in_vllm(stack, penalties):
+def test_penalties_and_allowed_tokens_change_greedy_answers_as_in_vllm(stack, penalties):
     model, vllm_url = stack["model"], one_vllm(stack)
     prompt = {"prompt": LONG[0], "ignore_eos": True}
     plain, _ = ending(vllm_url, model, False, False, **prompt)

@@ -6,7 +6,15 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pdpool.engine.structured.spec import GuidedSpec
-from pdpool.protocol import MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_TEMPERATURE, SEED_MAX, SEED_MIN
+from pdpool.protocol import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 # As vLLM's --max-logprobs default: at most 20 top logprobs per token.
 MAX_LOGPROBS = 20
@@ -108,6 +116,8 @@ class SamplingParams:
             )
 
     def _check_stop_token_ids(self, vocab_size: Optional[int]) -> None:
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids")
         for t in self.stop_token_ids:
             if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise ValueError(
@@ -121,6 +131,8 @@ class SamplingParams:
             return
         if not isinstance(ids, list) or not ids:
             raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} token ids")
         for t in ids:
             if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise ValueError(

@@ -81,6 +81,10 @@ PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1
 # _MAX_TEMP clamp) logits / temperature overflow float32 and the softmax is not finite.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0
 MAX_STOP_STRINGS = 8
+# Token-id lists the engine scans every step (a stop check per token, a mask while
+# min_tokens holds) or turns into a mask: capped, so that one body cannot slow every step.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_ALLOWED_TOKEN_IDS = 16384
 
 
 class RequestError(ValueError):
@@ -221,7 +225,7 @@ class _GenerationFields(BaseModel):
     top_k: Optional[Annotated[Int, Field(ge=-1)]] = None  # -1 or 0: disabled
     seed: Optional[Annotated[Int, Field(ge=SEED_MIN, le=SEED_MAX)]] = None
     stop: Optional[Union[Str, list[Str]]] = None
-    stop_token_ids: Optional[list[TokenId]] = None
+    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     ignore_eos: Bool = False
     include_stop_str_in_output: Bool = False
     min_tokens: Annotated[Int, Field(ge=0)] = 0
@@ -239,7 +243,9 @@ class _GenerationFields(BaseModel):
     frequency_penalty: Optional[Annotated[Number, Field(ge=-2.0, le=2.0)]] = None
     repetition_penalty: Optional[Annotated[Number, Field(gt=0.0)]] = None
     min_p: Optional[Annotated[Number, Field(ge=0.0, le=1.0)]] = None
-    allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
+    allowed_token_ids: Optional[
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
+    ] = None
 
     def _limit(self) -> Optional[int]:
         return self.max_tokens

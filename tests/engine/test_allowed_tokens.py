@@ -38,7 +38,7 @@ def test_a_forgotten_request_leaves_no_mask_behind():
     assert not sampler.allowed_tokens._masks
 
 
-@pytest.mark.parametrize("ids", [[], [VOCAB], [-1], [1.5], [True]])
+@pytest.mark.parametrize("ids", [[], [VOCAB], [-1], [1.5], [True], [1] * 16385])
 def test_bad_lists_are_refused_by_name(ids):
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=ids).validate(VOCAB)

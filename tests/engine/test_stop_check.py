@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import pytest
+
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.stop_check import check_stop, stop_token_reason
@@ -75,3 +77,10 @@ def test_a_token_that_is_no_stop_token_has_no_stop_reason():
     assert _reason([5, 9], max_tokens=8, stop_token_ids=[7]) is None
     assert _reason([5, EXTRA_EOS], max_tokens=8, ignore_eos=True) is None
     assert _reason([5, EOS], max_tokens=8, ignore_eos=True, stop_token_ids=[EOS]) == EOS
+
+
+def test_stop_token_id_lists_are_capped():
+    # a stop check scans the list every step: one body must not slow every step
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[7] * 1025).validate()
+    SamplingParams(stop_token_ids=[7] * 1024).validate()

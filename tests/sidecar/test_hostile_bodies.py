@@ -168,6 +168,9 @@ HOSTILE = [
     ("allowed-token-ids-empty", None, c(allowed_token_ids=[]), 400),
     ("allowed-token-ids-beyond-the-vocabulary", None, c(allowed_token_ids=[10**6]), 400),
     ("allowed-token-ids-negative", None, c(allowed_token_ids=[-1]), 400),
+    # lists the engine scans every step or masks by: capped
+    ("stop-token-ids-2000", None, c(stop_token_ids=[1] * 2000), 400),
+    ("allowed-token-ids-20000", None, c(allowed_token_ids=[1] * 20000), 400),
     ("response-format-unknown", CHAT, chat(response_format={"type": "xml"}), 400),
     ("tools-without-function", CHAT, chat(tools=[{"type": "function"}]), 400),
     ("tool-choice", CHAT, chat(tool_choice="required"), 400),

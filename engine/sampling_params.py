@@ -33,6 +33,17 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
+def _check_token_ids(name: str, ids: list, most: int, vocab_size: Optional[int]) -> None:
+    """At most `most` ids, each an int in the vocabulary (when its size is known)."""
+    if len(ids) > most:
+        raise ValueError(f"{name}: at most {most} token ids")
+    for t in ids:
+        if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(
+                f"{name} must be token ids in [0, {vocab_size or 'vocab size'}), got {t!r}"
+            )
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -116,14 +127,7 @@ class SamplingParams:
             )
 
     def _check_stop_token_ids(self, vocab_size: Optional[int]) -> None:
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids")
-        for t in self.stop_token_ids:
-            if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(
-                    f"stop_token_ids must be token ids in [0, "
-                    f"{vocab_size or 'vocab size'}), got {t!r}"
-                )
+        _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS, vocab_size)
 
     def _check_allowed_token_ids(self, vocab_size: Optional[int]) -> None:
         ids = self.allowed_token_ids
@@ -131,14 +135,7 @@ class SamplingParams:
             return
         if not isinstance(ids, list) or not ids:
             raise ValueError("allowed_token_ids must be a non-empty list of token ids")
-        if len(ids) > MAX_ALLOWED_TOKEN_IDS:
-            raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} token ids")
-        for t in ids:
-            if not _is_integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(
-                    f"allowed_token_ids must be token ids in [0, "
-                    f"{vocab_size or 'vocab size'}), got {t!r}"
-                )
+        _check_token_ids("allowed_token_ids", ids, MAX_ALLOWED_TOKEN_IDS, vocab_size)
 
     def _check_logit_bias(self, vocab_size: Optional[int]) -> None:
         if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:

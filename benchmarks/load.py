@@ -43,7 +43,6 @@ from devtools.load_mix import (
     HealthWatch,
     MixSpec,
     Outcome,
-    block_problems,
     build_units,
     by_kind,
     health_problems,
@@ -59,11 +58,11 @@ from devtools.load_targets import (
     UpTarget,
     blocks_in_use,
     inject_faults,
+    leaked_blocks,
     max_model_len,
     memory,
     outages,
     served_model,
-    wait_blocks_idle,
 )
 from pdpool.up.topology import ensure_tiny_model
 
@@ -145,11 +144,12 @@ def run_target(kind: str, model: str, args, log_dir: Path) -> dict:
             load, load_s = load_phase(target, spec, args)
             chaos, kills, chaos_s = chaos_phase(target, spec, args) if args.chaos else ([], [], 0)
         windows = outages(kills, no_path=target.alone())
-        after_blocks = wait_blocks_idle(target, idle, 30.0)
+        leaks = leaked_blocks(target, idle, 30.0)
+        after_blocks = blocks_in_use(target)
         usage = {n.name: kv_blocks(n.url)["usage_perc"] for n in target.engines()}
         rss_after = memory(target)
         problems = outcome_problems(load + chaos, windows) + health_problems(watch, windows)
-        problems += block_problems(idle, after_blocks)
+        problems += leaks
         problems += memory_problems(rss_before, rss_after, MEMORY_GROWTH_LIMIT)
         problems += [f"{k.node} did not serve again" for k in kills if k.recovered_s is None]
         return {

@@ -788,10 +788,40 @@ def health_problems(watch: HealthWatch, outages: Iterable[Outage] = ()) -> list[
     return problems
 
 
-def block_problems(idle: dict[str, float], after: dict[str, float]) -> list[str]:
-    """KV blocks in use once the load is over must be back to the idle count."""
+def block_problems(
+    idle: dict[str, float], after: dict[str, float], holders: Optional[dict] = None
+) -> list[str]:
+    """KV blocks in use once the load is over must be back to the idle count; `holders`
+    (by engine, what could hold blocks) is named for the engines that leaked."""
     leaked = {k: (idle.get(k), v) for k, v in after.items() if v != idle.get(k)}
-    return [f"KV blocks in use (idle, after): {leaked}"] if leaked else []
+    if not leaked:
+        return []
+    held_by = {k: (holders or {}).get(k) for k in leaked}
+    return [f"KV blocks in use (idle, after): {leaked}; held by {held_by}"]
+
+
+# What can hold an engine's KV blocks once its requests are done.
+HOLDER_STATS = ("leases_active", "loads_in_flight", "loads_failed", "leases_expired")
+
+
+def kv_holders(url: str) -> dict[str, float]:
+    """An engine's requests running and waiting and its connector's leases and loads."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        name, labels = m.group(1), m.group(2) or ""
+        if name in ("pdpool_num_requests_running", "pdpool_num_requests_waiting"):
+            out[name.removeprefix("pdpool_num_requests_")] = float(m.group(3))
+        stat = re.search(r'stat="(\w+)"', labels)
+        if name == "pdpool_kv_connector" and stat and stat.group(1) in HOLDER_STATS:
+            out[stat.group(1)] = float(m.group(3))
+    return out
 
 
 def memory_problems(

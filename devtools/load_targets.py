@@ -384,6 +384,18 @@ def blocks_in_use(target) -> dict[str, float]:
     return {n.name: kv_blocks(n.url)["blocks_used"] for n in target.engines()}
 
 
+def leaked_blocks(target, idle: dict[str, float], timeout_s: float) -> list[str]:
+    """Waits up to timeout_s for the engines' KV blocks in use to be back to `idle`; the
+    problem, with what holds the blocks, when they are not."""
+    from devtools.load_mix import block_problems, kv_holders
+
+    after = wait_blocks_idle(target, idle, timeout_s)
+    if after == idle:
+        return []
+    holders = {n.name: kv_holders(n.url) for n in target.engines()}
+    return block_problems(idle, after, holders)
+
+
 def wait_blocks_idle(target, idle: dict[str, float], timeout_s: float) -> dict[str, float]:
     """Polls the engines' KV blocks in use until they are back to `idle` (P/D leases may
     hold blocks for --kv-producer-timeout); returns the last reading."""

@@ -32,6 +32,18 @@ from pdpool.engine.request import Request
 READ_GRACE_S = 5.0
 
 
+def read_pin_s(read_timeout_s: float, max_read_s: float) -> float:
+    """How long an opened lease stays pinned for the consumer's read, whether or not the
+    consumer lives to notify its end."""
+    return min(max(read_timeout_s, 0.0), max_read_s) + READ_GRACE_S
+
+
+def longest_hold_s(hold_s: float, read_timeout_s: float, max_read_s: float) -> float:
+    """The longest a lease holds its blocks once nobody renews it: its hold, or the pin of
+    a read opened just before the hold would have ended."""
+    return hold_s + read_pin_s(read_timeout_s, max_read_s)
+
+
 class LeaseRefused(Exception):
     """A lease cannot be opened or renewed: unknown, ended, already opened, other epoch."""
 
@@ -158,8 +170,7 @@ class LeaseTable:
                 self.counters["lease_opens_refused"] += 1
                 raise
             lease.opened = True
-            pin = min(max(read_timeout_s, 0.0), self.max_read_s) + READ_GRACE_S
-            lease.read_until = now + pin
+            lease.read_until = now + read_pin_s(read_timeout_s, self.max_read_s)
             self.counters["leases_opened"] += 1
             return lease.describe()
 

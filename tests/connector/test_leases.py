@@ -11,7 +11,8 @@ from pdpool.engine.connector import lease_token
 from pdpool.engine.connector.lease_token import LeaseToken, LeaseTokenError
 from pdpool.engine.connector.load_plan import verified_positions
 from pdpool.engine.kv.hashing import BlockHasher, prefix_hash
-from pdpool.engine.kv.leases import LeaseRefused, LeaseTable
+from pdpool.engine.kv import leases as leases_module
+from pdpool.engine.kv.leases import LeaseRefused, LeaseTable, longest_hold_s
 from pdpool.engine.kv.manager import KVCacheManager
 from pdpool.engine.request import Request
 from pdpool.engine.sampling_params import SamplingParams
@@ -161,6 +162,28 @@ def test_lease_refusals_and_expiry():
     assert leases.renew("L", "ep") > 4.0
     ended = leases.take_ended(now=time.monotonic() + 60)
     assert [x.lease_id for x in ended] == ["L"] and leases.counters["leases_expired"] == 1
+
+
+def test_a_read_opened_as_the_hold_ends_by_a_consumer_that_died_ends_by_the_longest_hold(
+    monkeypatch,
+):
+    clock = [1000.0]
+    monkeypatch.setattr(leases_module.time, "monotonic", lambda: clock[0])
+    req = request(list(range(3, 43)))
+    kv = manager_with_blocks(req)
+    leases = LeaseTable("ep", hold_s=10.0, max_read_s=35.0)
+    leases.grant_new("L", req, kv.block_tables("r"), 40, BS)
+    clock[0] += 9.99  # opened just before the hold ends; no notification ever comes
+    leases.open("L", "ep", read_timeout_s=30.0)
+    bound = 1000.0 + longest_hold_s(10.0, 30.0, 35.0)
+    assert leases.take_ended(now=bound - 0.02) == []  # the read may still be writing
+    assert [x.lease_id for x in leases.take_ended(now=bound)] == ["L"]
+    # A consumer cannot pin a lease for longer by asking for a longer read.
+    leases.grant_new("M", req, kv.block_tables("r"), 40, BS)
+    leases.open("M", "ep", read_timeout_s=1e9)
+    assert [
+        x.lease_id for x in leases.take_ended(now=clock[0] + longest_hold_s(0, 35, 35) + 0.01)
+    ] == ["M"]
 
 
 def lease_view(req: Request, num_tokens: int) -> dict:

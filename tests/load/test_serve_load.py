@@ -24,7 +24,6 @@ from devtools.load_mix import (
     Outage,
     PromptMaker,
     Shot,
-    block_problems,
     build_units,
     health_problems,
     huge_prompt,
@@ -34,10 +33,10 @@ from devtools.load_mix import (
 from devtools.load_targets import (
     blocks_in_use,
     kill_core,
+    leaked_blocks,
     memory,
     probe,
     time_recovery,
-    wait_blocks_idle,
 )
 from tests.support.hostile_specs import HOSTILE
 from tests.support.load_suite import (
@@ -77,7 +76,7 @@ def test_64_concurrent_3000_token_prompts_are_all_answered(serve, model_dir):
     with HealthWatch(serve.url) as watch:
         outcomes = send(serve.url, shots, spec, burst=64)
     problems = outcome_problems(outcomes) + health_problems(watch) + after_checks(serve, spec)
-    problems += block_problems(idle, wait_blocks_idle(serve, idle, BLOCKS_IDLE_WAIT_S))
+    problems += leaked_blocks(serve, idle, BLOCKS_IDLE_WAIT_S)
     problems += memory_problems(rss, memory(serve), MEMORY_GROWTH_LIMIT)
     assert not problems, no_problems(problems)
 
@@ -182,7 +181,7 @@ def test_mixed_burst_on_one_engine(serve, model_dir):
     kinds = {o.kind for o in outcomes}
     assert {"leave", "n_logprobs", "turn", "overlong", "oversize_body", "limit"} <= kinds
     problems = outcome_problems(outcomes) + health_problems(watch) + after_checks(serve, spec)
-    problems += block_problems(idle, wait_blocks_idle(serve, idle, BLOCKS_IDLE_WAIT_S))
+    problems += leaked_blocks(serve, idle, BLOCKS_IDLE_WAIT_S)
     problems += memory_problems(rss, memory(serve), MEMORY_GROWTH_LIMIT)
     assert not problems, no_problems(problems)
 
@@ -230,5 +229,5 @@ def test_hostile_structured_outputs_amid_a_burst(serve, model_dir):
         schema = SCHEMAS.get(o.kind.removeprefix("guided "))
         if o.kind.startswith("guided ") and o.status == 200 and not strictly_valid(text, schema):
             problems.append(f"{o.kind}: not valid JSON of its schema: {text!r}")
-    problems += block_problems(idle, wait_blocks_idle(serve, idle, BLOCKS_IDLE_WAIT_S))
+    problems += leaked_blocks(serve, idle, BLOCKS_IDLE_WAIT_S)
     assert not problems, no_problems(problems)

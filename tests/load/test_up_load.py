@@ -14,7 +14,6 @@ import pytest
 from devtools.load_mix import (
     HealthWatch,
     PromptMaker,
-    block_problems,
     health_problems,
     load_during,
     memory_problems,
@@ -25,10 +24,10 @@ from devtools.load_targets import (
     blocks_in_use,
     inject_faults,
     kill_core,
+    leaked_blocks,
     memory,
     outages,
     time_recovery,
-    wait_blocks_idle,
 )
 from tests.support.load_suite import (
     BLOCKS_IDLE_WAIT_S,
@@ -128,6 +127,6 @@ def test_mixed_bursts_through_the_gateway_while_a_sidecar_and_an_engine_die(up, 
     print("\n".join(str(k.row()) for k in kills))
     problems = outcome_problems(outcomes, windows) + health_problems(watch, windows)
     problems += [f"{k.node} did not serve again" for k in kills if k.recovered_s is None]
-    problems += block_problems(idle, wait_blocks_idle(up, idle, BLOCKS_IDLE_WAIT_S))
+    problems += leaked_blocks(up, idle, BLOCKS_IDLE_WAIT_S)
     problems += memory_problems(rss, memory(up), MEMORY_GROWTH_LIMIT)
     assert not problems, no_problems(problems)

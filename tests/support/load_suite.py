@@ -4,18 +4,32 @@ the mix for a server."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 
 from devtools.load_mix import MixSpec, Unit, run_units
 from devtools.load_targets import ServeTarget, UpTarget, max_model_len, served_model
+from pdpool.engine.config import EngineConfig
+from pdpool.engine.connector.loads import HANDSHAKE_TIMEOUT_S
+from pdpool.engine.kv.leases import longest_hold_s
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 # A killed engine core comes back within 30 s, plus the time a core takes to start here.
 RECOVERY_LIMIT_S = 30.0 + 30.0
 # How much one process may grow over a test (the 10 MB prompt's tokens pass through).
 MEMORY_GROWTH_LIMIT = 768 << 20
-# P/D leases hold KV blocks for --kv-producer-timeout (10 s) at most.
-BLOCKS_IDLE_WAIT_S = 20.0
+# P/D leases on default flags end within this, even when their consumer died mid-read
+# (plus the engine's idle tick and a loaded machine's delays).
+BLOCKS_IDLE_WAIT_S = (
+    longest_hold_s(
+        _DEFAULTS["kv_producer_timeout"],
+        _DEFAULTS["kv_load_timeout"],
+        _DEFAULTS["kv_load_timeout"] + HANDSHAKE_TIMEOUT_S,
+    )
+    + 5.0
+)
 
 
 def healthy(url: str) -> bool:

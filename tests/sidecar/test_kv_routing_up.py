@@ -113,12 +113,38 @@ def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
     sidecars = topo.by_role("sidecar")
     docs = _warm_directly(prefills, model, rng, sidecars, "pdpool_sidecar_prefill_kv_blocks")
     ranked0 = _total(sidecars, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
+    clean = 0
     for doc, port in docs:
+        trouble0 = _prefill_trouble(sidecars)
         r = _complete(gw, model, _continued(doc, rng))
         assert r.headers["x-pdpool-path"] == "pd", r.headers
-        assert r.headers["x-pdpool-prefill-endpoint"].endswith(f":{port}"), r.headers
+        if _prefill_trouble(sidecars) != trouble0:
+            continue  # a failed leg or an ejection sends it on past the holder, rightly
+        clean += 1
+        assert r.headers["x-pdpool-prefill-endpoint"].endswith(f":{port}"), (
+            r.headers,
+            blocks_known(sidecars, "pdpool_sidecar_prefill_kv_blocks"),
+            {b: _total(sidecars, "pdpool_sidecar_prefill_ranking_total", b) for b in BY},
+        )
+    # A loaded machine may fail a probe or a leg now and then, not most of them.
+    assert clean >= len(docs) - 2, f"{len(docs) - clean} legs met a failure or an ejection"
     ranked = _total(sidecars, "pdpool_sidecar_prefill_ranking_total", 'by="kv"')
-    assert ranked - ranked0 == len(docs)
+    assert ranked - ranked0 >= clean
+
+
+BY = ('by="kv"', 'by="load"', 'by="named"')
+FAILED_LEGS = ("timeout", "connect_error", "server_error", "ejected")
+
+
+def _prefill_trouble(sidecars) -> dict[str, float]:
+    """The sidecars' failed prefill legs by outcome, and their ejections of prefill engines
+    (an ejected engine is not ranked at all)."""
+    out = {
+        o: _total(sidecars, "pdpool_sidecar_prefill_attempts_total", f'outcome="{o}"')
+        for o in FAILED_LEGS
+    }
+    out["ejections"] = _total(sidecars, "pdpool_sidecar_prefill_ejections_total", "")
+    return out
 
 
 def test_chats_are_routed_by_the_tokens_an_engine_renders(topo):

@@ -327,6 +327,10 @@ def check_ranges(req: _GenerationFields) -> None:
             validate_threshold(req.cache_hit_threshold)
         except ValueError as exc:
             raise RequestError(str(exc), "cache_hit_threshold") from None
+    options = req.stream_options
+    if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
+        # As OpenAI and vLLM: options of a stream the request does not ask for are a mistake.
+        raise RequestError("stream_options can only be given with stream: true", "stream_options")
     limit = req._limit()
     if limit is not None and req.min_tokens > limit:
         raise RequestError(

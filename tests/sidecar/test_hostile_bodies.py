@@ -92,6 +92,8 @@ HOSTILE = [
     ("ignore-eos-string", None, c(ignore_eos="yes"), 400),
     ("stream-options-list", None, c(stream=True, stream_options=[]), 400),
     ("include-usage-string", None, c(stream=True, stream_options={"include_usage": "y"}), 400),
+    ("stream-options-no-stream", None, c(stream_options={"include_usage": True}), 400),
+    ("stream-options-stream-false", CHAT, chat(stream=False, stream_options={"x": 1}), 400),
     ("threshold-string", None, c(cache_hit_threshold="0.5"), 400),
     ("threshold-bool", None, c(cache_hit_threshold=True), 400),
     ("model-int", None, c(model=5), 400),
@@ -228,6 +230,18 @@ def test_hostile_body_gets_openai_4xx_everywhere(targets, client, name, route, r
             "NotFoundError",
             "not_found_error",
         ), (server, err)
+
+
+def test_empty_stream_options_without_a_stream_are_accepted(targets, client):
+    """As vLLM: only options that say something need `stream: true`."""
+    for server, url in targets.items():
+        for options in ({}, None):
+            r = client.post(
+                url + "/v1/completions",
+                content=c(stream_options=options),
+                headers={"content-type": "application/json"},
+            )
+            assert r.status_code == 200, (server, options, r.text[:300])
 
 
 def test_chunked_body_over_the_limit_is_refused_while_it_arrives(targets, client):

@@ -189,6 +189,30 @@ def test_vllm_greedy_text_equals_pdpool_serve(stack):
         )
 
 
+# Bodies whose acceptance vLLM decides one way: ours (engine and gateway) must agree.
+STATUS_CASES = [
+    ("completions", {"stream_options": {"include_usage": True}}),
+    ("completions", {"stream": False, "stream_options": {"include_usage": False}}),
+    ("completions", {"stream_options": {}}),
+    ("completions", {"stream_options": None}),
+    ("chat/completions", {"stream_options": {"continuous_usage_stats": True}}),
+    ("chat/completions", {"stream": True, "stream_options": {"include_usage": True}}),
+]
+
+
+@pytest.mark.parametrize("route,fields", STATUS_CASES)
+def test_a_body_is_accepted_or_refused_as_vllm_does(stack, route, fields):
+    body = {"model": stack["model"], "max_tokens": 2, "temperature": 0, **fields}
+    if route == "completions":
+        body["prompt"] = SHORT[0]
+    else:
+        body["messages"] = [{"role": "user", "content": SHORT[0]}]
+    want = httpx.post(f"{one_vllm(stack)}/v1/{route}", json=body, timeout=60).status_code
+    for url in (stack["ours"].url, stack["topology"].gateway.url):
+        got = httpx.post(f"{url}/v1/{route}", json=body, timeout=60)
+        assert got.status_code == want, (url, fields, got.text[:300])
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_gateway_decode_first_by_length_equals_one_vllm(stack, stream):
     model, gateway = stack["model"], stack["topology"].gateway.url

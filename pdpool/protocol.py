@@ -193,7 +193,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "audio": _empty,
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _empty,
-    "truncate_prompt_tokens": lambda v: v is None,
     "chat_template": _empty,
     "chat_template_kwargs": _empty,
     "documents": _empty,
@@ -246,6 +245,10 @@ class _GenerationFields(BaseModel):
     allowed_token_ids: Optional[
         Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
     ] = None
+    # Keep only this many prompt tokens (-1: what the context holds); the engine checks it
+    # against its context.
+    truncate_prompt_tokens: Optional[Annotated[Int, Field(ge=-1)]] = None
+    truncation_side: Optional[Literal["left", "right"]] = None
 
     def _limit(self) -> Optional[int]:
         return self.max_tokens

@@ -20,6 +20,12 @@ from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.errors import ApiError, client_closed
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
+from pdpool.engine.server.prompt_truncation import (
+    TruncationError,
+    cut_text,
+    truncate_ids,
+    truncation_tokens,
+)
 from pdpool.engine.server.tools import template_messages
 from pdpool.engine.server.protocol import (
     ChatCompletionRequest,
@@ -144,23 +150,49 @@ class RequestTranslator:
             raise ApiError(str(exc), param="prompt") from exc
         if any(p == "" for p in prompts):  # as vLLM, even where the tokenizer would add a BOS
             raise ApiError("the prompt is empty", param="prompt")
+        keep, side = self._truncation(req)
         return await self.off_loop(
-            lambda: [self.prompt_tokens(p, req.add_special_tokens) for p in prompts]
+            lambda: [
+                truncate_ids(self.prompt_tokens(p, req.add_special_tokens, keep, side), keep, side)
+                for p in prompts
+            ]
         )
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[list[int]]:
-        return [await self.off_loop(self.chat_tokens, req)]
+        keep, side = self._truncation(req)
+        return [truncate_ids(await self.off_loop(self.chat_tokens, req, keep, side), keep, side)]
+
+    def _truncation(self, req: GenerationRequest) -> tuple[Optional[int], str]:
+        """(prompt tokens the request keeps or None, the side kept: "left" is the end)."""
+        try:
+            keep = truncation_tokens(req.truncate_prompt_tokens, self.engine.max_model_len)
+        except TruncationError as exc:
+            raise ApiError(str(exc), param="truncate_prompt_tokens") from exc
+        return keep, req.truncation_side or "left"
 
     # The tokenization of both endpoints, shared with /tokenize and the Renderer API
     # (renderer.py): a router that asks them gets the very token ids a generation request
     # would be computed from.
     def prompt_tokens(
-        self, prompt: Union[str, list[int]], add_special_tokens: bool = True
+        self,
+        prompt: Union[str, list[int]],
+        add_special_tokens: bool = True,
+        keep: Optional[int] = None,
+        side: str = "left",
     ) -> list[int]:
+        """The prompt's token ids; a text with `keep` (truncation) is cut to what the
+        longest servable prompt may spell instead of being refused (the caller truncates
+        the ids)."""
         if isinstance(prompt, str):
-            self.refuse_if_surely_too_long(prompt)
+            prompt = self._bounded_text(prompt, keep, side)
             return self.engine.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         return list(prompt)
+
+    def _bounded_text(self, text: str, keep: Optional[int], side: str) -> str:
+        if keep is None:
+            self.refuse_if_surely_too_long(text)
+            return text
+        return cut_text(text, self.engine.max_model_len * self._longest_token_chars, side)
 
     @functools.cached_property
     def _longest_token_chars(self) -> int:
@@ -179,15 +211,19 @@ class RequestTranslator:
                 param="prompt",
             )
 
-    def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_tokens(
+        self, req: ChatCompletionRequest, keep: Optional[int] = None, side: str = "left"
+    ) -> list[int]:
         """The messages through the chat template, as the request's flags ask (vLLM's
-        add_generation_prompt, continue_final_message, add_special_tokens)."""
+        add_generation_prompt, continue_final_message, add_special_tokens); with `keep`,
+        the rendered text is bounded as `prompt_tokens` bounds a prompt."""
         tokenizer = self.engine.tokenizer
         try:
             msgs = template_messages(req.messages, message_text)
         except ValueError as exc:  # a malformed tool call in the history
             raise ApiError(str(exc), param="messages") from exc
-        self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
+        if keep is None:
+            self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
         # As vLLM: the tools go to the template (Qwen3's renders them Hermes-style).
         tools = (req.model_extra or {}).get("tools") or None
         try:
@@ -200,6 +236,7 @@ class RequestTranslator:
             )
         except ValueError as exc:  # no template, or the template refused the messages
             raise ApiError(str(exc), param="messages") from exc
+        text = self._bounded_text(text, keep, side)
         return tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
 
     def refuse_if_unservable(self, prompt_ids: list[int], max_tokens: int) -> None:

@@ -46,6 +46,9 @@ _NOT_CONTINUED = (
     "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
+    # The continuation's prompt is the kept prompt already, plus what was generated.
+    "truncate_prompt_tokens",
+    "truncation_side",
 )
 TOKEN_IDS = "return_token_ids"
 

@@ -197,6 +197,11 @@ STATUS_CASES = [
     ("completions", {"stream_options": None}),
     ("chat/completions", {"stream_options": {"continuous_usage_stats": True}}),
     ("chat/completions", {"stream": True, "stream_options": {"include_usage": True}}),
+    ("completions", {"truncate_prompt_tokens": 10**7}),
+    ("completions", {"truncate_prompt_tokens": -2}),
+    ("completions", {"truncate_prompt_tokens": 3, "truncation_side": "middle"}),
+    ("completions", {"truncate_prompt_tokens": -1}),
+    ("chat/completions", {"truncate_prompt_tokens": 5}),
 ]
 
 
@@ -326,6 +331,38 @@ def test_penalties_and_allowed_tokens_change_greedy_answers_as_in_vllm(stack, pe
     chat = {"messages": [{"role": "user", "content": SHORT[1]}], "ignore_eos": True}
     want, _ = ending(vllm_url, model, True, False, **chat, **penalties)
     assert ending(stack["ours"].url, model, True, False, **chat, **penalties)[0] == want
+
+
+@pytest.mark.parametrize(
+    "chat,truncation",
+    [
+        (False, {"truncate_prompt_tokens": 12}),
+        (False, {"truncate_prompt_tokens": 12, "truncation_side": "right"}),
+        (False, {"truncate_prompt_tokens": 12, "truncation_side": "left"}),
+        (True, {"truncate_prompt_tokens": 9}),
+    ],
+)
+def test_truncated_prompts_answer_as_in_vllm(stack, chat, truncation):
+    model, vllm_url = stack["model"], one_vllm(stack)
+    prompt = {"messages": [{"role": "user", "content": LONG[1]}]} if chat else {"prompt": LONG[1]}
+    fields = {**prompt, "ignore_eos": True, **truncation}
+    want, _ = ending(vllm_url, model, chat, False, **fields)
+    assert want != ending(vllm_url, model, chat, False, **prompt, ignore_eos=True)[0]
+    kept = _prompt_tokens(vllm_url, model, chat, fields)
+    assert kept == truncation["truncate_prompt_tokens"]
+    for name, url in (("ours", stack["ours"].url), ("gateway", stack["topology"].gateway.url)):
+        for stream in (False, True):
+            got, _ = ending(url, model, chat, stream, **fields)
+            assert got == want, (name, stream)
+        assert _prompt_tokens(url, model, chat, fields) == kept, name
+
+
+def _prompt_tokens(url: str, model: str, chat: bool, fields: dict) -> int:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": model, "max_tokens": 1, "temperature": 0, **fields}
+    r = httpx.post(url + path, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens"]
 
 
 def test_pd_moved_kv_through_nixl(stack):

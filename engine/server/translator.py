@@ -20,7 +20,7 @@ from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.server.errors import ApiError, client_closed
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
-from pdpool.engine.server.prompt_truncation import (
+from pdpool.prompt_truncation import (
     TruncationError,
     cut_text,
     truncate_ids,

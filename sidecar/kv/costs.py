@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from pdpool.kv_events import KVEventSubscriber
+from pdpool.prompt_truncation import truncate_ids
 
 from .index import KVIndex, request_block_keys
 
@@ -164,15 +165,22 @@ class KVCosts:
         return fn(*args)
 
     def prompt_token_ids(self, body: Any) -> Optional[list[int]]:
-        """A completion's prompt as token ids; None when this router cannot tell."""
+        """A completion's prompt as token ids, as the engine keeps them (a positive
+        `truncate_prompt_tokens` applied); None when this router cannot tell."""
         if not isinstance(body, dict) or "messages" in body:
             return None
         prompt = body.get("prompt")
+        ids: Optional[list[int]] = None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return prompt
-        if isinstance(prompt, str) and self._tokenizer is not None:
-            return list(self._tokenizer.encode(prompt, add_special_tokens=False).ids)
-        return None
+            ids = prompt
+        elif isinstance(prompt, str) and self._tokenizer is not None:
+            ids = list(self._tokenizer.encode(prompt, add_special_tokens=False).ids)
+        if ids is None:
+            return None
+        keep, side = body.get("truncate_prompt_tokens"), body.get("truncation_side") or "left"
+        if type(keep) is int and keep > 0:  # -1 needs the engine's context: left whole
+            return truncate_ids(ids, keep, side)
+        return ids
 
     def costs(
         self,

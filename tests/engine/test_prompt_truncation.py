@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from devtools.engine_procs import spawned_engine
-from pdpool.engine.server.prompt_truncation import (
+from pdpool.prompt_truncation import (
     TruncationError,
     cut_text,
     truncate_ids,

@@ -127,6 +127,17 @@ def test_no_events_keeps_affinity_order():
     assert router.prompt_token_ids({"prompt": [1, 2, 3]}) == [1, 2, 3]
 
 
+def test_the_router_hashes_the_prompt_the_engine_keeps():
+    router = KVRouter(block_size=BS)
+    ids = list(range(3, 43))
+    assert router.prompt_token_ids({"prompt": ids, "truncate_prompt_tokens": 5}) == ids[-5:]
+    right = {"prompt": ids, "truncate_prompt_tokens": 5, "truncation_side": "right"}
+    assert router.prompt_token_ids(right) == ids[:5]
+    # -1 is the engine's context, which a router does not know; junk is the engine's to refuse.
+    for keep in (-1, "5", True, None):
+        assert router.prompt_token_ids({"prompt": ids, "truncate_prompt_tokens": keep}) == ids
+
+
 def test_a_burst_on_a_new_prefix_goes_to_one_engine():
     """Before any engine has reported a new prefix, the requests already routed with it
     count as held where they went: a burst sharing it is not scattered by load."""

@@ -199,6 +199,7 @@ STATUS_CASES = [
     ("chat/completions", {"stream": True, "stream_options": {"include_usage": True}}),
     ("completions", {"truncate_prompt_tokens": 10**7}),
     ("completions", {"truncate_prompt_tokens": -2}),
+    ("completions", {"truncate_prompt_tokens": 0}),
     ("completions", {"truncate_prompt_tokens": 3, "truncation_side": "middle"}),
     ("completions", {"truncate_prompt_tokens": -1}),
     ("chat/completions", {"truncate_prompt_tokens": 5}),

@@ -196,6 +196,13 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "chat_template": _empty,
     "chat_template_kwargs": _empty,
     "documents": _empty,
+    # vLLM answers these with more than we compute: refused rather than silently dropped.
+    "prompt_logprobs": lambda v: v is None,
+    "logprob_token_ids": _empty,
+    "return_token_offsets": _empty,
+    "return_prompt_text": _empty,
+    "repetition_detection": _empty,
+    "watermarking": _empty,
 }
 
 # Strict scalar types of OpenAI's schema.

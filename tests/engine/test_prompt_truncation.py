@@ -57,6 +57,7 @@ def greedy(server, path: str, body: dict) -> tuple[str, int]:
     return text, out["usage"]["prompt_tokens"]
 
 
+@pytest.mark.slow
 def test_a_truncated_prompt_answers_as_its_kept_tokens_alone(server):
     ids = [(7 * i) % 400 + 3 for i in range(120)]
     for side, kept in (("left", ids[-40:]), ("right", ids[:40])):
@@ -78,6 +79,7 @@ def test_a_truncated_prompt_answers_as_its_kept_tokens_alone(server):
     )
 
 
+@pytest.mark.slow
 def test_a_chat_is_truncated_after_its_template(server):
     messages = [
         {"role": "system", "content": " ".join(["market window seven garden"] * 20)},
@@ -92,6 +94,7 @@ def test_a_chat_is_truncated_after_its_template(server):
     assert got[0] == greedy(server, "/v1/completions", {"prompt": rendered[-60:]})[0]
 
 
+@pytest.mark.slow
 def test_minus_one_keeps_what_the_context_holds_and_a_long_text_is_not_refused(server):
     # Far more than the context holds, and more characters than the untruncated refusal
     # bound: kept to the context less one token, one token generated.
@@ -104,6 +107,7 @@ def test_minus_one_keeps_what_the_context_holds_and_a_long_text_is_not_refused(s
     assert post(server, "/v1/completions", {"prompt": text, "max_tokens": 1}).status_code == 400
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fields",
     [

@@ -12,6 +12,7 @@ import itertools
 import json
 import threading
 import time
+from typing import Any, Optional
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from tests.support.e2e_helpers import cleanup, model_name, start_topology
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 160
+PINNED_TOKENS = 1000  # seconds of decoding here, however loaded
 
 
 class Load:
@@ -36,21 +38,30 @@ class Load:
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
-    def one(self, client: httpx.Client) -> dict:
+    def one(
+        self, client: httpx.Client, sidecar: Optional[Any] = None, max_tokens: int = MAX_TOKENS
+    ) -> dict:
+        """One stream through the gateway, or straight to `sidecar` (a topology child)."""
         serial = next(self.serial)
         body = {
             "model": self.model,
             # A head of its own: prefix affinity would keep one prompt on one engine, and
             # the test is about the engines the planner adds taking load.
             "prompt": f"{serial} " + "the planner scales engines " * 8,
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": True,
         }
+        url = self.url if sidecar is None else sidecar.url
         out = {"start": time.monotonic(), "tokens": 0, "finish": None, "status": None}
         try:
-            with client.stream("POST", self.url + "/v1/completions", json=body) as r:
-                out["status"], out["backend"] = r.status_code, r.headers.get("x-pdpool-backend")
+            with client.stream("POST", url + "/v1/completions", json=body) as r:
+                out["status"] = r.status_code
+                out["backend"] = (
+                    r.headers.get("x-pdpool-backend")
+                    if sidecar is None
+                    else f"127.0.0.1:{sidecar.port}"
+                )
                 self.active[serial] = out["backend"]
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
@@ -73,6 +84,18 @@ class Load:
         self.threads = [threading.Thread(target=loop) for _ in range(workers)]
         for t in self.threads:
             t.start()
+
+    def pinned(self, sidecar: Any, max_tokens: int) -> threading.Thread:
+        """A long stream on one sidecar, started now, its result kept with the others."""
+
+        def run():
+            with httpx.Client(timeout=300) as client:
+                self.results.append(self.one(client, sidecar, max_tokens))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.threads.append(thread)
+        return thread
 
     def halt(self) -> None:
         self.stop.set()
@@ -139,6 +162,9 @@ def test_load_scales_up_a_busy_scale_down_drains_and_idle_returns_to_the_minimum
         newest = max(serving(topo, "decode"), key=lambda c: c.index)
         newest_sidecar = next(c for c in topo.by_role("sidecar") if newest.url in c.argv)
         streaming = f"127.0.0.1:{newest_sidecar.port}"
+        # Its own streams come and go with the gateway's choices: one long stream of its own
+        # is surely still running when the planner decides, a few seconds later.
+        load.pinned(newest_sidecar, PINNED_TOKENS)
         wait(lambda: streaming in load.active.values(), 60, "a stream on the newest engine")
         scaler.config = dataclasses.replace(config, itl_seconds=10.0)
         wait(lambda: scaler.drains, 30, "a scale-down decision")

@@ -31,6 +31,8 @@ from typing import Awaitable, Callable, Iterable, Optional, TypeVar, Union
 
 import httpx
 
+from pdpool.planner.metrics import has, parse_text, total
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 OK = frozenset({200})
@@ -807,20 +809,17 @@ HOLDER_STATS = ("leases_active", "loads_in_flight", "loads_failed", "leases_expi
 def kv_holders(url: str) -> dict[str, float]:
     """An engine's requests running and waiting and its connector's leases and loads."""
     try:
-        text = httpx.get(url + "/metrics", timeout=5.0).text
-    except httpx.HTTPError:
+        samples = parse_text(httpx.get(url + "/metrics", timeout=5.0).text)
+    except (httpx.HTTPError, ValueError):
         return {}
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        name, labels = m.group(1), m.group(2) or ""
-        if name in ("pdpool_num_requests_running", "pdpool_num_requests_waiting"):
-            out[name.removeprefix("pdpool_num_requests_")] = float(m.group(3))
-        stat = re.search(r'stat="(\w+)"', labels)
-        if name == "pdpool_kv_connector" and stat and stat.group(1) in HOLDER_STATS:
-            out[stat.group(1)] = float(m.group(3))
+    out = {
+        kind: total(samples, f"pdpool_num_requests_{kind}")
+        for kind in ("running", "waiting")
+        if has(samples, f"pdpool_num_requests_{kind}")
+    }
+    for stat in HOLDER_STATS:
+        if any(("stat", stat) in labels for labels in samples.get("pdpool_kv_connector", {})):
+            out[stat] = total(samples, "pdpool_kv_connector", stat=stat)
     return out
 
 

@@ -397,8 +397,8 @@ def leaked_blocks(target, idle: dict[str, float], timeout_s: float) -> list[str]
 
 
 def wait_blocks_idle(target, idle: dict[str, float], timeout_s: float) -> dict[str, float]:
-    """Polls the engines' KV blocks in use until they are back to `idle` (P/D leases may
-    hold blocks for --kv-producer-timeout); returns the last reading."""
+    """Polls the engines' KV blocks in use until they are back to `idle` (a P/D lease may
+    hold blocks for `engine.kv.leases.longest_hold_s`); returns the last reading."""
     deadline = time.monotonic() + timeout_s
     now = blocks_in_use(target)
     while now != idle and time.monotonic() < deadline:

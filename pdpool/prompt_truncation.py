@@ -42,3 +42,17 @@ def truncate_ids(ids: list[int], keep: Optional[int], side: str) -> list[int]:
     if keep is None or len(ids) <= keep:
         return ids
     return ids[-keep:] if side == "left" else ids[:keep]
+
+
+def ids_the_engine_keeps(
+    ids: list[int], body: dict, max_model_len: Optional[int] = None
+) -> list[int]:
+    """For a router: `ids` as an engine truncates them for the request `body` (unchecked, as
+    the client sent it). -1 needs the engine's context, `max_model_len`: without it the ids
+    stay whole, and so does any value the engine would refuse."""
+    requested, side = body.get("truncate_prompt_tokens"), body.get("truncation_side") or "left"
+    if type(requested) is not int or side not in ("left", "right"):
+        return ids
+    if requested == -1 and max_model_len is not None:
+        requested = max(max_model_len - 1, 1)
+    return truncate_ids(ids, requested, side) if requested > 0 else ids

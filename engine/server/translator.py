@@ -152,15 +152,12 @@ class RequestTranslator:
             raise ApiError("the prompt is empty", param="prompt")
         keep, side = self._truncation(req)
         return await self.off_loop(
-            lambda: [
-                truncate_ids(self.prompt_tokens(p, req.add_special_tokens, keep, side), keep, side)
-                for p in prompts
-            ]
+            lambda: [self.prompt_tokens(p, req.add_special_tokens, keep, side) for p in prompts]
         )
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[list[int]]:
         keep, side = self._truncation(req)
-        return [truncate_ids(await self.off_loop(self.chat_tokens, req, keep, side), keep, side)]
+        return [await self.off_loop(self.chat_tokens, req, keep, side)]
 
     def _truncation(self, req: GenerationRequest) -> tuple[Optional[int], str]:
         """(prompt tokens the request keeps or None, the side kept: "left" is the end)."""
@@ -180,13 +177,15 @@ class RequestTranslator:
         keep: Optional[int] = None,
         side: str = "left",
     ) -> list[int]:
-        """The prompt's token ids; a text with `keep` (truncation) is cut to what the
-        longest servable prompt may spell instead of being refused (the caller truncates
-        the ids)."""
+        """The prompt's token ids, truncated to `keep` from `side` when given. A text to
+        truncate is first cut to what the longest servable prompt may spell instead of being
+        refused, so a huge one costs no more tokenizer time than that prompt."""
         if isinstance(prompt, str):
             prompt = self._bounded_text(prompt, keep, side)
-            return self.engine.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-        return list(prompt)
+            ids = self.engine.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        else:
+            ids = list(prompt)
+        return truncate_ids(ids, keep, side)
 
     def _bounded_text(self, text: str, keep: Optional[int], side: str) -> str:
         if keep is None:
@@ -216,7 +215,7 @@ class RequestTranslator:
     ) -> list[int]:
         """The messages through the chat template, as the request's flags ask (vLLM's
         add_generation_prompt, continue_final_message, add_special_tokens); with `keep`,
-        the rendered text is bounded as `prompt_tokens` bounds a prompt."""
+        the rendered text is bounded and its ids truncated as `prompt_tokens` does."""
         tokenizer = self.engine.tokenizer
         try:
             msgs = template_messages(req.messages, message_text)
@@ -237,7 +236,8 @@ class RequestTranslator:
         except ValueError as exc:  # no template, or the template refused the messages
             raise ApiError(str(exc), param="messages") from exc
         text = self._bounded_text(text, keep, side)
-        return tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=req.add_special_tokens)["input_ids"]
+        return truncate_ids(ids, keep, side)
 
     def refuse_if_unservable(self, prompt_ids: list[int], max_tokens: int) -> None:
         """400 here, in the server, for a prompt the engine could never run: nothing of it

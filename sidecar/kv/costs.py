@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from pdpool.kv_events import KVEventSubscriber
-from pdpool.prompt_truncation import truncate_ids
+from pdpool.prompt_truncation import ids_the_engine_keeps
 
 from .index import KVIndex, request_block_keys
 
@@ -175,12 +175,7 @@ class KVCosts:
             ids = prompt
         elif isinstance(prompt, str) and self._tokenizer is not None:
             ids = list(self._tokenizer.encode(prompt, add_special_tokens=False).ids)
-        if ids is None:
-            return None
-        keep, side = body.get("truncate_prompt_tokens"), body.get("truncation_side") or "left"
-        if type(keep) is int and keep > 0:  # -1 needs the engine's context: left whole
-            return truncate_ids(ids, keep, side)
-        return ids
+        return None if ids is None else ids_the_engine_keeps(ids, body)
 
     def costs(
         self,

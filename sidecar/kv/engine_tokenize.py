@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from pdpool.prompt_truncation import ids_the_engine_keeps
+
 from ..net.metrics import GatewayMetrics
 
 log = logging.getLogger("pdpool.routing")
@@ -55,12 +57,15 @@ def tokenize_body(body: Any) -> Optional[dict[str, Any]]:
     return None
 
 
-def token_ids_of(answer: Any) -> Optional[list[int]]:
-    """The ids of a /tokenize answer; None for anything else."""
+def token_ids_of(answer: Any, body: dict) -> Optional[list[int]]:
+    """The ids of a /tokenize answer, as the engine keeps them for `body` (its truncation
+    applied: /tokenize does not truncate, and gives the context -1 needs); None for
+    anything else."""
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
-    if isinstance(tokens, list) and all(type(t) is int and t >= 0 for t in tokens):
-        return tokens
-    return None
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        return None
+    context = answer.get("max_model_len")
+    return ids_the_engine_keeps(tokens, body, context if type(context) is int else None)
 
 
 class EngineTokenizer:
@@ -93,7 +98,7 @@ class EngineTokenizer:
                 headers=passed,
                 timeout=self.timeout_s,
             )
-            ids = token_ids_of(resp.json()) if resp.status_code == 200 else None
+            ids = token_ids_of(resp.json(), body) if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as exc:
             log.debug("tokenize on %s failed: %s", backend, exc)
             ids = None

@@ -57,4 +57,29 @@ def test_a_completion_is_sent_as_its_one_string_prompt(body, ask):
     ],
 )
 def test_only_a_list_of_token_ids_is_taken_back(answer, ids):
-    assert token_ids_of(answer) == ids
+    assert token_ids_of(answer, {"messages": []}) == ids
+
+
+@pytest.mark.parametrize(
+    "truncation, kept",
+    [
+        ({"truncate_prompt_tokens": 4}, [6, 7, 8, 9]),
+        ({"truncate_prompt_tokens": 4, "truncation_side": "right"}, [0, 1, 2, 3]),
+        # -1 is the context less one token: /tokenize's answer gives the context.
+        ({"truncate_prompt_tokens": -1}, [2, 3, 4, 5, 6, 7, 8, 9]),
+        ({"truncate_prompt_tokens": 40}, list(range(10))),
+        # What the engine refuses routes as the whole prompt; it never reaches a cache.
+        ({"truncate_prompt_tokens": 0}, list(range(10))),
+        ({"truncate_prompt_tokens": "4"}, list(range(10))),
+        ({"truncate_prompt_tokens": True}, list(range(10))),
+        ({"truncate_prompt_tokens": 4, "truncation_side": "middle"}, list(range(10))),
+    ],
+)
+def test_a_chat_is_routed_on_the_tokens_its_truncation_keeps(truncation, kept):
+    """/tokenize renders a chat whole; the engine then keeps what `truncate_prompt_tokens`
+    keeps, and the router must hash that, or it ranks engines on blocks nobody computes."""
+    answer = {"count": 10, "max_model_len": 9, "tokens": list(range(10))}
+    assert token_ids_of(answer, {"messages": [], **truncation}) == kept
+    # Without the context in the answer, -1 cannot be told: the whole prompt.
+    if truncation.get("truncate_prompt_tokens") == -1:
+        assert token_ids_of({"tokens": list(range(10))}, truncation) == list(range(10))

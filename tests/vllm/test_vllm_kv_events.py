@@ -156,7 +156,7 @@ def test_a_real_vllm_engines_events_find_a_prompt_by_our_names(tmp_path, vllm_bi
         block_size = sizes.pop()
         # A chat, as the gateway sees it: ids from vLLM's /tokenize (engine_tokenize.py).
         r = httpx.post(f"{url}/tokenize", json=tokenize_body(chat), timeout=30)
-        chat_ids = token_ids_of(r.json())
+        chat_ids = token_ids_of(r.json(), chat)
         assert chat_ids is not None and len(chat_ids) > 2 * block_size, r.text
         for prompt in [chat_ids, *prompts[:2]]:
             keys = request_block_keys(prompt, block_size)

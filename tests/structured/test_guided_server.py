@@ -38,10 +38,18 @@ def test_unguided_output_is_not_json(client, model):
 
 
 def test_json_mode_always_parses(client, model):
-    for seed in range(3):
+    # At temperature 1 the random model often writes past max_tokens inside a string: an
+    # output cut by the length is no JSON by design. Every one that ends parses.
+    ended = 0
+    for seed in range(12):
         r = chat(client, model, response_format={"type": "json_object"}, seed=seed)
+        if r.choices[0].finish_reason == "length":
+            assert r.usage.completion_tokens == 300
+            continue
         assert r.choices[0].finish_reason == "stop"
         assert isinstance(parse(r.choices[0].message.content), dict)
+        ended += 1
+    assert ended >= 3, f"only {ended} of 12 seeded outputs ended"
 
 
 def parse(text: str):

@@ -246,8 +246,8 @@ def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 # Top-p looks among this many most likely tokens first: a trained model's distribution
-# usually puts top_p of its mass there, and finding them costs ~0.8 ms over 150k tokens on one core
-# where sorting them all costs ~12.
+# usually puts top_p of its mass there, and finding them costs ~0.8 ms over 150k tokens on
+# one core where sorting them all costs ~12.
 TOP_P_CANDIDATES = 1024
 
 

@@ -41,10 +41,3 @@ def apply_penalties(
         row -= params.frequency_penalty * counts
     if params.presence_penalty:
         row -= params.presence_penalty * in_output.float()
-
-
-def apply_min_p(row: torch.Tensor, min_p: float) -> torch.Tensor:
-    """`row` (logits after temperature) with the tokens below min_p times the likeliest
-    token's probability set to -inf."""
-    probs = torch.softmax(row, dim=-1)
-    return row.masked_fill(probs < min_p * probs.max(), float("-inf"))

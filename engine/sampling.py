@@ -19,7 +19,8 @@ import torch
 
 from pdpool.engine.allowed_tokens import AllowedTokens
 from pdpool.engine.outputs import RequestError, TokenLogprob  # re-exported
-from pdpool.engine.penalties import apply_min_p, apply_penalties
+from pdpool.engine.penalties import apply_penalties
+from pdpool.engine.sampling_filters import sampling_weights
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.structured.logits import LogitBiases
 
@@ -180,25 +181,24 @@ class Sampler:
         request_ids: list[str],
         errors: dict[int, Exception],
     ) -> dict[int, int]:
-        """A token drawn from each row's distribution, all in one inverse-CDF draw: rows
-        with only a temperature are scaled and exponentiated together, the others filtered
-        one by one (min_p, top-k, top-p differ per row). A seeded row takes its uniform from its
-        own generator (reproducible whatever the batch), the others from torch's."""
-        plain = [b for b in rows if _only_temperature(params[b])]
-        order = plain + [b for b in rows if not _only_temperature(params[b])]
-        dev = logits.device
-        # Row i holds order[i]'s weights: one buffer, written in place.
-        weights = torch.empty(len(order), logits.shape[-1], dtype=logits.dtype, device=dev)
-        if plain:
-            temperatures = [params[b].temperature for b in plain]
-            _tempered_weights(logits, plain, temperatures, weights[: len(plain)])
-        for i in range(len(plain), len(order)):
-            b = order[i]
-            try:
-                weights[i] = _filtered_probs(logits[b], params[b])
-            except Exception as exc:  # this row only
-                errors[b] = exc
-                weights[i] = 0.0
+        """A token drawn from each row's distribution, all in one inverse-CDF draw over
+        the rows' filtered weights (`sampling_filters`, one batch). A seeded row takes its
+        uniform from its own generator (reproducible whatever the batch), the others from
+        torch's."""
+        dev, order = logits.device, rows
+        weights = torch.empty(len(rows), logits.shape[-1], dtype=logits.dtype, device=dev)
+        index = torch.tensor(rows, device=dev)
+        torch.index_select(logits, 0, index, out=weights)
+        try:
+            sampling_weights(weights, [params[b] for b in rows])
+        except Exception:  # row by row then, each under its own guard
+            torch.index_select(logits, 0, index, out=weights)
+            for i, b in enumerate(rows):
+                try:
+                    sampling_weights(weights[i : i + 1], [params[b]])
+                except Exception as exc:  # this row only
+                    errors[b] = exc
+                    weights[i] = 0.0
         uniform = torch.rand(len(order), device=dev)
         for i, b in enumerate(order):
             if params[b].seed is not None:
@@ -214,54 +214,6 @@ class Sampler:
             else:
                 out[b] = token
         return out
-
-
-def _tempered_weights(
-    logits: torch.Tensor, rows: list[int], temperatures: list[float], out: torch.Tensor
-) -> None:
-    """`out[i]` = exp(logits[rows[i]] / temperatures[i] - its max): the rows' unnormalized
-    distributions, computed together."""
-    torch.index_select(logits, 0, torch.tensor(rows, device=logits.device), out=out)
-    if len(set(temperatures)) > 1:
-        out.div_(torch.tensor(temperatures, device=logits.device)[:, None])
-    elif temperatures[0] != 1.0:
-        out.div_(temperatures[0])
-    out.sub_(out.amax(dim=-1, keepdim=True)).exp_()
-
-
-def _only_temperature(p: SamplingParams) -> bool:
-    return p.min_p <= 0.0 and p.top_k <= 0 and p.top_p >= 1.0
-
-
-def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One row's sampling distribution: temperature, then min_p, top-k and top-p."""
-    row = row / p.temperature
-    if p.min_p > 0.0:
-        row = apply_min_p(row, p.min_p)
-    if 0 < p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    return top_p_probs(probs, p.top_p) if p.top_p < 1.0 else probs
-
-
-# Top-p looks among this many most likely tokens first: a trained model's distribution
-# usually puts top_p of its mass there, and finding them costs ~0.8 ms over 150k tokens on
-# one core where sorting them all costs ~12.
-TOP_P_CANDIDATES = 1024
-
-
-def top_p_probs(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`probs` (one row) kept to its most likely tokens whose mass before each is below
-    `top_p` (at least the first). When the candidates' mass reaches top_p, every kept token
-    is among them: a token past them has at least that much mass before it."""
-    candidates = min(TOP_P_CANDIDATES, probs.shape[-1])
-    values, order = torch.topk(probs, candidates)
-    if candidates < probs.shape[-1] and float(values.sum()) < top_p:
-        values, order = probs.sort(descending=True)
-    keep = values.cumsum(-1) - values < top_p
-    keep[0] = True
-    return torch.zeros_like(probs).scatter_(0, order[keep], values[keep])
 
 
 def inverse_cdf_draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdpool.engine.penalties import apply_min_p, apply_penalties
+from pdpool.engine.penalties import apply_penalties
+from pdpool.engine.sampling_filters import drop_below_min_p
 from pdpool.engine.sampling import Sampler
 from pdpool.engine.sampling_params import SamplingParams
 
@@ -38,10 +39,12 @@ def test_frequency_counts_output_tokens_and_presence_counts_them_once():
 
 def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
     row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    kept = apply_min_p(row, 0.25).isfinite().tolist()
-    assert kept == [True, True, True, False]  # 0.05 < 0.25 * 0.5
-    assert apply_min_p(row, 0.0).isfinite().all()
-    assert apply_min_p(row, 1.0).isfinite().tolist() == [True, False, False, False]
+    rows = row.repeat(3, 1)
+    drop_below_min_p(rows, [0.25, 0.0, 1.0])
+    kept = rows.isfinite().tolist()
+    assert kept[0] == [True, True, True, False]  # 0.05 < 0.25 * 0.5
+    assert all(kept[1])
+    assert kept[2] == [True, False, False, False]
 
 
 def test_the_sampler_penalizes_only_the_rows_that_ask_and_before_the_greedy_choice():

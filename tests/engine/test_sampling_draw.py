@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from pdpool.engine.sampling import TOP_P_CANDIDATES, Sampler, inverse_cdf_draw, top_p_probs
+from pdpool.engine.sampling import Sampler, inverse_cdf_draw
+from pdpool.engine.sampling_filters import TOP_P_CANDIDATES, keep_top_p, sampling_weights
 from pdpool.engine.sampling_params import SamplingParams
 
 BELOW_ONE = math.nextafter(1.0, 0.0)
@@ -103,11 +104,32 @@ def top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def test_top_p_keeps_the_same_tokens_as_a_full_sort():
     """Whether the kept tokens lie among the first candidates (a peaked distribution) or
-    not (a flat one, where the whole vocabulary is sorted), and at the vocabulary's size."""
+    not (a flat one, where the row is sorted whole), at the vocabulary's size and around
+    it, with rows of different top_p in one batch."""
     gen = torch.Generator().manual_seed(9)
-    for scale in (8.0, 3.0, 0.1):  # peaked to flat
-        for vocab in (16, TOP_P_CANDIDATES, 5000):
-            probs = torch.softmax(torch.randn(vocab, generator=gen) * scale, -1)
-            for top_p in (0.05, 0.5, 0.9, 0.999):
-                want = top_p_by_full_sort(probs, top_p)
-                assert torch.equal(top_p_probs(probs, top_p), want), (scale, vocab, top_p)
+    tops = [0.05, 0.5, 0.9, 0.999]
+    for vocab in (16, TOP_P_CANDIDATES, 5000):
+        for scale in (8.0, 3.0, 0.1):  # peaked to flat
+            probs = torch.softmax(torch.randn(len(tops), vocab, generator=gen) * scale, -1)
+            got = probs * 3.0  # weights need not be normalized
+            keep_top_p(got, tops)
+            for i, top_p in enumerate(tops):
+                want = top_p_by_full_sort(probs[i], top_p) * 3.0
+                assert torch.equal(got[i] > 0, want > 0), (scale, vocab, top_p)
+                torch.testing.assert_close(got[i], want)
+
+
+def test_top_k_and_min_p_rows_pass_their_neighbours_through():
+    """One filter's batch operation leaves the rows that do not use it as they were."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    params = [
+        SamplingParams(top_k=3),
+        SamplingParams(),
+        SamplingParams(min_p=0.5, temperature=0.5),
+        SamplingParams(top_k=60),  # past the vocabulary: no filter
+    ]
+    weights = sampling_weights(logits.clone(), params)
+    assert (weights[0] > 0).sum() == 3 and (weights[1] > 0).all() and (weights[3] > 0).all()
+    probs = torch.softmax(logits[2] / 0.5, -1)
+    assert torch.equal(weights[2] > 0, probs >= 0.5 * probs.max())
+    torch.testing.assert_close(weights[1] / weights[1].sum(), torch.softmax(logits[1], -1))

@@ -8,7 +8,8 @@ Rows sample at temperature 1 (the API's default) with nothing else, or with top_
 nearly flat logits (the worst case: the kept tokens are most of the vocabulary) or peaked
 ones (a trained model's, where they are few). The engine's Sampler is timed whole (logits
 in, token ids out; it writes into the logits, so each call gets a copy made before the clock
-starts), the reference over the same softmax, top-p and draw. Prints a table and writes benchmarks/results/sampler.json.
+starts), the reference over the same softmax, top-p and draw. Prints a table and writes
+benchmarks/results/sampler.json.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ them to a completion's prompt (text or ids) and to a chat's rendered template.""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 class TruncationError(ValueError):
@@ -45,7 +45,7 @@ def truncate_ids(ids: list[int], keep: Optional[int], side: str) -> list[int]:
 
 
 def ids_the_engine_keeps(
-    ids: list[int], body: dict, max_model_len: Optional[int] = None
+    ids: list[int], body: dict[str, Any], max_model_len: Optional[int] = None
 ) -> list[int]:
     """For a router: `ids` as an engine truncates them for the request `body` (unchecked, as
     the client sent it). -1 needs the engine's context, `max_model_len`: without it the ids

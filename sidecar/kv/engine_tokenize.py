@@ -57,7 +57,7 @@ def tokenize_body(body: Any) -> Optional[dict[str, Any]]:
     return None
 
 
-def token_ids_of(answer: Any, body: dict) -> Optional[list[int]]:
+def token_ids_of(answer: Any, body: dict[str, Any]) -> Optional[list[int]]:
     """The ids of a /tokenize answer, as the engine keeps them for `body` (its truncation
     applied: /tokenize does not truncate, and gives the context -1 needs); None for
     anything else."""

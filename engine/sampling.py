@@ -185,7 +185,7 @@ class Sampler:
         the rows' filtered weights (`sampling_filters`, one batch). A seeded row takes its
         uniform from its own generator (reproducible whatever the batch), the others from
         torch's."""
-        dev, order = logits.device, rows
+        dev = logits.device
         weights = torch.empty(len(rows), logits.shape[-1], dtype=logits.dtype, device=dev)
         index = torch.tensor(rows, device=dev)
         torch.index_select(logits, 0, index, out=weights)
@@ -199,14 +199,14 @@ class Sampler:
                 except Exception as exc:  # this row only
                     errors[b] = exc
                     weights[i] = 0.0
-        uniform = torch.rand(len(order), device=dev)
-        for i, b in enumerate(order):
+        uniform = torch.rand(len(rows), device=dev)
+        for i, b in enumerate(rows):
             if params[b].seed is not None:
                 gen = self._generator(request_ids[b], params[b].seed, dev)
                 uniform[i] = torch.rand(1, generator=gen, device=dev)[0]
         picked = inverse_cdf_draw(weights, uniform).tolist()
         out = {}
-        for b, token in zip(order, picked, strict=True):
+        for b, token in zip(rows, picked, strict=True):
             if b in errors:
                 continue
             if token < 0:

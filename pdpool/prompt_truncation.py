@@ -54,5 +54,5 @@ def ids_the_engine_keeps(
     if type(requested) is not int or side not in ("left", "right"):
         return ids
     if requested == -1 and max_model_len is not None:
-        requested = max(max_model_len - 1, 1)
+        requested = truncation_tokens(-1, max_model_len)
     return truncate_ids(ids, requested, side) if requested > 0 else ids

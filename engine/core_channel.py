@@ -4,8 +4,11 @@ whose blocking semantics this module owns.
 Each end has a writer thread and a reader thread, and the socket is never handed to an event
 loop (an event loop's reader would make it non-blocking, and then a large message sent while
 the peer is busy fails half-written instead of waiting). So:
-- a send never fails while the peer lives: it queues the encoded message, and the writer
-  waits for the peer to read. What is queued is bounded: `wait_room` holds a sender back
+- a send never blocks and never fails while the peer lives. When nothing is waiting to go
+  out, the sender writes the message itself, without blocking (one syscall: waking the
+  writer thread for every engine step cost the engine core more than the write). What the
+  socket does not take at once, and every message behind it, goes to the writer thread,
+  which waits for the peer to read. What waits is bounded: `wait_room` holds a sender back
   (backpressure) while more than `max_pending_bytes` wait.
 - the reader hands whole messages over, several at a time when several are waiting.
 - only the peer's end closing (its exit) or a broken socket ends the channel, once, with
@@ -17,12 +20,13 @@ program, spawned together).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import pickle
-import queue
 import socket
+import struct
 import threading
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
@@ -43,6 +47,14 @@ def decode(data: bytes) -> Any:
     return pickle.loads(data)
 
 
+def frame(data: bytes) -> bytes:
+    """`data` behind the length prefix that `Connection.recv_bytes` reads: 4 bytes, signed,
+    big-endian; past 2**31 - 1 bytes, -1 and then 8 bytes."""
+    n = len(data)
+    header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return header + data
+
+
 class ChannelClosed(RuntimeError):
     """The peer is gone (or the channel was closed here)."""
 
@@ -59,9 +71,16 @@ class CoreChannel:
         self.conn, self.name = conn, name
         self._on_messages, self._on_closed = on_messages, on_closed
         self.max_pending_bytes = max_pending_bytes
-        self._queue: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
-        self._pending = 0
-        self._room = threading.Condition()
+        # Writes go through a socket object on a duplicate of the descriptor: it shares the
+        # connection's (blocking) file, and MSG_DONTWAIT makes one write non-blocking.
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        lock = threading.RLock()
+        self._backlog: collections.deque[memoryview] = collections.deque()  # the writer's
+        self._writer_busy = False  # the writer holds a frame it has not finished writing
+        self._stopping = False  # flush_and_close: the writer ends once the backlog is empty
+        self._pending = 0  # bytes in the backlog and in the writer's hands
+        self._room = threading.Condition(lock)
+        self._work = threading.Condition(lock)
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._closed_why: Optional[str] = None
         self._closing = False
@@ -80,15 +99,28 @@ class CoreChannel:
         return self._closed_why is not None
 
     def send(self, msg: Any) -> None:
-        """Queues `msg` for the peer (never blocks; see `wait_room`). Raises ChannelClosed
-        when the peer is gone, and whatever pickling raises for a message that cannot be
-        encoded (before anything is queued)."""
+        """Sends `msg` to the peer, or queues what the socket does not take at once (never
+        blocks; see `wait_room`). Raises ChannelClosed when the peer is gone, and whatever
+        pickling raises for a message that cannot be encoded (before anything is sent)."""
         if self._closed_why is not None:
             raise ChannelClosed(self._closed_why)
-        data = encode(msg)
+        data = memoryview(frame(encode(msg)))
         with self._room:
+            if not self._backlog and not self._writer_busy and not self._stopping:
+                data = data[self._write_now(data) :]
+                if not data:
+                    return
+            self._backlog.append(data)
             self._pending += len(data)
-        self._queue.put(data)
+            self._work.notify()
+
+    def _write_now(self, data: memoryview) -> int:
+        """Bytes of `data` the socket took without waiting. A failed write takes none: the
+        writer thread meets the same failure and closes the channel from its own thread."""
+        try:
+            return self._sock.send(data, socket.MSG_DONTWAIT)
+        except OSError:  # BlockingIOError (a full socket buffer) among them
+            return 0
 
     def has_room(self) -> bool:
         return self._pending < self.max_pending_bytes or self._closed_why is not None
@@ -109,9 +141,17 @@ class CoreChannel:
             await fut
 
     def _write_loop(self) -> None:
-        while (data := self._queue.get()) is not None:
+        while True:
+            with self._room:
+                self._writer_busy = False
+                while not self._backlog:
+                    if self._stopping or self._closed_why is not None:
+                        return
+                    self._work.wait()
+                data = self._backlog.popleft()
+                self._writer_busy = True
             try:
-                self.conn.send_bytes(data)
+                self._sock.sendall(data)
             except (OSError, ValueError) as exc:
                 self._close(f"sending failed: {exc}")
                 return
@@ -147,6 +187,7 @@ class CoreChannel:
                 return
             self._closed_why = why
             self._room.notify_all()
+            self._work.notify_all()
             self._wake_async_waiters()
         if not self._closing:
             self._on_closed(why)
@@ -155,7 +196,9 @@ class CoreChannel:
         """Sends what is queued (within `timeout`), then closes this end; `on_closed` is not
         called for a close asked for here."""
         self._closing = True
-        self._queue.put(None)
+        with self._room:
+            self._stopping = True
+            self._work.notify_all()
         if self._writer.is_alive() and threading.current_thread() is not self._writer:
             self._writer.join(timeout)
         # Wake the reader out of its blocking read before the descriptor goes away.
@@ -167,6 +210,8 @@ class CoreChannel:
         if self._reader.is_alive() and threading.current_thread() is not self._reader:
             self._reader.join(2.0)
         self._close("closed")
+        with contextlib.suppress(OSError):
+            self._sock.close()
         with contextlib.suppress(OSError):
             self.conn.close()
 

@@ -97,6 +97,49 @@ def test_a_sender_is_held_back_while_too_much_is_queued():
     cb.flush_and_close()
 
 
+def test_a_send_into_an_idle_socket_needs_no_writer_thread():
+    (ca, _), (cb, ib) = _pair()
+    cb.start()  # ca's own threads are not started: nothing of ca's can write but the sender
+    ca.send(("small", 1))
+    _wait(lambda: len(ib.messages) == 1)
+    big = b"y" * (8 << 20)  # more than the socket takes at once: the rest waits for the writer
+    ca.send(("big", big))
+    ca.send(("after", 2))
+    time.sleep(0.3)
+    assert len(ib.messages) == 1  # the big one cannot arrive whole without the writer
+    ca.start()
+    _wait(lambda: len(ib.messages) == 3)
+    assert ib.messages == [("small", 1), ("big", big), ("after", 2)]
+    ca.flush_and_close()
+    cb.flush_and_close()
+
+
+def test_senders_on_many_threads_against_a_stalled_peer_lose_and_mix_nothing():
+    (ca, _), (cb, ib) = _pair()
+    ca.start()  # the peer reads only once every sender is done: the socket fills first
+    sizes = [10, 70_000, 1 << 20, 3]  # below, around and far above a socket buffer
+
+    def sender(t: int) -> None:
+        for i in range(200):
+            ca.send((t, i, b"z" * sizes[(t + i) % len(sizes)]))
+
+    threads = [threading.Thread(target=sender, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not any(th.is_alive() for th in threads), "a send blocked on a stalled peer"
+    cb.start()
+    _wait(lambda: len(ib.messages) == 800)
+    for t in range(4):
+        mine = [m for m in ib.messages if m[0] == t]
+        assert [m[1] for m in mine] == list(range(200))
+        assert all(m[2] == b"z" * sizes[(t + m[1]) % len(sizes)] for m in mine)
+    _wait(lambda: ca.has_room() and ca.wait_room(0))
+    ca.flush_and_close()
+    cb.flush_and_close()
+
+
 def _child(conn) -> None:
     conn.recv_bytes()  # then exit: its end of the socket closes
 

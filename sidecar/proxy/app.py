@@ -46,6 +46,7 @@ from ..net.asgi import (
     send_error,
     serve_lifespan,
 )
+from ..net.turns import StartsPerTurn
 from .adapter_legs import AdapterLegs
 from .capability import EngineCapability
 from .capability_share import CapabilityShare
@@ -71,6 +72,7 @@ class Sidecar:
     def __init__(self, settings: SidecarSettings) -> None:
         self.settings = settings.validate()
         self.metrics = SidecarMetrics()
+        self._starts = StartsPerTurn()
         # The prefill engines: discovery, legs in flight, ejection and probes.
         self.prefill_pool = prefill_pool(self.settings, self.metrics)
         # The pool's parts, under the names tests read.
@@ -161,6 +163,7 @@ class Sidecar:
             await self._start_once()
         route, method = scope["path"], scope["method"]
         if route in PD_PATHS and method == "POST":
+            await self._starts.wait()
             await self._generation(scope, receive, send)
         elif route == "/metrics" and method == "GET":
             await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)

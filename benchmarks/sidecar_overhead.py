@@ -7,6 +7,7 @@
     python benchmarks/sidecar_overhead.py --engine-rejects yes --tracing both  # off vs on
     python benchmarks/sidecar_overhead.py --engine-rejects yes --baseline-commit REV  # vs before
     python benchmarks/sidecar_overhead.py --llmd               # beside llm-d's pd-sidecar
+    python benchmarks/sidecar_overhead.py --gateway            # and `pdpool gateway` alone
 
 64 concurrent streaming clients (keep-alive, one connection each) send requests straight
 to the upstream and through `pdpool sidecar` (decode-first, threshold 0), in alternating
@@ -23,6 +24,10 @@ scripts/llm-d/build-pd-sidecar.sh, or the binary in $PDPOOL_LLMD_PD_SIDECAR) run
 the same upstream, measured in the same alternating rounds: requests carry no prefill header,
 so it forwards them to its decoder as ours serves them by decode alone. A stream that fails
 (an error status, a broken connection) is counted per target instead of ending the run.
+
+With `--gateway`, `pdpool gateway` (on its defaults, one decode URL: the upstream) is measured
+too, in the same rounds: the front door's own added time, without a sidecar behind it (with
+`--baseline-commit`, the gateway of that revision as well).
 
 By default all clients start together and every stream is as long, so requests come in
 bursts of 64 within a millisecond: the worst case for a proxy on one event loop, whose
@@ -400,6 +405,11 @@ def parse_args() -> argparse.Namespace:
         help="also measure llm-d's pd-sidecar in front of the same upstream (built by "
         "scripts/llm-d/build-pd-sidecar.sh unless $PDPOOL_LLMD_PD_SIDECAR names the binary)",
     )
+    ap.add_argument(
+        "--gateway",
+        action="store_true",
+        help="also measure `pdpool gateway` (its defaults) in front of the same upstream",
+    )
     ap.add_argument("--serve-standin", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.llmd_binary = llmd_pd_sidecar_binary() if args.llmd else None
@@ -500,11 +510,27 @@ def start_sidecars(
                 start_sidecar(port, up_port, mode, args.sidecar_nice, None, args.baseline_root)
             )
             targets[f"sidecar {mode} baseline"] = (port, procs[-1].pid)
+    if args.gateway:
+        roots = {"gateway": None}
+        if args.baseline_root:
+            roots["gateway baseline"] = args.baseline_root
+        for name, root in roots.items():
+            port = free_port()
+            procs.append(start_gateway(port, up_port, root))
+            targets[name] = (port, procs[-1].pid)
     if args.llmd:
         port = free_port()
         procs.append(start_llmd_sidecar(args.llmd_binary, port, up_port))
         targets[LLMD] = (port, procs[-1].pid)
     return targets
+
+
+def start_gateway(port: int, upstream_port: int, import_root: str | None) -> subprocess.Popen:
+    """`pdpool gateway` on its defaults with the upstream as its one decode URL."""
+    env = {**os.environ, **({"PYTHONPATH": import_root} if import_root else {})}
+    command = ["gateway", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--decode-url", f"http://127.0.0.1:{upstream_port}"]
+    return subprocess.Popen(pdpool_command(*command), env=env, cwd=import_root)
 
 
 def llmd_pd_sidecar_binary() -> str:
@@ -687,6 +713,7 @@ def main() -> int:
     suffix = ("_engine" if args.engine else "") + ("_spread" if args.arrivals == "spread" else "")
     suffix += "" if args.tracing == "off" else f"_tracing_{args.tracing}"
     suffix += "_llmd" if args.llmd else ""
+    suffix += "_gateway" if args.gateway else ""
     out = os.path.join(RESULTS, f"sidecar_overhead{suffix}.json")
     with open(out, "w") as fh:
         json.dump(

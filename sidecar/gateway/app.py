@@ -47,6 +47,7 @@ from ..net.asgi import (
 from ..routing.model_rewrite import ModelRewrites, counted_rewrites
 from ..net.client_body import parse_client_body, strip_client_kv_params, with_priority
 from ..net.routes import GENERATION_PATHS, forwarded
+from ..net.turns import StartsPerTurn
 from ..routing.backends import Backends
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
@@ -84,6 +85,7 @@ class Gateway:
         self.settings = settings.validate()
         self.api_keys = ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
         self.metrics = GatewayMetrics()
+        self._starts = StartsPerTurn()  # a burst's forwards interleaved with first tokens
         self.routing = Routing(settings, self.metrics)
         # Flow control (flow/admission.py); None: off, and no step of it on the hot path.
         self.flow = (
@@ -202,6 +204,7 @@ class Gateway:
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         if scope["path"] not in GENERATION_PATHS:
             return await self._forward(scope, receive, send, raw, headers, None)
+        await self._starts.wait()
         read = await _generation_body(scope["path"], raw, headers["x-request-id"], send)
         if read is None:
             return

@@ -2,12 +2,14 @@
 
 A burst of arrivals is read in one turn of the loop. Run as they come, all of them are
 forwarded (read, checked, written upstream) before the loop looks at its sockets again, so
-the first tokens answering the earliest ones wait behind the whole burst's forwarding: the
-median request of a burst of 32 waits for ~30 forwards. Held to PER_TURN starts a turn, the
-loop polls its sockets between them and relays each first token as soon as it is in, so a
-burst's requests get their first tokens in turn. What a request waits for is the same work
-in another order (the streams already running go first), plus one poll a turn. Measured
-with benchmarks/sidecar_overhead.py: docs/sidecar.md.
+the first tokens answering the earliest ones wait behind the whole burst's forwarding: in a
+burst of 32, even the first request's first token waits for all 32 forwards. Held to
+PER_TURN starts a turn, the loop polls its sockets between them and relays each first
+token as soon as it is in, so a burst's requests get their first tokens in turn. What a
+request waits for is the same work in another order (the streams already running go
+first), plus one poll a turn. The sidecar and the gateway hold their generation routes to
+it. Measured with benchmarks/sidecar_overhead.py (`--gateway` for the gateway):
+docs/sidecar.md.
 """
 
 from __future__ import annotations

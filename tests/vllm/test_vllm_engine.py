@@ -46,6 +46,9 @@ from pdpool.up.topology import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
+# A loaded CI machine (load 13 seen) left a vLLM engine's socket unanswered past the
+# default 5 s: the sidecars here keep retrying longer than a user's would.
+DECODE_RETRY_S = 60.0
 MIN_PD_TOKENS = 16  # sidecar: prompts of >= 16 estimated tokens (64 chars) go P/D
 SHORT = ["Hello world, the", "Once upon a time", "A cat sat"]
 LONG = [
@@ -74,7 +77,7 @@ def stack(tiny_qwen3, vllm_bin, tmp_path_factory, receiver):
             vllm_bin=vllm_bin,
             prefill=1,
             decode=1,
-            **SIDE_BY_SIDE,
+            **{**SIDE_BY_SIDE, "decode_retry_s": DECODE_RETRY_S},
             log_dir=str(logs),
             prefill_min_prompt_tokens=MIN_PD_TOKENS,
             prefill_timeout=120.0,
@@ -110,6 +113,8 @@ def stack(tiny_qwen3, vllm_bin, tmp_path_factory, receiver):
                 "no",
                 "--prefill-timeout",
                 "120",
+                "--decode-retry-s",
+                str(DECODE_RETRY_S),
             )
             with open(logs / f"sidecar-{mode}.log", "wb") as fh:  # the child holds its copy
                 proc = subprocess.Popen(

@@ -3,6 +3,7 @@
     python benchmarks/kernels_cpu_prefill_attention.py                 # 512-4096 tokens
     python benchmarks/kernels_cpu_prefill_attention.py --prompts 1024 --prefix 0 --repeats 3
     python benchmarks/kernels_cpu_prefill_attention.py --threads 2    # kernel and matmul on 2
+    python benchmarks/kernels_cpu_prefill_attention.py --build avx2   # the AVX2 path here
 
 One sequence per call, its prompt of N new tokens over a cached prefix of P tokens (0: a
 prompt from scratch), on --threads torch threads (the kernel deals its tiles over as many),
@@ -18,7 +19,8 @@ scattered over the cache). FLOPs count the causal work only: 4 * H * D per visib
   matmul   torch.mm of [N, H*D] x [H*D, 3*H*D] (a QKV projection over the same tokens).
 Times are the minimum over the repeats (wall clock; the process's CPU time is in the JSON
 too: on a shared machine it is the steadier figure). Results go to
-benchmarks/results/kernels_cpu_prefill_attention.json (_Nthreads.json for N > 1).
+benchmarks/results/kernels_cpu_prefill_attention.json (_Nthreads.json for N > 1, _avx2 or
+_portable for another build).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def measure(args, prompt: int, prefix: int) -> dict:
     ms = 1e3 * record(
         "kernel",
         lambda: kernel.paged_prefill_attention(
-            q, k_cache, v_cache, tables, starts, lens, scale, None
+            q, k_cache, v_cache, tables, starts, lens, scale, None, build=args.build
         ),
         args.repeats,
     )
@@ -162,6 +164,12 @@ def main() -> int:
     )
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--no-torch", action="store_true", help="skip the slow torch paths")
+    ap.add_argument(
+        "--build",
+        default="native",
+        choices=["native", *kernel.TEST_BUILDS],
+        help="the kernel's build: this CPU's widest vectors, or a narrower path",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not kernel.usable_for(*setup(16, 0, args.heads, args.kv_heads, args.head_dim, 16)[:3]):
@@ -188,11 +196,13 @@ def main() -> int:
     print_table(
         rows,
         f"CPU prefill attention, {args.heads} heads on {args.kv_heads} KV heads of "
-        f"{args.head_dim}, block {args.block_size}, {args.threads} thread(s); "
+        f"{args.head_dim}, block {args.block_size}, {args.threads} thread(s), {args.build} build; "
         f"GFLOP/s from the best of {args.repeats} (wall); load average {os.getloadavg()[0]:.1f}",
     )
     write_json(
-        "kernels_cpu_prefill_attention" + ("" if args.threads == 1 else f"_{args.threads}threads"),
+        "kernels_cpu_prefill_attention"
+        + ("" if args.threads == 1 else f"_{args.threads}threads")
+        + ("" if args.build == "native" else f"_{args.build}"),
         {
             "shape": {
                 "heads": args.heads,

@@ -34,12 +34,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = None
 
 
-def _library(portable: bool = False) -> Optional[ctypes.CDLL]:
-    """The built kernel; `portable` builds the plain-C path even where AVX2 is (for tests)."""
-    if portable:
-        return native_build.load(
-            "prefill_attention", _declare, ("-DPORTABLE_ONLY",), variant="portable"
-        )
+# Builds the tests run besides this CPU's own: the AVX2 path where AVX-512 is, the plain C.
+TEST_BUILDS = {"avx2": "-DAVX2_ONLY", "portable": "-DPORTABLE_ONLY"}
+
+
+def _library(build: str = "native") -> Optional[ctypes.CDLL]:
+    """The built kernel: "native" takes the widest vectors this CPU has (AVX-512, AVX2),
+    the TEST_BUILDS a narrower path on the same CPU (for tests)."""
+    if build != "native":
+        flags = (TEST_BUILDS[build],)
+        return native_build.load("prefill_attention", _declare, flags, variant=build)
     return native_build.load("prefill_attention", _declare)
 
 
@@ -125,18 +129,18 @@ def paged_prefill_attention(
     seq_lens: list[int],
     scale: float,
     sliding_window: Optional[int],
-    portable: bool = False,
+    build: str = "native",
     skip_single: bool = False,
     threads: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of q `[T, H, D]` (sequence b owns rows
     `query_start_loc[b]:query_start_loc[b+1]`, at the last positions of its `seq_lens[b]`)
     over caches `[blocks, block_size, H_kv, D]`; returns `[T, H, D]` float32. Check
-    `usable_for` first. `portable` runs the plain-C build (tests). With `skip_single` the
+    `usable_for` first. `build` picks a narrower build (tests). With `skip_single` the
     rows of one-query sequences are left unwritten, for the decode kernel. The tiles are
     shared out over `threads` threads (default: torch's thread count, when there is enough
     to share)."""
-    lib = _library(portable)
+    lib = _library(build)
     assert lib is not None
     tables = _validated(q, k_cache, block_tables, query_start_loc, seq_lens)
     starts = torch.tensor(query_start_loc, dtype=torch.int32)

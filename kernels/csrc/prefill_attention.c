@@ -21,10 +21,21 @@
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define LANES 8                       /* query rows per vector */
+/* PORTABLE_ONLY: the tests build the portable path on a vector machine too; AVX2_ONLY: the
+   AVX2 path on an AVX-512 machine */
+#if defined(__AVX512F__) && defined(__FMA__) && !defined(PORTABLE_ONLY) && !defined(AVX2_ONLY)
+#define HAVE_AVX512 1
+#define LANES 16                      /* query rows per vector */
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(PORTABLE_ONLY)
+#define HAVE_AVX2 1
+#define LANES 8
+#else
+#define LANES 8
+#endif
 #define MAX_VECS 3                    /* row vectors per tile */
 #define TILE_ROWS (LANES * MAX_VECS)  /* 24 */
 #define CHUNK 48                      /* keys per softmax step: a multiple of every KEY_STEP */
+#define ALIGNED __attribute__((aligned(64)))
 #define MAX_DIM 256
 #define MASKED (-1.0e30f)             /* the score of a key a row may not see */
 #define LOG2E 1.4426950408889634f
@@ -64,19 +75,66 @@ ALWAYS_INLINE float exp2_scalar(float x) {
     return p * scale;
 }
 
-/* PORTABLE_ONLY: the tests build the portable path on an AVX2 machine too */
-#if defined(__AVX2__) && defined(__FMA__) && !defined(PORTABLE_ONLY)
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
 #include <immintrin.h>
-#define HAVE_AVX2 1
-/* Accumulators of a register tile: 12 of the 16 ymm registers, the rest hold the row vectors
-   and a broadcast. (24 of the 32 that AVX-512VL gives measured no faster on Zen 4.) */
-#define ACCS 12
-#define VALUE_DIMS (ACCS / 3) /* dims per register tile of the value product */
+#define HAVE_VECTORS 1
 /* Keeps a loaded vector in a register: without it GCC folds the load into every FMA that
    uses it (one load per FMA instead of one per row vector, and the loop waits on loads). */
 #define PIN(x) __asm__("" : "+v"(x))
+#ifdef HAVE_AVX512
+/* Accumulators of a register tile: 24 of the 32 zmm registers, the rest hold the row
+   vectors and a broadcast. */
+#define ACCS 24
+typedef __m512 vec;
+#define V_LOAD _mm512_load_ps
+#define V_STORE _mm512_store_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_BCAST(p) _mm512_set1_ps(*(p))
+#define V_FMA _mm512_fmadd_ps
+#define V_MUL _mm512_mul_ps
+#define V_ADD _mm512_add_ps
+#define V_SUB _mm512_sub_ps
+#define V_MAX _mm512_max_ps
 
-ALWAYS_INLINE __m256 exp2_avx2(__m256 x) {
+ALWAYS_INLINE vec v_exp2(vec x) {
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vec r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(LN2));
+    vec p = _mm512_set1_ps(EXP_C7);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(e));
+}
+
+/* m where a row has seen an unmasked key, else 0 */
+ALWAYS_INLINE vec v_seen(vec m) {
+    const __mmask16 seen = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.5f * MASKED), _CMP_GE_OQ);
+    return _mm512_maskz_mov_ps(seen, m);
+}
+#else
+/* 12 of the 16 ymm registers. (24 of the 32 that AVX-512VL gives measured no faster on
+   Zen 4 at 8 lanes; an Intel core with 512-bit FMA units takes the path above.) */
+#define ACCS 12
+typedef __m256 vec;
+#define V_LOAD _mm256_load_ps
+#define V_STORE _mm256_store_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_BCAST(p) _mm256_broadcast_ss(p)
+#define V_FMA _mm256_fmadd_ps
+#define V_MUL _mm256_mul_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MAX _mm256_max_ps
+
+ALWAYS_INLINE vec v_exp2(vec x) {
     const __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -94,109 +152,115 @@ ALWAYS_INLINE __m256 exp2_avx2(__m256 x) {
     return _mm256_and_ps(kept, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+ALWAYS_INLINE vec v_seen(vec m) {
+    const __m256 unseen = _mm256_cmp_ps(m, _mm256_set1_ps(0.5f * MASKED), _CMP_LT_OQ);
+    return _mm256_andnot_ps(unseen, m);
+}
+#endif
+#define VALUE_DIMS (ACCS / 3) /* dims per register tile of the value product */
+
 /* st[key][row] for `n` keys (a multiple of ACCS / nv) at rows[0..n): ACCS / nv keys x nv row
    vectors of accumulators, one broadcast per key element, one load per row vector. */
-ALWAYS_INLINE void scores_avx2(const float *qt, const float *const *rows, int64_t n, int nv,
+ALWAYS_INLINE void scores_vec(const float *qt, const float *const *rows, int64_t n, int nv,
                                int64_t dim, float *st) {
     const int kb = ACCS / nv;
     for (int64_t n0 = 0; n0 < n; n0 += kb) {
-        __m256 acc[ACCS][MAX_VECS];
-#pragma GCC unroll 12
+        vec acc[ACCS][MAX_VECS];
+#pragma GCC unroll 24
         for (int i = 0; i < kb; i++)
 #pragma GCC unroll 3
-            for (int j = 0; j < nv; j++) acc[i][j] = _mm256_setzero_ps();
+            for (int j = 0; j < nv; j++) acc[i][j] = V_ZERO();
         for (int64_t d = 0; d < dim; d++) {
-            __m256 qv[MAX_VECS];
+            vec qv[MAX_VECS];
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++) {
-                qv[j] = _mm256_load_ps(qt + d * TILE_ROWS + j * LANES);
+                qv[j] = V_LOAD(qt + d * TILE_ROWS + j * LANES);
                 PIN(qv[j]);
             }
-#pragma GCC unroll 12
+#pragma GCC unroll 24
             for (int i = 0; i < kb; i++) {
-                const __m256 kv = _mm256_broadcast_ss(rows[n0 + i] + d);
+                const vec kv = V_BCAST(rows[n0 + i] + d);
 #pragma GCC unroll 3
-                for (int j = 0; j < nv; j++) acc[i][j] = _mm256_fmadd_ps(kv, qv[j], acc[i][j]);
+                for (int j = 0; j < nv; j++) acc[i][j] = V_FMA(kv, qv[j], acc[i][j]);
             }
         }
-#pragma GCC unroll 12
+#pragma GCC unroll 24
         for (int i = 0; i < kb; i++)
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++)
-                _mm256_store_ps(st + (n0 + i) * TILE_ROWS + j * LANES, acc[i][j]);
+                V_STORE(st + (n0 + i) * TILE_ROWS + j * LANES, acc[i][j]);
     }
 }
 
 /* ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * st[key][row], VALUE_DIMS dims x
    nv row vectors at a time (dims past a multiple of it one at a time). */
-ALWAYS_INLINE void values_avx2(float *ot, const float *alpha, const float *const *rows,
+ALWAYS_INLINE void values_vec(float *ot, const float *alpha, const float *const *rows,
                                int64_t n, int nv, int64_t dim, const float *st) {
-    __m256 a[MAX_VECS];
+    vec a[MAX_VECS];
 #pragma GCC unroll 3
-    for (int j = 0; j < nv; j++) a[j] = _mm256_load_ps(alpha + j * LANES);
+    for (int j = 0; j < nv; j++) a[j] = V_LOAD(alpha + j * LANES);
     int64_t d0 = 0;
     for (; d0 + VALUE_DIMS <= dim; d0 += VALUE_DIMS) {
-        __m256 acc[VALUE_DIMS][MAX_VECS];
-#pragma GCC unroll 4
+        vec acc[VALUE_DIMS][MAX_VECS];
+#pragma GCC unroll 8
         for (int i = 0; i < VALUE_DIMS; i++)
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++)
-                acc[i][j] = _mm256_mul_ps(
-                    _mm256_load_ps(ot + (d0 + i) * TILE_ROWS + j * LANES), a[j]);
+                acc[i][j] = V_MUL(
+                    V_LOAD(ot + (d0 + i) * TILE_ROWS + j * LANES), a[j]);
         for (int64_t key = 0; key < n; key++) {
-            __m256 p[MAX_VECS];
+            vec p[MAX_VECS];
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++) {
-                p[j] = _mm256_load_ps(st + key * TILE_ROWS + j * LANES);
+                p[j] = V_LOAD(st + key * TILE_ROWS + j * LANES);
                 PIN(p[j]);
             }
             const float *vr = rows[key] + d0;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int i = 0; i < VALUE_DIMS; i++) {
-                const __m256 vv = _mm256_broadcast_ss(vr + i);
+                const vec vv = V_BCAST(vr + i);
 #pragma GCC unroll 3
-                for (int j = 0; j < nv; j++) acc[i][j] = _mm256_fmadd_ps(vv, p[j], acc[i][j]);
+                for (int j = 0; j < nv; j++) acc[i][j] = V_FMA(vv, p[j], acc[i][j]);
             }
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < VALUE_DIMS; i++)
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++)
-                _mm256_store_ps(ot + (d0 + i) * TILE_ROWS + j * LANES, acc[i][j]);
+                V_STORE(ot + (d0 + i) * TILE_ROWS + j * LANES, acc[i][j]);
     }
     for (; d0 < dim; d0++)
         for (int j = 0; j < nv; j++) {
-            __m256 acc = _mm256_mul_ps(_mm256_load_ps(ot + d0 * TILE_ROWS + j * LANES), a[j]);
+            vec acc = V_MUL(V_LOAD(ot + d0 * TILE_ROWS + j * LANES), a[j]);
             for (int64_t key = 0; key < n; key++)
-                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(rows[key] + d0),
-                                      _mm256_load_ps(st + key * TILE_ROWS + j * LANES), acc);
-            _mm256_store_ps(ot + d0 * TILE_ROWS + j * LANES, acc);
+                acc = V_FMA(V_BCAST(rows[key] + d0),
+                                      V_LOAD(st + key * TILE_ROWS + j * LANES), acc);
+            V_STORE(ot + d0 * TILE_ROWS + j * LANES, acc);
         }
 }
 
 /* Online softmax over one chunk's scores, lane-wise: updates m and l, writes alpha (the
    rescale of what was summed before) and turns st into probabilities. */
-ALWAYS_INLINE void softmax_avx2(float *st, int64_t n, int nv, float *m, float *l,
+ALWAYS_INLINE void softmax_vec(float *st, int64_t n, int nv, float *m, float *l,
                                 float *alpha) {
     for (int j = 0; j < nv; j++) {
-        const __m256 m_old = _mm256_load_ps(m + j * LANES);
-        __m256 m_new = m_old;
+        const vec m_old = V_LOAD(m + j * LANES);
+        vec m_new = m_old;
         for (int64_t key = 0; key < n; key++)
-            m_new = _mm256_max_ps(m_new, _mm256_load_ps(st + key * TILE_ROWS + j * LANES));
+            m_new = V_MAX(m_new, V_LOAD(st + key * TILE_ROWS + j * LANES));
         /* a row that has seen only masked keys subtracts 0: its p stays 0, never 1 */
-        const __m256 unseen = _mm256_cmp_ps(m_new, _mm256_set1_ps(0.5f * MASKED), _CMP_LT_OQ);
-        const __m256 ref = _mm256_andnot_ps(unseen, m_new);
-        __m256 sum = _mm256_setzero_ps();
+        const vec ref = v_seen(m_new);
+        vec sum = V_ZERO();
         for (int64_t key = 0; key < n; key++) {
             float *s = st + key * TILE_ROWS + j * LANES;
-            const __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_load_ps(s), ref));
-            _mm256_store_ps(s, p);
-            sum = _mm256_add_ps(sum, p);
+            const vec p = v_exp2(V_SUB(V_LOAD(s), ref));
+            V_STORE(s, p);
+            sum = V_ADD(sum, p);
         }
-        const __m256 a = exp2_avx2(_mm256_sub_ps(m_old, ref));
-        _mm256_store_ps(alpha + j * LANES, a);
-        _mm256_store_ps(l + j * LANES, _mm256_fmadd_ps(_mm256_load_ps(l + j * LANES), a, sum));
-        _mm256_store_ps(m + j * LANES, m_new);
+        const vec a = v_exp2(V_SUB(m_old, ref));
+        V_STORE(alpha + j * LANES, a);
+        V_STORE(l + j * LANES, V_FMA(V_LOAD(l + j * LANES), a, sum));
+        V_STORE(m + j * LANES, m_new);
     }
 }
 #endif
@@ -249,11 +313,11 @@ ALWAYS_INLINE void softmax_portable(float *st, int64_t n, int nv, float *m, floa
     }
 }
 
-#ifdef HAVE_AVX2
+#ifdef HAVE_VECTORS
 #define KEY_STEP(nv) (ACCS / (nv)) /* the score product takes keys this many at a time */
-#define SCORES scores_avx2
-#define VALUES values_avx2
-#define SOFTMAX softmax_avx2
+#define SCORES scores_vec
+#define VALUES values_vec
+#define SOFTMAX softmax_vec
 #else
 #define KEY_STEP(nv) 1
 #define SCORES scores_portable
@@ -275,11 +339,11 @@ typedef struct {
 static const float zero_row[MAX_DIM];
 
 ALWAYS_INLINE void run_tile(const Tile *t, const Keys *ks, int nv, int64_t dim) {
-    float qt[MAX_DIM * TILE_ROWS] __attribute__((aligned(32)));
-    float ot[MAX_DIM * TILE_ROWS] __attribute__((aligned(32)));
-    float st[CHUNK * TILE_ROWS] __attribute__((aligned(32)));
-    float m[TILE_ROWS] __attribute__((aligned(32))), l[TILE_ROWS] __attribute__((aligned(32)));
-    float alpha[TILE_ROWS] __attribute__((aligned(32)));
+    float qt[MAX_DIM * TILE_ROWS] ALIGNED;
+    float ot[MAX_DIM * TILE_ROWS] ALIGNED;
+    float st[CHUNK * TILE_ROWS] ALIGNED;
+    float m[TILE_ROWS] ALIGNED, l[TILE_ROWS] ALIGNED;
+    float alpha[TILE_ROWS] ALIGNED;
     float pos[TILE_ROWS]; /* each row's position (exact in float below 2^24) */
     const float *krows[CHUNK], *vrows[CHUNK];
     const int width = nv * LANES, rows = (int)(t->tokens * t->heads), kb = KEY_STEP(nv);

@@ -1,7 +1,8 @@
 """The CPU prefill-attention kernel (C, built on first use) against the torch path that gathers
 each sequence and runs SDPA with an explicit mask: causal from position zero, chunks over a
 cached prefix, GQA ratios, sliding windows, block sizes, lengths that do not fill a block,
-batches mixing prefills and decodes, head sizes; its portable (non-AVX2) build; and when the
+batches mixing prefills and decodes, head sizes; its narrower builds on the same CPU (AVX2
+where AVX-512 is, plain C); and when the
 CPU path (cpu_attention.py) dispatches to it or declines it."""
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _check(heads, kv_heads, dim, q_lens, seq_lens, monkeypatch, window=None, blo
     expected = _torch_path(
         q, k_cache, v_cache, tables, starts, seq_lens, scale, window, monkeypatch
     )
-    for portable, threads in ((False, 1), (True, 1), (False, 3)):
+    for build, threads in (("native", 1), ("avx2", 1), ("portable", 1), ("native", 3)):
         got = native.paged_prefill_attention(
             q,
             k_cache,
@@ -74,7 +75,7 @@ def _check(heads, kv_heads, dim, q_lens, seq_lens, monkeypatch, window=None, blo
             seq_lens,
             scale,
             window,
-            portable=portable,
+            build=build,
             threads=threads,
         )
         # float32, the C kernel's online softmax and SIMD sums against SDPA: rounding only
@@ -82,8 +83,9 @@ def _check(heads, kv_heads, dim, q_lens, seq_lens, monkeypatch, window=None, blo
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-# GQA ratios 1, 2, 4, 8 and a group wider than a tile's 24 rows (taken in slices)
-HEADS = [(4, 4), (4, 2), (8, 2), (8, 1), (32, 1)]
+# GQA ratios 1, 2, 4, 8 and groups wider than a tile's rows (24 with AVX2, 48 with AVX-512:
+# taken in slices)
+HEADS = [(4, 4), (4, 2), (8, 2), (8, 1), (32, 1), (64, 1)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", HEADS)

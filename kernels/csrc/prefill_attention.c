@@ -1,17 +1,18 @@
 /* CPU prefill attention over the paged cache (kernels/cpu_prefill_attention.py builds
  * and calls it).
  *
- * The layout that makes it run at matmul speed: a tile holds up to 24 query rows (a token and
- * one query head of a KV head's group) of one sequence, and the rows lie on the vector lanes.
- * Q is packed once per tile, transposed and pre-scaled, `qt[d][row]`. Then for every chunk of
- * 48 key positions:
- *   scores   st[key][row] = sum_d K[key][d] * qt[d][row]: a register-blocked matmul (with AVX2,
- *            12 accumulators: 12 / v keys x v row vectors), each key element broadcast from the
- *            cache where it lies (through the block table: no gather, no transpose of K);
+ * The layout that makes it run at matmul speed: a tile holds up to 3 vectors of query rows
+ * (48 with AVX-512's 16 lanes, 24 with AVX2's 8; a row is a token and one query head of a KV
+ * head's group) of one sequence, and the rows lie on the vector lanes. Q is packed once per
+ * tile, transposed and pre-scaled, `qt[d][row]`. Then for every chunk of 48 key positions:
+ *   scores   st[key][row] = sum_d K[key][d] * qt[d][row]: a register-blocked matmul (ACCS
+ *            accumulators, 24 zmm or 12 ymm: ACCS / v keys x v row vectors), each key element
+ *            broadcast from the cache where it lies (through the block table: no gather, no
+ *            transpose of K);
  *   softmax  online, per row, all of it lane-wise (no horizontal reductions): running max m,
- *            sum l, rescale alpha = 2^(m_old - m_new); exp2 is a polynomial on 8 lanes;
+ *            sum l, rescale alpha = 2^(m_old - m_new); exp2 is a polynomial on the lanes;
  *   values   ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * p[key][row]: the
- *            same register blocking (4 dims x 3 row vectors), V broadcast in place.
+ *            same register blocking (ACCS / 3 dims x 3 row vectors), V broadcast in place.
  * Each K/V row is read once per tile for all its rows (all query heads of the group). Key
  * chunks past a tile's last position (causal) or before its window are never read; only the
  * chunks that cross the diagonal or the window edge are masked. A masked score is a large
@@ -81,82 +82,66 @@ ALWAYS_INLINE float exp2_scalar(float x) {
 /* Keeps a loaded vector in a register: without it GCC folds the load into every FMA that
    uses it (one load per FMA instead of one per row vector, and the loop waits on loads). */
 #define PIN(x) __asm__("" : "+v"(x))
+/* The operations on `vec`, named by width: V(fmadd) is _mm512_fmadd_ps or _mm256_fmadd_ps. */
 #ifdef HAVE_AVX512
 /* Accumulators of a register tile: 24 of the 32 zmm registers, the rest hold the row
    vectors and a broadcast. */
 #define ACCS 24
+#define WIDTH 512
 typedef __m512 vec;
-#define V_LOAD _mm512_load_ps
-#define V_STORE _mm512_store_ps
-#define V_ZERO _mm512_setzero_ps
+typedef __m512i ivec;
 #define V_BCAST(p) _mm512_set1_ps(*(p))
-#define V_FMA _mm512_fmadd_ps
-#define V_MUL _mm512_mul_ps
-#define V_ADD _mm512_add_ps
-#define V_SUB _mm512_sub_ps
-#define V_MAX _mm512_max_ps
-
-ALWAYS_INLINE vec v_exp2(vec x) {
-    const __mmask16 kept = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vec r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(LN2));
-    vec p = _mm512_set1_ps(EXP_C7);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(e));
-}
-
-/* m where a row has seen an unmasked key, else 0 */
-ALWAYS_INLINE vec v_seen(vec m) {
-    const __mmask16 seen = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.5f * MASKED), _CMP_GE_OQ);
-    return _mm512_maskz_mov_ps(seen, m);
-}
+#define V_ROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* y where x >= limit, else 0 */
+#define V_WHERE_GE(x, limit, y) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, limit, _CMP_GE_OQ), y)
 #else
 /* 12 of the 16 ymm registers. (24 of the 32 that AVX-512VL gives measured no faster on
    Zen 4 at 8 lanes; an Intel core with 512-bit FMA units takes the path above.) */
 #define ACCS 12
+#define WIDTH 256
 typedef __m256 vec;
-#define V_LOAD _mm256_load_ps
-#define V_STORE _mm256_store_ps
-#define V_ZERO _mm256_setzero_ps
+typedef __m256i ivec;
 #define V_BCAST(p) _mm256_broadcast_ss(p)
-#define V_FMA _mm256_fmadd_ps
-#define V_MUL _mm256_mul_ps
-#define V_ADD _mm256_add_ps
-#define V_SUB _mm256_sub_ps
-#define V_MAX _mm256_max_ps
-
-ALWAYS_INLINE vec v_exp2(vec x) {
-    const __m256 kept = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(LN2));
-    __m256 p = _mm256_set1_ps(EXP_C7);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(kept, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-ALWAYS_INLINE vec v_seen(vec m) {
-    const __m256 unseen = _mm256_cmp_ps(m, _mm256_set1_ps(0.5f * MASKED), _CMP_LT_OQ);
-    return _mm256_andnot_ps(unseen, m);
-}
+#define V_ROUND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_WHERE_GE(x, limit, y) _mm256_and_ps(_mm256_cmp_ps(x, limit, _CMP_GE_OQ), y)
 #endif
+#define JOIN3(a, b, c) a##b##c
+#define NAMED(w, op) JOIN3(_mm, w, op)
+#define V(op) NAMED(WIDTH, _##op##_ps)
+#define VI(op) NAMED(WIDTH, _##op##_epi32)
+#define V_LOAD V(load)
+#define V_STORE V(store)
+#define V_ZERO V(setzero)
+#define V_SET1 V(set1)
+#define V_FMA V(fmadd)
+#define V_MUL V(mul)
+#define V_ADD V(add)
+#define V_SUB V(sub)
+#define V_MAX V(max)
+
+/* 2^n for whole numbers n in [-126, 127], by the exponent bits */
+ALWAYS_INLINE vec v_pow2i(vec n) {
+    const ivec bits = VI(slli)(VI(add)(NAMED(WIDTH, _cvtps_epi32)(n), VI(set1)(127)), 23);
+    return (vec)bits;
+}
+
+/* exp2 on lanes, as exp2_scalar */
+ALWAYS_INLINE vec v_exp2(vec x) {
+    const vec lowest = V_SET1(-126.0f), kept = V_MAX(x, lowest), n = V_ROUND(kept);
+    const vec r = V_MUL(V_SUB(kept, n), V_SET1(LN2));
+    vec p = V_SET1(EXP_C7);
+    p = V_FMA(p, r, V_SET1(EXP_C6));
+    p = V_FMA(p, r, V_SET1(EXP_C5));
+    p = V_FMA(p, r, V_SET1(EXP_C4));
+    p = V_FMA(p, r, V_SET1(EXP_C3));
+    p = V_FMA(p, r, V_SET1(EXP_C2));
+    p = V_FMA(p, r, V_SET1(1.0f));
+    p = V_FMA(p, r, V_SET1(1.0f));
+    return V_WHERE_GE(x, lowest, V_MUL(p, v_pow2i(n)));
+}
+
+/* m where a row has seen an unmasked key, else 0 */
+ALWAYS_INLINE vec v_seen(vec m) { return V_WHERE_GE(m, V_SET1(0.5f * MASKED), m); }
 #define VALUE_DIMS (ACCS / 3) /* dims per register tile of the value product */
 
 /* st[key][row] for `n` keys (a multiple of ACCS / nv) at rows[0..n): ACCS / nv keys x nv row

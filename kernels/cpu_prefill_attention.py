@@ -15,6 +15,7 @@ of the two cores' matmul. float32 only; head sizes up to 256 (32, 64 and
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 from typing import Optional
 
@@ -32,6 +33,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
     fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64, i64, i64, i64]
     fn.restype = None
+    lib.paged_prefill_tile_rows.argtypes = []
+    lib.paged_prefill_tile_rows.restype = ctypes.c_int64
 
 
 # Builds the tests run besides this CPU's own: the AVX2 path where AVX-512 is, the plain C.
@@ -98,20 +101,32 @@ def _validated(
     return tables
 
 
-TILE_ROWS = 24  # the C source's TILE_ROWS
 # Fewer tiles than this per thread and handing them out costs more than it saves: a
 # thread pool hand-off is ~50 us, a tile of 24 rows over 500 keys of 64 dims ~40 us.
 MIN_TILES_PER_THREAD = 4
 
 
+@functools.cache
+def _tile_rows(build: str) -> int:
+    """The query rows of a tile in `build` (the C source's TILE_ROWS: 48 with AVX-512)."""
+    lib = _library(build)
+    assert lib is not None
+    return int(lib.paged_prefill_tile_rows())
+
+
 def _parts(
-    query_start_loc: list[int], heads: int, kv_heads: int, skip_single: bool, threads: Optional[int]
+    query_start_loc: list[int],
+    heads: int,
+    kv_heads: int,
+    skip_single: bool,
+    threads: Optional[int],
+    tile_rows: int,
 ) -> int:
     """How many threads share a call: `threads` when given (at most one per tile); else
     torch's thread count, but each thread with enough tiles to pay for the hand-off."""
     group = heads // kv_heads
-    slice_ = min(group, TILE_ROWS)
-    per_tile = TILE_ROWS // slice_
+    slice_ = min(group, tile_rows)
+    per_tile = tile_rows // slice_
     q_lens = [b - a for a, b in itertools.pairwise(query_start_loc)]
     tiles_per_head = sum(-(-n // per_tile) for n in q_lens if n > 1 or not skip_single)
     tiles = tiles_per_head * -(-group // slice_) * kv_heads
@@ -149,7 +164,7 @@ def paged_prefill_attention(
     heads, dim = q.shape[1], q.shape[2]
     sb, sp, sh, _ = k_cache.stride()
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    parts = _parts(query_start_loc, heads, kv_heads, skip_single, threads)
+    parts = _parts(query_start_loc, heads, kv_heads, skip_single, threads, _tile_rows(build))
 
     def run_part(part: int) -> None:
         lib.paged_prefill_attention(

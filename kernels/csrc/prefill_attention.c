@@ -34,7 +34,7 @@
 #define LANES 8
 #endif
 #define MAX_VECS 3                    /* row vectors per tile */
-#define TILE_ROWS (LANES * MAX_VECS)  /* 24 */
+#define TILE_ROWS (LANES * MAX_VECS)  /* 48 with AVX-512, else 24 */
 #define CHUNK 48                      /* keys per softmax step: a multiple of every KEY_STEP */
 #define ALIGNED __attribute__((aligned(64)))
 #define MAX_DIM 256
@@ -147,7 +147,7 @@ ALWAYS_INLINE vec v_seen(vec m) { return V_WHERE_GE(m, V_SET1(0.5f * MASKED), m)
 /* st[key][row] for `n` keys (a multiple of ACCS / nv) at rows[0..n): ACCS / nv keys x nv row
    vectors of accumulators, one broadcast per key element, one load per row vector. */
 ALWAYS_INLINE void scores_vec(const float *qt, const float *const *rows, int64_t n, int nv,
-                               int64_t dim, float *st) {
+                              int64_t dim, float *st) {
     const int kb = ACCS / nv;
     for (int64_t n0 = 0; n0 < n; n0 += kb) {
         vec acc[ACCS][MAX_VECS];
@@ -180,7 +180,7 @@ ALWAYS_INLINE void scores_vec(const float *qt, const float *const *rows, int64_t
 /* ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * st[key][row], VALUE_DIMS dims x
    nv row vectors at a time (dims past a multiple of it one at a time). */
 ALWAYS_INLINE void values_vec(float *ot, const float *alpha, const float *const *rows,
-                               int64_t n, int nv, int64_t dim, const float *st) {
+                              int64_t n, int nv, int64_t dim, const float *st) {
     vec a[MAX_VECS];
 #pragma GCC unroll 3
     for (int j = 0; j < nv; j++) a[j] = V_LOAD(alpha + j * LANES);
@@ -191,8 +191,7 @@ ALWAYS_INLINE void values_vec(float *ot, const float *alpha, const float *const 
         for (int i = 0; i < VALUE_DIMS; i++)
 #pragma GCC unroll 3
             for (int j = 0; j < nv; j++)
-                acc[i][j] = V_MUL(
-                    V_LOAD(ot + (d0 + i) * TILE_ROWS + j * LANES), a[j]);
+                acc[i][j] = V_MUL(V_LOAD(ot + (d0 + i) * TILE_ROWS + j * LANES), a[j]);
         for (int64_t key = 0; key < n; key++) {
             vec p[MAX_VECS];
 #pragma GCC unroll 3
@@ -218,8 +217,8 @@ ALWAYS_INLINE void values_vec(float *ot, const float *alpha, const float *const 
         for (int j = 0; j < nv; j++) {
             vec acc = V_MUL(V_LOAD(ot + d0 * TILE_ROWS + j * LANES), a[j]);
             for (int64_t key = 0; key < n; key++)
-                acc = V_FMA(V_BCAST(rows[key] + d0),
-                                      V_LOAD(st + key * TILE_ROWS + j * LANES), acc);
+                acc = V_FMA(V_BCAST(rows[key] + d0), V_LOAD(st + key * TILE_ROWS + j * LANES),
+                            acc);
             V_STORE(ot + d0 * TILE_ROWS + j * LANES, acc);
         }
 }
@@ -227,7 +226,7 @@ ALWAYS_INLINE void values_vec(float *ot, const float *alpha, const float *const 
 /* Online softmax over one chunk's scores, lane-wise: updates m and l, writes alpha (the
    rescale of what was summed before) and turns st into probabilities. */
 ALWAYS_INLINE void softmax_vec(float *st, int64_t n, int nv, float *m, float *l,
-                                float *alpha) {
+                               float *alpha) {
     for (int j = 0; j < nv; j++) {
         const vec m_old = V_LOAD(m + j * LANES);
         vec m_new = m_old;
@@ -452,3 +451,6 @@ void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const f
         }
     }
 }
+
+/* The query rows of a tile in this build: the caller's estimate of a call's tiles. */
+int64_t paged_prefill_tile_rows(void) { return TILE_ROWS; }

@@ -34,11 +34,17 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-from torch import nn
+from pdpool.engine.cpu_threads import quiet_openmp_spin
 
-from benchmarks.common import print_table, write_json
-from benchmarks.engine_vs_vllm import WORKLOADS, model_for
+# The OpenMP runtime reads its spin setting when torch loads: `pdpool serve`'s, as its engine
+# process gets it, before the import.
+quiet_openmp_spin()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.engine_vs_vllm import WORKLOADS, model_for  # noqa: E402
 
 PARTS = (
     "linear, wide steps",

@@ -131,6 +131,12 @@ def demand(s: RoleSignals) -> float:
     return s.running + s.waiting
 
 
+def stalled(s: RoleSignals) -> bool:
+    """Requests run or wait, yet no token came out in the window: a step longer than the
+    window (an engine starved of CPU, a huge prompt), which is no evidence of headroom."""
+    return demand(s) > 0 and s.ttft_p90 is None and s.itl_p90 is None
+
+
 def queue_fit(s: RoleSignals) -> int:
     """Engines that would also run the queued requests, at the concurrency the role's engines
     run now (0 without a queue: a queue forms only once the engines are full)."""
@@ -181,6 +187,12 @@ def recommend(
         measured = s.engines or n
         want = max(n, math.ceil(measured * pressure), queue_fit(s))
         reason = f"{worst} at {pressure:.2f}x target"
+    elif n > 1 and pressure <= cfg.down_headroom and stalled(s):
+        want = replicas
+        reason = (
+            f"{worst} at {pressure:.2f}x target, but no token came out while "
+            f"{demand(s):g} requests ran or waited"
+        )
     elif n > 1 and pressure <= cfg.down_headroom:
         # Latency is not proportional to load when light (it nears the bare compute time),
         # so one engine fewer, or fewer still when even a proportional estimate agrees.

@@ -189,11 +189,11 @@ def test_a_saturation_measured_under_other_targets_is_forgotten():
     assert after.saturated_per_engine is None and after.saturated_targets is None
 
 
-def _decode_signals(engines, running, waiting, itl_p90=0.02, decode_ttft_p90=None):
+def _decode_signals(engines, running, waiting, itl_p90=0.02, decode_ttft_p90=None, ttft_p90=0.1):
     from pdpool.planner.signals import PoolSignals, RoleSignals, Signals
 
     idle = RoleSignals(1, 0, 0, 0.0, None, None, 0, 0.0, 0.0)
-    busy = RoleSignals(engines, running, waiting, 0.3, 0.1, itl_p90, 20, 0.0, 500.0)
+    busy = RoleSignals(engines, running, waiting, 0.3, ttft_p90, itl_p90, 20, 0.0, 500.0)
     pool = PoolSignals(0, 0, 0, None, decode_ttft_p90)
     return Signals(idle, busy, pool, 10.0)
 
@@ -229,3 +229,20 @@ def test_the_sidecars_first_token_time_counts_for_decode():
     assert recommend("decode", 2, _decode_signals(2, 2, 0), config()).replicas == 1
     near = recommend("decode", 2, _decode_signals(2, 2, 0, decode_ttft_p90=0.45), config())
     assert near.replicas == 2 and "decode_ttft at 0.90x" in near.reason
+
+
+def test_a_window_in_which_running_requests_made_no_token_keeps_the_engines():
+    """Six streams run, yet no first or next token came out between two scrapes (a step
+    longer than the window: a new engine's start-up took the CPU). The other signals
+    (KV usage, no queue) are far under target, but that is no evidence of headroom: no
+    scale-down, while the same window with tokens in it does scale down."""
+    from pdpool.planner.policy import recommend
+
+    stalled = _decode_signals(3, running=6, waiting=0, itl_p90=None, ttft_p90=None)
+    rec = recommend("decode", 3, stalled, config())
+    assert rec.replicas == 3 and "no token came out while 6 requests" in rec.reason
+    flowing = recommend("decode", 3, _decode_signals(3, 6, 0, itl_p90=0.005), config())
+    assert flowing.replicas < 3
+    # Nothing running is idle, not stalled: down to the minimum as before.
+    idle = _decode_signals(3, 0, 0, itl_p90=None, ttft_p90=None)
+    assert recommend("decode", 3, idle, config()).replicas < 3

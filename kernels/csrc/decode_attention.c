@@ -58,62 +58,78 @@ ALWAYS_INLINE void softmax(float *s, int64_t n) {
     for (int64_t i = 0; i < n; i++) s[i] *= inv;
 }
 
-/* Up to MAX_SHARE query heads that share one KV head, over one sequence: k and v already
-   point at the KV head; positions [start, len) through `table`. Each key and value row is
-   loaded once for all of them. With `dim` a constant (the callers below), the loops over it
-   unroll and the output rows stay in registers while the positions stream by. */
-#define MAX_SHARE 4
-ALWAYS_INLINE void shared_heads(const float *q, int64_t nq, const float *k, const float *v,
-                                int64_t sb, int64_t sp, const int32_t *table,
-                                int64_t block_size, int64_t start, int64_t len, int64_t dim,
-                                float scale, float *s, float *out) {
-    const int64_t n = len - start;
+/* The cache lines of `floats` floats from `row`, requested ahead of their use. */
+ALWAYS_INLINE void prefetch(const float *row, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
+/* Every query head of one sequence, over positions [start, len) through `table`; k and v
+   point at the cache, `sh` floats between KV heads. Query head h reads KV head h / group.
+   A block's rows hold every KV head side by side, so each block's keys (then values) are
+   read front to back for all heads at once: memory streams the block in order, where a
+   pass per KV head would read a quarter of every row, strided. `out` rows (heads x dim,
+   a few KiB) stay in L1 while the positions go by; with `dim` a constant (the callers
+   below) the loops over it unroll. */
+ALWAYS_INLINE void sequence_heads(const float *q, int64_t heads, int64_t group, const float *k,
+                                  const float *v, int64_t sb, int64_t sp, int64_t sh,
+                                  const int32_t *table, int64_t block_size, int64_t start,
+                                  int64_t len, int64_t dim, float scale, float *s, float *out) {
+    const int64_t n = len - start, row = (heads / group - 1) * sh + dim;
     for (int64_t p = start; p < len;) {
         const int64_t block = p / block_size, end = (block + 1) * block_size;
+        const int64_t stop = end < len ? end : len;
         const float *kb = k + table[block] * sb;
+        /* Blocks lie anywhere: the next one is fetched while this one is read, row by row. */
+        const float *next = end < len ? k + table[block + 1] * sb : NULL;
 #ifdef DOT8
         if (dim % 8 == 0) /* eight positions at a time while the block has them */
-            for (; p + 8 <= end && p + 8 <= len; p += 8) {
+            for (; p + 8 <= stop; p += 8) {
                 const float *kp = kb + (p - block * block_size) * sp;
-                for (int64_t g = 0; g < nq; g++)
-                    _mm256_storeu_ps(s + g * n + p - start,
-                                     _mm256_mul_ps(dot8(q + g * dim, kp, sp, dim),
+                if (next)
+                    for (int64_t r = 0; r < 8; r++)
+                        prefetch(next + (p - block * block_size + r) * sp, row);
+                for (int64_t h = 0; h < heads; h++)
+                    _mm256_storeu_ps(s + h * n + p - start,
+                                     _mm256_mul_ps(dot8(q + h * dim, kp + (h / group) * sh,
+                                                        sp, dim),
                                                    _mm256_set1_ps(scale)));
             }
 #endif
-        for (; p < end && p < len; p++) {
+        for (; p < stop; p++) {
             const float *kp = kb + (p - block * block_size) * sp;
-            for (int64_t g = 0; g < nq; g++)
-                s[g * n + p - start] = dot(q + g * dim, kp, dim) * scale;
+            if (next) prefetch(next + (p - block * block_size) * sp, row);
+            for (int64_t h = 0; h < heads; h++)
+                s[h * n + p - start] = dot(q + h * dim, kp + (h / group) * sh, dim) * scale;
         }
     }
-    for (int64_t g = 0; g < nq; g++) softmax(s + g * n, n);
-    float o[MAX_SHARE][MAX_DIM];
-    for (int64_t g = 0; g < nq; g++)
-        for (int64_t d = 0; d < dim; d++) o[g][d] = 0.0f;
+    for (int64_t h = 0; h < heads; h++) softmax(s + h * n, n);
+    memset(out, 0, heads * dim * sizeof(float));
     for (int64_t p = start; p < len;) {
         const int64_t block = p / block_size, end = (block + 1) * block_size;
         const float *vb = v + table[block] * sb;
+        const float *next = end < len ? v + table[block + 1] * sb : NULL;
         for (; p < end && p < len; p++) {
             const float *vp = vb + (p - block * block_size) * sp;
-            for (int64_t g = 0; g < nq; g++) {
-                const float w = s[g * n + p - start];
-                for (int64_t d = 0; d < dim; d++) o[g][d] += w * vp[d];
+            if (next) prefetch(next + (p - block * block_size) * sp, row);
+            for (int64_t h = 0; h < heads; h++) {
+                const float w = s[h * n + p - start], *vh = vp + (h / group) * sh;
+                float *o = out + h * dim;
+                for (int64_t d = 0; d < dim; d++) o[d] += w * vh[d];
             }
         }
     }
-    for (int64_t g = 0; g < nq; g++) memcpy(out + g * dim, o[g], dim * sizeof(float));
 }
 
-#define SHARED_HEADS_OF(D)                                                                   \
-    static void shared_heads_##D(const float *q, int64_t nq, const float *k, const float *v, \
-                                 int64_t sb, int64_t sp, const int32_t *t, int64_t bs,       \
-                                 int64_t a, int64_t l, float sc, float *s, float *o) {       \
-        shared_heads(q, nq, k, v, sb, sp, t, bs, a, l, D, sc, s, o);                         \
+#define SEQUENCE_HEADS_OF(D)                                                                 \
+    static void sequence_heads_##D(const float *q, int64_t nh, int64_t g, const float *k,    \
+                                   const float *v, int64_t sb, int64_t sp, int64_t sh,       \
+                                   const int32_t *t, int64_t bs, int64_t a, int64_t l,       \
+                                   float sc, float *s, float *o) {                           \
+        sequence_heads(q, nh, g, k, v, sb, sp, sh, t, bs, a, l, D, sc, s, o);                \
     }
-SHARED_HEADS_OF(32)
-SHARED_HEADS_OF(64)
-SHARED_HEADS_OF(128)
+SEQUENCE_HEADS_OF(32)
+SEQUENCE_HEADS_OF(64)
+SEQUENCE_HEADS_OF(128)
 
 /* q, out [B, H, D] contiguous; k, v [blocks, block_size, Hkv, D] with strides (in floats)
    sb, sp, sh and unit stride over D; tables [B, W] int32; seq_lens [B] int32;
@@ -124,32 +140,26 @@ void paged_decode_attention(const float *q, const float *k, const float *v,
                             int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
                             int64_t block_size, float scale, int64_t window, float *scratch) {
     const int64_t group = heads / kv_heads;
-    if (dim > MAX_DIM) return; /* refused by the caller; never write past o[] */
+    if (dim > MAX_DIM) return; /* refused by the caller */
     for (int64_t b = 0; b < batch; b++) {
         const int64_t len = seq_lens[b];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
         const int32_t *table = tables + b * table_width;
-        for (int64_t h = 0, nq; h < heads; h += nq) {
-            /* the query heads [h, h + nq) share KV head h / group */
-            const int64_t in_group = group - h % group;
-            nq = in_group < MAX_SHARE ? in_group : MAX_SHARE;
-            const float *qh = q + (b * heads + h) * dim;
-            float *oh = out + (b * heads + h) * dim;
-            const float *kh = k + (h / group) * sh, *vh = v + (h / group) * sh;
-            if (len - start <= 0)
-                memset(oh, 0, nq * dim * sizeof(float));
-            else if (dim == 64)
-                shared_heads_64(qh, nq, kh, vh, sb, sp, table, block_size, start, len, scale,
-                                scratch, oh);
-            else if (dim == 128)
-                shared_heads_128(qh, nq, kh, vh, sb, sp, table, block_size, start, len, scale,
-                                 scratch, oh);
-            else if (dim == 32)
-                shared_heads_32(qh, nq, kh, vh, sb, sp, table, block_size, start, len, scale,
-                                scratch, oh);
-            else
-                shared_heads(qh, nq, kh, vh, sb, sp, table, block_size, start, len, dim, scale,
-                             scratch, oh);
-        }
+        const float *qb = q + b * heads * dim;
+        float *ob = out + b * heads * dim;
+        if (len - start <= 0)
+            memset(ob, 0, heads * dim * sizeof(float));
+        else if (dim == 64)
+            sequence_heads_64(qb, heads, group, k, v, sb, sp, sh, table, block_size, start, len,
+                              scale, scratch, ob);
+        else if (dim == 128)
+            sequence_heads_128(qb, heads, group, k, v, sb, sp, sh, table, block_size, start,
+                               len, scale, scratch, ob);
+        else if (dim == 32)
+            sequence_heads_32(qb, heads, group, k, v, sb, sp, sh, table, block_size, start, len,
+                              scale, scratch, ob);
+        else
+            sequence_heads(qb, heads, group, k, v, sb, sp, sh, table, block_size, start, len,
+                           dim, scale, scratch, ob);
     }
 }

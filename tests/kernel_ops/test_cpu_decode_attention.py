@@ -41,7 +41,7 @@ def _case(heads, kv_heads, dim, lens, block_size=16, layers=3, seed=0):
         (8, 8, 64, None),
         (6, 2, 48, 37),
         (4, 1, 80, 5),
-        # groups wider than the kernel shares one KV row with (4): taken in parts
+        # wide groups: many query heads read one KV head
         (8, 1, 64, None),
         (6, 1, 32, 9),
         (16, 2, 128, None),

@@ -34,11 +34,13 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pdpool.engine.cpu_memory import keep_freed_memory
 from pdpool.engine.cpu_threads import quiet_openmp_spin
 
 # The OpenMP runtime reads its spin setting when torch loads: `pdpool serve`'s, as its engine
 # process gets it, before the import.
 quiet_openmp_spin()
+keep_freed_memory()  # as `pdpool serve`'s engine process does
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

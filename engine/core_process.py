@@ -185,8 +185,11 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from pdpool.engine.cpu_memory import keep_freed_memory
     from pdpool.engine.engine_core import LLMEngine
 
+    if config.device != "cuda":
+        keep_freed_memory()
     try:
         engine = LLMEngine(config)
     except Exception as exc:

@@ -66,6 +66,7 @@ def config_from_args(args: argparse.Namespace):
 def start_engine(config, own_process: bool, log_level: str):
     """The engine, loaded and ready to serve: in a child process or on a thread of this one."""
     from pdpool.engine.core_client import InProcessClient
+    from pdpool.engine.cpu_memory import keep_freed_memory
     from pdpool.engine.core_process import EngineStartError
     from pdpool.engine.core_process_client import CoreProcessClient
     from pdpool.engine.model_info import ModelLoadError
@@ -76,6 +77,8 @@ def start_engine(config, own_process: bool, log_level: str):
             return CoreProcessClient(config, log_level)
         from pdpool.engine.engine_core import LLMEngine
 
+        if config.device != "cuda":
+            keep_freed_memory()
         return InProcessClient(LLMEngine(config))
     except (ModelLoadError, EngineStartError, ValueError, OSError) as exc:
         raise CliError(str(exc)) from exc

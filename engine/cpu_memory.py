@@ -7,7 +7,11 @@ trim threshold; it raises both as it goes, but not past what a step of mixed siz
 So each step touched newly mapped pages again: a page fault and a zeroed page per 4 KiB.
 With both thresholds set once, blocks up to glibc's largest mmap threshold come from the
 heap and freed ones are used again. Blocks above it are still mapped each time: the compute
-of a step that needs them is large beside a fault per page.
+of a step that needs them is large beside a fault per page. The steps run on a thread of
+their own, whose blocks would come from an arena of their own (mapped heaps that glibc
+unmaps as they empty), so the process keeps one arena: the main one, which the thresholds
+govern. Over 64 long prompts in one engine: 1.4 M page faults and 2.5-3.7 s of system time
+before, 0.78 M (most of them the KV cache's first touch) and 1.4 s after.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 # mallopt's parameter numbers (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 # glibc refuses an mmap threshold above this on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 LARGEST_MMAP_THRESHOLD = 32 << 20
 # The heap's top is kept up to this much (mallopt takes an int): what a step freed is there
@@ -51,8 +56,13 @@ def keep_freed_memory(libc: Optional[ctypes.CDLL] = None) -> bool:
         return False
     libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     libc.mallopt.restype = ctypes.c_int
-    done = bool(libc.mallopt(M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)) and bool(
-        libc.mallopt(M_TRIM_THRESHOLD, KEPT_TOP)
+    done = all(
+        libc.mallopt(param, value)
+        for param, value in (
+            (M_ARENA_MAX, 1),
+            (M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD),
+            (M_TRIM_THRESHOLD, KEPT_TOP),
+        )
     )
     if not done:
         log.warning("mallopt refused the engine's thresholds: freed activations are unmapped")

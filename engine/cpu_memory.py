@@ -49,8 +49,9 @@ def _glibc() -> Optional[ctypes.CDLL]:
 
 
 def keep_freed_memory(libc: Optional[ctypes.CDLL] = None) -> bool:
-    """Sets glibc's mmap and trim thresholds for this process. True if both took; False
-    where the C library is not glibc (nothing is changed)."""
+    """Sets glibc's arena count, mmap threshold and trim threshold for this process, before
+    the threads that allocate start. True if all three took; False where the C library is
+    not glibc (nothing is changed) or refused one."""
     libc = libc if libc is not None else _glibc()
     if libc is None:
         return False

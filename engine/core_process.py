@@ -186,10 +186,12 @@ def run_engine_process(config: EngineConfig, conn: Connection, log_level: str) -
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from pdpool.engine.cpu_memory import keep_freed_memory
+    from pdpool.engine.cpu_threads import yield_to_relays
     from pdpool.engine.engine_core import LLMEngine
 
     if config.device != "cuda":
         keep_freed_memory()
+        yield_to_relays()
     try:
         engine = LLMEngine(config)
     except Exception as exc:

@@ -140,6 +140,24 @@ def test_the_server_process_does_not_load_torch(tiny_qwen3, tmp_path):
         assert "libtorch" in Path(f"/proc/{_engine_child(eng.proc.pid)}/maps").read_text()
 
 
+def _niceness(pid: int, tid: int) -> int:
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+
+
+def test_the_cpu_engine_core_yields_the_cpu_to_its_server(tiny_qwen3, tmp_path):
+    from pdpool.engine.cpu_threads import CORE_NICE
+
+    with spawned_engine(tiny_qwen3, tmp_path) as eng:
+        assert httpx.post(f"{eng.url}/v1/completions", json=BODY, timeout=60).status_code == 200
+        child = _engine_child(eng.proc.pid)
+        # every thread of the core, the step loop's and the kernels' included
+        threads = [int(t.name) for t in Path(f"/proc/{child}/task").iterdir()]
+        assert len(threads) > 1
+        assert {_niceness(child, t) for t in threads} == {CORE_NICE}
+        assert _niceness(eng.proc.pid, eng.proc.pid) == 0  # the server keeps its priority
+
+
 def test_the_engine_process_leaves_with_the_server(tiny_qwen3, tmp_path):
     with spawned_engine(tiny_qwen3, tmp_path) as eng:
         child = _engine_child(eng.proc.pid)

@@ -17,7 +17,6 @@ before, 0.78 M (most of them the KV cache's first touch) and 1.4 s after.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import sys
 from typing import Optional
@@ -38,10 +37,9 @@ KEPT_TOP = (1 << 31) - 1
 def _glibc() -> Optional[ctypes.CDLL]:
     if not sys.platform.startswith("linux"):
         return None
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name)
+    # the process's own symbols, its C library's among them (ctypes.util.find_library would
+    # run ldconfig in a subprocess at every engine start)
+    libc = ctypes.CDLL(None)
     # musl and others have no mallopt, or one that ignores these parameters
     if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
         return None

@@ -204,7 +204,7 @@ class Gateway:
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         if scope["path"] not in GENERATION_PATHS:
             return await self._forward(scope, receive, send, raw, headers, None)
-        await self._starts.wait()
+        await self._starts.wait(tenant.name if tenant is not None else None)
         read = await _generation_body(scope["path"], raw, headers["x-request-id"], send)
         if read is None:
             return

@@ -10,13 +10,17 @@ request waits for is the same work in another order (the streams already running
 first), plus one poll a turn. The sidecar and the gateway hold their generation routes to
 it. Measured with benchmarks/sidecar_overhead.py (`--gateway` for the gateway):
 docs/sidecar.md.
+
+Requests that wait are released in turn by key (the gateway's key is the tenant): one of
+each waiting key in rotation, first come first within a key. A tenant's burst of 40 then
+holds another tenant's request back by one turn, not by the 20 turns its own starts take.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-from typing import Optional
+from collections import deque
+from typing import Hashable, Optional
 
 PER_TURN = 2
 
@@ -27,28 +31,34 @@ class StartsPerTurn:
     def __init__(self, per_turn: int = PER_TURN) -> None:
         self.per_turn = max(1, per_turn)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Waiting starts by key, in the order the keys take their turns (a key that was
+        # served goes to the back).
+        self._waiting: dict[Hashable, deque[asyncio.Future[None]]] = {}
         self._started = 0  # in the current turn
         self._turn_scheduled = False
 
-    async def wait(self) -> None:
-        """Returns when the caller may start: at once while this turn has room."""
+    async def wait(self, key: Hashable = None) -> None:
+        """Returns when the caller may start: at once while this turn has room and nobody
+        waits; else in `key`'s turn."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a new loop (tests run several): the old one's state goes
-            self._loop, self._waiting, self._started = loop, collections.deque(), 0
+            self._loop, self._waiting, self._started = loop, {}, 0
             self._turn_scheduled = False
         if not self._waiting and self._started < self.per_turn:
             self._started += 1
             self._schedule_turn(loop)
             return
         fut: asyncio.Future[None] = loop.create_future()
-        self._waiting.append(fut)
+        self._waiting.setdefault(key, deque()).append(fut)
         self._schedule_turn(loop)
         try:
             await fut
         except asyncio.CancelledError:
-            if fut in self._waiting:  # cancelled before its turn came
-                self._waiting.remove(fut)
+            queue = self._waiting.get(key)
+            if queue is not None and fut in queue:  # cancelled before its turn came
+                queue.remove(fut)
+                if not queue:
+                    del self._waiting[key]
             raise
 
     def _schedule_turn(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -63,7 +73,11 @@ class StartsPerTurn:
         self._turn_scheduled = False
         self._started = 0
         while self._waiting and self._started < self.per_turn:
-            fut = self._waiting.popleft()
+            key = next(iter(self._waiting))
+            queue = self._waiting.pop(key)
+            fut = queue.popleft()
+            if queue:
+                self._waiting[key] = queue  # back of the rotation
             if not fut.done():
                 fut.set_result(None)
                 self._started += 1

@@ -1,5 +1,6 @@
 """A burst of new requests starts a couple per event-loop turn, in arrival order, and what
-the loop has to do for the streams already running goes between them."""
+the loop has to do for the streams already running goes between them. Keyed starts (the
+gateway's tenants) take turns: one key's burst holds another's request back by a turn."""
 
 from __future__ import annotations
 
@@ -116,3 +117,57 @@ def test_the_gate_works_on_a_new_loop_after_its_old_one_closed_mid_turn():
         await asyncio.wait_for(gate.wait(), 2)
 
     asyncio.run(one_more())
+
+
+def _keyed(gate: StartsPerTurn, keys: list[str]) -> list[str]:
+    """Every arrival waits at the gate at once under its key; the order they started in,
+    named key + its number within the key."""
+
+    async def main() -> list[str]:
+        order: list[str] = []
+        counts: dict[str, int] = {}
+
+        async def request(key: str, name: str) -> None:
+            await gate.wait(key)
+            order.append(name)
+
+        tasks = []
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+            tasks.append(request(key, f"{key}{counts[key]}"))
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return order
+
+    return asyncio.run(main())
+
+
+def test_another_key_behind_a_burst_starts_in_the_next_turn_not_after_the_burst():
+    # 40 of "noisy" wait when one of "quiet" comes: it starts in the first turn that lets
+    # anyone through, beside one of the burst, instead of 20 turns later.
+    order = _keyed(StartsPerTurn(2), ["noisy"] * 40 + ["quiet"])
+    assert order.index("quiet1") <= 3
+    assert [n for n in order if n != "quiet1"] == [f"noisy{i}" for i in range(1, 41)]
+
+
+def test_waiting_keys_take_turns_first_come_first_within_each():
+    order = _keyed(StartsPerTurn(2), ["a"] * 6 + ["b"] * 6 + ["c"] * 2)
+    assert order[:2] == ["a1", "a2"]  # nobody waited: at once
+    assert order[2:8] == ["a3", "b1", "c1", "a4", "b2", "c2"]
+    assert order[8:] == ["a5", "b3", "a6", "b4", "b5", "b6"]
+
+
+def test_a_cancelled_keyed_waiter_leaves_nothing_behind():
+    async def main() -> StartsPerTurn:
+        gate = StartsPerTurn(1)
+        first = asyncio.ensure_future(gate.wait("a"))  # takes the turn's one start
+        cancelled = asyncio.ensure_future(gate.wait("b"))
+        other = asyncio.ensure_future(gate.wait("c"))
+        await asyncio.sleep(0)  # "a" started; "b" and "c" wait
+        assert first.done() and not cancelled.done() and not other.done()
+        cancelled.cancel()
+        await asyncio.wait_for(other, 5)
+        assert cancelled.cancelled()
+        return gate
+
+    gate = asyncio.run(main())
+    assert not gate._waiting

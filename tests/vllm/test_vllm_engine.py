@@ -27,6 +27,7 @@ import re
 import secrets
 import subprocess
 import time
+from functools import partial
 
 import httpx
 import openai
@@ -224,18 +225,32 @@ def test_a_body_is_accepted_or_refused_as_vllm_does(stack, route, fields):
         assert got.status_code == want, (url, fields, got.text[:300])
 
 
+def taking_its_path(ask, expected: str) -> tuple[str, str | None]:
+    """`ask()` through the gateway; once more when the sidecar answered by decode alone
+    ("fallback": what it does when a prefill attempt fails, e.g. a connect timeout while
+    this 2-core machine stalls), so that one transient failure is not read as the wrong
+    path. A path that is wrong twice, or wrong otherwise, is returned as it came."""
+    got, path = ask()
+    if path == "fallback" and expected == "pd":
+        again, path = ask()
+        assert again == got  # the fallback's text was the right one too
+    return got, path
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_gateway_decode_first_by_length_equals_one_vllm(stack, stream):
     model, gateway = stack["model"], stack["topology"].gateway.url
     for prompt in SHORT + LONG:
         want, _ = complete(one_vllm(stack), model, prompt, stream=False)
-        got, path = complete(gateway, model, prompt, stream=stream)
+        expected = "pd" if prompt in LONG else "decode"
+        got, path = taking_its_path(partial(complete, gateway, model, prompt, stream), expected)
         assert got == want, (prompt, path)
-        assert path == ("pd" if prompt in LONG else "decode"), prompt
+        assert path == expected, prompt
     for content in (SHORT[1], LONG[1]):
         want, _ = chat(one_vllm(stack), model, content, stream=False)
-        got, path = chat(gateway, model, content, stream=stream)
-        assert got == want and path == ("pd" if content in LONG else "decode")
+        expected = "pd" if content in LONG else "decode"
+        got, path = taking_its_path(partial(chat, gateway, model, content, stream), expected)
+        assert got == want and path == expected
 
 
 @pytest.mark.parametrize(

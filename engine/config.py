@@ -7,6 +7,7 @@ from typing import Optional
 
 from pdpool.engine.structured.limits import StructuredLimits
 from pdpool.pool_defaults import KV_BLOCK_SIZE
+from pdpool.body_budget import DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, IN_FLIGHT_HELP, check_budget
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.settings_flags import comma_list, optional_size, setting, size
 from pdpool.units import parse_size  # noqa: F401 (re-exported: callers read sizes here)
@@ -114,6 +115,9 @@ class EngineConfig:
         parse=size,
         help="request bodies above this size (bytes, or e.g. 64MiB) get 413, checked while "
         "they arrive (default %(default)s: a 10 MB prompt fits)",
+    )
+    max_body_bytes_in_flight: int = setting(
+        DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, parse=size, help=IN_FLIGHT_HELP
     )
     # /ready fails when the engine loop has work and has not ticked for this long.
     ready_max_stall_s: float = setting(
@@ -303,6 +307,7 @@ class EngineConfig:
     def _check_server(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1KiB")
+        check_budget(self.max_body_bytes_in_flight, self.max_body_bytes)
         if self.kv_events_config:
             from pdpool.kv_events import KVEventsConfig
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from pdpool.body_budget import BodiesBusy, BodyBudget, BodyHold
 from pdpool.engine.engine_state import EngineView
 from pdpool.engine.lora.registry import LoRARef, LoRARegistry
 from pdpool.engine.outputs import prompt_fit_problem
@@ -75,29 +76,38 @@ class RequestTranslator:
         self.engine, self.metrics, self.prep_pool = engine, metrics, prep_pool
         self.loras = loras  # with --enable-lora: the adapters a `model` may name
         self.max_body = engine.config.max_body_bytes
+        self.bodies = BodyBudget(engine.config.max_body_bytes_in_flight)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.prep_pool, fn, *args)
 
-    async def read_body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request, hold: Optional[BodyHold] = None) -> bytes:
         """The body, refused with 413 as soon as it passes --max-body-bytes (announced or
-        while it arrives: a huge body is never buffered)."""
+        while it arrives: a huge body is never buffered). With `hold`, a large body draws on
+        the server's budget of bodies in flight as it arrives (503 when that has no room)."""
         too_large = ApiError(
             f"the request body exceeds {self.max_body} bytes (--max-body-bytes)", 413
         )
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body:
-            raise too_large
         parts, size = [], 0
         try:
+            if declared.isdigit():
+                if int(declared) > self.max_body:
+                    raise too_large
+                if hold is not None:
+                    hold.grow_to(int(declared))
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > self.max_body:
                     raise too_large
+                if hold is not None:
+                    hold.grow_to(size)
                 parts.append(chunk)
         except ClientDisconnect as exc:
             self.metrics.client_disconnected("body")
             raise client_closed() from exc
+        except BodiesBusy as exc:
+            raise ApiError(str(exc), 503, "ServiceUnavailable") from None
         return b"".join(parts)
 
     async def parse(self, request: Request, request_type: type[R]) -> R:
@@ -108,11 +118,13 @@ class RequestTranslator:
 
     async def decode_body(self, request: Request, decode: Callable[..., T], *args: Any) -> T:
         """`decode(body bytes, *args)` off the loop; its RequestError answered as an ApiError."""
-        raw = await self.read_body(request)
-        try:
-            return await self.off_loop(decode, raw, *args)
-        except RequestError as exc:
-            raise ApiError(str(exc), exc.status, param=exc.param) from exc
+        # The body and what is parsed from it count against the budget until parsed.
+        with self.bodies.hold() as hold:
+            raw = await self.read_body(request, hold)
+            try:
+                return await self.off_loop(decode, raw, *args)
+            except RequestError as exc:
+                raise ApiError(str(exc), exc.status, param=exc.param) from exc
 
     def check_model(self, name: object) -> Optional[LoRARef]:
         """404 unless `name` is absent, this engine's served model name or one of its LoRA

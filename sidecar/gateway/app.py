@@ -22,6 +22,7 @@ from typing import Any, Awaitable, Iterable, Optional, Union
 import httpx
 
 from pdpool import tracing
+from pdpool.body_budget import BodiesBusy, BodyBudget, BodyHold
 
 from . import migration
 from .settings import GatewaySettings
@@ -38,6 +39,7 @@ from ..net.asgi import (
     off_loop_if_large,
     read_body,
     run_until_disconnect,
+    send_bodies_busy,
     send_bytes,
     send_error,
     send_start,
@@ -86,6 +88,7 @@ class Gateway:
         self.api_keys = ApiKeys(settings.api_keys_file) if settings.api_keys_file else None
         self.metrics = GatewayMetrics()
         self._starts = StartsPerTurn()  # a burst's forwards interleaved with first tokens
+        self.bodies = BodyBudget(settings.max_body_bytes_in_flight)
         self.routing = Routing(settings, self.metrics)
         # Flow control (flow/admission.py); None: off, and no step of it on the hot path.
         self.flow = (
@@ -188,14 +191,15 @@ class Gateway:
     async def _proxy(
         self, scope: Scope, receive: Receive, send: Send, tenant: Optional[Tenant] = None
     ) -> None:
-        try:
-            raw = await read_body(receive, self.settings.max_body_bytes, scope)
-        except ClientGone:
+        with self.bodies.hold() as hold:  # a large body counts until its request ends
+            await self._proxy_held(scope, receive, send, tenant, hold)
+
+    async def _proxy_held(
+        self, scope: Scope, receive: Receive, send: Send, tenant: Optional[Tenant], hold: BodyHold
+    ) -> None:
+        raw = await self._body(scope, receive, send, hold)
+        if raw is None:
             return
-        except BodyTooLarge:
-            return await send_error(
-                send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes"
-            )
         headers = header_dict(scope)
         if self.api_keys is not None or (self.flow is not None and not self.flow.tenant_header):
             # the client's key goes no further than the gateway
@@ -230,6 +234,23 @@ class Gateway:
             req.finish()
             if slot is not None:
                 slot.release()
+
+    async def _body(
+        self, scope: Scope, receive: Receive, send: Send, hold: BodyHold
+    ) -> Optional[bytes]:
+        """The request's body; None when it was answered here (413, 503) or its client left."""
+        try:
+            return await read_body(receive, self.settings.max_body_bytes, scope, hold)
+        except ClientGone:
+            return None
+        except BodyTooLarge:
+            await send_error(
+                send, 413, f"request body exceeds {self.settings.max_body_bytes} bytes"
+            )
+        except BodiesBusy as exc:
+            self.metrics.bodies_busy.inc()
+            await send_bodies_busy(send, exc)
+        return None
 
     async def _admission(
         self, tenant: Tenant, headers: dict[str, str], body: Any, receive: Receive, send: Send

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pdpool.body_budget import DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, IN_FLIGHT_HELP, check_budget
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 from pdpool.settings_flags import setting, size
 
@@ -31,6 +32,9 @@ class GatewaySettings(RoutingSettings):
         DEFAULT_MAX_BODY_BYTES,
         parse=size,
         help="request bodies above this size (bytes, or e.g. 64MiB) get 413 (default %(default)s)",
+    )
+    max_body_bytes_in_flight: int = setting(
+        DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, parse=size, help=IN_FLIGHT_HELP
     )
     # A file of API keys (apikeys.py): requests without one get 401. None: no keys asked.
     api_keys_file: Optional[str] = setting(
@@ -59,4 +63,5 @@ class GatewaySettings(RoutingSettings):
             )
         if self.max_migrations < 0:
             raise ValueError("max migrations must be >= 0")
+        check_budget(self.max_body_bytes_in_flight, self.max_body_bytes)
         return self

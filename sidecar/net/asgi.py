@@ -12,6 +12,7 @@ import contextlib
 import json
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
+from pdpool.body_budget import RETRY_AFTER_S, BodiesBusy, BodyHold
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 
 # ASGI messages and scopes are plain dicts of str keys (the ASGI spec's JSON-like shape).
@@ -49,14 +50,17 @@ class ClientGone(Exception):
 
 
 async def read_body(
-    receive: Receive, limit: int = MAX_BODY_BYTES, scope: Optional[Scope] = None
+    receive: Receive,
+    limit: int = MAX_BODY_BYTES,
+    scope: Optional[Scope] = None,
+    hold: Optional[BodyHold] = None,
 ) -> bytes:
     """The request body; BodyTooLarge as soon as it passes `limit` (an announced
-    content-length already, so a huge body is never read)."""
+    content-length already, so a huge body is never read). With `hold`, a large body draws
+    on its process's budget as it arrives (BodiesBusy when that has no room); the caller
+    releases the hold when the request ends."""
     if scope is not None:
-        for name, value in scope.get("headers", ()):
-            if name.lower() == b"content-length" and value.isdigit() and int(value) > limit:
-                raise BodyTooLarge()
+        _check_announced(scope, limit, hold)
     parts: list[bytes] = []
     size = 0
     while True:
@@ -67,9 +71,21 @@ async def read_body(
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge()
+        if hold is not None:
+            hold.grow_to(size)
         parts.append(chunk)
         if not message.get("more_body", False):
             return b"".join(parts)
+
+
+def _check_announced(scope: Scope, limit: int, hold: Optional[BodyHold]) -> None:
+    """Refuses a body by its content-length before any of it is read."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length" and value.isdigit():
+            if int(value) > limit:
+                raise BodyTooLarge()
+            if hold is not None:
+                hold.grow_to(int(value))
 
 
 # Bodies up to this size are parsed on the event loop; larger ones in a worker thread, so
@@ -174,6 +190,14 @@ async def send_error(
 ) -> None:
     body = json.dumps(error_body(status, message, param, code)).encode()
     await send_bytes(send, status, body, headers)
+
+
+async def send_bodies_busy(
+    send: Send, exc: BodiesBusy, headers: Optional[dict[str, str]] = None
+) -> None:
+    """The answer to a body refused by its process's budget of large bodies: retryable."""
+    retry = {"retry-after": RETRY_AFTER_S, **(headers or {})}
+    await send_error(send, 503, str(exc), code="bodies_busy", headers=retry)
 
 
 def sse_error_event(status: int, message: str) -> bytes:

@@ -53,12 +53,21 @@ class KVBlocksCollector:
         yield family
 
 
+def bodies_busy_counter(name: str, registry: CollectorRegistry) -> Counter:
+    return Counter(
+        name,
+        "Requests refused with 503: their body would take the process past its budget of "
+        "large bodies in flight",
+        registry=registry,
+    )
+
+
 class SidecarMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         # path: decode (served by decode alone), pd (remote prefill then decode),
         # fallback (decode prefilled itself: no prefill engine could serve),
-        # aggregated, client_error, upstream_error, cancelled.
+        # aggregated, client_error, upstream_error, cancelled, bodies_busy.
         self.requests = Counter(
             "pdpool_sidecar_requests", "Requests by path taken", ["mode", "path"], registry=r
         )
@@ -119,6 +128,7 @@ class SidecarMetrics:
             "Client-supplied kv_transfer_params removed",
             registry=r,
         )
+        self.bodies_busy = bodies_busy_counter("pdpool_sidecar_bodies_busy", r)
         self.pull_offered_tokens = Counter(
             "pdpool_sidecar_pull_offered_tokens",
             "Decode-cached prefix tokens offered to prefill",
@@ -238,6 +248,7 @@ class GatewayMetrics:
         self.retries = Counter(
             "pdpool_gateway_retries", "Requests retried on another backend", registry=r
         )
+        self.bodies_busy = bodies_busy_counter("pdpool_gateway_bodies_busy", r)
         self.healthy = Gauge(
             "pdpool_gateway_backend_healthy",
             "1 when the backend is healthy",

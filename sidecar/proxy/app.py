@@ -27,6 +27,7 @@ from typing import Any, Optional
 import httpx
 
 from pdpool import tracing
+from pdpool.body_budget import BodiesBusy, BodyBudget, BodyHold
 
 from ..net.client_body import parse_client_body, strip_client_kv_params
 from ..net.routes import GENERATION_PATHS, PD_PATHS
@@ -42,6 +43,7 @@ from ..net.asgi import (
     off_loop_if_large,
     read_body,
     run_until_disconnect,
+    send_bodies_busy,
     send_bytes,
     send_error,
     serve_lifespan,
@@ -73,6 +75,7 @@ class Sidecar:
         self.settings = settings.validate()
         self.metrics = SidecarMetrics()
         self._starts = StartsPerTurn()
+        self.bodies = BodyBudget(settings.max_body_bytes_in_flight)
         # The prefill engines: discovery, legs in flight, ejection and probes.
         self.prefill_pool = prefill_pool(self.settings, self.metrics)
         # The pool's parts, under the names tests read.
@@ -164,7 +167,8 @@ class Sidecar:
         route, method = scope["path"], scope["method"]
         if route in PD_PATHS and method == "POST":
             await self._starts.wait()
-            await self._generation(scope, receive, send)
+            with self.bodies.hold() as hold:  # a large body counts until its request ends
+                await self._generation(scope, receive, send, hold)
         elif route == "/metrics" and method == "GET":
             await send_bytes(send, 200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
         elif route == ENGINE_METRICS_PATH and method == "GET":
@@ -175,7 +179,8 @@ class Sidecar:
         elif route == "/ready" and method == "GET":
             await self._health(send, "/ready")
         else:
-            await self._pass_through(scope, receive, send)
+            with self.bodies.hold() as hold:
+                await self._pass_through(scope, receive, send, hold)
 
     async def _start_once(self) -> None:
         """startup() for an app served without lifespan: run once, by the first request;
@@ -211,15 +216,20 @@ class Sidecar:
         else:
             await send_error(send, 503, "decode engine is not healthy", code="decode_unhealthy")
 
-    async def _pass_through(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _pass_through(
+        self, scope: Scope, receive: Receive, send: Send, hold: Optional[BodyHold] = None
+    ) -> None:
         """Other routes (/v1/models, /tokenize, ...) go to the decode engine as they are (a
         generation route without P/D legs only once checked and cleaned)."""
         try:
-            body = await read_body(receive, self.settings.max_body_bytes, scope)
+            body = await read_body(receive, self.settings.max_body_bytes, scope, hold)
         except ClientGone:
             return
         except BodyTooLarge:
             return await send_error(send, 413, "request body too large")
+        except BodiesBusy as exc:
+            self.metrics.bodies_busy.inc()
+            return await send_bodies_busy(send, exc)
         if scope["path"] in GENERATION_PATHS and scope["method"] == "POST":
             # a generation route without P/D legs: checked and cleaned all the same
             cleaned = await self._cleaned(body, scope["path"], send)
@@ -265,9 +275,9 @@ class Sidecar:
         return json.dumps(body).encode()
 
     # ------------------------------------------------------------------ generation
-    async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _generation(self, scope: Scope, receive: Receive, send: Send, hold: BodyHold) -> None:
         mode = self.settings.mode
-        ex = await self._read_exchange(scope, receive, send)
+        ex = await self._read_exchange(scope, receive, send, hold)
         if ex is None:
             return
         if tracing.enabled():
@@ -289,19 +299,24 @@ class Sidecar:
             self.metrics.ttft_by(path).observe(ex.first_byte_at - ex.read_at)
 
     async def _read_exchange(
-        self, scope: Scope, receive: Receive, send: Send
+        self, scope: Scope, receive: Receive, send: Send, hold: Optional[BodyHold] = None
     ) -> Optional[Exchange]:
         """The request, checked; None when it was answered (or the client left) here."""
         headers = header_dict(scope)
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         mode = self.settings.mode
         try:
-            raw = await read_body(receive, self.settings.max_body_bytes, scope)
+            raw = await read_body(receive, self.settings.max_body_bytes, scope, hold)
         except ClientGone:
             self.metrics.requests.labels(mode, "cancelled").inc()
             return None
         except BodyTooLarge:
             await self._refuse(send, 413, "request body too large")
+            return None
+        except BodiesBusy as exc:
+            self.metrics.requests.labels(mode, "bodies_busy").inc()
+            self.metrics.bodies_busy.inc()
+            await send_bodies_busy(send, exc, {"x-request-id": request_id})
             return None
         with_id = {"x-request-id": request_id}
         try:

@@ -17,6 +17,7 @@ from pdpool.pool_defaults import (
     ROUTER_MODE,
     ROUTER_MODES,
 )
+from pdpool.body_budget import DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, IN_FLIGHT_HELP, check_budget
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.settings_flags import setting, size
 
@@ -100,6 +101,9 @@ class SidecarSettings:
         parse=size,
         group=PATH,
         help="request bodies above this size (bytes, or e.g. 64MiB) get 413",
+    )
+    max_body_bytes_in_flight: int = setting(
+        DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, parse=size, group=PATH, help=IN_FLIGHT_HELP
     )
     # Does the decode engine honour cache_hit_threshold? (capability.py) auto: probe it.
     engine_rejects: str = setting(
@@ -222,6 +226,11 @@ class SidecarSettings:
             self.max_body_bytes = parse_size(self.max_body_bytes)
         if int(self.max_body_bytes) < 1024:
             raise ValueError("max_body_bytes must be at least 1KiB")
+        if isinstance(self.max_body_bytes_in_flight, str):
+            from pdpool.units import parse_size
+
+            self.max_body_bytes_in_flight = parse_size(self.max_body_bytes_in_flight)
+        check_budget(int(self.max_body_bytes_in_flight), int(self.max_body_bytes))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         threshold = validate_threshold(self.cache_hit_threshold)

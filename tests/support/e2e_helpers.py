@@ -21,7 +21,9 @@ def engine_available() -> bool:
     return True
 
 
-def start_topology(tmp_path_factory, arch: str = "qwen3", **spec) -> Topology:
+def start_topology(
+    tmp_path_factory, arch: str = "qwen3", extra_engine_args: tuple[str, ...] = (), **spec
+) -> Topology:
     if not engine_available():
         pytest.skip("pdpool engine (torch) is not installed")
     try:
@@ -32,7 +34,7 @@ def start_topology(tmp_path_factory, arch: str = "qwen3", **spec) -> Topology:
         raise
     log_dir = str(tmp_path_factory.mktemp(f"up-{arch}"))
     # Small KV pools keep start-up and memory low on a 2-core CI machine.
-    engine_args = ["--max-model-len", "2048", "--num-kv-blocks", "512"]
+    engine_args = ["--max-model-len", "2048", "--num-kv-blocks", "512", *extra_engine_args]
     topo = Topology(
         TopologySpec(
             model=model, log_dir=log_dir, engine_args=engine_args, **{**SIDE_BY_SIDE, **spec}

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
 from typing import Optional
+
+from pdpool.glibc_malloc import M_ARENA_MAX, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc, mallopt
 
 log = logging.getLogger(__name__)
 
-# mallopt's parameter numbers (malloc.h)
-M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-M_ARENA_MAX = -8
 # glibc refuses an mmap threshold above this on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 LARGEST_MMAP_THRESHOLD = 32 << 20
 # The heap's top is kept up to this much (mallopt takes an int): what a step freed is there
@@ -34,34 +31,20 @@ LARGEST_MMAP_THRESHOLD = 32 << 20
 KEPT_TOP = (1 << 31) - 1
 
 
-def _glibc() -> Optional[ctypes.CDLL]:
-    if not sys.platform.startswith("linux"):
-        return None
-    # the process's own symbols, its C library's among them (ctypes.util.find_library would
-    # run ldconfig in a subprocess at every engine start)
-    libc = ctypes.CDLL(None)
-    # musl and others have no mallopt, or one that ignores these parameters
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
-        return None
-    return libc
-
-
 def keep_freed_memory(libc: Optional[ctypes.CDLL] = None) -> bool:
     """Sets glibc's arena count, mmap threshold and trim threshold for this process, before
     the threads that allocate start. True if all three took; False where the C library is
     not glibc (nothing is changed) or refused one."""
-    libc = libc if libc is not None else _glibc()
+    libc = libc if libc is not None else glibc()
     if libc is None:
         return False
-    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    libc.mallopt.restype = ctypes.c_int
-    done = all(
-        libc.mallopt(param, value)
-        for param, value in (
+    done = mallopt(
+        libc,
+        (
             (M_ARENA_MAX, 1),
             (M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD),
             (M_TRIM_THRESHOLD, KEPT_TOP),
-        )
+        ),
     )
     if not done:
         log.warning("mallopt refused the engine's thresholds: freed activations are unmapped")

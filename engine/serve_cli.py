@@ -70,11 +70,15 @@ def start_engine(config, own_process: bool, log_level: str):
     from pdpool.engine.core_process import EngineStartError
     from pdpool.engine.core_process_client import CoreProcessClient
     from pdpool.engine.model_info import ModelLoadError
+    from pdpool.glibc_malloc import unmap_large_frees
 
     try:
         config.validate()  # here, before a process is started for nothing
         if own_process:
-            return CoreProcessClient(config, log_level)
+            client = CoreProcessClient(config, log_level)
+            # After the core started: it keeps its freed memory; this process relays requests.
+            unmap_large_frees()
+            return client
         from pdpool.engine.engine_core import LLMEngine
 
         if config.device != "cuda":

@@ -8,6 +8,7 @@ import contextlib
 import socket
 from typing import Any, Callable, Optional
 
+from pdpool.glibc_malloc import unmap_large_frees
 from pdpool import metrics_listener, tracing
 from pdpool.start_up_gc import freeze_start_up_objects
 
@@ -88,6 +89,7 @@ def _serve_app(
     )
     config.load()  # imports the server's protocol and loop modules now: frozen below too
     freeze_start_up_objects()
+    unmap_large_frees()  # memory read for large bodies goes back when they are done
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
         if listeners is not None:

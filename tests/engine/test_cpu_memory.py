@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from pdpool.engine.cpu_memory import _glibc, keep_freed_memory
+from pdpool.engine.cpu_memory import keep_freed_memory
+from pdpool.glibc_malloc import glibc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,7 +59,7 @@ def faults_of_ten_steps(mode: str) -> int:
     return int(done.stdout.strip())
 
 
-@pytest.mark.skipif(_glibc() is None, reason="the thresholds are glibc's")
+@pytest.mark.skipif(glibc() is None, reason="the thresholds are glibc's")
 def test_freed_activation_blocks_are_used_again_without_page_faults():
     untouched = faults_of_ten_steps("default")
     kept = faults_of_ten_steps("keep")

@@ -38,7 +38,7 @@ def _build(args: argparse.Namespace) -> EndpointPicker:
         settings = EppSettings(
             **values_from_args(EppSettings, args), grpc_host=args.host, grpc_port=args.port
         )
-        settings.validate_routing()
+        settings.validate()
         return EndpointPicker(settings)
     except (ValueError, OSError) as exc:
         raise CliError(str(exc)) from None

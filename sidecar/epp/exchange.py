@@ -15,6 +15,8 @@ import json
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from pdpool.body_budget import RETRY_AFTER_S, BodiesBusy
+
 from ..net.client_body import (
     BadRequest,
     parse_client_body,
@@ -40,6 +42,7 @@ class Exchange:
         self.picker = picker
         self.headers: dict[str, str] = {}
         self.body = bytearray()
+        self._hold = picker.bodies.hold()  # a large body's share, until the stream ends
         self.endpoint: Optional[str] = None
         self.status: Optional[int] = None
         self.routed = False
@@ -71,6 +74,7 @@ class Exchange:
         the endpoint's failure)."""
         self._tracked.close()
         self._release()
+        self._hold.release()
 
     def _release(self) -> None:
         if self._slot is not None:
@@ -91,6 +95,12 @@ class Exchange:
         limit = self.picker.settings.max_body_bytes
         if len(self.body) > limit:
             return [protocol.immediate(413, f"request body exceeds {limit} bytes")]
+        try:
+            self._hold.grow_to(len(self.body))
+        except BodiesBusy as exc:
+            self.picker.metrics.bodies_busy.inc()
+            retry = {"retry-after": RETRY_AFTER_S}
+            return [protocol.immediate(503, str(exc), code="bodies_busy", headers=retry)]
         if part.end_of_stream:
             return await self._route(request, body_ended=True)
         return []  # the body is answered whole once routed
@@ -198,3 +208,4 @@ class Exchange:
         self.picker.routing.answered(self.endpoint, self.status)
         self._tracked.close()
         self._release()
+        self._hold.release()

@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
+from pdpool.body_budget import BodyBudget
+
 
 from ..net.asgi import Receive, Scope, Send, send_bytes, send_error, serve_lifespan
 from ..routing.backends import Backends
@@ -49,6 +51,7 @@ class EndpointPicker:
     def __init__(self, settings: EppSettings) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
+        self.bodies = BodyBudget(settings.max_body_bytes_in_flight)
         self.routing = Routing(settings, self.metrics)
         self.decision_seconds = Histogram(
             "pdpool_epp_decision_seconds",

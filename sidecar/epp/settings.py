@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pdpool.body_budget import DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, IN_FLIGHT_HELP, check_budget
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
 from pdpool.settings_flags import setting, size
 
@@ -25,6 +26,9 @@ class EppSettings(RoutingSettings):
         parse=size,
         help="request bodies above this size (bytes, or e.g. 64MiB) get 413",
     )
+    max_body_bytes_in_flight: int = setting(
+        DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, parse=size, help=IN_FLIGHT_HELP
+    )
     # sidecars over HTTPS, verified against this CA
     tls_ca_file: Optional[str] = setting(
         None, help="reach the sidecars over HTTPS, verified against this CA bundle"
@@ -38,3 +42,8 @@ class EppSettings(RoutingSettings):
         help="honour GIE's conformance header test-epp-endpoint-selection (tests only: it lets "
         "a client choose the endpoint)",
     )
+
+    def validate(self) -> "EppSettings":
+        self.validate_routing()
+        check_budget(self.max_body_bytes_in_flight, self.max_body_bytes)
+        return self

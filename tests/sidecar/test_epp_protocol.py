@@ -246,3 +246,35 @@ async def test_envoy_s_own_5xx_for_the_picked_endpoint_becomes_a_clear_503_and_e
     assert reply.status.code == 503 and endpoint in json.loads(reply.body)["error"]["message"]
     assert not picker.routing.healthy(endpoint)
     ex.close()
+
+
+async def test_a_large_body_past_the_budget_gets_503_and_its_share_comes_back_at_the_end():
+    from pdpool.sidecar.epp.exchange import Exchange
+
+    picker = _picker(max_body_bytes=1 << 20, max_body_bytes_in_flight=2 << 20)
+    piece = b" " * (900 << 10)
+    holders = [Exchange(picker), Exchange(picker)]
+    for ex in holders:  # two large bodies arriving: most of the budget
+        assert await ex.handle(_request_headers()) == []
+        assert await ex.handle(_body(piece, end=False)) == []
+    third = Exchange(picker)
+    assert await third.handle(_request_headers()) == []
+    (refused,) = await third.handle(_body(piece, end=False))
+    answer = refused.immediate_response
+    assert answer.status.code == 503
+    assert _set_headers(answer.headers)["retry-after"] == "1"
+    assert json.loads(answer.body)["error"]["code"] == "bodies_busy"
+    third.close()
+    small = Exchange(picker)  # an ordinary body is never refused
+    assert await small.handle(_request_headers()) == []
+    answers = await small.handle(_body(b'{"prompt": "hi", "max_tokens": 2}', end=True))
+    assert answers[0].WhichOneof("response") == "request_headers"
+    small.close()
+    holders[0].close()  # its stream ended: its share is free again
+    again = Exchange(picker)
+    assert await again.handle(_request_headers()) == []
+    assert await again.handle(_body(piece, end=False)) == []
+    assert picker.bodies.held == 2 * len(piece)
+    for ex in (again, holders[1]):
+        ex.close()
+    assert picker.bodies.held == 0

@@ -279,3 +279,45 @@ def test_every_server_stays_healthy_and_serves(targets, client):
         )
         assert r.status_code == 200, (server, r.text[:300])
         assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def _exchange(url: str, heads: list[bytes]) -> list[tuple[int, bytes]]:
+    """Sends one completion per extra head on one keep-alive connection, each answer read
+    before the next is sent: (status, body) of each (status 0: the connection was closed)."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    body = c()
+    answers = []
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        reader = sock.makefile("rb")
+        for extra in heads:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                + extra
+                + b"content-length: %d\r\n\r\n" % len(body)
+                + body
+            )
+            status_line = reader.readline()
+            if not status_line:
+                answers.append((0, b""))
+                break
+            length = 0
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            answers.append((int(status_line.split()[1]), reader.read(length)))
+    return answers
+
+
+def test_a_request_head_over_a_mib_gets_431_and_heads_under_it_are_served(targets):
+    """The head is bounded as it arrives (a header is counted before it is complete); one
+    keep-alive connection's heads are each counted on their own."""
+    for server, url in targets.items():
+        ((status, body),) = _exchange(url, [b"x-big: " + b"a" * (1100 * 1024) + b"\r\n"])
+        assert status == 431, (server, body[:200])
+        error = json.loads(body)["error"]
+        assert error["code"] == 431 and "exceed" in error["message"], (server, error)
+        under = b"x-big: " + b"a" * (600 * 1024) + b"\r\n"
+        answers = _exchange(url, [under, under])
+        assert [s for s, _ in answers] == [200, 200], (server, answers[-1][1][:200])

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from pdpool.glibc_malloc import glibc
+from tests.support.python_child import printed_by
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Four threads (as bodies parsed off the event loop) each take and free 8 MiB blocks, with a
 # small block that stays allocated after each round: the MiB still resident afterwards.
@@ -48,15 +45,7 @@ ROUNDS = textwrap.dedent(
 
 
 def resident_after(mode: str) -> int:
-    done = subprocess.run(
-        [sys.executable, "-c", ROUNDS, mode],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        check=True,
-    )
-    return int(done.stdout.strip())
+    return int(printed_by(ROUNDS, mode))
 
 
 @pytest.mark.skipif(glibc() is None, reason="the threshold is glibc's")

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from pdpool.engine.cpu_memory import keep_freed_memory
 from pdpool.glibc_malloc import glibc
+from tests.support.python_child import printed_by
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Steps of mixed block sizes, as a prompt step's activations, on a thread: the page faults of
 # ten steps after a first one.
@@ -48,15 +45,7 @@ STEPS = textwrap.dedent(
 
 
 def faults_of_ten_steps(mode: str) -> int:
-    done = subprocess.run(
-        [sys.executable, "-c", STEPS, mode],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        check=True,
-    )
-    return int(done.stdout.strip())
+    return int(printed_by(STEPS, mode))
 
 
 @pytest.mark.skipif(glibc() is None, reason="the thresholds are glibc's")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from pdpool.body_budget import DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, IN_FLIGHT_HELP, check_budget
 from pdpool.engine.structured.limits import StructuredLimits
 from pdpool.pool_defaults import KV_BLOCK_SIZE
-from pdpool.body_budget import DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, IN_FLIGHT_HELP, check_budget
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES, validate_threshold
 from pdpool.settings_flags import comma_list, optional_size, setting, size
 from pdpool.units import parse_size  # noqa: F401 (re-exported: callers read sizes here)

@@ -74,9 +74,10 @@ class Exchange:
         the endpoint's failure)."""
         self._tracked.close()
         self._release()
-        self._hold.release()
 
     def _release(self) -> None:
+        """What the request holds: its large body's share, its flow-control slot."""
+        self._hold.release()
         if self._slot is not None:
             self._slot.release()
             self._slot = None
@@ -208,4 +209,3 @@ class Exchange:
         self.picker.routing.answered(self.endpoint, self.status)
         self._tracked.close()
         self._release()
-        self._hold.release()

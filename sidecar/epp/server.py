@@ -20,7 +20,6 @@ from prometheus_client import Histogram
 
 from pdpool.body_budget import BodyBudget
 
-
 from ..net.asgi import Receive, Scope, Send, send_bytes, send_error, serve_lifespan
 from ..routing.backends import Backends
 from ..net.metrics import CONTENT_TYPE_LATEST, GatewayMetrics

@@ -1,4 +1,4 @@
-"""uvicorn's httptools protocol with the request head bounded.
+"""uvicorn's httptools protocol with the request head bounded in size and in time.
 
 uvicorn puts no limit on a request's line and headers: the parser holds a header until it
 is complete, so one 100 MB header was read whole by each server in turn (the gateway passed
@@ -7,25 +7,42 @@ that arrives while a head is being read counts, partial headers included, and a 
 MAX_HEAD_BYTES is answered 431 and its connection closed. The bound is Go's net/http
 default (DefaultMaxHeaderBytes); a read is at most 256 KiB, so a head up to 768 KiB is never
 refused because the start of its body came in the same read.
+
+Nor does uvicorn time a head out: a connection that sends nothing, or half a head, is held
+for ever (its keep-alive timer runs only between requests). A head not complete within
+HEAD_TIMEOUT_S of the connection's start, or of its first bytes on a kept-alive
+connection, is answered 408 and its connection closed. A head that completes in the read
+that started it (every ordinary request) arms no timer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from typing import Any, Optional
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_HEAD_BYTES = 1 << 20
-_MESSAGE = f"the request line and headers exceed {MAX_HEAD_BYTES} bytes"
-_BODY = json.dumps(
-    {"error": {"message": _MESSAGE, "type": "invalid_request_error", "param": None, "code": 431}}
-).encode()
-_ANSWER = (
-    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-    b"content-type: application/json\r\n"
-    b"content-length: " + str(len(_BODY)).encode() + b"\r\n"
-    b"connection: close\r\n\r\n" + _BODY
+HEAD_TIMEOUT_S = 30.0
+
+
+def _answer(status: int, reason: str, message: str) -> bytes:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": status}
+    body = json.dumps({"error": error}).encode()
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
+
+
+_TOO_LARGE = _answer(
+    431,
+    "Request Header Fields Too Large",
+    f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
+)
+_TOO_SLOW = _answer(
+    408, "Request Timeout", f"the request line and headers took more than {HEAD_TIMEOUT_S:g} s"
 )
 
 
@@ -34,21 +51,52 @@ class BoundedHeadHttp(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_bytes = 0  # of the head being read
         self._in_body = False  # its headers are complete, its message is not
+        self._head_deadline: Optional[asyncio.TimerHandle] = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if not self._in_body:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
-                self.logger.warning("refused a request head over %d bytes", MAX_HEAD_BYTES)
-                self.transport.write(_ANSWER)
-                self.transport.close()
-                return
+                return self._refuse(_TOO_LARGE, "a request head over %d bytes", MAX_HEAD_BYTES)
         super().data_received(data)
+        if self._head_bytes and not self._in_body and self._head_deadline is None:
+            self._arm_head_deadline()  # a head still incomplete after the read it began in
 
     def on_headers_complete(self) -> None:
         self._in_body, self._head_bytes = True, 0
+        self._disarm_head_deadline()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._in_body = False
         super().on_message_complete()
+
+    def _arm_head_deadline(self) -> None:
+        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._arm_head_deadline()  # a pipelined head waits for the answer before it
+            return
+        self._refuse(_TOO_SLOW, "a request head slower than %g s", HEAD_TIMEOUT_S)
+
+    def _refuse(self, answer: bytes, why: str, bound: float) -> None:
+        self.logger.warning("refused " + why, bound)
+        self._disarm_head_deadline()
+        if not self.transport.is_closing():
+            self.transport.write(answer)
+            self.transport.close()

@@ -1,0 +1,128 @@
+"""BoundedHeadHttp under a real uvicorn server: a head that is too slow gets 408 and its
+connection is closed, heads that complete are served as before (keep-alive, pipelining, a
+head trickled in under the deadline). The size bound is tried end to end in
+tests/sidecar/test_hostile_bodies.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from pdpool import bounded_http
+from pdpool.bounded_http import BoundedHeadHttp
+
+DEADLINE_S = 0.6
+
+
+async def app(scope, receive, send):
+    """Answers its body's length; a path of /slow answers after a second."""
+    if scope["type"] != "http":
+        return
+    size = 0
+    while True:
+        message = await receive()
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    if scope["path"] == "/slow":
+        await asyncio.sleep(1.0)
+    body = json.dumps({"size": size}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def port():
+    saved = bounded_http.HEAD_TIMEOUT_S
+    bounded_http.HEAD_TIMEOUT_S = DEADLINE_S
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http=BoundedHeadHttp, log_level="error", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        bounded_http.HEAD_TIMEOUT_S = saved
+
+
+def _connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def _request(path: str = "/", body: bytes = b"abc") -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def _read_answer(sock: socket.socket) -> tuple[int, bytes]:
+    """(status, body) of the next answer; status 0 when the connection closed first."""
+    reader = sock.makefile("rb")
+    status_line = reader.readline()
+    if not status_line:
+        return 0, b""
+    length = 0
+    while (line := reader.readline()) not in (b"\r\n", b""):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return int(status_line.split()[1]), reader.read(length)
+
+
+def _closed(sock: socket.socket) -> bool:
+    return sock.recv(1) == b""
+
+
+def test_a_connection_that_sends_nothing_gets_408_and_is_closed(port):
+    with _connect(port) as sock:
+        started = time.monotonic()
+        status, body = _read_answer(sock)
+        assert status == 408 and json.loads(body)["error"]["code"] == 408
+        assert DEADLINE_S * 0.8 < time.monotonic() - started < DEADLINE_S + 5
+        assert _closed(sock)
+
+
+def test_half_a_head_gets_408_on_a_new_and_on_a_kept_alive_connection(port):
+    with _connect(port) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\nx-slow: ")
+        assert _read_answer(sock)[0] == 408
+        assert _closed(sock)
+    with _connect(port) as sock:
+        sock.sendall(_request())
+        assert _read_answer(sock) == (200, b'{"size": 3}')
+        time.sleep(DEADLINE_S * 1.5)  # idle between requests: more than a head may take
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\n")
+        assert _read_answer(sock)[0] == 408
+
+
+def test_heads_that_complete_are_served_even_when_trickled_in(port):
+    with _connect(port) as sock:
+        for _ in range(3):  # keep-alive: each head timed on its own
+            for piece in (b"POST / HTTP/1.1\r\n", b"host: x\r\n", b"content-length: 2\r\n\r\nab"):
+                sock.sendall(piece)
+                time.sleep(DEADLINE_S / 5)
+            assert _read_answer(sock) == (200, b'{"size": 2}')
+
+
+def test_a_pipelined_head_waits_for_a_slow_answer_without_a_timeout(port):
+    with _connect(port) as sock:
+        # the second request's head is incomplete while the first takes longer than a deadline
+        sock.sendall(_request("/slow") + b"POST / HTTP/1.1\r\nhost: x\r\n")
+        time.sleep(0.1)
+        sock.sendall(b"content-length: 1\r\n")
+        assert _read_answer(sock) == (200, b'{"size": 3}')
+        sock.sendall(b"\r\nz")
+        assert _read_answer(sock) == (200, b'{"size": 1}')

@@ -21,6 +21,10 @@ M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 # What a relaying server maps on its own (and unmaps when freed).
 OWN_MAPPING_BYTES = 1 << 20
+# Setting the mmap threshold ends glibc's raising of its trim threshold too, which would
+# stay at 128 KiB: the heap's top would be given back and taken again as requests come and
+# go. This much of it stays (what smaller blocks need; larger ones are mapped).
+KEPT_TOP_BYTES = 16 << 20
 
 
 def glibc() -> Optional[ctypes.CDLL]:
@@ -44,6 +48,8 @@ def mallopt(libc: ctypes.CDLL, settings: tuple[tuple[int, int], ...]) -> bool:
 
 
 def unmap_large_frees(libc: Optional[ctypes.CDLL] = None) -> bool:
-    """Fixes the mmap threshold at OWN_MAPPING_BYTES; False where that is not glibc's."""
+    """Fixes the mmap threshold at OWN_MAPPING_BYTES (and the trim threshold at
+    KEPT_TOP_BYTES); False where that is not glibc's."""
     libc = libc if libc is not None else glibc()
-    return libc is not None and mallopt(libc, ((M_MMAP_THRESHOLD, OWN_MAPPING_BYTES),))
+    settings = ((M_MMAP_THRESHOLD, OWN_MAPPING_BYTES), (M_TRIM_THRESHOLD, KEPT_TOP_BYTES))
+    return libc is not None and mallopt(libc, settings)

@@ -5,7 +5,7 @@ relays requests wants the opposite after a large body: glibc raises its mmap thr
 time it frees a mapped block (up to 32 MiB), so after a few large bodies the next ones come
 from its heaps and arenas, which keep what is freed. A gateway that had read eight 30 MB
 bodies stayed at 170-260 MiB. With the threshold fixed, blocks of a MiB or more are mapped
-on their own and unmapped when freed, and it went back to 54 MiB; smaller blocks, every
+on their own and unmapped when freed, and it went back to 74-88 MiB; smaller blocks, every
 ordinary request's, are served as before.
 """
 

@@ -7,8 +7,9 @@
  * tile, transposed and pre-scaled, `qt[d][row]`. Then for every chunk of 48 key positions:
  *   scores   st[key][row] = sum_d K[key][d] * qt[d][row]: a register-blocked matmul (ACCS
  *            accumulators, 24 zmm or 12 ymm: ACCS / v keys x v row vectors), each key element
- *            broadcast from the cache where it lies (through the block table: no gather, no
- *            transpose of K);
+ *            broadcast where it lies (no transpose of K): in the cache, through the block
+ *            table, or in a copy of the KV head's rows one after another, which a call with
+ *            three or more tiles of a KV head makes first (see rows_together);
  *   softmax  online, per row, all of it lane-wise (no horizontal reductions): running max m,
  *            sum l, rescale alpha = 2^(m_old - m_new); exp2 is a polynomial on the lanes;
  *   values   ot[d][row] = ot[d][row] * alpha[row] + sum_key V[key][d] * p[key][row]: the
@@ -19,6 +20,7 @@
  * negative finite number, so a row that has seen only masked keys never computes inf - inf.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -423,6 +425,39 @@ static void tile(const Tile *t, const Keys *ks) {
 }
 
 /* ---------------------------------------------------------------- the batch */
+#define TOGETHER_MAX_KEYS 8192
+#define TOGETHER_MIN_TILES 3 /* the copy costs about a third of one tile over the same keys */
+static const int32_t first_block = 0;
+
+typedef struct {
+    float *buf;
+    int64_t floats;
+} Scratch;
+
+/* One KV head's K and V rows of positions [0, len) copied to g's buffer, one after another.
+   In the cache a head's rows lie the KV heads' row apart (1 KiB for 4 heads of 64), so
+   a chunk's rows fall in a quarter of L1's sets and evict each other between the passes
+   over them; contiguous rows use all sets. The copy is read once per tile that reads
+   them. Longer spans, a sliding window (its tiles read a part of the span each) or a failed
+   allocation read the cache in place. */
+static Keys rows_together(Scratch *g, const Keys *paged, int64_t len) {
+    const int64_t dim = paged->dim, need = 2 * len * dim;
+    if (len > TOGETHER_MAX_KEYS || paged->sp == dim) return *paged; /* one KV head: in place */
+    if (need > g->floats) {
+        free(g->buf);
+        g->buf = aligned_alloc(64, (size_t)((need * sizeof(float) + 63) / 64 * 64));
+        g->floats = g->buf ? need : 0;
+        if (!g->buf) return *paged;
+    }
+    float *kd = g->buf, *vd = g->buf + len * dim;
+    for (int64_t pos = 0; pos < len; pos++) {
+        memcpy(kd + pos * dim, key_row(paged, paged->k, pos), sizeof(float) * dim);
+        memcpy(vd + pos * dim, key_row(paged, paged->v, pos), sizeof(float) * dim);
+    }
+    const Keys ks = {kd, vd, 0, dim, &first_block, INT64_MAX, paged->window, dim};
+    return ks;
+}
+
 /* q [T, H, D] with strides sq_t, sq_h (unit over D); out [T, H, D] contiguous; k, v
    [blocks, block_size, H_kv, D] with strides sb, sp, sh (unit over D); tables [B, W] int32;
    sequence b owns q rows [query_start[b], query_start[b+1]) at positions
@@ -443,14 +478,21 @@ void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const f
     const int64_t group = heads / kv_heads;
     const int64_t slice = group < TILE_ROWS ? group : TILE_ROWS; /* query heads per tile */
     const int64_t per_tile = TILE_ROWS / slice;                  /* tokens per tile */
+    const int64_t tiles_per_kv_head = (group + slice - 1) / slice;
+    Scratch scratch = {NULL, 0};
     int64_t tile_index = 0;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t first = query_start[b], q_len = query_start[b + 1] - first;
         const int64_t start_pos = seq_lens[b] - q_len;
         if (skip_single && q_len == 1) continue;
+        const int64_t tiles_here = tiles_per_kv_head * ((q_len + per_tile - 1) / per_tile);
         for (int64_t kh = 0; kh < kv_heads; kh++) {
-            const Keys ks = {k + kh * sh, v + kh * sh, sb, sp, tables + b * table_width,
-                             block_size, window, dim};
+            const Keys paged = {k + kh * sh, v + kh * sh, sb, sp, tables + b * table_width,
+                                block_size, window, dim};
+            const int64_t skip = (part - tile_index % parts + parts) % parts;
+            const int64_t my_tiles = skip < tiles_here ? (tiles_here - skip - 1) / parts + 1 : 0;
+            const int copy = my_tiles >= TOGETHER_MIN_TILES && window <= 0;
+            const Keys ks = copy ? rows_together(&scratch, &paged, seq_lens[b]) : paged;
             for (int64_t h0 = kh * group; h0 < (kh + 1) * group; h0 += slice) {
                 const int64_t nh = (kh + 1) * group - h0 < slice ? (kh + 1) * group - h0 : slice;
                 for (int64_t t0 = 0; t0 < q_len; t0 += per_tile) {
@@ -464,6 +506,7 @@ void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const f
             }
         }
     }
+    free(scratch.buf);
 }
 
 /* The query rows of a tile in this build: the caller's estimate of a call's tiles. */

@@ -227,6 +227,28 @@ def test_shares_its_tiles_over_torch_threads_when_there_are_enough(monkeypatch):
     torch.testing.assert_close(shared, one, rtol=0, atol=0)
 
 
+def test_rows_copied_together_give_what_the_cache_gives_in_place(monkeypatch):
+    """A part with three or more tiles of a KV head copies that head's K/V rows together
+    first; a part with fewer reads them where they lie in the cache. On one thread every
+    head here is copied, on three none is: the outputs are equal to the bit."""
+    q_lens, seq_lens = [72, 80], [72, 400]  # three and four tiles per KV head (24 tokens each)
+    q, k_cache, v_cache, tables, starts = _case(8, 4, 64, q_lens, seq_lens)
+    copied, in_place = (
+        native.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, seq_lens, 0.125, None, threads=threads
+        )
+        for threads in (1, 3)
+    )
+    torch.testing.assert_close(copied, in_place, rtol=0, atol=0)
+    expected = _torch_path(q, k_cache, v_cache, tables, starts, seq_lens, 0.125, None, monkeypatch)
+    torch.testing.assert_close(copied, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefix_longer_than_the_copy_takes_is_read_in_place(monkeypatch):
+    # over 8192 keys the rows are not copied (the copy would need their size again)
+    _check(8, 4, 64, [96, 50], [8300, 8192], monkeypatch)
+
+
 def test_bad_tables_and_lengths_are_refused_not_read():
     q, k_cache, v_cache, tables, starts = _case(4, 2, 32, [20, 40], [20, 40])
     bad = tables.clone()

@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         raise CliError("--tls-cert-file and --tls-key-file go together")
     import uvicorn
 
-    from pdpool.bounded_http import BoundedHeadHttp
+    from pdpool.bounded_http import BoundedRequestHttp
     from pdpool.engine.server.api import build_app
 
     aengine = start_engine(config, args.engine_process, args.log_level)
@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
                 port=args.port,
                 log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=5,
-                http=BoundedHeadHttp,
+                http=BoundedRequestHttp,
                 **tls,
             )
         )

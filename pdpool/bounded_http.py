@@ -1,4 +1,5 @@
-"""uvicorn's httptools protocol with the request head bounded in size and in time.
+"""uvicorn's httptools protocol with the request head bounded in size and in time, and a
+request body's silences bounded in time.
 
 uvicorn puts no limit on a request's line and headers: the parser holds a header until it
 is complete, so one 100 MB header was read whole by each server in turn (the gateway passed
@@ -13,6 +14,13 @@ for ever (its keep-alive timer runs only between requests). A head not complete 
 HEAD_TIMEOUT_S of the connection's start, or of its first bytes on a kept-alive
 connection, is answered 408 and its connection closed. A head that completes in the read
 that started it (every ordinary request) arms no timer.
+
+Nor a body: a client that announces a body and then sends nothing more held its
+connection, and the share of the large-body budget charged for its Content-Length
+(body_budget.py), for ever. A body that sends nothing for BODY_IDLE_TIMEOUT_S (nginx's
+client_body_timeout) is answered 408, or its connection closed if an answer has started.
+Time while the server itself has stopped reading (the application has not taken what
+came) does not count. A body that completes in the read that started it arms no timer.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_HEAD_BYTES = 1 << 20
 HEAD_TIMEOUT_S = 30.0
+BODY_IDLE_TIMEOUT_S = 60.0
 
 
 def _answer(status: int, reason: str, message: str) -> bytes:
@@ -44,14 +53,19 @@ _TOO_LARGE = _answer(
 _TOO_SLOW = _answer(
     408, "Request Timeout", f"the request line and headers took more than {HEAD_TIMEOUT_S:g} s"
 )
+_BODY_STALLED = _answer(
+    408, "Request Timeout", f"the request body sent nothing for {BODY_IDLE_TIMEOUT_S:g} s"
+)
 
 
-class BoundedHeadHttp(HttpToolsProtocol):
+class BoundedRequestHttp(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_bytes = 0  # of the head being read
         self._in_body = False  # its headers are complete, its message is not
         self._head_deadline: Optional[asyncio.TimerHandle] = None
+        self._body_heard = 0.0  # loop time of the body's latest bytes
+        self._body_deadline: Optional[asyncio.TimerHandle] = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -59,6 +73,7 @@ class BoundedHeadHttp(HttpToolsProtocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._disarm_head_deadline()
+        self._disarm_body_deadline()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -67,7 +82,11 @@ class BoundedHeadHttp(HttpToolsProtocol):
             if self._head_bytes > MAX_HEAD_BYTES:
                 return self._refuse(_TOO_LARGE, "a request head over %d bytes", MAX_HEAD_BYTES)
         super().data_received(data)
-        if self._head_bytes and not self._in_body and self._head_deadline is None:
+        if self._in_body:  # a body still incomplete after this read
+            self._body_heard = self.loop.time()
+            if self._body_deadline is None:
+                self._arm_body_deadline(BODY_IDLE_TIMEOUT_S)
+        elif self._head_bytes and self._head_deadline is None:
             self._arm_head_deadline()  # a head still incomplete after the read it began in
 
     def on_headers_complete(self) -> None:
@@ -77,6 +96,7 @@ class BoundedHeadHttp(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_body = False
+        self._disarm_body_deadline()
         super().on_message_complete()
 
     def _arm_head_deadline(self) -> None:
@@ -94,9 +114,33 @@ class BoundedHeadHttp(HttpToolsProtocol):
             return
         self._refuse(_TOO_SLOW, "a request head slower than %g s", HEAD_TIMEOUT_S)
 
+    def _arm_body_deadline(self, after: float) -> None:
+        self._body_deadline = self.loop.call_later(after, self._body_maybe_stalled)
+
+    def _disarm_body_deadline(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_maybe_stalled(self) -> None:
+        self._body_deadline = None
+        if not self._in_body:
+            return
+        if self.flow is not None and self.flow.read_paused:
+            self._body_heard = self.loop.time()  # the server stopped reading, not the client
+        silent = self.loop.time() - self._body_heard
+        if silent < BODY_IDLE_TIMEOUT_S:
+            return self._arm_body_deadline(BODY_IDLE_TIMEOUT_S - silent)
+        if self.cycle is not None and self.cycle.response_started:
+            self.logger.warning("closed a connection whose request body stalled")
+            self._disarm_head_deadline()
+            return self.transport.close()
+        self._refuse(_BODY_STALLED, "a request body silent for %g s", BODY_IDLE_TIMEOUT_S)
+
     def _refuse(self, answer: bytes, why: str, bound: float) -> None:
         self.logger.warning("refused " + why, bound)
         self._disarm_head_deadline()
+        self._disarm_body_deadline()
         if not self.transport.is_closing():
             self.transport.write(answer)
             self.transport.close()

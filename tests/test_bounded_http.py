@@ -1,6 +1,7 @@
-"""BoundedHeadHttp under a real uvicorn server: a head that is too slow gets 408 and its
-connection is closed, heads that complete are served as before (keep-alive, pipelining, a
-head trickled in under the deadline). The size bound is tried end to end in
+"""BoundedRequestHttp under a real uvicorn server: a head that is too slow, or a body that
+goes silent, gets 408 and its connection is closed; heads and bodies that complete are
+served as before (keep-alive, pipelining, a head or a body trickled in under the deadline,
+a body the application takes late). The size bound is tried end to end in
 tests/sidecar/test_hostile_bodies.py."""
 
 from __future__ import annotations
@@ -15,15 +16,20 @@ import pytest
 import uvicorn
 
 from pdpool import bounded_http
-from pdpool.bounded_http import BoundedHeadHttp
+from pdpool.bounded_http import BoundedRequestHttp
 
 DEADLINE_S = 0.6
 
 
 async def app(scope, receive, send):
-    """Answers its body's length; a path of /slow answers after a second."""
+    """Answers its body's length; a path of /slow answers after a second, /late reads the
+    body after two deadlines, /early answers without reading it."""
     if scope["type"] != "http":
         return
+    if scope["path"] == "/early":
+        return await _answer_json(send, {"size": None})
+    if scope["path"] == "/late":
+        await asyncio.sleep(2 * DEADLINE_S)
     size = 0
     while True:
         message = await receive()
@@ -32,7 +38,11 @@ async def app(scope, receive, send):
             break
     if scope["path"] == "/slow":
         await asyncio.sleep(1.0)
-    body = json.dumps({"size": size}).encode()
+    await _answer_json(send, {"size": size})
+
+
+async def _answer_json(send, answer: dict) -> None:
+    body = json.dumps(answer).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -40,11 +50,11 @@ async def app(scope, receive, send):
 
 @pytest.fixture(scope="module")
 def port():
-    saved = bounded_http.HEAD_TIMEOUT_S
-    bounded_http.HEAD_TIMEOUT_S = DEADLINE_S
+    saved = bounded_http.HEAD_TIMEOUT_S, bounded_http.BODY_IDLE_TIMEOUT_S
+    bounded_http.HEAD_TIMEOUT_S = bounded_http.BODY_IDLE_TIMEOUT_S = DEADLINE_S
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=BoundedHeadHttp, log_level="error", lifespan="off")
+    config = uvicorn.Config(app, http=BoundedRequestHttp, log_level="error", lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -57,7 +67,7 @@ def port():
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-        bounded_http.HEAD_TIMEOUT_S = saved
+        bounded_http.HEAD_TIMEOUT_S, bounded_http.BODY_IDLE_TIMEOUT_S = saved
 
 
 def _connect(port: int) -> socket.socket:
@@ -126,3 +136,41 @@ def test_a_pipelined_head_waits_for_a_slow_answer_without_a_timeout(port):
         assert _read_answer(sock) == (200, b'{"size": 3}')
         sock.sendall(b"\r\nz")
         assert _read_answer(sock) == (200, b'{"size": 1}')
+
+
+def test_a_body_that_goes_silent_gets_408_and_is_closed(port):
+    with _connect(port) as sock:
+        sock.sendall(_request(body=b"0123456789")[:-7])  # 3 of its 10 bytes
+        started = time.monotonic()
+        status, body = _read_answer(sock)
+        assert status == 408 and "request body sent nothing" in json.loads(body)["error"]["message"]
+        assert DEADLINE_S * 0.8 < time.monotonic() - started < DEADLINE_S + 5
+        assert _closed(sock)
+
+
+def test_a_body_trickled_in_under_the_deadline_is_served(port):
+    with _connect(port) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 8\r\n\r\n")
+        for piece in (b"ab", b"cd", b"ef", b"gh"):  # two deadlines in all, a fifth between
+            time.sleep(DEADLINE_S / 2)
+            sock.sendall(piece)
+        assert _read_answer(sock) == (200, b'{"size": 8}')
+
+
+def test_a_body_the_application_takes_late_is_not_timed_out(port):
+    # past uvicorn's 64 KiB buffer the server stops reading until the application asks, so
+    # the client cannot send: that silence is the server's
+    body = b"x" * (4 << 20)
+    with _connect(port) as sock:
+        sock.sendall(_request("/late", body))
+        assert _read_answer(sock) == (200, json.dumps({"size": len(body)}).encode())
+
+
+def test_a_body_left_unfinished_after_its_answer_closes_the_connection(port):
+    with _connect(port) as sock:
+        sock.sendall(_request("/early", b"0123456789")[:-5])
+        assert _read_answer(sock) == (200, b'{"size": null}')
+        started = time.monotonic()
+        assert _closed(sock)
+        # (sooner than uvicorn's 5 s keep-alive timer, which closed it before)
+        assert DEADLINE_S * 0.5 < time.monotonic() - started < DEADLINE_S * 3

@@ -65,7 +65,7 @@ def _serve_app(
     """Builds the app and serves it on `sockets` (none: uvicorn binds host:port itself)."""
     import uvicorn
 
-    from pdpool.bounded_http import BoundedHeadHttp
+    from pdpool.bounded_http import BoundedRequestHttp
     from pdpool.errors import CliError
 
     tracing.configure_or_exit(args.otlp_traces_endpoint, args.otlp_service_name)
@@ -84,7 +84,7 @@ def _serve_app(
         log_level=args.log_level,
         **tls,
         access_log=False,
-        http=BoundedHeadHttp,
+        http=BoundedRequestHttp,
         lifespan="on",
         # Neither app reads the client's address: no X-Forwarded-For rewriting per request.
         proxy_headers=False,

@@ -45,10 +45,7 @@ class LoRARoutes:
         self.registry, self.translator = registry, translator
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await self.translator.read_body(request)
-        if len(raw) > MAX_BODY_BYTES:
-            raise RequestError(f"the body exceeds {MAX_BODY_BYTES} bytes", status=413)
-        body = parse_json_body(raw)
+        body = parse_json_body(await self.translator.read_body(request, limit=MAX_BODY_BYTES))
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         return body

@@ -54,7 +54,8 @@ class OpsRoutes:
         """Ends a KV lease this engine granted, named by the kv_transfer_params it issued
         (a router whose prefill leg did not pull decode's prefix gives it back at once)."""
         try:
-            body = parse_json_body(await self.translator.read_body(request))
+            with self.translator.bodies.hold() as hold:  # a large body counts while parsed
+                body = parse_json_body(await self.translator.read_body(request, hold))
         except RequestError:
             body = None
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None

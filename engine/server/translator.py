@@ -81,24 +81,27 @@ class RequestTranslator:
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.prep_pool, fn, *args)
 
-    async def read_body(self, request: Request, hold: Optional[BodyHold] = None) -> bytes:
-        """The body, refused with 413 as soon as it passes --max-body-bytes (announced or
-        while it arrives: a huge body is never buffered). With `hold`, a large body draws on
-        the server's budget of bodies in flight as it arrives (503 when that has no room)."""
-        too_large = ApiError(
-            f"the request body exceeds {self.max_body} bytes (--max-body-bytes)", 413
-        )
+    async def read_body(
+        self, request: Request, hold: Optional[BodyHold] = None, limit: Optional[int] = None
+    ) -> bytes:
+        """The body, refused with 413 as soon as it passes `limit` (--max-body-bytes unless
+        the route's own bound is smaller), announced or while it arrives: a huge body is never
+        buffered. With `hold`, a large body draws on the server's budget of bodies in flight
+        as it arrives (503 when that has no room)."""
+        limit = self.max_body if limit is None else min(limit, self.max_body)
+        why = "(--max-body-bytes)" if limit == self.max_body else "on this route"
+        too_large = ApiError(f"the request body exceeds {limit} bytes {why}", 413)
         declared = request.headers.get("content-length", "")
         parts, size = [], 0
         try:
             if declared.isdigit():
-                if int(declared) > self.max_body:
+                if int(declared) > limit:
                     raise too_large
                 if hold is not None:
                     hold.grow_to(int(declared))
             async for chunk in request.stream():
                 size += len(chunk)
-                if size > self.max_body:
+                if size > limit:
                     raise too_large
                 if hold is not None:
                     hold.grow_to(size)

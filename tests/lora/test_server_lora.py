@@ -161,6 +161,11 @@ def test_runtime_load_and_unload(lora_server, tiny_qwen3, tiny_qwen3_5, tmp_path
         assert why in r.json()["error"]["message"], (body, r.text)
     r = httpx.post(f"{eng.url}/v1/load_lora_adapter", content=b"[1, 2", timeout=10)
     assert r.status_code == 400
+    # past the route's own 64 KiB (not --max-body-bytes): 413, announced or chunked
+    big = b'{"lora_name": "' + b"x" * (1 << 20) + b'"}'
+    for content in (big, iter([big[:1000], big[1000:]])):
+        r = httpx.post(f"{eng.url}/v1/load_lora_adapter", content=content, timeout=10)
+        assert r.status_code == 413 and "65536 bytes on this route" in r.text, r.text
 
     r = httpx.post(f"{eng.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}, timeout=10)
     assert r.status_code == 200, r.text

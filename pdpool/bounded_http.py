@@ -58,6 +58,12 @@ _BODY_STALLED = _answer(
 )
 
 
+def _cancelled(timer: Optional[asyncio.TimerHandle]) -> None:
+    """Cancels `timer` if there is one; None, to put in its place."""
+    if timer is not None:
+        timer.cancel()
+
+
 class BoundedRequestHttp(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -103,9 +109,7 @@ class BoundedRequestHttp(HttpToolsProtocol):
         self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
 
     def _disarm_head_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
+        self._head_deadline = _cancelled(self._head_deadline)
 
     def _head_timed_out(self) -> None:
         self._head_deadline = None
@@ -118,9 +122,7 @@ class BoundedRequestHttp(HttpToolsProtocol):
         self._body_deadline = self.loop.call_later(after, self._body_maybe_stalled)
 
     def _disarm_body_deadline(self) -> None:
-        if self._body_deadline is not None:
-            self._body_deadline.cancel()
-            self._body_deadline = None
+        self._body_deadline = _cancelled(self._body_deadline)
 
     def _body_maybe_stalled(self) -> None:
         self._body_deadline = None

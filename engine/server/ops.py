@@ -15,7 +15,7 @@ from pdpool.engine.server.errors import error_response
 from pdpool.engine.server.lora_routes import adapter_cards
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.translator import RequestTranslator
-from pdpool.protocol import RequestError, parse_json_body
+from pdpool.protocol import parse_json_body
 
 
 class OpsRoutes:
@@ -53,11 +53,7 @@ class OpsRoutes:
     async def release_kv(self, request: Request) -> Union[Response, dict[str, bool]]:
         """Ends a KV lease this engine granted, named by the kv_transfer_params it issued
         (a router whose prefill leg did not pull decode's prefix gives it back at once)."""
-        try:
-            with self.translator.bodies.hold() as hold:  # a large body counts while parsed
-                body = parse_json_body(await self.translator.read_body(request, hold))
-        except RequestError:
-            body = None
+        body = await self.translator.decode_body(request, parse_json_body)
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not isinstance(params, dict):
             return error_response(

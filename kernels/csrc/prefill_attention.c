@@ -434,22 +434,22 @@ typedef struct {
     int64_t floats;
 } Scratch;
 
-/* One KV head's K and V rows of positions [0, len) copied to g's buffer, one after another.
+/* One KV head's K and V rows of positions [0, len) copied to `scratch`, one after another.
    In the cache a head's rows lie the KV heads' row apart (1 KiB for 4 heads of 64), so
    a chunk's rows fall in a quarter of L1's sets and evict each other between the passes
    over them; contiguous rows use all sets. The copy is read once per tile that reads
    them. Longer spans, a sliding window (its tiles read a part of the span each) or a failed
    allocation read the cache in place. */
-static Keys rows_together(Scratch *g, const Keys *paged, int64_t len) {
+static Keys rows_together(Scratch *scratch, const Keys *paged, int64_t len) {
     const int64_t dim = paged->dim, need = 2 * len * dim;
     if (len > TOGETHER_MAX_KEYS || paged->sp == dim) return *paged; /* one KV head: in place */
-    if (need > g->floats) {
-        free(g->buf);
-        g->buf = aligned_alloc(64, (size_t)((need * sizeof(float) + 63) / 64 * 64));
-        g->floats = g->buf ? need : 0;
-        if (!g->buf) return *paged;
+    if (need > scratch->floats) {
+        free(scratch->buf);
+        scratch->buf = aligned_alloc(64, (size_t)((need * sizeof(float) + 63) / 64 * 64));
+        scratch->floats = scratch->buf ? need : 0;
+        if (!scratch->buf) return *paged;
     }
-    float *kd = g->buf, *vd = g->buf + len * dim;
+    float *kd = scratch->buf, *vd = scratch->buf + len * dim;
     for (int64_t pos = 0; pos < len; pos++) {
         memcpy(kd + pos * dim, key_row(paged, paged->k, pos), sizeof(float) * dim);
         memcpy(vd + pos * dim, key_row(paged, paged->v, pos), sizeof(float) * dim);

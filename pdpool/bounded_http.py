@@ -126,8 +126,6 @@ class BoundedRequestHttp(HttpToolsProtocol):
 
     def _body_maybe_stalled(self) -> None:
         self._body_deadline = None
-        if not self._in_body:
-            return
         if self.flow is not None and self.flow.read_paused:
             self._body_heard = self.loop.time()  # the server stopped reading, not the client
         silent = self.loop.time() - self._body_heard
@@ -135,7 +133,6 @@ class BoundedRequestHttp(HttpToolsProtocol):
             return self._arm_body_deadline(BODY_IDLE_TIMEOUT_S - silent)
         if self.cycle is not None and self.cycle.response_started:
             self.logger.warning("closed a connection whose request body stalled")
-            self._disarm_head_deadline()
             return self.transport.close()
         self._refuse(_BODY_STALLED, "a request body silent for %g s", BODY_IDLE_TIMEOUT_S)
 

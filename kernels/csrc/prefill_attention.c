@@ -454,6 +454,7 @@ static Keys rows_together(Scratch *scratch, const Keys *paged, int64_t len) {
         memcpy(kd + pos * dim, key_row(paged, paged->k, pos), sizeof(float) * dim);
         memcpy(vd + pos * dim, key_row(paged, paged->v, pos), sizeof(float) * dim);
     }
+    /* one block that holds every position */
     const Keys ks = {kd, vd, 0, dim, &first_block, INT64_MAX, paged->window, dim};
     return ks;
 }
@@ -478,14 +479,14 @@ void paged_prefill_attention(const float *q, int64_t sq_t, int64_t sq_h, const f
     const int64_t group = heads / kv_heads;
     const int64_t slice = group < TILE_ROWS ? group : TILE_ROWS; /* query heads per tile */
     const int64_t per_tile = TILE_ROWS / slice;                  /* tokens per tile */
-    const int64_t tiles_per_kv_head = (group + slice - 1) / slice;
+    const int64_t slices = (group + slice - 1) / slice; /* of a KV head's query heads */
     Scratch scratch = {NULL, 0};
     int64_t tile_index = 0;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t first = query_start[b], q_len = query_start[b + 1] - first;
         const int64_t start_pos = seq_lens[b] - q_len;
         if (skip_single && q_len == 1) continue;
-        const int64_t tiles_here = tiles_per_kv_head * ((q_len + per_tile - 1) / per_tile);
+        const int64_t tiles_here = slices * ((q_len + per_tile - 1) / per_tile); /* a KV head's */
         for (int64_t kh = 0; kh < kv_heads; kh++) {
             const Keys paged = {k + kh * sh, v + kh * sh, sb, sp, tables + b * table_width,
                                 block_size, window, dim};

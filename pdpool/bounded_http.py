@@ -21,6 +21,10 @@ connection, and the share of the large-body budget charged for its Content-Lengt
 client_body_timeout) is answered 408, or its connection closed if an answer has started.
 Time while the server itself has stopped reading (the application has not taken what
 came) does not count. A body that completes in the read that started it arms no timer.
+
+A response's head is held until its first body bytes (or the end of the loop's turn), so
+that the two leave in one write: a relayed stream's first token, or a whole answer, costs
+the client one wake-up and the server one system call fewer.
 """
 
 from __future__ import annotations
@@ -64,6 +68,40 @@ def _cancelled(timer: Optional[asyncio.TimerHandle]) -> None:
         timer.cancel()
 
 
+class _HeadHeld:
+    """A response's transport whose first write (the head, or a 100 Continue) waits for
+    the next write or the end of the current turn of the loop, whichever is first."""
+
+    __slots__ = ("_first", "_held", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: Optional[bytes] = None
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first, self._held = False, data
+            asyncio.get_running_loop().call_soon(self._flush)
+        elif self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held + data)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+
 class BoundedRequestHttp(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -98,7 +136,11 @@ class BoundedRequestHttp(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_body, self._head_bytes = True, 0
         self._disarm_head_deadline()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle is not before:
+            # The cycle just made (its task has not run yet) writes through the holder.
+            self.cycle.transport = _HeadHeld(self.transport)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         self._in_body = False

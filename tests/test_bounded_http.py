@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from pdpool import bounded_http
-from pdpool.bounded_http import BoundedRequestHttp
+from pdpool.bounded_http import BoundedRequestHttp, _HeadHeld
 
 DEADLINE_S = 0.6
 
@@ -28,6 +28,11 @@ async def app(scope, receive, send):
         return
     if scope["path"] == "/early":
         return await _answer_json(send, {"size": None})
+    if scope["path"] == "/head-then-wait":  # a stream whose first bytes come much later
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.sleep(2 * DEADLINE_S)
+        await send({"type": "http.response.body", "body": b"late", "more_body": False})
+        return
     if scope["path"] == "/late":
         await asyncio.sleep(2 * DEADLINE_S)
     size = 0
@@ -174,3 +179,66 @@ def test_a_body_left_unfinished_after_its_answer_closes_the_connection(port):
         assert _closed(sock)
         # (sooner than uvicorn's 5 s keep-alive timer, which closed it before)
         assert DEADLINE_S * 0.5 < time.monotonic() - started < DEADLINE_S * 3
+
+
+class _RecordingTransport:
+    """Records what is written, in place of the socket's transport."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def test_a_head_leaves_with_the_first_body_bytes_in_one_write():
+    async def main():
+        transport = _RecordingTransport()
+        held = _HeadHeld(transport)  # type: ignore[arg-type]
+        held.write(b"HEAD")
+        assert transport.writes == []
+        held.write(b"body1")
+        held.write(b"body2")
+        await asyncio.sleep(0)  # the turn's end finds nothing held
+        return transport.writes
+
+    assert asyncio.run(main()) == [b"HEADbody1", b"body2"]
+
+
+def test_a_head_alone_leaves_at_the_end_of_the_turn_and_before_a_close():
+    async def main():
+        transport = _RecordingTransport()
+        held = _HeadHeld(transport)  # type: ignore[arg-type]
+        held.write(b"HEAD")
+        await asyncio.sleep(0)
+        after_turn = list(transport.writes)
+        held.write(b"body")
+        closing = _RecordingTransport()
+        held_then_closed = _HeadHeld(closing)  # type: ignore[arg-type]
+        held_then_closed.write(b"HEAD")
+        held_then_closed.close()
+        await asyncio.sleep(0)
+        return after_turn, transport.writes, closing.writes, closing.closed
+
+    after_turn, writes, closing_writes, closed = asyncio.run(main())
+    assert after_turn == [b"HEAD"] and writes == [b"HEAD", b"body"]
+    assert closing_writes == [b"HEAD"] and closed
+
+
+def test_a_stream_head_reaches_the_client_before_its_late_body(port):
+    with _connect(port) as sock:
+        sock.sendall(_request("/head-then-wait"))
+        started = time.monotonic()
+        reader = sock.makefile("rb")
+        assert reader.readline().startswith(b"HTTP/1.1 200")
+        while reader.readline() not in (b"\r\n", b""):
+            pass
+        assert time.monotonic() - started < DEADLINE_S  # not held until the body
+        assert b"late" in reader.readline() + reader.readline()

@@ -8,7 +8,6 @@ that goes away while nothing is being sent, and the hot path stays a few functio
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from typing import Any, Awaitable, Callable, Iterable, Optional
 
@@ -205,31 +204,62 @@ def sse_error_event(status: int, message: str) -> bytes:
     return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n"
 
 
+DISCONNECT_GRACE_TURNS = 2
+
+
 async def run_until_disconnect(flow: Awaitable[None], receive: Receive) -> bool:
     """Runs `flow` while watching for the client to disconnect; a disconnect cancels the
     flow, which closes its upstream connections so the engines abort their work.
 
-    Returns True when the client disconnected first."""
-    flow_task = asyncio.ensure_future(flow)
+    The flow runs in the caller's task, so it reaches its first upstream write in the turn
+    of the loop that read the request: only the watcher is a task of its own (it starts a
+    turn later, when the upstream already has the request). Returns True when the client
+    disconnected first."""
+    task = asyncio.current_task()
+    assert task is not None, "called from a task (an ASGI request's)"
+    gone = False
 
     async def watch() -> None:
+        nonlocal gone
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return
+                break
+        # receive() says the same once the answer is complete, while the flow may still be
+        # ending (closing its upstream leg, counting what it did): a flow that ends within
+        # these turns is not cancelled.
+        for _ in range(DISCONNECT_GRACE_TURNS):
+            await asyncio.sleep(0)
+        gone = True
+        task.cancel()
 
     watcher = asyncio.ensure_future(watch())
     try:
-        done, _ = await asyncio.wait({flow_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await flow
     except asyncio.CancelledError:
-        flow_task.cancel()
+        # Only the watcher's cancellation ends here; any other (a server shutting down)
+        # goes on up.
+        if not gone or _cancel_requests(task) > 1:
+            raise
+        _uncancel(task)
+        return True
+    finally:
         watcher.cancel()
-        raise
-    if flow_task in done:
-        watcher.cancel()
-        flow_task.result()  # re-raise a flow's exception
-        return False
-    flow_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await flow_task
-    return True
+    if gone:  # the flow swallowed the watcher's cancellation: clear it all the same
+        _uncancel(task)
+    return gone
+
+
+def _cancel_requests(task: "asyncio.Task[Any]") -> int:
+    """Cancellations requested of `task` and not withdrawn (Python 3.11+ counts them; on
+    3.10, one)."""
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 1
+
+
+def _uncancel(task: "asyncio.Task[Any]") -> None:
+    """Withdraws one cancellation request, so that the task's later awaits (and
+    asyncio.timeout) behave as if it had not been cancelled (a no-op before 3.11)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()

@@ -21,6 +21,15 @@ def _receive_disconnect_after(delay_s: float):
     return receive
 
 
+async def _long_flow(seen: list[str]) -> None:
+    """Waits long; records its cancellation."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        seen.append("cancelled")
+        raise
+
+
 def _receive_never():
     async def receive():
         await asyncio.Event().wait()
@@ -52,15 +61,8 @@ def test_the_flow_starts_before_the_loop_turns():
 def test_a_disconnect_cancels_the_flow_and_leaves_the_task_usable():
     seen: list[str] = []
 
-    async def flow():
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-            raise
-
     async def main():
-        gone = await run_until_disconnect(flow(), _receive_disconnect_after(0.05))
+        gone = await run_until_disconnect(_long_flow(seen), _receive_disconnect_after(0.05))
         task = asyncio.current_task()
         if hasattr(task, "cancelling"):
             assert task.cancelling() == 0
@@ -88,15 +90,8 @@ def test_a_flow_that_ends_returns_false_and_leaves_no_watcher():
 def test_a_cancellation_from_outside_goes_on_up():
     seen: list[str] = []
 
-    async def flow():
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-            raise
-
     async def main():
-        task = asyncio.ensure_future(run_until_disconnect(flow(), _receive_never()))
+        task = asyncio.ensure_future(run_until_disconnect(_long_flow(seen), _receive_never()))
         await asyncio.sleep(0.02)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

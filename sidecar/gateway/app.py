@@ -42,6 +42,7 @@ from ..net.asgi import (
     send_bodies_busy,
     send_bytes,
     send_error,
+    send_now,
     send_start,
     serve_lifespan,
     sse_error_event,
@@ -430,12 +431,24 @@ class Gateway:
         headers[BACKEND_HEADER] = backend
         answer_started(headers)
         await send_start(send, resp.status_code, headers)
+        ended = False
+
+        def write(piece: bytes, last: bool) -> Optional[Awaitable[None]]:
+            # from the backend connection's callback; the last piece ends the answer
+            nonlocal ended
+            ended = last
+            if piece or last:
+                return send_now(
+                    send, {"type": "http.response.body", "body": piece, "more_body": not last}
+                )
+            return None
+
         try:
-            async for chunk in resp.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await resp.relay(write)
         except RETRYABLE:
             log.warning("backend stream broke mid-response")
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     # ------------------------------------------------------------------ migrating streams
     async def _migrating_stream(

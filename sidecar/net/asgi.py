@@ -143,6 +143,39 @@ async def send_start(send: Send, status: int, headers: dict[str, str]) -> None:
     await send({"type": "http.response.start", "status": status, "headers": raw_headers(headers)})
 
 
+def send_now(send: Send, message: Message) -> Optional[Awaitable[None]]:
+    """Sends `message` from a plain callback, outside any task: None once sent, which is at
+    once whenever the server can take it without waiting (uvicorn writes a body part
+    straight to its socket unless the client has stopped reading); else an awaitable that
+    completes the send."""
+    step: Any = send(message)
+    if not asyncio.iscoroutine(step):
+        return step  # another kind of awaitable: awaited as it is
+    try:
+        waiting_on = step.send(None)
+    except StopIteration:
+        return None
+    return _finish_send(step, waiting_on)
+
+
+async def _finish_send(step: Any, waiting_on: Any) -> None:
+    """Runs a started send to its end: each time it waits (on a future, or a bare yield for
+    one turn of the loop), this waits too, then resumes it."""
+    try:
+        while True:
+            if waiting_on is None:
+                await asyncio.sleep(0)
+            elif asyncio.isfuture(waiting_on):
+                await asyncio.wait((waiting_on,))  # its outcome is the send's to raise
+            else:
+                raise RuntimeError(f"an ASGI send waited on {waiting_on!r}")
+            waiting_on = step.send(None)
+    except StopIteration:
+        return
+    finally:
+        step.close()  # when cancelled or failed part-way: no "never awaited" warnings
+
+
 async def send_bytes(
     send: Send,
     status: int,

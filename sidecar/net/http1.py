@@ -2,13 +2,14 @@
 
 Every streamed token is one SSE event, so what a proxy spends per upstream chunk decides
 its overhead. httpx passes each chunk through several layers of async generators and
-checks every pooled socket on each request; this client reads a chunk with two awaits on
-an asyncio stream and keeps idle keep-alive connections in a plain list per host.
+checks every pooled socket on each request; this client's connections are plain asyncio
+protocols (wire.py), kept idle in a list per host.
 
 A body is read as it arrives, whatever has come in one read: one await per network read,
-not two per chunk, and events that arrived together leave together. Host names are
-resolved once and kept (resolver.py), so that a new connection never queues behind other
-requests' DNS lookups.
+and events that arrived together leave together. `Response.relay` goes further: each piece
+is decoded and handed on from the connection's own data callback, with no await at all.
+Host names are resolved once and kept (resolver.py), so that a new connection never queues
+behind other requests' DNS lookups.
 
 Scope on purpose: http:// or https:// (TLS verified against the pool's SSL context, or
 the system's), requests with a byte body, responses framed by
@@ -21,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import ssl
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncGenerator, Awaitable, Callable, Optional, Union
 from urllib.parse import urlsplit
 
 from .resolver import Resolver
+from .wire import Wire
 
 
 class UpstreamError(Exception):
@@ -43,16 +45,6 @@ MAX_HEAD = 64 * 1024
 READ_SIZE = 65536
 # A pool key: (host, port, tls).
 _Key = tuple[str, int, bool]
-
-
-class _Conn:
-    __slots__ = ("reader", "reused", "writer")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer, self.reused = reader, writer, False
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 class ChunkedBody:
@@ -120,17 +112,69 @@ class ChunkedBody:
         self._trailers = size == 0
 
 
+class LengthBody:
+    """A body of a known length, with ChunkedBody's interface."""
+
+    def __init__(self, length: int) -> None:
+        self._left = length
+        self.done = length <= 0
+        self.extra = b""
+
+    def feed(self, data: bytes) -> bytes:
+        if self.done:
+            self.extra += data
+            return b""
+        if len(data) <= self._left:
+            self._left -= len(data)
+            self.done = self._left == 0
+            return data
+        payload, self.extra = data[: self._left], data[self._left :]
+        self._left, self.done = 0, True
+        return payload
+
+
+class UntilClose:
+    """A body without a length: all that comes until the server closes the connection."""
+
+    done = False
+    extra = b""
+
+    def feed(self, data: bytes) -> bytes:
+        return data
+
+
+Framing = Union[ChunkedBody, LengthBody, UntilClose]
+
+
+def framing_of(headers: dict[str, str]) -> Framing:
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        return ChunkedBody()
+    if "content-length" in headers:
+        value = headers["content-length"]
+        if not value.isdigit():
+            raise UpstreamProtocolError(f"bad content-length {value[:40]!r}")
+        return LengthBody(int(value))
+    return UntilClose()
+
+
+# What a relayed body's pieces go to: `write(piece, last)` returns None once written, or an
+# awaitable while its receiver cannot take more (reading pauses until it completes).
+PieceWriter = Callable[[bytes, bool], Optional[Awaitable[None]]]
+
+
 class Response:
-    """Status and headers are read; the body is read through aiter_raw() or aread()."""
+    """Status and headers are read; the body is read through aiter_raw() or aread(), or
+    relayed as it arrives with relay()."""
 
     def __init__(
-        self, pool: "Http1Pool", key: _Key, conn: _Conn, status: int, headers: dict[str, str]
+        self, pool: "Http1Pool", key: _Key, conn: Wire, status: int, headers: dict[str, str]
     ) -> None:
         self._pool, self._key = pool, key
-        self._conn: Optional[_Conn] = conn  # None once closed or back in the pool
+        self._conn: Optional[Wire] = conn  # None once closed or back in the pool
         self.status_code = status
         self.headers = headers
-        self._done = False
+        self._framing = framing_of(headers)
+        self._done = self._framing.done
         self._keep_alive = headers.get("connection", "").lower() != "close"
 
     @property
@@ -139,57 +183,61 @@ class Response:
         relay can end its own answer with that piece."""
         return self._done
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    def _open_conn(self) -> Wire:
+        if self._conn is None:
+            raise RuntimeError("the response was closed before its body was read")
+        return self._conn
+
+    def _feed(self, data: bytes) -> bytes:
+        """The payload `data` carries; marks the body complete with its last piece."""
+        framing = self._framing
+        payload = framing.feed(data)
+        if framing.done:
+            self._done = True
+            self._keep_alive = self._keep_alive and not framing.extra
+        return payload
+
+    def _ended_by_close(self) -> None:
+        """The server closed the connection: the end of a body without a length, else a
+        broken one."""
+        self._keep_alive = False
+        if not isinstance(self._framing, UntilClose):
+            raise UpstreamProtocolError("connection closed mid-body")
+        self._done = True
+
+    async def aiter_raw(self) -> AsyncGenerator[bytes, None]:
         """The body, as it arrives: every piece holds all that one network read brought."""
         if self._done:
             return
-        if self._conn is None:
-            raise RuntimeError("the response was closed before its body was read")
-        reader = self._conn.reader
+        conn = self._open_conn()
         try:
-            if "chunked" in self.headers.get("transfer-encoding", "").lower():
-                body = ChunkedBody()
-                while not body.done:
-                    payload = body.feed(await self._read(reader))
-                    if body.done:
-                        self._done = True
-                        self._keep_alive = self._keep_alive and not body.extra
-                    if payload:
-                        yield payload
-            else:
-                async for data in self._unchunked(reader):
-                    yield data
-        except (
-            asyncio.IncompleteReadError,
-            asyncio.LimitOverrunError,
-            ValueError,
-            ConnectionError,
-        ) as exc:
+            while not self._done:
+                data = await conn.read(READ_SIZE)
+                if not data:
+                    self._ended_by_close()
+                    return
+                payload = self._feed(data)
+                if payload:
+                    yield payload
+        except (ValueError, OSError) as exc:
             self._keep_alive = False
             raise UpstreamProtocolError(f"broken response body: {exc!r}") from None
-        self._done = True
 
-    async def _unchunked(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-        """A body of a known length (complete as its last piece is handed out) or, without
-        one, all that comes until the server closes the connection."""
-        if "content-length" in self.headers:
-            left = int(self.headers["content-length"])
-            while left > 0:
-                data = await self._read(reader, min(left, READ_SIZE))
-                left -= len(data)
-                self._done = left <= 0
-                yield data
-        else:
-            self._keep_alive = False
-            while data := await reader.read(READ_SIZE):
-                yield data
-
-    @staticmethod
-    async def _read(reader: asyncio.StreamReader, size: int = READ_SIZE) -> bytes:
-        data = await reader.read(size)
-        if not data:
-            raise UpstreamProtocolError("connection closed mid-body")
-        return data
+    async def relay(self, write: PieceWriter) -> None:
+        """Hands the rest of the body to `write(piece, last)` from the connection's own
+        callback as it arrives, `last` set with the piece that completes it (b"" when the
+        server's close ends it). Returns once the last piece was written. Raises
+        UpstreamProtocolError when the server breaks the body, and what `write` raised."""
+        if self._done:
+            return
+        conn = self._open_conn()
+        relay = _BodyRelay(self, conn, write)
+        conn.relay_to(relay)
+        try:
+            await relay.finished
+        finally:
+            conn.stop_relay()
+            relay.stop()
 
     async def aread(self) -> bytes:
         parts = [chunk async for chunk in self.aiter_raw()]
@@ -205,6 +253,83 @@ class Response:
             self._pool._release(self._key, conn)
         else:
             conn.close()
+
+
+class _BodyRelay:
+    """The receiver of a relayed body (wire.Receiver): decodes each piece in the
+    connection's data callback and writes it on; while a write waits, reading pauses."""
+
+    def __init__(self, response: Response, conn: Wire, write: PieceWriter) -> None:
+        self._response, self._conn, self._write = response, conn, write
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting: Optional[asyncio.Task[None]] = None
+        self._closed_while_waiting: Optional[tuple[Optional[BaseException]]] = None
+
+    def data(self, data: bytes) -> None:
+        if self.finished.done():  # after the body: not to be sent on, and no reuse
+            self._response._feed(data)
+            return
+        try:
+            payload = self._response._feed(data)
+            last = self._response._done
+            if payload or last:
+                self._after_write(self._write(payload, last), last)
+        except Exception as exc:  # broken framing, or the writer's own error
+            self._fail(exc)
+
+    def closed(self, exc: Optional[BaseException]) -> None:
+        if self.finished.done():
+            return
+        if self._waiting is not None:  # seen once the pending write is done
+            self._closed_while_waiting = (exc,)
+            return
+        try:
+            self._response._ended_by_close()
+        except UpstreamProtocolError as error:
+            reason = f" ({exc!r})" if exc is not None else ""
+            self._fail(UpstreamProtocolError(f"{error}{reason}"))
+            return
+        try:
+            self._after_write(self._write(b"", True), True)
+        except Exception as error:
+            self._fail(error)
+
+    def stop(self) -> None:
+        if self._waiting is not None:
+            self._waiting.cancel()
+            self._waiting = None
+
+    def _after_write(self, waiting: Optional[Awaitable[None]], last: bool) -> None:
+        if waiting is None:
+            if last and not self.finished.done():
+                self.finished.set_result(None)
+            return
+        self._conn.pause_reading()
+        self._waiting = asyncio.ensure_future(self._finish_write(waiting, last))
+
+    async def _finish_write(self, waiting: Awaitable[None], last: bool) -> None:
+        try:
+            await waiting
+        except Exception as exc:
+            self._waiting = None
+            self._fail(exc)
+            return
+        self._waiting = None
+        if last:
+            if not self.finished.done():
+                self.finished.set_result(None)
+            return
+        closed = self._closed_while_waiting
+        if closed is not None:
+            self._closed_while_waiting = None
+            self.closed(closed[0])
+        else:
+            self._conn.resume_reading()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._response._keep_alive = False
+        if not self.finished.done():
+            self.finished.set_exception(exc)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -234,14 +359,14 @@ class Http1Pool:
         self.connect_timeout = connect_timeout
         self.ssl_context = ssl_context  # for https:// (None: the system's trust store)
         self.max_idle_per_host = max_idle_per_host
-        self._idle: dict[_Key, list[_Conn]] = {}
+        self._idle: dict[_Key, list[Wire]] = {}
         self.resolver = Resolver()
 
-    async def _connect(self, key: _Key) -> _Conn:
+    async def _connect(self, key: _Key) -> Wire:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.writer.is_closing() and not conn.reader.at_eof():
+            if conn.usable():
                 conn.reused = True
                 return conn
             conn.close()
@@ -251,16 +376,15 @@ class Http1Pool:
             self.resolver.forget(key[0])  # the name may point elsewhere by now
             raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc!r}") from None
 
-    async def _open(self, key: _Key) -> _Conn:
+    async def _open(self, key: _Key) -> Wire:
         """A new connection to the host's first address that accepts one."""
         host, port, _ = key
         error: Optional[OSError] = None
+        loop = asyncio.get_running_loop()
         for address in await self.resolver.addresses(host, port):
             try:
-                reader, writer = await asyncio.open_connection(
-                    address, port, limit=MAX_HEAD, **self._tls(key)
-                )
-                return _Conn(reader, writer)
+                _, conn = await loop.create_connection(Wire, address, port, **self._tls(key))
+                return conn
             except OSError as exc:
                 error = exc
         raise error or OSError(f"{host} has no address")
@@ -272,7 +396,7 @@ class Http1Pool:
             self.ssl_context = ssl.create_default_context()
         return {"ssl": self.ssl_context, "server_hostname": key[0]}
 
-    def _release(self, key: _Key, conn: _Conn) -> None:
+    def _release(self, key: _Key, conn: Wire) -> None:
         idle = self._idle.setdefault(key, [])
         if len(idle) < self.max_idle_per_host:
             idle.append(conn)
@@ -293,8 +417,8 @@ class Http1Pool:
         for attempt in (0, 1):
             conn = await self._connect(key)
             try:
-                conn.writer.write(payload)
-                status, resp_headers = await self._read_head(conn.reader)
+                conn.write(payload)
+                status, resp_headers = await self._read_head(conn)
                 return Response(self, key, conn, status, resp_headers)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 conn.close()
@@ -312,9 +436,9 @@ class Http1Pool:
         raise AssertionError("unreachable")
 
     @staticmethod
-    async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    async def _read_head(conn: Wire) -> tuple[int, dict[str, str]]:
         while True:
-            raw = await reader.readuntil(b"\r\n\r\n")
+            raw = await conn.read_until(b"\r\n\r\n", MAX_HEAD)
             lines = raw.decode("latin-1").split("\r\n")
             status_line = lines[0].split(" ", 2)
             if len(status_line) < 2 or not status_line[0].startswith("HTTP/1."):

@@ -19,7 +19,7 @@ import httpx
 from pdpool import tracing
 
 from . import legs
-from ..net.asgi import send_bytes, send_error, send_start, sse_error_event
+from ..net.asgi import send_bytes, send_error, send_now, send_start, sse_error_event
 from .exchange import Buffered, Exchange, json_or_none
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import SidecarMetrics
@@ -155,7 +155,7 @@ class DecodeRelay:
             if ex.prefill_usage is None
             else StreamUsageRewriter(self.metrics, ex.prefill_usage)
         )
-        await _pipe_stream(ex, resp, resp.aiter_raw(), rewriter=rewriter)
+        await _pipe_stream(ex, resp, rewriter=rewriter)
 
 
 async def relay_buffered(ex: Exchange, status: int, content: bytes, content_type: str) -> None:
@@ -200,7 +200,8 @@ async def _stream_unless_rejected(ex: Exchange, resp: Response) -> Optional[dict
     if legs.is_rejection(decided):
         return await _drain_rejection(chunks, splitter, decided, held)
     # Accepted, or the stream ended without a deciding event: pass on what there is.
-    await _pipe_stream(ex, resp, chunks, first=b"".join(held) + splitter.rest())
+    await chunks.aclose()  # the rest is relayed from the connection (resp keeps the framing)
+    await _pipe_stream(ex, resp, first=b"".join(held) + splitter.rest())
     return None
 
 
@@ -247,32 +248,36 @@ async def _drain_rejection(
 async def _pipe_stream(
     ex: Exchange,
     resp: Response,
-    chunks: AsyncIterator[bytes],
     first: bytes = b"",
     rewriter: Optional[StreamUsageRewriter] = None,
 ) -> None:
     """Relays an upstream stream to the client as it arrives: `first` (what was read
-    already), then every piece as soon as it is read. The piece that completes the upstream
-    answer ends the client's answer in the same message (one write fewer per request)."""
+    already), then every piece from the upstream connection's own callback (no task switch
+    per token). The piece that completes the upstream answer ends the client's answer in
+    the same message (one write fewer per request)."""
     await send_start(ex.send, 200, ex.out_headers(_content_type(resp, "text/event-stream")))
     send = ex.send  # looked up once the answer has started (see proxy.Sidecar._guarded)
     ended = False
 
-    async def relay(piece: bytes) -> None:
+    def write(piece: bytes, last: bool) -> Optional[Awaitable[None]]:
         nonlocal ended
         out = rewriter.feed(piece) if rewriter else piece
-        if resp.complete:
+        if last:
             ended = True
             tail = rewriter.rest() if rewriter else b""
-            await send({"type": "http.response.body", "body": out + tail, "more_body": False})
-        elif out:
-            await send({"type": "http.response.body", "body": out, "more_body": True})
+            return send_now(
+                send, {"type": "http.response.body", "body": out + tail, "more_body": False}
+            )
+        if out:
+            return send_now(send, {"type": "http.response.body", "body": out, "more_body": True})
+        return None
 
     try:
         if first:
-            await relay(first)
-        async for chunk in chunks:
-            await relay(chunk)
+            waiting = write(first, resp.complete)
+            if waiting is not None:
+                await waiting
+        await resp.relay(write)
     except RETRYABLE as exc:
         # The engine went away mid-stream: tell the client inside the stream.
         await send(

@@ -6,6 +6,7 @@ import asyncio
 import socket
 
 import pytest
+import uvloop
 
 from pdpool.ports import free_port
 from pdpool.sidecar.net.http1 import (
@@ -148,7 +149,7 @@ async def test_closing_an_unfinished_stream_closes_the_connection():
             break
         await r.aclose()
         await asyncio.wait_for(closed.wait(), 5)
-    assert pool._idle.get(("127.0.0.1", port), []) == []
+    assert pool._idle.get(("127.0.0.1", port, False), []) == []
 
 
 def _feed_in_pieces(body: bytes, size: int) -> tuple[bytes, ChunkedBody]:
@@ -219,4 +220,207 @@ async def test_a_dns_name_upstream_is_reached_through_the_resolver():
         r = await pool.send("GET", f"http://localhost:{port}/", b"")
         assert await r.aread() == b"ok"
         await r.aclose()
+    await pool.aclose()
+
+
+async def _streaming_server(parts: list[bytes], head: bytes, close_after: bool = False):
+    """A server answering each request with `head`, then `parts` written 20 ms apart."""
+
+    async def handler(reader, writer):
+        try:
+            while True:
+                await read_request(reader)
+                writer.write(head)
+                for part in parts:
+                    await asyncio.sleep(0.02)
+                    writer.write(part)
+                    await writer.drain()
+                if close_after:
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+
+    return await raw_server(handler)
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_a_relayed_body_is_handed_on_from_the_connection_callback_and_reused():
+    await _relay_and_reuse()
+
+
+def test_a_relayed_body_is_handed_on_likewise_on_uvloop():
+    uvloop.run(_relay_and_reuse())  # the loop the servers run on (its transports differ)
+
+
+async def _relay_and_reuse():
+    parts = [b"3\r\nabc\r\n", b"2\r\nde\r\n", b"1\r\nf\r\n0\r\n\r\n"]
+    server, port = await _streaming_server(parts, CHUNKED_HEAD)
+    pool = Http1Pool()
+    async with server:
+        for _ in range(2):  # the second request reuses the connection
+            r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+            got = []
+
+            def write(piece, last, got=got):
+                got.append((piece, last, asyncio.current_task()))
+
+            await r.relay(write)
+            # every piece came from the connection's callback, outside any task
+            assert [(p, last) for p, last, _ in got] == [
+                (b"abc", False),
+                (b"de", False),
+                (b"f", True),
+            ]
+            assert all(task is None for _, _, task in got)
+            assert r.complete
+            await r.aclose()
+        assert len(pool._idle[("127.0.0.1", port, False)]) == 1
+        await pool.aclose()
+
+
+async def test_a_relayed_body_without_a_length_ends_at_the_close_and_one_with_a_length_at_it():
+    server, port = await _streaming_server(
+        [b"hello ", b"world"], b"HTTP/1.1 200 OK\r\n\r\n", close_after=True
+    )
+    pool = Http1Pool()
+    async with server:
+        r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+        got = []
+        await r.relay(lambda piece, last: got.append((piece, last)))
+        assert got == [(b"hello ", False), (b"world", False), (b"", True)]
+        await r.aclose()
+    server, port = await _streaming_server(
+        [b"hel", b"lo"], b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
+    )
+    async with server:
+        r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+        got = []
+        await r.relay(lambda piece, last: got.append((piece, last)))
+        assert got == [(b"hel", False), (b"lo", True)]
+        await r.aclose()
+        assert len(pool._idle[("127.0.0.1", port, False)]) == 1
+        await pool.aclose()
+
+
+async def test_a_busy_writer_pauses_the_relay_until_its_write_is_done():
+    parts = [b"1\r\na\r\n", b"1\r\nb\r\n", b"1\r\nc\r\n0\r\n\r\n"]
+    server, port = await _streaming_server(parts, CHUNKED_HEAD)
+    pool = Http1Pool()
+    loop = asyncio.get_running_loop()
+    gate = loop.create_future()
+    got = []
+
+    async def slow_write():
+        await gate
+        got.append("a written")
+
+    def write(piece, last):
+        got.append(piece)
+        return slow_write() if piece == b"a" else None
+
+    async with server:
+        r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+        relay = asyncio.ensure_future(r.relay(write))
+        await asyncio.sleep(0.2)  # b and c were sent meanwhile, but not read on
+        assert got == [b"a"] and not relay.done()
+        gate.set_result(None)
+        await asyncio.wait_for(relay, 5)
+        # what came in while paused is read at once, in order
+        assert got[:2] == [b"a", "a written"] and b"".join(got[2:]) == b"bc"
+        await r.aclose()
+        await pool.aclose()
+
+
+async def test_a_relay_broken_by_the_server_or_the_writer_raises_and_drops_the_connection():
+    server, port = await _streaming_server([b"3\r\nabc\r\n"], CHUNKED_HEAD, close_after=True)
+    pool = Http1Pool()
+    async with server:
+        r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+        got = []
+        with pytest.raises(UpstreamProtocolError, match="closed mid-body"):
+            await r.relay(lambda piece, last: got.append(piece))
+        assert got == [b"abc"]
+        await r.aclose()
+        assert pool._idle.get(("127.0.0.1", port, False), []) == []
+    parts = [b"3\r\nabc\r\n", b"3\r\ndef\r\n0\r\n\r\n"]
+    server, port = await _streaming_server(parts, CHUNKED_HEAD)
+    async with server:
+        r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+
+        def failing(piece, last):
+            raise OSError("client went away")
+
+        with pytest.raises(OSError, match="client went away"):
+            await r.relay(failing)
+        await r.aclose()
+        assert pool._idle.get(("127.0.0.1", port, False), []) == []
+    await pool.aclose()
+
+
+async def test_a_cancelled_relay_writes_nothing_more_and_closes_its_stream():
+    closed = asyncio.Event()
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD)
+        try:
+            while True:
+                writer.write(b"1\r\nx\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        except ConnectionError:
+            closed.set()
+
+    server, port = await raw_server(handler)
+    pool = Http1Pool()
+    got = []
+    async with server:
+        r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+        relay = asyncio.ensure_future(r.relay(lambda piece, last: got.append(piece)))
+        await asyncio.sleep(0.1)
+        relay.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await relay
+        seen = len(got)
+        await r.aclose()
+        await asyncio.wait_for(closed.wait(), 5)
+        await asyncio.sleep(0.05)
+        assert seen > 0 and len(got) == seen
+    await pool.aclose()
+
+
+async def test_bytes_after_a_relayed_body_keep_its_connection_from_reuse():
+    server, port = await _streaming_server([b"1\r\na\r\n0\r\n\r\nHTTP/1.1"], CHUNKED_HEAD)
+    pool = Http1Pool()
+    async with server:
+        r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+        got = []
+        await r.relay(lambda piece, last: got.append((piece, last)))
+        assert got == [(b"a", True)]
+        await r.aclose()
+        assert pool._idle.get(("127.0.0.1", port, False), []) == []
+    await pool.aclose()
+
+
+async def test_a_response_head_past_the_limit_or_cut_short_is_refused():
+    async def huge(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nx: " + b"a" * (80 * 1024) + b"\r\n\r\n")
+        await writer.drain()
+
+    async def cut(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-")
+        await writer.drain()
+        writer.close()
+
+    pool = Http1Pool()
+    for handler, match in ((huge, "bad response head"), (cut, "no response")):
+        server, port = await raw_server(handler)
+        async with server:
+            with pytest.raises(UpstreamProtocolError, match=match):
+                await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
     await pool.aclose()

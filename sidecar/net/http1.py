@@ -266,8 +266,8 @@ class _BodyRelay:
         self._closed_while_waiting: Optional[tuple[Optional[BaseException]]] = None
 
     def data(self, data: bytes) -> None:
-        if self.finished.done():  # after the body: not to be sent on, and no reuse
-            self._response._feed(data)
+        if self.finished.done():  # bytes past the body (or a broken one): no reuse
+            self._response._keep_alive = False
             return
         try:
             payload = self._response._feed(data)

@@ -126,7 +126,8 @@ async def test_refused_broken_and_garbage_answers_raise_upstream_errors():
         await pool.send("GET", f"https://127.0.0.1:{dead}/", b"")
 
 
-async def test_closing_an_unfinished_stream_closes_the_connection():
+async def _endless_stream_server(piece: bytes) -> tuple[asyncio.Server, int, asyncio.Event]:
+    """A server streaming `piece` every 10 ms until its client closes (then the event is set)."""
     closed = asyncio.Event()
 
     async def handler(reader, writer):
@@ -134,13 +135,18 @@ async def test_closing_an_unfinished_stream_closes_the_connection():
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
         try:
             while True:
-                writer.write(b"3\r\nabc\r\n")
+                writer.write(piece)
                 await writer.drain()
                 await asyncio.sleep(0.01)
         except ConnectionError:
             closed.set()
 
     server, port = await raw_server(handler)
+    return server, port, closed
+
+
+async def test_closing_an_unfinished_stream_closes_the_connection():
+    server, port, closed = await _endless_stream_server(b"3\r\nabc\r\n")
     pool = Http1Pool()
     async with server:
         r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
@@ -361,20 +367,7 @@ async def test_a_relay_broken_by_the_server_or_the_writer_raises_and_drops_the_c
 
 
 async def test_a_cancelled_relay_writes_nothing_more_and_closes_its_stream():
-    closed = asyncio.Event()
-
-    async def handler(reader, writer):
-        await read_request(reader)
-        writer.write(CHUNKED_HEAD)
-        try:
-            while True:
-                writer.write(b"1\r\nx\r\n")
-                await writer.drain()
-                await asyncio.sleep(0.01)
-        except ConnectionError:
-            closed.set()
-
-    server, port = await raw_server(handler)
+    server, port, closed = await _endless_stream_server(b"1\r\nx\r\n")
     pool = Http1Pool()
     got = []
     async with server:

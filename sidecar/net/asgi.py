@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Awaitable, Callable, Iterable, Optional
+from typing import Any, Awaitable, Callable, Iterable, Optional, cast
 
 from pdpool.body_budget import RETRY_AFTER_S, BodiesBusy, BodyHold
 from pdpool.protocol import DEFAULT_MAX_BODY_BYTES
@@ -150,7 +150,7 @@ def send_now(send: Send, message: Message) -> Optional[Awaitable[None]]:
     completes the send."""
     step: Any = send(message)
     if not asyncio.iscoroutine(step):
-        return step  # another kind of awaitable: awaited as it is
+        return cast(Awaitable[None], step)  # another kind of awaitable: awaited as it is
     try:
         waiting_on = step.send(None)
     except StopIteration:

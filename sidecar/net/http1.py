@@ -263,7 +263,9 @@ class _BodyRelay:
         self._response, self._conn, self._write = response, conn, write
         self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting: Optional[asyncio.Task[None]] = None
-        self._closed_while_waiting: Optional[tuple[Optional[BaseException]]] = None
+        # the connection closed while a write waited: seen once the write is done
+        self._closed_while_waiting = False
+        self._close_error: Optional[BaseException] = None
 
     def data(self, data: bytes) -> None:
         if self.finished.done():  # bytes past the body (or a broken one): no reuse
@@ -281,7 +283,7 @@ class _BodyRelay:
         if self.finished.done():
             return
         if self._waiting is not None:  # seen once the pending write is done
-            self._closed_while_waiting = (exc,)
+            self._closed_while_waiting, self._close_error = True, exc
             return
         try:
             self._response._ended_by_close()
@@ -319,10 +321,9 @@ class _BodyRelay:
             if not self.finished.done():
                 self.finished.set_result(None)
             return
-        closed = self._closed_while_waiting
-        if closed is not None:
-            self._closed_while_waiting = None
-            self.closed(closed[0])
+        if self._closed_while_waiting:
+            self._closed_while_waiting = False
+            self.closed(self._close_error)
         else:
             self._conn.resume_reading()
 

@@ -72,18 +72,18 @@ async def test_dead_sidecar_is_retried_elsewhere_and_marked_unhealthy(servers):
     gw = await servers(gateway)
     assert dead in gateway.routing.unhealthy  # the first health check already saw it
     gateway.routing.unhealthy.clear()  # pretend it just died after the check
+    # Prompts go where their prefix hashes (the dead port is random): send distinct ones
+    # until one was routed to the dead sidecar first (about every other one).
+    rs = []
     async with httpx.AsyncClient() as c:
-        rs = [
-            await c.post(
-                gw.url + "/v1/completions", json={"prompt": f"p{i} " * 80, "max_tokens": 1}
-            )
-            for i in range(6)
-        ]
+        while dead not in gateway.routing.unhealthy and len(rs) < 40:
+            body = {"prompt": f"p{len(rs)} " * 80, "max_tokens": 1}
+            rs.append(await c.post(gw.url + "/v1/completions", json=body))
         health = await c.get(gw.url + "/health")
         metrics = (await c.get(gw.url + "/metrics")).text
-    assert all(r.status_code == 200 for r in rs)
-    assert len(pool[0][0].state.received) == 6
     assert dead in gateway.routing.unhealthy and health.status_code == 200
+    assert all(r.status_code == 200 for r in rs)
+    assert len(pool[0][0].state.received) == len(rs)
     assert "pdpool_gateway_retries_total" in metrics
 
 

@@ -340,6 +340,42 @@ async def test_a_busy_writer_pauses_the_relay_until_its_write_is_done():
         await pool.aclose()
 
 
+@pytest.mark.parametrize("framing", ["until the close", "chunked"])
+async def test_a_connection_lost_while_a_write_waits_is_seen_once_the_write_is_done(framing):
+    head = b"HTTP/1.1 200 OK\r\n\r\n" if framing == "until the close" else CHUNKED_HEAD
+    piece = b"hello" if framing == "until the close" else b"5\r\nhello\r\n"
+    server, port = await _streaming_server([piece], head)  # then holds the connection open
+    pool = Http1Pool()
+    gate = asyncio.get_running_loop().create_future()
+    got = []
+
+    async def slow_write():
+        await gate
+
+    def write(data, last):
+        got.append((data, last))
+        return slow_write() if len(got) == 1 else None
+
+    async with server:
+        r = await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
+        relay = asyncio.ensure_future(r.relay(write))
+        while not got:
+            await asyncio.sleep(0.01)
+        r._conn.transport.abort()  # lost while the first write still waits
+        await asyncio.sleep(0.05)
+        assert not relay.done()
+        gate.set_result(None)
+        if framing == "until the close":  # the close ends such a body: a last, empty piece
+            await asyncio.wait_for(relay, 5)
+            assert got == [(b"hello", False), (b"", True)]
+        else:  # a chunked body cut short is broken
+            with pytest.raises(UpstreamProtocolError, match="closed mid-body"):
+                await asyncio.wait_for(relay, 5)
+            assert got == [(b"hello", False)]
+        await r.aclose()
+    await pool.aclose()
+
+
 async def test_a_relay_broken_by_the_server_or_the_writer_raises_and_drops_the_connection():
     server, port = await _streaming_server([b"3\r\nabc\r\n"], CHUNKED_HEAD, close_after=True)
     pool = Http1Pool()

@@ -49,12 +49,15 @@ class FloodingUpstream:
             self.sent += len(data)
 
 
-@pytest.mark.parametrize("front", ["sidecar aggregated", "sidecar decode-first", "gateway"])
+@pytest.mark.parametrize(
+    "front", ["sidecar aggregated", "sidecar decode-first", "gateway", "gateway migrating"]
+)
 async def test_a_client_that_stops_reading_holds_the_upstream_back(servers, front):
     upstream = FloodingUpstream()
     up = await servers(upstream)
-    if front == "gateway":  # a stream relayed whole (no migration: that path reads events)
-        app: Any = Gateway(GatewaySettings(decode_urls=[up.host_port], migrate=False))
+    if front.startswith("gateway"):  # a stream relayed whole, or event by event to migrate
+        migrate = front == "gateway migrating"
+        app: Any = Gateway(GatewaySettings(decode_urls=[up.host_port], migrate=migrate))
     else:
         mode = front.split()[1]
         app = Sidecar(SidecarSettings(decode_url=up.url, mode=mode, engine_rejects="yes"))

@@ -42,7 +42,7 @@ from ..net.asgi import (
     send_bodies_busy,
     send_bytes,
     send_error,
-    send_now,
+    send_piece,
     send_start,
     serve_lifespan,
     sse_error_event,
@@ -437,11 +437,7 @@ class Gateway:
             # from the backend connection's callback; the last piece ends the answer
             nonlocal ended
             ended = last
-            if piece or last:
-                return send_now(
-                    send, {"type": "http.response.body", "body": piece, "more_body": not last}
-                )
-            return None
+            return send_piece(send, piece, last)
 
         try:
             await resp.relay(write)

@@ -158,6 +158,14 @@ def send_now(send: Send, message: Message) -> Optional[Awaitable[None]]:
     return _finish_send(step, waiting_on)
 
 
+def send_piece(send: Send, body: bytes, last: bool) -> Optional[Awaitable[None]]:
+    """A relayed body's piece as the answer's next body part (`send_now`), the last one
+    ending the answer; an empty piece that is not the last sends nothing."""
+    if body or last:
+        return send_now(send, {"type": "http.response.body", "body": body, "more_body": not last})
+    return None
+
+
 async def _finish_send(step: Any, waiting_on: Any) -> None:
     """Runs a started send to its end: each time it waits (on a future, or a bare yield for
     one turn of the loop), this waits too, then resumes it."""

@@ -19,7 +19,7 @@ import httpx
 from pdpool import tracing
 
 from . import legs
-from ..net.asgi import send_bytes, send_error, send_now, send_start, sse_error_event
+from ..net.asgi import send_bytes, send_error, send_piece, send_start, sse_error_event
 from .exchange import Buffered, Exchange, json_or_none
 from ..net.http1 import Http1Pool, Response, UpstreamError
 from ..net.metrics import SidecarMetrics
@@ -264,13 +264,8 @@ async def _pipe_stream(
         out = rewriter.feed(piece) if rewriter else piece
         if last:
             ended = True
-            tail = rewriter.rest() if rewriter else b""
-            return send_now(
-                send, {"type": "http.response.body", "body": out + tail, "more_body": False}
-            )
-        if out:
-            return send_now(send, {"type": "http.response.body", "body": out, "more_body": True})
-        return None
+            out += rewriter.rest() if rewriter else b""
+        return send_piece(send, out, last)
 
     try:
         if first:

@@ -225,13 +225,22 @@ def test_a_body_is_accepted_or_refused_as_vllm_does(stack, route, fields):
         assert got.status_code == want, (url, fields, got.text[:300])
 
 
+FALLBACK_RETRIES = 3
+READMIT_WAIT_S = 2.0  # a few of the sidecar's 1 s probes of an ejected prefill engine
+
+
 def taking_its_path(ask, expected: str) -> tuple[str, str | None]:
-    """`ask()` through the gateway; once more when the sidecar answered by decode alone
+    """`ask()` through the gateway; again when the sidecar answered by decode alone
     ("fallback": what it does when a prefill attempt fails, e.g. a connect timeout while
-    this 2-core machine stalls), so that one transient failure is not read as the wrong
-    path. A path that is wrong twice, or wrong otherwise, is returned as it came."""
+    this 2-core machine stalls), so that a transient failure is not read as the wrong path.
+    A failed attempt also ejects the prefill engine until a probe readmits it, and an
+    ejected engine is not tried: each retry waits for that first. A path still wrong after
+    the retries, or wrong otherwise, is returned as it came."""
     got, path = ask()
-    if path == "fallback" and expected == "pd":
+    for _ in range(FALLBACK_RETRIES):
+        if path != "fallback" or expected != "pd":
+            break
+        time.sleep(READMIT_WAIT_S)
         again, path = ask()
         assert again == got  # the fallback's text was the right one too
     return got, path

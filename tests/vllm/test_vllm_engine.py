@@ -226,16 +226,18 @@ def test_a_body_is_accepted_or_refused_as_vllm_does(stack, route, fields):
 
 
 FALLBACK_RETRIES = 3
-READMIT_WAIT_S = 2.0  # a few of the sidecar's 1 s probes of an ejected prefill engine
+# The sidecar's ejection time of a prefill engine (2 s at first) and one of its 1 s probes.
+READMIT_WAIT_S = 3.0
 
 
 def taking_its_path(ask, expected: str) -> tuple[str, str | None]:
     """`ask()` through the gateway; again when the sidecar answered by decode alone
     ("fallback": what it does when a prefill attempt fails, e.g. a connect timeout while
     this 2-core machine stalls), so that a transient failure is not read as the wrong path.
-    A failed attempt also ejects the prefill engine until a probe readmits it, and an
-    ejected engine is not tried: each retry waits for that first. A path still wrong after
-    the retries, or wrong otherwise, is returned as it came."""
+    The stall that failed the attempt may also have ejected the prefill engine (its health
+    probes timed out), and an ejected engine is not tried until a probe readmits it after its
+    ejection time: each retry waits for that first. A path still wrong after the retries, or
+    wrong otherwise, is returned as it came."""
     got, path = ask()
     for _ in range(FALLBACK_RETRIES):
         if path != "fallback" or expected != "pd":

@@ -131,12 +131,18 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 # Brackets kept, objects' made square (nesting is unchanged), everything else deleted.
 _SQUARE = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NOT_OPENING = bytes(b for b in range(256) if b not in b"[{")
 
 
 def _nesting_exceeds(raw: bytes, max_depth: int) -> bool:
     """Whether valid JSON nests deeper than `max_depth`, at C speed: strip the strings,
     keep the brackets, then peel the innermost empty pairs off, exactly one level per pass
-    (bytes.replace does not rescan what it produced)."""
+    (bytes.replace does not rescan what it produced). Each level opens with a bracket, so
+    a body with no more opening brackets than `max_depth`, strings' included, is answered
+    without stripping its strings (the costly part: 90 us for a 15 KB prompt, against 6 to
+    count)."""
+    if len(raw.translate(None, _NOT_OPENING)) <= max_depth:
+        return False
     brackets = _JSON_STRING.sub(b"", raw).translate(_SQUARE, _NOT_BRACKETS)
     for _ in range(max_depth):
         if not brackets:

@@ -18,7 +18,9 @@ The limits: the matmul peak (the engine's packed oneDNN linear on this model's p
 shapes at 2048 rows and a 2048^3 GEMM, on the prompt steps' threads) for the parts that
 compute, and the rate at which the same threads stream memory (a sum over 256 MiB) for
 decode attention, which reads each cached K and V once for a few FLOPs. `ideal` is every
-part at its limit; the gap to it is printed per part. Results:
+part at its limit; the gap to it is printed per part. Each thread's CPU seconds per wall
+second over the steps are printed too: where their sum stays below the thread count, a core
+stood idle (the main thread's work alone: decode steps, norms, sampling, Python). Results:
 benchmarks/results/long_prompt_profile.json.
 """
 
@@ -56,6 +58,27 @@ PARTS = (
     "kv_write",
     "norm_rope",
 )
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of this process, by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def busy_threads(before: dict[int, float], after: dict[int, float], wall: float) -> list[float]:
+    """Each thread's CPU seconds per wall second between the two readings, busiest first
+    (threads that did nothing left out): the cores the steps kept busy, thread by thread."""
+    busy = [(cpu - before.get(tid, 0.0)) / wall for tid, cpu in after.items()]
+    return sorted((round(b, 2) for b in busy if b >= 0.01), reverse=True)
 
 
 class Clock:
@@ -247,7 +270,7 @@ def run_engine(args):
     outputs = add_requests(engine, rng, args.requests, "r")
     steps = {"wide": [0, 0.0], "narrow": [0, 0.0]}
     try:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), thread_cpu_seconds()
         while engine.has_unfinished():
             s0, prefill_s = time.perf_counter(), clock.seconds["prefill attention"]
             engine.step()
@@ -256,13 +279,14 @@ def run_engine(args):
             steps[kind][0] += 1
             steps[kind][1] += time.perf_counter() - s0
         wall = time.perf_counter() - t0
+        busy = busy_threads(cpu0, thread_cpu_seconds(), wall)
     finally:
         for t in timed:
             t.restore()
         for h in hooks:
             h.remove()
     engine.close()
-    return threads, steps, wall, clock, outputs
+    return threads, steps, wall, clock, outputs, busy
 
 
 def part_rows(clock: Clock, wall: float, peak: float, stream: float) -> list[dict]:
@@ -304,7 +328,7 @@ def main() -> int:
     if args.requests < 1 or (args.threads is not None and args.threads < 1):
         ap.error("--requests and --threads must be at least 1")
     load_before = os.getloadavg()
-    threads, steps, wall, clock, outputs = run_engine(args)
+    threads, steps, wall, clock, outputs, busy = run_engine(args)
     with open(os.path.join(model_for(WORKLOADS["long"].model), "config.json")) as fh:
         config = json.load(fh)
     limit = matmul_limit(config, threads)
@@ -331,7 +355,8 @@ def main() -> int:
         f"of the steps; all FLOPs {total_gflop:.1f} GFLOP = {total_gflop / peak:.2f} s at "
         f"the matmul peak ({peak:.0f} GFLOP/s), plus decode attention at the stream rate: "
         f"{ideal:.2f} s ideal vs {wall:.2f} s measured = {ideal / wall:.2f} of the limit "
-        f"(at most {outputs / ideal:.0f} tok/s); load average {load_before[0]:.2f} before, "
+        f"(at most {outputs / ideal:.0f} tok/s); cores busy over the steps {sum(busy):.2f} of "
+        f"{threads} (by thread: {busy}); load average {load_before[0]:.2f} before, "
         f"{os.getloadavg()[0]:.2f} after"
     )
     write_json(
@@ -349,6 +374,7 @@ def main() -> int:
             "compute_share": compute_s / wall,
             "ideal_s": ideal,
             "fraction_of_limit": ideal / wall,
+            "busy_by_thread": busy,
             "load_average": [load_before[0], os.getloadavg()[0]],
         },
     )

@@ -157,9 +157,16 @@ def test_planner_scales_decode_up_on_slow_tokens_and_back_down_when_idle(
         wait_for(lambda: replicas(apps, namespace, "auto-decode") == 1, 60, what="decode 2 -> 1")
         # Held through the down stabilization window (3 s) before the first step.
         assert time.monotonic() - t0 >= 3
-        messages = [e.message for e in pools.events("auto") if e.reason == "Scaled"]
-        assert any(m.startswith("decode 3 -> 2") for m in messages), messages
-        assert any(m.startswith("decode 2 -> 1") for m in messages), messages
+
+        # The operator scales the Deployment first and records the event after it.
+        def scaled_down() -> bool:
+            messages = [e.message for e in pools.events("auto") if e.reason == "Scaled"]
+            return all(
+                any(m.startswith(step) for m in messages)
+                for step in ("decode 3 -> 2", "decode 2 -> 1")
+            )
+
+        wait_for(scaled_down, 30, what="a Scaled event for each step down")
 
         # A leaving pod drains: held by its preStop hooks, within drainSeconds.
         deployment = apps.read_namespaced_deployment("auto-decode", namespace)

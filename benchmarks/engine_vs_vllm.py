@@ -56,6 +56,7 @@ from typing import Optional
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.proc_cpu import fields_cpu_seconds, stat_fields
 from pdpool.up.topology import (
     VLLM_ARGS,
     VLLM_ENV,
@@ -130,18 +131,13 @@ def workload(
 
 
 def group_cpu_seconds(pgid: int) -> float:
-    ticks = 0
+    """User + system CPU seconds of every live process in process group `pgid`."""
+    total = 0.0
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone, or not Linux
-            continue
-        if int(fields[2]) == pgid:  # fields from state: pgrp is the third, utime the 12th
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+        fields = stat_fields(f"/proc/{entry}/stat") if entry.isdigit() else None
+        if fields is not None and int(fields[2]) == pgid:
+            total += fields_cpu_seconds(fields)
+    return total
 
 
 class Server:

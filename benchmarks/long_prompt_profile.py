@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.proc_cpu import cpu_seconds_of  # noqa: E402
 from benchmarks.engine_vs_vllm import WORKLOADS, model_for  # noqa: E402
 
 PARTS = (
@@ -62,16 +63,10 @@ PARTS = (
 
 def thread_cpu_seconds() -> dict[int, float]:
     """CPU seconds (user + system) of each thread of this process, by thread id."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return out
+    return {
+        int(tid): cpu_seconds_of(f"/proc/self/task/{tid}/stat")
+        for tid in os.listdir("/proc/self/task")
+    }
 
 
 def busy_threads(before: dict[int, float], after: dict[int, float], wall: float) -> list[float]:

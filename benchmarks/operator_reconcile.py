@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from kubernetes import client  # noqa: E402
 
+from benchmarks.proc_cpu import cpu_seconds_of  # noqa: E402
 from devtools.devcluster import LocalCluster, build_binaries  # noqa: E402
 from devtools.operator_kube import (  # noqa: E402
     OperatorProcess,
@@ -37,14 +38,12 @@ from devtools.operator_kube import (  # noqa: E402
     pool_manifest,
 )
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def proc_usage(pid: int) -> tuple[float, float]:
     """(CPU seconds so far, RSS MiB) of a process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    cpu = cpu_seconds_of(f"/proc/{pid}/stat")
     rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE / 2**20
     return cpu, rss
 

@@ -53,6 +53,7 @@ import urllib.request
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.proc_cpu import cpu_seconds_of
 from pdpool.otlp_receiver import OtlpReceiver
 from pdpool.ports import free_port
 from pdpool.up.topology import ensure_tiny_model, healthy, pdpool_command
@@ -279,15 +280,7 @@ async def run_round(
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process and its live descendants (a sidecar's workers)
     have used so far."""
-    total = 0.0
-    for one in process_tree(pid):
-        try:
-            with open(f"/proc/{one}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(cpu_seconds_of(f"/proc/{one}/stat") for one in process_tree(pid))
 
 
 def process_tree(pid: int) -> list[int]:

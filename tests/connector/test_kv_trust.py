@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("nixl", reason="the nixl extra is not installed")
 
+from benchmarks.proc_cpu import cpu_seconds_of
 from devtools.engine_procs import SpawnedEngine, free_port
 from tests.support.pd_router import (
     connector_stat,
@@ -322,11 +323,7 @@ def test_hostile_lease_ops_are_answered_and_harmless(engines):
 
 
 def cpu_seconds(pid: int) -> float:
-    import os
-
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return cpu_seconds_of(f"/proc/{pid}/stat")
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/stat"), reason="needs /proc")

@@ -15,7 +15,8 @@ Per engine:
 - the next sequence number it should send. A gap (a message lost) asks the engine's replay
   socket for the missing messages (the caller passes a `replay` function); when that fails
   the engine is marked *unknown* (its hits are not trusted, routing falls back to hash
-  affinity) until an `AllBlocksCleared` arrives or a replay succeeds;
+  affinity) until an `AllBlocksCleared` arrives or a replay of its whole history (from
+  seq 0, tried every `RESYNC_EVERY_S` while unknown) rebuilds the index of it;
 - a sequence number that goes backwards means the engine restarted: its blocks are dropped;
 - joining late (first message seq > 0), what the replay buffer still holds is applied first;
 - an engine subscribed to (`watch`) that has published nothing yet counts as holding nothing
@@ -44,6 +45,7 @@ which the router counts as load.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -52,6 +54,13 @@ from typing import Callable, Optional, Sequence
 
 from pdpool.block_hash import chain_hashes, hash_block
 from pdpool.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, hash_key
+
+log = logging.getLogger(__name__)
+
+# How often an engine whose index is untrusted asks for its whole history again.
+RESYNC_EVERY_S = 2.0
+
+Replay = Callable[[int], list[tuple[int, KVEventBatch]]]
 
 
 @dataclass
@@ -65,6 +74,7 @@ class EngineBlocks:
     known: bool = True
     gaps: int = 0
     restarts: int = 0
+    resync_at: float = 0.0  # while unknown: when to ask for the whole history again
     events: int = 0
     # The group whose events count (the first full-attention group seen); None: any.
     group: Optional[int] = None
@@ -96,7 +106,7 @@ class KVIndex:
         engine: str,
         seq: int,
         batch: KVEventBatch,
-        replay: Optional[Callable[[int], list[tuple[int, KVEventBatch]]]] = None,
+        replay: Optional[Replay] = None,
     ) -> None:
         """One PUB message from `engine`. `replay(start)` fetches missed messages."""
         with self._lock:
@@ -104,9 +114,16 @@ class KVIndex:
             if st.next_seq is None and seq > 0 and replay is not None:
                 # Joined late (the gateway restarted): what the engine still buffers. If it
                 # no longer reaches back to 0 the index starts partial (it under-estimates).
-                for s, b in replay(0):
-                    if s < seq:
-                        self._apply(st, b)
+                history = [(s, b) for s, b in replay(0) if s < seq]
+                for _, b in history:
+                    self._apply(st, b)
+                if [s for s, _ in history] != list(range(seq)):
+                    log.warning(
+                        "%s: joined at event %d, %d earlier ones replayed",
+                        engine,
+                        seq,
+                        len(history),
+                    )
             elif st.next_seq is not None and seq < st.next_seq:
                 # The counter went back: the engine restarted with an empty cache.
                 st.blocks.clear()
@@ -122,9 +139,34 @@ class KVIndex:
                     for _, b in got:
                         self._apply(st, b)
                 else:
-                    st.known = False  # until AllBlocksCleared resynchronises it
+                    log.warning(
+                        "%s: events %d-%d lost and not replayed: its blocks are not trusted",
+                        engine,
+                        st.next_seq,
+                        seq - 1,
+                    )
+                    st.known = False
+                    st.resync_at = time.monotonic() + RESYNC_EVERY_S
+            elif not st.known and replay is not None and time.monotonic() >= st.resync_at:
+                self._resync(engine, st, seq, replay)
             st.next_seq = seq + 1
             self._apply(st, batch)
+
+    def _resync(self, engine: str, st: EngineBlocks, seq: int, replay: Replay) -> None:
+        """Rebuilds an untrusted engine's blocks from its whole history (0 to `seq`), when
+        the engine still buffers all of it; else it stays unknown, to be tried again."""
+        st.resync_at = time.monotonic() + RESYNC_EVERY_S
+        history = [(s, b) for s, b in replay(0) if s < seq]
+        if [s for s, _ in history] != list(range(seq)):
+            return
+        st.blocks.clear()
+        st.ours.clear()
+        st.expected.clear()
+        st.tier.clear()
+        for _, b in history:
+            self._apply(st, b)
+        st.known = True
+        log.warning("%s: its blocks are trusted again (%d events replayed)", engine, seq)
 
     def _apply(self, st: EngineBlocks, batch: KVEventBatch) -> None:
         for ev in batch.events:

@@ -4,7 +4,8 @@ Counters and histograms add up; `_created` timestamps take the earliest; gauges 
 (requests in flight), except those that describe one shared thing each worker sees alike,
 which take the largest value (the engine's capability: -1 unknown below 0 and 1 known; an
 ejected prefill engine: 1 when any worker ejected it), or the smallest (the blocks the
-workers' KV indexes know: what every worker knows). Pure: text in, text out."""
+workers' KV indexes know: what every worker knows, so an engine one worker does not list,
+not subscribed to or not trusted there, reads 0). Pure: text in, text out."""
 
 from __future__ import annotations
 
@@ -36,18 +37,26 @@ def merge_expositions(texts: Iterable[str]) -> bytes:
     """The Prometheus text exposition of the workers' metrics taken together."""
     families: dict[str, Metric] = {}
     values: dict[str, dict[_SampleKey, float]] = {}
+    reported: dict[str, int] = {}  # family: how many workers' expositions have it
+    seen: dict[_SampleKey, int] = {}  # sample: in how many of them
     for text in texts:
         for family in text_string_to_metric_families(text):
             merged = families.setdefault(
                 family.name, Metric(family.name, family.documentation, family.type)
             )
+            reported[family.name] = reported.get(family.name, 0) + 1
             into = values.setdefault(family.name, {})
             for sample in family.samples:
                 key = (sample.name, tuple(sample.labels.items()))
+                seen[key] = seen.get(key, 0) + 1
                 if key in into:
                     into[key] = _combine(family.name, merged.type, into[key], sample.value)
                 else:
                     into[key] = sample.value
+    for name in MIN_GAUGES & reported.keys():
+        for key in values[name]:
+            if seen[key] < reported[name]:  # a worker without it knows none of it
+                values[name][key] = min(values[name][key], 0.0)
     for name, family in families.items():
         for (sample_name, labels), value in values[name].items():
             family.add_sample(sample_name, dict(labels), value)

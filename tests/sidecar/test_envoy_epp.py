@@ -23,7 +23,7 @@ from pdpool.up.envoy_gateway import find_envoy
 from pdpool.up.topology import healthy
 from tests.support.e2e_helpers import (
     await_indexed,
-    blocks_known,
+    settled_blocks,
     cleanup,
     metric,
     model_name,
@@ -125,7 +125,7 @@ def test_precise_routing_hits_the_warmed_engine(topo, model):
     sidecars = topo.by_role("sidecar")
     rng = random.Random(5)
     docs = []
-    before = blocks_known([topo.router], "pdpool_gateway_kv_blocks")
+    before = settled_blocks([topo.router], "pdpool_gateway_kv_blocks")
     for i in range(4):
         doc = [rng.randrange(3, 500) for _ in range(96)]
         holder = sidecars[i % 2]

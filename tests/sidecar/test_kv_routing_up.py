@@ -14,8 +14,10 @@ from tests.support.e2e_helpers import (
     await_indexed,
     blocks_known,
     cleanup,
+    log_warnings,
     metric,
     model_name,
+    settled_blocks,
     start_topology,
 )
 
@@ -54,7 +56,7 @@ def _warm_directly(
     """Each of n prompts sent straight to one of `holders` (in turn), past the gateway and
     sidecars: [(prompt, holder's port)], once every router's KV index (`blocks_metric` on
     each of `routers`) has the blocks their events announced."""
-    before = blocks_known(routers, blocks_metric)
+    before = settled_blocks(routers, blocks_metric)
     docs = []
     for i in range(n):
         doc = [rng.randrange(3, 500) for _ in range(DOC_TOKENS)]
@@ -125,6 +127,7 @@ def test_prefill_legs_go_to_the_prefill_engine_holding_the_prompt(topo):
             r.headers,
             blocks_known(sidecars, "pdpool_sidecar_prefill_kv_blocks"),
             {b: _total(sidecars, "pdpool_sidecar_prefill_ranking_total", b) for b in BY},
+            log_warnings(sidecars),
         )
     # A loaded machine may fail a probe or a leg now and then, not most of them.
     assert clean >= len(docs) - 2, f"{len(docs) - clean} legs met a failure or an ejection"
@@ -156,7 +159,7 @@ def test_chats_are_routed_by_the_tokens_an_engine_renders(topo):
     rng = random.Random(23)
     words = ["river", "stone", "bright", "quiet", "market", "window", "seven", "garden"]
     chats = []
-    before = blocks_known([topo.gateway], "pdpool_gateway_kv_blocks")
+    before = settled_blocks([topo.gateway], "pdpool_gateway_kv_blocks")
     for i in range(6):
         system = " ".join(rng.choice(words) for _ in range(120))
         messages = [{"role": "system", "content": system}, {"role": "user", "content": "why?"}]

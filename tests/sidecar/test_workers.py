@@ -21,12 +21,13 @@ import time
 import httpx
 import psutil
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdpool.cli import build_parser
 from pdpool.errors import CliError
 from pdpool.ports import free_ports
-from pdpool.sidecar.net.metrics import SidecarMetrics
+from pdpool.sidecar.net.metrics import KVBlocksCollector, SidecarMetrics
 from pdpool.sidecar.net.metrics_merge import merge_expositions
 from pdpool.sidecar.net.workers import MAX_AUTO_WORKERS, bind_shared, parse_workers
 from pdpool.sidecar.proxy import cli as sidecar_cli
@@ -126,6 +127,31 @@ def test_metrics_merge_adds_counts_and_keeps_shared_gauges():
     assert merged[created] == min(_samples(a.render())[created], _samples(b.render())[created])
     # One worker's exposition merges to itself.
     assert merge_expositions([a.render().decode()]) == a.render()
+
+
+def test_metrics_merge_reads_an_engine_one_worker_does_not_know_as_zero_blocks():
+    """The KV blocks gauge is what every worker knows: an engine missing from one worker's
+    index (not subscribed, or not trusted after lost events) must not show the others'
+    count, or a reader waiting for the blocks would go on while that worker routes blind."""
+
+    def worker(counts: dict[str, int]) -> str:
+        registry = CollectorRegistry()
+        registry.register(
+            KVBlocksCollector(
+                "pdpool_sidecar_prefill_kv_blocks", "blocks", "endpoint", lambda: counts
+            )
+        )
+        return generate_latest(registry).decode()
+
+    merged = _samples(
+        merge_expositions(
+            [worker({"p0": 12, "p1": 30}), worker({"p1": 18}), worker({"p0": 7, "p1": 25})]
+        )
+    )
+    assert merged[("pdpool_sidecar_prefill_kv_blocks", (("endpoint", "p0"),))] == 0
+    assert merged[("pdpool_sidecar_prefill_kv_blocks", (("endpoint", "p1"),))] == 18
+    both = _samples(merge_expositions([worker({"p0": 12}), worker({"p0": 7})]))
+    assert both[("pdpool_sidecar_prefill_kv_blocks", (("endpoint", "p0"),))] == 7
 
 
 async def test_capability_is_probed_by_one_worker_and_read_by_the_others(tmp_path):

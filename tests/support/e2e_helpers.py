@@ -68,6 +68,33 @@ def blocks_known(routers, name: str) -> dict[tuple[int, str], float]:
     return out
 
 
+def settled_blocks(routers, name: str, quiet_s: float = 0.5, timeout_s: float = 15) -> dict:
+    """`blocks_known` once it has not changed for `quiet_s`: the events of earlier requests
+    indexed, so that they cannot pass for the ones a test waits for next."""
+    deadline = time.monotonic() + timeout_s
+    last, since = blocks_known(routers, name), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = blocks_known(routers, name)
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def log_warnings(children, last: int = 10) -> dict[str, list[str]]:
+    """The last WARNING and ERROR lines of each child's log: what a failed assertion about
+    routing should show."""
+    out = {}
+    for c in children:
+        try:
+            with open(c.log_path, errors="replace") as fh:
+                lines = [ln.rstrip() for ln in fh if "WARNING" in ln or "ERROR" in ln]
+        except OSError:
+            lines = []
+        out[c.name] = lines[-last:]
+    return out
+
+
 def await_indexed(routers, name: str, before: dict, grown: dict, timeout_s: float = 30) -> None:
     """Until each (router's port, engine) of `grown` knows at least that many more blocks
     than `before` (`blocks_known`): events travel and are indexed asynchronously, slower

@@ -108,74 +108,92 @@ class KVIndex:
         batch: KVEventBatch,
         replay: Optional[Replay] = None,
     ) -> None:
-        """One PUB message from `engine`. `replay(start)` fetches missed messages."""
+        """One PUB message from `engine`. `replay(start)` fetches missed messages; it is
+        called without the lock held (a replay socket that is slow to answer must not
+        stall the routing decisions that read this index meanwhile). One thread feeds each
+        engine, so its state cannot move on between the two locked parts."""
         with self._lock:
             st = self.engines.setdefault(engine, EngineBlocks())
-            if st.next_seq is None and seq > 0 and replay is not None:
-                # Joined late (the gateway restarted): what the engine still buffers. If it
-                # no longer reaches back to 0 the index starts partial (it under-estimates).
-                history = [(s, b) for s, b in replay(0) if s < seq]
-                for _, b in history:
-                    self._apply(st, b)
-                if [s for s, _ in history] != list(range(seq)):
-                    log.warning(
-                        "%s: joined at event %d, %d earlier ones replayed",
-                        engine,
-                        seq,
-                        len(history),
-                    )
-            elif st.next_seq is not None and seq < st.next_seq:
-                # The counter went back: the engine restarted with an empty cache.
-                st.blocks.clear()
-                st.ours.clear()
-                st.expected.clear()
-                st.restarts += 1
-                st.known = True
-            elif st.next_seq is not None and seq > st.next_seq:
-                st.gaps += 1
-                missed = replay(st.next_seq) if replay is not None else []
-                got = [(s, b) for s, b in missed if st.next_seq <= s < seq]
-                if [s for s, _ in got] == list(range(st.next_seq, seq)):
-                    for _, b in got:
-                        self._apply(st, b)
-                else:
-                    log.warning(
-                        "%s: events %d-%d lost and not replayed: its blocks are not trusted",
-                        engine,
-                        st.next_seq,
-                        seq - 1,
-                    )
-                    st.known = False
-                    st.resync_at = time.monotonic() + RESYNC_EVERY_S
-            elif not st.known and replay is not None and time.monotonic() >= st.resync_at:
-                self._resync(engine, st, seq, replay)
+            start = self._replay_start(st, seq) if replay is not None else None
+        fetched = replay(start) if replay is not None and start is not None else []
+        with self._lock:
+            st = self.engines.setdefault(engine, EngineBlocks())
+            self._catch_up(engine, st, seq, start, fetched)
             st.next_seq = seq + 1
             self._apply(st, batch)
 
-    def _resync(self, engine: str, st: EngineBlocks, seq: int, replay: Replay) -> None:
-        """Rebuilds an untrusted engine's blocks from its whole history (0 to `seq`), when
-        the engine still buffers all of it; else it stays unknown, to be tried again."""
-        st.resync_at = time.monotonic() + RESYNC_EVERY_S
-        history = [(s, b) for s, b in replay(0) if s < seq]
-        if [s for s, _ in history] != list(range(seq)):
-            return
+    @staticmethod
+    def _replay_start(st: EngineBlocks, seq: int) -> Optional[int]:
+        """Where the messages before `seq` must be replayed from (None: nothing to fetch)."""
+        if st.next_seq is None:
+            return 0 if seq > 0 else None  # joined late: what the engine still buffers
+        if seq > st.next_seq:
+            return st.next_seq  # a gap
+        if seq == st.next_seq and not st.known and time.monotonic() >= st.resync_at:
+            return 0  # untrusted: its whole history, to rebuild it
+        return None
+
+    def _catch_up(
+        self,
+        engine: str,
+        st: EngineBlocks,
+        seq: int,
+        start: Optional[int],
+        fetched: list[tuple[int, KVEventBatch]],
+    ) -> None:
+        """Brings the engine's state up to just before message `seq`, with the messages
+        replayed from `start`."""
+        got = [(s, b) for s, b in fetched if start is not None and start <= s < seq]
+        complete = start is not None and [s for s, _ in got] == list(range(start, seq))
+        if st.next_seq is None:
+            # Joined late (the gateway restarted). If the buffer no longer reaches back to
+            # 0 the index starts partial (it under-estimates).
+            self._apply_all(st, got)
+            if start is not None and not complete:
+                log.warning("%s: joined at event %d, %d earlier replayed", engine, seq, len(got))
+        elif seq < st.next_seq:
+            # The counter went back: the engine restarted with an empty cache.
+            self._clear(st)
+            st.restarts += 1
+        elif seq > st.next_seq:
+            st.gaps += 1
+            if complete:
+                self._apply_all(st, got)
+            else:
+                log.warning(
+                    "%s: events %d-%d lost and not replayed: its blocks are not trusted",
+                    engine,
+                    st.next_seq,
+                    seq - 1,
+                )
+                st.known = False
+                st.resync_at = time.monotonic() + RESYNC_EVERY_S
+        elif start == 0 and not st.known:
+            st.resync_at = time.monotonic() + RESYNC_EVERY_S
+            if complete:  # the whole history is still buffered: rebuild from it
+                self._clear(st)
+                st.tier.clear()
+                self._apply_all(st, got)
+                log.warning("%s: its blocks are trusted again (%d events replayed)", engine, seq)
+
+    @staticmethod
+    def _clear(st: EngineBlocks) -> None:
+        """Its pool holds nothing, and is trusted to (an engine that restarted or cleared
+        its cache; what its offload tier holds is told by the tier's own events)."""
         st.blocks.clear()
         st.ours.clear()
         st.expected.clear()
-        st.tier.clear()
-        for _, b in history:
-            self._apply(st, b)
         st.known = True
-        log.warning("%s: its blocks are trusted again (%d events replayed)", engine, seq)
+
+    def _apply_all(self, st: EngineBlocks, messages: list[tuple[int, KVEventBatch]]) -> None:
+        for _, batch in messages:
+            self._apply(st, batch)
 
     def _apply(self, st: EngineBlocks, batch: KVEventBatch) -> None:
         for ev in batch.events:
             st.events += 1
             if isinstance(ev, AllBlocksCleared):
-                st.blocks.clear()
-                st.ours.clear()
-                st.expected.clear()
-                st.known = True
+                self._clear(st)
             elif isinstance(ev, BlockStored):
                 self._stored(st, ev)
             elif isinstance(ev, BlockRemoved):

@@ -68,3 +68,22 @@ def test_an_engine_whose_history_is_no_longer_buffered_stays_untrusted():
     # An AllBlocksCleared (the engine's cache reset) still makes it known again.
     index.on_message("e", 6, KVEventBatch(0.0, [AllBlocksCleared()]), replay=replay)
     assert index.knows("e") and index.block_counts() == {"e": 0}
+
+
+def test_a_replay_runs_without_the_index_lock_held():
+    """A replay socket may take its full timeout to answer; routing reads the index
+    meanwhile (pending work, expectations, the gauges), so the replay must not hold it."""
+    index = KVIndex()
+    free_during_replay = []
+
+    def replay(start: int) -> list[tuple[int, KVEventBatch]]:
+        got = index._lock.acquire(timeout=1)
+        if got:
+            index._lock.release()
+        free_during_replay.append(got)
+        return [(s, b) for s, b in history() if s >= start]
+
+    index.on_message("e", 0, history()[0][1], replay=replay)
+    index.on_message("e", 3, history()[3][1], replay=replay)  # 1 and 2 lost: replayed
+    assert free_during_replay == [True]
+    assert set(index.engines["e"].blocks) == {12, 21}

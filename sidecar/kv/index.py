@@ -16,7 +16,8 @@ Per engine:
   socket for the missing messages (the caller passes a `replay` function); when that fails
   the engine is marked *unknown* (its hits are not trusted, routing falls back to hash
   affinity) until an `AllBlocksCleared` arrives or a replay of its whole history (from
-  seq 0, tried every `RESYNC_EVERY_S` while unknown) rebuilds the index of it;
+  seq 0, tried every `RESYNC_EVERY_S` while unknown, until the engine's buffer no longer
+  reaches back to 0) rebuilds the index of it;
 - a sequence number that goes backwards means the engine restarted: its blocks are dropped;
 - joining late (first message seq > 0), what the replay buffer still holds is applied first;
 - an engine subscribed to (`watch`) that has published nothing yet counts as holding nothing
@@ -169,7 +170,9 @@ class KVIndex:
                 st.known = False
                 st.resync_at = time.monotonic() + RESYNC_EVERY_S
         elif start == 0 and not st.known:
-            st.resync_at = time.monotonic() + RESYNC_EVERY_S
+            wrapped = bool(got) and got[0][0] > 0  # its buffer has let go of the start
+            # Once wrapped, never whole again: no more fetching and decoding it for nothing.
+            st.resync_at = float("inf") if wrapped else time.monotonic() + RESYNC_EVERY_S
             if complete:  # the whole history is still buffered: rebuild from it
                 self._clear(st)
                 st.tier.clear()

@@ -65,6 +65,8 @@ def test_an_engine_whose_history_is_no_longer_buffered_stays_untrusted():
     index.engines["e"].resync_at = 0.0
     index.on_message("e", 5, history()[5][1], replay=replay)
     assert replay.calls == 1 and not index.knows("e")
+    # A buffer that has let go of its start never holds it again: not asked any more.
+    assert index.engines["e"].resync_at == float("inf")
     # An AllBlocksCleared (the engine's cache reset) still makes it known again.
     index.on_message("e", 6, KVEventBatch(0.0, [AllBlocksCleared()]), replay=replay)
     assert index.knows("e") and index.block_counts() == {"e": 0}
@@ -87,3 +89,15 @@ def test_a_replay_runs_without_the_index_lock_held():
     index.on_message("e", 3, history()[3][1], replay=replay)  # 1 and 2 lost: replayed
     assert free_during_replay == [True]
     assert set(index.engines["e"].blocks) == {12, 21}
+
+
+def test_an_unanswered_replay_is_asked_again_later():
+    index = KVIndex()
+    feed_with_loss(index, Replays(history()))
+    index.engines["e"].resync_at = 0.0
+    index.on_message("e", 5, history()[5][1], replay=lambda start: [])  # no answer in time
+    st = index.engines["e"]
+    assert not index.knows("e") and 0.0 < st.resync_at < float("inf")
+    st.resync_at = 0.0
+    index.on_message("e", 6, history()[6][1], replay=Replays(history()))
+    assert index.knows("e") and set(st.blocks) == {12, 21, 41, 51, 61}

@@ -138,19 +138,15 @@ def _explain_miss(r: httpx.Response, sidecars) -> None:
     sidecars knew when a leg missed the holder."""
     print("answer headers:", {k: v for k, v in r.headers.items() if k.startswith("x-")})
     print("blocks known:", blocks_known(sidecars, "pdpool_sidecar_prefill_kv_blocks"))
-    for name in (
+    names = (
         "pdpool_sidecar_prefill_ranking_total",
         "pdpool_sidecar_prefill_attempts_total",
         "pdpool_sidecar_prefill_ejections_total",
         "pdpool_sidecar_prefill_other_revision_skipped_total",
-    ):
-        for sc in sidecars:
-            lines = [
-                ln
-                for ln in httpx.get(sc.url + "/metrics", timeout=5).text.splitlines()
-                if ln.startswith(name)
-            ]
-            print(sc.name, lines)
+    )
+    for sc in sidecars:
+        text = httpx.get(sc.url + "/metrics", timeout=5).text
+        print(sc.name, [ln for ln in text.splitlines() if ln.startswith(names)])
     print("warnings:", log_warnings(sidecars))
 
 

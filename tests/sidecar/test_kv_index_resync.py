@@ -101,3 +101,26 @@ def test_an_unanswered_replay_is_asked_again_later():
     st.resync_at = 0.0
     index.on_message("e", 6, history()[6][1], replay=Replays(history()))
     assert index.knows("e") and set(st.blocks) == {12, 21, 41, 51, 61}
+
+
+def test_a_replay_out_of_order_or_with_holes_is_not_trusted():
+    """A replay socket that answers with messages repeated, reordered or missing (a bad or
+    hostile publisher) never makes an untrusted engine trusted, nor fills a gap."""
+    full = history()
+    bad_answers = [
+        [full[0], full[2], full[1], *full[3:]],  # reordered
+        [full[0], full[1], full[1], *full[2:]],  # repeated
+        [full[0], *full[2:]],  # a hole
+        [(s + 100, b) for s, b in full],  # from another numbering
+    ]
+    for answer in bad_answers:
+        index = KVIndex()
+        feed_with_loss(index, Replays(full))
+        index.engines["e"].resync_at = 0.0
+        index.on_message("e", 5, full[5][1], replay=lambda start, answer=answer: answer)
+        assert not index.knows("e"), answer
+        # A gap whose replay is bad leaves the engine untrusted as well.
+        index = KVIndex()
+        index.on_message("e", 0, full[0][1])
+        index.on_message("e", 4, full[4][1], replay=lambda start, answer=answer: answer)
+        assert not index.knows("e"), answer

@@ -20,6 +20,31 @@ _IGNORED = {
     "dependentSchemas": "is ignored by the grammar",
     "dependencies": "is ignored by the grammar",
 }
+# The keywords that constrain one JSON type's values. Nothing else infers a schema's type
+# from them: without a `type`, xgrammar ignores all but `properties` and `items`.
+KEYWORDS_BY_TYPE = {
+    "string": ("pattern", "format", "minLength", "maxLength"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "array": (
+        "items", "prefixItems", "minItems", "maxItems", "contains", "minContains",
+        "maxContains", "uniqueItems", "unevaluatedItems", "additionalItems",
+    ),
+    "object": (
+        "properties", "required", "additionalProperties", "patternProperties",
+        "propertyNames", "minProperties", "maxProperties", "unevaluatedProperties",
+        "dependentRequired", "dependentSchemas", "dependencies",
+    ),
+}  # fmt: skip
+# Where one of these stands, xgrammar reads nothing else of the schema: another constraint
+# beside it would be ignored (`type` beside `enum` or `const` is checked value by value).
+_ALONE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
+_CONSTRAINTS = frozenset(
+    [k for keys in KEYWORDS_BY_TYPE.values() for k in keys]
+    + ["type", "not", "if", "then", "else", *_ALONE]
+)
+_ADVICE = {"$ref": "move it into the referenced schema", "enum": "list only the values that fit"}
+_ADVICE["const"] = _ADVICE["enum"]
+_JSON_TYPES = {type(None): "null", bool: "boolean", str: "string", list: "array", dict: "object"}
 # Keywords whose value is one subschema, a list of them, or a map of names to them.
 _ONE = (
     "items", "additionalProperties", "not", "if", "then", "else", "contains",
@@ -35,7 +60,7 @@ class SchemaUnsupported(ValueError):
 
 def check_supported(schema: Any) -> None:
     """SchemaUnsupported naming the first keyword (and where) that the grammar ignores."""
-    for where, node in _subschemas(schema):
+    for where, node in subschemas(schema):
         why = _unsupported(node)
         if why is not None:
             raise SchemaUnsupported(
@@ -44,7 +69,7 @@ def check_supported(schema: Any) -> None:
             )
 
 
-def _subschemas(schema: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+def subschemas(schema: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     stack: list[tuple[str, Any]] = [("", schema)]
     while stack:
         where, node = stack.pop()
@@ -66,10 +91,13 @@ def _unsupported(node: dict[str, Any]) -> Optional[str]:
     for key, why in _IGNORED.items():
         if key in node:
             return f"'{key}' {why}"
+    beside = _ignored_beside(node)
+    if beside is not None:
+        return beside
     if node.get("uniqueItems") is True:
         return "'uniqueItems' is ignored by the grammar"
-    if "multipleOf" in node and node.get("type") != "integer":
-        return "'multipleOf' is enforced only for type integer"
+    if "multipleOf" in node and _multiple_of(node) is not None:
+        return _multiple_of(node)
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
         return "minLength/maxLength together with 'pattern' or 'format' are ignored"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
@@ -77,6 +105,82 @@ def _unsupported(node: dict[str, Any]) -> Optional[str]:
     if isinstance(node.get("oneOf"), list) and not _exclusive(node["oneOf"]):
         return "'oneOf' is enforced as 'anyOf' (use anyOf, or branches of distinct types)"
     return _object_combination(node)
+
+
+def _ignored_beside(node: dict[str, Any]) -> Optional[str]:
+    for key in _ALONE:
+        if key not in node:
+            continue
+        typed_values = key in ("enum", "const")
+        others = sorted(k for k in node if k in _CONSTRAINTS and k != key)
+        if "type" in others and (typed_values or _branches_within_type(node, key)):
+            others.remove("type")
+        if others:
+            advice = _ADVICE.get(key, "move it into each branch")
+            return f"'{others[0]}' beside '{key}' is ignored by the grammar ({advice})"
+        if typed_values and "type" in node:
+            return _value_of_another_type(node, key)
+    return None
+
+
+def keyword_types(node: dict[str, Any]) -> list[str]:
+    """The types whose keywords `node` uses (KEYWORDS_BY_TYPE)."""
+    return [t for t, keys in KEYWORDS_BY_TYPE.items() if any(k in node for k in keys)]
+
+
+def _branches_within_type(node: dict[str, Any], key: str) -> bool:
+    """`type` beside a combination is moot when each branch is already of that type: by
+    its own `type`, its values, or (untyped) its keywords, as the grammar then types it."""
+    allowed = set(node["type"] if isinstance(node["type"], list) else [node["type"]])
+    if "number" in allowed:
+        allowed.add("integer")
+    branches = node[key] if isinstance(node[key], list) else []
+    return bool(branches) and all(_branch_within(b, allowed) for b in branches)
+
+
+def _branch_within(branch: Any, allowed: set[str]) -> bool:
+    if not isinstance(branch, dict) or any(
+        k in branch for k in _ALONE if k not in ("enum", "const")
+    ):
+        return False
+    if "type" in branch:
+        types = branch["type"] if isinstance(branch["type"], list) else [branch["type"]]
+        return all(t in allowed for t in types)
+    if "enum" in branch or "const" in branch:
+        values = branch["enum"] if isinstance(branch.get("enum"), list) else [branch.get("const")]
+        return all(_json_types(v) & allowed for v in values)
+    types = keyword_types(branch)
+    return bool(types) and all(t in allowed for t in types)
+
+
+def _value_of_another_type(node: dict[str, Any], key: str) -> Optional[str]:
+    types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+    values = node[key] if key == "enum" and isinstance(node[key], list) else [node[key]]
+    for value in values:
+        if not _json_types(value) & set(types):
+            return f"the '{key}' value {value!r} is not of type {node['type']!r}"
+    return None
+
+
+def _json_types(value: Any) -> set[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return {_JSON_TYPES.get(type(value), "?")}
+    whole = isinstance(value, int) or value.is_integer()
+    return {"number", "integer"} if whole else {"number"}
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _multiple_of(node: dict[str, Any]) -> Optional[str]:
+    step = node["multipleOf"]
+    if node.get("type") != "integer":
+        return "'multipleOf' is enforced only for type integer"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        return "'multipleOf' is enforced only as a whole number of at least 1"
+    if any(bound in node for bound in _BOUNDS):
+        return "'multipleOf' is not enforced together with minimum or maximum"
+    return None
 
 
 def _object_combination(node: dict[str, Any]) -> Optional[str]:
@@ -89,6 +193,31 @@ def _object_combination(node: dict[str, Any]) -> Optional[str]:
     patterns = node.get("patternProperties")
     if isinstance(patterns, dict) and len(patterns) > 1:
         return "'patternProperties' with more than one pattern is not enforced"
+    named = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    for name in required:
+        if name not in named:
+            return f"'required' names {name!r}, which is not under 'properties': not enforced"
+    return _min_properties(node)
+
+
+def _min_properties(node: dict[str, Any]) -> Optional[str]:
+    """The grammar counts keys as written, and one written by additionalProperties,
+    patternProperties or propertyNames may repeat (JSON keeps the last): only the required
+    properties are sure to be distinct."""
+    least = node.get("minProperties")
+    required = node.get("required")
+    distinct = len({k for k in required if isinstance(k, str)}) if isinstance(required, list) else 0
+    keys_may_repeat = (
+        node.get("additionalProperties", False) is not False
+        or "patternProperties" in node
+        or "propertyNames" in node
+    )
+    if keys_may_repeat and isinstance(least, int) and least > distinct:
+        return (
+            "'minProperties' beyond the required properties is not enforced where other "
+            "keys are allowed (a key may repeat)"
+        )
     return None
 
 

@@ -206,6 +206,9 @@ def test_schema_keywords_the_grammar_ignores_are_400(server, model):
         ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength"),
         ({"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}, "/n"),
         ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, "allOf"),
+        ({"type": "integer", "maximum": 10, "multipleOf": 2}, "multipleOf"),
+        ({"type": "string", "pattern": "^a(?=b)"}, "look-arounds"),
+        ({"type": "string", "pattern": "^\\n$"}, "matches no string"),
     ):
         rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
         r = httpx.post(

@@ -187,9 +187,12 @@ def verdict(text: str, schema: dict[str, Any]) -> Optional[str]:
         value = json.loads(text)
     except ValueError as exc:
         return f"not JSON: {exc}"
-    error = jsonschema.exceptions.best_match(
-        jsonschema.validators.validator_for(schema)(schema).iter_errors(value)
-    )
+    try:
+        error = jsonschema.exceptions.best_match(
+            jsonschema.validators.validator_for(schema)(schema).iter_errors(value)
+        )
+    except (ArithmeticError, ValueError) as exc:  # multipleOf of a number json reads as inf
+        return f"invalid: jsonschema cannot judge it ({exc})"
     return None if error is None else f"invalid: {error.message}"
 
 

@@ -171,11 +171,16 @@ def _item(op: Any, av: Any) -> Optional[str]:
     raise ValueError(f"{_UNSUPPORTED.get(str(op), str(op).lower())} are not supported in a pattern")
 
 
+_MAX_BOUND = 2**31 - 1  # xgrammar's repetition bounds are 32-bit
+
+
 def _repeat(low: int, high: int, sub: Any) -> Optional[str]:
     inner = _sequence(sub)
     if inner is None:
         return '""' if low == 0 else None
-    unbounded = high is sre_c.MAXREPEAT or high == sre_c.MAXREPEAT
+    unbounded = high == sre_c.MAXREPEAT
+    if low > _MAX_BOUND or (not unbounded and high > _MAX_BOUND):
+        raise ValueError(f"a repetition bound above {_MAX_BOUND} is not supported")
     if unbounded:
         suffix = {0: "*", 1: "+"}.get(low, f"{{{low},}}")
     else:

@@ -96,8 +96,9 @@ def _unsupported(node: dict[str, Any]) -> Optional[str]:
         return beside
     if node.get("uniqueItems") is True:
         return "'uniqueItems' is ignored by the grammar"
-    if "multipleOf" in node and _multiple_of(node) is not None:
-        return _multiple_of(node)
+    multiple = _multiple_of(node) if "multipleOf" in node else None
+    if multiple is not None:
+        return multiple
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
         return "minLength/maxLength together with 'pattern' or 'format' are ignored"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
@@ -196,7 +197,7 @@ def _object_combination(node: dict[str, Any]) -> Optional[str]:
     named = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     required = node.get("required") if isinstance(node.get("required"), list) else []
     for name in required:
-        if name not in named:
+        if isinstance(name, str) and name not in named:
             return f"'required' names {name!r}, which is not under 'properties': not enforced"
     return _min_properties(node)
 

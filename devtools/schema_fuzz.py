@@ -123,11 +123,7 @@ class SchemaMaker:
             node["patternProperties"] = {r.choice(KEY_PATTERNS): self._node(depth + 1)}
         elif choice < 0.55:
             node["propertyNames"] = {"pattern": r.choice(KEY_PATTERNS)}
-        if r.random() < 0.2:
-            node["minProperties"] = r.randint(0, 2)
-        if r.random() < 0.2:
-            node["maxProperties"] = r.randint(0, 3)
-        return node
+        return self._counts(node, "Properties", 0.2, (2, 3))
 
     def _array(self, depth: int) -> dict[str, Any]:
         r, node = self.rng, {"type": "array"}
@@ -138,10 +134,15 @@ class SchemaMaker:
             node["prefixItems"] = [self._node(depth + 1) for _ in range(r.randint(1, 3))]
             if r.random() < 0.5:
                 node["items"] = False if r.random() < 0.5 else self._node(depth + 1)
-        if r.random() < 0.4:
-            node["minItems"] = r.randint(0, 3)
-        if r.random() < 0.4:
-            node["maxItems"] = r.randint(0, 4)
+        return self._counts(node, "Items", 0.4, (3, 4))
+
+    def _counts(
+        self, node: dict[str, Any], what: str, chance: float, most: tuple[int, int]
+    ) -> dict[str, Any]:
+        """min<what> and max<what>, each with `chance`, up to `most` (min, max)."""
+        for bound, top in zip(("min", "max"), most, strict=True):
+            if self.rng.random() < chance:
+                node[bound + what] = self.rng.randint(0, top)
         return node
 
     def _combination(self, depth: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import xgrammar as xgr
 
 from pdpool.engine.structured.pattern_grammar import pattern_ebnf
-from pdpool.engine.structured.schema_support import keyword_types, subschemas
+from pdpool.engine.structured.schema_support import ALONE, keyword_types, subschemas
 
 # Blanks allowed between two JSON tokens: a newline and an indent of 7 (indent 2 nests three
 # levels; deeper, a model's output stays valid JSON, indented less). Every gap of a schema's
@@ -97,12 +97,9 @@ def _for_xgrammar(schema: str) -> tuple[str, dict[str, str]]:
     return (json.dumps(parsed), markers) if markers or typed else (schema, {})
 
 
-_TYPE_SOURCES = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
-
-
 def _give_type(node: dict[str, Any]) -> bool:
     """Types an untyped subschema by its keywords: what validates is then a subset."""
-    if any(key in node for key in _TYPE_SOURCES):
+    if "type" in node or any(key in node for key in ALONE):
         return False
     types = keyword_types(node)
     if types:

@@ -154,7 +154,7 @@ def _item(op: Any, av: Any) -> Optional[str]:
     if op is sre_c.ANY:
         return _chars(_ANY)
     if op is sre_c.IN:
-        return _chars(_class(av)[0])
+        return _chars(_class(av))
     if op is sre_c.BRANCH:
         alternatives = [a for a in (_sequence(b) for b in av[1]) if a is not None]
         return "(" + " | ".join(alternatives) + ")" if alternatives else None
@@ -188,29 +188,25 @@ def _repeat(low: int, high: int, sub: Any) -> Optional[str]:
     return f"({inner}){suffix}"
 
 
-def _class(items: Any) -> tuple[Ranges, Ranges]:
-    """(what both readings match, what either may match) for a [...] class's items."""
-    inner: list[Ranges] = []
-    outer: list[Ranges] = []
+def _class(items: Any) -> Ranges:
+    """What both readings match of a [...] class: of its items, or (negated) outside every
+    item as the wider reading has it."""
+    both: list[Ranges] = []
+    either: list[Ranges] = []
     negate = False
     for op, av in items:
         if op is sre_c.NEGATE:
             negate = True
-        elif op is sre_c.LITERAL:
-            inner.append([(av, av)])
-            outer.append([(av, av)])
-        elif op is sre_c.RANGE:
-            inner.append([av])
-            outer.append([av])
+        elif op in (sre_c.LITERAL, sre_c.RANGE):
+            exact = [(av, av)] if op is sre_c.LITERAL else [av]
+            both.append(exact)
+            either.append(exact)
         elif op is sre_c.CATEGORY:
-            both, either = _CATEGORIES[av]
-            inner.append(both)
-            outer.append(either)
+            both.append(_CATEGORIES[av][0])
+            either.append(_CATEGORIES[av][1])
         else:
             raise ValueError(f"{str(op).lower()} is not supported in a character class")
-    if negate:
-        return _complement(_union(*outer)), _complement(_union(*inner))
-    return _union(*inner), _union(*outer)
+    return _complement(_union(*either)) if negate else _union(*both)
 
 
 def _chars(ranges: Ranges) -> Optional[str]:

@@ -37,10 +37,10 @@ KEYWORDS_BY_TYPE = {
 }  # fmt: skip
 # Where one of these stands, xgrammar reads nothing else of the schema: another constraint
 # beside it would be ignored (`type` beside `enum` or `const` is checked value by value).
-_ALONE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
+ALONE = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const")
 _CONSTRAINTS = frozenset(
     [k for keys in KEYWORDS_BY_TYPE.values() for k in keys]
-    + ["type", "not", "if", "then", "else", *_ALONE]
+    + ["type", "not", "if", "then", "else", *ALONE]
 )
 _ADVICE = {"$ref": "move it into the referenced schema", "enum": "list only the values that fit"}
 _ADVICE["const"] = _ADVICE["enum"]
@@ -109,7 +109,7 @@ def _unsupported(node: dict[str, Any]) -> Optional[str]:
 
 
 def _ignored_beside(node: dict[str, Any]) -> Optional[str]:
-    for key in _ALONE:
+    for key in ALONE:
         if key not in node:
             continue
         typed_values = key in ("enum", "const")
@@ -141,7 +141,7 @@ def _branches_within_type(node: dict[str, Any], key: str) -> bool:
 
 def _branch_within(branch: Any, allowed: set[str]) -> bool:
     if not isinstance(branch, dict) or any(
-        k in branch for k in _ALONE if k not in ("enum", "const")
+        k in branch for k in ALONE if k not in ("enum", "const")
     ):
         return False
     if "type" in branch:

@@ -52,10 +52,7 @@ def tool_request_of(extras: dict[str, Any]) -> Optional[ToolRequest]:
         if choice not in (None, "none"):
             raise RequestError("when using `tool_choice`, `tools` must be set", "tool_choice")
         return None
-    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
-        raise RequestError(
-            "tools must be a list of {'type': 'function', 'function': {'name': ...}}", "tools"
-        )
+    check_tools(tools)
     choice = "auto" if choice is None else choice
     if not (choice in ("none", "auto", "required") or _is_named_choice(choice)):
         raise RequestError(
@@ -69,8 +66,18 @@ def tool_request_of(extras: dict[str, Any]) -> Optional[ToolRequest]:
     return req
 
 
+def check_tools(tools: Any) -> None:
+    """RequestError unless `tools` is a list of function tools (what the template reads)."""
+    if not isinstance(tools, list) or not all(_is_function_tool(t) for t in tools):
+        raise RequestError(
+            "tools must be a list of {'type': 'function', 'function': {'name': ...}}", "tools"
+        )
+
+
 def _is_function_tool(tool: Any) -> bool:
-    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict):
+        return False
+    fn = tool.get("function")
     return (
         tool.get("type", "function") == "function"
         and isinstance(fn, dict)

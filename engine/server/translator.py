@@ -27,7 +27,7 @@ from pdpool.prompt_truncation import (
     truncate_ids,
     truncation_tokens,
 )
-from pdpool.engine.server.tools import template_messages
+from pdpool.engine.server.tools import check_tools, template_messages
 from pdpool.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -240,6 +240,8 @@ class RequestTranslator:
             self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
         # As vLLM: the tools go to the template (Qwen3's renders them Hermes-style).
         tools = (req.model_extra or {}).get("tools") or None
+        if tools is not None:
+            check_tools(tools)
         try:
             text = tokenizer.apply_chat_template(
                 msgs,

@@ -42,6 +42,9 @@ POISON_RAW = [  # (route, body) sent as raw bytes
         "/v1/chat/completions",
         b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
     ),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": ["f"]}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "tools": -1}'),
+    ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"a": 1}]}'),
 ]
 
 STREAMS = [  # three long streams, one of them sampled with a seed

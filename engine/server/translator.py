@@ -240,8 +240,10 @@ class RequestTranslator:
             self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
         # As vLLM: the tools go to the template (Qwen3's renders them Hermes-style).
         tools = (req.model_extra or {}).get("tools") or None
-        if tools is not None:
-            check_tools(tools)
+        try:
+            check_tools(tools or [])
+        except RequestError as exc:  # every caller answers 400 with it, render's included
+            raise ApiError(str(exc), param="tools") from exc
         try:
             text = tokenizer.apply_chat_template(
                 msgs,

@@ -44,6 +44,10 @@ POISON_RAW = [  # (route, body) sent as raw bytes
     ),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": ["f"]}'),
     ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "tools": -1}'),
+    (
+        "/v1/chat/completions/render",
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": "f"}',
+    ),
     ("/tokenize", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"a": 1}]}'),
 ]
 

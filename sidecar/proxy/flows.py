@@ -6,6 +6,9 @@
     prefill-first  always prefill remotely first, then decode.
     aggregated     pass through to the decode engine.
 
+A completion with a batch of prompts goes aggregated whatever the mode: one request's KV
+handoff carries one prompt.
+
 Whatever the path, a request that some path can still serve is served: when no prefill
 engine answers, the decode engine prefills itself (threshold 0). The legs' bodies are
 built in legs.py; prefill legs run in prefill_legs.py, decode legs in relay.py.
@@ -51,6 +54,8 @@ class Flows:
         await self.decode.final(ex, legs.aggregated_leg(ex.body))
 
     async def prefill_first(self, ex: Exchange) -> None:
+        if legs.several_prompts(ex.body):
+            return await self.aggregated(ex)
         await self._remote_prefill_then_decode(ex, pull=None)
 
     async def decode_first(self, ex: Exchange) -> None:
@@ -61,6 +66,8 @@ class Flows:
         hint = ex.headers.pop(PD_HEADER, None)
         if hint and ex.span is not None:
             ex.span.set_attribute("pdpool.kv_path_hint", hint)
+        if legs.several_prompts(ex.body):
+            return await self.aggregated(ex)
         decider = DecodeFirstDecider(self.settings.prefill_min_prompt_tokens)
         decided = decider.decide(hint, self.capability.known, ex.body)
         if decided.step == "pd":

@@ -49,6 +49,13 @@ def effective_threshold(body: dict[str, Any], pool_threshold: float) -> float:
     return float(own) if own is not None else float(pool_threshold)
 
 
+def several_prompts(body: dict[str, Any]) -> bool:
+    """A completion with a batch of prompts: each would need its own KV handoff, which one
+    request's kv_transfer_params cannot carry, so it is served where it lands."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+
+
 def decode_first_leg(body: dict[str, Any], pool_threshold: float) -> dict[str, Any]:
     leg = dict(body)
     leg[THRESHOLD] = effective_threshold(body, pool_threshold)

@@ -464,3 +464,19 @@ async def test_a_stream_that_arrives_in_one_read_reaches_the_client_whole(server
     )
     assert r.text.rstrip().endswith("data: [DONE]")
     assert len(prefill.state.received) == (0 if warm else 1)
+
+
+@pytest.mark.parametrize("mode", ["decode-first", "prefill-first"])
+async def test_a_batch_of_prompts_is_served_where_it_lands(servers, mode):
+    """One request's KV handoff carries one prompt: a batch never becomes P/D legs (a real
+    engine refuses kv_transfer_params with several prompts)."""
+    decode, (prefill,), _sidecar, side = await topology(servers, mode=mode)
+    async with httpx.AsyncClient() as c:
+        r = await c.post(
+            side.url + "/v1/completions",
+            json={"prompt": [HISTORY, "a b c"], "max_tokens": 2, "cache_hit_threshold": 0.9},
+        )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-pdpool-path"] == "aggregated" and not prefill.state.received
+    sent = decode.state.received[0][1]
+    assert sent["cache_hit_threshold"] == 0.0 and "kv_transfer_params" not in sent

@@ -18,14 +18,15 @@ from pdpool.engine.stop_check import stop_token_reason
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> Optional[tuple[int, int]]:
-    """(start, end) of the earliest stop string in `text` (the first listed among those
-    starting there), searching only where the last `new_len` characters could complete one;
-    None if none."""
+    """(start, end) of the stop string in `text` that completes first (the first listed among
+    those ending there), searching only where the last `new_len` characters could complete
+    one; None if none. Completing first is what a text written one character at a time would
+    stop at, however many characters a token brings (vLLM's rule)."""
     best: Optional[tuple[int, int]] = None
     for stop in stops:
         start = max(0, len(text) - new_len - len(stop) + 1)
         i = text.find(stop, start)
-        if i != -1 and (best is None or i < best[0]):
+        if i != -1 and (best is None or i + len(stop) < best[1]):
             best = (i, i + len(stop))
     return best
 
@@ -39,7 +40,10 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, backend=self._backend
+            self.tokenizer,
+            req.prompt_token_ids,
+            skip_special_tokens=req.sampling_params.skip_special_tokens,
+            backend=self._backend,
         )
 
     def forget(self, request_id: str) -> None:

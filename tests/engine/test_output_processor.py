@@ -153,3 +153,10 @@ def test_find_stop_searches_only_where_new_text_completes_one():
     assert find_stop("abcdef", 5, ["ab"]) == (0, 2)
     assert find_stop("abcdef", 2, ["de", "ef"]) == (3, 5)
     assert find_stop("abcdef", 3, []) is None
+
+
+def test_find_stop_takes_the_stop_that_completes_first_as_one_character_at_a_time_would():
+    # A token bringing "abc" at once: written char by char, "b" completes before "abc".
+    assert find_stop("abc", 3, ["abc", "b"]) == (1, 2)
+    assert find_stop("xabc", 3, ["bc", "abc"]) == (2, 4)  # both end there: the first listed
+    assert find_stop(" on", 3, [" ", "e"]) == (0, 1)

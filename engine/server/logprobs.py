@@ -9,6 +9,11 @@ default `raw_logprobs`), before min_tokens masking, temperature, top-k and top-p
   entries, as vLLM). `text_offset` counts characters of the token texts from 0.
 - /v1/chat/completions: `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob,
   bytes}]}]}` with exactly `top_logprobs` entries, best first.
+
+A token that is part of a character split over several tokens (byte-level pieces) decodes
+alone to a replacement character; as vLLM, its text is then read with the choice's
+preceding sampled tokens: the piece that completes the character shows it, the pieces
+before it show "".
 """
 
 from __future__ import annotations
@@ -37,6 +42,54 @@ class TokenText:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def after(self, token_id: int, context: list[int]) -> str:
+        """The token's text where it follows `context` (the sampled ids before it)."""
+        text = self(token_id)
+        if self.as_ids or not text.endswith(REPLACEMENT):
+            return text
+        return completed_character(self.tokenizer.decode, token_id, context)
+
+
+REPLACEMENT = "\ufffd"
+# A UTF-8 character has at most 4 bytes: 4 earlier tokens are enough context.
+MAX_CONTEXT = 4
+
+
+def completed_character(
+    decode: Callable[[list[int]], str], token_id: int, context: list[int]
+) -> str:
+    """The text a byte-level piece adds after `context`: with the fewest preceding tokens
+    that make a whole character, the decoded text past the earlier tokens that decode whole
+    themselves (the unfinished pieces before it showed "", so their bytes are shown here);
+    "" while the character is still unfinished."""
+    context = context[-MAX_CONTEXT:]
+    for n in range(1, len(context) + 1):
+        before = context[-n:]
+        whole = decode([*before, token_id])
+        if whole.endswith(REPLACEMENT):
+            continue
+        clean = len(before)
+        while clean > 0 and decode([before[clean - 1]]).endswith(REPLACEMENT):
+            clean -= 1
+        prefix = decode(before[:clean]) if clean else ""
+        if whole.startswith(prefix):
+            return whole[len(prefix) :]
+        common = 0
+        while common < min(len(prefix), len(whole)) and prefix[common] == whole[common]:
+            common += 1
+        return whole[common:]
+    return ""
+
+
+class SampledContext:
+    """The last sampled token ids of one choice, for `TokenText.after`."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+    def push(self, token_id: int) -> None:
+        self.ids = [*self.ids, token_id][-MAX_CONTEXT:]
+
 
 def _lp(value: float) -> float:
     return max(value, _FLOOR)
@@ -45,6 +98,7 @@ def _lp(value: float) -> float:
 def completion_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], dict[str, Any]]:
     """Formats the logprobs of one choice chunk by chunk; text_offset carries over."""
     offset = 0
+    sampled = SampledContext()
 
     def fmt(lps: list[TokenLogprob]) -> dict[str, Any]:
         nonlocal offset
@@ -55,14 +109,15 @@ def completion_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], d
             "text_offset": [],
         }
         for lp in lps:
-            token = text_of(lp.token_id)
+            token = text_of.after(lp.token_id, sampled.ids)
             out["tokens"].append(token)
             out["token_logprobs"].append(_lp(lp.logprob))
-            top = {text_of(i): _lp(v) for i, v in lp.top}
+            top = {text_of.after(i, sampled.ids): _lp(v) for i, v in lp.top}
             top.setdefault(token, _lp(lp.logprob))
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(token)
+            sampled.push(lp.token_id)
         return out
 
     return fmt
@@ -80,8 +135,7 @@ def merge_completion(parts: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return merged
 
 
-def _chat_entry(text_of: TokenText, token_id: int, logprob: float) -> dict[str, Any]:
-    token = text_of(token_id)
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
     return {
         "token": token,
         "logprob": _lp(logprob),
@@ -90,16 +144,18 @@ def _chat_entry(text_of: TokenText, token_id: int, logprob: float) -> dict[str, 
 
 
 def chat_formatter(text_of: TokenText) -> Callable[[list[TokenLogprob]], dict[str, Any]]:
+    sampled = SampledContext()
+
     def fmt(lps: list[TokenLogprob]) -> dict[str, Any]:
-        return {
-            "content": [
-                {
-                    **_chat_entry(text_of, lp.token_id, lp.logprob),
-                    "top_logprobs": [_chat_entry(text_of, i, v) for i, v in lp.top],
-                }
-                for lp in lps
+        content = []
+        for lp in lps:
+            entry = _chat_entry(text_of.after(lp.token_id, sampled.ids), lp.logprob)
+            entry["top_logprobs"] = [
+                _chat_entry(text_of.after(i, sampled.ids), v) for i, v in lp.top
             ]
-        }
+            content.append(entry)
+            sampled.push(lp.token_id)
+        return {"content": content}
 
     return fmt
 

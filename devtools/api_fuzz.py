@@ -12,6 +12,7 @@ Two kinds of request, drawn at random:
   prompts, chunked transfer coding and other content types.
 
     python -m devtools.api_fuzz http://127.0.0.1:8000 --requests 2000 --seed 1
+    python -m devtools.api_fuzz http://127.0.0.1:8000 --against http://127.0.0.1:8100
 """
 
 from __future__ import annotations
@@ -236,8 +237,7 @@ def problem_of(status: Any, answer: bytes, streamed: bool) -> Optional[str]:
 
 
 def run(url: str, requests: int, seed: int, model: Optional[str] = None) -> Tally:
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    host, port = host_port(url)
     maker = BodyMaker(model or served_model(host, port), seed)
     rnd, tally = maker.rnd, Tally()
     for _ in range(requests):
@@ -276,12 +276,55 @@ def served_model(host: str, port: int) -> str:
         conn.close()
 
 
+def host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
+
+
+def status_class(status: Any) -> str:
+    return f"{status // 100}xx" if isinstance(status, int) else str(status)
+
+
+def compare(url: str, other: str, requests: int, seed: int) -> dict[str, Any]:
+    """The same JSON bodies to two servers of one model (ours and vLLM): how often each
+    pair of answer classes came, with a few bodies of each pair that differ."""
+    ours, theirs = host_port(url), host_port(other)
+    maker = BodyMaker(served_model(*ours), seed)
+    pairs: dict[str, int] = {}
+    examples: dict[str, list[dict[str, str]]] = {}
+    for _ in range(requests):
+        route = maker.rnd.choice(ROUTES[:4])
+        data = encode_json(maker.json_body(route))
+        if data is None:
+            continue
+        a = exchange(*ours, route, data, "application/json", False)
+        b = exchange(*theirs, route, data, "application/json", False)
+        key = f"{route} {status_class(a[0])} vs {status_class(b[0])}"
+        pairs[key] = pairs.get(key, 0) + 1
+        if status_class(a[0]) != status_class(b[0]) and len(examples.setdefault(key, [])) < 5:
+            examples[key].append(
+                {"body": data[:400].decode("utf-8", "replace"),
+                 "ours": a[1].partition(b"\r\n\r\n")[2][:300].decode("utf-8", "replace"),
+                 "theirs": b[1].partition(b"\r\n\r\n")[2][:300].decode("utf-8", "replace")}
+            )  # fmt: skip
+    return {"pairs": dict(sorted(pairs.items())), "examples": examples}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--against",
+        metavar="URL",
+        help="another server of the same model (vLLM): send both the same JSON bodies and "
+        "print how their answers' classes pair up",
+    )
     args = ap.parse_args()
+    if args.against:
+        print(json.dumps(compare(args.url, args.against, args.requests, args.seed), indent=1))
+        return 0
     tally = run(args.url, args.requests, args.seed)
     print(json.dumps({"statuses": tally.statuses, "slowest_s": round(tally.slowest_s, 2),
                       "problems": tally.problems}, indent=1))  # fmt: skip

@@ -73,6 +73,8 @@ class SamplingParams:
     min_p: float = 0.0
     # vLLM's: the only tokens the output may hold (None: any).
     allowed_token_ids: Optional[list[int]] = None
+    # vLLM's: the output text leaves out the tokenizer's special tokens (ids stay).
+    skip_special_tokens: bool = True
 
     @property
     def penalized(self) -> bool:

@@ -85,6 +85,8 @@ MAX_STOP_STRINGS = 8
 # min_tokens holds) or turns into a mask: capped, so that one body cannot slow every step.
 MAX_STOP_TOKEN_IDS = 1024
 MAX_ALLOWED_TOKEN_IDS = 16384
+# A client's request id goes into logs and answer ids: visible ASCII only (as a header's).
+REQUEST_ID_PATTERN = r"^[!-~]*$"
 
 
 class RequestError(ValueError):
@@ -200,7 +202,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "prediction": _empty,
     "chat_template": _empty,
-    "chat_template_kwargs": _empty,
     "documents": _empty,
     # vLLM answers these with more than we compute: refused rather than silently dropped.
     "prompt_logprobs": lambda v: v is None,
@@ -258,6 +259,14 @@ class _GenerationFields(BaseModel):
     allowed_token_ids: Optional[
         Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
     ] = None
+    # vLLM's detokenizing options. Ours is always a fast tokenizer, for which vLLM too reads
+    # spaces_between_special_tokens nowhere: it is checked and has no effect.
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    # vLLM's: the id the answer carries (ours appends a suffix), and arguments for custom
+    # logits processors (this engine runs none: checked, then unused).
+    request_id: Optional[Annotated[Str, Field(max_length=256, pattern=REQUEST_ID_PATTERN)]] = None
+    vllm_xargs: Optional[dict[Str, Union[Str, Int, Number, list[Union[Str, Int, Number]]]]] = None
     # Keep only this many prompt tokens (-1: what the context holds); the engine checks it
     # against its context.
     truncate_prompt_tokens: Optional[Annotated[Int, Field(ge=-1)]] = None
@@ -280,11 +289,29 @@ class ContentPart(BaseModel):
     text: Str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Str
+    # OpenAI's is a JSON string; an object is read as the arguments themselves.
+    arguments: Union[Str, dict[Str, Any]] = "{}"
+
+
+class ToolCallFields(BaseModel):
+    """A tool call of an assistant message in the history."""
+
+    model_config = ConfigDict(extra="allow")
+    id: Optional[Str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessageFields(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Str
     content: Union[Str, list[ContentPart], None] = None
     name: Optional[Str] = None
+    tool_calls: Optional[list[ToolCallFields]] = None
+    tool_call_id: Optional[Str] = None
 
 
 class ChatFields(_GenerationFields):
@@ -297,6 +324,8 @@ class ChatFields(_GenerationFields):
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     add_special_tokens: Bool = False
+    # More variables for the chat template (Qwen3's enable_thinking, for one).
+    chat_template_kwargs: Optional[dict[Str, Any]] = None
 
     def _limit(self) -> Optional[int]:
         return (

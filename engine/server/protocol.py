@@ -43,6 +43,7 @@ class _SamplingFields(_MixedInto):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             allowed_token_ids=self.allowed_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
         )
         params.validate()
         return params
@@ -114,6 +115,12 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):
 
 # A generation endpoint's request.
 GenerationRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
+def client_request_id(http_req: Any, req: GenerationRequest) -> Optional[str]:
+    """The id the client gave its request: the X-Request-Id header, else the body's
+    request_id (vLLM's order)."""
+    return http_req.headers.get("x-request-id") or req.request_id
 
 
 def usage_dict(

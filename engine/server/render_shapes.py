@@ -62,7 +62,7 @@ def vllm_sampling_params(
         "allowed_token_ids": (req.allowed_token_ids, None),
     }
     out.update({name: value for name, (value, default) in optional.items() if value != default})
-    if offers_tools(req.model_extra or {}):
+    if offers_tools(req.model_extra or {}) or not req.skip_special_tokens:
         out["skip_special_tokens"] = False
     out["output_kind"] = OUTPUT_KIND_DELTA if req.stream else OUTPUT_KIND_FINAL_ONLY
     out["skip_clone"] = True

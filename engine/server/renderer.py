@@ -69,10 +69,7 @@ class RenderRoutes:
             # as the client sent them (vLLM echoes the raw object)
             kv.model_dump(exclude_unset=True) if isinstance(kv, KVTransferParams) else None,
         )
-        body_id = (req.model_extra or {}).get("request_id")
-        base = render_request_id(
-            req, header_id, body_id if isinstance(body_id, str) else None, uuid.uuid4().hex[:16]
-        )
+        base = render_request_id(req, header_id, req.request_id, uuid.uuid4().hex[:16])
         return [
             generate_request(request_id, ids, sampling, req)
             for request_id, ids in zip(rendered_ids(base, len(prompts)), prompts, strict=True)

@@ -25,6 +25,7 @@ from pdpool.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
+    client_request_id,
 )
 from pdpool.engine.server.response_writer import ChoiceFormat, ResponseWriter
 from pdpool.engine.server.errors import ApiError
@@ -82,7 +83,7 @@ class Responder(abc.ABC, Generic[R]):
     async def _start(
         self, http_req: Request, req: R, prompts: list[list[int]], fmt: ChoiceFormat
     ) -> list[Choice]:
-        specs = self.translator.choice_requests(req, prompts, http_req.headers.get("x-request-id"))
+        specs = self.translator.choice_requests(req, prompts, client_request_id(http_req, req))
         specs = await self._constrained(req, specs)
         return await self.runner.start(specs, fmt.logprobs_formatter)
 
@@ -161,6 +162,7 @@ class CompletionResponder(Responder[CompletionRequest]):
 
 class ChatFormat(ChoiceFormat):
     id_prefix = "chatcmpl"
+    prompt_ids_in_choice = False
     response_object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     new_logprobs_formatter = staticmethod(chat_formatter)

@@ -18,7 +18,12 @@ from pdpool.engine.server.choices import Choice, ChoiceRunner, LogprobsFormatter
 from pdpool.engine.server.errors import engine_error, output_error
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
-from pdpool.engine.server.protocol import GenerationRequest, error_body, usage_dict
+from pdpool.engine.server.protocol import (
+    GenerationRequest,
+    client_request_id,
+    error_body,
+    usage_dict,
+)
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -30,6 +35,9 @@ class ChoiceFormat(abc.ABC):
     id_prefix: str
     response_object: str
     chunk_object: str
+    # vLLM's return_token_ids: a prompt's ids in each of its choices (completions) or once,
+    # at the top of the answer (chat: one prompt).
+    prompt_ids_in_choice = True
     # From logprobs.py: a formatter for one choice over the request's token texts (it may
     # carry state from chunk to chunk), and the merge of a choice's chunks for a whole answer.
     new_logprobs_formatter: Callable[[TokenText], LogprobsFormatter]
@@ -90,8 +98,14 @@ class ResponseHead:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) -> dict[str, Any]:
-    return {
+def full_response(
+    head: ResponseHead,
+    fmt: ChoiceFormat,
+    choices: list[Choice],
+    prompts: Optional[list[list[int]]] = None,
+) -> dict[str, Any]:
+    """The whole answer; with `prompts` (return_token_ids), the token ids as vLLM adds them."""
+    answer = {
         **head.of(fmt.response_object),
         "choices": [
             fmt.full_choice(
@@ -106,6 +120,15 @@ def full_response(head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice]) 
         "usage": usage_of(choices),
         "kv_transfer_params": choices[0].last.kv_transfer_params if len(choices) == 1 else None,
     }
+    if prompts is not None:
+        per_prompt = max(len(choices) // max(len(prompts), 1), 1)
+        for c, choice in zip(choices, answer["choices"], strict=True):
+            choice["token_ids"] = list(c.token_ids)
+            if fmt.prompt_ids_in_choice:
+                choice["prompt_token_ids"] = prompts[c.index // per_prompt]
+        if not fmt.prompt_ids_in_choice:
+            answer["prompt_token_ids"] = prompts[0]
+    return answer
 
 
 def error_event(failure: RequestOutput | Exception) -> str:
@@ -155,10 +178,12 @@ class ResponseWriter:
     ) -> Union[dict[str, Any], StreamingResponse]:
         # As vLLM: a LoRA request's answer names its adapter.
         model = req.model if isinstance(req.model, str) and req.model else self.model_name
-        head = ResponseHead(f"{fmt.id_prefix}-{choices[0].request_id}", int(time.time()), model)
+        # As vLLM: the client's id (its X-Request-Id, else the body's) names the answer.
+        answer_id = client_request_id(http_req, req) or choices[0].request_id
+        head = ResponseHead(f"{fmt.id_prefix}-{answer_id}", int(time.time()), model)
         if not req.stream:
             await self.runner.run_to_end(http_req, choices)
-            return full_response(head, fmt, choices)
+            return full_response(head, fmt, choices, prompts if req.return_token_ids else None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         token_ids = StreamTokenIds(
             bool(req.return_token_ids), prompts, max(len(choices) // max(len(prompts), 1), 1)

@@ -180,10 +180,12 @@ def _check_supported(schema: Any, field: str) -> None:
 def logit_bias_of(extras: dict[str, Any], vocab_size: int) -> Optional[dict[int, float]]:
     """OpenAI's logit_bias ({"token id": bias in [-100, 100]}) as token ids."""
     raw = extras.get("logit_bias")
-    if not raw:
+    if raw is None:
         return None
     if not isinstance(raw, dict):
         raise RequestError("logit_bias must be an object of token ids to biases", "logit_bias")
+    if not raw:
+        return None
     if len(raw) > MAX_LOGIT_BIAS:  # as OpenAI's cap
         raise RequestError(
             f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {len(raw)}", "logit_bias"

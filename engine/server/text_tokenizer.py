@@ -56,6 +56,15 @@ def _compile(source: str) -> Any:
     return env.from_string(source)
 
 
+def _variables(source: str) -> frozenset[str]:
+    """The names a template reads from its context."""
+    import jinja2
+    from jinja2 import meta
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    return frozenset(meta.find_undeclared_variables(env.parse(source)))
+
+
 class TextTokenizer:
     """What the server asks of a tokenizer, in the names of transformers' tokenizers."""
 
@@ -74,6 +83,7 @@ class TextTokenizer:
         self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         source = _chat_template_source(model_dir, config)
         self._template = _compile(source) if source is not None else None
+        self.template_variables = _variables(source) if source is not None else frozenset()
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.encode(text, add_special_tokens)}
@@ -109,8 +119,7 @@ class TextTokenizer:
             text = self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-                **kwargs,
+                **{**self.special_tokens, **kwargs},
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc

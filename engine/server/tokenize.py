@@ -25,7 +25,16 @@ from pdpool.protocol import RequestError, parse_json_body, validate_request
 
 
 # The fields of a chat body that change its token ids (their defaults are the chat route's).
-CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "tools")
+CHAT_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "tools",
+    "chat_template_kwargs",
+)
+# Fields that would change them too, which this server does not serve: refused, as the chat
+# route refuses them, rather than answered with the ids of the default template.
+REFUSED_CHAT_FIELDS = ("chat_template", "documents")
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -61,12 +70,9 @@ class TokenizeRoutes:
         if ("prompt" in body) == ("messages" in body):
             raise RequestError("give exactly one of 'prompt' (a string) or 'messages'", "prompt")
         if "messages" in body:
-            fields = {name: body[name] for name in CHAT_FIELDS if name in body}
-            chat = validate_request(
-                {"messages": body["messages"], **fields},
-                ChatCompletionRequest,
-                refuse_unsupported=False,
-            )
+            names = CHAT_FIELDS + REFUSED_CHAT_FIELDS
+            fields = {name: body[name] for name in names if name in body}
+            chat = validate_request({"messages": body["messages"], **fields}, ChatCompletionRequest)
             ids = self.translator.chat_tokens(chat)
         else:
             prompt = body["prompt"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pdpool.engine.structured.spec import GuidedSpec, json_schema_spec
-from pdpool.protocol import RequestError
+from pdpool.protocol import ChatMessageFields, RequestError, ToolCallFields
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -48,7 +48,7 @@ def tool_request_of(extras: dict[str, Any]) -> Optional[ToolRequest]:
     parallel = extras.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    if not tools:
+    if tools is None or tools == []:
         if choice not in (None, "none"):
             raise RequestError("when using `tool_choice`, `tools` must be set", "tool_choice")
         return None
@@ -119,31 +119,30 @@ def forced_spec(req: Optional[ToolRequest]) -> Optional[GuidedSpec]:
     return json_schema_spec(schema, compact=True)
 
 
-def template_messages(messages: list[Any], text_of: Any) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessageFields], text_of: Any) -> list[dict[str, Any]]:
     """Chat messages as the template reads them: assistant `tool_calls` (arguments as
     objects, as Qwen3's template renders them) and a tool message's `tool_call_id`."""
     out = []
     for m in messages:
         msg: dict[str, Any] = {"role": m.role, "content": text_of(m)}
-        extra = m.model_extra or {}
-        if extra.get("tool_calls"):
-            msg["tool_calls"] = [_template_call(c) for c in extra["tool_calls"]]
-        if extra.get("tool_call_id") is not None:
-            msg["tool_call_id"] = extra["tool_call_id"]
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
 
 
-def _template_call(call: Any) -> dict[str, Any]:
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise RequestError("messages: a tool call needs function.name", "messages")
-    args = fn.get("arguments", "{}")
+def _template_call(call: ToolCallFields) -> dict[str, Any]:
+    args = call.function.arguments
     try:
         args = json.loads(args) if isinstance(args, str) else args
     except ValueError:
         raise RequestError("messages: tool call arguments must be JSON", "messages") from None
-    return {**call, "function": {"name": fn["name"], "arguments": args}}
+    return {
+        **call.model_dump(exclude_unset=True),
+        "function": {"name": call.function.name, "arguments": args},
+    }
 
 
 # --- the answer ---------------------------------------------------------------------------

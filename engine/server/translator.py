@@ -27,6 +27,7 @@ from pdpool.prompt_truncation import (
     truncate_ids,
     truncation_tokens,
 )
+from pdpool.engine.server.template_kwargs import template_kwargs
 from pdpool.engine.server.tools import check_tools, template_messages
 from pdpool.engine.server.protocol import (
     ChatCompletionRequest,
@@ -239,11 +240,16 @@ class RequestTranslator:
         if keep is None:
             self.refuse_if_surely_too_long("".join(m["content"] for m in msgs))
         # As vLLM: the tools go to the template (Qwen3's renders them Hermes-style).
-        tools = (req.model_extra or {}).get("tools") or None
+        tools = (req.model_extra or {}).get("tools")
         try:
-            check_tools(tools or [])
+            check_tools([] if tools is None else tools)
         except RequestError as exc:  # every caller answers 400 with it, render's included
             raise ApiError(str(exc), param="tools") from exc
+        try:
+            variables = getattr(tokenizer, "template_variables", None)
+            extra = template_kwargs(req.chat_template_kwargs, variables)
+        except RequestError as exc:
+            raise ApiError(str(exc), param="chat_template_kwargs") from exc
         try:
             text = tokenizer.apply_chat_template(
                 msgs,
@@ -251,6 +257,7 @@ class RequestTranslator:
                 continue_final_message=req.continue_final_message,
                 tokenize=False,
                 **({"tools": tools} if tools else {}),
+                **extra,
             )
         except ValueError as exc:  # no template, or the template refused the messages
             raise ApiError(str(exc), param="messages") from exc

@@ -263,8 +263,8 @@ class _GenerationFields(BaseModel):
     # spaces_between_special_tokens nowhere: it is checked and has no effect.
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
-    # vLLM's: the id the answer carries (ours appends a suffix), and arguments for custom
-    # logits processors (this engine runs none: checked, then unused).
+    # vLLM's: the id the answer carries (after an X-Request-Id header), and arguments for
+    # custom logits processors (this engine runs none: checked, then unused).
     request_id: Optional[Annotated[Str, Field(max_length=256, pattern=REQUEST_ID_PATTERN)]] = None
     vllm_xargs: Optional[dict[Str, Union[Str, Int, Number, list[Union[Str, Int, Number]]]]] = None
     # Keep only this many prompt tokens (-1: what the context holds); the engine checks it

@@ -121,7 +121,7 @@ def full_response(
         "kv_transfer_params": choices[0].last.kv_transfer_params if len(choices) == 1 else None,
     }
     if prompts is not None:
-        per_prompt = max(len(choices) // max(len(prompts), 1), 1)
+        per_prompt = choices_per_prompt(choices, prompts)
         for c, choice in zip(choices, answer["choices"], strict=True):
             choice["token_ids"] = list(c.token_ids)
             if fmt.prompt_ids_in_choice:
@@ -129,6 +129,11 @@ def full_response(
         if not fmt.prompt_ids_in_choice:
             answer["prompt_token_ids"] = prompts[0]
     return answer
+
+
+def choices_per_prompt(choices: list[Choice], prompts: list[list[int]]) -> int:
+    """n: choice i answers prompt i // n."""
+    return max(len(choices) // max(len(prompts), 1), 1)
 
 
 def error_event(failure: RequestOutput | Exception) -> str:
@@ -186,7 +191,7 @@ class ResponseWriter:
             return full_response(head, fmt, choices, prompts if req.return_token_ids else None)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         token_ids = StreamTokenIds(
-            bool(req.return_token_ids), prompts, max(len(choices) // max(len(prompts), 1), 1)
+            bool(req.return_token_ids), prompts, choices_per_prompt(choices, prompts)
         )
         return StreamingResponse(
             self._events(head, fmt, choices, token_ids, include_usage),

@@ -1,0 +1,45 @@
+"""Through P/D, a greedy answer is the answer one engine gives alone: random requests
+(devtools/answer_diff.py: stop strings, stop ids, min_tokens, logit_bias, allowed ids,
+penalties, n, truncation, logprobs, chat flags, batches and token-id prompts), whole and
+streamed, through `pdpool up --mode prefill-first` (every single-prompt request is a
+prefill leg, a KV transfer over NIXL and a decode leg) and through one `pdpool serve` of the
+same checkpoint and engine flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from devtools.answer_diff import compare
+from devtools.engine_procs import SpawnedEngine
+from tests.support.e2e_helpers import cleanup, start_topology
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    topo = start_topology(tmp_path_factory, prefill=1, decode=1, mode="prefill-first")
+    yield topo.gateway.url
+    cleanup(topo, keep_logs=False)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    from pdpool.up.topology import ensure_tiny_model
+
+    eng = SpawnedEngine(
+        ensure_tiny_model("qwen3"),
+        tmp_path_factory.mktemp("alone"),
+        "--max-model-len", "2048", "--num-kv-blocks", "512",
+    )  # fmt: skip
+    try:
+        yield eng.wait().url
+    finally:
+        eng.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pd_answers_equal_one_engines(pd, alone, stream):
+    report = compare(alone, pd, requests=60, seed=11 + stream, stream=stream)
+    assert not report.differ, report.differ[:3]
+    assert report.same == 60

@@ -7,8 +7,9 @@ from typing import Any, Optional
 
 from pdpool.protocol import RequestError
 
-# Variables the request sets through its own fields, or that say how to render rather
-# than what: naming them here is refused, not silently applied or dropped.
+# Variables the request sets through its own fields, that say how to render rather than
+# what, or that name the helpers a template calls: naming them here is refused, not
+# silently applied or dropped.
 RESERVED = frozenset(
     {
         "messages",
@@ -18,6 +19,8 @@ RESERVED = frozenset(
         "continue_final_message",
         "chat_template",
         "tokenize",
+        "raise_exception",
+        "strftime_now",
     }
 )
 

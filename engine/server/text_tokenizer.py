@@ -123,6 +123,10 @@ class TextTokenizer:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # The template met a value of the request it cannot use (a message or a template
+            # variable of another type than it expects): the request's fault, not the server's.
+            raise ChatTemplateError(f"the chat template cannot render this request: {exc}") from exc
         if continue_final_message:
             text = _cut_at_continue_tag(text)
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -14,6 +14,7 @@ import pytest
 
 from devtools.engine_procs import SpawnedEngine
 from pdpool.engine.server.template_kwargs import template_kwargs
+from pdpool.engine.server.text_tokenizer import ChatTemplateError, TextTokenizer, _compile
 from pdpool.protocol import RequestError
 
 # Qwen3's own clause: a chat that must not think gets an empty thought after the prompt.
@@ -31,9 +32,17 @@ def test_template_kwargs_keep_what_the_template_reads_and_refuse_request_fields(
     }
     assert template_kwargs({"other": 1}, None) == {"other": 1}
     assert template_kwargs(None, variables) == {}
-    for name in ("messages", "tools", "add_generation_prompt", "chat_template", "tokenize"):
+    names = ("messages", "tools", "add_generation_prompt", "chat_template", "raise_exception")
+    for name in names:
         with pytest.raises(RequestError, match=name):
             template_kwargs({name: 1}, variables)
+
+
+def test_a_template_that_cannot_use_a_value_refuses_the_request(tiny_qwen3):
+    tokenizer = TextTokenizer(tiny_qwen3)
+    tokenizer._template = _compile("{{ greet('x') }}{{ messages[0].content }}")
+    with pytest.raises(ChatTemplateError, match="cannot render"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], greet="not callable")
 
 
 def thinking_checkpoint(src: Path, dst: Path) -> Path:
@@ -86,6 +95,7 @@ CALLED = {
 MALFORMED = [
     ("/v1/chat/completions", {**CHAT, KW: {"messages": []}}, KW),
     ("/v1/chat/completions", {**CHAT, KW: [1]}, KW),
+    ("/v1/chat/completions", {**CHAT, KW: {"raise_exception": 1}}, KW),
     ("/tokenize", {**CHAT, KW: {"tokenize": True}}, KW),
     ("/tokenize", {**CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
     ("/v1/completions", {"prompt": "hi", "skip_special_tokens": 1}, "skip_special_tokens"),

@@ -29,12 +29,24 @@ VOCAB = 512  # the tiny checkpoints'
 
 
 class RequestMaker:
-    def __init__(self, model: str, seed: int, vocab: int = VOCAB):
+    """`prefix_words` > 0: every text prompt and first message starts with one shared
+    prefix of that many words and goes on for up to as many more, so that an engine holds
+    part of each prompt already (prefix caching; in P/D, a prefill that pulls the decode
+    engine's cached prefix)."""
+
+    def __init__(self, model: str, seed: int, vocab: int = VOCAB, prefix_words: int = 0):
         self.model, self.vocab = model, vocab
         self.rnd = random.Random(seed)
+        self.prefix = self.text(prefix_words) + " " if prefix_words else ""
+        self.scale = max(prefix_words, 1)
 
     def text(self, words: int) -> str:
         return " ".join(self.rnd.choice(WORDS) for _ in range(words))
+
+    def prompt_text(self, low: int, high: int) -> str:
+        if not self.prefix:
+            return self.text(self.rnd.randint(low, high))
+        return self.prefix + self.text(self.rnd.randint(low, high) * self.scale // 4)
 
     def ids(self, low: int, high: int) -> list[int]:
         return [self.rnd.randrange(3, self.vocab) for _ in range(self.rnd.randint(low, high))]
@@ -63,7 +75,7 @@ class RequestMaker:
         body["max_tokens"] = r.choice([1, 5, 12, 20])
         if r.random() < 0.5:
             path = "/v1/chat/completions"
-            messages = [{"role": "user", "content": self.text(r.randint(1, 8))}]
+            messages = [{"role": "user", "content": self.prompt_text(1, 8)}]
             if r.random() < 0.3:
                 messages.insert(0, {"role": "system", "content": self.text(4)})
             if r.random() < 0.2:
@@ -76,7 +88,7 @@ class RequestMaker:
             path = "/v1/completions"
             kind = r.random()
             body["prompt"] = (
-                self.text(r.randint(1, 10))
+                self.prompt_text(1, 10)
                 if kind < 0.6
                 else self.ids(1, 12)
                 if kind < 0.8
@@ -157,10 +169,16 @@ class Report:
 
 
 def compare(
-    url: str, other: str, requests: int, seed: int, stream: bool, with_n: bool = True
+    url: str,
+    other: str,
+    requests: int,
+    seed: int,
+    stream: bool,
+    with_n: bool = True,
+    prefix_words: int = 0,
 ) -> Report:
     model = json.loads(_get(url, "/v1/models"))["data"][0]["id"]
-    maker, report = RequestMaker(model, seed), Report()
+    maker, report = RequestMaker(model, seed, prefix_words=prefix_words), Report()
     read = streamed_answer if stream else whole_answer
     for _ in range(requests):
         path, body = maker.request(with_n)
@@ -194,8 +212,22 @@ def main() -> int:
     ap.add_argument(
         "--no-n", action="store_true", help="n stays 1 (vLLM refuses n > 1 at temperature 0)"
     )
+    ap.add_argument(
+        "--prefix-words",
+        type=int,
+        default=0,
+        help="a prefix of this many words shared by every prompt (prefix caching, pulls)",
+    )
     args = ap.parse_args()
-    report = compare(args.url, args.other, args.requests, args.seed, args.stream, not args.no_n)
+    report = compare(
+        args.url,
+        args.other,
+        args.requests,
+        args.seed,
+        args.stream,
+        not args.no_n,
+        args.prefix_words,
+    )
     print(json.dumps({"same": report.same, "differ": report.differ[:20]}, indent=1, default=str))
     return 1 if report.differ else 0
 

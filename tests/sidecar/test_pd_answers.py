@@ -3,7 +3,9 @@
 penalties, n, truncation, logprobs, chat flags, batches and token-id prompts), whole and
 streamed, through `pdpool up --mode prefill-first` (every single-prompt request is a
 prefill leg, a KV transfer over NIXL and a decode leg) and through one `pdpool serve` of the
-same checkpoint and engine flags."""
+same checkpoint and engine flags. And through the default decode-first flow with a prefix
+every prompt shares, so that decode holds part of each prompt: rejected requests' prefill
+legs pull that prefix from decode before decode loads the whole prompt back."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 from devtools.answer_diff import compare
 from devtools.engine_procs import SpawnedEngine
-from tests.support.e2e_helpers import cleanup, start_topology
+from tests.support.e2e_helpers import cleanup, metric, start_topology
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +22,13 @@ pytestmark = pytest.mark.slow
 def pd(tmp_path_factory):
     topo = start_topology(tmp_path_factory, prefill=1, decode=1, mode="prefill-first")
     yield topo.gateway.url
+    cleanup(topo, keep_logs=False)
+
+
+@pytest.fixture(scope="module")
+def decode_first(tmp_path_factory):
+    topo = start_topology(tmp_path_factory, prefill=1, decode=1, cache_hit_threshold=0.5)
+    yield topo
     cleanup(topo, keep_logs=False)
 
 
@@ -43,3 +52,12 @@ def test_pd_answers_equal_one_engines(pd, alone, stream):
     report = compare(alone, pd, requests=60, seed=11 + stream, stream=stream)
     assert not report.differ, report.differ[:3]
     assert report.same == 60
+
+
+def test_decode_first_answers_with_pulled_prefixes_equal_one_engines(decode_first, alone):
+    sidecar = decode_first.by_role("sidecar")[0].url
+    report = compare(alone, decode_first.gateway.url, requests=40, seed=5, stream=False,
+                     prefix_words=40)  # fmt: skip
+    assert not report.differ, report.differ[:3]
+    assert metric(sidecar, "pdpool_sidecar_legs_total", 'leg="prefill"') >= 10
+    assert metric(sidecar, "pdpool_sidecar_pull_offered_tokens_total") > 0

@@ -37,7 +37,7 @@ def template_kwargs(
     if reserved:
         raise RequestError(
             f"chat_template_kwargs may not set {', '.join(reserved)} "
-            "(a request field, or not a template variable)",
+            "(a request field, a rendering option or a helper the template calls)",
             "chat_template_kwargs",
         )
     if template_variables is None:

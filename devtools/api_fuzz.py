@@ -69,6 +69,28 @@ LITERALS = (
     "null", "true", "[]", "{}", '"x"', "-1", "1.0", "4.5",
 )  # fmt: skip
 CONTENT_TYPES = ("application/json",) * 8 + ("text/plain", "application/x-www-form-urlencoded")
+# Headers a client may send, ours and the routing ones an EPP or the gateway set, with values
+# of every kind a header can carry (latin-1 octets, empty, long, lists of endpoints).
+HEADER_NAMES = (
+    "authorization",
+    "x-api-key",
+    "x-request-id",
+    "x-pdpool-priority",
+    "x-pdpool-backend",
+    "x-gateway-inference-objective",
+    "x-prefiller-host-port",
+    "x-gateway-destination-endpoint",
+    "x-pdpool-kv-path",
+    "traceparent",
+    "accept-encoding",
+    "expect",
+)
+HEADER_VALUES = (
+    "1", "-1", "9999999999999999999999", "abc", "", "\t", "é", "\xff\xfe", "caf\xe9 au lait",
+    "Bearer " + "k" * 20, "Bearer é", "127.0.0.1:1", "10.0.0.1:8000,127.0.0.1:22", "pd",
+    "x" * 3000, "00-00000000000000000000000000000000-0000000000000000-00", "gzip, br",
+    "100-continue",
+)  # fmt: skip
 TIMEOUT_S = 60.0
 
 
@@ -83,10 +105,11 @@ class Tally:
 
 
 class BodyMaker:
-    """Random request bodies for one model name; every draw from one seeded generator."""
+    """Random request bodies for one model name; every draw from one seeded generator.
+    With `api_key`, most requests present it (a front door that asks for one)."""
 
-    def __init__(self, model: str, seed: int):
-        self.model = model
+    def __init__(self, model: str, seed: int, api_key: Optional[str] = None):
+        self.model, self.api_key = model, api_key
         self.rnd = random.Random(seed)
 
     def hostile(self) -> Any:
@@ -141,6 +164,16 @@ class BodyMaker:
             body["stream"] = True
         return body
 
+    def headers(self) -> str:
+        """0 to 3 extra header lines (latin-1 text)."""
+        lines = [
+            f"{self.rnd.choice(HEADER_NAMES)}: {self.rnd.choice(HEADER_VALUES)}\r\n"
+            for _ in range(self.rnd.choice([0, 0, 1, 2, 3]))
+        ]
+        if self.api_key and self.rnd.random() < 0.9:
+            lines.insert(0, f"authorization: Bearer {self.api_key}\r\n")
+        return "".join(lines)
+
     def literal_value(self, depth: int = 0) -> str:
         r = self.rnd.random()
         if depth > 3 or r < 0.5:
@@ -190,11 +223,17 @@ def encode_json(body: dict[str, Any]) -> Optional[bytes]:
 
 
 def exchange(
-    host: str, port: int, route: str, data: bytes, content_type: str, chunked: bool
+    host: str,
+    port: int,
+    route: str,
+    data: bytes,
+    content_type: str,
+    chunked: bool,
+    extra_headers: str = "",
 ) -> tuple[Any, bytes]:
     """(status or why none came, the whole answer) of one POST on its own connection."""
     head = f"POST {route} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
-    head += "Connection: close\r\n"
+    head += extra_headers + "Connection: close\r\n"
     if chunked:
         pieces = [data[i : i + 999] for i in range(0, len(data), 999)]
         payload = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
@@ -205,7 +244,7 @@ def exchange(
     answer = b""
     try:
         with socket.create_connection((host, port), timeout=TIMEOUT_S) as sock:
-            sock.sendall(head.encode() + payload)
+            sock.sendall(head.encode("latin-1") + payload)
             while chunk := sock.recv(65536):
                 answer += chunk
     except socket.timeout:
@@ -213,6 +252,8 @@ def exchange(
     except OSError as exc:
         if not answer:
             return f"connection: {exc}", answer
+    while answer.startswith(b"HTTP/1.1 100"):  # an interim answer to Expect: 100-continue
+        answer = answer.partition(b"\r\n\r\n")[2]
     try:
         return int(answer.split(b" ", 2)[1]), answer
     except (IndexError, ValueError):
@@ -236,9 +277,15 @@ def problem_of(status: Any, answer: bytes, streamed: bool) -> Optional[str]:
     return None
 
 
-def run(url: str, requests: int, seed: int, model: Optional[str] = None) -> Tally:
+def run(
+    url: str,
+    requests: int,
+    seed: int,
+    model: Optional[str] = None,
+    api_key: Optional[str] = None,
+) -> Tally:
     host, port = host_port(url)
-    maker = BodyMaker(model or served_model(host, port), seed)
+    maker = BodyMaker(model or served_model(host, port, api_key), seed, api_key)
     rnd, tally = maker.rnd, Tally()
     for _ in range(requests):
         streamed = False
@@ -254,7 +301,7 @@ def run(url: str, requests: int, seed: int, model: Optional[str] = None) -> Tall
             data = maker.raw_body()
         chunked, content_type = rnd.random() < 0.2, rnd.choice(CONTENT_TYPES)
         start = time.monotonic()
-        status, answer = exchange(host, port, route, data, content_type, chunked)
+        status, answer = exchange(host, port, route, data, content_type, chunked, maker.headers())
         took = time.monotonic() - start
         tally.count(status)
         tally.slowest_s = max(tally.slowest_s, took)
@@ -267,10 +314,11 @@ def run(url: str, requests: int, seed: int, model: Optional[str] = None) -> Tall
     return tally
 
 
-def served_model(host: str, port: int) -> str:
+def served_model(host: str, port: int, api_key: Optional[str] = None) -> str:
     conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT_S)
     try:
-        conn.request("GET", "/v1/models")
+        auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        conn.request("GET", "/v1/models", headers=auth)
         return json.loads(conn.getresponse().read())["data"][0]["id"]
     finally:
         conn.close()
@@ -321,11 +369,12 @@ def main() -> int:
         help="another server of the same model (vLLM): send both the same JSON bodies and "
         "print how their answers' classes pair up",
     )
+    ap.add_argument("--api-key", help="presented by most requests (a gateway with tenants)")
     args = ap.parse_args()
     if args.against:
         print(json.dumps(compare(args.url, args.against, args.requests, args.seed), indent=1))
         return 0
-    tally = run(args.url, args.requests, args.seed)
+    tally = run(args.url, args.requests, args.seed, api_key=args.api_key)
     print(json.dumps({"statuses": tally.statuses, "slowest_s": round(tally.slowest_s, 2),
                       "problems": tally.problems}, indent=1))  # fmt: skip
     return 1 if tally.problems else 0

@@ -155,7 +155,8 @@ def estimate_tokens(body: Any, default_max_tokens: int = 16) -> int:
         for p in prompt:
             chars += len(p) if isinstance(p, str) else 0
             ids += len(p) if isinstance(p, list) else int(isinstance(p, int))
-    for m in body.get("messages") or ():
+    messages = body.get("messages")  # a completion's body may carry anything under it
+    for m in messages if isinstance(messages, list) else ():
         content = m.get("content") if isinstance(m, dict) else None
         chars += len(content) if isinstance(content, str) else len(str(content or ""))
         ids += 4  # the template's tokens around each message

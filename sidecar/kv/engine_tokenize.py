@@ -16,6 +16,7 @@ import httpx
 
 from pdpool.prompt_truncation import ids_the_engine_keeps
 
+from ..net.asgi import raw_headers
 from ..net.metrics import GatewayMetrics
 
 log = logging.getLogger("pdpool.routing")
@@ -95,7 +96,7 @@ class EngineTokenizer:
             resp = await client.post(
                 f"{self.scheme}://{backend}/tokenize",
                 json=ask,
-                headers=passed,
+                headers=raw_headers(passed),
                 timeout=self.timeout_s,
             )
             ids = token_ids_of(resp.json(), body) if resp.status_code == 200 else None

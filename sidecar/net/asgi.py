@@ -136,6 +136,8 @@ def forwardable(headers: dict[str, str], drop: Iterable[str] = ()) -> dict[str, 
 
 
 def raw_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """Headers as octets (as they came: latin-1), for ASGI and for httpx, which would
+    encode a str value as ASCII and fail on any other octet."""
     return [(k.encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()]
 
 

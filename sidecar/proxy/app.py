@@ -41,6 +41,7 @@ from ..net.asgi import (
     forwardable,
     header_dict,
     off_loop_if_large,
+    raw_headers,
     read_body,
     run_until_disconnect,
     send_bodies_busy,
@@ -244,7 +245,9 @@ class Sidecar:
                 scope["method"],
                 url,
                 content=body,
-                headers=forwardable(header_dict(scope)),
+                # as bytes: a header may carry any latin-1 octet, which httpx will not
+                # encode from a str
+                headers=raw_headers(forwardable(header_dict(scope))),
                 timeout=30.0,
             )
         except httpx.HTTPError as exc:

@@ -21,6 +21,7 @@ from pdpool import tracing
 from . import legs
 from .adapter_legs import AdapterLegs
 from .revision_legs import RevisionLegs
+from ..net.asgi import raw_headers
 from ..net.discovery import EndpointSet
 from .exchange import Exchange, PrefillResult, json_or_none
 from ..net.metrics import SidecarMetrics
@@ -172,7 +173,7 @@ class PrefillLegs:
         moves on to the next engine instead of waiting out its timeout."""
         url = f"{self.settings.upstream_scheme}://{endpoint}{ex.route}"
         headers = ex.headers if span is None else tracing.inject(span, ex.headers)
-        call = self.next_client().post(url, json=leg, headers=headers)
+        call = self.next_client().post(url, json=leg, headers=raw_headers(headers))
         async with EjectionRace(self.pool.outliers, endpoint, call, httpx.HTTPError) as race:
             outcome = await race.wait(self.settings.prefill_timeout or None)
         if outcome != "done":

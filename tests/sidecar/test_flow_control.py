@@ -418,3 +418,14 @@ def test_tenants_file_is_reread_when_it_changes(tmp_path):
         assert set(source.current().tenants) == {"c"}
     with pytest.raises(TenantsError, match=r"tenants.yaml: tenants\[0\].weight"):
         TenantsFile(str(path))
+
+
+def test_an_estimate_never_fails_on_what_a_route_leaves_unchecked():
+    """A completion's body may carry anything under `messages` (the route does not read it):
+    the estimate ignores it instead of failing the request with a 500."""
+    from devtools.api_fuzz import ROUTES, BodyMaker
+
+    assert estimate_tokens({"prompt": [1, 2, 3], "messages": 1e308}) == 3 + 16
+    maker = BodyMaker("m", seed=3)
+    for _ in range(2000):
+        estimate_tokens(maker.json_body(maker.rnd.choice(ROUTES)))

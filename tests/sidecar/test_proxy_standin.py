@@ -480,3 +480,18 @@ async def test_a_batch_of_prompts_is_served_where_it_lands(servers, mode):
     assert r.headers["x-pdpool-path"] == "aggregated" and not prefill.state.received
     sent = decode.state.received[0][1]
     assert sent["cache_hit_threshold"] == 0.0 and "kv_transfer_params" not in sent
+
+
+async def test_a_header_with_latin_1_octets_passes_through(servers):
+    """Headers are octets: one outside ASCII is forwarded as it came on every leg (a pass-
+    through route, a prefill leg, a decode leg), not a 500."""
+    _decode, (prefill,), _sidecar, side = await topology(servers)
+    note = [(b"x-note", "café".encode("latin-1"))]
+    async with httpx.AsyncClient() as c:
+        r = await c.get(side.url + "/v1/models", headers=note)
+        cold = await c.post(
+            side.url + "/v1/completions", json={"prompt": HISTORY, "max_tokens": 2}, headers=note
+        )
+    assert r.status_code == 200, r.text
+    assert cold.status_code == 200 and cold.headers["x-pdpool-path"] == "pd", cold.text
+    assert len(prefill.state.received) == 1

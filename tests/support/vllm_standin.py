@@ -113,7 +113,7 @@ class VllmStandIn:
             return
         if route == "/v1/models":
             return await send_json(send, 200, {"object": "list", "data": [{"id": "standin"}]})
-        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         req = json.loads(body)
         if headers.get("x-request-id", "").startswith("pdpool-probe-"):
             self.state.probes += 1  # the sidecar's capability probe (capability.py)

@@ -24,7 +24,7 @@ from tests.support.e2e_helpers import cleanup, model_name, start_topology
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 160
-PINNED_TOKENS = 1000  # seconds of decoding here, however loaded
+PINNED_TOKENS = 1000  # seconds of decoding here
 DRAIN_WAIT_S = 300  # the pinned stream and the drain: well inside the test's 600 s timeout
 
 
@@ -86,12 +86,17 @@ class Load:
         for t in self.threads:
             t.start()
 
-    def pinned(self, sidecar: Any, max_tokens: int) -> threading.Thread:
-        """A long stream on one sidecar, started now, its result kept with the others."""
+    def pinned(self, sidecar: Any, max_tokens: int, until: threading.Event) -> threading.Thread:
+        """Long streams on one sidecar, one after another from now until `until` is set, their
+        results kept with the others: however fast or slow the engine decodes, one of them
+        runs at any moment before `until`."""
 
         def run():
             with httpx.Client(timeout=300) as client:
-                self.results.append(self.one(client, sidecar, max_tokens))
+                while True:
+                    self.results.append(self.one(client, sidecar, max_tokens))
+                    if until.is_set():
+                        return
 
         thread = threading.Thread(target=run)
         thread.start()
@@ -166,12 +171,14 @@ def test_load_scales_up_a_busy_scale_down_drains_and_idle_returns_to_the_minimum
         newest = max(serving(topo, "decode"), key=lambda c: c.index)
         newest_sidecar = next(c for c in topo.by_role("sidecar") if newest.url in c.argv)
         streaming = f"127.0.0.1:{newest_sidecar.port}"
-        # Its own streams come and go with the gateway's choices: one long stream of its own
-        # is surely still running when the planner decides, a few seconds later.
-        pinned = load.pinned(newest_sidecar, PINNED_TOKENS)
+        # Its own streams come and go with the gateway's choices: long streams of its own,
+        # one after another until the planner has decided, are running when it decides.
+        decided = threading.Event()
+        pinned = load.pinned(newest_sidecar, PINNED_TOKENS, until=decided)
         wait(lambda: streaming in load.active.values(), 60, "a stream on the newest engine")
         scaler.config = dataclasses.replace(config, itl_seconds=10.0)
         wait(lambda: scaler.drains, 30, "a scale-down decision")
+        decided.set()
         paused.set()
         leaving = list(scaler.drains[0].children)
         retired_at = scaler.drains[0].started_at  # unlisted then, not when this loop saw it
@@ -197,7 +204,7 @@ def test_load_scales_up_a_busy_scale_down_drains_and_idle_returns_to_the_minimum
         backend = f"127.0.0.1:{sidecar.port}"
         on_leaving = [r for r in load.results if r.get("backend") == backend]
         in_flight = [r for r in on_leaving if r["start"] < retired_at < r["end"]]
-        assert in_flight, "no stream was running on the engine when it was retired"
+        assert in_flight, ("no stream was running on the engine when it was retired", on_leaving)
         last_end = max(r["end"] for r in on_leaving)
         assert all(t >= last_end for t in exited.values()), (exited, last_end)
         assert all(r["start"] < retired_at + 1.0 for r in on_leaving)  # none routed after

@@ -140,6 +140,32 @@ def supervise(
                 write_state(state_file, topology)
 
 
+def stop_on_signals(topology: "Topology") -> None:
+    """SIGINT, SIGTERM and SIGHUP stop `up`: the first raises KeyboardInterrupt, which stops
+    the children in order; another one kills them at once."""
+    signalled = False
+
+    def stop_on_signal(signum: int, frame: Optional[FrameType]) -> None:
+        # The first signal stops everything in order; another one (an impatient second
+        # Ctrl-C) must not interrupt that stop halfway and leave children running: it
+        # kills them at once instead.
+        nonlocal signalled
+        if signalled:
+            topology.kill()
+            os.write(2, b"pdpool up: stopping now\n")  # print() is not reentrant
+            return
+        signalled = True
+        raise KeyboardInterrupt
+
+    # SIGINT too: a shell starts background jobs with it ignored, which Python keeps, and
+    # Ctrl-C (or a supervisor's SIGINT) must still stop everything. SIGHUP (the terminal
+    # closed) unless it was ignored on purpose (nohup).
+    signal.signal(signal.SIGTERM, stop_on_signal)
+    signal.signal(signal.SIGINT, stop_on_signal)
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, stop_on_signal)
+
+
 def main(args: argparse.Namespace) -> int:
     from pdpool.errors import CliError
 
@@ -156,13 +182,8 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # openssl missing or failing (--tls)
         raise CliError(str(exc)) from None
 
-    def stop_on_signal(signum: int, frame: Optional[FrameType]) -> NoReturn:
-        raise KeyboardInterrupt
-
-    # SIGINT too: a shell starts background jobs with it ignored, which Python keeps, and
-    # Ctrl-C (or a supervisor's SIGINT) must still stop everything.
-    signal.signal(signal.SIGTERM, stop_on_signal)
-    signal.signal(signal.SIGINT, stop_on_signal)
+    topology.children_die_with_parent = True
+    stop_on_signals(topology)
     print(
         f"pdpool up: starting {args.prefill} prefill + {args.decode} decode engines "
         f"(engine {args.engine}, model {spec.model}, kv connector {topology.kv_connector}, "

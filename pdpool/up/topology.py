@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
+from pdpool import parent_death
 from pdpool.cpu_cores import engine_share_of_cores
 from pdpool.ports import free_port
 from pdpool.sidecar.net.workers import MAX_AUTO_WORKERS
@@ -189,6 +190,8 @@ class Topology:
             self.ca_file, self.tls_files = make_tls_files(os.path.join(self.log_dir, "tls"))
         self._plan()
         self._stopping = False
+        # Children that end with this process even when it is killed (pdpool/parent_death.py).
+        self.children_die_with_parent = False
 
     def _write_kv_secret(self) -> str:
         """The pool's secret for signing kv_transfer_params: new for each topology, readable
@@ -469,8 +472,11 @@ class Topology:
     # ------------------------------------------------------------------ running
     def _spawn(self, child: Child) -> None:
         with open(child.log_path, "ab") as log:  # the child holds its own copy
+            argv = child.argv
+            if self.children_die_with_parent:
+                argv = parent_death.wrapped(argv, os.getpid())
             child.proc = subprocess.Popen(
-                child.argv,
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -568,6 +574,12 @@ class Topology:
             except subprocess.TimeoutExpired:
                 _signal(child, signal.SIGKILL)
                 child.proc.wait(5)
+
+    def kill(self) -> None:
+        """Stops every child now (SIGKILL), as a second interrupt asks."""
+        self._stopping = True
+        for child in self.children:
+            _signal(child, signal.SIGKILL)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -19,7 +19,6 @@ each new connection to one worker's socket, forks the workers, and supervises th
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -30,11 +29,11 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from pdpool import parent_death
 from pdpool.cpu_cores import usable_cores
 from pdpool.errors import CliError
 
 MAX_AUTO_WORKERS = 4  # beyond a few, a sidecar's share of the pod's cores is the limit
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -153,9 +152,7 @@ def _worker_main(parent: int, worker: Worker, own: list[socket.socket], run_one:
 
 def _die_with(parent: int) -> None:
     """SIGKILL this process when the parent dies (a killed sidecar takes its workers)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # died before prctl took effect
+    if not parent_death.end_with(parent, signal.SIGKILL):
         os._exit(1)
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -42,36 +43,48 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
+def start_up(tmp_path, decode: int) -> tuple[subprocess.Popen, Path]:
+    """`pdpool up` (1 prefill, `decode` decode engines); its state file once it is ready."""
     if not engine_available():
         pytest.skip("pdpool engine (torch) is not installed")
     state = tmp_path / "state.json"
-    body_done = False
+    argv = ["--port", "0", "--prefill", "1", "--decode", str(decode), "--state-file", str(state)]
     proc = subprocess.Popen(
         pdpool_command(
-            "up",
-            "--port",
-            "0",
-            "--prefill",
-            "1",
-            "--decode",
-            "2",
-            "--state-file",
-            str(state),
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--engine-arg=--num-kv-blocks=256",
+            "up", *argv, "--log-dir", str(tmp_path / "logs"), "--engine-arg=--num-kv-blocks=256"
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    deadline = time.monotonic() + 240
+    while not state.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"pdpool up did not become ready: {proc.communicate()[0]}")
+        time.sleep(0.3)
+    return proc, state
+
+
+def kill_children(state: Path) -> None:
+    """Its children run in sessions of their own: leave none behind for later tests."""
+    for child in json.loads(state.read_text())["children"]:
+        if pid_alive(child["pid"]):
+            os.killpg(child["pid"], signal.SIGKILL)
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    """Those of `pids` still running after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while [p for p in pids if pid_alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if pid_alive(p)]
+
+
+def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
+    body_done = False
+    proc, state = start_up(tmp_path, decode=2)
     try:
-        deadline = time.monotonic() + 240
-        while not state.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "pdpool up did not become ready"
-            time.sleep(0.3)
         info = json.loads(state.read_text())
         pids = [c["pid"] for c in info["children"]]
         roles = [c["role"] for c in info["children"]]
@@ -98,11 +111,7 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
             output, _ = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-            # Its children run in sessions of their own: leave none behind for later tests.
-            if state.exists():
-                for child in json.loads(state.read_text())["children"]:
-                    if pid_alive(child["pid"]):
-                        os.killpg(child["pid"], signal.SIGKILL)
+            kill_children(state)
             if body_done:
                 raise
             # else the test's own failure, already on its way out, is the one to report
@@ -110,6 +119,35 @@ def test_up_serves_and_ctrl_c_stops_everything(tmp_path):
     assert f"OpenAI base URL: {info['gateway_url']}/v1" in output
     time.sleep(0.5)
     assert not [p for p in pids if pid_alive(p)]
+
+
+def test_a_second_ctrl_c_while_stopping_still_stops_everything(tmp_path):
+    proc, state = start_up(tmp_path, decode=1)
+    pids = [c["pid"] for c in json.loads(state.read_text())["children"]]
+    try:
+        proc.send_signal(signal.SIGINT)
+        # The second one lands while the first one's orderly stop waits for the children.
+        for line in proc.stdout:
+            if "pdpool up: stopping" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output
+        assert not gone_within(pids, 5)
+    finally:
+        proc.kill()
+        kill_children(state)
+
+
+def test_up_killed_leaves_no_process_behind(tmp_path):
+    proc, state = start_up(tmp_path, decode=1)
+    pids = [c["pid"] for c in json.loads(state.read_text())["children"]]
+    try:
+        proc.kill()  # SIGKILL: up runs no code of its own to stop them
+        proc.wait(10)
+        assert not gone_within(pids, 60)
+    finally:
+        kill_children(state)
 
 
 @pytest.mark.parametrize(

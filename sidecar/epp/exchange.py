@@ -46,6 +46,7 @@ class Exchange:
         self.endpoint: Optional[str] = None
         self.status: Optional[int] = None
         self.routed = False
+        self.headers_seen = False
         self._tracked = contextlib.ExitStack()
         self._slot: Optional[Slot] = None  # flow control's hold on the pool, until the end
         self._started = time.perf_counter()
@@ -53,6 +54,9 @@ class Exchange:
     # ------------------------------------------------------------------ dispatch
     async def handle(self, request: Any) -> Answers:
         kind = request.WhichOneof("request")
+        refusal = self._out_of_order(kind)
+        if refusal is not None:
+            return [refusal]
         if kind == "request_headers":
             return await self._request_headers(request)
         if kind == "request_body":
@@ -68,6 +72,20 @@ class Exchange:
             self._finish()
             return [protocol.trailers(request_side=False)]
         return []
+
+    def _out_of_order(self, kind: Optional[str]) -> Optional[Any]:
+        """A 400 for a request-side message Envoy never sends where it came (headers twice,
+        a body before the headers or after the request was routed): routing the request
+        again would take a second flow-control slot that nothing releases."""
+        if kind == "request_headers":
+            wrong = self.headers_seen
+        elif kind in ("request_body", "request_trailers"):
+            wrong = not self.headers_seen or self.routed
+        else:
+            return None
+        if not wrong:
+            return None
+        return protocol.immediate(400, f"ext_proc: {kind} out of order for this request")
 
     def close(self) -> None:
         """The stream ended (the request is over, or Envoy or the client gave up on it: not
@@ -85,6 +103,7 @@ class Exchange:
     # ------------------------------------------------------------------ request path
     async def _request_headers(self, request: Any) -> Answers:
         self.headers = protocol.header_map(request.request_headers)
+        self.headers_seen = True
         self._started = time.perf_counter()
         if request.request_headers.end_of_stream:
             return await self._route(request, body_ended=False)
@@ -169,7 +188,7 @@ class Exchange:
     # ------------------------------------------------------------------ response path
     def _response_headers(self, request: Any) -> Answers:
         headers = protocol.header_map(request.response_headers)
-        self.status = int(headers.get(":status", "0") or 0)
+        self.status = status_code(headers.get(":status", ""))
         served = protocol.upstream_address(request)
         if self.endpoint is not None and self.status >= 500 and protocol.envoy_reply(request):
             # Envoy's own reply: it could not reach (or lost) the endpoint picked.
@@ -209,3 +228,8 @@ class Exchange:
         self.picker.routing.answered(self.endpoint, self.status)
         self._tracked.close()
         self._release()
+
+
+def status_code(text: str) -> int:
+    """An HTTP status from its header (0 when it is not three ASCII digits)."""
+    return int(text) if len(text) == 3 and text.isascii() and text.isdigit() else 0

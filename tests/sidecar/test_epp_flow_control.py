@@ -81,3 +81,38 @@ async def test_without_flow_control_the_client_key_is_forwarded():
     _, answers = await exchange(picker)
     removed = answers[0].request_headers.response.header_mutation.remove_headers
     assert "authorization" not in removed
+
+
+def response_headers(status: str) -> object:
+    headers = ext.HeaderMap(headers=[ext.HeaderValue(key=":status", raw_value=status.encode())])
+    return ext.ProcessingRequest(response_headers=ext.HttpHeaders(headers=headers))
+
+
+async def test_messages_out_of_order_are_refused_and_take_no_slot(tmp_path):
+    """A client of the picker's port is not always Envoy: headers again after the request
+    was routed would route it again, and each routing took a slot nothing released."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(
+        f"tenants: [{{name: a, keys: ['{KEY}']}}]\npool: {{maxInFlightPerBackend: 4}}\n"
+    )
+    picker = EndpointPicker(EppSettings(decode_urls=["127.0.0.1:1"], tenants_file=str(tenants)))
+    admitted = picker.flow.controller
+    ex, answers = await exchange(picker)
+    assert answers[0].WhichOneof("response") == "request_headers" and admitted.admitted == 1
+    again = request_headers(KEY)
+    again.request_headers.end_of_stream = True
+    for message in (again, request_body()):
+        refused = (await ex.handle(message))[0].immediate_response
+        assert refused.status.code == 400 and b"out of order" in refused.body
+    assert admitted.admitted == 1
+    # A status that is no number is no reason to fail the stream.
+    for status in ("abc", "9" * 5000, "\u00b2\u00b2\u00b2"):
+        assert (await ex.handle(response_headers(status)))[0].WhichOneof("response")
+    ex.close()
+    assert admitted.admitted == 0
+    # A body before any headers names no route: refused, not routed as a request without one.
+    early = Exchange(picker)
+    refused = (await early.handle(request_body()))[0].immediate_response
+    assert refused.status.code == 400
+    early.close()
+    assert admitted.admitted == 0

@@ -28,6 +28,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -40,6 +41,11 @@ LEASE_MAGIC = b"PDKL"
 MAX_LEASE_MESSAGE_BYTES = 1 << 20
 _HELLO = MAGIC + struct.pack(">H", PROTOCOL_VERSION)
 MAX_DOCUMENT_BYTES = 16 << 20  # metadata is a few KB; refuse absurd answers
+# Connections served at once: far above what a pool's peers open (an engine makes at most
+# eight lease calls at once, each done in milliseconds), far below what a thread per
+# connection can afford.
+MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_HOST = 128
 
 
 class HandshakeError(RuntimeError):
@@ -177,9 +183,16 @@ def check_compatible(local_layout: Mapping[str, Any], peer: HandshakeDocument) -
 # ---- server -------------------------------------------------------------------------------
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with a `deadline` (monotonic), socket.timeout once it passes, however the
+    bytes trickle in (a timeout per recv alone lets one byte a while hold a thread for hours)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"{len(buf)} of {n} bytes before the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ConnectionError(f"connection closed after {len(buf)} of {n} bytes")
@@ -192,17 +205,19 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self):
         owner = self.server.owner
+        # One deadline for the whole exchange: a peer has io_timeout_s to send its request.
+        self.deadline = time.monotonic() + owner.io_timeout_s
         self.request.settimeout(owner.io_timeout_s)
         try:
             if owner.client_allowlist is not None and not is_allowed(
                 self.client_address[0], owner.client_allowlist
             ):
                 return  # close without a word: nothing to learn for a stranger
-            magic = _recv_exactly(self.request, len(MAGIC))
+            magic = _recv_exactly(self.request, len(MAGIC), self.deadline)
             if magic == LEASE_MAGIC and owner.lease_handler is not None:
                 self._lease_op(owner)
                 return
-            if magic + _recv_exactly(self.request, 2) != _HELLO:
+            if magic + _recv_exactly(self.request, 2, self.deadline) != _HELLO:
                 return
             payload = owner.payload()
             self.request.sendall(struct.pack(">I", len(payload)) + payload)
@@ -210,31 +225,70 @@ class _Handler(socketserver.BaseRequestHandler):
             pass  # a client that went away is its own problem
 
     def _lease_op(self, owner: "HandshakeServer") -> None:
-        (length,) = struct.unpack(">I", _recv_exactly(self.request, 4))
+        (length,) = struct.unpack(">I", _recv_exactly(self.request, 4, self.deadline))
         if length > MAX_LEASE_MESSAGE_BYTES:
             return
+        raw = _recv_exactly(self.request, length, self.deadline)
         try:
-            message = json.loads(_recv_exactly(self.request, length))
+            message = json.loads(raw)
             handler = owner.lease_handler
             reply = (
                 handler(message)
                 if handler is not None and isinstance(message, dict)
                 else {"ok": False, "error": "a lease message is a JSON object"}
             )
-        except ValueError:
+        except (ValueError, RecursionError):
             reply = {"ok": False, "error": "a lease message is JSON"}
         payload = json.dumps(reply, separators=(",", ":")).encode()
         self.request.sendall(struct.pack(">I", len(payload)) + payload)
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):
+    """A thread per connection, at most MAX_CONNECTIONS at once and MAX_CONNECTIONS_PER_HOST
+    from one address: a connection beyond them is closed at once (a peer's lease call then
+    fails and its request recomputes), so a flood of idle connections from one host can
+    neither pile up threads nor take every other peer's turn."""
+
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, address, owner: "HandshakeServer", family: int):
         self.address_family = family
         self.owner = owner
+        self._count_lock = threading.Lock()
+        self._open: dict[str, int] = {}  # client address -> connections being served
         super().__init__(address, _Handler)
+
+    def _admit(self, host: str) -> bool:
+        with self._count_lock:
+            total = sum(self._open.values())
+            if total >= MAX_CONNECTIONS or self._open.get(host, 0) >= MAX_CONNECTIONS_PER_HOST:
+                return False
+            self._open[host] = self._open.get(host, 0) + 1
+            return True
+
+    def _leave(self, host: str) -> None:
+        with self._count_lock:
+            left = self._open.pop(host) - 1
+            if left:
+                self._open[host] = left
+
+    def process_request(self, request, client_address):
+        host = client_address[0]
+        if not self._admit(host):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: nothing else would count it out
+            self._leave(host)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._leave(client_address[0])
 
 
 class HandshakeServer:

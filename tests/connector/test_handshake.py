@@ -4,9 +4,11 @@ import json
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
+from pdpool.engine.connector import handshake
 from pdpool.engine.connector.allowlist import parse_allowlist
 from pdpool.engine.connector.handshake import (
     HandshakeDocument,
@@ -207,3 +209,60 @@ def test_client_fails_cleanly_on_a_bad_server(answer, match):
             fetch_handshake("127.0.0.1", server.port, timeout=0.5)
     finally:
         server.close()
+
+
+def hello_from(source: str, port: int) -> bytes:
+    """The handshake by hand, from a chosen loopback address: the answer's bytes ("" when
+    the server closed without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as s:
+        s.sendall(b"PDKV" + struct.pack(">H", 1))
+        return s.recv(4)
+
+
+def lease_answer(sock: socket.socket) -> dict:
+    (length,) = struct.unpack(">I", sock.recv(4))
+    return json.loads(sock.recv(length))
+
+
+def test_a_peer_that_trickles_its_request_is_cut_off_at_the_deadline():
+    """A timeout per read alone would let one byte every so often hold a thread for hours."""
+    with HandshakeServer(
+        document(), host="127.0.0.1", port=0, io_timeout_s=1.0, lease_handler=lambda m: {}
+    ) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"PDKL" + struct.pack(">I", 100))
+            closed = False
+            for _ in range(30):  # a byte every 0.3 s: 9 s, were it never cut off
+                try:
+                    s.sendall(b"{")
+                    s.settimeout(0.3)
+                    closed = s.recv(1) == b""
+                except socket.timeout:
+                    continue
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+            assert closed
+        # Deep nesting is no JSON a peer sends: an answer, not a thread lost to a traceback.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            deep = b"[" * 200_000 + b"]" * 200_000
+            s.sendall(b"PDKL" + struct.pack(">I", len(deep)) + deep)
+            assert lease_answer(s) == {"ok": False, "error": "a lease message is JSON"}
+
+
+def test_one_host_cannot_hold_every_connection(monkeypatch):
+    monkeypatch.setattr(handshake, "MAX_CONNECTIONS_PER_HOST", 4)
+    with HandshakeServer(document(), host="127.0.0.1", port=0, io_timeout_s=30) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+        try:
+            time.sleep(0.3)  # each is being served (waits for its hello)
+            assert hello_from("127.0.0.1", server.port) == b""  # a fifth from that host: closed
+            assert len(hello_from("127.0.0.2", server.port)) == 4  # another host: served
+        finally:
+            for s in idle:
+                s.close()
+        deadline = time.monotonic() + 10
+        while hello_from("127.0.0.1", server.port) == b"":  # its turns come back
+            assert time.monotonic() < deadline
+            time.sleep(0.1)

@@ -201,8 +201,15 @@ class Exchange:
                     code="no_backend",
                 )
             ]
-        if served is not None and served != self.endpoint and self.endpoint is not None:
-            # Not where it was sent (a gateway that does its own load balancing): count it there.
+        if (
+            served is not None
+            and served != self.endpoint
+            and self.endpoint is not None
+            and served in self.picker.routing.backends.current
+        ):
+            # Not where it was sent (a gateway that does its own load balancing): count it
+            # there. Only a backend the picker knows: the address is the stream's word, and
+            # any other would become a new series of metrics and routing state.
             self._tracked.close()
             self._tracked = contextlib.ExitStack()
             self._tracked.enter_context(self.picker.routing.tracked(served))

@@ -278,3 +278,40 @@ async def test_a_large_body_past_the_budget_gets_503_and_its_share_comes_back_at
     for ex in (again, holders[1]):
         ex.close()
     assert picker.bodies.held == 0
+
+
+async def test_only_a_known_sidecar_named_as_served_is_counted_there():
+    """The served address is the stream's word: one the picker does not know would become a
+    new series of metrics and routing state per request."""
+    from prometheus_client import generate_latest
+
+    from pdpool.sidecar.epp.exchange import Exchange
+
+    picker = _picker()
+
+    async def served_by(address: str) -> str:
+        ex = Exchange(picker)
+        await ex.handle(_request_headers())
+        answers = await ex.handle(_body(b'{"prompt": "hi", "max_tokens": 2}', end=True))
+        picked = _set_headers(answers[0].request_headers.response.header_mutation)
+        status = ext.ProcessingRequest(response_headers=_headers(**{":status": "200"}))
+        status.attributes[protocol.ATTRIBUTES_NAMESPACE].update(
+            {protocol.UPSTREAM_ATTRIBUTE: address, protocol.DETAILS_ATTRIBUTE: "via_upstream"}
+        )
+        await ex.handle(status)
+        ex.close()
+        return picked[protocol.DESTINATION_HEADER]
+
+    for i in range(50):
+        await served_by(f"10.66.0.{i}:8000")
+    text = generate_latest(picker.metrics.registry).decode()
+    assert "10.66.0." not in text
+    other = SIDECARS[1]
+
+    def counted() -> float:
+        sample = {"backend": other, "status": "200"}
+        return picker.metrics.registry.get_sample_value("pdpool_gateway_requests_total", sample)
+
+    before = counted() or 0.0
+    await served_by(other)  # wherever it was picked: counted where it was served
+    assert counted() == before + 1

@@ -235,6 +235,12 @@ class UpTarget:
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def server_errors(self, limit: int = 60) -> str:
+        """What the children's logs say went wrong inside a server (an exception that
+        reached uvicorn, a response never started), with the lines of each traceback: what
+        a failed load test shows beside its problems."""
+        return server_errors(sorted((self.log_dir / "logs").glob("*.log")), limit)
+
     def stop(self) -> None:
         if self.proc is None:
             return
@@ -245,6 +251,37 @@ class UpTarget:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+
+# Lines of a server's log that report its own failure (uvicorn's, the engine's handlers').
+SERVER_ERROR_MARKS = ("Exception in ASGI application", "ASGI callable", "unhandled error")
+
+
+def server_errors(logs: list[Path], limit: int = 60) -> str:
+    """The server failures `logs` report, each with the traceback after it, at most `limit`
+    lines in all, every line named by its log; "" when there are none."""
+    out: list[str] = []
+    for path in logs:
+        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+        for i, line in enumerate(lines):
+            if any(mark in line for mark in SERVER_ERROR_MARKS):
+                out += [f"{path.stem}: {text}" for text in _with_traceback(lines, i)]
+    more = [f"... {len(out) - limit} lines more"] if len(out) > limit else []
+    return "\n".join(out[:limit] + more)
+
+
+def _with_traceback(lines: list[str], at: int) -> list[str]:
+    """Line `at`, and the traceback right after it if one follows (to its exception line)."""
+    taken = [lines[at]]
+    rest = lines[at + 1 : at + 200]
+    if not rest or not rest[0].startswith("Traceback"):
+        return taken
+    for line in rest:
+        taken.append(line)
+        inside = not line or line.startswith((" ", "Traceback", "During handling", "The above"))
+        if not inside:
+            break
+    return taken
 
 
 # --- serving, and coming back ----------------------------------------------------------

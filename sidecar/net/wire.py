@@ -64,8 +64,16 @@ class Wire(asyncio.Protocol):
 
     # ------------------------------------------------------------ the client's side
     def write(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(data)
+        """Raises ConnectionResetError when the connection has ended: it may end between
+        its opening and the first write (the peer reset it as it accepted), and uvloop
+        raises RuntimeError for a write to a closed transport where asyncio drops it."""
+        transport = self.transport
+        if transport is None or self._ended or transport.is_closing():
+            raise ConnectionResetError(f"connection closed before the request: {self._error!r}")
+        try:
+            transport.write(data)
+        except RuntimeError as exc:
+            raise ConnectionResetError(f"connection closed before the request: {exc}") from None
 
     def usable(self) -> bool:
         """An idle keep-alive connection that can carry another request: open, and nothing

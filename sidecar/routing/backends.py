@@ -7,6 +7,7 @@ a backend is judged fit, tokenized for and read for saturation alike behind eith
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Optional
 
 import httpx
@@ -22,6 +23,8 @@ from ..net.upstream import readiness
 
 # An engine's /metrics page larger than this is not read (a vLLM page is tens of KiB).
 MAX_METRICS_BYTES = 8 * 1024 * 1024
+
+log = logging.getLogger("pdpool.routing")
 
 
 class Backends:
@@ -73,8 +76,11 @@ class Backends:
                 self.probe_timeout_s,
                 no_ready=lambda status: status == 404,
             )
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            log.warning("probe of decode sidecar %s failed: %r", backend, exc)
             return False
+        if r.status_code != 200:
+            log.warning("probe of decode sidecar %s: answered %d", backend, r.status_code)
         return r.status_code == 200
 
     async def engine_metrics(self, backend: str) -> Optional[str]:

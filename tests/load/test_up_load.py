@@ -129,4 +129,4 @@ def test_mixed_bursts_through_the_gateway_while_a_sidecar_and_an_engine_die(up, 
     problems += [f"{k.node} did not serve again" for k in kills if k.recovered_s is None]
     problems += leaked_blocks(up, idle, BLOCKS_IDLE_WAIT_S)
     problems += memory_problems(rss, memory(up), MEMORY_GROWTH_LIMIT)
-    assert not problems, no_problems(problems)
+    assert not problems, no_problems(problems) + "\n" + up.server_errors()

@@ -453,3 +453,36 @@ async def test_a_response_head_past_the_limit_or_cut_short_is_refused():
             with pytest.raises(UpstreamProtocolError, match=match):
                 await pool.send("POST", f"http://127.0.0.1:{port}/", b"{}")
     await pool.aclose()
+
+
+async def _a_connection_closed_before_the_request_is_written():
+    """The upstream's connection ends between its opening and the request's write (a
+    sidecar killed as it accepted): an upstream error the callers retry elsewhere, never
+    the event loop's own error (uvloop raises RuntimeError on a closed transport)."""
+
+    async def accept(reader, writer):
+        await reader.read()
+
+    server, port = await raw_server(accept)
+    pool = Http1Pool(connect_timeout=1)
+    opened = pool._open
+
+    async def open_then_lose(key):
+        conn = await opened(key)
+        conn.transport.abort()  # as a reset from the peer would
+        await asyncio.sleep(0.01)  # its connection_lost has run
+        return conn
+
+    pool._open = open_then_lose
+    async with server:
+        with pytest.raises(UpstreamProtocolError, match="closed before the request"):
+            await pool.send("POST", f"http://127.0.0.1:{port}/v1/completions", b"{}")
+    await pool.aclose()
+
+
+async def test_a_connection_closed_before_the_request_is_written_is_an_upstream_error():
+    await _a_connection_closed_before_the_request_is_written()
+
+
+def test_a_connection_closed_before_the_request_is_written_likewise_on_uvloop():
+    uvloop.run(_a_connection_closed_before_the_request_is_written())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import socket
+from typing import Optional
 
 LOWEST = 10000  # below: well-known and registered services' usual homes
 DEFAULT_EPHEMERAL = (32768, 60999)
@@ -67,3 +68,19 @@ def free_ports(n: int) -> list[int]:
             s.close()
     _handed_out.update(ports)
     return ports
+
+
+def listen_error(host: str, port: int) -> Optional[str]:
+    """Why a server could not listen on host:port now (another socket holds it), as one
+    line; None when it could (port 0 always can). Bound as servers bind (SO_REUSEADDR), so a
+    port left in TIME_WAIT by a server that just stopped counts as free."""
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None

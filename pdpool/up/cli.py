@@ -168,10 +168,14 @@ def stop_on_signals(topology: "Topology") -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pdpool.errors import CliError
+    from pdpool.ports import listen_error
 
     from .topology import Topology, write_state
 
     spec = spec_from_args(args)
+    taken = listen_error("127.0.0.1", spec.port)
+    if taken is not None:  # found now, not once every engine has loaded its model
+        raise CliError(f"{taken} (give --port another port, or 0 for any free one)")
     planner = planner_config_from_args(args) if args.autoscale else None
     trace = open_trace(args)
     if args.otel and args.otlp_traces_endpoint:

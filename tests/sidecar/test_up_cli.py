@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -170,3 +171,23 @@ def test_up_bad_arguments_exit_with_one_line(argv, needle, tmp_path):
     )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and needle in done.stderr
+
+
+def test_a_gateway_port_in_use_is_refused_before_any_engine_starts(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run(
+            pdpool_command("up", "--port", str(port), "--log-dir", str(tmp_path / "logs")),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "starting" not in done.stdout  # refused before the engines, not after them
+    assert not list((tmp_path / "logs").glob("*.log"))
+    assert time.monotonic() - started < 60

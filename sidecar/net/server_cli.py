@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import socket
 from typing import Any, Callable, Optional
 
@@ -55,6 +56,23 @@ def serve(
     return _serve_app(args, build_app, listeners.metrics_port, listeners.sockets, listeners)
 
 
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging, every line with its time, and the servers' own loggers (pdpool.*)
+    through the same handler at `level`: a gateway's ejections and a sidecar's retries can be
+    set beside the engines' logs and the clients' errors."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    config["loggers"]["pdpool"] = {
+        "handlers": ["default"],
+        "level": level.upper(),
+        "propagate": False,
+    }
+    return config
+
+
 def _serve_app(
     args: argparse.Namespace,
     build_app: Callable[[], Any],
@@ -84,6 +102,7 @@ def _serve_app(
         log_level=args.log_level,
         **tls,
         access_log=False,
+        log_config=log_config(args.log_level),
         http=BoundedRequestHttp,
         lifespan="on",
         # Neither app reads the client's address: no X-Forwarded-For rewriting per request.

@@ -23,6 +23,7 @@ and after, and every problem the tests would fail on.
 
     python benchmarks/load.py --quick                  # about 3 minutes on 2 cores
     python benchmarks/load.py --target serve --burst 256 --requests 1024 --no-chaos
+    python benchmarks/load.py --target up --chaos-rounds 8 --requests 64   # 32 kills
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from devtools.load_targets import (
     memory,
     outages,
     served_model,
+    server_errors,
 )
 from pdpool.up.topology import ensure_tiny_model
 
@@ -86,6 +88,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=512, help="requests of the load phase")
     p.add_argument("--chaos-burst", type=int, default=64, help="burst size under chaos")
     p.add_argument("--chaos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--chaos-rounds",
+        type=int,
+        default=1,
+        help="the target's faults this many times over (a race at a kill shows in a few dozen)",
+    )
     p.add_argument("--quick", action="store_true", help="a small scale: " + str(QUICK))
     p.add_argument("--model", help="checkpoint folder (default: the tiny Qwen3)")
     p.add_argument("--recovery-timeout", type=float, default=90.0)
@@ -94,6 +102,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-dir", help="where the servers log (default: a temp dir)")
     p.add_argument("--name", default="load", help="results file name")
     args = p.parse_args()
+    if args.chaos_rounds < 1:
+        p.error("--chaos-rounds must be at least 1")
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
@@ -121,7 +131,11 @@ def load_phase(target, spec: MixSpec, args) -> tuple[list[Outcome], float]:
 def chaos_phase(target, spec: MixSpec, args) -> tuple[list[Outcome], list, float]:
     async def faults() -> list:
         return await asyncio.to_thread(
-            inject_faults, target, FAULTS[target.name], spec.model, args.recovery_timeout
+            inject_faults,
+            target,
+            FAULTS[target.name] * args.chaos_rounds,
+            spec.model,
+            args.recovery_timeout,
         )
 
     t0 = time.monotonic()
@@ -152,6 +166,9 @@ def run_target(kind: str, model: str, args, log_dir: Path) -> dict:
         problems += leaks
         problems += memory_problems(rss_before, rss_after, MEMORY_GROWTH_LIMIT)
         problems += [f"{k.node} did not serve again" for k in kills if k.recovered_s is None]
+        errors = server_errors(sorted((log_dir / kind).rglob("*.log")))
+        if errors:  # an exception that reached a server is a problem even when retried
+            problems.append("the servers logged failures:\n" + errors)
         return {
             "target": kind,
             "url": target.url,
@@ -209,7 +226,10 @@ def main() -> int:
         result = run_target(kind, model, args, log_dir)
         report(result)
         results.append(result)
-    scale = {k: getattr(args, k) for k in ("burst", "requests", "chaos_burst", "chaos", "quick")}
+    scale = {
+        k: getattr(args, k)
+        for k in ("burst", "requests", "chaos_burst", "chaos", "chaos_rounds", "quick")
+    }
     write_json(args.name, {"model": model, "scale": scale, "logs": str(log_dir), "runs": results})
     return 1 if any(r["problems"] for r in results) else 0
 

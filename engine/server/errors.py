@@ -103,6 +103,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_api(_req: Request, exc: ApiError) -> JSONResponse:
         return error_response(str(exc), exc.status, exc.err_type, exc.param)
 
+    @app.exception_handler(EngineUnavailable)
+    @app.exception_handler(EngineBusy)
+    async def _on_engine_gone(_req: Request, exc: Exception) -> JSONResponse:
+        # Any route that waits on the engine core (a lease release, a tokenization) while
+        # the core restarts: retryable, like the generation routes' answer (engine_error).
+        return error_response(str(exc), 503, "ServiceUnavailable")
+
     @app.exception_handler(Exception)
     async def _on_any(_req: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")

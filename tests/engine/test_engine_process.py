@@ -67,6 +67,7 @@ def _busy(eng) -> Iterator[Iterator[str]]:
 
 
 BODY = {"prompt": [5, 6, 7, 8, 9] * 4, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+LEASE = {"kv_transfer_params": {"pdpool_lease": {"id": "no-such-lease"}}}
 
 
 def test_thread_and_process_give_the_same_answers(tiny_qwen3, tmp_path):
@@ -111,6 +112,11 @@ def test_a_dead_engine_core_fails_its_requests_then_serves_again(tiny_qwen3, tmp
                 break
             assert after.status_code == 503 and "engine core" in after.text, after.text
             assert after.headers["retry-after"] == "1"
+            # The other routes that wait on the core say the same (retryable), never 500.
+            release = httpx.post(f"{eng.url}/pdpool/v1/kv/release", json=LEASE, timeout=60)
+            assert release.status_code in (200, 503), release.text
+            if release.status_code == 503:
+                assert "engine core" in release.text and release.headers["retry-after"] == "1"
             assert time.monotonic() < deadline, "no new engine core within 60 s"
             time.sleep(0.5)
         assert eng.proc.poll() is None

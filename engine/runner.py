@@ -154,7 +154,9 @@ class ModelRunner:
         if pending is not None:
             _grammar_may_end(logits, reqs, suppress)
         histories = [
-            (r.prompt_token_ids, r.output_token_ids) if r.sampling_params.penalized else None
+            (r.prompt_token_ids, r.output_token_ids)
+            if r.sampling_params.penalized or r.sampling_params.bad_words_token_ids
+            else None
             for r in reqs
         ]
         res = self.sampler.sample(

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from pdpool.engine.allowed_tokens import AllowedTokens
+from pdpool.engine.bad_words import banned
 from pdpool.engine.outputs import RequestError, TokenLogprob  # re-exported
 from pdpool.engine.penalties import apply_penalties
 from pdpool.engine.sampling_filters import sampling_weights
@@ -88,17 +89,19 @@ class Sampler:
         histories: Optional[list[Optional[tuple[list[int], list[int]]]]] = None,
     ) -> SampleResult:
         """logits `[B, V]`; `suppress[b]` lists token ids banned for row b (min_tokens);
-        `histories[b]`: row b's prompt and output token ids, where its params penalize."""
+        `histories[b]`: row b's prompt and output token ids, where its params penalize or
+        ban words."""
         logits = logits.float()
         want = [b for b, p in enumerate(params) if p.logprobs is not None]
         raw = torch.log_softmax(logits[want], dim=-1) if want else None
         raw_row = {b: i for i, b in enumerate(want)}
         errors: dict[int, Exception] = {}
         self._bias_and_restrict(logits, request_ids, params)
+        _ban_bad_words(logits, params, histories)
         _suppress(logits, suppress, errors)
         # As vLLM: the penalties after min_tokens and logit_bias, before the greedy choice.
         for b, history in enumerate(histories or ()):
-            if history is not None and b not in errors:
+            if history is not None and params[b].penalized and b not in errors:
                 try:
                     apply_penalties(logits[b], history[0], history[1], params[b])
                 except Exception as exc:  # this row only
@@ -233,6 +236,21 @@ def inverse_cdf_draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     picked = torch.minimum(torch.searchsorted(sums, uniform[:, None] * total, right=True), last)
     valid = (total > 0) & (total < math.inf)  # NaN fails both
     return picked.masked_fill_(~valid, -1)[:, 0]
+
+
+def _ban_bad_words(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: Optional[list[Optional[tuple[list[int], list[int]]]]],
+) -> None:
+    """As vLLM: after allowed_token_ids, each row's bad words (bad_words.py) from its
+    output so far."""
+    for b, history in enumerate(histories or ()):
+        sequences = params[b].bad_words_token_ids
+        if history is not None and sequences:
+            tokens = banned(sequences, history[1])
+            if tokens:
+                logits[b, tokens] = float("-inf")
 
 
 def _suppress(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pdpool.engine.bad_words import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS
 from pdpool.engine.structured.spec import GuidedSpec
 from pdpool.protocol import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -75,6 +76,8 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     # vLLM's: the output text leaves out the tokenizer's special tokens (ids stay).
     skip_special_tokens: bool = True
+    # vLLM's bad_words as token sequences (bad_words.py): none may end the output.
+    bad_words_token_ids: Optional[list[list[int]]] = None
 
     @property
     def penalized(self) -> bool:
@@ -98,6 +101,7 @@ class SamplingParams:
             )
         self._check_stop_token_ids(vocab_size)
         self._check_allowed_token_ids(vocab_size)
+        self._check_bad_words(vocab_size)
         self._check_logit_bias(vocab_size)
         self._check_ranges()
         self._check_stop()
@@ -138,6 +142,19 @@ class SamplingParams:
         if not isinstance(ids, list) or not ids:
             raise ValueError("allowed_token_ids must be a non-empty list of token ids")
         _check_token_ids("allowed_token_ids", ids, MAX_ALLOWED_TOKEN_IDS, vocab_size)
+
+    def _check_bad_words(self, vocab_size: Optional[int]) -> None:
+        sequences = self.bad_words_token_ids
+        if sequences is None:
+            return
+        if not isinstance(sequences, list) or len(sequences) > MAX_BAD_WORD_SEQUENCES:
+            raise ValueError(
+                f"bad_words: at most {MAX_BAD_WORD_SEQUENCES} token sequences after tokenization"
+            )
+        for seq in sequences:
+            if not isinstance(seq, list) or not seq:
+                raise ValueError("bad_words: every entry must tokenize to at least one token")
+            _check_token_ids("bad_words", seq, MAX_BAD_WORD_TOKENS, vocab_size)
 
     def _check_logit_bias(self, vocab_size: Optional[int]) -> None:
         if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:

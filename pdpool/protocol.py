@@ -84,6 +84,10 @@ MAX_STOP_STRINGS = 8
 # Token-id lists the engine scans every step (a stop check per token, a mask while
 # min_tokens holds) or turns into a mask: capped, so that one body cannot slow every step.
 MAX_STOP_TOKEN_IDS = 1024
+# vLLM's bad_words: at most as many words as token sequences it allows (each word is one or
+# two), each of a bounded length (every one is tokenized twice per request).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 1024
 MAX_ALLOWED_TOKEN_IDS = 16384
 # A client's request id goes into logs and answer ids: visible ASCII only (as a header's).
 REQUEST_ID_PATTERN = r"^[!-~]*$"
@@ -196,7 +200,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _empty,
     "length_penalty": _none_or_number(1),
     "structural_tag": _empty,
-    "bad_words": _empty,
     "prompt_embeds": _empty,
     "audio": _empty,
     "modalities": lambda v: v is None or v == ["text"],
@@ -258,6 +261,12 @@ class _GenerationFields(BaseModel):
     min_p: Optional[Annotated[Number, Field(ge=0.0, le=1.0)]] = None
     allowed_token_ids: Optional[
         Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
+    ] = None
+    bad_words: Optional[
+        Annotated[
+            list[Annotated[Str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]],
+            Field(max_length=MAX_BAD_WORDS),
+        ]
     ] = None
     # vLLM's detokenizing options. Ours is always a fast tokenizer, for which vLLM too reads
     # spaces_between_special_tokens nowhere: it is checked and has no effect.

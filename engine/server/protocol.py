@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
+from pydantic import PrivateAttr
+
 from pdpool.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdpool.protocol import ChatFields, ChatMessageFields, CompletionFields, KVTransferParams
 
@@ -64,6 +66,8 @@ class _SamplingFields(_MixedInto):
 class CompletionRequest(_SamplingFields, CompletionFields):
     # pydantic parses it (the shared models keep the raw object): a narrower field type.
     kv_transfer_params: Optional[KVTransferParams] = None  # type: ignore[assignment]
+    # bad_words as token sequences, tokenized with the body, off the event loop (translator).
+    _bad_words_ids: Optional[list[list[int]]] = PrivateAttr(default=None)
     # As vLLM: `logprobs` is the sampled token's logprob plus the `logprobs` most likely.
 
     def _logprobs(self) -> Optional[int]:
@@ -91,6 +95,7 @@ def message_text(message: ChatMessageFields) -> str:
 class ChatCompletionRequest(_SamplingFields, ChatFields):
     # pydantic parses it (the shared models keep the raw object): a narrower field type.
     kv_transfer_params: Optional[KVTransferParams] = None  # type: ignore[assignment]
+    _bad_words_ids: Optional[list[list[int]]] = PrivateAttr(default=None)  # as above
 
     def _logprobs(self) -> Optional[int]:
         if self.top_logprobs is not None:

@@ -68,7 +68,7 @@ def vllm_sampling_params(
     out["skip_clone"] = True
     if kv_transfer_params is not None:
         out["extra_args"] = {"kv_transfer_params": kv_transfer_params}
-    out["bad_words"] = []
+    out["bad_words"] = list(dict.fromkeys(req.bad_words or []))  # deduplicated, as vLLM
     out["skip_reading_prefix_cache"] = False
     return out
 

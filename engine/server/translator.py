@@ -14,6 +14,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from pdpool.body_budget import BodiesBusy, BodyBudget, BodyHold
+from pdpool.engine.bad_words import token_sequences
 from pdpool.engine.engine_state import EngineView
 from pdpool.engine.lora.registry import LoRARef, LoRARegistry
 from pdpool.engine.outputs import prompt_fit_problem
@@ -153,6 +154,8 @@ class RequestTranslator:
                 raise RequestError(
                     f"stop_token_ids must be in [0, {vocab}), got {t}", "stop_token_ids"
                 )
+        if req.bad_words:
+            req._bad_words_ids = self.bad_word_sequences(req.bad_words)
         return req
 
     def token_text(self, req: GenerationRequest) -> TokenText:
@@ -286,6 +289,12 @@ class RequestTranslator:
             params = req.sampling_params(default_max_tokens=default_max_tokens)
         except ValueError as exc:
             raise ApiError(str(exc)) from exc
+        if req.bad_words:
+            try:
+                sequences = req._bad_words_ids or self.bad_word_sequences(req.bad_words)
+            except RequestError as exc:
+                raise ApiError(str(exc), param=exc.param) from exc
+            params = dataclasses.replace(params, bad_words_token_ids=sequences)
         if len(prompts) * params.n > MAX_CHOICES:
             raise ApiError(
                 f"n x the number of prompts must be at most {MAX_CHOICES}, "
@@ -295,6 +304,20 @@ class RequestTranslator:
         for prompt_ids in prompts:
             self.refuse_if_unservable(prompt_ids, params.max_tokens)
         return params
+
+    def bad_word_sequences(self, words: list[str]) -> list[list[int]]:
+        """The token sequences `words` ban, as vLLM tokenizes them; RequestError naming
+        bad_words. Up to a few hundred milliseconds for the longest words: `validated` runs
+        it with the body's parsing, off the event loop."""
+        tokenizer = self.engine.tokenizer
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        try:
+            return token_sequences(words, encode, self.engine.info.config["vocab_size"])
+        except ValueError as exc:
+            raise RequestError(str(exc), "bad_words") from exc
 
     def choice_requests(
         self, req: GenerationRequest, prompts: list[list[int]], client_request_id: Optional[str]

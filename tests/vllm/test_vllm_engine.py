@@ -11,8 +11,8 @@ decode engine behind our sidecar, our gateway; P/D through vLLM's NixlConnector)
 - a stop string or stop token id ends an answer as in vLLM: the same text, finish_reason and
   stop_reason, streamed and not, completions and chat, from our engine and through the
   gateway;
-- presence, frequency and repetition penalties and allowed_token_ids change greedy answers
-  as in vLLM: the same text from our engine and through the gateway (P/D);
+- presence, frequency and repetition penalties, allowed_token_ids and bad_words change
+  greedy answers as in vLLM: the same text from our engine and through the gateway (P/D);
 - P/D really moved the KV (the decode engine counts prompt tokens from external transfer);
 - vLLM's /metrics has the names, types and labels our engine copies;
 - vLLM engines join a traced request's trace (`--otlp-traces-endpoint`, as every child of
@@ -363,6 +363,48 @@ def test_penalties_and_allowed_tokens_change_greedy_answers_as_in_vllm(stack, pe
     chat = {"messages": [{"role": "user", "content": SHORT[1]}], "ignore_eos": True}
     want, _ = ending(vllm_url, model, True, False, **chat, **penalties)
     assert ending(stack["ours"].url, model, True, False, **chat, **penalties)[0] == want
+
+
+def bannable_words(tokenizer, ids: list[int]) -> tuple[str, str]:
+    """From an answer's token ids: a word that is one of them however vLLM spells it (with
+    its space or not), and a word of two consecutive ones; banning either changes it."""
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    one = two = None
+    for i in range(1, len(ids)):
+        word = tokenizer.decode([ids[i]]).strip()
+        plain, spaced = (encode(word), encode(" " + word)) if word else ([], [])
+        if one is None and (plain == [ids[i]] or (spaced == [ids[i]] and len(plain) == 1)):
+            one = word
+        pair = tokenizer.decode(ids[i - 1 : i + 1])
+        if two is None and pair == pair.lstrip() and encode(pair) == ids[i - 1 : i + 1]:
+            two = pair
+    assert one and two, ("no bannable word in the answer", ids)
+    return one, two
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_bad_words_change_greedy_answers_as_in_vllm(stack, chat, tiny_qwen3):
+    """Words of vLLM's own greedy answer, banned: one token (spelt with its space and
+    without), two tokens (the second banned only after the first), a repeat."""
+    from transformers import AutoTokenizer
+
+    model, vllm_url = stack["model"], one_vllm(stack)
+    prompt = {"messages": [{"role": "user", "content": SHORT[1]}]} if chat else {"prompt": LONG[0]}
+    (plain, *_), ids = ending(
+        vllm_url, model, chat, True, ignore_eos=True, return_token_ids=True, **prompt
+    )
+    one, two = bannable_words(AutoTokenizer.from_pretrained(tiny_qwen3), ids)
+    cases = [{"bad_words": [one]}, {"bad_words": [two]}, {"bad_words": [" " + one, two, two]}]
+    for case in cases:
+        want, _ = ending(vllm_url, model, chat, False, ignore_eos=True, **prompt, **case)
+        assert want[0] != plain, ("the bad words must change this answer", case)
+        for name, url in (("ours", stack["ours"].url), ("gateway", stack["topology"].gateway.url)):
+            for stream in (False, True):
+                got, _ = ending(url, model, chat, stream, ignore_eos=True, **prompt, **case)
+                assert got == want, (name, case, stream)
 
 
 @pytest.mark.parametrize(

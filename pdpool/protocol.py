@@ -84,9 +84,10 @@ MAX_STOP_STRINGS = 8
 # Token-id lists the engine scans every step (a stop check per token, a mask while
 # min_tokens holds) or turns into a mask: capped, so that one body cannot slow every step.
 MAX_STOP_TOKEN_IDS = 1024
-# vLLM's bad_words: at most as many words as token sequences it allows (each word is one or
-# two), each of a bounded length (every one is tokenized twice per request).
-MAX_BAD_WORDS = 128
+# vLLM's bad_words: a bounded list (repeats count once, and at most 128 token sequences
+# after tokenization: engine/bad_words.py), each word of a bounded length (every one is
+# tokenized twice per request).
+MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 1024
 MAX_ALLOWED_TOKEN_IDS = 16384
 # A client's request id goes into logs and answer ids: visible ASCII only (as a header's).

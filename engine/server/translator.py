@@ -155,7 +155,7 @@ class RequestTranslator:
                     f"stop_token_ids must be in [0, {vocab}), got {t}", "stop_token_ids"
                 )
         if req.bad_words:
-            req._bad_words_ids = self.bad_word_sequences(req.bad_words)
+            req._bad_words_ids = self._bad_word_sequences(req.bad_words)
         return req
 
     def token_text(self, req: GenerationRequest) -> TokenText:
@@ -289,12 +289,8 @@ class RequestTranslator:
             params = req.sampling_params(default_max_tokens=default_max_tokens)
         except ValueError as exc:
             raise ApiError(str(exc)) from exc
-        if req.bad_words:
-            try:
-                sequences = req._bad_words_ids or self.bad_word_sequences(req.bad_words)
-            except RequestError as exc:
-                raise ApiError(str(exc), param=exc.param) from exc
-            params = dataclasses.replace(params, bad_words_token_ids=sequences)
+        if req._bad_words_ids:  # tokenized by `validated`, which every body goes through
+            params = dataclasses.replace(params, bad_words_token_ids=req._bad_words_ids)
         if len(prompts) * params.n > MAX_CHOICES:
             raise ApiError(
                 f"n x the number of prompts must be at most {MAX_CHOICES}, "
@@ -305,7 +301,7 @@ class RequestTranslator:
             self.refuse_if_unservable(prompt_ids, params.max_tokens)
         return params
 
-    def bad_word_sequences(self, words: list[str]) -> list[list[int]]:
+    def _bad_word_sequences(self, words: list[str]) -> list[list[int]]:
         """The token sequences `words` ban, as vLLM tokenizes them; RequestError naming
         bad_words. Up to a few hundred milliseconds for the longest words: `validated` runs
         it with the body's parsing, off the event loop."""

@@ -57,6 +57,36 @@ def tiny_qwen3_5(tmp_path_factory) -> Path:
 # Skips that only hardware can cause. Any other skip means a prerequisite the project's
 # scripts build (a binary, a venv, an extra) is missing, and a green run would hide that the
 # test never ran: it is reported as a failure with the skip's reason instead.
+# Tests that wait on the longest cold builds, in the order they run at the end of the suite.
+# On a fresh machine .ci/run starts the builds beside the tests (.ci/builds): the tests before
+# these give the builds their time instead of waiting for them.
+LATE_BUILDS = ("k8s/build-binaries.sh", "images/build.sh")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "waits_for_build(script): needs what scripts/<script> builds; runs after the tests "
+        "that need no long build",
+    )
+
+
+def run_rank(item) -> int:
+    """0 for a test that needs no long build, else 1 + the place of its build in LATE_BUILDS
+    (the latest of them when it is marked with several)."""
+    scripts = [m.args[0] for m in item.iter_markers("waits_for_build")]
+    return max((1 + LATE_BUILDS.index(s) for s in scripts), default=0)
+
+
+@pytest.hookimpl(trylast=True)  # after the folders' hooks have marked their tests
+def pytest_collection_modifyitems(config, items):
+    # A file moves as a whole (its module fixtures are set up once), at its latest test's rank.
+    file_rank: dict[str, int] = {}
+    for item in items:
+        file_rank[item.path] = max(file_rank.get(item.path, 0), run_rank(item))
+    items.sort(key=lambda item: file_rank[item.path])  # stable
+
+
 HARDWARE_SKIP_WORDS = ("CUDA",)
 
 

@@ -9,7 +9,11 @@ import pytest
 from devtools import host_state
 from tests.cluster.conftest import SLIM, images, require_root, start, stop
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+    pytest.mark.waits_for_build("images/build.sh"),
+]
 
 POD = """
 apiVersion: v1

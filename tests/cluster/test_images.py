@@ -11,7 +11,11 @@ import pytest
 
 from tests.cluster.conftest import ENGINE, SLIM, images, require_root
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+    pytest.mark.waits_for_build("images/build.sh"),
+]
 
 
 def run(image: str, *args: str, entrypoint: str | None = None) -> subprocess.CompletedProcess:

@@ -23,7 +23,12 @@ import yaml
 
 from tests.cluster.conftest import ENGINE, REPO, SLIM, Cluster, kube_bin
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(1800)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+    pytest.mark.waits_for_build("images/build.sh"),
+    pytest.mark.timeout(1800),
+]
 
 NS, OP_NS, POOL = "pools", "pdpool-system", "tiny"
 FORWARD = REPO / "scripts/cluster/netns_forward.py"

@@ -21,11 +21,10 @@ import pytest
 import yaml
 
 from pdpool.ports import free_port
-from pdpool.up.envoy_gateway import find_envoy
 from pdpool.up.topology import SIDE_BY_SIDE, Topology, TopologySpec, healthy, pdpool_command
 from tests.lora.test_lora_routing import BACKEND, body, sidecar_hostports, streaming, wait_running
 from tests.support.e2e_helpers import metric
-from tests.support.prerequisites import built_by
+from tests.support.prerequisites import envoy_for_children
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +41,7 @@ def rules_file(path) -> str:
 
 @pytest.fixture(scope="module")
 def topo(tiny_qwen3, qwen3_adapters, tmp_path_factory):
-    if find_envoy() is None:  # built on first use; the children find it through the variable
-        os.environ["PDPOOL_ENVOY_BIN"] = built_by("envoy/install.sh", timeout_s=600)
+    envoy_for_children()
     logs = tmp_path_factory.mktemp("lora-envoy")
     lora = ["--enable-lora", "--max-loras=1", "--max-lora-rank=16"]
     lora += [f"--lora-modules={n}={p}" for n, p in qwen3_adapters.items()]

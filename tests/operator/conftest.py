@@ -37,6 +37,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents and CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.waits_for_build("k8s/build-binaries.sh"))
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from tests.support.e2e_helpers import (
     model_name,
     start_topology,
 )
-from tests.support.prerequisites import built_by
+from tests.support.prerequisites import envoy_for_children
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +38,7 @@ SELECT = "test-epp-endpoint-selection"
 
 @pytest.fixture(scope="module")
 def topo(tmp_path_factory):
-    if find_envoy() is None:  # built on first use; the children find it through the variable
-        os.environ["PDPOOL_ENVOY_BIN"] = built_by("envoy/install.sh", timeout_s=600)
+    envoy_for_children()
     t = start_topology(
         tmp_path_factory,
         prefill=1,

@@ -7,6 +7,7 @@ fails the tests that need it, with the script's last lines as the reason."""
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 from pathlib import Path
 
@@ -42,3 +43,11 @@ def built_by(script: str, timeout_s: int) -> str:
     if not ok:
         pytest.fail(out, pytrace=False)
     return out
+
+
+def envoy_for_children() -> None:
+    """Sets PDPOOL_ENVOY_BIN (how `pdpool up --gateway envoy` finds Envoy) unless a developer
+    set it: the install script's Envoy, installed first when it is not (or waited for when
+    another run is installing it, which the script's lock serializes)."""
+    if not os.environ.get("PDPOOL_ENVOY_BIN"):
+        os.environ["PDPOOL_ENVOY_BIN"] = built_by("envoy/install.sh", timeout_s=600)

@@ -22,8 +22,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def vllm_bin() -> str:
-    if os.environ.get("PDPOOL_VLLM_MISSING_REASON"):  # .ci/run's own build already failed
-        pytest.fail(os.environ["PDPOOL_VLLM_MISSING_REASON"], pytrace=False)
     venv = built_by("vllm/build-venv.sh", timeout_s=2400)
     # `pdpool up --vllm-*` finds the same venv through this variable.
     os.environ["PDPOOL_VLLM_VENV"] = venv

@@ -54,6 +54,10 @@ events_logger = "file"
 CONF
 export CONTAINERS_CONF=$CACHE/containers.conf
 PODMAN=(nice -n 10 podman)
+# A build's containers start cgroups of their own, which a nice value does not reach: a caller
+# that runs the builds at idle priority (.ci/builds) names its cgroup, and they go under it.
+BUILD_CGROUP=()
+[[ -n ${PDPOOL_BUILD_CGROUP:-} ]] && BUILD_CGROUP=(--cgroup-parent "$PDPOOL_BUILD_CGROUP")
 
 image_id() { podman image inspect --format '{{.Id}}' "$1" 2>/dev/null || true; }
 image_label() { podman image inspect --format "{{index .Labels \"$2\"}}" "$1" 2>/dev/null || true; }
@@ -106,7 +110,7 @@ build_one() {
     if [[ $name == engine ]]; then need=$([[ -n $previous ]] && echo 4 || echo 14); fi
     avail=$(df --output=avail -BG /var/lib/containers /var/tmp | tail -n +2 | tr -d G | sort -n | head -1)
     ((avail >= need)) || { echo "build.sh: building $ref needs about $need GB free under /var/lib/containers and /var/tmp; $avail GB are" >&2; exit 4; }
-    "${PODMAN[@]}" build --pull=never --network=host --runtime=runc \
+    "${PODMAN[@]}" build --pull=never --network=host --runtime=runc "${BUILD_CGROUP[@]}" \
       -f "$REPO/images/$name.Dockerfile" \
       --ignorefile "$REPO/images/$name.Dockerfile.dockerignore" \
       --volume "$CA_BUNDLE:/etc/pdpool-build-ca.crt:ro" \

@@ -54,9 +54,6 @@ def tiny_qwen3_5(tmp_path_factory) -> Path:
     return _tiny(tmp_path_factory, "tiny-qwen3_5", arch="qwen3_5", seed=2, num_layers=4)
 
 
-# Skips that only hardware can cause. Any other skip means a prerequisite the project's
-# scripts build (a binary, a venv, an extra) is missing, and a green run would hide that the
-# test never ran: it is reported as a failure with the skip's reason instead.
 # Tests that wait on the longest cold builds, in the order they run at the end of the suite.
 # On a fresh machine .ci/run starts the builds beside the tests (.ci/builds): the tests before
 # these give the builds their time instead of waiting for them.
@@ -87,6 +84,9 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: file_rank[item.path])  # stable
 
 
+# Skips that only hardware can cause. Any other skip means a prerequisite the project's
+# scripts build (a binary, a venv, an extra) is missing, and a green run would hide that the
+# test never ran: it is reported as a failure with the skip's reason instead.
 HARDWARE_SKIP_WORDS = ("CUDA",)
 
 

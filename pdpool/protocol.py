@@ -197,7 +197,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "functions": _empty,
     "function_call": lambda v: v is None or v == "none",
     "suffix": _empty,
-    "echo": _empty,
     "use_beam_search": _empty,
     "length_penalty": _none_or_number(1),
     "structural_tag": _empty,
@@ -236,7 +235,7 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: Optional[Str] = None
-    max_tokens: Optional[Annotated[Int, Field(ge=1)]] = None
+    max_tokens: Optional[Annotated[Int, Field(ge=0)]] = None  # 0: completions' echo only
     temperature: Optional[Number] = None
     top_p: Optional[Annotated[Number, Field(gt=0.0, le=1.0)]] = None
     top_k: Optional[Annotated[Int, Field(ge=-1)]] = None  # -1 or 0: disabled
@@ -289,6 +288,8 @@ class _GenerationFields(BaseModel):
 class CompletionFields(_GenerationFields):
     prompt: Union[Str, list[TokenId], list[Str], list[list[TokenId]]]
     logprobs: Optional[Annotated[Int, Field(ge=0)]] = None
+    # Each choice's text starts with its prompt's; with max_tokens 0 it is the prompt alone.
+    echo: Optional[Bool] = False
     # As vLLM: a text prompt gets the tokenizer's special tokens (a BOS) unless told not to.
     add_special_tokens: Bool = True
 
@@ -326,6 +327,9 @@ class ChatMessageFields(BaseModel):
 
 class ChatFields(_GenerationFields):
     messages: Annotated[list[ChatMessageFields], Field(min_length=1)]
+    # The answer starts with the last message's text when that message has the answer's
+    # role (an assistant message continued, or any last message without a generation prompt).
+    echo: Optional[Bool] = False
     max_completion_tokens: Optional[Annotated[Int, Field(ge=1)]] = None
     logprobs: Optional[Bool] = False
     top_logprobs: Optional[Annotated[Int, Field(ge=0)]] = None
@@ -348,10 +352,17 @@ class ChatFields(_GenerationFields):
 ROUTE_MODELS = {"/v1/completions": CompletionFields, "/v1/chat/completions": ChatFields}
 
 
-def check_unsupported(body: dict) -> None:
+def check_unsupported(body: dict, model: Optional[type[_GenerationFields]] = None) -> None:
     for name, harmless in UNSUPPORTED_FIELDS.items():
         if name in body and not harmless(body[name]):
             raise RequestError(f"'{name}' is not supported by this server", name)
+    completions = model is not None and issubclass(model, CompletionFields)
+    if completions and body.get("echo") is True and body.get("logprobs") is not None:
+        raise RequestError(
+            "'echo' with 'logprobs' asks for the prompt's logprobs, which this server does "
+            "not compute (echo without logprobs is supported)",
+            "echo",
+        )
 
 
 def validate_request(body: Any, model: type[_GenerationFields], refuse_unsupported: bool = True):
@@ -360,7 +371,7 @@ def validate_request(body: Any, model: type[_GenerationFields], refuse_unsupport
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     if refuse_unsupported:
-        check_unsupported(body)
+        check_unsupported(body, model)
     try:
         req = model.model_validate(body)
     except ValidationError as exc:
@@ -387,6 +398,11 @@ def check_ranges(req: _GenerationFields) -> None:
         # As OpenAI and vLLM: options of a stream the request does not ask for are a mistake.
         raise RequestError("stream_options can only be given with stream: true", "stream_options")
     limit = req._limit()
+    if limit == 0 and not (isinstance(req, CompletionFields) and req.echo):
+        # As vLLM: nothing to generate is an answer only when the prompt is echoed.
+        raise RequestError(
+            "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
+        )
     if limit is not None and req.min_tokens > limit:
         raise RequestError(
             f"min_tokens ({req.min_tokens}) must not exceed the token limit ({limit})", "min_tokens"

@@ -73,6 +73,10 @@ class CompletionRequest(_SamplingFields, CompletionFields):
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
 
+    def _max_tokens(self) -> Optional[int]:
+        # As vLLM: echo with max_tokens 0 makes one token, which the answer leaves out.
+        return 1 if self.echo and self.max_tokens == 0 else self.max_tokens
+
     def prompt_inputs(self) -> list[Union[str, list[int]]]:
         """The prompts of the request: one, or a batch (a list of strings or of token-id
         lists); each gets n choices."""

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.choices import Choice, ChoiceRunner, until_disconnect
+from pdpool.engine.server.echo import EchoTooLarge, PromptEcho, echoed_message, prompt_echo
 from pdpool.engine.server.logprobs import (
     TokenText,
     chat_formatter,
@@ -68,6 +69,10 @@ class Responder(abc.ABC, Generic[R]):
         req = await self.translator.parse(http_req, self.request_type)
         fmt = self.new_format(req)
         prompts = await until_disconnect(http_req, self.prompt_ids(req), self.metrics)
+        try:
+            await self.prepare_format(req, fmt)
+        except EchoTooLarge as exc:
+            raise ApiError(str(exc), param="echo") from exc
         choices = await until_disconnect(
             http_req, self._start(http_req, req, prompts, fmt), self.metrics
         )
@@ -79,6 +84,10 @@ class Responder(abc.ABC, Generic[R]):
     @abc.abstractmethod
     async def prompt_ids(self, req: R) -> list[list[int]]:
         """The prompts of the request, as token ids (one list per prompt)."""
+
+    async def prepare_format(self, req: R, fmt: ChoiceFormat) -> None:
+        """What the format needs of the request once its prompts are tokenized, before its
+        choices start (EchoTooLarge)."""
 
     async def _start(
         self, http_req: Request, req: R, prompts: list[list[int]], fmt: ChoiceFormat
@@ -123,6 +132,7 @@ class CompletionFormat(ChoiceFormat):
     response_object = chunk_object = "text_completion"
     new_logprobs_formatter = staticmethod(completion_formatter)
     merge_logprobs = staticmethod(merge_completion)
+    echo: Optional[PromptEcho] = None  # the request's echo, when it asks for one
 
     def full_choice(
         self,
@@ -134,7 +144,7 @@ class CompletionFormat(ChoiceFormat):
     ) -> dict[str, Any]:
         return {
             "index": index,
-            "text": text,
+            "text": text if self.echo is None else self.echo.whole(index, text),
             "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
@@ -145,7 +155,7 @@ class CompletionFormat(ChoiceFormat):
     ) -> dict[str, Any]:
         return {
             "index": index,
-            "text": out.new_text,
+            "text": out.new_text if self.echo is None else self.echo.delta(index, out.new_text),
             "logprobs": logprobs,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
@@ -159,6 +169,25 @@ class CompletionResponder(Responder[CompletionRequest]):
     async def prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
         return await self.translator.completion_prompt_ids(req)
 
+    async def prepare_format(self, req: CompletionRequest, fmt: ChoiceFormat) -> None:
+        if req.echo and isinstance(fmt, CompletionFormat):
+            fmt.echo = await self.translator.off_loop(  # a long prompt decodes for a while
+                prompt_echo,
+                req.prompt_inputs(),
+                req.n,
+                req.max_tokens,
+                bool(req.return_token_ids),
+                self._decode_in_vocabulary,
+            )
+
+    def _decode_in_vocabulary(self, ids: list[int]) -> str:
+        """The text of token ids; "" for ids outside the vocabulary, which starting the
+        choices refuses (400) next."""
+        vocab = self.translator.engine.info.config["vocab_size"]
+        if any(not 0 <= t < vocab for t in ids):
+            return ""
+        return self.translator.engine.tokenizer.decode(ids)
+
 
 class ChatFormat(ChoiceFormat):
     id_prefix = "chatcmpl"
@@ -167,6 +196,8 @@ class ChatFormat(ChoiceFormat):
     chunk_object = "chat.completion.chunk"
     new_logprobs_formatter = staticmethod(chat_formatter)
     merge_logprobs = staticmethod(merge_chat)
+    # The echoed message's text when the request asks for echo ("" when no message echoes).
+    echo: Optional[str] = None
 
     def full_choice(
         self,
@@ -176,13 +207,28 @@ class ChatFormat(ChoiceFormat):
         logprobs: Optional[dict[str, Any]],
         stop_reason: Union[int, str, None] = None,
     ) -> dict[str, Any]:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
-        }
+        return self._echoed(
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        )
+
+    def _echoed(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """As vLLM: with echo, the content is the echoed text and the answer's (or "")."""
+        if self.echo is not None:
+            message = choice["message"]
+            message["content"] = self.echo + (message["content"] or "")
+        return choice
+
+    def echo_choice(self, index: int) -> Optional[dict[str, Any]]:
+        if not self.echo:
+            return None
+        return {"index": index, "delta": {"content": self.echo}, "logprobs": None,
+                "finish_reason": None}  # fmt: skip
 
     def chunk_choice(
         self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
@@ -230,7 +276,7 @@ class ToolChatFormat(ChatFormat):
         content, calls = parse_calls(text, self.tools)
         choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
         choice["finish_reason"] = tool_finish_reason(self.tools, calls, finish_reason)
-        return choice
+        return self._echoed(choice)
 
     def chunk_choice(
         self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
@@ -264,3 +310,7 @@ class ChatResponder(Responder[ChatCompletionRequest]):
 
     async def prompt_ids(self, req: ChatCompletionRequest) -> list[list[int]]:
         return await self.translator.chat_prompt_ids(req)
+
+    async def prepare_format(self, req: ChatCompletionRequest, fmt: ChoiceFormat) -> None:
+        if req.echo and isinstance(fmt, ChatFormat):
+            fmt.echo = await self.translator.off_loop(echoed_message, req)

@@ -88,8 +88,10 @@ def prefill_leg(body: dict[str, Any], pull: Optional[dict[str, Any]] = None) -> 
         leg[name] = 1
     if leg.get("min_tokens") is not None:
         leg["min_tokens"] = min(int(leg["min_tokens"]), 1)
-    # Only one choice fills the cache; n>1 would just waste prefill compute.
+    # Only one choice fills the cache; n>1 would just waste prefill compute. Its text is
+    # never shown: no prompt to echo either.
     leg.pop("n", None)
+    leg.pop("echo", None)
     leg[THRESHOLD] = 0.0
     params: dict[str, Any] = dict(pull or {})
     params["do_remote_decode"] = True

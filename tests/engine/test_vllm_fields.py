@@ -164,3 +164,114 @@ def test_return_token_ids_in_a_whole_answer_as_vllm_places_them(eng):
     assert chat.json()["prompt_token_ids"] == tokens and len(chat.json()["choices"][0]["token_ids"])
     plain = post(eng, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).json()["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def stream_texts(r: httpx.Response) -> dict[int, list[str]]:
+    """A streamed completion's texts by choice index, chunk by chunk."""
+    texts: dict[int, list[str]] = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                texts.setdefault(choice["index"], []).append(choice["text"])
+    return texts
+
+
+GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompts", [["hello there", "good day"], [[5, 6, 7], [8]]])
+def test_echo_puts_each_prompt_before_its_choices_text(eng, prompts):
+    body = {"prompt": prompts, "n": 2, **GREEDY}
+    plain = post(eng, "/v1/completions", body).json()["choices"]
+    echoed = post(eng, "/v1/completions", {**body, "echo": True}).json()["choices"]
+    # a text as written, token ids as they decode
+    texts = [p if isinstance(p, str) else post(eng, "/detokenize", {"tokens": p}).json()["prompt"]
+             for p in prompts]  # fmt: skip
+    echoes = [texts[0], texts[0], texts[1], texts[1]]
+    assert [c["text"] for c in echoed] == [
+        e + c["text"] for e, c in zip(echoes, plain, strict=True)
+    ]
+    streamed = stream_texts(post(eng, "/v1/completions", {**body, "echo": True, "stream": True}))
+    assert {i: "".join(t) for i, t in streamed.items()} == dict(
+        enumerate(c["text"] for c in echoed)
+    )
+    assert all(chunks[0].startswith(echoes[i]) for i, chunks in streamed.items())
+    # the prompt's ids are in the answer already: its text is not repeated (as vLLM)
+    with_ids = post(eng, "/v1/completions", {**body, "echo": True, "return_token_ids": True})
+    assert [c["text"] for c in with_ids.json()["choices"]] == [c["text"] for c in plain]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(eng, stream):
+    r = post(eng, "/v1/completions", {"prompt": "hi there", "max_tokens": 0, "echo": True,
+                                      "stream": stream, "temperature": 0})  # fmt: skip
+    assert r.status_code == 200, r.text
+    text = "".join(stream_texts(r)[0]) if stream else r.json()["choices"][0]["text"]
+    assert text == "hi there"
+    if not stream:
+        assert r.json()["usage"]["completion_tokens"] == 1  # made and left out, as vLLM
+
+
+CONTINUED = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fields,echoed",
+    [
+        ({"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True},
+         "Once upon"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 2}],
+          "add_generation_prompt": False}, "a\na"),  # no generation prompt: any role echoes
+        ({"messages": CONTINUED}, "Once upon"),  # an assistant message last
+        (CHAT, ""),  # the answer's role is not the last message's: nothing to echo
+    ],
+)  # fmt: skip
+def test_chat_echo_puts_the_last_message_before_the_answer(eng, fields, echoed):
+    body = {**fields, **GREEDY}
+    plain = post(eng, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    got = post(eng, "/v1/chat/completions", {**body, "echo": True})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"]["content"] == echoed + plain
+    streamed = post(eng, "/v1/chat/completions", {**body, "echo": True, "stream": True})
+    lines = streamed.text.splitlines()
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0]["role"] == "assistant"
+    if echoed:  # after the opening chunk, as vLLM: one chunk of the echoed text
+        assert deltas[1] == {"content": echoed}
+    assert "".join(d.get("content") or "" for d in deltas) == echoed + plain
+
+
+@pytest.mark.slow
+def test_an_echo_that_would_multiply_a_large_prompt_is_a_400(eng):
+    # a truncated prompt is echoed whole, once per choice: 1.1 MB x 16 would be 17.6 MB
+    body = {"prompt": "word " * 220000, "truncate_prompt_tokens": 8, "max_tokens": 1, "n": 16}
+    assert post(eng, "/v1/completions", body).status_code == 200
+    r = post(eng, "/v1/completions", {**body, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    long = {"messages": [{"role": "assistant", "content": "word " * 220000}], "n": 16}
+    r = post(eng, "/v1/chat/completions", {**long, "echo": True, "truncate_prompt_tokens": 8})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    assert post(eng, "/v1/completions", {**body, "echo": True, "n": 1}).status_code == 200
+
+
+REFUSED_ECHO = [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # nothing to generate, nothing echoed
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),  # the prompt's logprobs
+    ({"prompt": "hi", "echo": True, "logprobs": 0}, "echo"),
+    ({"prompt": "hi", "echo": "yes"}, "echo"),
+    ({"prompt": "hi", "echo": 1}, "echo"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body,param", REFUSED_ECHO)
+def test_an_echo_this_server_cannot_answer_is_a_400_naming_it(eng, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = post(eng, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

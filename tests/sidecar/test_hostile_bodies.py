@@ -188,7 +188,7 @@ HOSTILE = [
     ("functions", CHAT, chat(functions=[{"name": "f"}]), 400),
     ("function-call", CHAT, chat(function_call="auto"), 400),
     ("suffix", None, c(suffix="end"), 400),
-    ("echo", None, c(echo=True), 400),
+    ("echo-with-logprobs", None, c(echo=True, logprobs=1), 400),
     ("guided-json-not-a-schema", None, c(guided_json={"type": "objekt"}), 400),
     ("beam-search", None, c(use_beam_search=True), 400),
     # --- sizes ----------------------------------------------------------------------------

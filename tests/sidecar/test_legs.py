@@ -36,14 +36,15 @@ def test_prefill_leg_caps_limits_and_disables_streaming():
         "min_tokens": 10,
         "n": 3,
         "cache_hit_threshold": 0.9,
+        "echo": True,
     }
     leg = legs.prefill_leg(body)
-    assert leg["stream"] is False and "stream_options" not in leg
+    assert leg["stream"] is False and "stream_options" not in leg and "echo" not in leg
     assert leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1
     assert leg["min_tokens"] == 1 and "n" not in leg
     assert leg["cache_hit_threshold"] == 0.0
     assert leg["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False}
-    assert body["max_tokens"] == 50 and body["stream"] is True
+    assert body["max_tokens"] == 50 and body["stream"] is True and body["echo"] is True
 
 
 def test_prefill_leg_without_min_tokens_adds_none():

@@ -11,6 +11,9 @@ decode engine behind our sidecar, our gateway; P/D through vLLM's NixlConnector)
 - a stop string or stop token id ends an answer as in vLLM: the same text, finish_reason and
   stop_reason, streamed and not, completions and chat, from our engine and through the
   gateway;
+- echo (completions: the prompt's text before the answer's, with max_tokens 0 the prompt
+  alone; chat: the last message's when it has the answer's role) as in vLLM, from our
+  engine and through the gateway;
 - presence, frequency and repetition penalties, allowed_token_ids and bad_words change
   greedy answers as in vLLM: the same text from our engine and through the gateway (P/D);
 - P/D really moved the KV (the decode engine counts prompt tokens from external transfer);
@@ -209,6 +212,9 @@ STATUS_CASES = [
     ("completions", {"truncate_prompt_tokens": 3, "truncation_side": "middle"}),
     ("completions", {"truncate_prompt_tokens": -1}),
     ("chat/completions", {"truncate_prompt_tokens": 5}),
+    ("completions", {"max_tokens": 0}),
+    ("completions", {"max_tokens": 0, "echo": True}),
+    ("completions", {"echo": True}),
 ]
 
 
@@ -429,6 +435,38 @@ def test_truncated_prompts_answer_as_in_vllm(stack, chat, truncation):
             got, _ = ending(url, model, chat, stream, **fields)
             assert got == want, (name, stream)
         assert _prompt_tokens(url, model, chat, fields) == kept, name
+
+
+ECHO_CASES = [
+    {"prompt": SHORT[0]},
+    {"prompt": LONG[0]},  # P/D through the gateway
+    {"prompt": SHORT[1], "max_tokens": 0},
+    {"prompt": LONG[1], "max_tokens": 0},
+    {"prompt": [5, 6, 7, 8]},  # token ids: echoed as they decode
+]
+
+
+CONTINUED = [{"role": "user", "content": SHORT[2]}, {"role": "assistant", "content": LONG[0]}]
+CHAT_ECHO_CASES = [
+    {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True},
+    {"messages": CONTINUED},  # an assistant message last: echoed before a new one
+    {"messages": [{"role": "user", "content": SHORT[0]}]},  # nothing to echo
+]
+
+
+@pytest.mark.parametrize(
+    "chat,fields", [(False, f) for f in ECHO_CASES] + [(True, f) for f in CHAT_ECHO_CASES]
+)
+def test_echo_answers_as_in_vllm(stack, chat, fields):
+    model, vllm_url = stack["model"], one_vllm(stack)
+    fields = {**fields, "echo": True, "ignore_eos": True}
+    want, _ = ending(vllm_url, model, chat, False, **fields)
+    if isinstance(fields.get("prompt"), str):
+        assert want[0].startswith(fields["prompt"])
+    for name, url in (("ours", stack["ours"].url), ("gateway", stack["topology"].gateway.url)):
+        for stream in (False, True):
+            got, _ = ending(url, model, chat, stream, **fields)
+            assert got == want, (name, stream)
 
 
 def _prompt_tokens(url: str, model: str, chat: bool, fields: dict) -> int:

@@ -1,0 +1,83 @@
+"""`echo`, as vLLM answers it. Completions: each choice's text starts with its prompt's.
+Chat: each choice's content starts with the last message's text when that message has the
+answer's role (the assistant's, or with `add_generation_prompt: false` the last message's
+own): a continued message comes back whole.
+
+A completion's text prompt is echoed as the client wrote it, a token-id prompt as its ids
+decode. With `return_token_ids` the prompt is in `prompt_token_ids` and its text is not
+repeated. With `max_tokens` 0 the engine makes one token (it cannot make none) and the
+answer shows the prompt alone.
+
+An answer repeats its echo once per choice, so a large prompt or message times many choices
+(a truncated prompt is echoed whole) would make an answer far larger than its request: the
+echoed text of a whole answer is bounded (MAX_ECHO_BYTES, a 400 naming `echo` beyond)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Union
+
+from pdpool.engine.server.protocol import ChatCompletionRequest, message_text
+
+PromptInput = Union[str, list[int]]
+
+MAX_ECHO_BYTES = 16 * 1024 * 1024  # of echoed text in one answer, all its choices together
+
+
+class EchoTooLarge(ValueError):
+    pass
+
+
+def check_echo_size(texts: list[str], per_prompt: int) -> None:
+    """EchoTooLarge when `texts`, each repeated `per_prompt` times, pass MAX_ECHO_BYTES."""
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) * per_prompt
+    if size > MAX_ECHO_BYTES:
+        raise EchoTooLarge(
+            f"echo would repeat {size} bytes of the request in the answer (at most "
+            f"{MAX_ECHO_BYTES}): ask for fewer choices or echo a shorter prompt"
+        )
+
+
+@dataclasses.dataclass
+class PromptEcho:
+    texts: list[str]  # one per prompt
+    per_prompt: int  # choices per prompt (n): choice i answers prompt i // n
+    prompt_only: bool  # max_tokens 0
+    _echoed: set[int] = dataclasses.field(default_factory=set)
+
+    def whole(self, index: int, text: str) -> str:
+        """A whole choice's text."""
+        prompt = self.texts[index // self.per_prompt]
+        return prompt if self.prompt_only else prompt + text
+
+    def delta(self, index: int, text: str) -> str:
+        """A streamed choice's next text: its first one carries the prompt."""
+        if self.prompt_only:
+            text = ""
+        if index in self._echoed:
+            return text
+        self._echoed.add(index)
+        return self.texts[index // self.per_prompt] + text
+
+
+def prompt_echo(
+    prompts: list[PromptInput],
+    n: int,
+    max_tokens: Optional[int],
+    with_token_ids: bool,
+    decode: Callable[[list[int]], str],
+) -> PromptEcho:
+    """The echo of a request's `prompts` (as the client sent them); EchoTooLarge."""
+    texts = ["" if with_token_ids else (p if isinstance(p, str) else decode(p)) for p in prompts]
+    check_echo_size(texts, max(n, 1))
+    return PromptEcho(texts, max(n, 1), max_tokens == 0)
+
+
+def echoed_message(req: ChatCompletionRequest) -> str:
+    """The text a chat answer echoes: the last message's when it has the answer's role;
+    EchoTooLarge."""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    text = message_text(last) if last.role == role else ""
+    check_echo_size([text], req.n)
+    return text

@@ -8,8 +8,9 @@ against one `pdpool serve`) it finds what the KV handoff changes.
 
 A request mixes the fields that change an answer: stop strings and stop token ids,
 include_stop_str_in_output, min_tokens, ignore_eos, logit_bias, allowed_token_ids, the
-three penalties, n, truncate_prompt_tokens, skip_special_tokens, logprobs, chat flags
-(add_generation_prompt, continue_final_message), batches of prompts and token-id prompts.
+three penalties, n, truncate_prompt_tokens, skip_special_tokens, logprobs, echo, chat
+flags (add_generation_prompt, continue_final_message), batches of prompts and token-id
+prompts.
 All at temperature 0, so both servers owe the same tokens (up to float rounding at ties).
 """
 
@@ -37,6 +38,8 @@ class RequestMaker:
     def __init__(self, model: str, seed: int, vocab: int = VOCAB, prefix_words: int = 0):
         self.model, self.vocab = model, vocab
         self.rnd = random.Random(seed)
+        # echo is drawn apart, so that a seed's other choices are what they were before it
+        self.echo_rnd = random.Random(seed + 1)
         self.prefix = self.text(prefix_words) + " " if prefix_words else ""
         self.scale = max(prefix_words, 1)
 
@@ -100,6 +103,10 @@ class RequestMaker:
         for name, value in r.sample(options, r.randint(0, 4)):
             body[name] = value()
         body["min_tokens"] = min(body.get("min_tokens", 0), body["max_tokens"])
+        if "logprobs" not in body and self.echo_rnd.random() < 0.2:
+            body["echo"] = True  # with logprobs it would ask for the prompt's logprobs
+            if not _by_ids(body):  # compared by text, which echoes only without the ids
+                body["return_token_ids"] = False
         return path, body
 
 
@@ -124,6 +131,12 @@ def _choice_logprobs(choice: dict[str, Any], chat: bool) -> Any:
     return [(t, sorted(top or {})) for t, top in zip(lps["tokens"], tops, strict=True)]
 
 
+def _by_ids(body: dict[str, Any]) -> bool:
+    """A token-id prompt: compared by token ids (vLLM starts its text from the prompt's
+    bytes)."""
+    return isinstance(body.get("prompt"), list) and not isinstance(body["prompt"][0], str)
+
+
 def whole_answer(status: int, raw: bytes, body: dict[str, Any]) -> Any:
     """What must be equal in a whole answer: per choice its output (token ids for a token-id
     prompt, whose text vLLM starts from the prompt's bytes), reasons and logprobs' tokens."""
@@ -131,7 +144,7 @@ def whole_answer(status: int, raw: bytes, body: dict[str, Any]) -> Any:
         return ("status", status)
     answer = json.loads(raw)
     chat = "messages" in body
-    by_ids = isinstance(body.get("prompt"), list) and not isinstance(body["prompt"][0], str)
+    by_ids = _by_ids(body)
     choices = []
     for c in sorted(answer["choices"], key=lambda c: c["index"]):
         out = c.get("token_ids") if by_ids else (c["message"]["content"] if chat else c["text"])
@@ -144,7 +157,7 @@ def streamed_answer(status: int, raw: bytes, body: dict[str, Any]) -> Any:
     if status != 200:
         return ("status", status)
     chat = "messages" in body
-    by_ids = isinstance(body.get("prompt"), list) and not isinstance(body["prompt"][0], str)
+    by_ids = _by_ids(body)
     outs: dict[int, Any] = {}
     ends: dict[int, Any] = {}
     for line in raw.decode().splitlines():

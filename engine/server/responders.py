@@ -199,6 +199,10 @@ class ChatFormat(ChoiceFormat):
     # The echoed message's text when the request asks for echo ("" when no message echoes).
     echo: Optional[str] = None
 
+    def __init__(self, text_of: TokenText):
+        super().__init__(text_of)
+        self._echoed_streams: set[int] = set()  # streamed choices that have had the echo
+
     def full_choice(
         self,
         index: int,
@@ -224,13 +228,19 @@ class ChatFormat(ChoiceFormat):
             message["content"] = self.echo + (message["content"] or "")
         return choice
 
-    def echo_choice(self, index: int) -> Optional[dict[str, Any]]:
-        if not self.echo:
-            return None
-        return {"index": index, "delta": {"content": self.echo}, "logprobs": None,
-                "finish_reason": None}  # fmt: skip
-
     def chunk_choice(
+        self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
+    ) -> dict[str, Any]:
+        choice = self._chunk(index, out, logprobs)
+        if self.echo and index not in self._echoed_streams:
+            # With the choice's first output, not before it: until then a decode-first
+            # sidecar cannot tell an echo from an accepted request's first token.
+            self._echoed_streams.add(index)
+            delta = choice["delta"]
+            delta["content"] = self.echo + (delta.get("content") or "")
+        return choice
+
+    def _chunk(
         self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
     ) -> dict[str, Any]:
         # a last chunk without new text has an empty delta
@@ -278,10 +288,10 @@ class ToolChatFormat(ChatFormat):
         choice["finish_reason"] = tool_finish_reason(self.tools, calls, finish_reason)
         return self._echoed(choice)
 
-    def chunk_choice(
+    def _chunk(
         self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
     ) -> dict[str, Any]:
-        choice = super().chunk_choice(index, out, logprobs)
+        choice = super()._chunk(index, out, logprobs)
         if self.tools.choice == "none":
             return choice
         stream = self.streams.setdefault(index, ToolStream(self.tools))

@@ -70,11 +70,6 @@ class ChoiceFormat(abc.ABC):
         """The chunk that opens a streamed choice before its tokens, if the endpoint has one."""
         return None
 
-    def echo_choice(self, index: int) -> Optional[dict[str, Any]]:
-        """The chunk that echoes the request into a streamed choice after every choice's
-        opening, if the endpoint echoes that way."""
-        return None
-
 
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
@@ -170,24 +165,6 @@ class StreamTokenIds:
         return chunk
 
 
-def stream_preludes(
-    head: ResponseHead, fmt: ChoiceFormat, choices: list[Choice], token_ids: StreamTokenIds
-) -> list[str]:
-    """The events a stream starts with before any token: every choice's opening, then every
-    choice's echo (as vLLM orders them)."""
-    events = []
-    for c in choices:
-        opening = fmt.opening_choice(c.index)
-        if opening is not None:
-            chunk = {**head.of(fmt.chunk_object), "choices": [opening]}
-            events.append(sse(token_ids.add(chunk, c.index, None)))
-    for c in choices:
-        echoed = fmt.echo_choice(c.index)
-        if echoed is not None:
-            events.append(sse({**head.of(fmt.chunk_object), "choices": [echoed]}))
-    return events
-
-
 class ResponseWriter:
     """Writes started choices as one answer: a whole response, or an SSE stream whose final
     chunk carries kv_transfer_params (and a usage chunk when asked for). An error that ends
@@ -232,8 +209,14 @@ class ResponseWriter:
         pumped, tasks = self.runner.pump(choices)
         ended = False
         try:
-            for event in stream_preludes(head, fmt, choices, token_ids):
-                yield event
+            for c in choices:
+                opening = fmt.opening_choice(c.index)
+                if opening is not None:
+                    yield sse(
+                        token_ids.add(
+                            {**head.of(fmt.chunk_object), "choices": [opening]}, c.index, None
+                        )
+                    )
             remaining = len(choices)
             async for c, out in pumped:
                 if isinstance(out, Exception) or out.finish_reason == "error":

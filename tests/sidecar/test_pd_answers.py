@@ -5,13 +5,15 @@ streamed, through `pdpool up --mode prefill-first` (every single-prompt request 
 prefill leg, a KV transfer over NIXL and a decode leg) and through one `pdpool serve` of the
 same checkpoint and engine flags. And through the default decode-first flow with a prefix
 every prompt shares, so that decode holds part of each prompt: rejected requests' prefill
-legs pull that prefix from decode before decode loads the whole prompt back."""
+legs pull that prefix from decode before decode loads the whole prompt back. And a rejected
+decode-first stream with echo: the echo comes once, from the answer after the handoff."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from devtools.answer_diff import compare
+from devtools.answer_diff import compare, post, streamed_answer
 from devtools.engine_procs import SpawnedEngine
 from tests.support.e2e_helpers import cleanup, metric, start_topology
 
@@ -61,3 +63,28 @@ def test_decode_first_answers_with_pulled_prefixes_equal_one_engines(decode_firs
     assert not report.differ, report.differ[:3]
     assert metric(sidecar, "pdpool_sidecar_legs_total", 'leg="prefill"') >= 10
     assert metric(sidecar, "pdpool_sidecar_pull_offered_tokens_total") > 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_rejected_echo_stream_echoes_once_as_one_engine(decode_first, alone, chat):
+    """Decode-first with echo, streamed: decode rejects a prompt it holds nothing of, and
+    the echo must not leak from that rejected attempt; the answer after the KV handoff
+    echoes once, as one engine's does."""
+    sidecar = decode_first.by_role("sidecar")[0].url
+    words = " ".join(["river stone cloud"] * 20) + (" chat" if chat else " text")
+    if chat:
+        body = {"messages": [{"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": words}],
+                "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+        path = "/v1/chat/completions"
+    else:
+        body, path = {"prompt": words}, "/v1/completions"
+    model = httpx.get(alone + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body.update(model=model, max_tokens=8, temperature=0, stream=True, echo=True)
+    before = metric(sidecar, "pdpool_sidecar_legs_total", 'leg="prefill"')
+    one, through_pd = (
+        streamed_answer(*post(u, path, body), body) for u in (alone, decode_first.gateway.url)
+    )
+    assert through_pd == one
+    assert one[0][1].startswith(words) and one[0][1].count(words) == 1
+    assert metric(sidecar, "pdpool_sidecar_legs_total", 'leg="prefill"') == before + 1

@@ -81,10 +81,11 @@ def test_a_rejected_echo_stream_echoes_once_as_one_engine(decode_first, alone, c
         body, path = {"prompt": words}, "/v1/completions"
     model = httpx.get(alone + "/v1/models", timeout=30).json()["data"][0]["id"]
     body.update(model=model, max_tokens=8, temperature=0, stream=True, echo=True)
-    before = metric(sidecar, "pdpool_sidecar_legs_total", 'leg="prefill"')
+    rejections = "pdpool_sidecar_threshold_rejections_total"
+    before = metric(sidecar, rejections)
     one, through_pd = (
         streamed_answer(*post(u, path, body), body) for u in (alone, decode_first.gateway.url)
     )
     assert through_pd == one
     assert one[0][1].startswith(words) and one[0][1].count(words) == 1
-    assert metric(sidecar, "pdpool_sidecar_legs_total", 'leg="prefill"') == before + 1
+    assert metric(sidecar, rejections) == before + 1  # decode did reject it first

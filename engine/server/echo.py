@@ -39,11 +39,25 @@ def check_echo_size(texts: list[str], per_prompt: int) -> None:
 
 
 @dataclasses.dataclass
+class StreamedEcho:
+    """A streamed choice's echo goes with its first output, not before it: until then a
+    decode-first sidecar cannot tell an echo from an accepted request's first token."""
+
+    _echoed: set[int] = dataclasses.field(default_factory=set)  # choices that had theirs
+
+    def prefix(self, index: int, echo: str, text: str) -> str:
+        if index in self._echoed:
+            return text
+        self._echoed.add(index)
+        return echo + text
+
+
+@dataclasses.dataclass
 class PromptEcho:
     texts: list[str]  # one per prompt
     per_prompt: int  # choices per prompt (n): choice i answers prompt i // n
     prompt_only: bool  # max_tokens 0
-    _echoed: set[int] = dataclasses.field(default_factory=set)
+    _streamed: StreamedEcho = dataclasses.field(default_factory=StreamedEcho)
 
     def whole(self, index: int, text: str) -> str:
         """A whole choice's text."""
@@ -52,12 +66,9 @@ class PromptEcho:
 
     def delta(self, index: int, text: str) -> str:
         """A streamed choice's next text: its first one carries the prompt."""
-        if self.prompt_only:
-            text = ""
-        if index in self._echoed:
-            return text
-        self._echoed.add(index)
-        return self.texts[index // self.per_prompt] + text
+        return self._streamed.prefix(
+            index, self.texts[index // self.per_prompt], "" if self.prompt_only else text
+        )
 
 
 def prompt_echo(
@@ -69,8 +80,9 @@ def prompt_echo(
 ) -> PromptEcho:
     """The echo of a request's `prompts` (as the client sent them); EchoTooLarge."""
     texts = ["" if with_token_ids else (p if isinstance(p, str) else decode(p)) for p in prompts]
-    check_echo_size(texts, max(n, 1))
-    return PromptEcho(texts, max(n, 1), max_tokens == 0)
+    per_prompt = max(n, 1)
+    check_echo_size(texts, per_prompt)
+    return PromptEcho(texts, per_prompt, max_tokens == 0)
 
 
 def echoed_message(req: ChatCompletionRequest) -> str:

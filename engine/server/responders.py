@@ -13,7 +13,13 @@ from fastapi.responses import StreamingResponse
 
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.choices import Choice, ChoiceRunner, until_disconnect
-from pdpool.engine.server.echo import EchoTooLarge, PromptEcho, echoed_message, prompt_echo
+from pdpool.engine.server.echo import (
+    EchoTooLarge,
+    PromptEcho,
+    StreamedEcho,
+    echoed_message,
+    prompt_echo,
+)
 from pdpool.engine.server.logprobs import (
     TokenText,
     chat_formatter,
@@ -183,8 +189,7 @@ class CompletionResponder(Responder[CompletionRequest]):
     def _decode_in_vocabulary(self, ids: list[int]) -> str:
         """The text of token ids; "" for ids outside the vocabulary, which starting the
         choices refuses (400) next."""
-        vocab = self.translator.engine.info.config["vocab_size"]
-        if any(not 0 <= t < vocab for t in ids):
+        if not self.translator.in_vocabulary(ids):
             return ""
         return self.translator.engine.tokenizer.decode(ids)
 
@@ -201,7 +206,7 @@ class ChatFormat(ChoiceFormat):
 
     def __init__(self, text_of: TokenText):
         super().__init__(text_of)
-        self._echoed_streams: set[int] = set()  # streamed choices that have had the echo
+        self._streamed_echo = StreamedEcho()
 
     def full_choice(
         self,
@@ -232,12 +237,11 @@ class ChatFormat(ChoiceFormat):
         self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
     ) -> dict[str, Any]:
         choice = self._chunk(index, out, logprobs)
-        if self.echo and index not in self._echoed_streams:
-            # With the choice's first output, not before it: until then a decode-first
-            # sidecar cannot tell an echo from an accepted request's first token.
-            self._echoed_streams.add(index)
+        if self.echo:
             delta = choice["delta"]
-            delta["content"] = self.echo + (delta.get("content") or "")
+            text = self._streamed_echo.prefix(index, self.echo, delta.get("content") or "")
+            if text:
+                delta["content"] = text
         return choice
 
     def _chunk(

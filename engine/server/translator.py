@@ -276,9 +276,13 @@ class RequestTranslator:
         )
         if problem is not None:
             raise ApiError(problem, param="prompt")
-        vocab = self.engine.info.config["vocab_size"]
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if not self.in_vocabulary(prompt_ids):
+            vocab = self.engine.info.config["vocab_size"]
             raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+
+    def in_vocabulary(self, ids: list[int]) -> bool:
+        vocab = self.engine.info.config["vocab_size"]
+        return all(0 <= t < vocab for t in ids)
 
     def servable_params(
         self, req: GenerationRequest, prompts: list[list[int]], default_max_tokens: int = 16

@@ -104,7 +104,8 @@ class RequestMaker:
             body[name] = value()
         body["min_tokens"] = min(body.get("min_tokens", 0), body["max_tokens"])
         if "logprobs" not in body and self.echo_rnd.random() < 0.2:
-            body["echo"] = True  # with logprobs it would ask for the prompt's logprobs
+            # (with logprobs the prompt is scored where the request lands, off the P/D path)
+            body["echo"] = True
             if not _by_ids(body):  # compared by text, which echoes only without the ids
                 body["return_token_ids"] = False
         return path, body

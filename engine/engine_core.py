@@ -220,6 +220,13 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestRejected(f"stop_token_ids must be in [0, {vocab})")
+        if params.prompt_logprobs is not None and (kv_transfer_params or {}).get(
+            "do_remote_prefill"
+        ):
+            raise RequestRejected(
+                "prompt_logprobs: the prompt's logprobs need its rows computed here, not its "
+                "KV loaded from another engine"
+            )
         if params.n != 1:
             raise RequestRejected(
                 "n: the engine runs one sequence per request (the server fans n out)"
@@ -308,9 +315,10 @@ class LLMEngine:
         self.runner.copy_state_slots(self.scheduler.update_after_forward(out))
         self.scheduler.flush_offload()  # this step's blocks and snapshots, copied now
         for item in out.scheduled:
+            item.request.prompt_logprobs += result.prompt_logprobs.get(item.request.request_id, ())
             output = self._apply_sampled(item.request, result)
             if output is not None:
-                outputs.append(output)
+                outputs.append(with_prompt_logprobs(output, item.request))
         return outputs
 
     def _forward(self, out: SchedulerOutput) -> tuple[StepResult, list[RequestOutput]]:
@@ -406,6 +414,7 @@ class LLMEngine:
                 merged.sampled.update(part.sampled)
                 merged.logprobs.update(part.logprobs)
                 merged.errors.update(part.errors)
+                merged.prompt_logprobs.update(part.prompt_logprobs)
                 merged.num_computed_tokens += part.num_computed_tokens
                 if part.logits is not None:
                     merged.logits = {**(merged.logits or {}), **part.logits}
@@ -469,3 +478,11 @@ class LLMEngine:
             for o in self.step():
                 results[o.request_id].extend(o.new_token_ids)
         return [results[i] for i in ids]
+
+
+def with_prompt_logprobs(output: RequestOutput, req: Request) -> RequestOutput:
+    """A request's first output carries its prompt's logprobs, when it asked for them."""
+    if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+        req.prompt_logprobs_sent = True
+        output.prompt_logprobs = req.prompt_logprobs
+    return output

@@ -22,11 +22,13 @@ class RequestError(ValueError):
 
 @dataclass
 class TokenLogprob:
-    """The sampled token's logprob and the `top` most likely (id, logprob), best first."""
+    """The sampled token's logprob and the `top` most likely (id, logprob), best first.
+    A prompt token's also has its rank: 1 + how many tokens are likelier (vLLM's)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: Optional[int] = None
 
 
 @dataclass
@@ -53,6 +55,9 @@ class RequestOutput:
     phases: Optional[RequestPhases] = None
     # On a final output: the stop string or stop token id that ended it (vLLM's stop_reason).
     stop_reason: Union[int, str, None] = None
+    # On the first output of a request that asked for prompt_logprobs: those of prompt
+    # tokens 1.. (the first has none), each with its rank.
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
 
 
 @dataclass
@@ -133,4 +138,5 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         new_text="".join(o.new_text for o in outputs),
         new_token_ids=[t for o in outputs for t in o.new_token_ids],
         logprobs=logprobs,
+        prompt_logprobs=outputs[0].prompt_logprobs,  # only a request's first has them
     )

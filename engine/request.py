@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional, Union
 
 from pdpool.engine.kv.hashing import BlockHasher
-from pdpool.engine.outputs import RequestPhases
+from pdpool.engine.outputs import RequestPhases, TokenLogprob
 from pdpool.engine.sampling_params import SamplingParams
 
 
@@ -96,6 +96,9 @@ class Request:
         self.kv_params_out: Optional[dict[str, Any]] = None
         # Recurrent-state models: the state slot a prefill leg keeps for the decode engine.
         self.transfer_state_slot: Optional[int] = None
+        # With prompt_logprobs: those of prompt tokens 1.. found so far (the runner's).
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs_sent = False
         # Guided decoding: the request's grammar matcher (structured/grammar.py), if any.
         self.grammar: Any = None
         # Its LoRA adapter (engine/lora/registry.LoRARef), None for the base model.
@@ -139,6 +142,15 @@ class Request:
             self.block_hashes.extend(
                 self.hasher.hash_blocks(self.all_token_ids, self.block_hashes, num_full)
             )
+
+    @property
+    def computes_prompt_rows(self) -> bool:
+        """Its prompt's logprobs are still to come: every prompt row must be computed here
+        (no prefix hit, no KV from a peer or a tier, never rejected for a low hit)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     # --- state --------------------------------------------------------------------------
     @property

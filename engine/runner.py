@@ -11,6 +11,7 @@ import torch
 
 from pdpool.engine.attention_metadata import AttentionMetadata
 from pdpool.engine.kv.facts import KVLayout
+from pdpool.engine.prompt_logprobs import score_prompt_rows
 from pdpool.engine.sampling import Sampler, TokenLogprob
 from pdpool.engine.structured.logits import GuidedMasks
 from pdpool.engine.scheduler import SchedulerOutput
@@ -29,6 +30,8 @@ class StepResult:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # request_id -> the error that ended its sampling (that request only).
     errors: dict[str, Exception] = field(default_factory=dict)
+    # request_id -> the logprobs of the prompt tokens this step's rows scored (in order).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 # Test-only fault injection: a batch holding a request whose id contains this string fails
@@ -139,8 +142,9 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.finish_step()
+        prompt_logprobs = self._prompt_logprobs(out, hidden)
         if not rows:
-            return StepResult({}, int(input_ids.shape[0]))
+            return StepResult({}, int(input_ids.shape[0]), prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[rows])
         if pending is not None:
             logits = logits.float()
@@ -177,7 +181,34 @@ class ModelRunner:
             kept,
             {r.request_id: lp for r, lp in zip(reqs, res.logprobs, strict=True) if lp is not None},
             {reqs[b].request_id: exc for b, exc in res.errors.items()},
+            prompt_logprobs,
         )
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[str, list[TokenLogprob]]:
+        """For the requests that ask for their prompt's logprobs: those of the prompt
+        tokens this step's rows score (a row scores the next token; the last prompt row
+        scores the first output token, which is sampled, not scored here)."""
+        found: dict[str, list[TokenLogprob]] = {}
+        end = 0
+        for item in out.scheduled:
+            req, n = item.request, item.num_new_tokens
+            first_row, end = end, end + n
+            start = req.num_computed_tokens
+            # Positions scored already (a preempted request recomputes them) are skipped.
+            first = max(start, len(req.prompt_logprobs))
+            last = min(start + n, req.num_prompt_tokens - 1)
+            k = req.sampling_params.prompt_logprobs
+            if k is None or first >= last or first > len(req.prompt_logprobs):
+                continue
+            found[req.request_id] = score_prompt_rows(
+                self.model.compute_logits,
+                hidden[first_row + first - start : first_row + last - start],
+                req.prompt_token_ids[first + 1 : last + 1],
+                k,
+            )
+        return found
 
 
 def _sampling_rows(out: SchedulerOutput) -> tuple[list[int], list[Any]]:

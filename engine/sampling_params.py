@@ -61,6 +61,9 @@ class SamplingParams:
     n: int = 1
     # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely.
     logprobs: Optional[int] = None
+    # None: none; k >= 0: each prompt token's logprob (from the first on) and the k most
+    # likely there. Every prompt row is computed for them: no prefix-cache hit is used.
+    prompt_logprobs: Optional[int] = None
     # Structured output (guided decoding): what the output must match.
     guided: Optional[GuidedSpec] = None
     # OpenAI's logit_bias: {token id: bias in [-100, 100]} added to the logits.
@@ -174,6 +177,12 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be in [0, {MAX_LOGPROBS}] (the maximum allowed "
                 f"is {MAX_LOGPROBS}), got {self.logprobs}"
+            )
+        k = self.prompt_logprobs
+        if k is not None and (not _is_integer(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (the maximum allowed "
+                f"is {MAX_LOGPROBS}), got {k!r}"
             )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")

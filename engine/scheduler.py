@@ -348,6 +348,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = _prompt_rows_chunk(req, num_new)
             num_new = self._align_chunk(req, req.num_computed_tokens, num_new)
             if num_new <= 0:
                 i += 1
@@ -423,7 +424,7 @@ class Scheduler:
     def _tier_hit(self, req: Request, num_local: int) -> int:
         """Tokens past the local hit that the offload tier holds (whole blocks, leaving
         at least one token to compute)."""
-        if self.offload is None or not self.kv.enable_caching:
+        if self.offload is None or not self.kv.enable_caching or req.computes_prompt_rows:
             return 0
         bs = self.kv.block_size
         limit = min((req.num_tokens - 1) // bs, len(req.block_hashes))
@@ -511,6 +512,7 @@ class Scheduler:
                 # moves it on (else it would wait at the head of the line forever).
                 num_new = 1
             charged = budget
+        num_new = _prompt_rows_chunk(req, num_new)
         num_new = self._align_chunk(req, num_cached, num_new)
         if num_new <= 0:
             return None
@@ -553,8 +555,10 @@ class Scheduler:
         return num_new
 
     def threshold_decision(self, req: Request, num_cached: int) -> Optional[ThresholdDecision]:
-        """A decision to reject, or None to admit. Prefill legs are never gated."""
-        if req.is_prefill_leg:
+        """A decision to reject, or None to admit. Prefill legs are never gated, nor are
+        requests for their prompt's logprobs (they compute every prompt row wherever they
+        run: another engine's prefill cannot spare that)."""
+        if req.is_prefill_leg or req.computes_prompt_rows:
             return None
         if req.cache_hit_threshold is not None:
             threshold, source = req.cache_hit_threshold, "request"
@@ -679,3 +683,15 @@ def _stamp_running(req: Request) -> None:
         phases.running = time.monotonic()
         if phases.admitted is None:
             phases.admitted = phases.running
+
+
+# Prompt rows a step computes the logits of for one request's prompt_logprobs: each costs
+# the whole vocabulary's logits, so a long prompt's are spread over steps instead of
+# stalling one step (and every stream in it).
+PROMPT_LOGPROB_ROWS_PER_STEP = 512
+
+
+def _prompt_rows_chunk(req: Request, num_new: int) -> int:
+    if not req.computes_prompt_rows:
+        return num_new
+    return min(num_new, PROMPT_LOGPROB_ROWS_PER_STEP)

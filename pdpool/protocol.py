@@ -207,7 +207,6 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "chat_template": _empty,
     "documents": _empty,
     # vLLM answers these with more than we compute: refused rather than silently dropped.
-    "prompt_logprobs": lambda v: v is None,
     "logprob_token_ids": _empty,
     "return_token_offsets": _empty,
     "return_prompt_text": _empty,
@@ -280,6 +279,9 @@ class _GenerationFields(BaseModel):
     # against its context.
     truncate_prompt_tokens: Optional[Annotated[Int, Field(ge=-1)]] = None
     truncation_side: Optional[Literal["left", "right"]] = None
+    # vLLM's: each prompt token's logprob (after the first) and this many likeliest there
+    # (-1: all, which the engines' logprob limit refuses); whole answers only.
+    prompt_logprobs: Optional[Int] = None
 
     def _limit(self) -> Optional[int]:
         return self.max_tokens
@@ -356,13 +358,6 @@ def check_unsupported(body: dict, model: Optional[type[_GenerationFields]] = Non
     for name, harmless in UNSUPPORTED_FIELDS.items():
         if name in body and not harmless(body[name]):
             raise RequestError(f"'{name}' is not supported by this server", name)
-    completions = model is not None and issubclass(model, CompletionFields)
-    if completions and body.get("echo") is True and body.get("logprobs") is not None:
-        raise RequestError(
-            "'echo' with 'logprobs' asks for the prompt's logprobs, which this server does "
-            "not compute (echo without logprobs is supported)",
-            "echo",
-        )
 
 
 def validate_request(body: Any, model: type[_GenerationFields], refuse_unsupported: bool = True):
@@ -378,6 +373,24 @@ def validate_request(body: Any, model: type[_GenerationFields], refuse_unsupport
         raise RequestError(*_first_error(exc)) from None
     check_ranges(req)
     return req
+
+
+def check_prompt_logprobs(req: _GenerationFields) -> None:
+    k = req.prompt_logprobs
+    if k is None:
+        return
+    if k < -1:
+        raise RequestError("prompt_logprobs must be a positive value or -1", "prompt_logprobs")
+    if req.stream and k != 0:
+        # As vLLM: the prompt's logprobs come in a whole answer only.
+        raise RequestError("prompt_logprobs are not available when stream=true", "prompt_logprobs")
+    kv = req.kv_transfer_params
+    if kv.get("do_remote_prefill") if isinstance(kv, dict) else kv and kv.do_remote_prefill:
+        raise RequestError(
+            "prompt_logprobs need the prompt computed by the engine that answers, not its "
+            "KV loaded from another engine (do_remote_prefill)",
+            "prompt_logprobs",
+        )
 
 
 def check_ranges(req: _GenerationFields) -> None:
@@ -417,6 +430,7 @@ def check_ranges(req: _GenerationFields) -> None:
             "(set add_generation_prompt to false to continue the final message)",
             "continue_final_message",
         )
+    check_prompt_logprobs(req)
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise RequestError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings", "stop")

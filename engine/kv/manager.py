@@ -184,6 +184,8 @@ class KVCacheManager:
 
     def _hit_len(self, request: Request, skip_state: bool) -> tuple[int, dict[str, int]]:
         """The blocks every group (and the state) agree on, and each one's own length."""
+        if request.computes_prompt_rows:
+            return 0, {}
         hashes = request.block_hashes
         n = min((request.num_tokens - 1) // self.block_size, len(hashes))
         while True:

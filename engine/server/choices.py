@@ -78,6 +78,8 @@ class Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[dict[str, Any]] = []
         self.last: RequestOutput = first
+        # Its prompt's logprobs, when asked: the first choice of the prompt computes them.
+        self.prompt_logprobs: Optional[list[TokenLogprob]] = first.prompt_logprobs
 
     def absorb(self, out: RequestOutput) -> Optional[dict[str, Any]]:
         """Records one output; returns the logprobs of its tokens, if asked."""
@@ -147,10 +149,15 @@ class ChoiceRunner:
             for stream in streams:
                 await stream.aclose()
             raise
-        return [
+        choices = [
             Choice(spec, first, stream, new_logprobs_formatter())
             for spec, first, stream in zip(specs, firsts, streams, strict=True)
         ]
+        for c in choices:  # a prompt's choices are listed together, its first one first
+            if c.first_of_prompt:
+                shared = c.prompt_logprobs
+            c.prompt_logprobs = shared
+        return choices
 
     async def outputs(self, c: Choice) -> Outputs:
         """A choice's outputs from its first on."""

@@ -15,8 +15,9 @@ echoed text of a whole answer is bounded (MAX_ECHO_BYTES, a 400 naming `echo` be
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
+from pdpool.engine.server.logprobs import after_prompt
 from pdpool.engine.server.protocol import ChatCompletionRequest, message_text
 
 PromptInput = Union[str, list[int]]
@@ -45,11 +46,18 @@ class StreamedEcho:
 
     _echoed: set[int] = dataclasses.field(default_factory=set)  # choices that had theirs
 
-    def prefix(self, index: int, echo: str, text: str) -> str:
+    def first(self, index: int) -> bool:
+        """Whether this is the choice's first output (and from now on it is not)."""
         if index in self._echoed:
-            return text
+            return False
         self._echoed.add(index)
-        return echo + text
+        return True
+
+    def prefix(self, index: int, echo: str, text: str) -> str:
+        return echo + text if self.first(index) else text
+
+
+Logprobs = Optional[dict[str, Any]]
 
 
 @dataclasses.dataclass
@@ -57,6 +65,8 @@ class PromptEcho:
     texts: list[str]  # one per prompt
     per_prompt: int  # choices per prompt (n): choice i answers prompt i // n
     prompt_only: bool  # max_tokens 0
+    # With `logprobs`: each prompt's part of the choices' logprobs (set once they start).
+    logprobs: Optional[list[dict[str, Any]]] = None
     _streamed: StreamedEcho = dataclasses.field(default_factory=StreamedEcho)
 
     def whole(self, index: int, text: str) -> str:
@@ -64,11 +74,24 @@ class PromptEcho:
         prompt = self.texts[index // self.per_prompt]
         return prompt if self.prompt_only else prompt + text
 
-    def delta(self, index: int, text: str) -> str:
-        """A streamed choice's next text: its first one carries the prompt."""
-        return self._streamed.prefix(
-            index, self.texts[index // self.per_prompt], "" if self.prompt_only else text
-        )
+    def whole_logprobs(self, index: int, logprobs: Logprobs) -> Logprobs:
+        """A whole choice's logprobs: its prompt's, then its tokens' (unless prompt only)."""
+        if self.logprobs is None:
+            return logprobs
+        prompt = self.logprobs[index // self.per_prompt]
+        return prompt if self.prompt_only else after_prompt(prompt, logprobs)
+
+    def delta(self, index: int, text: str, logprobs: Logprobs = None) -> tuple[str, Logprobs]:
+        """A streamed choice's next text and logprobs: its first ones carry the prompt's."""
+        if self.prompt_only:
+            text, logprobs = "", None
+        first = self._streamed.first(index)
+        if not first:
+            return text, logprobs
+        prompt = self.texts[index // self.per_prompt]
+        if self.logprobs is not None:
+            logprobs = after_prompt(self.logprobs[index // self.per_prompt], logprobs)
+        return prompt + text, logprobs
 
 
 def prompt_echo(

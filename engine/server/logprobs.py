@@ -164,3 +164,87 @@ def merge_chat(parts: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     if not parts:
         return None
     return {"content": [c for part in parts for c in part["content"]]}
+
+
+# Entries (a token's logprob, or one of its likeliest) of prompt logprobs in one answer, all
+# its choices together: about 75 bytes of JSON each, so about 20 MB. Every choice repeats its
+# prompt's, so a long prompt times many choices would otherwise make a huge answer.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
+
+
+def check_prompt_logprobs_size(
+    prompt_lengths: list[int], per_prompt: int, num_top: int, copies: int
+) -> None:
+    """ValueError when the prompts' logprobs (`num_top` likeliest and the token's own per
+    prompt token, in `copies` places of each of `per_prompt` choices) pass the bound."""
+    entries = sum(max(n - 1, 0) for n in prompt_lengths) * (num_top + 1) * per_prompt * copies
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ValueError(
+            f"the prompts' logprobs would take {entries} entries in the answer (at most "
+            f"{MAX_PROMPT_LOGPROB_ENTRIES}): ask for fewer likeliest tokens or choices, or a "
+            "shorter prompt"
+        )
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: list[int], entries: list[TokenLogprob], text_of: Callable[[int], str]
+) -> list[Optional[dict[str, Any]]]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then for each later one
+    {token id: {logprob, rank, decoded_token}}, the prompt token first, then the most
+    likely (ranks 1..k)."""
+    out: list[Optional[dict[str, Any]]] = [None] if prompt_ids else []
+    for lp in entries:
+        row = {str(lp.token_id): _prompt_entry(lp.logprob, lp.rank, text_of(lp.token_id))}
+        for rank, (token, value) in enumerate(lp.top, start=1):
+            row.setdefault(str(token), _prompt_entry(value, rank, text_of(token)))
+        out.append(row)
+    return out
+
+
+def _prompt_entry(logprob: float, rank: Optional[int], text: str) -> dict[str, Any]:
+    return {"logprob": _lp(logprob), "rank": rank, "decoded_token": text}
+
+
+def echoed_prompt_logprobs(
+    prompt_ids: list[int], entries: list[TokenLogprob], text_of: TokenText, num_top: int
+) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (completions' `echo` with
+    `logprobs`): the first token with none, then each token's and, as vLLM, up to
+    `num_top` + 1 likeliest there (the prompt token first)."""
+    out: dict[str, list[Any]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    offset = 0
+    for i, token_id in enumerate(prompt_ids):
+        token = text_of(token_id)
+        lp = entries[i - 1] if 0 < i <= len(entries) else None
+        out["tokens"].append(token)
+        out["token_logprobs"].append(None if lp is None else _lp(lp.logprob))
+        top = None
+        if lp is not None:
+            top = {token: _lp(lp.logprob)}
+            for t, v in lp.top:
+                if len(top) > num_top:
+                    break
+                top.setdefault(text_of(t), _lp(v))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out
+
+
+def after_prompt(prompt: dict[str, Any], generated: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """A completion's logprobs with the echoed prompt's before its generated tokens' (whose
+    text offsets move past the prompt's tokens)."""
+    if not generated:
+        return prompt
+    shift = (prompt["text_offset"][-1] + len(prompt["tokens"][-1])) if prompt["tokens"] else 0
+    return {
+        "tokens": prompt["tokens"] + generated["tokens"],
+        "token_logprobs": prompt["token_logprobs"] + generated["token_logprobs"],
+        "top_logprobs": prompt["top_logprobs"] + generated["top_logprobs"],
+        "text_offset": prompt["text_offset"] + [o + shift for o in generated["text_offset"]],
+    }

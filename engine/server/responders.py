@@ -23,6 +23,8 @@ from pdpool.engine.server.echo import (
 from pdpool.engine.server.logprobs import (
     TokenText,
     chat_formatter,
+    check_prompt_logprobs_size,
+    echoed_prompt_logprobs,
     completion_formatter,
     merge_chat,
     merge_completion,
@@ -79,9 +81,11 @@ class Responder(abc.ABC, Generic[R]):
             await self.prepare_format(req, fmt)
         except EchoTooLarge as exc:
             raise ApiError(str(exc), param="echo") from exc
+        self._check_prompt_logprobs(req, prompts)
         choices = await until_disconnect(
             http_req, self._start(http_req, req, prompts, fmt), self.metrics
         )
+        self.choices_started(req, fmt, prompts, choices)
         return await self.writer.write(http_req, req, fmt, prompts, choices)
 
     def new_format(self, req: R) -> ChoiceFormat:
@@ -94,6 +98,27 @@ class Responder(abc.ABC, Generic[R]):
     async def prepare_format(self, req: R, fmt: ChoiceFormat) -> None:
         """What the format needs of the request once its prompts are tokenized, before its
         choices start (EchoTooLarge)."""
+
+    def _check_prompt_logprobs(self, req: R, prompts: list[list[int]]) -> None:
+        """400 before any choice starts when the answer's prompt logprobs pass their bound
+        (they come once per choice, and twice with completions' echo)."""
+        try:
+            k = req._prompt_logprobs()
+        except ValueError:
+            return  # a bad value: the sampling parameters refuse it next
+        if k is None or k < 0:
+            return
+        echoed = isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None
+        try:
+            check_prompt_logprobs_size([len(p) for p in prompts], req.n, k, 2 if echoed else 1)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="prompt_logprobs") from exc
+
+    def choices_started(
+        self, req: R, fmt: ChoiceFormat, prompts: list[list[int]], choices: list[Choice]
+    ) -> None:
+        """What the format needs of the choices' first outputs before the answer is
+        written."""
 
     async def _start(
         self, http_req: Request, req: R, prompts: list[list[int]], fmt: ChoiceFormat
@@ -148,9 +173,11 @@ class CompletionFormat(ChoiceFormat):
         logprobs: Optional[dict[str, Any]],
         stop_reason: Union[int, str, None] = None,
     ) -> dict[str, Any]:
+        if self.echo is not None:
+            text, logprobs = self.echo.whole(index, text), self.echo.whole_logprobs(index, logprobs)
         return {
             "index": index,
-            "text": text if self.echo is None else self.echo.whole(index, text),
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
@@ -159,9 +186,12 @@ class CompletionFormat(ChoiceFormat):
     def chunk_choice(
         self, index: int, out: RequestOutput, logprobs: Optional[dict[str, Any]]
     ) -> dict[str, Any]:
+        text = out.new_text
+        if self.echo is not None:
+            text, logprobs = self.echo.delta(index, text, logprobs)
         return {
             "index": index,
-            "text": out.new_text if self.echo is None else self.echo.delta(index, out.new_text),
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
@@ -185,6 +215,27 @@ class CompletionResponder(Responder[CompletionRequest]):
                 bool(req.return_token_ids),
                 self._decode_in_vocabulary,
             )
+
+    def choices_started(
+        self,
+        req: CompletionRequest,
+        fmt: ChoiceFormat,
+        prompts: list[list[int]],
+        choices: list[Choice],
+    ) -> None:
+        echo = fmt.echo if isinstance(fmt, CompletionFormat) else None
+        if echo is None or req.logprobs is None:
+            return
+        echo.logprobs = [
+            echoed_prompt_logprobs(
+                prompts[c.index // echo.per_prompt],
+                c.prompt_logprobs or [],
+                fmt.text_of,
+                req.logprobs,
+            )
+            for c in choices
+            if c.first_of_prompt
+        ]
 
     def _decode_in_vocabulary(self, ids: list[int]) -> str:
         """The text of token ids; "" for ids outside the vocabulary, which starting the

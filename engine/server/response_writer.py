@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.choices import Choice, ChoiceRunner, LogprobsFormatter
 from pdpool.engine.server.errors import engine_error, output_error
-from pdpool.engine.server.logprobs import TokenText
+from pdpool.engine.server.logprobs import TokenText, vllm_prompt_logprobs
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.protocol import (
     GenerationRequest,
@@ -102,9 +102,11 @@ def full_response(
     head: ResponseHead,
     fmt: ChoiceFormat,
     choices: list[Choice],
-    prompts: Optional[list[list[int]]] = None,
+    prompts: list[list[int]],
+    return_token_ids: bool = False,
 ) -> dict[str, Any]:
-    """The whole answer; with `prompts` (return_token_ids), the token ids as vLLM adds them."""
+    """The whole answer; with `return_token_ids`, the token ids as vLLM adds them; with
+    prompt logprobs, vLLM's `prompt_logprobs` beside them."""
     answer = {
         **head.of(fmt.response_object),
         "choices": [
@@ -120,8 +122,18 @@ def full_response(
         "usage": usage_of(choices),
         "kv_transfer_params": choices[0].last.kv_transfer_params if len(choices) == 1 else None,
     }
-    if prompts is not None:
-        per_prompt = choices_per_prompt(choices, prompts)
+    per_prompt = choices_per_prompt(choices, prompts)
+    if choices[0].prompt_logprobs is not None:
+        text_of = TokenText(fmt.text_of.tokenizer)  # vLLM's texts, whatever the logprobs'
+        for c, choice in zip(choices, answer["choices"], strict=True):
+            prompt_logprobs = vllm_prompt_logprobs(
+                prompts[c.index // per_prompt], c.prompt_logprobs or [], text_of
+            )
+            if fmt.prompt_ids_in_choice:
+                choice["prompt_logprobs"] = prompt_logprobs
+            else:
+                answer["prompt_logprobs"] = prompt_logprobs
+    if return_token_ids:
         for c, choice in zip(choices, answer["choices"], strict=True):
             choice["token_ids"] = list(c.token_ids)
             if fmt.prompt_ids_in_choice:
@@ -188,7 +200,7 @@ class ResponseWriter:
         head = ResponseHead(f"{fmt.id_prefix}-{answer_id}", int(time.time()), model)
         if not req.stream:
             await self.runner.run_to_end(http_req, choices)
-            return full_response(head, fmt, choices, prompts if req.return_token_ids else None)
+            return full_response(head, fmt, choices, prompts, bool(req.return_token_ids))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         token_ids = StreamTokenIds(
             bool(req.return_token_ids), prompts, choices_per_prompt(choices, prompts)

@@ -349,7 +349,11 @@ class RequestTranslator:
                 request_id=f"{client_request_id or uuid.uuid4().hex}-{uuid.uuid4().hex[:8]}",
                 prompt_ids=prompt_ids,
                 params=dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + i
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    # the prompt's first choice computes them for all its choices
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
                 ),
                 cache_salt=req.cache_salt,
                 cache_hit_threshold=req.cache_hit_threshold,

@@ -54,7 +54,7 @@ class Flows:
         await self.decode.final(ex, legs.aggregated_leg(ex.body))
 
     async def prefill_first(self, ex: Exchange) -> None:
-        if legs.several_prompts(ex.body):
+        if legs.served_where_it_lands(ex.body):
             return await self.aggregated(ex)
         await self._remote_prefill_then_decode(ex, pull=None)
 
@@ -66,7 +66,7 @@ class Flows:
         hint = ex.headers.pop(PD_HEADER, None)
         if hint and ex.span is not None:
             ex.span.set_attribute("pdpool.kv_path_hint", hint)
-        if legs.several_prompts(ex.body):
+        if legs.served_where_it_lands(ex.body):
             return await self.aggregated(ex)
         decider = DecodeFirstDecider(self.settings.prefill_min_prompt_tokens)
         decided = decider.decide(hint, self.capability.known, ex.body)

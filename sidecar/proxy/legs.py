@@ -56,6 +56,19 @@ def several_prompts(body: dict[str, Any]) -> bool:
     return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
 
 
+def answers_prompt_logprobs(body: dict[str, Any]) -> bool:
+    """The answer carries the prompt's logprobs (`prompt_logprobs`, or completions' `echo`
+    with `logprobs`): only the engine that computes the prompt has them, so it is served
+    where it lands, with no KV handoff."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return "prompt" in body and body.get("echo") is True and body.get("logprobs") is not None
+
+
+def served_where_it_lands(body: dict[str, Any]) -> bool:
+    return several_prompts(body) or answers_prompt_logprobs(body)
+
+
 def decode_first_leg(body: dict[str, Any], pool_threshold: float) -> dict[str, Any]:
     leg = dict(body)
     leg[THRESHOLD] = effective_threshold(body, pool_threshold)
@@ -92,6 +105,7 @@ def prefill_leg(body: dict[str, Any], pull: Optional[dict[str, Any]] = None) -> 
     # never shown: no prompt to echo either.
     leg.pop("n", None)
     leg.pop("echo", None)
+    leg.pop("prompt_logprobs", None)
     leg[THRESHOLD] = 0.0
     params: dict[str, Any] = dict(pull or {})
     params["do_remote_decode"] = True

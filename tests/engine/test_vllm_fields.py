@@ -260,8 +260,6 @@ def test_an_echo_that_would_multiply_a_large_prompt_is_a_400(eng):
 
 REFUSED_ECHO = [
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # nothing to generate, nothing echoed
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),  # the prompt's logprobs
-    ({"prompt": "hi", "echo": True, "logprobs": 0}, "echo"),
     ({"prompt": "hi", "echo": "yes"}, "echo"),
     ({"prompt": "hi", "echo": 1}, "echo"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"),

@@ -6,7 +6,8 @@ prefill leg, a KV transfer over NIXL and a decode leg) and through one `pdpool s
 same checkpoint and engine flags. And through the default decode-first flow with a prefix
 every prompt shares, so that decode holds part of each prompt: rejected requests' prefill
 legs pull that prefix from decode before decode loads the whole prompt back. And a rejected
-decode-first stream with echo: the echo comes once, from the answer after the handoff."""
+decode-first stream with echo: the echo comes once, from the answer after the handoff. And
+requests for their prompt's logprobs, which no handoff can give: served where they land."""
 
 from __future__ import annotations
 
@@ -89,3 +90,31 @@ def test_a_rejected_echo_stream_echoes_once_as_one_engine(decode_first, alone, c
     assert through_pd == one
     assert one[0][1].startswith(words) and one[0][1].count(words) == 1
     assert metric(sidecar, rejections) == before + 1  # decode did reject it first
+
+
+@pytest.mark.parametrize("mode", ["decode-first", "prefill-first"])
+def test_prompt_logprobs_are_served_where_they_land_as_one_engine(decode_first, pd, alone, mode):
+    """A prompt decode holds nothing of, with prompt_logprobs (or completions' echo with
+    logprobs): neither a rejection nor a prefill leg (their KV would come from another engine,
+    and the prompt's logprobs with it cannot); the answer is one engine's."""
+    gateway = decode_first.gateway.url if mode == "decode-first" else pd
+    sidecar = decode_first.by_role("sidecar")[0].url
+    model = httpx.get(alone + "/v1/models", timeout=30).json()["data"][0]["id"]
+    words = " ".join(["meadow lantern"] * 24) + f" {mode}"
+    rejections = "pdpool_sidecar_threshold_rejections_total"
+    before = metric(sidecar, rejections)
+    for extra in ({"prompt_logprobs": 2}, {"echo": True, "logprobs": 1, "max_tokens": 0}):
+        body = {"model": model, "prompt": words, "max_tokens": 4, "temperature": 0, **extra}
+        one, through = (
+            httpx.post(u + "/v1/completions", json=body, timeout=120) for u in (alone, gateway)
+        )
+        assert through.status_code == 200 == one.status_code, through.text
+        a, b = one.json()["choices"][0], through.json()["choices"][0]
+        assert b["text"] == a["text"]
+        rows_a, rows_b = a.get("prompt_logprobs"), b.get("prompt_logprobs")
+        assert rows_b is not None and len(rows_b) == len(rows_a) > 40
+        for ra, rb in zip(rows_a[1:], rows_b[1:], strict=True):
+            assert ra.keys() == rb.keys()
+            for token, entry in ra.items():
+                assert abs(entry["logprob"] - rb[token]["logprob"]) < 1e-4
+    assert metric(sidecar, rejections) == before

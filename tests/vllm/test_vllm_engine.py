@@ -215,6 +215,14 @@ STATUS_CASES = [
     ("completions", {"max_tokens": 0}),
     ("completions", {"max_tokens": 0, "echo": True}),
     ("completions", {"echo": True}),
+    ("completions", {"prompt_logprobs": 2}),
+    ("completions", {"prompt_logprobs": 1, "stream": True}),
+    ("completions", {"prompt_logprobs": 0, "stream": True}),
+    ("completions", {"prompt_logprobs": -2}),
+    ("completions", {"prompt_logprobs": 21}),
+    ("completions", {"echo": True, "logprobs": 1}),
+    ("chat/completions", {"prompt_logprobs": 1}),
+    ("chat/completions", {"prompt_logprobs": 3, "stream": True}),
 ]
 
 
@@ -467,6 +475,66 @@ def test_echo_answers_as_in_vllm(stack, chat, fields):
         for stream in (False, True):
             got, _ = ending(url, model, chat, stream, **fields)
             assert got == want, (name, stream)
+
+
+PROMPT_LOGPROB_CASES = [
+    (False, {"prompt": SHORT[0], "prompt_logprobs": 0}),
+    (False, {"prompt": LONG[0], "prompt_logprobs": 3}),  # P/D length: served where it lands
+    (False, {"prompt": [SHORT[1], SHORT[2]], "n": 2, "prompt_logprobs": 1}),
+    (False, {"prompt": SHORT[1], "echo": True, "logprobs": 2}),
+    (False, {"prompt": LONG[1], "echo": True, "logprobs": 1, "max_tokens": 0}),
+    (True, {"messages": [{"role": "user", "content": LONG[2]}], "prompt_logprobs": 2}),
+]
+# vLLM's CPU worker and ours sum in other orders (both float32 here).
+PROMPT_LOGPROB_ATOL = 2e-3
+
+
+@pytest.mark.parametrize("chat,fields", PROMPT_LOGPROB_CASES)
+def test_prompt_logprobs_answer_as_in_vllm(stack, chat, fields):
+    """The same rows (the prompt token, its rank, the likeliest with ranks 1..k, their
+    texts) and logprobs within float tolerance; completions' echo with logprobs the same
+    tokens, texts and offsets, the prompt's first token with none."""
+    model, path = stack["model"], "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": model, "max_tokens": 3, "temperature": 0, "ignore_eos": True, **fields}
+    want = httpx.post(one_vllm(stack) + path, json=body, timeout=300)
+    assert want.status_code == 200, want.text
+    for name, url in (("ours", stack["ours"].url), ("gateway", stack["topology"].gateway.url)):
+        got = httpx.post(url + path, json=body, timeout=300)
+        assert got.status_code == 200, (name, got.text)
+        _same_prompt_logprobs(want.json(), got.json(), chat, name)
+
+
+def _same_prompt_logprobs(want: dict, got: dict, chat: bool, name: str) -> None:
+    holders = [(want, got)] if chat else list(zip(want["choices"], got["choices"], strict=True))
+    for w, g in holders:
+        if w.get("prompt_logprobs") is None:
+            assert g.get("prompt_logprobs") is None, name
+        else:
+            assert len(g["prompt_logprobs"]) == len(w["prompt_logprobs"]), name
+            assert g["prompt_logprobs"][0] is None is w["prompt_logprobs"][0]
+            for rw, rg in zip(w["prompt_logprobs"][1:], g["prompt_logprobs"][1:], strict=True):
+                assert rw.keys() == rg.keys(), name
+                for token, entry in rw.items():
+                    mine = rg[token]
+                    assert mine["rank"] == entry["rank"], (name, token)
+                    assert mine["decoded_token"] == entry["decoded_token"], (name, token)
+                    assert abs(mine["logprob"] - entry["logprob"]) < PROMPT_LOGPROB_ATOL, name
+    if chat:
+        assert got["choices"][0]["message"] == want["choices"][0]["message"], name
+        return
+    for w, g in zip(want["choices"], got["choices"], strict=True):
+        assert g["text"] == w["text"], name
+        lw, lg = w["logprobs"], g["logprobs"]
+        if lw is None:
+            assert lg is None, name
+            continue
+        assert lg["tokens"] == lw["tokens"] and lg["text_offset"] == lw["text_offset"], name
+        for a, b in zip(lw["token_logprobs"], lg["token_logprobs"], strict=True):
+            assert (a is None) == (b is None), name
+            assert a is None or abs(a - b) < PROMPT_LOGPROB_ATOL, name
+        for a, b in zip(lw["top_logprobs"], lg["top_logprobs"], strict=True):
+            assert (a is None) == (b is None), name
+            assert a is None or a.keys() == b.keys(), name
 
 
 def _prompt_tokens(url: str, model: str, chat: bool, fields: dict) -> int:

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Generic, Optional, TypeVar, Union
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.choices import Choice, ChoiceRunner, until_disconnect
@@ -73,7 +73,7 @@ class Responder(abc.ABC, Generic[R]):
 
     # Bound in api.build_app with response_model=None: FastAPI takes no response model from
     # the return annotation.
-    async def create(self, http_req: Request) -> Union[dict[str, Any], StreamingResponse]:
+    async def create(self, http_req: Request) -> Union[dict[str, Any], Response]:
         req = await self.translator.parse(http_req, self.request_type)
         fmt = self.new_format(req)
         prompts = await until_disconnect(http_req, self.prompt_ids(req), self.metrics)

@@ -5,13 +5,14 @@ a ChoiceFormat; everything here but the writer's two loops is pure."""
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import json
 import time
 from typing import Any, AsyncGenerator, Callable, Optional, Union
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pdpool.engine.outputs import RequestOutput
 from pdpool.engine.server.choices import Choice, ChoiceRunner, LogprobsFormatter
@@ -192,7 +193,7 @@ class ResponseWriter:
         fmt: ChoiceFormat,
         prompts: list[list[int]],
         choices: list[Choice],
-    ) -> Union[dict[str, Any], StreamingResponse]:
+    ) -> Union[dict[str, Any], Response]:
         # As vLLM: a LoRA request's answer names its adapter.
         model = req.model if isinstance(req.model, str) and req.model else self.model_name
         # As vLLM: the client's id (its X-Request-Id, else the body's) names the answer.
@@ -200,7 +201,12 @@ class ResponseWriter:
         head = ResponseHead(f"{fmt.id_prefix}-{answer_id}", int(time.time()), model)
         if not req.stream:
             await self.runner.run_to_end(http_req, choices)
-            return full_response(head, fmt, choices, prompts, bool(req.return_token_ids))
+            args = (head, fmt, choices, prompts, bool(req.return_token_ids))
+            if choices[0].prompt_logprobs is None:
+                return full_response(*args)
+            # Up to ~20 MB of JSON: built off the event loop, where the other streams run.
+            body = await asyncio.to_thread(lambda: json.dumps(full_response(*args)).encode())
+            return Response(body, media_type="application/json")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         token_ids = StreamTokenIds(
             bool(req.return_token_ids), prompts, choices_per_prompt(choices, prompts)

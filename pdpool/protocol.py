@@ -416,6 +416,8 @@ def check_ranges(req: _GenerationFields) -> None:
         raise RequestError(
             "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
         )
+    if limit == 0:
+        limit = 1  # as vLLM: the one token an echo of the prompt alone makes, left out
     if limit is not None and req.min_tokens > limit:
         raise RequestError(
             f"min_tokens ({req.min_tokens}) must not exceed the token limit ({limit})", "min_tokens"

@@ -212,6 +212,11 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone(eng, stream):
     assert text == "hi there"
     if not stream:
         assert r.json()["usage"]["completion_tokens"] == 1  # made and left out, as vLLM
+    # that one token may be a must (min_tokens 1); two cannot
+    body = {"prompt": "hi there", "max_tokens": 0, "echo": True, "stream": stream}
+    assert post(eng, "/v1/completions", {**body, "min_tokens": 1}).status_code == 200
+    r = post(eng, "/v1/completions", {**body, "min_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
 
 
 CONTINUED = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]

@@ -215,6 +215,8 @@ STATUS_CASES = [
     ("completions", {"max_tokens": 0}),
     ("completions", {"max_tokens": 0, "echo": True}),
     ("completions", {"echo": True}),
+    ("completions", {"max_tokens": 0, "echo": True, "min_tokens": 1}),
+    ("completions", {"max_tokens": 0, "echo": True, "min_tokens": 2}),
     ("completions", {"prompt_logprobs": 2}),
     ("completions", {"prompt_logprobs": 1, "stream": True}),
     ("completions", {"prompt_logprobs": 0, "stream": True}),

@@ -195,13 +195,16 @@ class ModelRunner:
         for item in out.scheduled:
             req, n = item.request, item.num_new_tokens
             first_row, end = end, end + n
+            if not req.computes_prompt_rows:
+                continue
             start = req.num_computed_tokens
             # Positions scored already (a preempted request recomputes them) are skipped.
             first = max(start, len(req.prompt_logprobs))
             last = min(start + n, req.num_prompt_tokens - 1)
-            k = req.sampling_params.prompt_logprobs
-            if k is None or first >= last or first > len(req.prompt_logprobs):
+            if first >= last or first > len(req.prompt_logprobs):
                 continue
+            k = req.sampling_params.prompt_logprobs
+            assert k is not None
             found[req.request_id] = score_prompt_rows(
                 self.model.compute_logits,
                 hidden[first_row + first - start : first_row + last - start],

@@ -393,6 +393,21 @@ def check_prompt_logprobs(req: _GenerationFields) -> None:
         )
 
 
+def check_token_limit(req: _GenerationFields) -> None:
+    limit = req._limit()
+    if limit == 0 and not (isinstance(req, CompletionFields) and req.echo):
+        # As vLLM: nothing to generate is an answer only when the prompt is echoed.
+        raise RequestError(
+            "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
+        )
+    if limit == 0:
+        limit = 1  # as vLLM: the one token an echo of the prompt alone makes, left out
+    if limit is not None and req.min_tokens > limit:
+        raise RequestError(
+            f"min_tokens ({req.min_tokens}) must not exceed the token limit ({limit})", "min_tokens"
+        )
+
+
 def check_ranges(req: _GenerationFields) -> None:
     """The rules pydantic field types cannot say."""
     t = req.temperature
@@ -410,18 +425,7 @@ def check_ranges(req: _GenerationFields) -> None:
     if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
         # As OpenAI and vLLM: options of a stream the request does not ask for are a mistake.
         raise RequestError("stream_options can only be given with stream: true", "stream_options")
-    limit = req._limit()
-    if limit == 0 and not (isinstance(req, CompletionFields) and req.echo):
-        # As vLLM: nothing to generate is an answer only when the prompt is echoed.
-        raise RequestError(
-            "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
-        )
-    if limit == 0:
-        limit = 1  # as vLLM: the one token an echo of the prompt alone makes, left out
-    if limit is not None and req.min_tokens > limit:
-        raise RequestError(
-            f"min_tokens ({req.min_tokens}) must not exceed the token limit ({limit})", "min_tokens"
-        )
+    check_token_limit(req)
     if req.seed is not None and req.seed + req.n - 1 > SEED_MAX:
         raise RequestError(
             f"seed + n - 1 must be at most {SEED_MAX} (choice i samples with seed + i)", "seed"

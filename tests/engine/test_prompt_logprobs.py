@@ -218,3 +218,25 @@ def test_an_answer_whose_prompt_logprobs_would_be_huge_is_refused_before_it_runs
     # the same prompt with one choice and one likeliest token is answered
     small = {**body, "n": 1, "prompt_logprobs": 1}
     assert len(ok(server, "completions", small)["choices"][0]["prompt_logprobs"]) == 2000
+
+
+def test_a_loglikelihood_request_as_lm_eval_sends_it(server, reference):
+    """lm-evaluation-harness scores a context + continuation with a batch of token-id
+    prompts, echo, logprobs 1 and max_tokens 1, then sums each choice's token logprobs past
+    the context and checks each continuation token is the likeliest of its top_logprobs."""
+    contexts = [PROMPT[:10], PROMPT[5:]]
+    answer = ok(
+        server,
+        "completions",
+        {"prompt": contexts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0},
+    )
+    for choice, ids in zip(answer["choices"], contexts, strict=True):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1
+        ref = reference(ids)
+        want = sum(ref[i - 1][ids[i]].item() for i in range(1, len(ids)))
+        assert abs(sum(lp["token_logprobs"][1 : len(ids)]) - want) < ATOL * len(ids)
+        for pos in range(1, len(ids)):
+            top = lp["top_logprobs"][pos]
+            greedy = ref[pos - 1].argmax().item() == ids[pos]
+            assert (max(top, key=top.get) == lp["tokens"][pos]) == greedy

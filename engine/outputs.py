@@ -23,7 +23,7 @@ class RequestError(ValueError):
 @dataclass
 class TokenLogprob:
     """The sampled token's logprob and the `top` most likely (id, logprob), best first.
-    A prompt token's also has its rank: 1 + how many tokens are likelier (vLLM's)."""
+    A prompt token's also has its rank: how many tokens are at least as likely (vLLM's)."""
 
     token_id: int
     logprob: float

@@ -21,8 +21,8 @@ def score_prompt_rows(
     num_top: int,
 ) -> list[TokenLogprob]:
     """Each row of `hidden` scoring its next prompt token: the token's logprob and rank
-    (1 + the tokens strictly likelier, ties counted with it, as vLLM), and the `num_top`
-    likeliest tokens there, best first."""
+    (how many tokens are at least as likely, itself included, as vLLM counts), and the
+    `num_top` likeliest tokens there, best first."""
     scored: list[TokenLogprob] = []
     for start in range(0, len(next_tokens), ROWS_PER_PASS):
         targets = next_tokens[start : start + ROWS_PER_PASS]

@@ -18,7 +18,7 @@ before it show "".
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from pdpool.engine.engine_state import ServerTokenizer
 from pdpool.engine.outputs import TokenLogprob
@@ -186,17 +186,31 @@ def check_prompt_logprobs_size(
         )
 
 
+def _prompt_rows(
+    entries: list[TokenLogprob], text_of: TokenText
+) -> Iterator[tuple[TokenLogprob, Callable[[int], str]]]:
+    """Each scored prompt token with the text of a token at its place: as for sampled
+    tokens, a byte-level piece is read with the prompt tokens before it (vLLM takes those
+    from the second prompt token on: the first has no row)."""
+    context = SampledContext()
+    for lp in entries:
+        ids = context.ids
+        yield lp, lambda token, ids=ids: text_of.after(token, ids)
+        context.push(lp.token_id)
+
+
 def vllm_prompt_logprobs(
-    prompt_ids: list[int], entries: list[TokenLogprob], text_of: Callable[[int], str]
+    prompt_ids: list[int], entries: list[TokenLogprob], text_of: TokenText
 ) -> list[Optional[dict[str, Any]]]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then for each later one
     {token id: {logprob, rank, decoded_token}}, the prompt token first, then the most
-    likely (ranks 1..k)."""
+    likely (ranks 1..k; one of them that is the prompt token takes its top-k rank, as
+    vLLM's)."""
     out: list[Optional[dict[str, Any]]] = [None] if prompt_ids else []
-    for lp in entries:
-        row = {str(lp.token_id): _prompt_entry(lp.logprob, lp.rank, text_of(lp.token_id))}
+    for lp, text in _prompt_rows(entries, text_of):
+        row = {str(lp.token_id): _prompt_entry(lp.logprob, lp.rank, text(lp.token_id))}
         for rank, (token, value) in enumerate(lp.top, start=1):
-            row.setdefault(str(token), _prompt_entry(value, rank, text_of(token)))
+            row[str(token)] = _prompt_entry(value, rank, text(token))
         out.append(row)
     return out
 
@@ -212,27 +226,27 @@ def echoed_prompt_logprobs(
     `logprobs`): the first token with none, then each token's and, as vLLM, up to
     `num_top` + 1 likeliest there (the prompt token first)."""
     out: dict[str, list[Any]] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
+        "tokens": [text_of(prompt_ids[0])] if prompt_ids else [],
+        "token_logprobs": [None] if prompt_ids else [],
+        "top_logprobs": [None] if prompt_ids else [],
+        "text_offset": [0] if prompt_ids else [],
     }
-    offset = 0
-    for i, token_id in enumerate(prompt_ids):
-        token = text_of(token_id)
-        lp = entries[i - 1] if 0 < i <= len(entries) else None
+    for lp, text in _prompt_rows(entries, text_of):
+        token = text(lp.token_id)
+        top = {token: _lp(lp.logprob)}
+        for t, v in lp.top:
+            if len(top) > num_top:
+                break
+            top[text(t)] = _lp(v)
+        out["text_offset"].append(out["text_offset"][-1] + len(out["tokens"][-1]))
         out["tokens"].append(token)
-        out["token_logprobs"].append(None if lp is None else _lp(lp.logprob))
-        top = None
-        if lp is not None:
-            top = {token: _lp(lp.logprob)}
-            for t, v in lp.top:
-                if len(top) > num_top:
-                    break
-                top.setdefault(text_of(t), _lp(v))
+        out["token_logprobs"].append(_lp(lp.logprob))
         out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(token)
+    for token_id in prompt_ids[len(out["tokens"]) :]:  # unscored (none here): shown bare
+        out["text_offset"].append(out["text_offset"][-1] + len(out["tokens"][-1]))
+        out["tokens"].append(text_of(token_id))
+        out["token_logprobs"].append(None)
+        out["top_logprobs"].append(None)
     return out
 
 

@@ -19,6 +19,7 @@ from pdpool.engine.scheduler import Scheduler, SchedulerConfig
 from pdpool.engine.server.echo import prompt_echo
 from pdpool.engine.server.logprobs import (
     MAX_PROMPT_LOGPROB_ENTRIES,
+    TokenText,
     after_prompt,
     check_prompt_logprobs_size,
     echoed_prompt_logprobs,
@@ -27,11 +28,16 @@ from pdpool.engine.server.logprobs import (
 from pdpool.protocol import ChatFields, CompletionFields, RequestError, validate_request
 from pdpool.sidecar.proxy import legs
 
-TEXTS = {i: chr(ord("a") + i) for i in range(26)}
+
+class Letters:
+    """A tokenizer whose token i is the i-th letter; 30 and 31 are the two bytes of "é"."""
+
+    def decode(self, ids: list[int]) -> str:
+        raw = b"".join(b"\xc3" if i == 30 else b"\xa9" if i == 31 else bytes([97 + i]) for i in ids)
+        return raw.decode("utf-8", errors="replace")
 
 
-def text_of(token_id: int) -> str:
-    return TEXTS[token_id]
+text_of = TokenText(Letters())
 
 
 def test_a_row_scores_the_next_token_with_its_rank_and_the_likeliest():
@@ -71,6 +77,26 @@ def test_vllm_layout_puts_the_prompt_token_first_then_ranks_one_to_k():
     assert rows[2]["3"]["logprob"] == -9999.0  # JSON has no -inf (vLLM clamps the same)
     assert rows[2]["1"]["rank"] == 2
     assert vllm_prompt_logprobs([], [], text_of) == []
+    # a prompt token that ranks among the likeliest takes its top-k rank there (vLLM's dict)
+    tied = vllm_prompt_logprobs([0, 1], [TokenLogprob(1, -0.5, [(2, -0.5), (1, -0.5)], 2)], text_of)
+    assert tied[1]["1"]["rank"] == 2 and list(tied[1]) == ["1", "2"]
+
+
+def test_a_split_character_is_read_with_the_prompt_tokens_before_it():
+    """As vLLM: the piece that completes "é" shows it, the piece before it shows ""; the
+    first prompt token is no context (it has no row)."""
+    entries = [TokenLogprob(30, -1.0, [(31, -0.5)], 2), TokenLogprob(31, -0.1, [(30, -3.0)], 1)]
+    rows = vllm_prompt_logprobs([0, 30, 31], entries, text_of)
+    assert rows[1]["30"]["decoded_token"] == "" and rows[1]["31"]["decoded_token"] == ""
+    assert rows[2]["31"]["decoded_token"] == "é"
+    assert rows[2]["30"]["decoded_token"] == ""
+    echoed = echoed_prompt_logprobs([0, 30, 31], entries, text_of, 1)
+    assert echoed["tokens"] == ["a", "", "é"]
+    assert echoed["text_offset"] == [0, 1, 1]
+    # the first prompt token is no context: it shows as it decodes alone, and the piece
+    # after it with no context before it shows "" (vLLM's)
+    alone = echoed_prompt_logprobs([30, 31], [entries[1]], text_of, 0)
+    assert alone["tokens"] == ["\ufffd", ""]
 
 
 def test_an_echoed_prompt_has_no_logprob_first_then_up_to_k_plus_one_likeliest():

@@ -145,3 +145,34 @@ def test_tiny_model_cli_rejects_bad_qwen3_5_specs(tmp_path, flags, why):
     with pytest.raises(CliError, match=why):
         tiny_model_cli.main(args)
     assert not (tmp_path / "m" / "model.safetensors").exists()
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_a_cached_prefix(
+    tiny_qwen3_5, hf_model
+):
+    """A hybrid model's prompt rows scored over 40-token steps; the second request finds
+    the prompt cached (state snapshots included) and still computes and scores every row."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_qwen3_5), device="cpu", max_num_batched_tokens=40, num_kv_blocks=64
+        )
+    )
+    prompt = [(i * 13 + 7) % 512 for i in range(100)]
+    with torch.no_grad():
+        logits = hf_model.model(torch.tensor([prompt])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    for rid in ("first", "again"):
+        engine.add_request(rid, prompt, params)
+        outputs = []
+        while engine.has_unfinished():
+            outputs += engine.step()
+        (out,) = [o for o in outputs if o.request_id == rid]
+        assert out.num_cached_tokens == 0
+        scored = out.prompt_logprobs
+        assert scored is not None and len(scored) == len(prompt) - 1
+        for pos, lp in enumerate(scored, start=1):
+            assert lp.token_id == prompt[pos]
+            assert abs(lp.logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+            assert [t for t, _ in lp.top] == ref[pos - 1].topk(2).indices.tolist()
+    assert engine.stats["steps"] >= 6

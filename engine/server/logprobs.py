@@ -18,6 +18,7 @@ before it show "".
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator, Optional
 
 from pdpool.engine.engine_state import ServerTokenizer
@@ -194,8 +195,7 @@ def _prompt_rows(
     from the second prompt token on: the first has no row)."""
     context = SampledContext()
     for lp in entries:
-        ids = context.ids
-        yield lp, lambda token, ids=ids: text_of.after(token, ids)
+        yield lp, functools.partial(text_of.after, context=context.ids)
         context.push(lp.token_id)
 
 

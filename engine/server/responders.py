@@ -85,7 +85,7 @@ class Responder(abc.ABC, Generic[R]):
         choices = await until_disconnect(
             http_req, self._start(http_req, req, prompts, fmt), self.metrics
         )
-        self.choices_started(req, fmt, prompts, choices)
+        await self.choices_started(req, fmt, prompts, choices)
         return await self.writer.write(http_req, req, fmt, prompts, choices)
 
     def new_format(self, req: R) -> ChoiceFormat:
@@ -114,7 +114,7 @@ class Responder(abc.ABC, Generic[R]):
         except ValueError as exc:
             raise ApiError(str(exc), param="prompt_logprobs") from exc
 
-    def choices_started(
+    async def choices_started(
         self, req: R, fmt: ChoiceFormat, prompts: list[list[int]], choices: list[Choice]
     ) -> None:
         """What the format needs of the choices' first outputs before the answer is
@@ -216,7 +216,7 @@ class CompletionResponder(Responder[CompletionRequest]):
                 self._decode_in_vocabulary,
             )
 
-    def choices_started(
+    async def choices_started(
         self,
         req: CompletionRequest,
         fmt: ChoiceFormat,
@@ -226,16 +226,19 @@ class CompletionResponder(Responder[CompletionRequest]):
         echo = fmt.echo if isinstance(fmt, CompletionFormat) else None
         if echo is None or req.logprobs is None:
             return
-        echo.logprobs = [
-            echoed_prompt_logprobs(
-                prompts[c.index // echo.per_prompt],
-                c.prompt_logprobs or [],
-                fmt.text_of,
-                req.logprobs,
-            )
-            for c in choices
-            if c.first_of_prompt
-        ]
+        per_prompt, num_top, text_of = echo.per_prompt, req.logprobs, fmt.text_of
+
+        def prompt_parts() -> list[dict[str, Any]]:
+            return [
+                echoed_prompt_logprobs(
+                    prompts[c.index // per_prompt], c.prompt_logprobs or [], text_of, num_top
+                )
+                for c in choices
+                if c.first_of_prompt
+            ]
+
+        # Up to ~10 MB of JSON to come: built off the event loop, where other streams run.
+        echo.logprobs = await self.translator.off_loop(prompt_parts)
 
     def _decode_in_vocabulary(self, ids: list[int]) -> str:
         """The text of token ids; "" for ids outside the vocabulary, which starting the

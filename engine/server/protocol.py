@@ -40,7 +40,7 @@ class _SamplingFields(_MixedInto):
             min_tokens=self.min_tokens,
             n=self.n,
             logprobs=self._logprobs(),
-            prompt_logprobs=self._prompt_logprobs(),
+            prompt_logprobs=self.asked_prompt_logprobs(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -58,7 +58,7 @@ class _SamplingFields(_MixedInto):
         """How many top logprobs per token (None: no logprobs at all)."""
         return None
 
-    def _prompt_logprobs(self) -> Optional[int]:
+    def asked_prompt_logprobs(self) -> Optional[int]:
         return self.prompt_logprobs
 
     def kv_params_dict(self) -> Optional[dict[str, Any]]:
@@ -77,7 +77,7 @@ class CompletionRequest(_SamplingFields, CompletionFields):
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
 
-    def _prompt_logprobs(self) -> Optional[int]:
+    def asked_prompt_logprobs(self) -> Optional[int]:
         # As vLLM: an echoed prompt's logprobs come with the answer's.
         if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
             return self.logprobs

@@ -103,7 +103,7 @@ class Responder(abc.ABC, Generic[R]):
         """400 before any choice starts when the answer's prompt logprobs pass their bound
         (they come once per choice, and twice with completions' echo)."""
         try:
-            k = req._prompt_logprobs()
+            k = req.asked_prompt_logprobs()
         except ValueError:
             return  # a bad value: the sampling parameters refuse it next
         if k is None or k < 0:

@@ -32,6 +32,9 @@ _NOT_CONTINUED = (
     "max_completion_tokens",
     "logprobs",
     "top_logprobs",
+    # The prompt's logprobs came with the first leg; asking again would recompute every
+    # row of the longer prompt, its cached prefix unused.
+    "prompt_logprobs",
     "tools",
     "tool_choice",
     "parallel_tool_calls",

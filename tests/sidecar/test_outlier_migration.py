@@ -140,3 +140,15 @@ def test_ejected_endpoints_become_due_when_their_time_has_passed():
     assert d.due(["a", "b"]) == ["a"]  # not "b": it was never ejected
     d.probe("a", True)
     assert d.due(["a"]) == [] and not d.is_ejected("a")
+
+
+def test_a_continuation_does_not_ask_for_the_prompts_logprobs_again():
+    # The first leg answered them; the continuation's prompt is the longer one, whose rows
+    # an engine computes without its prefix cache when they are asked for.
+    body = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 4, "prompt_logprobs": 0}
+    assert migration.can_migrate("/v1/completions", body)
+    st = migration.StreamState("/v1/completions", body)
+    st.observe({"id": "cmpl-1", "prompt_token_ids": [1, 2], "choices": []}, False)
+    st.observe({"id": "cmpl-1", "choices": [{"index": 0, "text": "a", "token_ids": [7]}]}, False)
+    cont = st.continuation()
+    assert cont["prompt"] == [1, 2, 7] and "prompt_logprobs" not in cont

@@ -22,8 +22,8 @@ class RequestError(ValueError):
 
 @dataclass
 class TokenLogprob:
-    """The sampled token's logprob and the `top` most likely (id, logprob), best first.
-    A prompt token's also has its rank: how many tokens are at least as likely (vLLM's)."""
+    """A token's logprob, its rank (how many tokens are at least as likely, itself
+    included, as vLLM counts) and the `top` most likely (id, logprob), best first."""
 
     token_id: int
     logprob: float

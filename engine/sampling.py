@@ -157,7 +157,10 @@ class Sampler:
             dev = raw.device
             sub = raw[torch.tensor([raw_row[b] for b in rows], device=dev)]
             picked = torch.tensor([tokens[b] for b in rows], device=dev)
-            sampled = sub.gather(1, picked[:, None])[:, 0].tolist()
+            sampled_col = sub.gather(1, picked[:, None])
+            sampled = sampled_col[:, 0].tolist()
+            # vLLM's rank of the sampled token: how many are at least as likely, itself too
+            ranks = (sub >= sampled_col).sum(dim=1).tolist()
             k_max = max(params[b].logprobs for b in rows)
             top_v, top_i = torch.topk(sub, k_max) if k_max else (None, None)
             top_v = top_v.tolist() if k_max else None
@@ -165,7 +168,7 @@ class Sampler:
             for j, b in enumerate(rows):
                 k = params[b].logprobs
                 top = list(zip(top_i[j][:k], top_v[j][:k], strict=True)) if k else []
-                logprobs[b] = TokenLogprob(tokens[b], sampled[j], top)
+                logprobs[b] = TokenLogprob(tokens[b], sampled[j], top, rank=ranks[j])
             return
         except Exception:
             pass
@@ -271,4 +274,5 @@ def _token_logprob(row: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
     if num_top > 0:
         values, ids = torch.topk(row, num_top)
         top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprob(token, float(row[token]), top)
+    rank = int((row >= row[token]).sum())
+    return TokenLogprob(token, float(row[token]), top, rank=rank)

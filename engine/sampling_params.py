@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from pdpool.engine.bad_words import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS
@@ -210,3 +210,14 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of them")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings")
+
+
+def offending_field(error: ValueError) -> Optional[str]:
+    """The request field that an error of `validate`, or of a request's own sampling
+    checks, names: their messages start with it."""
+    name = str(error).split(" ", 1)[0].rstrip(":")
+    return name if name in _REQUEST_FIELDS else None
+
+
+# Request fields named as SamplingParams names them, and those it takes in another form.
+_REQUEST_FIELDS = frozenset(f.name for f in fields(SamplingParams)) | {"bad_words", "top_logprobs"}

@@ -19,6 +19,7 @@ before it show "".
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Iterator, Optional
 
 from pdpool.engine.engine_state import ServerTokenizer
@@ -165,6 +166,33 @@ def merge_chat(parts: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     if not parts:
         return None
     return {"content": [c for part in parts for c in part["content"]]}
+
+
+def _generate_candidate(token_id: int, logprob: float, rank: Optional[int]) -> dict[str, Any]:
+    # vLLM: NaN and -inf are -9999.0; a rank of 0 (a NaN logprob's) is none
+    value = _FLOOR if math.isnan(logprob) else _lp(logprob)
+    return {"token_id": token_id, "logprob": value, "rank": rank or None}
+
+
+def generate_formatter(num_top: int) -> Callable[[list[TokenLogprob]], dict[str, Any]]:
+    """vLLM's GenerateLogProbs of one choice's new tokens (/inference/v1/generate: token
+    ids, no text). Each sampled token with its logprob and rank, and as `top_logprobs` the
+    first max(`num_top`, 1) of vLLM's candidates: the sampled token, then the likeliest
+    others in rank order. A sampled token among the likeliest takes its top-k rank, as in
+    vLLM's map."""
+    shown = max(num_top, 1)
+
+    def entry(lp: TokenLogprob) -> dict[str, Any]:
+        rank = next((r for r, (t, _) in enumerate(lp.top, 1) if t == lp.token_id), lp.rank)
+        top = [_generate_candidate(lp.token_id, lp.logprob, rank)]
+        for r, (token, value) in enumerate(lp.top, 1):
+            if len(top) == shown:
+                break
+            if token != lp.token_id:
+                top.append(_generate_candidate(token, value, r))
+        return {**top[0], "top_logprobs": top}
+
+    return lambda lps: {"content": [entry(lp) for lp in lps]}
 
 
 # Entries (a token's logprob, or one of its likeliest) of prompt logprobs in one answer, all

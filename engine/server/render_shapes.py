@@ -11,6 +11,7 @@ source); tests/vllm compares the render answers with `vllm launch render` field 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 from pdpool.engine.outputs import RequestOutput
@@ -30,6 +31,7 @@ def vllm_sampling_params(
     max_tokens: int,
     logprobs: Optional[int],
     kv_transfer_params: Optional[dict[str, Any]],
+    prompt_logprobs: Optional[int] = None,
 ) -> dict[str, Any]:
     """vLLM's serialized SamplingParams for a request: what its to_sampling_params sets,
     without the fields still at their defaults (vLLM always writes the penalties, the
@@ -59,6 +61,7 @@ def vllm_sampling_params(
         "max_tokens": (max_tokens, VLLM_DEFAULT_MAX_TOKENS),
         "min_tokens": (req.min_tokens, 0),
         "logprobs": (logprobs, None),
+        "prompt_logprobs": (prompt_logprobs, None),
         "allowed_token_ids": (req.allowed_token_ids, None),
     }
     out.update({name: value for name, (value, default) in optional.items() if value != default})
@@ -69,7 +72,8 @@ def vllm_sampling_params(
     if kv_transfer_params is not None:
         out["extra_args"] = {"kv_transfer_params": kv_transfer_params}
     out["bad_words"] = list(dict.fromkeys(req.bad_words or []))  # deduplicated, as vLLM
-    out["skip_reading_prefix_cache"] = False
+    # vLLM's default: a prompt whose logprobs are asked is computed whole
+    out["skip_reading_prefix_cache"] = prompt_logprobs is not None
     return out
 
 
@@ -179,6 +183,8 @@ PASSED_SAMPLING_PARAMS = (
     "allowed_token_ids",
     "bad_words",
     "include_stop_str_in_output",
+    "logprobs",
+    "prompt_logprobs",
 )
 # Settings of how vLLM delivers or detokenizes an output: no effect on the tokens.
 IGNORED_SAMPLING_PARAMS = frozenset(
@@ -208,11 +214,6 @@ def _sampling_fields(params: Any) -> dict[str, Any]:
             raise RequestError(
                 f"'sampling_params.{name}' is not supported by this server", "sampling_params"
             )
-    if params.get("logprobs") is not None:
-        raise RequestError(
-            "'sampling_params.logprobs' is not supported on /inference/v1/generate",
-            "sampling_params",
-        )
     return fields
 
 
@@ -245,6 +246,9 @@ def completion_body(body: Any, default_max_tokens: int) -> dict[str, Any]:
     fields = _sampling_fields(body.get("sampling_params"))
     if fields.get("max_tokens") is None:
         fields["max_tokens"] = default_max_tokens
+    if body.get("stream"):
+        # vLLM's stream has no place for them (it computes them and sends none)
+        fields.pop("prompt_logprobs", None)
     out = {
         **fields,
         "prompt": token_ids,
@@ -280,9 +284,10 @@ def generate_choice(
     token_ids: list[int],
     stream: bool,
     stop_reason: Union[int, str, None] = None,
+    logprobs: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """One choice of GenerateTokensResponse (stream: of a chunk); stop_reason: the stop
-    string or token id that ended it."""
+    string or token id that ended it; logprobs: its tokens' GenerateLogProbs, when asked."""
     return {
         "index": index,
         # vLLM: a whole answer's choice always has a finish_reason, a chunk's only at its end
@@ -292,8 +297,18 @@ def generate_choice(
         "routed_experts": None,
         "sampling_mask": None,
         "weight_versions": None,
-        "logprobs": None,
+        "logprobs": logprobs,
     }
+
+
+@dataclass(frozen=True)
+class GenerateFinal:
+    """One choice of a whole generate answer."""
+
+    index: int
+    last: RequestOutput  # its last output
+    token_ids: list[int]  # all of them
+    logprobs: Optional[dict[str, Any]]  # its tokens' GenerateLogProbs, when asked
 
 
 def generate_response(
@@ -302,19 +317,20 @@ def generate_response(
     created: int,
     prompt_ids: list[int],
     return_token_ids: bool,
-    finals: list[tuple[int, RequestOutput, list[int]]],
+    finals: list[GenerateFinal],
+    prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None,
 ) -> dict[str, Any]:
-    """A whole GenerateTokensResponse; `finals` holds (index, last output, all token ids)
-    per choice."""
-    first = finals[0][1]
+    """A whole GenerateTokensResponse: its choices, and vLLM's `prompt_logprobs` when
+    asked."""
+    first = finals[0].last
     return {
         "request_id": request_id,
         "model": model,
         "created": created,
         "usage": generate_usage(
-            len(prompt_ids), sum(len(ids) for _, _, ids in finals), first.num_cached_tokens
+            len(prompt_ids), sum(len(f.token_ids) for f in finals), first.num_cached_tokens
         ),
-        "prompt_logprobs": None,
+        "prompt_logprobs": prompt_logprobs,
         "prompt_token_id_logprobs": None,
         "prompt_token_ids": prompt_ids if return_token_ids else None,
         "mm_placeholders": None,
@@ -324,9 +340,14 @@ def generate_response(
         "output_mode": "tokens",
         "choices": [
             generate_choice(
-                index, out.finish_reason, ids, stream=False, stop_reason=out.stop_reason
+                f.index,
+                f.last.finish_reason,
+                f.token_ids,
+                stream=False,
+                stop_reason=f.last.stop_reason,
+                logprobs=f.logprobs,
             )
-            for index, out, ids in finals
+            for f in finals
         ],
     }
 

@@ -68,6 +68,7 @@ class RenderRoutes:
             params.logprobs,
             # as the client sent them (vLLM echoes the raw object)
             kv.model_dump(exclude_unset=True) if isinstance(kv, KVTransferParams) else None,
+            params.prompt_logprobs,
         )
         base = render_request_id(req, header_id, req.request_id, uuid.uuid4().hex[:16])
         return [

@@ -7,18 +7,29 @@ through the same translator, runner and checks as /v1/completions."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
-from typing import Any, AsyncGenerator, Callable, Union
+from typing import Any, AsyncGenerator, Callable, Optional, Union
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from pdpool.engine.outputs import TokenLogprob
 from pdpool.engine.server.choices import Choice, ChoiceRunner, until_disconnect
+from pdpool.engine.server.errors import ApiError
+from pdpool.engine.server.logprobs import (
+    TokenText,
+    check_prompt_logprobs_size,
+    generate_formatter,
+    merge_chat,
+    vllm_prompt_logprobs,
+)
 from pdpool.engine.server.metrics import EngineMetrics
 from pdpool.engine.server.protocol import CompletionRequest
 from pdpool.engine.server.render_shapes import (
+    GenerateFinal,
     completion_body,
     generate_choice,
     generate_chunk,
@@ -30,9 +41,22 @@ from pdpool.engine.server.translator import RequestTranslator
 from pdpool.protocol import parse_json_body
 
 
-def _no_logprobs() -> Callable[[list[TokenLogprob]], dict[str, Any]]:
-    # The route refuses logprobs (render_shapes): nothing to format.
-    return lambda _logprobs: {}
+def _logprobs_formatter(
+    num_top: Optional[int],
+) -> Callable[[], Callable[[list[TokenLogprob]], dict[str, Any]]]:
+    # Without logprobs the engine sends none: the formatter is never called.
+    return lambda: generate_formatter(num_top or 0)
+
+
+def _prompt_logprobs(
+    prompt: list[int], entries: list[TokenLogprob], text_of: TokenText, detokenize: bool
+) -> list[Optional[dict[str, Any]]]:
+    rows = vllm_prompt_logprobs(prompt, entries, text_of)
+    if not detokenize:  # vLLM's `detokenize: false`: the tokens have no text
+        for row in rows:
+            for entry in (row or {}).values():
+                entry["decoded_token"] = None
+    return rows
 
 
 class TokenGenerateRoute:
@@ -58,7 +82,7 @@ class TokenGenerateRoute:
         req = self.translator.validated(completion_body(body, max(room, 1)), CompletionRequest)
         return req, body
 
-    async def generate(self, http_req: Request) -> Union[dict[str, Any], StreamingResponse]:
+    async def generate(self, http_req: Request) -> Union[dict[str, Any], Response]:
         req, body = await self.translator.decode_body(http_req, self._parse)
         self.translator.check_model(req.model)
         prompt: list[int] = body["token_ids"]  # checked by completion_body
@@ -67,17 +91,19 @@ class TokenGenerateRoute:
         request_id = "generate-tokens-" + (
             header_id or (body_id if isinstance(body_id, str) else None) or uuid.uuid4().hex
         )
+        if req.prompt_logprobs is not None and req.prompt_logprobs >= 0:
+            try:  # one copy for the answer: its choices share the prompt
+                check_prompt_logprobs_size([len(prompt)], 1, req.prompt_logprobs, 1)
+            except ValueError as exc:
+                raise ApiError(str(exc), param="prompt_logprobs") from exc
         specs = self.translator.choice_requests(req, [prompt], header_id)
         choices = await until_disconnect(
-            http_req, self.runner.start(specs, _no_logprobs), self.metrics
+            http_req, self.runner.start(specs, _logprobs_formatter(req.logprobs)), self.metrics
         )
         return_ids = body.get("return_token_ids") is True
         if not req.stream:
             await self.runner.run_to_end(http_req, choices)
-            finals = [(c.index, c.last, c.token_ids) for c in choices]
-            return generate_response(
-                request_id, self.model_name, int(time.time()), prompt, return_ids, finals
-            )
+            return await self._whole(req, body, request_id, prompt, return_ids, choices)
         options = req.stream_options
         events = self._events(
             request_id,
@@ -87,6 +113,37 @@ class TokenGenerateRoute:
             bool(options and options.continuous_usage_stats),
         )
         return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _whole(
+        self,
+        req: CompletionRequest,
+        body: dict[str, Any],
+        request_id: str,
+        prompt: list[int],
+        return_ids: bool,
+        choices: list[Choice],
+    ) -> Union[dict[str, Any], Response]:
+        finals = [
+            GenerateFinal(c.index, c.last, c.token_ids, merge_chat(c.logprobs)) for c in choices
+        ]
+        created = int(time.time())
+        entries = choices[0].prompt_logprobs
+        if entries is None:
+            return generate_response(
+                request_id, self.model_name, created, prompt, return_ids, finals
+            )
+        text_of = self.translator.token_text(req)
+        detokenize = body["sampling_params"].get("detokenize") is not False
+
+        def encoded() -> bytes:
+            rows = _prompt_logprobs(prompt, entries, text_of, detokenize)
+            answer = generate_response(
+                request_id, self.model_name, created, prompt, return_ids, finals, rows
+            )
+            return json.dumps(answer).encode()
+
+        # A long prompt's logprobs take a while to build: not on the loop the streams share.
+        return Response(await asyncio.to_thread(encoded), media_type="application/json")
 
     async def _events(
         self,
@@ -105,7 +162,7 @@ class TokenGenerateRoute:
                 if isinstance(out, Exception) or out.finish_reason == "error":
                     yield error_event(out)
                     break
-                c.absorb(out)
+                logprobs = c.absorb(out)
                 remaining -= out.finished
                 if out.new_token_ids or out.finished:
                     usage = (
@@ -119,6 +176,7 @@ class TokenGenerateRoute:
                         out.new_token_ids,
                         stream=True,
                         stop_reason=out.stop_reason,
+                        logprobs=logprobs,
                     )
                     yield sse(generate_chunk(request_id, choice, usage, prompt_ids))
                     prompt_ids = None

@@ -18,7 +18,7 @@ from pdpool.engine.bad_words import token_sequences
 from pdpool.engine.engine_state import EngineView
 from pdpool.engine.lora.registry import LoRARef, LoRARegistry
 from pdpool.engine.outputs import prompt_fit_problem
-from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.sampling_params import SamplingParams, offending_field
 from pdpool.engine.server.errors import ApiError, client_closed
 from pdpool.engine.server.logprobs import TokenText
 from pdpool.engine.server.metrics import EngineMetrics
@@ -292,7 +292,7 @@ class RequestTranslator:
         try:
             params = req.sampling_params(default_max_tokens=default_max_tokens)
         except ValueError as exc:
-            raise ApiError(str(exc)) from exc
+            raise ApiError(str(exc), param=offending_field(exc)) from exc
         if req._bad_words_ids:  # tokenized by `validated`, which every body goes through
             params = dataclasses.replace(params, bad_words_token_ids=req._bad_words_ids)
         if len(prompts) * params.n > MAX_CHOICES:

@@ -43,7 +43,8 @@ def rendered_ids(server, path: str, body: dict[str, Any]) -> list[list[int]]:
 def fed_ids(server, path: str, body: dict[str, Any]) -> list[list[int]]:
     """The prompt ids the completion route computes from, one list per prompt (its stream's
     return_token_ids), with one generated token per choice."""
-    body = {k: v for k, v in body.items() if k not in ("max_completion_tokens", "min_tokens")}
+    dropped = ("max_completion_tokens", "min_tokens", "prompt_logprobs", "echo")
+    body = {k: v for k, v in body.items() if k not in dropped}
     body.update(max_tokens=1, stream=True, return_token_ids=True)
     n = body.get("n", 1)
     by_prompt: dict[int, list[int]] = {}
@@ -165,6 +166,58 @@ def test_generate_runs_a_rendered_request_to_the_completion_routes_tokens(server
     assert usage is not None and usage["completion_tokens"] == 12
 
 
+def test_generate_answers_logprobs_as_the_completion_route_computes_them(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    asked = {**body, "logprobs": 3, "prompt_logprobs": 2}
+    (rendered,) = post(server, COMPLETION, asked).json()
+    params = rendered["sampling_params"]
+    assert (params["logprobs"], params["prompt_logprobs"]) == (3, 2)
+    assert params["skip_reading_prefix_cache"] is True  # vLLM's: the prompt computed whole
+    r = post(server, GENERATE, rendered)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    (choice,) = answer["choices"]
+    theirs = post(server, "/v1/completions", {**asked, "return_tokens_as_token_ids": True})
+    assert theirs.status_code == 200, theirs.text
+    (reference,) = theirs.json()["choices"]
+    ref = reference["logprobs"]
+    content = choice["logprobs"]["content"]
+    assert [c["token_id"] for c in content] == choice["token_ids"]
+    assert [f"token_id:{c['token_id']}" for c in content] == ref["tokens"]
+    for c, value, top in zip(content, ref["token_logprobs"], ref["top_logprobs"], strict=True):
+        assert c["logprob"] == pytest.approx(value, abs=1e-5)
+        assert c["rank"] == 1  # greedy: the likeliest
+        # vLLM's candidates: the sampled token, then the likeliest others, 3 in all
+        assert c["top_logprobs"][0] == {k: c[k] for k in ("token_id", "logprob", "rank")}
+        assert len(c["top_logprobs"]) == 3
+        assert [t["rank"] for t in c["top_logprobs"]] == [1, 2, 3]
+        by_id = {int(k.removeprefix("token_id:")): v for k, v in top.items()}
+        for t in c["top_logprobs"]:
+            assert t["logprob"] == pytest.approx(by_id[t["token_id"]], abs=1e-5)
+    # the prompt's logprobs, as the completion route gives them (its texts too)
+    assert answer["prompt_logprobs"][0] is None
+    assert len(answer["prompt_logprobs"]) == len(rendered["token_ids"])
+    for ours, ref_row in zip(answer["prompt_logprobs"], reference["prompt_logprobs"], strict=True):
+        if ours is None:
+            assert ref_row is None
+            continue
+        assert list(ours) == list(ref_row)
+        for token, entry in ours.items():
+            assert entry["rank"] == ref_row[token]["rank"]
+            assert entry["logprob"] == pytest.approx(ref_row[token]["logprob"], abs=1e-5)
+    # `detokenize: false`: no texts; a stream has no place for the prompt's
+    rendered["sampling_params"]["detokenize"] = False
+    rows = post(server, GENERATE, rendered).json()["prompt_logprobs"]
+    assert {e["decoded_token"] for row in rows[1:] for e in row.values()} == {None}
+    stream = {**rendered, "stream": True}
+    with httpx.stream("POST", f"{server.url}{GENERATE}", json=stream, timeout=60) as s:
+        assert s.status_code == 200
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    streamed = [c for chunk in chunks for ch in chunk["choices"] for c in ch["logprobs"]["content"]]
+    assert [c["token_id"] for c in streamed] == choice["token_ids"]
+    assert all("prompt_logprobs" not in chunk for chunk in chunks)
+
+
 def test_generate_without_max_tokens_may_fill_the_context(server):
     r = post(server, GENERATE, {"token_ids": [5, 6], "sampling_params": {"temperature": 0}})
     assert r.status_code == 200, r.text
@@ -189,8 +242,19 @@ BAD = [
     (GENERATE, {"token_ids": [1, -2], "sampling_params": {}}, "token_ids"),
     (GENERATE, {"token_ids": [10**6], "sampling_params": {}}, "prompt"),
     (GENERATE, {"token_ids": [1]}, "sampling_params"),
-    (GENERATE, {"token_ids": [1], "sampling_params": {"prompt_logprobs": 1}}, "sampling_params"),
-    (GENERATE, {"token_ids": [1], "sampling_params": {"logprobs": 1}}, "sampling_params"),
+    (GENERATE, {"token_ids": [1], "sampling_params": {"logprobs": 21}}, "logprobs"),
+    (GENERATE, {"token_ids": [1], "sampling_params": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    (GENERATE, {"token_ids": [1], "sampling_params": {"prompt_logprobs": -2}}, "prompt_logprobs"),
+    # with a KV load the prompt's rows would be computed elsewhere
+    (
+        GENERATE,
+        {
+            "token_ids": [1, 2],
+            "sampling_params": {"prompt_logprobs": 0},
+            "kv_transfer_params": {"do_remote_prefill": True},
+        },
+        "prompt_logprobs",
+    ),
     (
         GENERATE,
         {"token_ids": [1], "sampling_params": {"structured_outputs": {"json": {}}}},

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdpool.engine.outputs import TokenLogprob
+from pdpool.engine.server.logprobs import generate_formatter
 from pdpool.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdpool.engine.server.render_shapes import (
     completion_body,
@@ -105,3 +107,33 @@ def test_a_generate_body_we_cannot_serve_is_refused_by_name(body, param):
     with pytest.raises(RequestError) as refused:
         completion_body(body, default_max_tokens=1)
     assert refused.value.param == param
+
+
+def test_generate_logprobs_list_the_sampled_token_then_the_likeliest_others():
+    fmt = generate_formatter(2)
+    among = TokenLogprob(7, -0.5, [(7, -0.5), (3, -1.0)], rank=1)
+    outside = TokenLogprob(9, float("-inf"), [(4, -0.1), (5, -2.0)], rank=500)
+    nan = TokenLogprob(2, float("nan"), [(4, -0.1)], rank=0)
+    content = fmt([among, outside, nan])["content"]
+    assert content[0] == {
+        "token_id": 7,
+        "logprob": -0.5,
+        "rank": 1,
+        "top_logprobs": [
+            {"token_id": 7, "logprob": -0.5, "rank": 1},
+            {"token_id": 3, "logprob": -1.0, "rank": 2},
+        ],
+    }
+    # vLLM shows the first max(k, 1) of its map: the sampled token takes one of k places
+    assert [t["token_id"] for t in content[1]["top_logprobs"]] == [9, 4]
+    assert content[1]["logprob"] == -9999.0 and content[1]["rank"] == 500
+    assert (content[2]["logprob"], content[2]["rank"]) == (-9999.0, None)  # NaN: no rank
+    assert len(generate_formatter(0)([outside])["content"][0]["top_logprobs"]) == 1
+
+
+def test_generate_drops_the_prompts_logprobs_from_a_stream_and_passes_logprobs():
+    body = {"token_ids": [1, 2], "sampling_params": {"logprobs": 2, "prompt_logprobs": 1}}
+    whole = completion_body(body, 16)
+    assert (whole["logprobs"], whole["prompt_logprobs"]) == (2, 1)
+    streamed = completion_body({**body, "stream": True}, 16)
+    assert streamed["logprobs"] == 2 and "prompt_logprobs" not in streamed

@@ -133,3 +133,16 @@ def test_top_k_and_min_p_rows_pass_their_neighbours_through():
     probs = torch.softmax(logits[2] / 0.5, -1)
     assert torch.equal(weights[2] > 0, probs >= 0.5 * probs.max())
     torch.testing.assert_close(weights[1] / weights[1].sum(), torch.softmax(logits[1], -1))
+
+
+def test_a_sampled_tokens_logprob_carries_its_rank_as_vllm_counts_it():
+    # rank: how many tokens are at least as likely, itself included (ties count)
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [0.0, 5.0, 1.0, 1.0, 1.0]])
+    params = [
+        SamplingParams(logprobs=1, allowed_token_ids=[3]),  # forced to the third likeliest
+        SamplingParams(logprobs=0, temperature=0.0),
+    ]
+    result = Sampler().sample(logits, ["a", "b"], params, [None, None])
+    first, second = result.logprobs
+    assert (first.token_id, first.rank) == (3, 3) and first.top[0][0] == 0
+    assert (second.token_id, second.rank, second.top) == (1, 1, [])

@@ -124,4 +124,12 @@ RENDER_CASES: list[tuple[str, str, dict[str, Any]]] = [
             "stream": True,
         },
     ),
+    # the prompt's logprobs: asked, or by completions' echo with logprobs
+    ("prompt-logprobs", COMPLETION, {"prompt": "Scored", "prompt_logprobs": 3, "max_tokens": 2}),
+    ("echo-logprobs", COMPLETION, {"prompt": "Echoed", "echo": True, "logprobs": 1}),
+    (
+        "chat-prompt-logprobs",
+        CHAT,
+        {"messages": [TURNS[0]], "prompt_logprobs": 0, "stream": True, "max_tokens": 4},
+    ),
 ]

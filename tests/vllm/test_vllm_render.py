@@ -125,16 +125,19 @@ print(json.dumps(differ))
 
 def test_generate_answers_in_vllms_response_models(servers, vllm_bin):
     """/inference/v1/generate has no stock counterpart without a full `vllm serve`: our
-    answers (whole and streamed, n=2, usage, prompt ids) must survive vLLM's own models."""
+    answers (whole and streamed, n=2, usage, prompt ids, logprobs and the prompt's) must
+    survive vLLM's own models."""
+    asked = {"prompt": "Once upon", "max_tokens": 3, "n": 2, "seed": 1, "logprobs": 2}
     (rendered,) = httpx.post(
         servers["ours"] + COMPLETION,
-        json={"prompt": "Once upon", "max_tokens": 3, "n": 2, "seed": 1},
+        json={**asked, "prompt_logprobs": 1},
         timeout=60,
     ).json()
     whole = httpx.post(
         servers["ours"] + GENERATE, json={**rendered, "return_token_ids": True}, timeout=60
     )
     assert whole.status_code == 200, whole.text
+    assert whole.json()["prompt_logprobs"] and whole.json()["choices"][0]["logprobs"]
     answers = [("whole", whole.json())]
     options = {"include_usage": True, "continuous_usage_stats": True}
     body = {**rendered, "stream": True, "stream_options": options, "return_token_ids": True}
